@@ -1,0 +1,149 @@
+"""Synchronized clocks: one interface for CPU wall time, CUDA events and other accelerators.
+
+A clock hands out opaque marks without blocking and turns pairs of marks into seconds later, so a
+profiled step pays one synchronization at the end, not one per module (DeepSpeed synchronizes in
+every module hook).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import torch
+
+
+class Clock(Protocol):
+    """Marks points in time on a device and measures between them."""
+
+    def mark(self) -> Any:
+        """A point in time on this device, recorded without waiting for queued work."""
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds between two marks (may synchronize the device)."""
+
+    def synchronize(self) -> None:
+        """Wait for all work queued on the device."""
+
+
+class CpuClock:
+    """``time.perf_counter``; CPU work is synchronous, so marks are exact."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CudaClock:
+    """CUDA events on the current stream: marks cost microseconds and never stall the GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+class SyncClock:
+    """Other accelerators (XPU, MPS, ...): synchronize, then ``perf_counter``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self) -> float:
+        self.synchronize()
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def synchronize(self) -> None:
+        module = getattr(torch, self.device.type, None)
+        sync = getattr(module, "synchronize", None)
+        if sync is not None:
+            sync()
+
+
+class NullClock:
+    """Meta tensors run no kernels: there is nothing to time."""
+
+    def mark(self) -> None:
+        return None
+
+    def seconds(self, start: None, end: None) -> float:
+        return 0.0
+
+    def synchronize(self) -> None:
+        pass
+
+
+def clock_for(device: torch.device | str) -> Clock:
+    """The right clock for ``device``."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CpuClock()
+    if device.type == "cuda":
+        return CudaClock(device)
+    if device.type == "meta":
+        return NullClock()
+    return SyncClock(device)
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of a module's first parameter or buffer (CPU for a stateless module)."""
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+class PhaseTimer:
+    """Times named phases on one clock. A phase may run several times (micro-batches); its spans add.
+
+    ``switch(a, b)`` ends ``a`` and starts ``b`` on the same mark, so back-to-back phases add up to
+    exactly the wall time they cover.
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._open: dict[str, Any] = {}
+        self._spans: dict[str, list[tuple[Any, Any]]] = {}
+
+    def start(self, phase: str, mark: Any = None) -> None:
+        self._open[phase] = self.clock.mark() if mark is None else mark
+
+    def stop(self, phase: str, mark: Any = None) -> Any:
+        """End ``phase`` if it is open; returns the mark used (or None)."""
+        start = self._open.pop(phase, None)
+        if start is None:
+            return None
+        end = self.clock.mark() if mark is None else mark
+        self._spans.setdefault(phase, []).append((start, end))
+        return end
+
+    def switch(self, ending: str, starting: str) -> None:
+        mark = self.clock.mark()
+        self.stop(ending, mark)
+        self.start(starting, mark)
+
+    def is_open(self, phase: str) -> bool:
+        return phase in self._open
+
+    def seconds(self, phase: str) -> float:
+        """Total seconds of the closed spans of ``phase``."""
+        return sum(self.clock.seconds(a, b) for a, b in self._spans.get(phase, ()))

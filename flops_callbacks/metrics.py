@@ -1,0 +1,74 @@
+"""The metric names both callbacks log, in one place, and the step -> metrics dict conversion.
+
+Flops and latencies are per device; ``samples_per_sec`` and ``tokens_per_sec`` count every
+data-parallel replica. Latencies are in seconds, rates per second.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flops_callbacks.step import StepResult
+
+PREFIX = "flops_profiler/"
+
+FWD_FLOPS = PREFIX + "fwd_flops"  # forward flops, measured
+BWD_FLOPS = PREFIX + "bwd_flops"  # backward flops, measured (not 2 x fwd)
+RECOMPUTE_FLOPS = PREFIX + "recompute_flops"  # forwards re-run by activation checkpointing
+FWD_MACS = PREFIX + "fwd_macs"  # forward multiply-accumulates (matmul, conv, attention)
+PARAMS = PREFIX + "params"  # parameters on this device
+FWD_LATENCY = PREFIX + "fwd_latency"  # seconds in the forward phase(s)
+BWD_LATENCY = PREFIX + "bwd_latency"  # seconds in the backward phase(s)
+STEP_LATENCY = PREFIX + "step_latency"  # seconds in the optimizer step
+ITER_LATENCY = PREFIX + "iter_latency"  # fwd + bwd + step
+FWD_FLOPS_PER_SEC = PREFIX + "fwd_flops_per_sec"  # fwd flops / fwd latency
+BWD_FLOPS_PER_SEC = PREFIX + "bwd_flops_per_sec"  # bwd flops / bwd latency
+FLOPS_PER_SEC = PREFIX + "flops_per_sec"  # (fwd + bwd flops) / iter latency
+SAMPLES_PER_SEC = PREFIX + "samples_per_sec"  # samples per device x dp size / iter latency
+TOKENS_PER_SEC = PREFIX + "tokens_per_sec"  # tokens per device x dp size / iter latency (if known)
+
+ALL = (
+    FWD_FLOPS,
+    BWD_FLOPS,
+    RECOMPUTE_FLOPS,
+    FWD_MACS,
+    PARAMS,
+    FWD_LATENCY,
+    BWD_LATENCY,
+    STEP_LATENCY,
+    ITER_LATENCY,
+    FWD_FLOPS_PER_SEC,
+    BWD_FLOPS_PER_SEC,
+    FLOPS_PER_SEC,
+    SAMPLES_PER_SEC,
+    TOKENS_PER_SEC,
+)
+
+
+def _per_sec(amount: float, seconds: float) -> float:
+    return amount / seconds if seconds > 0 else 0.0
+
+
+def step_metrics(step: StepResult) -> dict[str, float]:
+    """The metrics dict of one profiled optimizer step (``tokens_per_sec`` only when tokens are known)."""
+    p = step.profile
+    dp = step.parallel.data_parallel
+    metrics = {
+        FWD_FLOPS: float(p.fwd_flops),
+        BWD_FLOPS: float(p.bwd_flops),
+        RECOMPUTE_FLOPS: float(p.recompute_flops),
+        FWD_MACS: float(p.fwd_macs),
+        PARAMS: float(p.params),
+        FWD_LATENCY: step.fwd_latency,
+        BWD_LATENCY: step.bwd_latency,
+        STEP_LATENCY: step.step_latency,
+        ITER_LATENCY: step.iter_latency,
+        FWD_FLOPS_PER_SEC: _per_sec(p.fwd_flops, step.fwd_latency),
+        BWD_FLOPS_PER_SEC: _per_sec(p.bwd_flops, step.bwd_latency),
+        FLOPS_PER_SEC: _per_sec(p.fwd_flops + p.bwd_flops, step.iter_latency),
+        SAMPLES_PER_SEC: _per_sec(step.samples * dp, step.iter_latency),
+    }
+    if step.tokens is not None:
+        metrics[TOKENS_PER_SEC] = _per_sec(step.tokens * dp, step.iter_latency)
+    return metrics

@@ -1,0 +1,158 @@
+"""The result of a profile: plain dataclasses, their JSON form, and aggregation by depth.
+
+Flops are counted per pass: ``fwd`` (the forward), ``bwd`` (the real backward, measured op by op)
+and ``recompute`` (forwards re-run inside the backward by activation checkpointing). MACs count
+only multiply-accumulate ops (matmul, conv, attention), so ``2 * macs`` is exactly the flops that
+``torch.utils.flop_counter.FlopCounterMode`` reports; the rest of ``flops`` is elementwise work.
+Latencies are in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Counts:
+    """Flops and MACs of one pass-split unit of work (a module, a functional, or code outside the model)."""
+
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    recompute_flops: int = 0
+    fwd_macs: int = 0
+    bwd_macs: int = 0
+    recompute_macs: int = 0
+    calls: int = 0
+
+    @property
+    def model_flops(self) -> int:
+        """Forward + backward: the work the model needs (MFU's numerator)."""
+        return self.fwd_flops + self.bwd_flops
+
+    @property
+    def hardware_flops(self) -> int:
+        """Forward + backward + recompute: the work the device did (HFU's numerator)."""
+        return self.fwd_flops + self.bwd_flops + self.recompute_flops
+
+
+@dataclass
+class ModuleProfile(Counts):
+    """One module, keyed by its qualified name ("" is the model). Totals include its children."""
+
+    name: str = ""
+    class_name: str = ""
+    depth: int = 0
+    params: int = 0
+    trainable_params: int = 0
+    fwd_latency: float = 0.0
+    bwd_latency: float = 0.0
+    recompute_latency: float = 0.0
+    functionals: dict[str, Counts] = field(default_factory=dict)
+
+
+@dataclass
+class UncountedOp:
+    """An op that ran and does arithmetic we have no formula for: never silently zero."""
+
+    op: str
+    calls: int
+    seconds: float
+    time_share: float  # of the profile's measured forward + backward time
+
+
+@dataclass
+class Coverage:
+    """What the counted flops cover: op calls with a formula, without arithmetic, and the rest."""
+
+    counted_calls: int = 0
+    free_calls: int = 0
+    uncounted: list[UncountedOp] = field(default_factory=list)
+
+    @property
+    def uncounted_calls(self) -> int:
+        return sum(op.calls for op in self.uncounted)
+
+
+@dataclass
+class Profile:
+    """A profiled stretch of work on one model: totals, every module, and coverage."""
+
+    fwd_flops: int
+    bwd_flops: int
+    recompute_flops: int
+    fwd_macs: int
+    bwd_macs: int
+    recompute_macs: int
+    params: int
+    trainable_params: int
+    fwd_latency: float
+    bwd_latency: float
+    device: str
+    modules: dict[str, ModuleProfile]
+    outside_model: Counts
+    coverage: Coverage
+    causal_attention: str = "full"
+
+    @property
+    def model(self) -> ModuleProfile:
+        return self.modules[""]
+
+    @property
+    def model_flops(self) -> int:
+        return self.fwd_flops + self.bwd_flops
+
+    @property
+    def hardware_flops(self) -> int:
+        return self.fwd_flops + self.bwd_flops + self.recompute_flops
+
+    @property
+    def max_depth(self) -> int:
+        return max(m.depth for m in self.modules.values())
+
+    def at_depth(self, depth: int) -> list[ModuleProfile]:
+        """Modules at ``depth`` (0 is the model; -1 the deepest)."""
+        if depth < 0:
+            depth = self.max_depth
+        return [m for m in self.modules.values() if m.depth == depth]
+
+    def aggregate_by_class(self, depth: int) -> dict[str, ModuleProfile]:
+        """Modules at ``depth`` summed per class, as DeepSpeed's aggregated profile shows them."""
+        merged: dict[str, ModuleProfile] = {}
+        for m in self.at_depth(depth):
+            acc = merged.setdefault(m.class_name, ModuleProfile(class_name=m.class_name, depth=m.depth))
+            for name in (
+                "fwd_flops", "bwd_flops", "recompute_flops", "fwd_macs", "bwd_macs", "recompute_macs",
+                "calls", "params", "trainable_params", "fwd_latency", "bwd_latency", "recompute_latency",
+            ):  # fmt: skip
+                setattr(acc, name, getattr(acc, name) + getattr(m, name))
+        return merged
+
+    def children(self, name: str) -> list[ModuleProfile]:
+        """Modules whose nearest profiled ancestor is ``name``, in registration order."""
+        return [m for m in self.modules.values() if m.name and _parent(m.name, self.modules) == name]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything, as JSON-ready plain data (derived totals included)."""
+        data = asdict(self)
+        data["model_flops"] = self.model_flops
+        data["hardware_flops"] = self.hardware_flops
+        return data
+
+    def write_json(self, path: str | Path) -> Path:
+        """Write :meth:`to_dict` to ``path`` (parents created) and return the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+        return path
+
+
+def _parent(name: str, modules: dict[str, ModuleProfile]) -> str:
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[:i])
+        if candidate in modules:
+            return candidate
+    return ""

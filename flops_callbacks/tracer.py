@@ -1,0 +1,469 @@
+"""The measuring engine: counts and times every aten op of a model's forward, backward and recompute.
+
+Three thread-local pieces work together while a profile is on, and all are removed by ``stop()``:
+
+* module hooks on the profiled model keep the stack of modules being run (and time each call);
+* a ``TorchFunctionMode`` names the functional being run (``linear``, ``softmax``, ...) and tags
+  every autograd node that functional creates with the module stack and its name;
+* a ``TorchDispatchMode`` sees every aten op, forward and backward, counts it with
+  :mod:`flops_callbacks.formulas`, and attributes it: forward ops to the current module stack,
+  backward ops to the tag of ``torch._C._current_autograd_node()``.
+
+Why not ``torch.utils.module_tracker.ModuleTracker`` (FlopCounterMode's tracker): it finds a
+module's backward through grad hooks on the module's inputs, which never fire when the input needs
+no grad (the first layer, frozen embeddings), so it mis-attributes exactly the fine-tuning cases
+this package exists for. Tagging the autograd nodes is exact, and survives shared modules and
+activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_leaves
+
+from flops_callbacks.clock import Clock, clock_for, module_device
+from flops_callbacks.formulas import OpKind, classify, count_flops, recomputed_share
+from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
+
+_TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()
+
+_FWD, _BWD, _REC = 0, 1, 2
+_PHASE_FIELDS = (("fwd_flops", "fwd_macs"), ("bwd_flops", "bwd_macs"), ("recompute_flops", "recompute_macs"))
+
+_METADATA_OPS = frozenset(
+    op
+    for op in (
+        torch.ops.aten.sym_size.default,
+        torch.ops.aten.sym_stride.default,
+        torch.ops.aten.sym_numel.default,
+        torch.ops.aten.sym_storage_offset.default,
+        torch.ops.aten.size.default,
+        torch.ops.aten.stride.default,
+        torch.ops.aten.numel.default,
+        torch.ops.aten.dim.default,
+        torch.ops.aten.is_contiguous.default,
+        torch.ops.aten.is_contiguous.memory_format,
+        torch.ops.prim.layout.default,
+        torch.ops.prim.device.default,
+    )
+)
+
+
+class _Acc:
+    """Running counts of one module (or of code outside the model)."""
+
+    __slots__ = ("counts", "functionals", "fwd_latency", "bwd_latency", "recompute_latency")
+
+    def __init__(self) -> None:
+        self.counts = Counts()
+        self.functionals: dict[str, Counts] = {}
+        self.fwd_latency = 0.0
+        self.bwd_latency = 0.0
+        self.recompute_latency = 0.0
+
+    def add(self, phase: int, functional: str, flops: int, macs: int) -> None:
+        flops_field, macs_field = _PHASE_FIELDS[phase]
+        for counts in (self.counts, self.functional(functional)):
+            setattr(counts, flops_field, getattr(counts, flops_field) + flops)
+            setattr(counts, macs_field, getattr(counts, macs_field) + macs)
+
+    def functional(self, name: str) -> Counts:
+        counts = self.functionals.get(name)
+        if counts is None:
+            counts = self.functionals[name] = Counts()
+        return counts
+
+
+@dataclass(frozen=True)
+class _Context:
+    """Where an op's flops go: every module on the stack (each once) and the functional's name."""
+
+    accs: tuple[_Acc, ...]
+    functional: str | None
+
+
+@dataclass
+class _Frame:
+    name: str
+    start: Any
+    recompute: bool
+    virtual: bool  # an ancestor the call did not enter (a ModuleList, or above a direct call)
+
+
+_ARITHMETIC_DUNDERS = frozenset({"add", "sub", "mul", "truediv", "matmul", "pow", "floordiv"})
+
+
+def _functional_name(func: Any) -> str:
+    """``F.linear`` -> "linear", ``Tensor.__rmul__`` -> "mul", ``Tensor.add_`` -> "add"."""
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name[:1] in ("r", "i") and name[1:] in _ARITHMETIC_DUNDERS:
+            name = name[1:]
+    name = name.rstrip("_") or name
+    return {"truediv": "div"}.get(name, name)
+
+
+def _clean_name(name: str) -> str:
+    """Qualified name without ``torch.compile``'s ``_orig_mod`` wrapper level."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+class _FunctionMode(TorchFunctionMode):
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return self.tracer._run_functional(func, args, kwargs or {})
+
+
+class _DispatchMode(TorchDispatchMode):
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return self.tracer._run_op(func, args, kwargs or {})
+
+
+class Tracer:
+    """Counts and times one model while started; produces a :class:`Profile`.
+
+    Only work in the thread that called :meth:`start` (and autograd's threads serving it) is seen:
+    the modes are thread-local and the hooks check for them, so a model run in another thread is
+    not counted.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ignore_types: tuple[type, ...] = (),
+        causal_half: bool = False,
+        clock: Clock | None = None,
+    ) -> None:
+        self.model = model
+        self.causal_half = causal_half
+        self.device = module_device(model)
+        self.clock = clock or clock_for(self.device)
+        self._modules: dict[str, torch.nn.Module] = {}
+        self._names: dict[int, str] = {}
+        for raw_name, module in model.named_modules():
+            name = _clean_name(raw_name)
+            if raw_name and isinstance(module, ignore_types):
+                continue
+            if id(module) in self._names or name in self._modules:
+                continue  # the _orig_mod wrapper level, or a module seen under an earlier name
+            self._names[id(module)] = name
+            self._modules[name] = module
+        self._ancestors = {name: self._ancestors_of(name) for name in self._modules}
+        self._hooks: list[Any] = []
+        self._exit: contextlib.ExitStack | None = None
+        self._dispatch = _DispatchMode(self)
+        self.reset()
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._exit is not None
+
+    def reset(self) -> None:
+        """Forget everything counted so far (hooks and modes stay as they are)."""
+        self._acc = {name: _Acc() for name in self._modules}
+        self._outside = _Acc()
+        self._ctx_cache: dict[tuple, _Context] = {}
+        self._stack: list[_Frame] = []
+        self._functional: str | None = None
+        self._ctx: _Context | None = None
+        self._flops_in_call = False
+        self._counted_calls = 0
+        self._free_calls = 0
+        self._uncounted: dict[str, list] = {}  # op name -> [calls, [(start, end), ...]]
+        self._module_spans: list[tuple[str, Any, Any, bool]] = []
+        self._top_spans: list[tuple[Any, Any]] = []
+        self._bwd_op_spans: list[tuple[_Context, Any, Any]] = []
+        self._bwd_spans: list[tuple[Any, Any]] = []
+        self._bwd_start: Any = None
+        self._in_backward = False
+
+    def start(self) -> None:
+        if self.running:
+            return
+        stack = contextlib.ExitStack()
+        try:
+            if _has_compiled(self.model):
+                warnings.warn(
+                    "flops_callbacks: torch.compile'd code runs eagerly while the profiler is on, so "
+                    "that every op is seen and counted; it stays compiled and runs compiled afterwards.",
+                    stacklevel=3,
+                )
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
+            for module in self._modules.values():
+                self._hooks.append(module.register_forward_pre_hook(self._pre_hook))
+                self._hooks.append(module.register_forward_hook(self._post_hook, always_call=True))
+            stack.callback(self._remove_hooks)
+            stack.enter_context(self._dispatch)
+            stack.enter_context(_FunctionMode(self))
+        except BaseException:
+            stack.close()
+            raise
+        self._exit = stack
+        self._tagged: list[Any] = []
+
+    def stop(self) -> None:
+        """Remove every hook, mode and tag; counts are kept for :meth:`profile`."""
+        if not self.running:
+            return
+        exit_stack, self._exit = self._exit, None
+        try:
+            exit_stack.close()
+        finally:
+            for node in self._tagged:
+                node.metadata.pop(_TAG, None)
+            self._tagged = []
+            self._stack.clear()
+            self._ctx = None
+            if self._in_backward:  # a backward that raised never reached its end callback
+                self._in_backward = False
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    # --- module stack ------------------------------------------------------------------------------
+
+    def _ancestors_of(self, name: str) -> list[str]:
+        if not name:
+            return []
+        parts = name.split(".")
+        candidates = [""] + [".".join(parts[:i]) for i in range(1, len(parts))]
+        return [c for c in candidates if c in self._modules]
+
+    def _owns_thread(self) -> bool:
+        return self._dispatch in _get_current_dispatch_mode_stack()
+
+    def _virtual_ancestors(self, name: str) -> list[str]:
+        """Ancestors of ``name`` that its caller did not enter: containers such as ``ModuleList``
+        (never called themselves) or, for a submodule called directly, everything above it."""
+        if not self._stack:
+            return self._ancestors[name]
+        top = self._stack[-1].name
+        if top and not name.startswith(top + "."):
+            return []  # a shared module called from outside its own parent: no static path
+        return [a for a in self._ancestors[name] if a.startswith(top + ".") or (not top and a)]
+
+    def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._owns_thread():
+            return
+        name = self._names[id(module)]
+        recompute = bool(self._stack and self._stack[-1].recompute)
+        recompute = recompute or torch._C._current_autograd_node() is not None
+        start = self.clock.mark()
+        self._stack.extend(_Frame(a, start, recompute, True) for a in self._virtual_ancestors(name))
+        self._stack.append(_Frame(name, start, recompute, False))
+        self._ctx = None
+
+    def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self._owns_thread():
+            return
+        name = self._names[id(module)]
+        if not any(f.name == name and not f.virtual for f in self._stack):
+            return
+        end = self.clock.mark()
+        while True:  # children whose post hook did not run are closed too
+            frame = self._stack.pop()
+            if frame.name == name and not frame.virtual:
+                break
+        self._close(frame, end)
+        if not frame.recompute:
+            self._acc[name].counts.calls += 1
+        while self._stack and self._stack[-1].virtual:
+            self._close(self._stack.pop(), end)
+        if not self._stack and not frame.recompute:
+            self._top_spans.append((frame.start, end))
+        self._ctx = None
+
+    def _close(self, frame: _Frame, end: Any) -> None:
+        self._module_spans.append((frame.name, frame.start, end, frame.recompute))
+
+    def _context(self) -> _Context:
+        if self._ctx is None:
+            names = tuple(dict.fromkeys(f.name for f in self._stack))
+            key = (names, self._functional)
+            ctx = self._ctx_cache.get(key)
+            if ctx is None:
+                accs = tuple(self._acc[n] for n in names) or (self._outside,)
+                ctx = self._ctx_cache[key] = _Context(accs, self._functional)
+            self._ctx = ctx
+        return self._ctx
+
+    # --- functionals: naming and tagging autograd nodes --------------------------------------------
+
+    def _run_functional(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        outer, outer_flag = self._functional, self._flops_in_call
+        self._functional, self._ctx, self._flops_in_call = _functional_name(func), None, False
+        ctx = self._context()
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            counted = self._flops_in_call
+            self._functional, self._ctx, self._flops_in_call = outer, None, outer_flag
+        if counted:
+            for acc in ctx.accs:
+                acc.functional(ctx.functional).calls += 1
+        if torch.is_grad_enabled():
+            self._tag(out, ctx)
+        return out
+
+    def _tag(self, out: Any, ctx: _Context) -> None:
+        """Mark the autograd nodes this call created (those not marked yet) with its context."""
+        if isinstance(out, torch.Tensor):
+            pending = [out.grad_fn] if out.grad_fn is not None else []
+        else:
+            pending = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn]
+        while pending:
+            node = pending.pop()
+            metadata = node.metadata
+            if _TAG in metadata:
+                continue
+            metadata[_TAG] = ctx
+            self._tagged.append(node)
+            pending.extend(n for n, _ in node.next_functions if n is not None)
+
+    # --- ops -----------------------------------------------------------------------------------------
+
+    def _run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if func in _METADATA_OPS:
+            return func(*args, **kwargs)
+        node = torch._C._current_autograd_node()
+        if self._stack and self._stack[-1].recompute:
+            phase, ctx = _REC, self._context()
+        elif node is not None:
+            phase, ctx = _BWD, node.metadata.get(_TAG) or self._context()
+        else:
+            phase, ctx = _FWD, self._context()
+        kind = classify(func)
+        timed = phase == _BWD or kind is OpKind.UNCOUNTED
+        if timed:
+            start = self.clock.mark()
+            if phase == _BWD and not self._in_backward:
+                self._begin_backward(start)
+        out = func(*args, **kwargs)
+        if timed:
+            end = self.clock.mark()
+            if phase == _BWD:
+                self._bwd_op_spans.append((ctx, start, end))
+        if kind is OpKind.DENSE or kind is OpKind.ELEMENTWISE:
+            flops = count_flops(func, args, kwargs, out, self.causal_half)
+            macs = flops // 2 if kind is OpKind.DENSE else 0
+            functional = ctx.functional or func._overloadpacket.__name__
+            share = recomputed_share(func, args) if phase == _BWD else 0.0
+            if share:
+                rec_flops = round(flops * share)
+                rec_macs = rec_flops // 2 if kind is OpKind.DENSE else 0
+                flops, macs = flops - rec_flops, macs - rec_macs
+                for acc in ctx.accs:
+                    acc.add(_REC, functional, rec_flops, rec_macs)
+            for acc in ctx.accs:
+                acc.add(phase, functional, flops, macs)
+            self._counted_calls += 1
+            self._flops_in_call = True
+        elif kind is OpKind.FREE:
+            self._free_calls += 1
+        else:
+            entry = self._uncounted.setdefault(str(func._overloadpacket), [0, []])
+            entry[0] += 1
+            entry[1].append((start, end))
+        return out
+
+    def _begin_backward(self, start: Any) -> None:
+        self._in_backward = True
+        self._bwd_start = start
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        if self._in_backward:
+            self._bwd_spans.append((self._bwd_start, self.clock.mark()))
+            self._in_backward = False
+
+    # --- result ------------------------------------------------------------------------------------
+
+    def profile(self, causal_attention: str = "full") -> Profile:
+        """Everything counted since the last reset, with latencies resolved (synchronizes once)."""
+        seconds = self.clock.seconds
+        self.clock.synchronize()
+        fwd_latency: dict[str, float] = dict.fromkeys(self._modules, 0.0)
+        rec_latency: dict[str, float] = dict.fromkeys(self._modules, 0.0)
+        for name, start, end, recompute in self._module_spans:
+            (rec_latency if recompute else fwd_latency)[name] += seconds(start, end)
+        bwd_latency: dict[int, float] = {}
+        for ctx, start, end in self._bwd_op_spans:
+            s = seconds(start, end)
+            for acc in ctx.accs:
+                bwd_latency[id(acc)] = bwd_latency.get(id(acc), 0.0) + s
+        total_fwd = sum(seconds(a, b) for a, b in self._top_spans)
+        total_bwd = sum(seconds(a, b) for a, b in self._bwd_spans)
+        measured = total_fwd + total_bwd
+
+        modules: dict[str, ModuleProfile] = {}
+        for name, module in self._modules.items():
+            acc = self._acc[name]
+            params = dict.fromkeys(module.parameters())
+            modules[name] = ModuleProfile(
+                **vars(acc.counts),
+                name=name,
+                class_name=type(module).__name__,
+                depth=name.count(".") + 1 if name else 0,
+                params=sum(p.numel() for p in params),
+                trainable_params=sum(p.numel() for p in params if p.requires_grad),
+                fwd_latency=fwd_latency[name],
+                bwd_latency=bwd_latency.get(id(acc), 0.0),
+                recompute_latency=rec_latency[name],
+                functionals={k: Counts(**vars(v)) for k, v in acc.functionals.items()},
+            )
+        uncounted = [
+            UncountedOp(
+                op=op,
+                calls=calls,
+                seconds=(secs := sum(seconds(a, b) for a, b in spans)),
+                time_share=secs / measured if measured > 0 else 0.0,
+            )
+            for op, (calls, spans) in self._uncounted.items()
+        ]
+        uncounted.sort(key=lambda u: (-u.seconds, -u.calls, u.op))
+        root = modules[""]
+        return Profile(
+            fwd_flops=root.fwd_flops,
+            bwd_flops=root.bwd_flops,
+            recompute_flops=root.recompute_flops,
+            fwd_macs=root.fwd_macs,
+            bwd_macs=root.bwd_macs,
+            recompute_macs=root.recompute_macs,
+            params=root.params,
+            trainable_params=root.trainable_params,
+            fwd_latency=total_fwd,
+            bwd_latency=total_bwd,
+            device=str(self.device),
+            modules=modules,
+            outside_model=Counts(**vars(self._outside.counts)),
+            coverage=Coverage(self._counted_calls, self._free_calls, uncounted),
+            causal_attention=causal_attention,
+        )
+
+
+def _has_compiled(model: torch.nn.Module) -> bool:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in model.modules()
+    )
