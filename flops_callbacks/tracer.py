@@ -100,8 +100,22 @@ class _Frame:
 _ARITHMETIC_DUNDERS = frozenset({"add", "sub", "mul", "truediv", "matmul", "pow", "floordiv"})
 
 
+_NAME_CACHE: dict[Any, str] = {}
+
+
 def _functional_name(func: Any) -> str:
-    """``F.linear`` -> "linear", ``Tensor.__rmul__`` -> "mul", ``Tensor.add_`` -> "add"."""
+    """``F.linear`` -> "linear", ``Tensor.__rmul__`` -> "mul", ``Tensor.add_`` -> "add" (cached)."""
+    try:
+        return _NAME_CACHE[func]
+    except (KeyError, TypeError):
+        pass
+    name = _derive_name(func)
+    with contextlib.suppress(TypeError):  # unhashable callables are named every time
+        _NAME_CACHE[func] = name
+    return name
+
+
+def _derive_name(func: Any) -> str:
     name = getattr(func, "__name__", None) or type(func).__name__
     if name.startswith("__") and name.endswith("__"):
         name = name[2:-2]
@@ -164,6 +178,9 @@ class Tracer:
             self._names[id(module)] = name
             self._modules[name] = module
         self._ancestors = {name: self._ancestors_of(name) for name in self._modules}
+        self._containers = {
+            name for name, m in self._modules.items() if type(m).forward is torch.nn.Module.forward
+        }
         self._hooks: list[Any] = []
         self._exit: contextlib.ExitStack | None = None
         self._dispatch = _DispatchMode(self)
@@ -252,14 +269,16 @@ class Tracer:
         return self._dispatch in _get_current_dispatch_mode_stack()
 
     def _virtual_ancestors(self, name: str) -> list[str]:
-        """Ancestors of ``name`` that its caller did not enter: containers such as ``ModuleList``
-        (never called themselves) or, for a submodule called directly, everything above it."""
+        """Ancestors of ``name`` its caller did not enter that still own its work: containers that
+        cannot be called (``ModuleList``, ``ModuleDict``) between the caller and ``name``, or, for a
+        submodule called from outside the model, everything above it."""
         if not self._stack:
             return self._ancestors[name]
         top = self._stack[-1].name
         if top and not name.startswith(top + "."):
             return []  # a shared module called from outside its own parent: no static path
-        return [a for a in self._ancestors[name] if a.startswith(top + ".") or (not top and a)]
+        below_top = [a for a in self._ancestors[name] if a.startswith(top + ".") or (not top and a)]
+        return [a for a in below_top if a in self._containers]
 
     def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if not self._owns_thread():

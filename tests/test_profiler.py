@@ -1,0 +1,373 @@
+"""FlopsProfiler / get_model_profile: DeepSpeed's API, exact totals, and nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flops_callbacks import FlopsProfiler, get_model_profile
+
+B, IN, HID, OUT = 4, 8, 16, 3
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, OUT))
+
+
+# Hand counts for mlp() on a (B, IN) input that needs no grad.
+FWD = 2 * B * IN * HID + B * HID + 2 * B * HID * OUT  # linear, relu, linear
+BWD = (
+    2 * B * HID * OUT  # grad input of the second linear
+    + 2 * B * HID * OUT  # grad weight of the second linear
+    + B * OUT  # its bias grad (a sum over the batch)
+    + B * HID  # relu backward
+    + 2 * B * IN * HID  # grad weight of the first linear (its input needs no grad)
+    + B * HID  # its bias grad
+)
+
+
+def attribute_snapshot() -> dict[str, dict[str, int]]:
+    """Identity of every attribute of torch, F and Tensor (read from __dict__: no bound-method copies)."""
+    owners = (torch, F, torch.Tensor, torch._C.TensorBase)
+    return {owner.__name__: {k: id(v) for k, v in vars(owner).items()} for owner in owners}
+
+
+def hook_state(model: nn.Module) -> list:
+    return [
+        (
+            name,
+            len(m._forward_hooks),
+            len(m._forward_pre_hooks),
+            len(m._backward_hooks),
+            len(m._backward_pre_hooks),
+            len(m._forward_hooks_always_called),
+            sorted(vars(m)),
+        )
+        for name, m in model.named_modules()
+    ]
+
+
+def train_step(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+
+
+def test_forward_and_backward_counts_are_exact() -> None:
+    model, x = mlp(), torch.randn(B, IN)
+    with FlopsProfiler(model) as prof:
+        train_step(model, x)
+    p = prof.get_profile()
+    assert (p.fwd_flops, p.bwd_flops, p.recompute_flops) == (FWD, BWD, 0)
+    assert p.fwd_macs == B * IN * HID + B * HID * OUT
+    assert p.bwd_flops != 2 * p.fwd_flops  # the first layer computes no input gradient
+    assert prof.get_total_flops() == FWD  # DeepSpeed's meaning: forward flops
+    assert prof.get_total_macs() == p.fwd_macs
+    assert prof.get_total_params() == IN * HID + HID + HID * OUT + OUT
+    assert prof.get_total_duration() == pytest.approx(p.fwd_latency) and p.fwd_latency > 0
+    assert p.bwd_latency > 0
+    assert p.outside_model.fwd_flops == B * OUT  # the .sum() loss is not the model's
+    assert prof.get_total_flops(as_string=True).endswith("FLOPS")
+
+
+def test_every_module_has_its_own_fwd_and_bwd_and_parents_include_children() -> None:
+    model, x = mlp(), torch.randn(B, IN)
+    with FlopsProfiler(model) as prof:
+        train_step(model, x)
+    m = prof.get_profile().modules
+    assert m["0"].fwd_flops == 2 * B * IN * HID
+    assert m["0"].bwd_flops == 2 * B * IN * HID + B * HID
+    assert m["1"].fwd_flops == m["1"].bwd_flops == B * HID
+    assert m["2"].bwd_flops == 4 * B * HID * OUT + B * OUT
+    for field in ("fwd_flops", "bwd_flops", "fwd_macs", "bwd_macs"):
+        assert getattr(m[""], field) == sum(getattr(m[c], field) for c in ("0", "1", "2"))
+    assert m["0"].functionals["linear"].fwd_flops == 2 * B * IN * HID
+    assert m["0"].functionals["linear"].calls == 1
+    assert m[""].functionals["relu"].bwd_flops == B * HID
+    assert [m[n].depth for n in ("", "0", "2")] == [0, 1, 1]
+    assert m["2"].class_name == "Linear" and m["2"].params == HID * OUT + OUT
+
+
+def test_shared_submodule_counts_once_per_call_not_per_parent() -> None:
+    shared = nn.Linear(IN, IN)
+
+    class Branch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = shared
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Branch(), Branch()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x)) + self.a.inner(x)
+
+    net, x = Net(), torch.randn(B, IN)
+    one_call = 2 * B * IN * IN
+    with FlopsProfiler(net) as prof:
+        net(x)
+    m = prof.get_profile().modules
+    assert m["a.inner"].fwd_macs * 2 == 3 * one_call and m["a.inner"].calls == 3
+    assert m["a"].fwd_macs * 2 == one_call and m["b"].fwd_macs * 2 == one_call
+    assert m[""].fwd_macs * 2 == 3 * one_call
+    assert "b.inner" not in m  # one module, one record, under its first name
+
+
+def test_nothing_left_behind_after_stop_even_when_the_model_raises() -> None:
+    class Boom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(OUT, OUT)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.lin(x)
+            raise RuntimeError("boom at the profiled step")
+
+    model = nn.Sequential(mlp(), Boom())
+    before_attrs, before_hooks = attribute_snapshot(), hook_state(model)
+    before_keys = list(model.state_dict())
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    with pytest.raises(RuntimeError, match="boom at the profiled step"):
+        model(torch.randn(B, IN))
+    prof.stop_profile()
+    assert attribute_snapshot() == before_attrs
+    assert hook_state(model) == before_hooks
+    assert list(model.state_dict()) == before_keys
+    assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+    assert not torch.overrides._get_current_function_mode_stack()
+    assert prof.get_profile().modules["1.lin"].fwd_macs == B * OUT * OUT  # counted until it raised
+    prof.end_profile()
+
+
+def test_no_autograd_node_keeps_a_tag_after_stop() -> None:
+    model, x = mlp(), torch.randn(B, IN, requires_grad=True)
+    with FlopsProfiler(model):
+        y = model(x)
+    node, seen = y.grad_fn, []
+    pending = [node]
+    while pending:
+        n = pending.pop()
+        seen.append(dict(n.metadata))
+        pending.extend(nxt for nxt, _ in n.next_functions if nxt is not None)
+    assert seen and all(md == {} for md in seen)
+
+
+def test_profiling_the_same_step_twice_gives_identical_counts() -> None:
+    model, x = mlp(), torch.randn(B, IN)
+    profiles = []
+    for _ in range(2):
+        with FlopsProfiler(model) as prof:
+            train_step(model, x)
+        profiles.append(prof.get_profile())
+        model.zero_grad()
+    a, b = (
+        {n: (m.fwd_flops, m.bwd_flops, m.fwd_macs, m.bwd_macs, m.calls) for n, m in p.modules.items()}
+        for p in profiles
+    )
+    assert a == b
+
+
+def test_outputs_and_gradients_are_bit_identical_with_and_without_profiler() -> None:
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(2, 16, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out(y.transpose(1, 2).reshape(2, 16, 32))
+
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(2, 16, 32)
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        y = model(x)
+        y.square().sum().backward()
+        return y.detach(), [p.grad.clone() for p in model.parameters()]
+
+    plain_y, plain_g = run()
+    with FlopsProfiler(model):
+        prof_y, prof_g = run()
+    assert torch.equal(plain_y, prof_y)
+    assert all(torch.equal(a, b) for a, b in zip(plain_g, prof_g, strict=True))
+
+
+def test_model_run_in_another_thread_is_not_counted() -> None:
+    model, x = mlp(), torch.randn(B, IN)
+    other = mlp()
+    with FlopsProfiler(model) as prof:
+        worker = threading.Thread(target=lambda: [model(x), other(x)])
+        worker.start()
+        worker.join()
+        model(x)
+    p = prof.get_profile()
+    assert p.fwd_flops == FWD and p.model.calls == 1
+
+
+def test_meta_device_counts_without_memory_or_latency() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8192, 8192), nn.GELU(), nn.Linear(8192, 8192))
+        x = torch.empty(16, 8192)
+    flops, macs, params = get_model_profile(model, args=[x], print_profile=False, as_string=False)
+    assert macs == 2 * 16 * 8192 * 8192
+    assert flops == 2 * macs + 16 * 8192  # plus one flop per GELU output
+    assert params == 2 * (8192 * 8192 + 8192)
+    with FlopsProfiler(model) as prof:
+        model(x)
+    assert prof.get_profile().fwd_latency == 0.0
+
+
+def test_get_model_profile_forward_and_training_step(capsys: pytest.CaptureFixture[str]) -> None:
+    model = mlp()
+    flops, macs, params = get_model_profile(model, input_shape=(B, IN), as_string=False)
+    assert (flops, macs) == (FWD, B * IN * HID + B * HID * OUT)
+    assert "Profile Summary at step 1" in capsys.readouterr().out
+    flops, macs, _ = get_model_profile(
+        model, input_shape=(B, IN), backward=True, print_profile=False, as_string=False
+    )
+    assert flops == FWD + BWD
+    assert capsys.readouterr().out == ""
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_get_model_profile_mode_runs_a_named_method() -> None:
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(IN, HID)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+        def encode_twice(self, x: torch.Tensor) -> torch.Tensor:
+            return self(x) + self(x)
+
+    flops, _, _ = get_model_profile(
+        Encoder(), args=[torch.randn(B, IN)], mode="encode_twice", print_profile=False, as_string=False
+    )
+    assert flops == 2 * (2 * B * IN * HID)
+
+
+def test_output_file_gets_the_report_and_stdout_stays_clean(
+    tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, x = mlp(), torch.randn(B, IN)
+    with FlopsProfiler(model) as prof:
+        train_step(model, x)
+    target = tmp_path / "profile.txt"  # type: ignore[operator]
+    prof.print_model_profile(profile_step=7, output_file=target)
+    assert capsys.readouterr().out == ""
+    text = target.read_text()
+    assert "Profile Summary at step 7:" in text
+    assert "Aggregated Profile per device" in text and "Detailed Profile per device" in text
+    assert "Coverage" in text and "depth 1:" in text
+    assert "(2): Linear(" in text
+
+
+def test_module_depth_limits_the_detailed_tree() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(IN, IN), nn.Sequential(nn.Linear(IN, IN))))
+    with FlopsProfiler(model) as prof:
+        model(torch.randn(B, IN))
+    shallow = prof.print_model_profile(module_depth=1, output_file=None)
+    deep = prof.print_model_profile(module_depth=-1, output_file=None)
+    assert "(1): Sequential(" not in shallow.split("Detailed Profile")[1]
+    assert "(1): Sequential(" in deep.split("Detailed Profile")[1]
+    assert "depth 3:" in deep  # the deepest depth is reported (DeepSpeed drops it)
+    assert "depth 2:" not in shallow
+
+
+def test_json_round_trip_holds_every_module(tmp_path: object) -> None:
+    model, x = mlp(), torch.randn(B, IN)
+    with FlopsProfiler(model) as prof:
+        train_step(model, x)
+    path = prof.get_profile().write_json(tmp_path / "p.json")  # type: ignore[operator]
+    data = json.loads(path.read_text())
+    assert data["fwd_flops"] == FWD and data["bwd_flops"] == BWD
+    assert data["model_flops"] == FWD + BWD
+    assert set(data["modules"]) == {"", "0", "1", "2"}
+    assert data["modules"]["0"]["functionals"]["linear"]["fwd_flops"] == 2 * B * IN * HID
+
+
+def test_ignore_list_folds_a_module_into_its_parent() -> None:
+    model, x = mlp(), torch.randn(B, IN)
+    prof = FlopsProfiler(model)
+    prof.start_profile(ignore_list=[nn.ReLU])
+    model(x)
+    prof.stop_profile()
+    m = prof.get_profile().modules
+    assert "1" not in m and m[""].fwd_flops == FWD
+
+
+def test_reset_profile_zeroes_counts_and_keeps_profiling() -> None:
+    model, x = mlp(), torch.randn(B, IN)
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    model(x)
+    prof.reset_profile()
+    model(x)
+    model(x)
+    prof.stop_profile()
+    assert prof.get_total_flops() == 2 * FWD
+    prof.end_profile()
+    with pytest.raises(RuntimeError, match="start_profile"):
+        prof.get_profile()
+
+
+def test_causal_half_counts_the_unmasked_part_only() -> None:
+    q = torch.randn(1, 2, 8, 4)
+
+    class Sdpa(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+    full = FlopsProfiler(Sdpa())
+    with full:
+        full.model(q)
+    half = FlopsProfiler(Sdpa(), causal_attention="half")
+    with half:
+        half.model(q)
+    qk_and_av = 2 * (2 * 1 * 2 * 8 * 8 * 4)
+    assert full.get_profile().fwd_macs * 2 == qk_and_av
+    assert half.get_profile().fwd_macs * 2 == qk_and_av * 36 // 64  # 1+2+...+8 of 8x8 scores
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"model": "not a module"}, TypeError, "model must be a torch.nn.Module"),
+        ({"warm_up": -1}, ValueError, "warm_up must be an int >= 0"),
+        ({"module_depth": -2}, ValueError, "module_depth must be an int >= -1"),
+        ({"top_modules": 0}, ValueError, "top_modules must be an int >= 1"),
+        ({"mode": "no_such_method"}, ValueError, "mode must be one of"),
+        ({"args": [torch.randn(B, IN)]}, ValueError, "either input_shape or args"),
+        ({"causal_attention": "quarter"}, ValueError, r"causal_attention must be one of \('full', 'half'\)"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs: dict, error: type, match: str) -> None:
+    call = {"model": mlp(), "input_shape": (B, IN), "print_profile": False, **kwargs}
+    with pytest.raises(error, match=match):
+        get_model_profile(**call)
+
+
+def test_bad_constructor_and_report_arguments() -> None:
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        FlopsProfiler(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="causal_attention"):
+        FlopsProfiler(mlp(), causal_attention="none")
+    prof = FlopsProfiler(mlp())
+    with prof:
+        prof.model(torch.randn(B, IN))
+    with pytest.raises(ValueError, match="top_modules"):
+        prof.print_model_aggregated_profile(top_modules=0)
