@@ -19,6 +19,7 @@ activation checkpointing.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -480,9 +481,11 @@ class Tracer:
 
 
 def _has_compiled(model: torch.nn.Module) -> bool:
-    from torch._dynamo.eval_frame import OptimizedModule
-
+    """Whether any part of ``model`` was ``torch.compile``d (without importing dynamo if unused)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return False  # dynamo never loaded: nothing can be compiled
     return any(
-        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+        isinstance(m, eval_frame.OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
         for m in model.modules()
     )
