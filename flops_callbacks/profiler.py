@@ -106,6 +106,14 @@ class FlopsProfiler:
             self._tracer.stop()
         self.started = False
 
+    def resume_profile(self) -> None:
+        """Count again after :meth:`stop_profile`, adding to the counts so far (not in DeepSpeed's API:
+        a training step pauses it between micro-batches so that validation run there is not counted)."""
+        if self._tracer is None:
+            raise RuntimeError("resume_profile() without start_profile()")
+        self._tracer.start()
+        self.started = True
+
     def reset_profile(self) -> None:
         """Zero the counts (profiling continues if it was on)."""
         if self._tracer is not None:

@@ -5,6 +5,7 @@ An adapter only maps its framework's events onto this object:
     profiler.begin(model, parallel)          when the step to profile starts
     profiler.add_batch(batch)                once per micro-batch
     profiler.phase(FORWARD / BACKWARD / OPTIMIZER_STEP)   when each phase starts
+    profiler.pause() / profiler.resume()     around anything between micro-batches (optional)
     result = profiler.finish()               when the optimizer step has ended
 
 and gets back a :class:`StepResult` with the profile, the phase latencies, the metrics dict and the
@@ -57,6 +58,8 @@ class StepResult:
     tokens: int | None
     micro_batches: int
     parallel: ParallelSizes = field(default_factory=ParallelSizes)
+    # report rows an adapter adds about its framework (label, value), e.g. the HF Trainer's estimate
+    extra_lines: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def iter_latency(self) -> float:
@@ -89,7 +92,7 @@ class StepResult:
         if names.TOKENS_PER_SEC in metrics:
             tokens = f"{metrics[names.TOKENS_PER_SEC]:.2f}"
             lines.append(("tokens/second (all data-parallel replicas)", tokens))
-        return lines
+        return lines + self.extra_lines
 
 
 class StepProfiler:
@@ -170,6 +173,23 @@ class StepProfiler:
         else:
             self._timer.switch(self._phase, name)
         self._phase = name
+
+    def pause(self) -> None:
+        """Stop counting and timing until :meth:`resume`: what runs between micro-batches (data
+        loading, a validation run) is not part of the step."""
+        if self._profiler is None or self._timer is None:
+            return
+        if self._phase is not None:
+            self._timer.stop(self._phase)
+            self._phase = None
+        self._profiler.stop_profile()
+
+    def resume(self, phase: str = FORWARD) -> None:
+        """Count and time again after :meth:`pause`, starting ``phase``."""
+        if self._profiler is None:
+            raise RuntimeError("resume() without begin()")
+        self._profiler.resume_profile()
+        self.phase(phase)
 
     def finish(self, step: int | None = None) -> StepResult:
         """End the step: stop counting, remove everything from the model, and build the result."""

@@ -131,6 +131,13 @@ def _clean_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
+# A backward is no functional. torch switches a mode off inside its handler and these functions
+# re-check for modes, so the mode cannot stay on inside them: functionals that activation
+# checkpointing re-runs in the backward go unnamed (their aten ops name them) and their autograd
+# nodes are tagged by the module hooks instead.
+_AUTOGRAD_ENTRIES = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
+
+
 class _FunctionMode(TorchFunctionMode):
     def __init__(self, tracer: Tracer) -> None:
         super().__init__()
@@ -299,6 +306,8 @@ class Tracer:
         if not any(f.name == name and not f.virtual for f in self._stack):
             return
         end = self.clock.mark()
+        if torch.is_grad_enabled():  # nodes no functional tagged (made in a backward, by Function.apply)
+            self._tag(output, self._module_context())
         while True:  # children whose post hook did not run are closed too
             frame = self._stack.pop()
             if frame.name == name and not frame.virtual:
@@ -316,28 +325,37 @@ class Tracer:
         self._module_spans.append((frame.name, frame.start, end, frame.recompute))
 
     def _context(self) -> _Context:
+        """Where work goes now: the module stack and the functional being run (cached)."""
         if self._ctx is None:
-            names = tuple(dict.fromkeys(f.name for f in self._stack))
-            key = (names, self._functional)
-            ctx = self._ctx_cache.get(key)
-            if ctx is None:
-                accs = tuple(self._acc[n] for n in names) or (self._outside,)
-                ctx = self._ctx_cache[key] = _Context(accs, self._functional)
-            self._ctx = ctx
+            self._ctx = self._context_for(self._functional)
         return self._ctx
+
+    def _module_context(self) -> _Context:
+        """The module stack alone: for work no functional names."""
+        return self._context_for(None)
+
+    def _context_for(self, functional: str | None) -> _Context:
+        names = tuple(dict.fromkeys(f.name for f in self._stack))
+        key = (names, functional)
+        ctx = self._ctx_cache.get(key)
+        if ctx is None:
+            accs = tuple(self._acc[n] for n in names) or (self._outside,)
+            ctx = self._ctx_cache[key] = _Context(accs, functional)
+        return ctx
 
     # --- functionals: naming and tagging autograd nodes --------------------------------------------
 
     def _run_functional(self, func: Any, args: tuple, kwargs: dict) -> Any:
         outer, outer_flag = self._functional, self._flops_in_call
-        self._functional, self._ctx, self._flops_in_call = _functional_name(func), None, False
+        name = None if func in _AUTOGRAD_ENTRIES else _functional_name(func)
+        self._functional, self._ctx, self._flops_in_call = name, None, False
         ctx = self._context()
         try:
             out = func(*args, **kwargs)
         finally:
             counted = self._flops_in_call
             self._functional, self._ctx, self._flops_in_call = outer, None, outer_flag
-        if counted:
+        if counted and ctx.functional is not None:
             for acc in ctx.accs:
                 acc.functional(ctx.functional).calls += 1
         if torch.is_grad_enabled():

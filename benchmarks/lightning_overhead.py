@@ -1,0 +1,151 @@
+"""Step time of a Lightning run with FlopsProfilerCallback attached vs without, on the steps it does not
+profile. Goal: ratio <= 1.01 (the callback does no work outside the profiled step).
+
+Short runs alternate in one process (the order flips every round), so load from other processes hits
+all configurations alike: without the callback; with it, profiling step 10; with it attached but
+never profiling (profile_step past the run: its hooks alone). A ratio is the median over rounds of
+the ratio of two runs' median step times. One torch thread, so a step is work of the main thread and
+its CPU time is measured beside wall time (on a shared machine wall time mostly measures the
+neighbours). Last, the time spent inside the callback's own hooks on non-profiled steps, measured
+directly, which no neighbour disturbs. Model: the GPT of examples/lightning/train.py on CPU.
+
+    python benchmarks/lightning_overhead.py [--repeats 20] [--steps 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "lightning"))
+from train import GPT, SyntheticTokens  # noqa: E402
+
+from flops_callbacks import FlopsProfilerCallback  # noqa: E402
+
+CLOCKS = {"wall": time.perf_counter, "main-thread CPU": time.thread_time}
+STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
+
+
+class StepTimer(L.Callback):
+    """Time from one on_train_batch_start to the next (the whole step, data loading included)."""
+
+    def __init__(self) -> None:
+        self.marks: list[dict[str, float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.marks.append({name: clock() for name, clock in CLOCKS.items()})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.marks.append({name: clock() for name, clock in CLOCKS.items()})
+
+    def step_times(self, clock: str) -> list[float]:
+        return [b[clock] - a[clock] for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+
+class HookTimedCallback(FlopsProfilerCallback):
+    """The callback, with the wall time of each per-step hook call summed while no profile is on."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.idle_seconds = 0.0
+        for name in STEP_HOOKS:
+            setattr(self, name, self._timed(getattr(self, name)))
+
+    def _timed(self, hook: Any) -> Any:
+        def timed(*args: Any) -> None:
+            idle = not self.profiler.active
+            start = time.perf_counter()
+            hook(*args)
+            if idle and not self.profiler.active:
+                self.idle_seconds += time.perf_counter() - start
+
+        return timed
+
+
+def run(steps: int, batch_size: int, callback: L.Callback | None, root: str) -> StepTimer:
+    """One run; its timer's step times are indexed by global step."""
+    L.seed_everything(0, verbose=False)
+    timer = StepTimer()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=[timer, callback] if callback else [timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    data = torch.utils.data.DataLoader(SyntheticTokens(batch_size * (steps + 1)), batch_size=batch_size)
+    trainer.fit(GPT(), train_dataloaders=data)
+    return timer
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--repeats", type=int, default=20, help="runs per configuration")
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--warmup", type=int, default=5, help="first steps of every run left out")
+    parser.add_argument("--profile-step", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="FlopsProfilerCallback: no optimizer step started")
+
+    profile_steps = {"without": None, "profiling": args.profile_step, "never profiling": 10 * args.steps}
+    timers: dict[str, list[StepTimer]] = {config: [] for config in profile_steps}
+    hook_seconds: list[float] = []
+    with tempfile.TemporaryDirectory() as root:
+        for repeat in range(args.repeats):
+            order = list(profile_steps) if repeat % 2 == 0 else list(reversed(profile_steps))
+            for config in order:
+                callback = None
+                if config == "profiling":
+                    callback = HookTimedCallback(profile_step=args.profile_step, print_profile=False)
+                elif config == "never profiling":
+                    callback = FlopsProfilerCallback(profile_step=profile_steps[config])
+                timers[config].append(run(args.steps, args.batch_size, callback, root))
+                if isinstance(callback, HookTimedCallback):
+                    hook_seconds.append(callback.idle_seconds / (args.steps - 1))
+
+    def kept(timer: StepTimer, clock: str) -> list[float]:
+        times = timer.step_times(clock)
+        return [t for step, t in enumerate(times) if step >= args.warmup and step != args.profile_step]
+
+    print(f"torch {torch.__version__}, lightning {L.__version__}, 1 torch thread, batch {args.batch_size}")
+    print(f"{args.repeats} runs per configuration x {args.steps} steps, alternating; left out: the first")
+    print(f"{args.warmup} steps of every run and the profiled step (global step {args.profile_step})")
+    print()
+    print("| clock | callback | median step (ms) | ratio to without (median over rounds) | goal |")
+    print("|---|---|---:|---:|---|")
+    for clock in CLOCKS:
+        medians = {c: [statistics.median(kept(t, clock)) for t in timers[c]] for c in profile_steps}
+        for config, values in medians.items():
+            ratio = statistics.median(a / b for a, b in zip(values, medians["without"], strict=True))
+            goal = "" if config == "without" else "<= 1.01"
+            print(f"| {clock} | {config} | {statistics.median(values) * 1e3:.2f} | {ratio:.4f} | {goal} |")
+    # the step's CPU time is the least inflated by neighbours: the conservative base for a ratio
+    base = statistics.median(statistics.median(kept(t, "main-thread CPU")) for t in timers["without"])
+    in_hooks = statistics.median(hook_seconds)
+    profiled = statistics.median(
+        t.step_times("main-thread CPU")[args.profile_step] for t in timers["profiling"]
+    )
+    print()
+    print(f"time inside the callback's hooks per non-profiled step: {in_hooks * 1e6:.1f} us")
+    print(f"  = ratio {1 + in_hooks / base:.5f} to a {base * 1e3:.2f} ms step (CPU time)")
+    print(f"the profiled step itself (CPU time): {profiled * 1e3:.2f} ms, {profiled / base:.1f}x a step")
+
+
+if __name__ == "__main__":
+    main()
