@@ -4,11 +4,14 @@ Dense ops (matmul, conv, attention) reuse torch's own ``flop_registry`` from
 ``torch.utils.flop_counter``, so our counts are FlopCounterMode's counts by construction. This
 module only adds what that registry lacks: the CPU SDPA kernel and RNN kernels (which torch counts
 as 0), vector products, and elementwise / norm / softmax / pooling ops (DeepSpeed counts those, and
-users compare with DeepSpeed). Every formula is a pure function of the op's arguments.
+users compare with DeepSpeed). Torch's convolution backward is replaced (it overcounts grouped
+convolutions), and its matmul formulas are restated for speed. Every formula is a pure function of
+the op's arguments.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -90,6 +93,18 @@ def _sdpa_cpu_backward_flop(args: tuple, kwargs: dict, out: Any) -> int:
     return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
 
 
+# mm/bmm and their add- forms are in torch's registry too, with these counts; ours skip its pytree
+# shape mapping (done twice per addmm), which costs 50x the arithmetic on the most frequent ops.
+@_register(_DENSE, aten.mm, aten.bmm)
+def _matmul_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    return 2 * args[0].numel() * args[1].shape[-1]
+
+
+@_register(_DENSE, aten.addmm, aten.baddbmm)
+def _add_matmul_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    return 2 * args[1].numel() * args[2].shape[-1]
+
+
 @_register(_DENSE, aten.mv)
 def _mv_flop(args: tuple, kwargs: dict, out: Any) -> int:
     return 2 * args[0].numel()
@@ -115,6 +130,17 @@ def _addbmm_flop(args: tuple, kwargs: dict, out: Any) -> int:
 def _addmm_activation_flop(args: tuple, kwargs: dict, out: Any) -> int:
     m, k = args[1].shape
     return 2 * m * k * args[2].shape[-1]
+
+
+@_register(_DENSE, aten.convolution_backward)
+def _conv_backward_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    # Each requested gradient (input, weight) is one forward-sized convolution. Torch's formula
+    # counts a grouped convolution's weight gradient `groups` times over (it folds the groups into
+    # one big convolution; pytorch/pytorch#183405), so a depthwise layer's would read channels x.
+    grad_out, inp, weight, transposed, output_mask = args[0], args[1], args[2], args[7], args[10]
+    positions = math.prod((inp if transposed else grad_out).shape[2:])
+    forward = 2 * inp.shape[0] * positions * weight.numel()
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
 
 
 def _rnn_tokens(inp: torch.Tensor, batch_sizes: Any) -> int:
@@ -307,6 +333,7 @@ def _accumulate_flop(args: tuple, kwargs: dict, out: Any) -> int:
 
 
 # --- ops that do no arithmetic ---------------------------------------------------------------------
+# (unsafe_split & co. are views without alias tracking, used by the CPU GRU/LSTM cells)
 
 _FREE_NAMES = """
     copy_ fill_ zero_ clone _to_copy lift_fresh lift_fresh_copy masked_fill where embedding
@@ -317,6 +344,7 @@ _FREE_NAMES = """
     constant_pad_nd repeat roll flip expand_copy view_copy _reshape_copy resize_ set_ detach_
     _assert_async _assert_tensor_metadata sym_constrain_range_for_size _functional_sym_constrain_range
     masked_fill_ index_fill im2col col2im _pin_memory record_stream eye linspace
+    unsafe_split unsafe_split_with_sizes unsafe_chunk
 """.split()
 _FREE: frozenset[Any] = frozenset(p for p in (_op(n) for n in _FREE_NAMES) if p is not None)
 
@@ -337,9 +365,26 @@ class _Rule:
     formula: Formula | None
 
 
+def _shapes(x: Any) -> Any:
+    """``x`` with every tensor replaced by its shape, inside plain tuples and lists too."""
+    if isinstance(x, torch.Tensor):
+        return x.shape
+    if type(x) in (tuple, list):
+        return type(x)(_shapes(item) for item in x)
+    return x
+
+
 def _torch_formula(packet: Any) -> Formula:
     formula = _torch_registry[packet]
-    return lambda args, kwargs, out: formula(*args, **kwargs, out_val=out)
+    on_shapes = getattr(formula, "__wrapped__", None)
+    if on_shapes is None:  # registered with get_raw=True: takes the tensors themselves
+        return lambda args, kwargs, out: formula(*args, **kwargs, out_val=out)
+    # torch's shape_wrapper maps tensors to shapes with pytree.tree_map on every call, which cost
+    # about as much as the rest of a dense op's accounting; aten arguments nest only in tuples and
+    # lists, so mapping those directly gives the formula the same arguments.
+    return lambda args, kwargs, out: on_shapes(
+        *_shapes(args), **{k: _shapes(v) for k, v in kwargs.items()}, out_shape=_shapes(out)
+    )
 
 
 def _pointwise(args: tuple, kwargs: dict, out: Any) -> int:

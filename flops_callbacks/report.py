@@ -52,7 +52,8 @@ def render_summary(
         "number of floating-point operations (flops), floating-point operations per second (FLOPS),",
         "fwd latency (forward propagation latency), bwd latency (backward propagation latency),",
         "step (weights update latency), iter latency (sum of fwd, bwd and step latency)",
-        "Flops are measured op by op in the forward AND the backward (not estimated as 2 x fwd).",
+        "Flops are measured op by op in the forward AND the backward (not estimated as 2 x fwd);",
+        "recompute = forward work re-run in the backward (activation checkpointing, fused attention).",
         "",
         *(_line(label, value) for label, value in context_lines),
         _line("device", p.device),
@@ -68,7 +69,7 @@ def render_summary(
             _line("bwd / fwd flops", f"{p.bwd_flops / p.fwd_flops:.2f}" if p.fwd_flops else "n/a"),
         ]
     if p.recompute_flops:
-        lines.append(_line("recompute flops per device (checkpointing)", number_to_string(p.recompute_flops)))
+        lines.append(_line("recompute flops per device", number_to_string(p.recompute_flops)))
     lines.append(_line("fwd latency", duration_to_string(p.fwd_latency)))
     if p.bwd_flops or p.bwd_latency:
         lines.append(_line("bwd latency", duration_to_string(p.bwd_latency)))

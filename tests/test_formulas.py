@@ -1,0 +1,381 @@
+"""Exact flop counts of single ops, forward and backward, against arithmetic done by hand.
+
+Every expected value is written out from the op's definition (multiply-accumulates of a matmul or
+convolution, DeepSpeed's per-element costs for norms and softmax), never taken from our formulas.
+``2 * macs`` isolates the dense (matmul/conv/attention) part; ``flops`` adds elementwise work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from flops_callbacks import FlopsProfiler, Profile, get_model_profile
+from flops_callbacks.formulas import rnn_flops
+
+
+class Call(nn.Module):
+    """A module whose forward is one function call, so a single op can be profiled."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.fn(*inputs)
+
+
+def profile_of(model: nn.Module, *inputs: torch.Tensor, backward: bool = False, **options: str) -> Profile:
+    """Profile one forward (and the backward of ``output.sum()``, which runs outside the model).
+
+    Gradients of parameters and inputs are cleared first: adding into an existing ``.grad`` is real
+    work (counted, see the test below) that would blur the op under test.
+    """
+    model.zero_grad(set_to_none=True)
+    for x in inputs:
+        x.grad = None
+    prof = FlopsProfiler(model, **options)
+    prof.start_profile()
+    try:
+        out = model(*inputs)
+        if backward:
+            out = out[0] if isinstance(out, tuple) else out
+            out.sum().backward()
+    finally:
+        prof.stop_profile()
+    profile = prof.get_profile()
+    prof.end_profile()
+    return profile
+
+
+def dense(profile: Profile) -> tuple[int, int]:
+    """(forward, backward) flops of the multiply-accumulate ops only."""
+    return 2 * profile.fwd_macs, 2 * profile.bwd_macs
+
+
+def leaf(*shape: int, grad: bool = True) -> torch.Tensor:
+    return torch.randn(*shape).requires_grad_(grad)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+# --- Linear --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_linear_forward_and_backward(bias: bool, input_grad: bool) -> None:
+    tokens, d_in, d_out = 6, 8, 16
+    model = nn.Linear(d_in, d_out, bias=bias)
+    profile = profile_of(model, leaf(2, 3, d_in, grad=input_grad), backward=True)
+
+    matmul = 2 * tokens * d_in * d_out  # every output element: d_in multiply-adds
+    bias_grad = tokens * d_out if bias else 0  # sum of the output gradient over tokens
+    assert dense(profile) == (matmul, matmul * (2 if input_grad else 1))  # grad_W always, grad_x if needed
+    assert profile.fwd_flops == matmul  # the bias add is fused into addmm, counted as FlopCounterMode does
+    assert profile.bwd_flops == matmul * (2 if input_grad else 1) + bias_grad
+    assert profile.modules[""].functionals["linear"].fwd_flops == matmul
+
+
+def test_linear_through_get_model_profile() -> None:
+    batch, d_in, d_out = 4, 8, 16
+    flops, macs, params = get_model_profile(
+        nn.Linear(d_in, d_out), input_shape=(batch, d_in), print_profile=False, as_string=False
+    )
+    assert (flops, macs, params) == (2 * batch * d_in * d_out, batch * d_in * d_out, d_in * d_out + d_out)
+
+    # A training step: the input (ones) needs no grad, so backward is grad_W (a matmul) + grad_b (a sum).
+    flops, macs, _ = get_model_profile(
+        nn.Linear(d_in, d_out), input_shape=(batch, d_in), print_profile=False, as_string=False, backward=True
+    )
+    assert macs == batch * d_in * d_out * 2
+    assert flops == 2 * batch * d_in * d_out * 2 + batch * d_out
+
+
+def test_accumulating_into_existing_grads_adds_once_per_parameter_element() -> None:
+    model = nn.Linear(8, 16)
+    x = leaf(4, 8, grad=False)
+    model(x).sum().backward()  # .grad now holds a gradient; the next backward adds into it
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    model(x).sum().backward()
+    prof.stop_profile()
+    matmul = 2 * 4 * 8 * 16
+    params = 8 * 16 + 16
+    assert prof.get_profile().bwd_flops == matmul + 4 * 16 + params
+
+
+# --- Convolutions --------------------------------------------------------------------------------
+
+
+def conv_out(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+@pytest.mark.parametrize(
+    ("dims", "c_in", "c_out", "kernel", "stride", "padding", "dilation", "groups", "size"),
+    [
+        (1, 4, 6, 3, 1, 0, 1, 1, 17),
+        (1, 6, 9, 5, 2, 2, 3, 3, 23),
+        (2, 3, 8, 3, 1, 1, 1, 1, 10),
+        (2, 8, 16, 3, 2, 1, 2, 4, 13),
+        (2, 8, 8, 3, 1, 1, 1, 8, 9),  # depthwise
+        (3, 4, 6, 3, 2, 1, 1, 2, 7),
+    ],
+)
+def test_conv(dims, c_in, c_out, kernel, stride, padding, dilation, groups, size) -> None:
+    conv_cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+    conv = conv_cls(c_in, c_out, kernel, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    batch = 2
+    spatial = [size + d for d in range(dims)]  # unequal sides catch a swapped axis
+    x = leaf(batch, c_in, *spatial)
+    out_spatial = [conv_out(s, kernel, stride, padding, dilation) for s in spatial]
+    assert list(conv(x).shape) == [batch, c_out, *out_spatial]
+
+    positions = batch
+    for s in out_spatial:
+        positions *= s
+    # Each output element: (c_in / groups) * kernel^dims multiply-adds; the bias is not counted.
+    forward = 2 * positions * c_out * (c_in // groups) * kernel**dims
+    profile = profile_of(conv, x, backward=True)
+    assert profile.fwd_flops == 2 * profile.fwd_macs == forward
+    # Backward: grad_input and grad_weight each cost one forward (grad_bias is fused in the kernel).
+    assert profile.bwd_flops == 2 * profile.bwd_macs == 2 * forward
+
+    frozen_input = profile_of(conv, leaf(batch, c_in, *spatial, grad=False), backward=True)
+    assert frozen_input.bwd_flops == forward  # grad_weight only
+
+
+def test_grouped_conv_backward_is_not_torchs_overcount() -> None:
+    # torch's FlopCounterMode counts a grouped convolution's weight gradient `groups` times over.
+    conv = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+    x = leaf(1, 8, 6, 6)
+    forward = 2 * 36 * 8 * 1 * 9
+    with FlopCounterMode(display=False) as counter:
+        conv(x).sum().backward()
+    assert counter.get_total_flops() == forward + forward + 8 * forward
+    assert profile_of(conv, x, backward=True).bwd_flops == 2 * forward
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_transpose2d(groups: int) -> None:
+    c_in, c_out, kernel, stride, padding, out_pad = 8, 12, 3, 2, 1, 1
+    conv = nn.ConvTranspose2d(c_in, c_out, kernel, stride, padding, out_pad, groups=groups)
+    batch, h, w = 2, 5, 6
+    x = leaf(batch, c_in, h, w)
+    assert conv(x).shape == (batch, c_out, (h - 1) * stride - 2 * padding + kernel + out_pad, 12)
+    # Every input element is scattered into (c_out / groups) * kernel^2 output positions.
+    forward = 2 * batch * h * w * c_in * (c_out // groups) * kernel * kernel
+    profile = profile_of(conv, x, backward=True)
+    assert (profile.fwd_flops, profile.bwd_flops) == (forward, 2 * forward)
+    assert dense(profile) == (forward, 2 * forward)
+
+
+# --- Matrix products -----------------------------------------------------------------------------
+
+
+def test_bmm_matmul_operator_and_einsum() -> None:
+    b, m, k, n = 3, 4, 5, 6
+    products = {
+        "bmm": (Call(torch.bmm), (leaf(b, m, k), leaf(b, k, n))),
+        "matmul": (Call(torch.matmul), (leaf(b, m, k), leaf(k, n))),  # broadcast: one (b*m, k) @ (k, n) mm
+        "@": (Call(lambda x, y: x @ y), (leaf(b, m, k), leaf(b, k, n))),
+        "einsum": (Call(lambda x, y: torch.einsum("bmk,bkn->bmn", x, y)), (leaf(b, m, k), leaf(b, k, n))),
+    }
+    forward = 2 * b * m * k * n
+    for name, (model, inputs) in products.items():
+        profile = profile_of(model, *inputs, backward=True)
+        # Backward: grad_x = grad @ y^T and grad_y = x^T @ grad, each as large as the forward.
+        assert (profile.fwd_flops, profile.bwd_flops) == (forward, 2 * forward), name
+        assert dense(profile) == (forward, 2 * forward), name
+
+
+def test_einsum_attention_scores() -> None:
+    b, h, q, k, d = 2, 3, 4, 5, 8
+    model = Call(lambda x, y: torch.einsum("bhqd,bhkd->bhqk", x, y))
+    profile = profile_of(model, leaf(b, h, q, d), leaf(b, h, k, d))
+    assert profile.fwd_flops == 2 * b * h * q * k * d
+
+
+def test_mv_and_dot() -> None:
+    m, n = 7, 9
+    profile = profile_of(Call(torch.mv), leaf(m, n), leaf(n), backward=True)
+    assert profile.fwd_flops == 2 * m * n
+    # Backward: grad_vector = A^T @ grad (a matrix-vector product), grad_A = outer(grad, v): m*n products.
+    assert dense(profile)[1] == 2 * m * n
+    assert profile.bwd_flops == 2 * m * n + m * n
+
+    assert profile_of(Call(torch.dot), leaf(n), leaf(n)).fwd_flops == 2 * n
+
+
+# --- Attention -----------------------------------------------------------------------------------
+
+
+def causal_kept(s_q: int, s_k: int) -> int:
+    """Entries a top-left causal mask keeps (torch's is_causal), counted from the mask itself."""
+    return int(torch.ones(s_q, s_k, dtype=torch.bool).tril().sum())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("s_q", "s_k"), [(6, 6), (5, 7)])
+def test_sdpa_on_the_default_cpu_kernel(causal: bool, s_q: int, s_k: int) -> None:
+    b, h, d = 2, 3, 4
+    model = Call(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    inputs = leaf(b, h, s_q, d), leaf(b, h, s_k, d), leaf(b, h, s_k, d)
+    product = 2 * b * h * s_q * s_k * d  # one of QK^T, PV (or a gradient of either)
+
+    with FlopCounterMode(display=False) as counter:
+        model(*inputs)
+    assert counter.get_total_flops() == 0  # why we count it ourselves: torch has no formula for this kernel
+
+    profile = profile_of(model, *inputs, backward=True)
+    assert profile.fwd_flops == 2 * profile.fwd_macs == 2 * product  # QK^T and PV, full matrix by default
+    # Backward: dV, dP, dQ, dK; the kernel's recomputed QK^T is reported apart.
+    assert profile.bwd_flops == 2 * profile.bwd_macs == 4 * product
+    assert profile.recompute_flops == 2 * profile.recompute_macs == product
+    assert profile.model_flops == 3 * profile.fwd_flops
+
+    half = profile_of(model, *inputs, backward=True, causal_attention="half")
+    kept = causal_kept(s_q, s_k) if causal else s_q * s_k
+    scaled = [round(n * product * kept / (s_q * s_k)) for n in (2, 4, 1)]
+    assert [half.fwd_flops, half.bwd_flops, half.recompute_flops] == scaled
+
+
+def test_causal_half_counts_exactly_the_unmasked_entries() -> None:
+    # 5 queries x 7 keys, top-left aligned: rows keep 1, 2, 3, 4, 5 keys = 15 of 35 entries.
+    assert causal_kept(5, 7) == 1 + 2 + 3 + 4 + 5
+    b, h, d = 1, 2, 8
+    model = Call(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    half = profile_of(model, leaf(b, h, 5, d), leaf(b, h, 7, d), leaf(b, h, 7, d), causal_attention="half")
+    assert half.fwd_flops == 2 * (2 * b * h * 15 * d)
+
+
+# --- Recurrent layers ----------------------------------------------------------------------------
+
+
+def standard_rnn_flops(gates: int, d_in: int, hidden: int, tokens: int, layers: int, directions: int) -> int:
+    """Every token of every layer and direction multiplies by W_ih (gates*H x in) and W_hh (gates*H x H)."""
+    total = 0
+    for layer in range(layers):
+        layer_in = d_in if layer == 0 else hidden * directions
+        total += directions * 2 * tokens * (gates * hidden * layer_in + gates * hidden * hidden)
+    return total
+
+
+RNN_CASES = [(1, False), (2, False), (1, True), (2, True)]
+
+
+@pytest.mark.parametrize(("layers", "bidirectional"), RNN_CASES)
+def test_lstm(layers: int, bidirectional: bool) -> None:
+    batch, seq, d_in, hidden = 3, 5, 6, 8
+    lstm = nn.LSTM(d_in, hidden, num_layers=layers, bidirectional=bidirectional, batch_first=True)
+    forward = standard_rnn_flops(4, d_in, hidden, batch * seq, layers, 2 if bidirectional else 1)
+    assert forward == rnn_flops("LSTM", d_in, hidden, batch * seq, layers, bidirectional)
+    profile = profile_of(lstm, leaf(batch, seq, d_in), backward=True)
+    assert dense(profile) == (forward, 2 * forward)  # the fused CPU kernel: FlopCounterMode counts 0 here
+
+
+@pytest.mark.parametrize(("layers", "bidirectional"), RNN_CASES)
+def test_gru(layers: int, bidirectional: bool) -> None:
+    batch, seq, d_in, hidden = 3, 5, 6, 8
+    directions = 2 if bidirectional else 1
+    gru = nn.GRU(d_in, hidden, num_layers=layers, bidirectional=bidirectional, batch_first=True)
+    forward = standard_rnn_flops(3, d_in, hidden, batch * seq, layers, directions)
+    assert forward == rnn_flops("GRU", d_in, hidden, batch * seq, layers, bidirectional)
+
+    h0 = leaf(layers * directions, batch, hidden)
+    every_grad = profile_of(gru, leaf(batch, seq, d_in), h0, backward=True)
+    assert dense(every_grad) == (forward, 2 * forward)
+    assert every_grad.fwd_flops > forward  # gate arithmetic runs as separate elementwise ops on CPU
+    assert every_grad.coverage.uncounted == []  # its gate split (aten.unsafe_split) is a view
+
+    # The real backward skips what nobody needs: the input's gradient through layer 0's W_ih, and
+    # the zero initial state's gradient through W_hh at the first step of every layer and direction.
+    default = profile_of(gru, leaf(batch, seq, d_in, grad=False), backward=True)
+    input_grad = directions * 2 * batch * seq * 3 * hidden * d_in
+    h0_grad = layers * directions * 2 * batch * 3 * hidden * hidden
+    assert dense(default) == (forward, 2 * forward - input_grad - h0_grad)
+
+
+# --- Elementwise: norms, softmax, interpolation ------------------------------------------------
+
+
+@pytest.mark.parametrize(("affine", "per_element"), [(True, 5), (False, 4)])
+def test_layer_norm(affine: bool, per_element: int) -> None:
+    x = leaf(3, 4, 10)
+    profile = profile_of(nn.LayerNorm(10, elementwise_affine=affine), x, backward=True)
+    # mean, subtract, variance, normalize (+ scale and shift) per element; backward twice that.
+    assert (profile.fwd_flops, profile.bwd_flops) == (per_element * x.numel(), 2 * per_element * x.numel())
+    assert dense(profile) == (0, 0)
+
+
+def test_softmax() -> None:
+    x = leaf(3, 4, 7)
+    profile = profile_of(Call(lambda t: F.softmax(t, dim=-1)), x, backward=True)
+    assert (profile.fwd_flops, profile.bwd_flops) == (x.numel(), 2 * x.numel())
+
+
+@pytest.mark.parametrize(
+    ("options", "out_hw"),
+    [({"scale_factor": 2, "mode": "nearest"}, (6, 8)), ({"size": (5, 7), "mode": "bilinear"}, (5, 7))],
+)
+def test_interpolate_counts_output_elements(options: dict, out_hw: tuple[int, int]) -> None:
+    x = leaf(2, 3, 3, 4)
+    profile = profile_of(Call(lambda t: F.interpolate(t, **options)), x, backward=True)
+    out_numel = 2 * 3 * out_hw[0] * out_hw[1]
+    assert (profile.fwd_flops, profile.bwd_flops) == (out_numel, out_numel)
+    assert profile.modules[""].functionals["interpolate"].fwd_flops == out_numel
+
+
+# --- Ops without arithmetic, and ops without a formula ------------------------------------------
+
+
+def test_views_cat_and_indexing_are_free() -> None:
+    index = torch.tensor([2, 0, 5])
+
+    def shuffle(x: torch.Tensor) -> torch.Tensor:
+        picked = x.view(-1)[index]  # view, advanced index
+        joined = torch.cat([picked, torch.zeros(4)])  # cat with a constant
+        return joined.reshape(1, 7).transpose(0, 1)[1:, 0]  # reshape, transpose, slice, select
+
+    x = leaf(2, 3)
+    profile = profile_of(Call(shuffle), x, backward=True)
+    assert (profile.fwd_flops, profile.bwd_flops) == (0, 0)
+    assert profile.coverage.uncounted == []
+    assert profile.coverage.free_calls > 0
+
+
+def test_op_without_formula_is_listed_with_its_calls(tmp_path) -> None:
+    def sort_and_scale(x: torch.Tensor) -> torch.Tensor:
+        return torch.sort(x, dim=-1).values * 2  # aten.sort: comparisons, no flop formula
+
+    model = Call(sort_and_scale)
+    x = leaf(4, 8)
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    for _ in range(3):
+        model(x)
+    prof.stop_profile()
+    profile = prof.get_profile()
+
+    assert profile.fwd_flops == 3 * x.numel()  # the multiply only
+    [sort] = profile.coverage.uncounted
+    assert (sort.op, sort.calls) == ("aten.sort", 3)
+    assert sort.seconds > 0 and 0 < sort.time_share <= 1
+    assert profile.coverage.uncounted_calls == 3
+
+    report_file = tmp_path / "report.txt"
+    prof.print_model_profile(output_file=report_file)
+    report = report_file.read_text()
+    coverage = report.split(" Coverage ", 1)[1]
+    assert "Ops with no flop formula" in coverage
+    [line] = [line for line in coverage.splitlines() if "aten.sort" in line]
+    assert line.split()[:3] == ["aten.sort", "3", "calls"]
