@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,6 @@ from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, Un
 _TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()
 
 _FWD, _BWD, _REC = 0, 1, 2
-_PHASE_FIELDS = (("fwd_flops", "fwd_macs"), ("bwd_flops", "bwd_macs"), ("recompute_flops", "recompute_macs"))
 
 _METADATA_OPS = frozenset(
     op
@@ -57,37 +57,36 @@ _METADATA_OPS = frozenset(
 )
 
 
-class _Acc:
-    """Running counts of one module (or of code outside the model)."""
+class _Context:
+    """Where work goes: the modules on the stack (each once) and the functional being run.
 
-    __slots__ = ("counts", "functionals", "fwd_latency", "bwd_latency", "recompute_latency")
+    An op adds to its context only, one list update whatever the stack depth; :meth:`Tracer.profile`
+    spreads each context's sums over its modules once. Contexts are interned, so identity is equality.
+    """
 
-    def __init__(self) -> None:
-        self.counts = Counts()
-        self.functionals: dict[str, Counts] = {}
-        self.fwd_latency = 0.0
-        self.bwd_latency = 0.0
-        self.recompute_latency = 0.0
+    __slots__ = ("names", "functional", "sums", "calls")
+
+    def __init__(self, names: tuple[str, ...], functional: str | None) -> None:
+        self.names = names  # () is outside the model's modules
+        self.functional = functional
+        self.sums: dict[str, list[int]] = {}  # functional -> [fwd flops, fwd MACs, bwd ..., recompute ...]
+        self.calls: dict[str, int] = {}  # functional -> forward calls that did flops
 
     def add(self, phase: int, functional: str, flops: int, macs: int) -> None:
-        flops_field, macs_field = _PHASE_FIELDS[phase]
-        for counts in (self.counts, self.functional(functional)):
-            setattr(counts, flops_field, getattr(counts, flops_field) + flops)
-            setattr(counts, macs_field, getattr(counts, macs_field) + macs)
-
-    def functional(self, name: str) -> Counts:
-        counts = self.functionals.get(name)
-        if counts is None:
-            counts = self.functionals[name] = Counts()
-        return counts
+        sums = self.sums.get(functional)
+        if sums is None:
+            sums = self.sums[functional] = [0] * 6
+        sums[2 * phase] += flops
+        sums[2 * phase + 1] += macs
 
 
-@dataclass(frozen=True)
-class _Context:
-    """Where an op's flops go: every module on the stack (each once) and the functional's name."""
-
-    accs: tuple[_Acc, ...]
-    functional: str | None
+def _add_sums(counts: Counts, sums: list[int]) -> None:
+    counts.fwd_flops += sums[0]
+    counts.fwd_macs += sums[1]
+    counts.bwd_flops += sums[2]
+    counts.bwd_macs += sums[3]
+    counts.recompute_flops += sums[4]
+    counts.recompute_macs += sums[5]
 
 
 @dataclass
@@ -190,6 +189,7 @@ class Tracer:
             name for name, m in self._modules.items() if type(m).forward is torch.nn.Module.forward
         }
         self._hooks: list[Any] = []
+        self._thread: int | None = None
         self._exit: contextlib.ExitStack | None = None
         self._dispatch = _DispatchMode(self)
         self.reset()
@@ -202,9 +202,8 @@ class Tracer:
 
     def reset(self) -> None:
         """Forget everything counted so far (hooks and modes stay as they are)."""
-        self._acc = {name: _Acc() for name in self._modules}
-        self._outside = _Acc()
-        self._ctx_cache: dict[tuple, _Context] = {}
+        self._calls = dict.fromkeys(self._modules, 0)
+        self._contexts: dict[tuple, _Context] = {}
         self._stack: list[_Frame] = []
         self._functional: str | None = None
         self._ctx: _Context | None = None
@@ -241,6 +240,7 @@ class Tracer:
             stack.close()
             raise
         self._exit = stack
+        self._thread = threading.get_ident()
         self._tagged: list[Any] = []
 
     def stop(self) -> None:
@@ -274,7 +274,9 @@ class Tracer:
         return [c for c in candidates if c in self._modules]
 
     def _owns_thread(self) -> bool:
-        return self._dispatch in _get_current_dispatch_mode_stack()
+        """Whether this thread is profiled: the one that started, or one our (thread-local) mode
+        was propagated to, as autograd's device threads are."""
+        return threading.get_ident() == self._thread or self._dispatch in _get_current_dispatch_mode_stack()
 
     def _virtual_ancestors(self, name: str) -> list[str]:
         """Ancestors of ``name`` its caller did not enter that still own its work: containers that
@@ -314,7 +316,7 @@ class Tracer:
                 break
         self._close(frame, end)
         if not frame.recompute:
-            self._acc[name].counts.calls += 1
+            self._calls[name] += 1
         while self._stack and self._stack[-1].virtual:
             self._close(self._stack.pop(), end)
         if not self._stack and not frame.recompute:
@@ -337,10 +339,9 @@ class Tracer:
     def _context_for(self, functional: str | None) -> _Context:
         names = tuple(dict.fromkeys(f.name for f in self._stack))
         key = (names, functional)
-        ctx = self._ctx_cache.get(key)
+        ctx = self._contexts.get(key)
         if ctx is None:
-            accs = tuple(self._acc[n] for n in names) or (self._outside,)
-            ctx = self._ctx_cache[key] = _Context(accs, functional)
+            ctx = self._contexts[key] = _Context(names, functional)
         return ctx
 
     # --- functionals: naming and tagging autograd nodes --------------------------------------------
@@ -356,8 +357,7 @@ class Tracer:
             counted = self._flops_in_call
             self._functional, self._ctx, self._flops_in_call = outer, None, outer_flag
         if counted and ctx.functional is not None:
-            for acc in ctx.accs:
-                acc.functional(ctx.functional).calls += 1
+            ctx.calls[ctx.functional] = ctx.calls.get(ctx.functional, 0) + 1
         if torch.is_grad_enabled():
             self._tag(out, ctx)
         return out
@@ -409,10 +409,8 @@ class Tracer:
                 rec_flops = round(flops * share)
                 rec_macs = rec_flops // 2 if kind is OpKind.DENSE else 0
                 flops, macs = flops - rec_flops, macs - rec_macs
-                for acc in ctx.accs:
-                    acc.add(_REC, functional, rec_flops, rec_macs)
-            for acc in ctx.accs:
-                acc.add(phase, functional, flops, macs)
+                ctx.add(_REC, functional, rec_flops, rec_macs)
+            ctx.add(phase, functional, flops, macs)
             self._counted_calls += 1
             self._flops_in_call = True
         elif kind is OpKind.FREE:
@@ -439,34 +437,47 @@ class Tracer:
         """Everything counted since the last reset, with latencies resolved (synchronizes once)."""
         seconds = self.clock.seconds
         self.clock.synchronize()
-        fwd_latency: dict[str, float] = dict.fromkeys(self._modules, 0.0)
-        rec_latency: dict[str, float] = dict.fromkeys(self._modules, 0.0)
+        counts = {name: Counts(calls=calls) for name, calls in self._calls.items()}
+        functionals: dict[str, dict[str, Counts]] = {name: {} for name in self._modules}
+        outside = Counts()
+        for ctx in self._contexts.values():
+            for functional, sums in ctx.sums.items():
+                for name in ctx.names:
+                    _add_sums(counts[name], sums)
+                    _add_sums(functionals[name].setdefault(functional, Counts()), sums)
+                if not ctx.names:
+                    _add_sums(outside, sums)
+            for functional, calls in ctx.calls.items():
+                for name in ctx.names:
+                    functionals[name].setdefault(functional, Counts()).calls += calls
+
+        fwd_latency = dict.fromkeys(self._modules, 0.0)
+        rec_latency = dict.fromkeys(self._modules, 0.0)
+        bwd_latency = dict.fromkeys(self._modules, 0.0)
         for name, start, end, recompute in self._module_spans:
             (rec_latency if recompute else fwd_latency)[name] += seconds(start, end)
-        bwd_latency: dict[int, float] = {}
         for ctx, start, end in self._bwd_op_spans:
             s = seconds(start, end)
-            for acc in ctx.accs:
-                bwd_latency[id(acc)] = bwd_latency.get(id(acc), 0.0) + s
+            for name in ctx.names:
+                bwd_latency[name] += s
         total_fwd = sum(seconds(a, b) for a, b in self._top_spans)
         total_bwd = sum(seconds(a, b) for a, b in self._bwd_spans)
         measured = total_fwd + total_bwd
 
         modules: dict[str, ModuleProfile] = {}
         for name, module in self._modules.items():
-            acc = self._acc[name]
             params = dict.fromkeys(module.parameters())
             modules[name] = ModuleProfile(
-                **vars(acc.counts),
+                **vars(counts[name]),
                 name=name,
                 class_name=type(module).__name__,
                 depth=name.count(".") + 1 if name else 0,
                 params=sum(p.numel() for p in params),
                 trainable_params=sum(p.numel() for p in params if p.requires_grad),
                 fwd_latency=fwd_latency[name],
-                bwd_latency=bwd_latency.get(id(acc), 0.0),
+                bwd_latency=bwd_latency[name],
                 recompute_latency=rec_latency[name],
-                functionals={k: Counts(**vars(v)) for k, v in acc.functionals.items()},
+                functionals=functionals[name],
             )
         uncounted = [
             UncountedOp(
@@ -492,7 +503,7 @@ class Tracer:
             bwd_latency=total_bwd,
             device=str(self.device),
             modules=modules,
-            outside_model=Counts(**vars(self._outside.counts)),
+            outside_model=outside,
             coverage=Coverage(self._counted_calls, self._free_calls, uncounted),
             causal_attention=causal_attention,
         )
