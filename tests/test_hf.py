@@ -307,9 +307,11 @@ def test_metrics_reach_the_wandb_run_history(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_PROJECT", "flops-callbacks-test")
+    wandb.teardown()  # wandb keeps the settings of an earlier run in this process (WANDB_DIR included)
     callback = quiet()
     train(tmp_path, gpt2(), [callback], report_to=("wandb",))
     wandb.finish()
+    wandb.teardown()
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     wandb_cli = Path(sys.executable).with_name("wandb")  # wandb's own reader of its transaction log
     inspect = [str(wandb_cli), "leet", "inspect", "--json", str(run_file)]

@@ -383,9 +383,13 @@ def test_validation_between_micro_batches_is_not_counted(tmp_path: Path) -> None
 def test_wandb_offline_run_holds_the_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+
+    wandb.teardown()  # wandb keeps the settings of an earlier run in this process
     logger = WandbLogger(save_dir=tmp_path, offline=True, project="flops-callbacks-test")
     fit(tmp_path, MLP(), quiet_callback(tokens_fn=tokens), logger=logger)
     logger.experiment.finish()
+    wandb.teardown()
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     # wandb's own reader of its transaction log
     wandb_cli = Path(sys.executable).with_name("wandb")
