@@ -185,6 +185,7 @@ class Tracer:
             self._names[id(module)] = name
             self._modules[name] = module
         self._ancestors = {name: self._ancestors_of(name) for name in self._modules}
+        self._param_holders = self._holders_of_params()
         self._containers = {
             name for name, m in self._modules.items() if type(m).forward is torch.nn.Module.forward
         }
@@ -203,8 +204,9 @@ class Tracer:
     def reset(self) -> None:
         """Forget everything counted so far (hooks and modes stay as they are)."""
         self._calls = dict.fromkeys(self._modules, 0)
-        self._contexts: dict[tuple, _Context] = {}
+        self._contexts: dict[tuple[str, ...], dict[str | None, _Context]] = {}  # by stack, functional
         self._stack: list[_Frame] = []
+        self._here = self._contexts.setdefault((), {})
         self._functional: str | None = None
         self._ctx: _Context | None = None
         self._flops_in_call = False
@@ -255,7 +257,7 @@ class Tracer:
                 node.metadata.pop(_TAG, None)
             self._tagged = []
             self._stack.clear()
-            self._ctx = None
+            self._stack_changed()
             if self._in_backward:  # a backward that raised never reached its end callback
                 self._in_backward = False
 
@@ -265,6 +267,15 @@ class Tracer:
         self._hooks.clear()
 
     # --- module stack ------------------------------------------------------------------------------
+
+    def _holders_of_params(self) -> list[tuple[torch.nn.Parameter, tuple[str, ...]]]:
+        """Each parameter with the profiled modules that hold it (its owners and their ancestors)."""
+        holders: dict[int, tuple[torch.nn.Parameter, dict[str, None]]] = {}
+        for raw_name, param in self.model.named_parameters(remove_duplicate=False):
+            owner = _clean_name(raw_name.rpartition(".")[0])
+            names = holders.setdefault(id(param), (param, {}))[1]
+            names.update(dict.fromkeys(n for n in (*self._ancestors_of(owner), owner) if n in self._modules))
+        return [(param, tuple(names)) for param, names in holders.values()]
 
     def _ancestors_of(self, name: str) -> list[str]:
         if not name:
@@ -299,7 +310,7 @@ class Tracer:
         start = self.clock.mark()
         self._stack.extend(_Frame(a, start, recompute, True) for a in self._virtual_ancestors(name))
         self._stack.append(_Frame(name, start, recompute, False))
-        self._ctx = None
+        self._stack_changed()
 
     def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self._owns_thread():
@@ -321,6 +332,11 @@ class Tracer:
             self._close(self._stack.pop(), end)
         if not self._stack and not frame.recompute:
             self._top_spans.append((frame.start, end))
+        self._stack_changed()
+
+    def _stack_changed(self) -> None:
+        names = tuple(dict.fromkeys(f.name for f in self._stack))
+        self._here = self._contexts.setdefault(names, {})  # this stack's contexts, by functional
         self._ctx = None
 
     def _close(self, frame: _Frame, end: Any) -> None:
@@ -337,11 +353,10 @@ class Tracer:
         return self._context_for(None)
 
     def _context_for(self, functional: str | None) -> _Context:
-        names = tuple(dict.fromkeys(f.name for f in self._stack))
-        key = (names, functional)
-        ctx = self._contexts.get(key)
+        ctx = self._here.get(functional)
         if ctx is None:
-            ctx = self._contexts[key] = _Context(names, functional)
+            names = tuple(dict.fromkeys(f.name for f in self._stack))
+            ctx = self._here[functional] = _Context(names, functional)
         return ctx
 
     # --- functionals: naming and tagging autograd nodes --------------------------------------------
@@ -433,6 +448,18 @@ class Tracer:
 
     # --- result ------------------------------------------------------------------------------------
 
+    def _param_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Parameters (all, trainable) under each module, each tensor once per module (tied ones
+        count in every module that holds them)."""
+        params = dict.fromkeys(self._modules, 0)
+        trainable = dict.fromkeys(self._modules, 0)
+        for param, holders in self._param_holders:
+            for name in holders:
+                params[name] += param.numel()
+                if param.requires_grad:
+                    trainable[name] += param.numel()
+        return params, trainable
+
     def profile(self, causal_attention: str = "full") -> Profile:
         """Everything counted since the last reset, with latencies resolved (synchronizes once)."""
         seconds = self.clock.seconds
@@ -440,7 +467,7 @@ class Tracer:
         counts = {name: Counts(calls=calls) for name, calls in self._calls.items()}
         functionals: dict[str, dict[str, Counts]] = {name: {} for name in self._modules}
         outside = Counts()
-        for ctx in self._contexts.values():
+        for ctx in (c for by_functional in self._contexts.values() for c in by_functional.values()):
             for functional, sums in ctx.sums.items():
                 for name in ctx.names:
                     _add_sums(counts[name], sums)
@@ -464,16 +491,16 @@ class Tracer:
         total_bwd = sum(seconds(a, b) for a, b in self._bwd_spans)
         measured = total_fwd + total_bwd
 
+        params, trainable = self._param_counts()
         modules: dict[str, ModuleProfile] = {}
         for name, module in self._modules.items():
-            params = dict.fromkeys(module.parameters())
             modules[name] = ModuleProfile(
                 **vars(counts[name]),
                 name=name,
                 class_name=type(module).__name__,
                 depth=name.count(".") + 1 if name else 0,
-                params=sum(p.numel() for p in params),
-                trainable_params=sum(p.numel() for p in params if p.requires_grad),
+                params=params[name],
+                trainable_params=trainable[name],
                 fwd_latency=fwd_latency[name],
                 bwd_latency=bwd_latency[name],
                 recompute_latency=rec_latency[name],
