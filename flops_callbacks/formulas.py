@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.flop_counter import flop_registry as _torch_registry
@@ -60,6 +59,8 @@ def _numel(x: Any) -> int:
 
 
 def _largest_tensor_numel(x: Any) -> int:
+    if isinstance(x, torch.Tensor):  # most ops: skip the pytree walk, which costs microseconds
+        return x.numel()
     leaves = torch.utils._pytree.tree_leaves(x)
     return max((t.numel() for t in leaves if isinstance(t, torch.Tensor)), default=0)
 
@@ -359,8 +360,9 @@ def _bound_arg(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str
     return None
 
 
-@dataclass(frozen=True)
-class _Rule:
+class OpRule(NamedTuple):
+    """How one aten overload is counted: its kind and its formula (None for free / uncounted)."""
+
     kind: OpKind
     formula: Formula | None
 
@@ -395,37 +397,37 @@ def _reduction(args: tuple, kwargs: dict, out: Any) -> int:
     return _first_tensor_numel(args)  # one flop per input element
 
 
-_RULES: dict[Any, _Rule] = {}
+_RULES: dict[Any, OpRule] = {}
 
 
-def _rule(func: torch._ops.OpOverload) -> _Rule:
-    rule = _RULES.get(func)
-    if rule is not None:
-        return rule
+def rule(func: torch._ops.OpOverload) -> OpRule:
+    found = _RULES.get(func)
+    if found is not None:
+        return found
     packet, tags = func._overloadpacket, func.tags
     if packet in _DENSE:
-        rule = _Rule(OpKind.DENSE, _DENSE[packet])
+        rule = OpRule(OpKind.DENSE, _DENSE[packet])
     elif packet in _torch_registry:
-        rule = _Rule(OpKind.DENSE, _torch_formula(packet))
+        rule = OpRule(OpKind.DENSE, _torch_formula(packet))
     elif packet in _ELEMENTWISE:
-        rule = _Rule(OpKind.ELEMENTWISE, _ELEMENTWISE[packet])
+        rule = OpRule(OpKind.ELEMENTWISE, _ELEMENTWISE[packet])
     elif packet in _FREE or func.is_view or func.namespace == "profiler":
-        rule = _Rule(OpKind.FREE, None)
+        rule = OpRule(OpKind.FREE, None)
     elif torch.Tag.pointwise in tags:
-        rule = _Rule(OpKind.ELEMENTWISE, _pointwise)
+        rule = OpRule(OpKind.ELEMENTWISE, _pointwise)
     elif torch.Tag.reduction in tags:
-        rule = _Rule(OpKind.ELEMENTWISE, _reduction)
+        rule = OpRule(OpKind.ELEMENTWISE, _reduction)
     elif torch.Tag.nondeterministic_seeded in tags or torch.Tag.inplace_view in tags:
-        rule = _Rule(OpKind.FREE, None)
+        rule = OpRule(OpKind.FREE, None)
     else:
-        rule = _Rule(OpKind.UNCOUNTED, None)
+        rule = OpRule(OpKind.UNCOUNTED, None)
     _RULES[func] = rule
     return rule
 
 
 def classify(func: torch._ops.OpOverload) -> OpKind:
     """Whether ``func`` is dense, elementwise, free of arithmetic, or uncounted (cached per op)."""
-    return _rule(func).kind
+    return rule(func).kind
 
 
 def count_flops(
@@ -437,16 +439,22 @@ def count_flops(
     the score matrix; by default the full QK^T and AV products are counted, as FlopCounterMode,
     DeepSpeed and the PaLM MFU definition do.
     """
-    formula = _rule(func).formula
+    formula = rule(func).formula
     if formula is None:
         return 0
-    flops = formula(args, kwargs, out)
+    flops = int(formula(args, kwargs, out))
+    return causal_scaled(func, args, kwargs, flops) if causal_half else flops
+
+
+def causal_scaled(func: torch._ops.OpOverload, args: tuple, kwargs: dict, flops: int) -> int:
+    """``flops`` of an attention kernel called with ``is_causal=True`` scaled to the kept part of
+    the score matrix (torch's top-left mask); any other op's flops unchanged."""
     name = func._overloadpacket.__name__
-    if causal_half and name.startswith("_scaled_dot_product") and _bound_arg(func, args, kwargs, "is_causal"):
-        # These kernels take (batch, heads, seq, dim); backward ones start with grad_out.
-        q, k = args[1:3] if name.endswith("backward") else args[0:2]
-        flops = round(flops * causal_fraction(q.shape[-2], k.shape[-2]))
-    return int(flops)
+    if not (name.startswith("_scaled_dot_product") and _bound_arg(func, args, kwargs, "is_causal")):
+        return flops
+    # These kernels take (batch, heads, seq, dim); backward ones start with grad_out.
+    q, k = args[1:3] if name.endswith("backward") else args[0:2]
+    return round(flops * causal_fraction(q.shape[-2], k.shape[-2]))
 
 
 _ATTENTION_BACKWARDS = frozenset(
@@ -498,4 +506,14 @@ def rnn_flops(
     return total
 
 
-__all__ = ["OpKind", "causal_fraction", "classify", "count_flops", "recomputed_share", "rnn_flops"]
+__all__ = [
+    "OpKind",
+    "OpRule",
+    "causal_fraction",
+    "causal_scaled",
+    "classify",
+    "count_flops",
+    "recomputed_share",
+    "rnn_flops",
+    "rule",
+]

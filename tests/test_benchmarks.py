@@ -1,0 +1,47 @@
+"""The comparison benchmark keeps running: ``benchmarks/compare.py --quick`` exits 0 and its tables show
+our matmul/conv/attention counts equal to the aten reference, forward and forward + backward, on
+every model of the subset (the other tools' columns say "not installed" when they are absent)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TITLES = ("### Forward", "### Forward + backward (one training step)")
+
+
+def table(output: str, title: str) -> tuple[list[str], list[list[str]]]:
+    """The markdown table under the heading ``title``: (header cells, row cells)."""
+    lines = output.splitlines()
+    start = lines.index(title) + 2  # heading, blank line, then the table
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    header, _separator, *body = rows
+    return header, body
+
+
+def test_compare_quick_runs_and_our_dense_counts_are_exact() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,  # a hang guard only: the script's own goal is < 60 s on CPU
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for title in TITLES:
+        header, rows = table(done.stdout, title)
+        ours = header.index("flops_callbacks, matmul")
+        assert [row[0] for row in rows] == [
+            "GPT-2 (4 x 128 wide), seq 128",
+            "LSTM LM (2x256), 32x16",
+            "functional block (einsum, @, SDPA)",
+            "GPT-2 (4 x 128 wide) fine-tune, last block trainable",
+        ]
+        assert all(row[ours] == "1 (exact)" for row in rows), (title, rows)
+        assert all(float(row[1]) > 0 for row in rows)  # the reference counted something
