@@ -25,7 +25,9 @@ except ImportError as err:  # the core needs only torch; the HF callback is an e
 
 from flops_callbacks import metrics as names
 from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
 from flops_callbacks.step import BACKWARD, FORWARD, OPTIMIZER_STEP, StepProfiler, StepResult
+from flops_callbacks.throughput import ThroughputMeter
 from flops_callbacks.units import number_to_string
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,20 @@ def _deepspeed_autotp_size(accelerator_state: Any) -> int:
     return max((_size(_field(_field(c, "tensor_parallel"), "autotp_size")) for c in configs), default=1)
 
 
+def compute_dtype(args: Any, model: torch.nn.Module, accelerator: Any = None) -> str | None:
+    """What the matmuls run in: fp8 under accelerate's fp8 mixed precision, bf16 / fp16 with
+    ``args.bf16`` / ``args.fp16``, else the model's parameter dtype (a model loaded in bf16 trains in
+    bf16; fp32 is tf32 when torch allows it, as ``args.tf32`` sets it)."""
+    mixed = str(getattr(accelerator, "mixed_precision", "no"))
+    if mixed == "fp8":
+        return FP8
+    if getattr(args, "bf16", False) or mixed == "bf16":
+        return BF16
+    if getattr(args, "fp16", False) or mixed == "fp16":
+        return FP16
+    return parameters_dtype(model)
+
+
 def _calling_trainer() -> transformers.Trainer | None:
     """The Trainer whose callback event is running: the first ``self`` up the stack that is one.
 
@@ -114,6 +130,11 @@ def _has_input_ids(batch: Any) -> bool:
     return isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor)
 
 
+def _inputs_of(args: tuple, kwargs: dict) -> Any:
+    """The ``inputs`` of a ``Trainer.training_step(model, inputs, num_items_in_batch)`` call."""
+    return args[1] if len(args) > 1 else kwargs.get("inputs")
+
+
 class HFFlopsCallback(TrainerCallback):
     """Profiles one optimizer step of a ``transformers.Trainer`` run: DeepSpeed-style report, metrics
     in every reporting backend of the Trainer.
@@ -128,6 +149,16 @@ class HFFlopsCallback(TrainerCallback):
     ``profile_step``: they are in ``state.log_history`` under those names, and the Trainer's
     TensorBoard / W&B / MLflow ... callbacks write them as they write every training log, under
     ``train/flops_profiler/*``. Nothing is registered on the model outside the profiled step.
+
+    After that step, at every logging step (``logging_steps``), the world process zero logs the
+    ``throughput/*`` metrics of the interval since the previous one the same way, from the flops
+    measured per batch shape (:mod:`flops_callbacks.throughput`): no hooks and no counting on those
+    steps, one device synchronize per logging interval, evaluation time left out. The Trainer has no
+    event that carries the batch, so for this the adapter wraps the Trainer's ``training_step`` (an
+    instance attribute, as during the profiled step; the model gets nothing) from the end of the
+    profiled step to the end of training, or until an exception passes through it; an exception
+    elsewhere leaves it until the Trainer's next ``train()``. ``batch_size_fn`` and ``tokens_fn`` then
+    receive the Trainer's ``inputs`` dict.
 
     Phases, on the device's synchronized clock, as transformers 5 runs a step (``on_step_begin``
     once, then per micro-batch ``training_step`` with the model's forward and ``accelerator.backward``
@@ -186,6 +217,11 @@ class HFFlopsCallback(TrainerCallback):
             adds ``flops_profiler/tokens_per_sec``.
         causal_attention: "full" counts all of QK^T and AV for causal attention (FlopCounterMode,
             DeepSpeed, PaLM MFU); "half" only the unmasked part.
+        throughput: log ``throughput/*`` at every logging step after the profiled one.
+        peak_flops: dense peak FLOPS of one device, for ``flops_profiler/mfu``, ``hfu`` and
+            ``throughput/mfu``. Default: the ``FLOPS_CALLBACKS_PEAK_FLOPS`` environment variable, else
+            the table of :mod:`flops_callbacks.peaks` for the GPU and the training arguments' compute dtype
+            (:func:`compute_dtype`). On a CPU or an unknown device there is no MFU; the report says so.
     """
 
     def __init__(
@@ -199,7 +235,11 @@ class HFFlopsCallback(TrainerCallback):
         batch_size_fn: Callable[[Any], int] | None = None,
         tokens_fn: Callable[[Any], int] | None = None,
         causal_attention: str = "full",
+        throughput: bool = True,
+        peak_flops: float | None = None,
     ) -> None:
+        if not isinstance(throughput, bool):
+            raise ValueError(f"throughput must be True or False, got {throughput!r}")
         self.profiler = StepProfiler(
             profile_step=profile_step,
             module_depth=module_depth,
@@ -210,12 +250,20 @@ class HFFlopsCallback(TrainerCallback):
             batch_size_fn=batch_size_fn,
             tokens_fn=tokens_fn,
             causal_attention=causal_attention,
+            peak_flops=peak_flops,
         )
         self._tokens_fn = tokens_fn
+        self.meter = (
+            ThroughputMeter(self.profiler.batch_size_fn, self._meter_tokens, causal_attention)
+            if throughput
+            else None
+        )
+        self._metering = False  # this process meters throughput (the world process zero)
+        self._meter_pending: tuple[StepResult, torch.nn.Module] | None = None
         self._trainer: weakref.ref[transformers.Trainer] | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._guarded: transformers.Trainer | None = None  # the Trainer whose training_step is wrapped
-        self._guard: Callable[..., Any] | None = None
+        self._guard: Callable[..., Any] | None = None  # the wrapper: the profiled step's guard or the meter's
         self._shadowed: Callable[..., Any] | None = None  # a user's own instance-level training_step
         self._batches: list[Any] = []  # the micro-batches of the profiled step, as the model got them
         self._batch_counted = False  # whether the current micro-batch's forward has been seen
@@ -232,6 +280,7 @@ class HFFlopsCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._stop_unfinished()
+        self._stop_metering()
         trainer = _calling_trainer()
         self._trainer = weakref.ref(trainer) if trainer is not None else None
         step, profile_step = state.global_step, self.profiler.profile_step
@@ -263,8 +312,10 @@ class HFFlopsCallback(TrainerCallback):
         if model is None or not sp.due(state.global_step):
             return
         trainer = self._trainer() if self._trainer is not None else None
-        parallel = parallel_sizes(args, model, getattr(getattr(trainer, "accelerator", None), "state", None))
+        accelerator = getattr(trainer, "accelerator", None)
+        parallel = parallel_sizes(args, model, getattr(accelerator, "state", None))
         self._batches, self._batch_counted = [], False
+        self._metering = self.meter is not None and state.is_world_process_zero
         # Registered before the profiler's own hooks so that they run first: counting the batch is
         # not work of the model.
         self._hooks = [
@@ -274,7 +325,7 @@ class HFFlopsCallback(TrainerCallback):
         try:
             if trainer is not None:
                 self._guard_training_step(trainer)
-            sp.begin(model, parallel)
+            sp.begin(model, parallel, compute_dtype(args, model, accelerator))
         except BaseException:
             self._release()
             raise
@@ -310,16 +361,46 @@ class HFFlopsCallback(TrainerCallback):
         if state.is_world_process_zero:
             sp.publish(result, getattr(args, "logging_dir", None) or args.output_dir)
         self._log(trainer, result.metrics())
+        model = kwargs.get("model")
+        if self._metering and trainer is not None and model is not None:
+            self._meter_pending = (result, model)  # the first interval starts when this step ends
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        meter, pending, self._meter_pending = self.meter, self._meter_pending, None
+        trainer = self._trainer() if self._trainer is not None else None
+        if meter is None or trainer is None:
+            return
+        if pending is not None:
+            result, model = pending
+            meter.start(result, model)
+            self._wrap_training_step(trainer, lambda step: self._metered(step, meter, model))
+        elif meter.started:
+            meter.end_step()
+            # DefaultFlowCallback, first in the list, has decided by now whether this step logs
+            metrics = meter.metrics() if control.should_log else {}
+            if metrics:
+                self._log(trainer, metrics)
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.meter is not None:
+            self.meter.resume()
 
     def on_prediction_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._stop_unfinished()
+        if self.meter is not None:
+            self.meter.pause(evaluating=True)  # evaluation time is not training throughput
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._stop_unfinished()
+        self._stop_metering()
         self._trainer = None
         sp = self.profiler
         if sp.result is None and not self._resumed_past and state.is_world_process_zero:
@@ -355,20 +436,60 @@ class HFFlopsCallback(TrainerCallback):
     def _guard_training_step(self, trainer: transformers.Trainer) -> None:
         """Wrap ``trainer.training_step`` (an instance attribute, removed at the step's end) so that
         an exception in a forward or backward stops the profile before it propagates."""
-        training_step = trainer.training_step
 
-        def guarded_training_step(*args: Any, **kwargs: Any) -> Any:
+        def guard(training_step: Callable[..., Any]) -> Callable[..., Any]:
+            def guarded_training_step(*args: Any, **kwargs: Any) -> Any:
+                if self._metering and self.meter is not None:
+                    self.meter.observe(_inputs_of(args, kwargs))
+                try:
+                    return training_step(*args, **kwargs)
+                except BaseException:
+                    self.profiler.abort()
+                    self._release()
+                    raise
+
+            return guarded_training_step
+
+        self._wrap_training_step(trainer, guard)
+
+    def _metered(
+        self, training_step: Callable[..., Any], meter: ThroughputMeter, model: torch.nn.Module
+    ) -> Callable[..., Any]:
+        """``training_step`` telling the throughput meter each micro-batch (it measures new shapes)."""
+
+        def metered_training_step(*args: Any, **kwargs: Any) -> Any:
+            meter.begin_micro_batch(_inputs_of(args, kwargs), model)
             try:
-                return training_step(*args, **kwargs)
+                loss = training_step(*args, **kwargs)
             except BaseException:
-                self.profiler.abort()
-                self._release()
+                self._stop_metering()
                 raise
+            meter.end_micro_batch()
+            return loss
 
+        return metered_training_step
+
+    def _wrap_training_step(
+        self, trainer: transformers.Trainer, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+    ) -> None:
+        """Set ``trainer.training_step`` (an instance attribute) to ``wrap(training_step)``."""
+        wrapper = wrap(trainer.training_step)
         self._shadowed = trainer.__dict__.get("training_step")
-        self._guard = guarded_training_step
-        trainer.training_step = guarded_training_step
+        self._guard = wrapper
+        trainer.training_step = wrapper
         self._guarded = trainer
+
+    def _stop_metering(self) -> None:
+        """End continuous throughput: a measurement in progress stops, the training_step wrapper goes."""
+        self._meter_pending = None
+        if self.meter is not None and self.meter.started:
+            self.meter.close()
+            self._unguard_training_step()
+
+    def _meter_tokens(self, batch: Any) -> int | None:
+        if self._tokens_fn is not None:
+            return self._tokens_fn(batch)
+        return _input_ids_tokens(batch) if _has_input_ids(batch) else None
 
     def _unguard_training_step(self) -> None:
         trainer, self._guarded = self._guarded, None

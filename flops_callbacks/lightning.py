@@ -21,7 +21,9 @@ except ImportError as err:  # the core needs only torch; the Lightning callback 
     ) from err
 
 from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
 from flops_callbacks.step import BACKWARD, FORWARD, OPTIMIZER_STEP, StepProfiler, StepResult
+from flops_callbacks.throughput import ThroughputMeter
 
 
 def parallel_sizes(trainer: pl.Trainer) -> ParallelSizes:
@@ -47,6 +49,21 @@ def parallel_sizes(trainer: pl.Trainer) -> ParallelSizes:
     )
 
 
+def compute_dtype(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+    """What the matmuls run in, from the precision plugin: ``bf16-*`` -> bf16, ``16-*`` -> fp16,
+    Transformer Engine -> fp8, ``32-true`` -> the parameters' dtype (tf32 when torch allows it)."""
+    precision = str(trainer.precision)
+    if precision.startswith("transformer-engine"):
+        return FP8
+    if precision.startswith("bf16"):
+        return BF16
+    if precision.startswith("16"):
+        return FP16
+    if precision.startswith("32"):
+        return parameters_dtype(pl_module)
+    return None  # 64-true: the peak table has no fp64 column
+
+
 class FlopsProfilerCallback(pl.Callback):
     """Profiles one optimizer step of a Lightning run: DeepSpeed-style report, metrics in every logger.
 
@@ -56,7 +73,10 @@ class FlopsProfilerCallback(pl.Callback):
     prints the report (or writes it to ``output_file``), writes it and a JSON of the full profile as
     ``flops_profile_step{N}.txt/.json`` into ``trainer.log_dir``, and logs the ``flops_profiler/*``
     metrics (:mod:`flops_callbacks.metrics`) once, at step ``profile_step``, to every logger of the
-    Trainer. Nothing runs on other steps.
+    Trainer. After that step, at every logging step (``global_step % log_every_n_steps == 0``), rank 0
+    logs the ``throughput/*`` metrics of the interval since the previous one, from the flops measured
+    per batch shape (:mod:`flops_callbacks.throughput`): no hooks and no counting on those steps, one
+    device synchronize per logging interval, validation time left out.
 
     Phases, on the device's synchronized clock, as Lightning 2.6 calls the hooks (every precision
     plugin, AMP's GradScaler and DeepSpeed included, runs the closure with forward and backward
@@ -93,6 +113,12 @@ class FlopsProfilerCallback(pl.Callback):
         tokens_fn: tokens in a batch; adds ``flops_profiler/tokens_per_sec``.
         causal_attention: "full" counts all of QK^T and AV for causal attention (FlopCounterMode,
             DeepSpeed, PaLM MFU); "half" only the unmasked part.
+        throughput: log ``throughput/*`` at every logging step after the profiled one.
+        peak_flops: dense peak FLOPS of one device, for ``flops_profiler/mfu``, ``hfu`` and
+            ``throughput/mfu``. Default:
+            the ``FLOPS_CALLBACKS_PEAK_FLOPS`` environment variable, else the table of
+            :mod:`flops_callbacks.peaks` for the GPU and the precision plugin's compute dtype
+            (:func:`compute_dtype`). On a CPU or an unknown device there is no MFU; the report says so.
     """
 
     def __init__(
@@ -106,8 +132,12 @@ class FlopsProfilerCallback(pl.Callback):
         batch_size_fn: Callable[[Any], int] | None = None,
         tokens_fn: Callable[[Any], int] | None = None,
         causal_attention: str = "full",
+        throughput: bool = True,
+        peak_flops: float | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(throughput, bool):
+            raise ValueError(f"throughput must be True or False, got {throughput!r}")
         self.profiler = StepProfiler(
             profile_step=profile_step,
             module_depth=module_depth,
@@ -118,7 +148,13 @@ class FlopsProfilerCallback(pl.Callback):
             batch_size_fn=batch_size_fn,
             tokens_fn=tokens_fn,
             causal_attention=causal_attention,
+            peak_flops=peak_flops,
         )
+        self.meter = (
+            ThroughputMeter(self.profiler.batch_size_fn, tokens_fn, causal_attention) if throughput else None
+        )
+        self._metering: ThroughputMeter | None = None  # the meter, on the rank that logs
+        self._step_at_batch_start = 0
         self._profiled_step: int | None = None  # kept in checkpoints: a resumed run knows it ran
         self._resumed_past = False
 
@@ -134,6 +170,8 @@ class FlopsProfilerCallback(pl.Callback):
         self._profiled_step = state_dict.get("profiled_step")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # metered where its metrics go somewhere: on rank 0, with a logger
+        self._metering = self.meter if trainer.is_global_zero and trainer.loggers else None
         step, profile_step = trainer.global_step, self.profiler.profile_step
         self._resumed_past = step > profile_step
         if not self._resumed_past:
@@ -153,11 +191,18 @@ class FlopsProfilerCallback(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        sp = self.profiler
+        sp, meter = self.profiler, self._metering
+        self._step_at_batch_start = step = trainer.global_step
         if sp.active:  # the next micro-batch of the profiled step
+            if meter is not None:
+                meter.observe(batch)
             sp.resume(FORWARD)
-        elif sp.due(trainer.global_step):
-            sp.begin(pl_module, parallel_sizes(trainer))
+        elif sp.due(step):
+            if meter is not None:
+                meter.observe(batch)
+            sp.begin(pl_module, parallel_sizes(trainer), compute_dtype(trainer, pl_module))
+        elif meter is not None and meter.started:
+            meter.begin_micro_batch(batch, pl_module)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         if self.profiler.active:
@@ -172,8 +217,10 @@ class FlopsProfilerCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        sp = self.profiler
+        sp, meter = self.profiler, self._metering
         if not sp.active:
+            if meter is not None and meter.started:
+                self._meter_step_end(trainer, meter)
             return
         sp.pause()  # validation may run before the next micro-batch
         sp.add_batch(batch)
@@ -189,6 +236,28 @@ class FlopsProfilerCallback(pl.Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=result.step)
                 logger.save()
+        if meter is not None:
+            meter.start(result, pl_module)
+
+    def _meter_step_end(self, trainer: pl.Trainer, meter: ThroughputMeter) -> None:
+        meter.end_micro_batch()
+        if trainer.global_step == self._step_at_batch_start:
+            return  # accumulating: the optimizer step has not run yet
+        meter.end_step()
+        every = trainer.log_every_n_steps
+        if every and trainer.global_step % every == 0:
+            metrics = meter.metrics()
+            for logger in trainer.loggers if metrics else ():
+                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.save()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.meter is not None and not trainer.sanity_checking:
+            self.meter.pause(evaluating=True)  # validation time is not training throughput
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.meter is not None and not trainer.sanity_checking:
+            self.meter.resume()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # An epoch cut short by on_train_batch_start returning -1 ends inside the profiled step.
@@ -198,8 +267,12 @@ class FlopsProfilerCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         self.profiler.abort()  # Lightning re-raises the exception itself
+        if self.meter is not None:
+            self.meter.close()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.meter is not None:
+            self.meter.close()
         sp = self.profiler
         if sp.active:
             sp.abort()

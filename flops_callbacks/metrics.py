@@ -1,7 +1,9 @@
 """The metric names both callbacks log, in one place, and the step -> metrics dict conversion.
 
 Flops and latencies are per device; ``samples_per_sec`` and ``tokens_per_sec`` count every
-data-parallel replica. Latencies are in seconds, rates per second.
+data-parallel replica. Latencies are in seconds, rates per second, MFU and HFU fractions of the
+device's dense peak FLOPS (logged only when a peak is known: :mod:`flops_callbacks.peaks`).
+In a multi-process run the latencies are the slowest rank's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,21 @@ BWD_FLOPS_PER_SEC = PREFIX + "bwd_flops_per_sec"  # bwd flops / bwd latency
 FLOPS_PER_SEC = PREFIX + "flops_per_sec"  # (fwd + bwd flops) / iter latency
 SAMPLES_PER_SEC = PREFIX + "samples_per_sec"  # samples per device x dp size / iter latency
 TOKENS_PER_SEC = PREFIX + "tokens_per_sec"  # tokens per device x dp size / iter latency (if known)
+MFU = PREFIX + "mfu"  # (fwd + bwd flops) / iter latency / peak FLOPS (model flops: recompute excluded)
+HFU = PREFIX + "hfu"  # (fwd + bwd + recompute flops) / iter latency / peak FLOPS (hardware flops)
 
+# Continuous throughput, at every logging step after the profiled one (flops_callbacks.throughput):
+# rates over the wall time since the previous logging step, flops from the measured flops per batch.
+THROUGHPUT_PREFIX = "throughput/"
+THROUGHPUT_SAMPLES_PER_SEC = THROUGHPUT_PREFIX + "samples_per_sec"  # all data-parallel replicas
+THROUGHPUT_TOKENS_PER_SEC = THROUGHPUT_PREFIX + "tokens_per_sec"  # all replicas, when tokens are known
+THROUGHPUT_FLOPS_PER_SEC = THROUGHPUT_PREFIX + "flops_per_sec"  # model flops per device per second
+THROUGHPUT_MFU = THROUGHPUT_PREFIX + "mfu"  # flops_per_sec / peak FLOPS, when a peak is known
+
+THROUGHPUT = (THROUGHPUT_SAMPLES_PER_SEC, THROUGHPUT_TOKENS_PER_SEC, THROUGHPUT_FLOPS_PER_SEC, THROUGHPUT_MFU)
+WITH_PEAK = (MFU, HFU)  # at the profiled step, only when a peak is known
+
+# At the profiled step, always (tokens_per_sec only when tokens are known).
 ALL = (
     FWD_FLOPS,
     BWD_FLOPS,
@@ -71,4 +87,7 @@ def step_metrics(step: StepResult) -> dict[str, float]:
     }
     if step.tokens is not None:
         metrics[TOKENS_PER_SEC] = _per_sec(step.tokens * dp, step.iter_latency)
+    if step.peak is not None:
+        metrics[MFU] = _per_sec(p.model_flops, step.iter_latency) / step.peak.flops
+        metrics[HFU] = _per_sec(p.hardware_flops, step.iter_latency) / step.peak.flops
     return metrics

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves
 
 from flops_callbacks.clock import Clock, clock_for, module_device
-from flops_callbacks.formulas import OpKind, classify, count_flops, recomputed_share
+from flops_callbacks.formulas import OpKind, causal_scaled, recomputed_share, rule
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
 
 _TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()
@@ -89,12 +89,13 @@ def _add_sums(counts: Counts, sums: list[int]) -> None:
     counts.recompute_macs += sums[5]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Frame:
     name: str
     start: Any
     recompute: bool
     virtual: bool  # an ancestor the call did not enter (a ModuleList, or above a direct call)
+    key: tuple[str, ...]  # the distinct module names of the stack up to this frame
 
 
 _ARITHMETIC_DUNDERS = frozenset({"add", "sub", "mul", "truediv", "matmul", "pow", "floordiv"})
@@ -152,7 +153,26 @@ class _DispatchMode(TorchDispatchMode):
         self.tracer = tracer
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if types and _is_subclass_of(types, "torch.distributed.tensor", "DTensor"):
+            # DTensor (tensor parallelism, FSDP2) runs the op as ops on its local shards, which come
+            # back here: counted there, flops are this device's, not the global tensor's.
+            return NotImplemented
+        if types and _is_subclass_of(types, "torch._subclasses.fake_tensor", "FakeTensor"):
+            return func(*args, **(kwargs or {}))  # DTensor's shape propagation: runs nothing
         return self.tracer._run_op(func, args, kwargs or {})
+
+
+def _is_subclass_of(types: Any, module: str, name: str) -> bool:
+    """Whether a tensor subclass in ``types`` is ``module.name`` (never imported: if the module is not
+    loaded, no such tensor exists)."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls is not None and any(issubclass(t, cls) for t in types)
+
+
+def _stored_numel(param: torch.Tensor) -> int:
+    """Elements this device stores: a DTensor's local shard, not its global size."""
+    local = getattr(param, "_local_tensor", None)
+    return local.numel() if isinstance(local, torch.Tensor) else param.numel()
 
 
 class Tracer:
@@ -186,8 +206,9 @@ class Tracer:
             self._modules[name] = module
         self._ancestors = {name: self._ancestors_of(name) for name in self._modules}
         self._param_holders = self._holders_of_params()
-        self._containers = {
-            name for name, m in self._modules.items() if type(m).forward is torch.nn.Module.forward
+        containers = {name for name, m in self._modules.items() if type(m).forward is torch.nn.Module.forward}
+        self._container_ancestors = {
+            name: [a for a in ancestors if a in containers] for name, ancestors in self._ancestors.items()
         }
         self._hooks: list[Any] = []
         self._thread: int | None = None
@@ -295,11 +316,17 @@ class Tracer:
         submodule called from outside the model, everything above it."""
         if not self._stack:
             return self._ancestors[name]
+        containers = self._container_ancestors[name]
+        if not containers:
+            return containers
         top = self._stack[-1].name
         if top and not name.startswith(top + "."):
             return []  # a shared module called from outside its own parent: no static path
-        below_top = [a for a in self._ancestors[name] if a.startswith(top + ".") or (not top and a)]
-        return [a for a in below_top if a in self._containers]
+        return [a for a in containers if a.startswith(top + ".") or (not top and a)]
+
+    def _push(self, name: str, start: Any, recompute: bool, virtual: bool) -> None:
+        key = self._stack[-1].key if self._stack else ()
+        self._stack.append(_Frame(name, start, recompute, virtual, key if name in key else (*key, name)))
 
     def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if not self._owns_thread():
@@ -308,35 +335,39 @@ class Tracer:
         recompute = bool(self._stack and self._stack[-1].recompute)
         recompute = recompute or torch._C._current_autograd_node() is not None
         start = self.clock.mark()
-        self._stack.extend(_Frame(a, start, recompute, True) for a in self._virtual_ancestors(name))
-        self._stack.append(_Frame(name, start, recompute, False))
+        for ancestor in self._virtual_ancestors(name):
+            self._push(ancestor, start, recompute, True)
+        self._push(name, start, recompute, False)
         self._stack_changed()
 
     def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self._owns_thread():
             return
         name = self._names[id(module)]
-        if not any(f.name == name and not f.virtual for f in self._stack):
+        stack = self._stack
+        top = stack[-1] if stack else None
+        on_top = top is not None and top.name == name and not top.virtual
+        if not on_top and not any(f.name == name and not f.virtual for f in stack):
             return
         end = self.clock.mark()
         if torch.is_grad_enabled():  # nodes no functional tagged (made in a backward, by Function.apply)
             self._tag(output, self._module_context())
         while True:  # children whose post hook did not run are closed too
-            frame = self._stack.pop()
+            frame = stack.pop()
             if frame.name == name and not frame.virtual:
                 break
         self._close(frame, end)
         if not frame.recompute:
             self._calls[name] += 1
-        while self._stack and self._stack[-1].virtual:
-            self._close(self._stack.pop(), end)
-        if not self._stack and not frame.recompute:
+        while stack and stack[-1].virtual:
+            self._close(stack.pop(), end)
+        if not stack and not frame.recompute:
             self._top_spans.append((frame.start, end))
         self._stack_changed()
 
     def _stack_changed(self) -> None:
-        names = tuple(dict.fromkeys(f.name for f in self._stack))
-        self._here = self._contexts.setdefault(names, {})  # this stack's contexts, by functional
+        key = self._stack[-1].key if self._stack else ()
+        self._here = self._contexts.setdefault(key, {})  # this stack's contexts, by functional
         self._ctx = None
 
     def _close(self, frame: _Frame, end: Any) -> None:
@@ -355,7 +386,7 @@ class Tracer:
     def _context_for(self, functional: str | None) -> _Context:
         ctx = self._here.get(functional)
         if ctx is None:
-            names = tuple(dict.fromkeys(f.name for f in self._stack))
+            names = self._stack[-1].key if self._stack else ()
             ctx = self._here[functional] = _Context(names, functional)
         return ctx
 
@@ -404,7 +435,7 @@ class Tracer:
             phase, ctx = _BWD, node.metadata.get(_TAG) or self._context()
         else:
             phase, ctx = _FWD, self._context()
-        kind = classify(func)
+        kind, formula = rule(func)
         timed = phase == _BWD or kind is OpKind.UNCOUNTED
         if timed:
             start = self.clock.mark()
@@ -415,8 +446,10 @@ class Tracer:
             end = self.clock.mark()
             if phase == _BWD:
                 self._bwd_op_spans.append((ctx, start, end))
-        if kind is OpKind.DENSE or kind is OpKind.ELEMENTWISE:
-            flops = count_flops(func, args, kwargs, out, self.causal_half)
+        if formula is not None:
+            flops = int(formula(args, kwargs, out))
+            if self.causal_half:
+                flops = causal_scaled(func, args, kwargs, flops)
             macs = flops // 2 if kind is OpKind.DENSE else 0
             functional = ctx.functional or func._overloadpacket.__name__
             share = recomputed_share(func, args) if phase == _BWD else 0.0
@@ -454,10 +487,11 @@ class Tracer:
         params = dict.fromkeys(self._modules, 0)
         trainable = dict.fromkeys(self._modules, 0)
         for param, holders in self._param_holders:
+            numel = _stored_numel(param)
             for name in holders:
-                params[name] += param.numel()
+                params[name] += numel
                 if param.requires_grad:
-                    trainable[name] += param.numel()
+                    trainable[name] += numel
         return params, trainable
 
     def profile(self, causal_attention: str = "full") -> Profile:

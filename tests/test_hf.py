@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -34,9 +35,11 @@ from transformers import (
     TrainingArguments,
 )
 
+from flops_callbacks import FlopsProfiler
 from flops_callbacks import metrics as names
 from flops_callbacks.hf import HFFlopsCallback, parallel_sizes
 from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.units import duration_to_string
 
 PROFILE_STEP = 2
 VOCAB, SEQ, BATCH = 97, 16, 4
@@ -234,8 +237,9 @@ def test_gradient_accumulation_profiles_every_micro_batch_and_hooks_only_that_st
     trainer = train(tmp_path, gpt2(), [before, callback, after], gradient_accumulation_steps=2)
     result = callback.result
     assert (result.micro_batches, result.samples, result.tokens) == (2, 2 * BATCH, 2 * BATCH * SEQ)
-    # the model's keyword arguments: the Trainer's inputs (+ num_items_in_batch, for the loss)
-    assert len(seen) == 2 and all({"input_ids", "labels"} <= set(inputs) for inputs in seen)
+    # the profiled step's 2 micro-batches as the model's keyword arguments: the Trainer's inputs
+    # (+ num_items_in_batch, for the loss); then the 2 of the last step, for the throughput meter
+    assert len(seen) == 4 and all({"input_ids", "labels"} <= set(inputs) for inputs in seen)
     profile = result.profile
     assert profile.fwd_macs * 2 == 2 * dense_flops(trainer.model, backward=False)
     assert (profile.fwd_macs + profile.bwd_macs) * 2 == 2 * dense_flops(trainer.model, backward=True)
@@ -252,6 +256,105 @@ def test_gradient_accumulation_profiles_every_micro_batch_and_hooks_only_that_st
         assert logged[0] == PROFILE_STEP
         assert {k: v for k, v in logged[1].items() if k in names.ALL} == result.metrics()
     assert_nothing_left(trainer)
+
+
+class StepClock(Probe):
+    """After HFFlopsCallback in the list: when each step ends, by the global step after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended: dict[int, float] = {}
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.ended[state.global_step] = time.perf_counter()
+
+
+def test_throughput_is_logged_at_every_later_logging_step_from_measured_flops(tmp_path: Path) -> None:
+    # 22 sequences in batches of 4: the last step of each epoch (steps 5 and 11) has 2, a new shape
+    peak, clock = 3e10, StepClock()
+    callback = quiet(peak_flops=peak)
+    trainer = Trainer(
+        model=gpt2(),
+        args=TrainingArguments(
+            output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=12, per_device_train_batch_size=BATCH,
+            logging_steps=3, save_strategy="no", report_to=["tensorboard"], disable_tqdm=True, seed=0,
+        ),
+        train_dataset=TokenDataset(22),
+        callbacks=[callback, clock],
+    )  # fmt: skip
+    trainer.train()
+
+    # the 2-sequence shape was measured once, on its own step, and counted the same as a profile of it
+    ids = TokenDataset().ids[:2]
+    # as the Trainer calls the model: the loss summed and divided by the step's label count
+    short = {"input_ids": ids, "labels": ids, "num_items_in_batch": torch.tensor(2 * (SEQ - 1))}
+    flops = {BATCH: callback.result.profile.model_flops, 2: profiled_flops(trainer.model, short)}
+    assert sorted(callback.meter.flops_per_micro_batch.values()) == sorted(flops.values())
+    # hooks at the optimizer step only in the profiled step (the measuring ones end with training_step)
+    assert {step for step, hooks in clock.hooks.items() if hooks} == {PROFILE_STEP}
+    assert_nothing_left(trainer)
+
+    scalars = tensorboard_scalars(trainer.args.output_dir)
+    logged = {
+        step: {name: dict(scalars["train/" + name])[step] for name in names.THROUGHPUT}
+        for step, _ in scalars["train/" + names.THROUGHPUT_SAMPLES_PER_SEC]
+    }
+    assert sorted(logged) == [6, 9, 12]  # every logging step after the profiled one
+    sizes = {step: 2 if step in (5, 11) else BATCH for step in range(12)}
+    previous = PROFILE_STEP + 1
+    for step, values in sorted(logged.items()):
+        counted = [s for s in range(previous, step) if s != 5]  # the measuring step is left out
+        samples = sum(sizes[s] for s in counted)
+        model_flops = sum(flops[sizes[s]] for s in counted)
+        rate = values[names.THROUGHPUT_SAMPLES_PER_SEC]
+        assert values[names.THROUGHPUT_FLOPS_PER_SEC] / rate == pytest.approx(model_flops / samples, rel=1e-5)
+        assert values[names.THROUGHPUT_TOKENS_PER_SEC] == pytest.approx(SEQ * rate, rel=1e-5)
+        assert values[names.THROUGHPUT_MFU] == pytest.approx(
+            values[names.THROUGHPUT_FLOPS_PER_SEC] / peak, 1e-5
+        )
+        if previous > PROFILE_STEP + 1:  # as in the Lightning test: both clocks include one log write
+            assert 5 not in range(previous, step)
+            assert rate == pytest.approx(samples / (clock.ended[step] - clock.ended[previous]), rel=0.2)
+        previous = step
+    # the loss is logged as without the callback, beside its own entries
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [3, 6, 9, 12]
+
+
+class SlowEvaluation(TrainerCallback):
+    def on_prediction_step(self, args, state, control, **kwargs) -> None:
+        time.sleep(0.1)
+
+
+def test_evaluation_time_is_left_out_of_throughput(tmp_path: Path) -> None:
+    # evaluation (2 batches, 0.2 s) runs after the logs of steps 3 and 6: inside the interval logged at 9
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=9, per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH, logging_steps=3, eval_strategy="steps", eval_steps=3,
+        save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    callbacks = [quiet(), SlowEvaluation()]
+    trainer = Trainer(
+        gpt2(), args, train_dataset=TokenDataset(), eval_dataset=TokenDataset(2 * BATCH), callbacks=callbacks
+    )
+    trainer.train()
+    history = trainer.state.log_history
+    assert [e["step"] for e in history if "eval_loss" in e] == [3, 6, 9]
+    logged = [
+        (e["step"], e[names.THROUGHPUT_SAMPLES_PER_SEC])
+        for e in history
+        if names.THROUGHPUT_SAMPLES_PER_SEC in e
+    ]
+    assert [step for step, _ in logged] == [6, 9]
+    assert logged[1][1] > 3 * BATCH / 0.2  # 3 steps of BATCH samples; 0.2 s of evaluation in between
+
+
+def profiled_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """Model flops (fwd + bwd) of one training micro-batch, from the core profiler directly."""
+    model.train()
+    with FlopsProfiler(model) as profiler:
+        model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return profiler.get_profile().model_flops
 
 
 def test_frozen_layers_make_backward_far_below_twice_forward(tmp_path: Path) -> None:
@@ -276,7 +379,8 @@ def test_frozen_layers_make_backward_far_below_twice_forward(tmp_path: Path) -> 
 def test_gradient_checkpointing_reports_recompute_apart(tmp_path: Path) -> None:
     plain = quiet()
     train(tmp_path / "plain", gpt2(), [plain])
-    callback = quiet()
+    peak = 3e10
+    callback = quiet(peak_flops=peak)
     # activation_checkpointing: transformers 5's name for gradient_checkpointing (a deprecated alias)
     trainer = train(tmp_path / "checkpointed", gpt2(), [callback], activation_checkpointing=True)
     profile, baseline = callback.result.profile, plain.result.profile
@@ -293,8 +397,21 @@ def test_gradient_checkpointing_reports_recompute_apart(tmp_path: Path) -> None:
     assert (profile.fwd_macs + profile.bwd_macs + recompute_macs) * 2 == dense_flops(
         trainer.model, backward=True
     )
-    ((step, value),) = tensorboard_scalars(trainer.args.output_dir)["train/" + names.RECOMPUTE_FLOPS]
+    scalars = tensorboard_scalars(trainer.args.output_dir)
+    ((step, value),) = scalars["train/" + names.RECOMPUTE_FLOPS]
     assert step == PROFILE_STEP and value == pytest.approx(profile.recompute_flops, rel=1e-6)
+
+    # MFU counts model flops (fwd + bwd), HFU the hardware's (recompute too), against the given peak
+    iter_latency = callback.result.iter_latency
+    mfu = (profile.fwd_flops + profile.bwd_flops) / iter_latency / peak
+    hfu = (profile.fwd_flops + profile.bwd_flops + profile.recompute_flops) / iter_latency / peak
+    for name, expected in ((names.MFU, mfu), (names.HFU, hfu)):
+        ((step, value),) = scalars["train/" + name]
+        assert step == PROFILE_STEP and value == pytest.approx(expected, rel=1e-6)
+    assert hfu > mfu
+    report = (Path(trainer.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    assert "peak FLOPS per device (peak_flops argument):" in report
+    assert f"{100 * mfu:.2f}%" in report and f"{100 * hfu:.2f}%" in report
 
 
 # --- W&B: the offline run's transaction log ------------------------------------------------------------
@@ -445,26 +562,44 @@ def test_ddp_two_processes_report_data_parallel_size_from_world_process_zero(tmp
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count(f"Profile Summary at step {PROFILE_STEP}") == 1  # world process zero only
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    # every rank profiled its step; the gathered latencies are the same everywhere, the slowest reported
+    assert ranks[0]["ranks"] == ranks[1]["ranks"] and len(ranks[0]["ranks"]) == 2
+    slowest = max(ranks[0]["ranks"], key=sum)
     for rank in ranks:
         assert ParallelSizes(**rank["parallel"]) == ParallelSizes(world_size=2, data_parallel=2)
         metrics = rank["metrics"]
+        assert [metrics[n] for n in (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY)] == slowest
         assert metrics[names.SAMPLES_PER_SEC] == pytest.approx(2 * BATCH / metrics[names.ITER_LATENCY])
+        model_flops = metrics[names.FWD_FLOPS] + metrics[names.BWD_FLOPS]
+        assert metrics[names.MFU] == pytest.approx(model_flops / metrics[names.ITER_LATENCY] / 1e9)
     output_dir = str(tmp_path / "out")
     saved = json.loads((Path(output_dir) / f"flops_profile_step{PROFILE_STEP}.json").read_text())
     assert saved["metrics"] == ranks[0]["metrics"]
     scalars = tensorboard_scalars(output_dir)  # written by world process zero's TensorBoardCallback
-    for name in names.ALL:
-        ((step, value),) = scalars["train/" + name]
+    for name in names.ALL + names.WITH_PEAK:
+        ((step, value),) = scalars["train/" + name]  # one set of metrics: rank 1 logged none
         assert step == PROFILE_STEP and value == pytest.approx(ranks[0]["metrics"][name], rel=1e-6)
+    report = (Path(output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    lines = dict(line.split(":", 1) for line in report.splitlines() if ":" in line)
+    assert [lines[k].strip() for k in ("world size", "data parallel size", "model parallel size")] == [
+        "2",
+        "2",
+        "1",
+    ]
+    low, high = sorted(map(sum, ranks[0]["ranks"]))
+    spread = lines["iter latency over 2 ranks, min .. max (slowest shown)"]
+    assert spread.split() == [*duration_to_string(low).split(), "..", *duration_to_string(high).split()]
 
 
 def ddp_worker(directory: Path) -> None:
     """One process of the DDP test: trains on CPU with gloo and saves what its callback saw."""
-    callback = HFFlopsCallback(profile_step=PROFILE_STEP, detailed=False)
+    callback = HFFlopsCallback(profile_step=PROFILE_STEP, detailed=False, peak_flops=1e9)
     trainer = train(directory, gpt2(), [callback], ddp_backend="gloo")
     result = callback.result
-    seen = {"parallel": vars(result.parallel), "metrics": result.metrics()}
+    seen = {"parallel": vars(result.parallel), "metrics": result.metrics(), "ranks": result.rank_latencies}
     (directory / f"rank{trainer.args.process_index}.json").write_text(json.dumps(seen))
+    # The Trainer leaves the group up; gloo's threads still running at interpreter exit can abort it.
+    torch.distributed.destroy_process_group()
 
 
 # --- bad input, missing transformers, runs that never reach the step -----------------------------------
@@ -481,6 +616,9 @@ def ddp_worker(directory: Path) -> None:
         ({"causal_attention": "quarter"}, "causal_attention"),
         ({"batch_size_fn": 4}, "batch_size_fn"),
         ({"tokens_fn": "input_ids"}, "tokens_fn"),
+        ({"peak_flops": -1.0}, "peak_flops"),
+        ({"peak_flops": True}, "peak_flops"),
+        ({"throughput": "yes"}, "throughput"),
     ],
 )
 def test_bad_arguments_raise_at_construction_naming_the_argument(kwargs: dict, argument: str) -> None:

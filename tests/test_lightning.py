@@ -14,7 +14,9 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -28,7 +30,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from flops_callbacks import metrics as names
-from flops_callbacks.lightning import FlopsProfilerCallback
+from flops_callbacks.lightning import FlopsProfilerCallback, parallel_sizes
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.units import duration_to_string, number_to_string
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3
 PROFILE_STEP = 2
@@ -159,11 +163,16 @@ def csv_metrics(logger: CSVLogger) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def logged_once(rows: list[dict[str, str]], with_tokens: bool = False) -> dict[str, float]:
+def logged_once(
+    rows: list[dict[str, str]], with_tokens: bool = False, with_peak: bool = False
+) -> dict[str, float]:
     """Each flops_profiler/* value of a CSV log, asserting it was logged exactly once, at PROFILE_STEP
-    (tokens_per_sec only when the callback has a tokens_fn)."""
+    (tokens_per_sec only when the callback has a tokens_fn, MFU and HFU only with a peak)."""
     values = {}
-    for name in names.ALL:
+    for name in names.ALL + names.WITH_PEAK:
+        if name in names.WITH_PEAK and not with_peak:
+            assert not [row for row in rows if row.get(name)]
+            continue
         logged = [row for row in rows if row.get(name)]
         if name == names.TOKENS_PER_SEC and not with_tokens:
             assert logged == []
@@ -354,6 +363,29 @@ def test_activation_checkpointing_recompute_is_reported_apart(tmp_path: Path) ->
     assert callback.result.metrics()[names.RECOMPUTE_FLOPS] == block_fwd_flops(BATCH)
 
 
+def test_mfu_and_hfu_against_a_given_peak_reach_the_logger(tmp_path: Path) -> None:
+    peak = 2e9
+    callback, logger = quiet_callback(peak_flops=peak), CSVLogger(tmp_path)
+    fit(tmp_path, MLP(checkpointed=True), callback, logger=logger)
+    values = logged_once(csv_metrics(logger), with_peak=True)
+    iter_latency = values[names.ITER_LATENCY]
+    model_flops = fwd_flops(BATCH) + bwd_flops(BATCH)
+    assert values[names.MFU] == pytest.approx(model_flops / iter_latency / peak)
+    # HFU counts the checkpointed block's forward, run again in the backward
+    assert values[names.HFU] == pytest.approx((model_flops + block_fwd_flops(BATCH)) / iter_latency / peak)
+    report = (Path(logger.log_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    assert "peak FLOPS per device (peak_flops argument):" in report
+    (line,) = [line for line in report.splitlines() if line.startswith("MFU = ")]
+    assert line.split()[-1] == f"{100 * values[names.MFU]:.2f}%"
+
+
+def test_without_a_peak_on_cpu_the_report_says_once_why_there_is_no_mfu(logged_run: dict) -> None:
+    report = Path(logged_run["trainer"].log_dir, f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    assert report.count("MFU") == 1
+    assert "MFU:" in report and "no peak FLOPS for a cpu device: pass peak_flops=" in report
+    assert not set(names.WITH_PEAK) & set(logged_run["callback"].result.metrics())
+
+
 def test_validation_between_micro_batches_is_not_counted(tmp_path: Path) -> None:
     callback, module = quiet_callback(), ValidatedMLP()
     fit(
@@ -375,6 +407,113 @@ def test_validation_between_micro_batches_is_not_counted(tmp_path: Path) -> None
     assert profile.fwd_flops == 2 * fwd_flops(BATCH)  # as without validation (test above)
     assert profile.bwd_flops == 2 * bwd_flops(BATCH) + PARAMS
     assert profile.modules["head"].calls == 2  # the validation calls are not counted either
+
+
+# --- continuous throughput after the profiled step ---------------------------------------------------
+
+
+class StepClock(L.Callback):
+    """After FlopsProfilerCallback in the list: when each step starts and ends, its samples, and the hooks
+    on the model during its optimizer step."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, float] = {}
+        self.ended: dict[int, float] = {}  # by the global step after the step
+        self.samples: dict[int, int] = {}  # by the global step the step started at
+        self.hooks: dict[int, int] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.started[trainer.global_step] = time.perf_counter()
+        self.samples[trainer.global_step] = len(batch[0])
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        kinds = ("_forward_hooks", "_forward_pre_hooks")
+        self.hooks[trainer.global_step] = sum(len(getattr(m, k)) for m in pl_module.modules() for k in kinds)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.ended[trainer.global_step] = time.perf_counter()
+
+
+def test_throughput_is_logged_at_every_later_logging_step_from_measured_flops(tmp_path: Path) -> None:
+    # 20 samples in batches of 3: the last batch of each epoch (steps 6, 13, 20) has 2 samples, a new shape
+    peak, clock, logger = 1e9, StepClock(), CSVLogger(tmp_path)
+    callback = quiet_callback(tokens_fn=tokens, peak_flops=peak)
+    trainer = L.Trainer(
+        callbacks=[callback, clock],
+        accelerator="cpu",
+        max_steps=23,
+        log_every_n_steps=5,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    module = MLP()
+    before_model, before_torch = model_state(module), torch_namespace()
+    trainer.fit(module, train_dataloaders=loader(20))
+    assert [clock.samples[6], clock.samples[13]] == [2, 2]
+
+    # the new shape was measured once, exactly, on its own step; the profiled one's came from the profile
+    flops = {b: fwd_flops(b) + bwd_flops(b) for b in (3, 2)}
+    assert sorted(callback.meter.flops_per_micro_batch.values()) == [flops[2], flops[3]]
+    # hooks on the model only in the profiled step and the measuring step
+    assert {step for step, hooks in clock.hooks.items() if hooks} == {PROFILE_STEP, 6}
+    assert_nothing_left(module, before_model, before_torch)
+
+    rows = [row for row in csv_metrics(logger) if row.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
+    logged = {int(row["step"]): {k: float(row[k]) for k in names.THROUGHPUT} for row in rows}
+    assert sorted(logged) == [5, 10, 15, 20]  # every logging step after the profiled one
+    previous = PROFILE_STEP + 1  # the interval starts when the profiled step ends
+    for step, values in sorted(logged.items()):
+        counted = [s for s in range(previous, step) if s != 6]  # the measuring step is left out
+        samples = sum(clock.samples[s] for s in counted)
+        seconds = clock.ended[step] - clock.ended[previous]
+        if 6 in range(previous, step):
+            seconds -= clock.ended[7] - clock.started[6]
+        model_flops = sum(flops[clock.samples[s]] for s in counted)
+        # exact relations between the rates of one interval
+        assert values[names.THROUGHPUT_FLOPS_PER_SEC] / values[names.THROUGHPUT_SAMPLES_PER_SEC] == (
+            pytest.approx(model_flops / samples, rel=1e-12)
+        )
+        assert values[names.THROUGHPUT_TOKENS_PER_SEC] == pytest.approx(
+            IN * values[names.THROUGHPUT_SAMPLES_PER_SEC], rel=1e-12
+        )
+        assert values[names.THROUGHPUT_MFU] == pytest.approx(values[names.THROUGHPUT_FLOPS_PER_SEC] / peak)
+        # and the wall time between logging steps, as a callback after ours measures it: from the second
+        # interval on, both clocks include one of our log writes (the first one ours starts after)
+        if previous > PROFILE_STEP + 1:
+            assert values[names.THROUGHPUT_SAMPLES_PER_SEC] == pytest.approx(samples / seconds, rel=0.2)
+        previous = step
+
+
+class SlowlyValidatedMLP(ValidatedMLP):
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        time.sleep(0.05)
+        super().validation_step(batch, batch_idx)
+
+
+def test_validation_time_is_left_out_of_throughput(tmp_path: Path) -> None:
+    logger = CSVLogger(tmp_path)
+    trainer = fit(
+        tmp_path, SlowlyValidatedMLP(), quiet_callback(), logger=logger, max_steps=12, log_every_n_steps=4,
+        val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+    )  # fmt: skip
+    rows = [row for row in csv_metrics(logger) if row.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
+    assert [int(row["step"]) for row in rows] == [4, 8, 12]
+    for row in rows[1:]:  # 4 steps of BATCH samples; 2 validations of 2 x 0.05 s ran in between
+        assert float(row[names.THROUGHPUT_SAMPLES_PER_SEC]) > 4 * BATCH / 0.1
+    assert trainer.lightning_module.events.count(("validation", 6)) == 1  # one ran inside [4, 8]
+
+
+def test_throughput_false_logs_no_throughput(tmp_path: Path) -> None:
+    logger = CSVLogger(tmp_path)
+    callback = quiet_callback(throughput=False)
+    fit(tmp_path, MLP(), callback, logger=logger, max_steps=PROFILE_STEP + 4)
+    assert callback.meter is None
+    rows = csv_metrics(logger)
+    assert not [row for row in rows for name in names.THROUGHPUT if row.get(name)]
+    logged_once(rows)
 
 
 # --- other loggers' local files -----------------------------------------------------------------------
@@ -423,30 +562,176 @@ def test_mlflow_file_store_holds_the_metrics(tmp_path: Path, monkeypatch: pytest
     assert (values[names.FWD_FLOPS], values[names.BWD_FLOPS]) == (fwd_flops(BATCH), bwd_flops(BATCH))
 
 
-# --- data parallel: sizes from the strategy, only rank 0 reports ---------------------------------------
+# --- several processes: every rank profiles, rank 0 reports the slowest --------------------------------
+# Real `Trainer(devices=2)` runs on CPU (gloo), launched as users launch them: this file run as a script,
+# Lightning's launcher starting the second process (see multiprocess_worker at the end of the file).
 
 
-def test_ddp_two_processes_rank_zero_reports_with_data_parallel_size(
-    tmp_path: Path, capfd: pytest.CaptureFixture
-) -> None:
-    callback = FlopsProfilerCallback(profile_step=PROFILE_STEP, detailed=False)
-    logger = CSVLogger(tmp_path, version=0)  # the version the spawned rank 0 writes to
-    fit(tmp_path, MLP(), callback, devices=2, strategy="ddp_spawn", logger=logger)
-    assert capfd.readouterr().out.count(f"Profile Summary at step {PROFILE_STEP}") == 1
-    values = logged_once(csv_metrics(logger))
+class TensorParallelMLP(MLP):
+    """The MLP split over a 2-device tensor-parallel mesh: the first Linear by columns, the head by rows."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {"block.0": ColwiseParallel(), "head": RowwiseParallel()}
+        parallelize_module(self, self.device_mesh["tensor_parallel"], plan)
+
+
+class RaiseOnRankOne(L.Callback):
+    """Rank 1 fails after the backward of the profiled step: rank 0 goes on into the latency gather."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == PROFILE_STEP:
+            raise RuntimeError("rank 1 fails in the profiled step")
+
+
+def multiprocess_worker(directory: Path, mode: str) -> None:
+    """One process of a 2-process run ("ddp", "tp" or "ddp-fail"); saves what its callback saw."""
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    timeout = timedelta(seconds=30)  # bounds any collective a failed rank never joins
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, timeout=timeout)
+        if mode == "tp"
+        else DDPStrategy(timeout=timeout)
+    )
+    module = TensorParallelMLP() if mode == "tp" else MLP()
+    callback = FlopsProfilerCallback(profile_step=PROFILE_STEP, detailed=False, peak_flops=1e9)
+    extra = [RaiseOnRankOne()] if mode == "ddp-fail" else []
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=PROFILE_STEP + 2,
+        callbacks=[callback, *extra],
+        logger=CSVLogger(directory, version=0),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=directory,
+    )
+    trainer.fit(module, train_dataloaders=loader())
+    result = callback.result
+    seen = {"parallel": vars(result.parallel), "metrics": result.metrics(), "ranks": result.rank_latencies}
+    (directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(seen))
+    if torch.distributed.is_initialized():  # gloo's threads still running at interpreter exit can abort it
+        torch.distributed.destroy_process_group()
+
+
+def run_two_processes(directory: Path, mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, __file__, str(directory), mode], capture_output=True, text=True, timeout=240
+    )
+
+
+def assert_one_report_of_the_slowest_rank(run: subprocess.CompletedProcess, directory: Path) -> dict:
+    """Rank 0 alone printed and logged; every rank gathered the same latencies; the metrics are the
+    slowest rank's. Returns rank 0's metrics as logged."""
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count(f"Profile Summary at step {PROFILE_STEP}") == 1
+    ranks = [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0]["ranks"] == ranks[1]["ranks"] and len(ranks[0]["ranks"]) == 2
+    slowest = max(ranks[0]["ranks"], key=sum)
+    logger_dir = directory / "lightning_logs" / "version_0"
+    with open(logger_dir / "metrics.csv", newline="") as f:
+        values = logged_once(list(csv.DictReader(f)), with_peak=True)
+    assert [values[n] for n in (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY)] == slowest
+    assert values[names.ITER_LATENCY] == sum(slowest) == max(map(sum, ranks[0]["ranks"]))
+    assert values == pytest.approx(ranks[0]["metrics"])
+    report = (logger_dir / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    (spread,) = [line for line in report.splitlines() if line.startswith("iter latency over 2 ranks")]
+    low, high = sorted(map(sum, ranks[0]["ranks"]))
+    assert spread.split(":", 1)[1].split() == [
+        *duration_to_string(low).split(), "..", *duration_to_string(high).split()
+    ]  # fmt: skip
+    values["report"] = report
+    return values
+
+
+def summary_value(report: str, label: str) -> str:
+    (line,) = [line for line in report.splitlines() if line.startswith(label + ":")]
+    return line.split(":", 1)[1].strip()
+
+
+def parallel_sizes_in(report: str) -> list[str]:
+    """The report's world size, data parallel size and model parallel size lines (DeepSpeed's)."""
+    return [
+        summary_value(report, label) for label in ("world size", "data parallel size", "model parallel size")
+    ]
+
+
+def test_ddp_two_processes_one_report_of_the_slowest_rank_and_all_replicas_samples(tmp_path: Path) -> None:
+    values = assert_one_report_of_the_slowest_rank(run_two_processes(tmp_path, "ddp"), tmp_path)
     # Lightning runs training_step through the LightningModule's forward when a strategy wraps the model,
     # so the loss is in the model's counts here: MSE is 3 flops per element forward, 2 backward. DDP
     # divides every gradient by the world size in the backward: 1 flop per parameter.
     assert values[names.FWD_FLOPS] == fwd_flops(BATCH) + 3 * BATCH * OUT
     assert values[names.BWD_FLOPS] == bwd_flops(BATCH) + 2 * BATCH * OUT + PARAMS
     assert values[names.SAMPLES_PER_SEC] == pytest.approx(BATCH * 2 / values[names.ITER_LATENCY])
-    saved = json.loads((Path(logger.log_dir) / f"flops_profile_step{PROFILE_STEP}.json").read_text())
-    assert saved["metrics"] == pytest.approx(values)
-    report = (Path(logger.log_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
-    assert "world size:" in report and "data parallel size:" in report
-    for label in ("world size:", "data parallel size:"):
-        (line,) = [line for line in report.splitlines() if line.startswith(label)]
-        assert line.split()[-1] == "2"
+    model_flops = values[names.FWD_FLOPS] + values[names.BWD_FLOPS]
+    assert values[names.MFU] == pytest.approx(model_flops / values[names.ITER_LATENCY] / 1e9)
+    assert parallel_sizes_in(values["report"]) == ["2", "2", "1"]
+
+
+def test_tensor_parallel_two_processes_count_each_devices_shard(tmp_path: Path) -> None:
+    values = assert_one_report_of_the_slowest_rank(run_two_processes(tmp_path, "tp"), tmp_path)
+    half = HIDDEN // 2  # each device holds half of the hidden features
+    # per device: its column half of the first Linear and ReLU, its row half of the head, and the head's
+    # replicated bias divided by 2 (DTensor adds it once across the sum of the two partial outputs)
+    assert values[names.FWD_FLOPS] == 2 * BATCH * IN * half + BATCH * half + 2 * BATCH * half * OUT + OUT
+    head = 2 * BATCH * OUT * half + 2 * BATCH * OUT * half + BATCH * OUT  # grad input, weight, bias
+    first = 2 * BATCH * IN * half + BATCH * half  # grad weight, bias (the input needs no grad)
+    assert values[names.BWD_FLOPS] == head + BATCH * half + first
+    assert values[names.PARAMS] == IN * half + half + half * OUT + OUT  # the head's bias is replicated
+    assert values[names.SAMPLES_PER_SEC] == pytest.approx(BATCH / values[names.ITER_LATENCY])  # dp = 1
+    report = values["report"]
+    assert parallel_sizes_in(report) == ["2", "1", "2"]
+    assert summary_value(report, "params of model (global sizes of its DTensors)") == str(PARAMS)
+    fwd_of_model = summary_value(report, "fwd flops of model = fwd flops per device * mp_size")
+    assert fwd_of_model == number_to_string(2 * values[names.FWD_FLOPS]).strip()
+
+
+def test_fsdp_reader_on_the_real_strategy_object() -> None:
+    # Lightning's FSDPStrategy refuses CPU ("requires a GPU accelerator"): the strategy object as a
+    # 2-node x 4-GPU run configures it, read as the Trainer exposes it
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    environment = LightningEnvironment()
+    environment.set_world_size(8)
+    strategy = FSDPStrategy(
+        parallel_devices=[torch.device("cuda", i) for i in range(4)], cluster_environment=environment
+    )
+    strategy.num_nodes = 2
+    trainer = SimpleNamespace(
+        strategy=strategy,
+        distributed_sampler_kwargs=strategy.distributed_sampler_kwargs,
+        world_size=strategy.world_size,
+    )
+    assert parallel_sizes(trainer) == ParallelSizes(world_size=8, data_parallel=8)
+
+
+def test_deepspeed_reader_from_the_engine_sizes() -> None:
+    # DeepSpeed is not installed (DeepSpeedStrategy() refuses to build): a strategy of that class whose
+    # engine has the DeepSpeedEngine / PipelineEngine size attributes the reader takes
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    strategy._model = SimpleNamespace(dp_world_size=2, mp_world_size=2, num_stages=2)
+    trainer = SimpleNamespace(strategy=strategy, distributed_sampler_kwargs={"num_replicas": 8}, world_size=8)
+    assert parallel_sizes(trainer) == ParallelSizes(
+        world_size=8, data_parallel=2, tensor_parallel=2, pipeline_parallel=2
+    )
+
+
+def test_a_rank_failing_in_the_profiled_step_ends_the_run_instead_of_hanging(tmp_path: Path) -> None:
+    run = run_two_processes(tmp_path, "ddp-fail")  # the 240 s timeout would raise if anything hung
+    assert run.returncode != 0
+    assert "rank 1 fails in the profiled step" in run.stderr
+    assert "Profile Summary" not in run.stdout
+    assert not list(tmp_path.glob("rank*.json"))
 
 
 # --- failures and the edges of a run ------------------------------------------------------------------
@@ -526,6 +811,9 @@ def test_resume_after_the_profiled_step_says_it_ran_before(
         ({"causal_attention": "quarter"}, "causal_attention"),
         ({"batch_size_fn": 3}, "batch_size_fn"),
         ({"tokens_fn": "tokens"}, "tokens_fn"),
+        ({"peak_flops": 0}, "peak_flops"),
+        ({"throughput": 1}, "throughput"),
+        ({"peak_flops": "312e12"}, "peak_flops"),
     ],
 )
 def test_bad_arguments_raise_at_construction_naming_the_argument(kwargs: dict, argument: str) -> None:
@@ -545,3 +833,7 @@ def test_missing_lightning_says_which_extra_to_install() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "pip install 'flops-callbacks[lightning]'" in out
+
+
+if __name__ == "__main__":
+    multiprocess_worker(Path(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,274 @@
+"""Dense peak FLOPS per device and compute dtype: MFU's denominator.
+
+Why not Lightning's ``lightning.fabric.utilities.throughput.get_available_flops``: the core depends on
+torch only, and its table does not serve MFU as this package reports it: no B200, GB200, GH200, AMD
+Instinct or fp8 entries; "NVIDIA H200" (SXM) matches nothing; its H200 figures are the sparsity ones
+(2x dense); its "h100 nvl" entry is a two-card NVL pair; its RTX 4090 bf16/fp16 is the non-tensor
+FP32 rate; and an unknown device only warns. Here every figure is DENSE (datasheets print "with
+sparsity" figures, twice the dense ones: those are halved below, never used as they are), per single
+device, in FLOPS, with its datasheet named.
+
+A device name that matches nothing, a MIG slice (a fraction of the GPU) or a CPU gives no peak: we do
+not guess. ``peak_flops=`` on a callback, or the ``FLOPS_CALLBACKS_PEAK_FLOPS`` environment variable,
+sets the peak instead of the table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FP32, TF32, BF16, FP16, FP8 = "fp32", "tf32", "bf16", "fp16", "fp8"
+DTYPES = (FP32, TF32, BF16, FP16, FP8)
+ENV_VAR = "FLOPS_CALLBACKS_PEAK_FLOPS"
+
+T = 1e12  # TFLOPS
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One device's dense peaks per compute dtype and where they come from."""
+
+    name: str
+    source: str
+    peaks: dict[str, float]
+
+
+# fp32 is the non-tensor (CUDA core / vector) rate: what an fp32 matmul gets when TF32 is off.
+CHIPS: dict[str, Chip] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): SXM4 and PCIe,
+    # 40 and 80 GB alike. TF32 156, BF16/FP16 312 dense (312 / 624 with sparsity). No fp8.
+    "a100": Chip(
+        "A100", "NVIDIA A100 datasheet", {FP32: 19.5 * T, TF32: 156 * T, BF16: 312 * T, FP16: 312 * T}
+    ),
+    # NVIDIA A10 datasheet: TF32 62.5, BF16/FP16 125 dense (125 / 250 with sparsity).
+    "a10": Chip(
+        "A10", "NVIDIA A10 datasheet", {FP32: 31.2 * T, TF32: 62.5 * T, BF16: 125 * T, FP16: 125 * T}
+    ),
+    # A10G (AWS G5): NVIDIA publishes no datasheet. AWS/NVIDIA figures as tabulated in Baseten's "NVIDIA
+    # A10 vs A10G": FP32 35, TF32 35, BF16/FP16 70 dense; = 80 SMs at 1.71 GHz at GA102's FP32-accumulate
+    # tensor rate (half the A10's, whose 72 SMs run it at full rate).
+    "a10g": Chip("A10G", "AWS G5 A10G figures", {FP32: 35 * T, TF32: 35 * T, BF16: 70 * T, FP16: 70 * T}),
+    # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: FP32 67, TF32 989, BF16/FP16 1,979,
+    # FP8 3,958 "with sparsity" -> halved.
+    "h100 sxm": Chip(
+        "H100 SXM",
+        "NVIDIA H100 datasheet",
+        {FP32: 67 * T, TF32: 989 / 2 * T, BF16: 1979 / 2 * T, FP16: 1979 / 2 * T, FP8: 3958 / 2 * T},
+    ),
+    # NVIDIA H100 PCIe datasheet: FP32 51, TF32 756, BF16/FP16 1,513, FP8 3,026 with sparsity -> halved.
+    "h100 pcie": Chip(
+        "H100 PCIe",
+        "NVIDIA H100 PCIe datasheet",
+        {FP32: 51.2 * T, TF32: 756 / 2 * T, BF16: 1513 / 2 * T, FP16: 1513 / 2 * T, FP8: 3026 / 2 * T},
+    ),
+    # NVIDIA H100 datasheet, H100 NVL column (one 94 GB card, not the NVLink pair): FP32 60, TF32 835,
+    # BF16/FP16 1,671, FP8 3,341 with sparsity -> halved.
+    "h100 nvl": Chip(
+        "H100 NVL",
+        "NVIDIA H100 datasheet (NVL)",
+        {FP32: 60 * T, TF32: 835 / 2 * T, BF16: 1671 / 2 * T, FP16: 1671 / 2 * T, FP8: 3341 / 2 * T},
+    ),
+    # NVIDIA GH200 Grace Hopper Superchip datasheet: the H100 SXM tensor rates (FP8 3,958 with sparsity).
+    "gh200": Chip(
+        "GH200",
+        "NVIDIA GH200 datasheet",
+        {FP32: 67 * T, TF32: 989 / 2 * T, BF16: 1979 / 2 * T, FP16: 1979 / 2 * T, FP8: 3958 / 2 * T},
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: as H100 SXM (same GH100 die).
+    "h200 sxm": Chip(
+        "H200 SXM",
+        "NVIDIA H200 datasheet",
+        {FP32: 67 * T, TF32: 989 / 2 * T, BF16: 1979 / 2 * T, FP16: 1979 / 2 * T, FP8: 3958 / 2 * T},
+    ),
+    # NVIDIA H200 datasheet, H200 NVL column: FP32 60, TF32 835, BF16/FP16 1,671, FP8 3,341 with sparsity.
+    "h200 nvl": Chip(
+        "H200 NVL",
+        "NVIDIA H200 datasheet (NVL)",
+        {FP32: 60 * T, TF32: 835 / 2 * T, BF16: 1671 / 2 * T, FP16: 1671 / 2 * T, FP8: 3341 / 2 * T},
+    ),
+    # NVIDIA HGX B200 specifications, "individual Blackwell GPU": FP32 75 TFLOPS; TF32 2.2, FP16/BF16 4.5,
+    # FP8 9 PFLOPS with sparsity -> halved.
+    "b200": Chip(
+        "B200",
+        "NVIDIA HGX B200 specifications",
+        {FP32: 75 * T, TF32: 2200 / 2 * T, BF16: 4500 / 2 * T, FP16: 4500 / 2 * T, FP8: 9000 / 2 * T},
+    ),
+    # NVIDIA GB200 NVL72 specifications, per Blackwell GPU: FP32 80 TFLOPS; TF32 2.5, FP16/BF16 5, FP8 10
+    # PFLOPS with sparsity -> halved.
+    "gb200": Chip(
+        "GB200",
+        "NVIDIA GB200 NVL72 specifications",
+        {FP32: 80 * T, TF32: 2500 / 2 * T, BF16: 5000 / 2 * T, FP16: 5000 / 2 * T, FP8: 10000 / 2 * T},
+    ),
+    # NVIDIA L4 datasheet: FP32 30.3; TF32 120, BF16/FP16 242, FP8 485 with sparsity -> halved.
+    "l4": Chip(
+        "L4",
+        "NVIDIA L4 datasheet",
+        {FP32: 30.3 * T, TF32: 120 / 2 * T, BF16: 242 / 2 * T, FP16: 242 / 2 * T, FP8: 485 / 2 * T},
+    ),
+    # NVIDIA L40 datasheet: FP32 90.5; TF32 90.5, BF16/FP16 181.05, FP8 362 dense.
+    "l40": Chip(
+        "L40",
+        "NVIDIA L40 datasheet",
+        {FP32: 90.5 * T, TF32: 90.5 * T, BF16: 181.05 * T, FP16: 181.05 * T, FP8: 362 * T},
+    ),
+    # NVIDIA L40S datasheet (dense | sparse columns): FP32 91.6; TF32 183, BF16/FP16 362.05, FP8 733 dense.
+    "l40s": Chip(
+        "L40S",
+        "NVIDIA L40S datasheet",
+        {FP32: 91.6 * T, TF32: 183 * T, BF16: 362.05 * T, FP16: 362.05 * T, FP8: 733 * T},
+    ),
+    # NVIDIA Ada GPU architecture whitepaper v2.1, appendix (GeForce RTX 4090), dense, FP32 accumulate (what
+    # training uses): FP32 82.6, TF32 82.6, BF16/FP16 165.2, FP8 330.3.
+    "rtx 4090": Chip(
+        "GeForce RTX 4090",
+        "NVIDIA Ada architecture whitepaper",
+        {FP32: 82.6 * T, TF32: 82.6 * T, BF16: 165.2 * T, FP16: 165.2 * T, FP8: 330.3 * T},
+    ),
+    # AMD Instinct MI300X datasheet (dense; sparsity listed apart): FP32 matrix 163.4, TF32 653.7,
+    # FP16/BF16 1,307.4, FP8 2,614.9.
+    "mi300x": Chip(
+        "Instinct MI300X",
+        "AMD Instinct MI300X datasheet",
+        {FP32: 163.4 * T, TF32: 653.7 * T, BF16: 1307.4 * T, FP16: 1307.4 * T, FP8: 2614.9 * T},
+    ),
+    # AMD Instinct MI325X datasheet: the MI300X compute (same CDNA 3 die and clock), more HBM.
+    "mi325x": Chip(
+        "Instinct MI325X",
+        "AMD Instinct MI325X datasheet",
+        {FP32: 163.4 * T, TF32: 653.7 * T, BF16: 1307.4 * T, FP16: 1307.4 * T, FP8: 2614.9 * T},
+    ),
+    # AMD Instinct MI355X datasheet (dense): FP32 157.3, FP16/BF16 2,516.6 (2.5 PF), FP8 5,033.2 (5 PF).
+    # CDNA 4 has no TF32 hardware: a tf32 request falls back to fp32 below.
+    "mi355x": Chip(
+        "Instinct MI355X",
+        "AMD Instinct MI355X datasheet",
+        {FP32: 157.3 * T, BF16: 2516.6 * T, FP16: 2516.6 * T, FP8: 5033.2 * T},
+    ),
+}
+
+# Device-name patterns, most specific first, on the name lowercased with "-" and "_" as spaces.
+_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"\bmi355x\b", "mi355x"),
+    (r"\bmi325x\b", "mi325x"),
+    (r"\bmi300x\b", "mi300x"),
+    (r"\bgb200\b", "gb200"),
+    (r"\bb200\b", "b200"),
+    (r"\bgh200\b", "gh200"),
+    (r"\bh200\b.*\bnvl\b", "h200 nvl"),
+    (r"\bh200\b", "h200 sxm"),
+    (r"\bh100\b.*\bnvl\b", "h100 nvl"),
+    (r"\bh100\b.*\b(pcie|hbm2e)\b", "h100 pcie"),
+    (r"\bh100\b", "h100 sxm"),  # "NVIDIA H100 80GB HBM3": the SXM part names neither PCIe nor NVL
+    (r"\ba100\b", "a100"),
+    (r"\ba10g\b", "a10g"),
+    (r"\ba10\b", "a10"),
+    (r"\bl40s\b", "l40s"),
+    (r"\bl40\b", "l40"),
+    (r"\bl4\b", "l4"),
+    (r"\brtx 4090\b(?! (d|laptop)\b)", "rtx 4090"),  # the 4090 D and the laptop part are other chips
+)
+
+
+def chip_for(device_name: str) -> Chip | None:
+    """The table entry of a ``torch.cuda.get_device_name()`` string, or None (unknown, or a MIG slice)."""
+    name = re.sub(r"[\s_-]+", " ", device_name.lower()).strip()
+    if re.search(r"\bmig\b", name):
+        return None  # a MIG instance has a fraction of the GPU's SMs: the full GPU's peak would be wrong
+    for pattern, key in _PATTERNS:
+        if re.search(pattern, name):
+            return CHIPS[key]
+    return None
+
+
+def fp32_matmul_dtype() -> str:
+    """``tf32`` when torch lets fp32 matmuls use TF32 tensor cores, else ``fp32``."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if isinstance(precision, str):  # torch >= 2.9; reading allow_tf32 there can raise after the new API
+        return TF32 if precision == "tf32" else FP32
+    tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    return TF32 if tf32 else FP32
+
+
+def parameters_dtype(model: torch.nn.Module) -> str | None:
+    """The compute dtype of ``model``'s matmuls without autocast: its floating parameters' dtype, with
+    fp32 as :func:`fp32_matmul_dtype` says (None for dtypes the table has no column for)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if dtype == torch.float32:
+        return fp32_matmul_dtype()
+    return {torch.bfloat16: BF16, torch.float16: FP16}.get(dtype)
+
+
+def check_peak_flops(value: Any, name: str = "peak_flops") -> float | None:
+    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise."""
+    if value is None:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not 0 < value < float("inf"):
+        raise ValueError(
+            f"{name} must be the dense peak FLOPS of one device, a positive number (e.g. 989e12), "
+            f"or None to look the device up; got {value!r}"
+        )
+    return float(value)
+
+
+def peak_from_env() -> float | None:
+    """The peak set by ``FLOPS_CALLBACKS_PEAK_FLOPS`` (FLOPS per device, e.g. ``989e12``), if any."""
+    raw = os.environ.get(ENV_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = raw  # reported as given
+    return check_peak_flops(value, ENV_VAR)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The peak FLOPS of one device that MFU is computed against, and where it came from."""
+
+    flops: float
+    source: str  # "peak_flops argument", the environment variable, or "<chip> <dtype> dense, <datasheet>"
+
+
+def device_name(device: torch.device) -> str | None:
+    """What the accelerator calls itself (``torch.cuda.get_device_name``); None for CPU and meta."""
+    if device.type in ("cpu", "meta"):
+        return None
+    module = getattr(torch, device.type, None)
+    get_name = getattr(module, "get_device_name", None)
+    return str(get_name(device)) if get_name is not None else None
+
+
+def table_peak(name: str, dtype: str) -> tuple[Peak | None, str]:
+    """The table's peak for a device name and compute dtype, or None and why not."""
+    chip = chip_for(name)
+    if chip is None:
+        return None, f"device {name!r} is not in the peak table"
+    if dtype == TF32 and TF32 not in chip.peaks:
+        dtype = FP32  # no TF32 hardware (MI355X): fp32 matmuls run at the fp32 rate
+    flops = chip.peaks.get(dtype)
+    if flops is None:
+        return None, f"the peak table has no {dtype} figure for {chip.name}"
+    return Peak(flops, f"{chip.name} {dtype} dense, {chip.source}"), ""
+
+
+def resolve_peak(given: Peak | None, device: torch.device, dtype: str | None) -> tuple[Peak | None, str]:
+    """The peak to use: the user's if given, else the table's for ``device`` at ``dtype``; or None and
+    a sentence saying why there is none (no guessing)."""
+    if given is not None:
+        return given, ""
+    how = f"pass peak_flops= or set {ENV_VAR}"
+    name = device_name(device)
+    if name is None:
+        return None, f"no peak FLOPS for a {device.type} device: {how}"
+    if dtype is None:
+        return None, f"unknown compute dtype on {name!r}: {how}"
+    peak, why = table_peak(name, dtype)
+    return peak, f"{why}: {how}" if peak is None else ""

@@ -1,0 +1,205 @@
+"""The dense peak table and MFU's inputs: device names as torch reports them, compute dtypes as the
+frameworks set them, and the user's overrides."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from transformers import TrainingArguments
+
+from flops_callbacks import hf, lightning
+from flops_callbacks.peaks import (
+    BF16,
+    CHIPS,
+    ENV_VAR,
+    FP8,
+    FP16,
+    FP32,
+    TF32,
+    Peak,
+    check_peak_flops,
+    chip_for,
+    fp32_matmul_dtype,
+    resolve_peak,
+    table_peak,
+)
+from flops_callbacks.step import StepProfiler
+
+# (what torch.cuda.get_device_name() returns on that device, our table's name for it)
+DEVICE_NAMES = [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+    ("NVIDIA H100 PCIe", "H100 PCIe"),
+    ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA H200", "H200 SXM"),
+    ("NVIDIA H200 NVL", "H200 NVL"),
+    ("NVIDIA GH200 480GB", "GH200"),
+    ("NVIDIA A100-SXM4-80GB", "A100"),
+    ("NVIDIA A100-SXM4-40GB", "A100"),
+    ("NVIDIA A100-PCIE-40GB", "A100"),
+    ("NVIDIA A100 80GB PCIe", "A100"),
+    ("NVIDIA A10G", "A10G"),
+    ("NVIDIA A10", "A10"),
+    ("NVIDIA L4", "L4"),
+    ("NVIDIA L40", "L40"),
+    ("NVIDIA L40S", "L40S"),
+    ("NVIDIA GeForce RTX 4090", "GeForce RTX 4090"),
+    ("NVIDIA B200", "B200"),
+    ("NVIDIA GB200", "GB200"),
+    ("AMD Instinct MI300X", "Instinct MI300X"),
+    ("AMD Instinct MI300X VF", "Instinct MI300X"),
+    ("AMD Instinct MI325X", "Instinct MI325X"),
+    ("AMD Instinct MI355X", "Instinct MI355X"),
+]
+
+
+@pytest.mark.parametrize(("device_name", "chip"), DEVICE_NAMES)
+def test_real_device_names_find_their_chip(device_name: str, chip: str) -> None:
+    found = chip_for(device_name)
+    assert found is not None and found.name == chip
+
+
+@pytest.mark.parametrize(
+    "device_name",
+    [
+        "NVIDIA H100 80GB HBM3 MIG 1g.10gb",  # a seventh of the GPU: the full GPU's peak would be wrong
+        "NVIDIA A100-SXM4-40GB MIG 3g.20gb",
+        "NVIDIA GeForce RTX 4090 D",  # fewer SMs than the 4090
+        "NVIDIA GeForce RTX 4090 Laptop GPU",
+        "NVIDIA GeForce RTX 3090",
+        "NVIDIA H800",
+        "Tesla V100-SXM2-32GB",
+        "AMD Instinct MI250X",
+        "",
+    ],
+)
+def test_unknown_devices_and_mig_slices_have_no_peak(device_name: str) -> None:
+    assert chip_for(device_name) is None
+    peak, why = table_peak(device_name, BF16)
+    assert peak is None and "not in the peak table" in why
+
+
+# Dense figures as the datasheets print them, independently of the table: "with sparsity" ones halved.
+DATASHEET_DENSE_TFLOPS = [
+    ("NVIDIA H100 80GB HBM3", BF16, 1979 / 2),
+    ("NVIDIA H100 80GB HBM3", FP8, 3958 / 2),
+    ("NVIDIA H100 80GB HBM3", TF32, 989 / 2),
+    ("NVIDIA H100 PCIe", BF16, 1513 / 2),
+    ("NVIDIA H100 NVL", BF16, 1671 / 2),
+    ("NVIDIA H200", FP16, 1979 / 2),
+    ("NVIDIA A100-SXM4-80GB", BF16, 312),
+    ("NVIDIA A100-PCIE-40GB", TF32, 156),
+    ("NVIDIA A100-PCIE-40GB", FP32, 19.5),
+    ("NVIDIA L4", BF16, 121),
+    ("NVIDIA L40S", BF16, 362.05),
+    ("NVIDIA GeForce RTX 4090", BF16, 165.2),
+    ("NVIDIA B200", BF16, 2250),
+    ("NVIDIA GB200", FP8, 5000),
+    ("AMD Instinct MI300X", BF16, 1307.4),
+    ("AMD Instinct MI355X", FP8, 5033.2),
+]
+
+
+@pytest.mark.parametrize(("device_name", "dtype", "tflops"), DATASHEET_DENSE_TFLOPS)
+def test_table_gives_the_dense_datasheet_figure(device_name: str, dtype: str, tflops: float) -> None:
+    peak, _ = table_peak(device_name, dtype)
+    assert peak is not None
+    assert peak.flops == pytest.approx(tflops * 1e12)
+    assert f"{dtype} dense" in peak.source
+
+
+def test_every_entry_has_a_source_and_ordered_dtypes() -> None:
+    for chip in CHIPS.values():
+        assert chip.source and chip.peaks
+        assert all(value > 0 for value in chip.peaks.values())
+        # lower precision is never slower on the tensor cores; fp32 (non-tensor) never above tf32
+        ordered = [chip.peaks[d] for d in (FP32, TF32, BF16, FP8) if d in chip.peaks]
+        assert ordered == sorted(ordered), chip.name
+        assert chip.peaks.get(FP16, chip.peaks[BF16]) == chip.peaks[BF16]
+
+
+def test_tf32_without_tf32_hardware_uses_the_fp32_rate_and_a100_has_no_fp8() -> None:
+    peak, _ = table_peak("AMD Instinct MI355X", TF32)
+    assert peak is not None and peak.flops == pytest.approx(157.3e12) and "fp32 dense" in peak.source
+    peak, why = table_peak("NVIDIA A100-SXM4-80GB", FP8)
+    assert peak is None and "no fp8 figure for A100" in why
+
+
+@pytest.fixture
+def restore_matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_fp32_matmuls_count_as_tf32_only_when_torch_allows_it(restore_matmul_precision: None) -> None:
+    torch.set_float32_matmul_precision("highest")
+    assert fp32_matmul_dtype() == FP32
+    torch.set_float32_matmul_precision("high")
+    assert fp32_matmul_dtype() == TF32
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "312e12", True, float("inf"), float("nan"), [1e12]])
+def test_bad_peak_flops_fails_at_construction_naming_the_argument(value: object) -> None:
+    with pytest.raises(ValueError, match="peak_flops must be the dense peak FLOPS of one device"):
+        StepProfiler(peak_flops=value)  # type: ignore[arg-type]
+
+
+def test_environment_variable_sets_the_peak_and_the_argument_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "312e12")
+    assert StepProfiler().given_peak == Peak(312e12, f"{ENV_VAR} environment variable")
+    assert StepProfiler(peak_flops=1e12).given_peak == Peak(1e12, "peak_flops argument")
+    monkeypatch.setenv(ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=f"{ENV_VAR} must be the dense peak FLOPS"):
+        StepProfiler()
+
+
+def test_no_peak_on_cpu_unless_given() -> None:
+    cpu = torch.device("cpu")
+    peak, why = resolve_peak(None, cpu, FP32)
+    assert peak is None
+    assert why == f"no peak FLOPS for a cpu device: pass peak_flops= or set {ENV_VAR}"
+    given = Peak(5e12, "peak_flops argument")
+    assert resolve_peak(given, cpu, FP32) == (given, "")
+    assert check_peak_flops(None) is None
+
+
+# --- the compute dtype, from the frameworks' own objects -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [("bf16-mixed", BF16), ("bf16-true", BF16), ("16-true", FP16), ("32-true", FP32), ("64-true", None)],
+)
+def test_lightning_precision_plugin_gives_the_compute_dtype(
+    precision: str, dtype: str | None, restore_matmul_precision: None
+) -> None:
+    torch.set_float32_matmul_precision("highest")
+    trainer = L.Trainer(accelerator="cpu", precision=precision, logger=False, enable_progress_bar=False)
+    assert lightning.compute_dtype(trainer, torch.nn.Linear(2, 2)) == dtype
+
+
+def test_lightning_fp32_with_tf32_allowed_and_transformer_engine(restore_matmul_precision: None) -> None:
+    trainer = L.Trainer(accelerator="cpu", precision="32-true", logger=False, enable_progress_bar=False)
+    torch.set_float32_matmul_precision("high")
+    assert lightning.compute_dtype(trainer, torch.nn.Linear(2, 2)) == TF32
+    # TransformerEnginePrecision cannot be built without transformer_engine: its precision string only
+    assert lightning.compute_dtype(SimpleNamespace(precision="transformer-engine"), None) == FP8
+
+
+def test_hf_training_arguments_give_the_compute_dtype(restore_matmul_precision: None) -> None:
+    torch.set_float32_matmul_precision("highest")
+    model = torch.nn.Linear(2, 2)
+
+    def args(**flags: object) -> TrainingArguments:
+        return TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], **flags)
+
+    assert hf.compute_dtype(args(bf16=True), model) == BF16
+    assert hf.compute_dtype(args(fp16=True), model) == FP16
+    assert hf.compute_dtype(args(), model) == FP32
+    assert hf.compute_dtype(args(), model.to(torch.bfloat16)) == BF16  # a model loaded in bf16
+    assert hf.compute_dtype(args(), model, SimpleNamespace(mixed_precision="fp8")) == FP8
+    torch.set_float32_matmul_precision("high")
+    assert hf.compute_dtype(args(), torch.nn.Linear(2, 2)) == TF32
