@@ -204,8 +204,10 @@ class Tracer:
                 continue  # the _orig_mod wrapper level, or a module seen under an earlier name
             self._names[id(module)] = name
             self._modules[name] = module
-        self._ancestors = {name: self._ancestors_of(name) for name in self._modules}
-        self._param_holders = self._holders_of_params()
+        self._ancestors: dict[str, list[str]] = {}
+        for name in self._modules:  # named_modules order: every parent before its children
+            self._ancestors[name] = self._ancestors_of(name)
+        self._param_holders: list[tuple[torch.nn.Parameter, tuple[str, ...]]] | None = None  # when read
         containers = {name for name, m in self._modules.items() if type(m).forward is torch.nn.Module.forward}
         self._container_ancestors = {
             name: [a for a in ancestors if a in containers] for name, ancestors in self._ancestors.items()
@@ -224,6 +226,7 @@ class Tracer:
 
     def reset(self) -> None:
         """Forget everything counted so far (hooks and modes stay as they are)."""
+        self._profile: Profile | None = None
         self._calls = dict.fromkeys(self._modules, 0)
         self._contexts: dict[tuple[str, ...], dict[str | None, _Context]] = {}  # by stack, functional
         self._stack: list[_Frame] = []
@@ -244,6 +247,7 @@ class Tracer:
     def start(self) -> None:
         if self.running:
             return
+        self._profile = None
         stack = contextlib.ExitStack()
         try:
             if _has_compiled(self.model):
@@ -299,11 +303,15 @@ class Tracer:
         return [(param, tuple(names)) for param, names in holders.values()]
 
     def _ancestors_of(self, name: str) -> list[str]:
+        """Profiled modules above ``name``, outermost first (each derived from its parent's, once)."""
+        found = self._ancestors.get(name)
+        if found is not None:
+            return found
         if not name:
             return []
-        parts = name.split(".")
-        candidates = [""] + [".".join(parts[:i]) for i in range(1, len(parts))]
-        return [c for c in candidates if c in self._modules]
+        parent = name.rpartition(".")[0]
+        above = self._ancestors_of(parent)
+        return above + [parent] if parent in self._modules else above
 
     def _owns_thread(self) -> bool:
         """Whether this thread is profiled: the one that started, or one our (thread-local) mode
@@ -486,6 +494,8 @@ class Tracer:
         count in every module that holds them)."""
         params = dict.fromkeys(self._modules, 0)
         trainable = dict.fromkeys(self._modules, 0)
+        if self._param_holders is None:
+            self._param_holders = self._holders_of_params()
         for param, holders in self._param_holders:
             numel = _stored_numel(param)
             for name in holders:
@@ -495,7 +505,16 @@ class Tracer:
         return params, trainable
 
     def profile(self, causal_attention: str = "full") -> Profile:
-        """Everything counted since the last reset, with latencies resolved (synchronizes once)."""
+        """Everything counted since the last reset, with latencies resolved (synchronizes once).
+
+        Built once per stop: DeepSpeed's API reads totals one getter at a time.
+        """
+        if self._profile is not None and not self.running:
+            return self._profile
+        self._profile = self._build_profile(causal_attention)
+        return self._profile
+
+    def _build_profile(self, causal_attention: str) -> Profile:
         seconds = self.clock.seconds
         self.clock.synchronize()
         counts = {name: Counts(calls=calls) for name, calls in self._calls.items()}
