@@ -25,6 +25,7 @@ JOBS = {
         ["benchmarks/overhead.py"],
         ["benchmarks/lightning_overhead.py"],
         ["benchmarks/hf_overhead.py"],
+        ["benchmarks/throughput_overhead.py"],
     ],
 }
 

@@ -26,6 +26,7 @@ except ImportError as err:  # the core needs only torch; the HF callback is an e
 from flops_callbacks import metrics as names
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
+from flops_callbacks.profiler import check_flag
 from flops_callbacks.step import BACKWARD, FORWARD, OPTIMIZER_STEP, StepProfiler, StepResult
 from flops_callbacks.throughput import ThroughputMeter
 from flops_callbacks.units import number_to_string
@@ -238,8 +239,7 @@ class HFFlopsCallback(TrainerCallback):
         throughput: bool = True,
         peak_flops: float | None = None,
     ) -> None:
-        if not isinstance(throughput, bool):
-            raise ValueError(f"throughput must be True or False, got {throughput!r}")
+        check_flag("throughput", throughput)
         self.profiler = StepProfiler(
             profile_step=profile_step,
             module_depth=module_depth,

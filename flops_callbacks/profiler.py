@@ -37,6 +37,12 @@ def check_report_args(module_depth: Any, top_modules: Any) -> None:
         raise ValueError(f"top_modules must be an int >= 1, got {top_modules!r}")
 
 
+def check_flag(name: str, value: Any) -> None:
+    """A switch argument: exactly True or False (a truthy string is a mistake, not a yes)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def check_causal_attention(causal_attention: Any) -> None:
     if causal_attention not in CAUSAL_ATTENTION:
         raise ValueError(f"causal_attention must be one of {CAUSAL_ATTENTION}, got {causal_attention!r}")

@@ -35,7 +35,7 @@ from flops_callbacks.metrics import step_metrics
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import ENV_VAR, Peak, check_peak_flops, peak_from_env, resolve_peak
 from flops_callbacks.profile import Profile
-from flops_callbacks.profiler import FlopsProfiler, check_causal_attention, check_report_args
+from flops_callbacks.profiler import FlopsProfiler, check_causal_attention, check_flag, check_report_args
 from flops_callbacks.report import render_profile
 from flops_callbacks.units import duration_to_string, flops_to_string, number_to_string, params_to_string
 
@@ -204,6 +204,8 @@ class StepProfiler:
         if isinstance(profile_step, bool) or not isinstance(profile_step, int) or profile_step < 0:
             raise ValueError(f"profile_step must be an int >= 0, got {profile_step!r}")
         check_report_args(module_depth, top_modules)
+        check_flag("detailed", detailed)
+        check_flag("print_profile", print_profile)
         check_causal_attention(causal_attention)
         for name, fn in (("batch_size_fn", batch_size_fn), ("tokens_fn", tokens_fn)):
             if fn is not None and not callable(fn):

@@ -115,6 +115,8 @@ def test_leading_batch_size_finds_the_first_tensor() -> None:
         ({"batch_size_fn": 3}, "batch_size_fn must be a callable"),
         ({"tokens_fn": "n"}, "tokens_fn must be a callable"),
         ({"causal_attention": "some"}, "causal_attention must be one of"),
+        ({"detailed": "yes"}, "detailed must be True or False"),
+        ({"print_profile": 1}, "print_profile must be True or False"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
