@@ -141,9 +141,6 @@ class PhaseTimer:
         self.stop(ending, mark)
         self.start(starting, mark)
 
-    def is_open(self, phase: str) -> bool:
-        return phase in self._open
-
     def seconds(self, phase: str) -> float:
         """Total seconds of the closed spans of ``phase``."""
         return sum(self.clock.seconds(a, b) for a, b in self._spans.get(phase, ()))

@@ -425,11 +425,6 @@ def rule(func: torch._ops.OpOverload) -> OpRule:
     return rule
 
 
-def classify(func: torch._ops.OpOverload) -> OpKind:
-    """Whether ``func`` is dense, elementwise, free of arithmetic, or uncounted (cached per op)."""
-    return rule(func).kind
-
-
 def count_flops(
     func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any, causal_half: bool = False
 ) -> int:
@@ -443,10 +438,10 @@ def count_flops(
     if formula is None:
         return 0
     flops = int(formula(args, kwargs, out))
-    return causal_scaled(func, args, kwargs, flops) if causal_half else flops
+    return _causal_scaled(func, args, kwargs, flops) if causal_half else flops
 
 
-def causal_scaled(func: torch._ops.OpOverload, args: tuple, kwargs: dict, flops: int) -> int:
+def _causal_scaled(func: torch._ops.OpOverload, args: tuple, kwargs: dict, flops: int) -> int:
     """``flops`` of an attention kernel called with ``is_causal=True`` scaled to the kept part of
     the score matrix (torch's top-left mask); any other op's flops unchanged."""
     name = func._overloadpacket.__name__
@@ -510,8 +505,6 @@ __all__ = [
     "OpKind",
     "OpRule",
     "causal_fraction",
-    "causal_scaled",
-    "classify",
     "count_flops",
     "recomputed_share",
     "rnn_flops",

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves
 
 from flops_callbacks.clock import Clock, clock_for, module_device
-from flops_callbacks.formulas import OpKind, causal_scaled, recomputed_share, rule
+from flops_callbacks.formulas import OpKind, count_flops, recomputed_share, rule
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
 
 _TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()
@@ -443,7 +443,7 @@ class Tracer:
             phase, ctx = _BWD, node.metadata.get(_TAG) or self._context()
         else:
             phase, ctx = _FWD, self._context()
-        kind, formula = rule(func)
+        kind = rule(func).kind
         timed = phase == _BWD or kind is OpKind.UNCOUNTED
         if timed:
             start = self.clock.mark()
@@ -454,10 +454,8 @@ class Tracer:
             end = self.clock.mark()
             if phase == _BWD:
                 self._bwd_op_spans.append((ctx, start, end))
-        if formula is not None:
-            flops = int(formula(args, kwargs, out))
-            if self.causal_half:
-                flops = causal_scaled(func, args, kwargs, flops)
+        if kind is OpKind.DENSE or kind is OpKind.ELEMENTWISE:
+            flops = count_flops(func, args, kwargs, out, self.causal_half)
             macs = flops // 2 if kind is OpKind.DENSE else 0
             functional = ctx.functional or func._overloadpacket.__name__
             share = recomputed_share(func, args) if phase == _BWD else 0.0
