@@ -18,7 +18,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.utils.flop_counter import flop_registry as _torch_registry
-from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
 
@@ -30,6 +29,7 @@ class OpKind(str, Enum):
     ELEMENTWISE = "elementwise"  # pointwise, reductions, norms, softmax, pooling, interpolation
     FREE = "free"  # views, copies, creation, indexing: no arithmetic
     UNCOUNTED = "uncounted"  # does arithmetic we have no formula for: listed in the coverage section
+    METADATA = "metadata"  # size, stride, device queries: not even a call to report
 
 
 Formula = Callable[..., int]
@@ -81,17 +81,31 @@ def causal_fraction(s_q: int, s_k: int) -> float:
     return kept / (s_q * s_k)
 
 
-@_register(_DENSE, _op("_scaled_dot_product_flash_attention_for_cpu"))
-def _sdpa_cpu_flop(args: tuple, kwargs: dict, out: Any) -> int:
-    # torch's registry has no entry for the default CPU kernel, so FlopCounterMode counts 0 for it.
+# The fused attention kernels all take (batch, heads, seq, head dim) tensors, q, k, v first (a
+# backward: grad_out first). torch's registry lacks the default CPU kernel (FlopCounterMode counts 0
+# for it), and its sdpa formulas cost ~60 us a call: each of their bmm terms goes through the
+# pytree shape mapping. These are the same sums (GQA: k and v may have fewer heads than q).
+_ATTENTION = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+@_register(_DENSE, *(_op(name) for name in _ATTENTION))
+def _attention_flop(args: tuple, kwargs: dict, out: Any) -> int:
     q, k, v = args[:3]
-    return sdpa_flop_count(q.shape, k.shape, v.shape)
+    *batch_heads, s_q, d_q = q.shape
+    return 2 * math.prod(batch_heads) * s_q * k.shape[-2] * (d_q + v.shape[-1])  # QK^T, then AV
 
 
-@_register(_DENSE, _op("_scaled_dot_product_flash_attention_for_cpu_backward"))
-def _sdpa_cpu_backward_flop(args: tuple, kwargs: dict, out: Any) -> int:
-    grad_out, q, k, v = args[:4]
-    return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+@_register(_DENSE, *(_op(f"{name}_backward") for name in _ATTENTION))
+def _attention_backward_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    q, k, v = args[1:4]
+    *batch_heads, s_q, d_q = q.shape
+    # the recomputed QK^T, dV, dP = dO V^T, dQ, dK: three products over d_q, two over d_v
+    return 2 * math.prod(batch_heads) * s_q * k.shape[-2] * (3 * d_q + 2 * v.shape[-1])
 
 
 # mm/bmm and their add- forms are in torch's registry too, with these counts; ours skip its pytree
@@ -348,6 +362,21 @@ _FREE_NAMES = """
     unsafe_split unsafe_split_with_sizes unsafe_chunk
 """.split()
 _FREE: frozenset[Any] = frozenset(p for p in (_op(n) for n in _FREE_NAMES) if p is not None)
+_METADATA: frozenset[Any] = frozenset(
+    (
+        aten.sym_size,
+        aten.sym_stride,
+        aten.sym_numel,
+        aten.sym_storage_offset,
+        aten.size,
+        aten.stride,
+        aten.numel,
+        aten.dim,
+        aten.is_contiguous,
+        torch.ops.prim.layout,
+        torch.ops.prim.device,
+    )
+)
 
 
 def _bound_arg(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str) -> Any:
@@ -405,7 +434,9 @@ def rule(func: torch._ops.OpOverload) -> OpRule:
     if found is not None:
         return found
     packet, tags = func._overloadpacket, func.tags
-    if packet in _DENSE:
+    if packet in _METADATA:
+        rule = OpRule(OpKind.METADATA, None)
+    elif packet in _DENSE:
         rule = OpRule(OpKind.DENSE, _DENSE[packet])
     elif packet in _torch_registry:
         rule = OpRule(OpKind.DENSE, _torch_formula(packet))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from flops_callbacks.clock import Clock, clock_for, module_device
-from flops_callbacks.profile import Profile
+from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.report import render_aggregated, render_profile
 from flops_callbacks.tracer import Tracer
 from flops_callbacks.units import duration_to_string, flops_to_string, macs_to_string, params_to_string
@@ -150,13 +150,18 @@ class FlopsProfiler:
             raise RuntimeError("no profile: call start_profile() and run the model first")
         return self._tracer.profile(self.causal_attention)
 
+    def _totals(self) -> tuple[Counts, float]:
+        if self._tracer is None:
+            raise RuntimeError("no profile: call start_profile() and run the model first")
+        return self._tracer.totals()
+
     def get_total_flops(self, as_string: bool = False) -> int | str:
         """Forward flops of the model (DeepSpeed's meaning); backward is in :meth:`get_profile`."""
-        flops = self.get_profile().fwd_flops
+        flops = self._totals()[0].fwd_flops
         return flops_to_string(flops) if as_string else flops
 
     def get_total_macs(self, as_string: bool = False) -> int | str:
-        macs = self.get_profile().fwd_macs
+        macs = self._totals()[0].fwd_macs
         return macs_to_string(macs) if as_string else macs
 
     def get_total_params(self, as_string: bool = False) -> int | str:
@@ -165,7 +170,7 @@ class FlopsProfiler:
 
     def get_total_duration(self, as_string: bool = False) -> float | str:
         """Forward latency of the model in seconds."""
-        duration = self.get_profile().fwd_latency
+        duration = self._totals()[1]
         return duration_to_string(duration) if as_string else duration
 
     def print_model_profile(

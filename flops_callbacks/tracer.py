@@ -1,8 +1,10 @@
 """The measuring engine: counts and times every aten op of a model's forward, backward and recompute.
 
-Three thread-local pieces work together while a profile is on, and all are removed by ``stop()``:
+Three pieces work together while a profile is on, only in the thread that started it, and all are
+removed by ``stop()``:
 
-* module hooks on the profiled model keep the stack of modules being run (and time each call);
+* two global module hooks (they check the thread; the modes are thread-local) keep the stack of the
+  profiled model's modules being run and time each call, passing over other modules;
 * a ``TorchFunctionMode`` names the functional being run (``linear``, ``softmax``, ...) and tags
   every autograd node that functional creates with the module stack and its name;
 * a ``TorchDispatchMode`` sees every aten op, forward and backward, counts it with
@@ -22,10 +24,12 @@ import contextlib
 import sys
 import threading
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
@@ -36,25 +40,9 @@ from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, Un
 
 _TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()
 
-_FWD, _BWD, _REC = 0, 1, 2
+_FWD, _BWD, _REC = 0, 1, 2  # phases, in the order of Counts' flops fields
 
-_METADATA_OPS = frozenset(
-    op
-    for op in (
-        torch.ops.aten.sym_size.default,
-        torch.ops.aten.sym_stride.default,
-        torch.ops.aten.sym_numel.default,
-        torch.ops.aten.sym_storage_offset.default,
-        torch.ops.aten.size.default,
-        torch.ops.aten.stride.default,
-        torch.ops.aten.numel.default,
-        torch.ops.aten.dim.default,
-        torch.ops.aten.is_contiguous.default,
-        torch.ops.aten.is_contiguous.memory_format,
-        torch.ops.prim.layout.default,
-        torch.ops.prim.device.default,
-    )
-)
+_current_autograd_node = torch._C._current_autograd_node
 
 
 class _Context:
@@ -64,29 +52,30 @@ class _Context:
     spreads each context's sums over its modules once. Contexts are interned, so identity is equality.
     """
 
-    __slots__ = ("names", "functional", "sums", "calls")
+    __slots__ = ("names", "functional", "sums")
 
     def __init__(self, names: tuple[str, ...], functional: str | None) -> None:
         self.names = names  # () is outside the model's modules
         self.functional = functional
-        self.sums: dict[str, list[int]] = {}  # functional -> [fwd flops, fwd MACs, bwd ..., recompute ...]
-        self.calls: dict[str, int] = {}  # functional -> forward calls that did flops
+        # functional -> Counts' fields in order: flops of fwd, bwd, recompute; their MACs; forward
+        # calls that did flops
+        self.sums: dict[str, list[int]] = {}
 
-    def add(self, phase: int, functional: str, flops: int, macs: int) -> None:
+    def sums_of(self, functional: str) -> list[int]:
         sums = self.sums.get(functional)
         if sums is None:
-            sums = self.sums[functional] = [0] * 6
-        sums[2 * phase] += flops
-        sums[2 * phase + 1] += macs
+            sums = self.sums[functional] = [0] * 7
+        return sums
+
+    def add(self, phase: int, functional: str, flops: int, macs: int) -> None:
+        sums = self.sums_of(functional)
+        sums[phase] += flops
+        sums[3 + phase] += macs
 
 
-def _add_sums(counts: Counts, sums: list[int]) -> None:
-    counts.fwd_flops += sums[0]
-    counts.fwd_macs += sums[1]
-    counts.bwd_flops += sums[2]
-    counts.bwd_macs += sums[3]
-    counts.recompute_flops += sums[4]
-    counts.recompute_macs += sums[5]
+def _plus(a: list[int] | None, b: list[int]) -> list[int]:
+    """Elementwise sum as a new list (sum lists are shared between modules, never changed in place)."""
+    return b if a is None else [x + y for x, y in zip(a, b, strict=True)]
 
 
 @dataclass(slots=True)
@@ -101,11 +90,39 @@ class _Frame:
 _ARITHMETIC_DUNDERS = frozenset({"add", "sub", "mul", "truediv", "matmul", "pow", "floordiv"})
 
 
-_NAME_CACHE: dict[Any, str] = {}
+# A backward is no functional. torch switches a mode off inside its handler and these functions
+# re-check for modes, so the mode cannot stay on inside them: functionals that activation
+# checkpointing re-runs in the backward go unnamed (their aten ops name them) and their autograd
+# nodes are tagged by the module hooks instead.
+_AUTOGRAD_ENTRIES = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
+
+# Reads of a tensor's metadata: no arithmetic, no autograd node, so nothing to name or tag. A
+# quarter of a transformer's torch-function calls are these; they pass straight through.
+_READ = "<metadata read>"
+_METADATA_READS = [
+    getattr(torch._C.TensorBase, attribute).__get__
+    for attribute in (
+        "shape", "dtype", "device", "ndim", "layout", "requires_grad", "grad_fn", "is_leaf", "grad",
+        "is_cuda", "is_meta", "is_sparse", "is_quantized", "is_nested", "names", "output_nr", "_version",
+    )
+    if hasattr(torch._C.TensorBase, attribute)
+] + [
+    getattr(torch._C.TensorBase, method)
+    for method in (
+        "size", "dim", "stride", "numel", "nelement", "is_contiguous", "is_floating_point",
+        "is_complex", "element_size", "storage_offset", "data_ptr", "get_device",
+    )
+]  # fmt: skip
+
+_NAME_CACHE: dict[Any, str | None] = {
+    **dict.fromkeys(_AUTOGRAD_ENTRIES, None),
+    **dict.fromkeys(_METADATA_READS, _READ),
+}
 
 
-def _functional_name(func: Any) -> str:
-    """``F.linear`` -> "linear", ``Tensor.__rmul__`` -> "mul", ``Tensor.add_`` -> "add" (cached)."""
+def _functional_name(func: Any) -> str | None:
+    """``F.linear`` -> "linear", ``Tensor.__rmul__`` -> "mul", ``Tensor.add_`` -> "add"; None for
+    a backward, ``_READ`` for a metadata read (cached)."""
     try:
         return _NAME_CACHE[func]
     except (KeyError, TypeError):
@@ -126,16 +143,25 @@ def _derive_name(func: Any) -> str:
     return {"truediv": "div"}.get(name, name)
 
 
-def _clean_name(name: str) -> str:
-    """Qualified name without ``torch.compile``'s ``_orig_mod`` wrapper level."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+def _module_paths(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every (qualified name, module) of ``model``, parents first, a shared module under each of its
+    names; ``torch.compile``'s ``_orig_mod`` wrapper level is left out of the names.
 
-
-# A backward is no functional. torch switches a mode off inside its handler and these functions
-# re-check for modes, so the mode cannot stay on inside them: functionals that activation
-# checkpointing re-runs in the backward go unnamed (their aten ops name them) and their autograd
-# nodes are tagged by the module hooks instead.
-_AUTOGRAD_ENTRIES = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
+    ``named_modules(remove_duplicate=False)`` yields the same through one generator per level; this
+    walk costs a fraction of that, and a profiler is set up for every profiled step.
+    """
+    paths: list[tuple[str, torch.nn.Module]] = []
+    pending = [("", model)]
+    while pending:
+        name, module = pending.pop()
+        paths.append((name, module))
+        children = [
+            (name if child == "_orig_mod" else f"{name}.{child}" if name else child, sub)
+            for child, sub in module._modules.items()
+            if sub is not None
+        ]
+        pending.extend(reversed(children))
+    return paths
 
 
 class _FunctionMode(TorchFunctionMode):
@@ -196,23 +222,22 @@ class Tracer:
         self.clock = clock or clock_for(self.device)
         self._modules: dict[str, torch.nn.Module] = {}
         self._names: dict[int, str] = {}
-        for raw_name, module in model.named_modules():
-            name = _clean_name(raw_name)
-            if raw_name and isinstance(module, ignore_types):
+        self._paths = _module_paths(model)
+        for name, module in self._paths:
+            if name and isinstance(module, ignore_types):
                 continue
             if id(module) in self._names or name in self._modules:
                 continue  # the _orig_mod wrapper level, or a module seen under an earlier name
             self._names[id(module)] = name
             self._modules[name] = module
         self._ancestors: dict[str, list[str]] = {}
-        for name in self._modules:  # named_modules order: every parent before its children
+        for name in self._modules:  # walk order: every parent before its children
             self._ancestors[name] = self._ancestors_of(name)
         self._param_holders: list[tuple[torch.nn.Parameter, tuple[str, ...]]] | None = None  # when read
         containers = {name for name, m in self._modules.items() if type(m).forward is torch.nn.Module.forward}
         self._container_ancestors = {
             name: [a for a in ancestors if a in containers] for name, ancestors in self._ancestors.items()
         }
-        self._hooks: list[Any] = []
         self._thread: int | None = None
         self._exit: contextlib.ExitStack | None = None
         self._dispatch = _DispatchMode(self)
@@ -250,17 +275,17 @@ class Tracer:
         self._profile = None
         stack = contextlib.ExitStack()
         try:
-            if _has_compiled(self.model):
+            if _has_compiled(module for _, module in self._paths):
                 warnings.warn(
                     "flops_callbacks: torch.compile'd code runs eagerly while the profiler is on, so "
                     "that every op is seen and counted; it stays compiled and runs compiled afterwards.",
                     stacklevel=3,
                 )
                 stack.enter_context(torch.compiler.set_stance("force_eager"))
-            for module in self._modules.values():
-                self._hooks.append(module.register_forward_pre_hook(self._pre_hook))
-                self._hooks.append(module.register_forward_hook(self._post_hook, always_call=True))
-            stack.callback(self._remove_hooks)
+            # Two global hooks, not two per module: registering and removing hundreds of handles
+            # was a tenth of a forward profile's cost. Modules of other models are passed over.
+            stack.callback(register_module_forward_pre_hook(self._pre_hook).remove)
+            stack.callback(register_module_forward_hook(self._post_hook, always_call=True).remove)
             stack.enter_context(self._dispatch)
             stack.enter_context(_FunctionMode(self))
         except BaseException:
@@ -286,20 +311,18 @@ class Tracer:
             if self._in_backward:  # a backward that raised never reached its end callback
                 self._in_backward = False
 
-    def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-
     # --- module stack ------------------------------------------------------------------------------
 
     def _holders_of_params(self) -> list[tuple[torch.nn.Parameter, tuple[str, ...]]]:
         """Each parameter with the profiled modules that hold it (its owners and their ancestors)."""
         holders: dict[int, tuple[torch.nn.Parameter, dict[str, None]]] = {}
-        for raw_name, param in self.model.named_parameters(remove_duplicate=False):
-            owner = _clean_name(raw_name.rpartition(".")[0])
-            names = holders.setdefault(id(param), (param, {}))[1]
-            names.update(dict.fromkeys(n for n in (*self._ancestors_of(owner), owner) if n in self._modules))
+        for owner, module in self._paths:
+            params = [p for p in module._parameters.values() if p is not None]
+            if not params:
+                continue
+            names = [n for n in (*self._ancestors_of(owner), owner) if n in self._modules]
+            for param in params:
+                holders.setdefault(id(param), (param, {}))[1].update(dict.fromkeys(names))
         return [(param, tuple(names)) for param, names in holders.values()]
 
     def _ancestors_of(self, name: str) -> list[str]:
@@ -337,11 +360,11 @@ class Tracer:
         self._stack.append(_Frame(name, start, recompute, virtual, key if name in key else (*key, name)))
 
     def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
-        if not self._owns_thread():
+        name = self._names.get(id(module))
+        if name is None or not self._owns_thread():
             return
-        name = self._names[id(module)]
         recompute = bool(self._stack and self._stack[-1].recompute)
-        recompute = recompute or torch._C._current_autograd_node() is not None
+        recompute = recompute or _current_autograd_node() is not None
         start = self.clock.mark()
         for ancestor in self._virtual_ancestors(name):
             self._push(ancestor, start, recompute, True)
@@ -349,9 +372,9 @@ class Tracer:
         self._stack_changed()
 
     def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self._owns_thread():
+        name = self._names.get(id(module))
+        if name is None or not self._owns_thread():
             return
-        name = self._names[id(module)]
         stack = self._stack
         top = stack[-1] if stack else None
         on_top = top is not None and top.name == name and not top.virtual
@@ -401,17 +424,19 @@ class Tracer:
     # --- functionals: naming and tagging autograd nodes --------------------------------------------
 
     def _run_functional(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        name = _functional_name(func)
+        if name is _READ:
+            return func(*args, **kwargs)
         outer, outer_flag = self._functional, self._flops_in_call
-        name = None if func in _AUTOGRAD_ENTRIES else _functional_name(func)
-        self._functional, self._ctx, self._flops_in_call = name, None, False
-        ctx = self._context()
+        ctx = self._context_for(name)
+        self._functional, self._ctx, self._flops_in_call = name, ctx, False
         try:
             out = func(*args, **kwargs)
         finally:
             counted = self._flops_in_call
             self._functional, self._ctx, self._flops_in_call = outer, None, outer_flag
-        if counted and ctx.functional is not None:
-            ctx.calls[ctx.functional] = ctx.calls.get(ctx.functional, 0) + 1
+        if counted and name is not None:
+            ctx.sums_of(name)[6] += 1
         if torch.is_grad_enabled():
             self._tag(out, ctx)
         return out
@@ -434,16 +459,20 @@ class Tracer:
     # --- ops -----------------------------------------------------------------------------------------
 
     def _run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if func in _METADATA_OPS:
-            return func(*args, **kwargs)
-        node = torch._C._current_autograd_node()
-        if self._stack and self._stack[-1].recompute:
-            phase, ctx = _REC, self._context()
-        elif node is not None:
-            phase, ctx = _BWD, node.metadata.get(_TAG) or self._context()
-        else:
-            phase, ctx = _FWD, self._context()
         kind = rule(func).kind
+        node = _current_autograd_node()
+        if node is None and (kind is OpKind.FREE or kind is OpKind.METADATA):  # most forward ops
+            if kind is OpKind.FREE:
+                self._free_calls += 1
+            return func(*args, **kwargs)
+        if kind is OpKind.METADATA:
+            return func(*args, **kwargs)
+        if self._stack and self._stack[-1].recompute:
+            phase, ctx = _REC, self._ctx or self._context()
+        elif node is not None:
+            phase, ctx = _BWD, node.metadata.get(_TAG) or self._ctx or self._context()
+        else:
+            phase, ctx = _FWD, self._ctx or self._context()
         timed = phase == _BWD or kind is OpKind.UNCOUNTED
         if timed:
             start = self.clock.mark()
@@ -454,12 +483,17 @@ class Tracer:
             end = self.clock.mark()
             if phase == _BWD:
                 self._bwd_op_spans.append((ctx, start, end))
-        if kind is OpKind.DENSE or kind is OpKind.ELEMENTWISE:
+        if kind is OpKind.FREE:
+            self._free_calls += 1
+        elif kind is OpKind.UNCOUNTED:
+            entry = self._uncounted.setdefault(str(func._overloadpacket), [0, []])
+            entry[0] += 1
+            entry[1].append((start, end))
+        else:
             flops = count_flops(func, args, kwargs, out, self.causal_half)
             macs = flops // 2 if kind is OpKind.DENSE else 0
             functional = ctx.functional or func._overloadpacket.__name__
-            share = recomputed_share(func, args) if phase == _BWD else 0.0
-            if share:
+            if phase == _BWD and (share := recomputed_share(func, args)):
                 rec_flops = round(flops * share)
                 rec_macs = rec_flops // 2 if kind is OpKind.DENSE else 0
                 flops, macs = flops - rec_flops, macs - rec_macs
@@ -467,12 +501,6 @@ class Tracer:
             ctx.add(phase, functional, flops, macs)
             self._counted_calls += 1
             self._flops_in_call = True
-        elif kind is OpKind.FREE:
-            self._free_calls += 1
-        else:
-            entry = self._uncounted.setdefault(str(func._overloadpacket), [0, []])
-            entry[0] += 1
-            entry[1].append((start, end))
         return out
 
     def _begin_backward(self, start: Any) -> None:
@@ -502,6 +530,21 @@ class Tracer:
                     trainable[name] += numel
         return params, trainable
 
+    def totals(self) -> tuple[Counts, float]:
+        """The model's flops, MACs and forward seconds so far, without the per-module profile:
+        DeepSpeed's getters read one number at a time, and a total needs none of the rest."""
+        if self._profile is not None and not self.running:
+            return self._profile.model, self._profile.fwd_latency
+        sums = [0] * 7
+        for key, by_functional in self._contexts.items():
+            if key:  # the model is on every stack inside it
+                for ctx in by_functional.values():
+                    for part in ctx.sums.values():
+                        sums = _plus(sums, part)
+        self.clock.synchronize()
+        seconds = sum(self.clock.seconds(a, b) for a, b in self._top_spans)
+        return Counts(*sums[:6], calls=self._calls[""]), seconds
+
     def profile(self, causal_attention: str = "full") -> Profile:
         """Everything counted since the last reset, with latencies resolved (synchronizes once).
 
@@ -515,19 +558,19 @@ class Tracer:
     def _build_profile(self, causal_attention: str) -> Profile:
         seconds = self.clock.seconds
         self.clock.synchronize()
-        counts = {name: Counts(calls=calls) for name, calls in self._calls.items()}
-        functionals: dict[str, dict[str, Counts]] = {name: {} for name in self._modules}
-        outside = Counts()
-        for ctx in (c for by_functional in self._contexts.values() for c in by_functional.values()):
-            for functional, sums in ctx.sums.items():
-                for name in ctx.names:
-                    _add_sums(counts[name], sums)
-                    _add_sums(functionals[name].setdefault(functional, Counts()), sums)
-                if not ctx.names:
-                    _add_sums(outside, sums)
-            for functional, calls in ctx.calls.items():
-                for name in ctx.names:
-                    functionals[name].setdefault(functional, Counts()).calls += calls
+        per_module: dict[str, dict[str, list[int]]] = {name: {} for name in self._modules}
+        outside: list[int] | None = None
+        for key, by_functional in self._contexts.items():  # a stack's contexts merged, then spread
+            merged: dict[str, list[int]] = {}
+            for ctx in by_functional.values():
+                for functional, sums in ctx.sums.items():
+                    merged[functional] = _plus(merged.get(functional), sums)
+            for functional, sums in merged.items():
+                for name in key:
+                    mine = per_module[name]
+                    mine[functional] = _plus(mine.get(functional), sums)
+                if not key:
+                    outside = _plus(outside, sums)
 
         fwd_latency = dict.fromkeys(self._modules, 0.0)
         rec_latency = dict.fromkeys(self._modules, 0.0)
@@ -545,8 +588,11 @@ class Tracer:
         params, trainable = self._param_counts()
         modules: dict[str, ModuleProfile] = {}
         for name, module in self._modules.items():
+            functionals = {functional: Counts(*sums) for functional, sums in per_module[name].items()}
+            totals = [sum(column) for column in zip(*per_module[name].values(), strict=True)] or [0] * 7
             modules[name] = ModuleProfile(
-                **vars(counts[name]),
+                *totals[:6],
+                calls=self._calls[name],
                 name=name,
                 class_name=type(module).__name__,
                 depth=name.count(".") + 1 if name else 0,
@@ -555,7 +601,7 @@ class Tracer:
                 fwd_latency=fwd_latency[name],
                 bwd_latency=bwd_latency[name],
                 recompute_latency=rec_latency[name],
-                functionals=functionals[name],
+                functionals=functionals,
             )
         uncounted = [
             UncountedOp(
@@ -581,18 +627,18 @@ class Tracer:
             bwd_latency=total_bwd,
             device=str(self.device),
             modules=modules,
-            outside_model=outside,
+            outside_model=Counts(*outside[:6]) if outside else Counts(),
             coverage=Coverage(self._counted_calls, self._free_calls, uncounted),
             causal_attention=causal_attention,
         )
 
 
-def _has_compiled(model: torch.nn.Module) -> bool:
-    """Whether any part of ``model`` was ``torch.compile``d (without importing dynamo if unused)."""
+def _has_compiled(modules: Iterable[torch.nn.Module]) -> bool:
+    """Whether any of ``modules`` was ``torch.compile``d (without importing dynamo if unused)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None:
         return False  # dynamo never loaded: nothing can be compiled
     return any(
         isinstance(m, eval_frame.OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
-        for m in model.modules()
+        for m in modules
     )

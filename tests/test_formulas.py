@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from flops_callbacks import FlopsProfiler, Profile, get_model_profile
-from flops_callbacks.formulas import rnn_flops
+from flops_callbacks.formulas import count_flops, rnn_flops
 
 
 class Call(nn.Module):
@@ -256,6 +256,36 @@ def test_causal_half_counts_exactly_the_unmasked_entries() -> None:
     model = Call(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     half = profile_of(model, leaf(b, h, 5, d), leaf(b, h, 7, d), leaf(b, h, 7, d), causal_attention="half")
     assert half.fwd_flops == 2 * (2 * b * h * 15 * d)
+
+
+GPU_ATTENTION = [
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+]
+
+
+@pytest.mark.parametrize("kernel", GPU_ATTENTION)
+def test_gpu_attention_kernels_count_as_torch_registry_does(kernel: str) -> None:
+    # These kernels only run on a GPU; their formulas are checked on shapes alone (meta tensors)
+    # against torch's own registry, with grouped-query heads and a value head dim unlike the query's.
+    b, h_q, h_kv, s_q, s_k, d_q, d_v = 2, 8, 2, 5, 7, 16, 12
+    meta = {"device": "meta"}
+    q, k, v = (
+        torch.empty(b, h_q, s_q, d_q, **meta),
+        torch.empty(b, h_kv, s_k, d_q, **meta),
+        torch.empty(b, h_kv, s_k, d_v, **meta),
+    )
+    grad_out = torch.empty(b, h_q, s_q, d_v, **meta)
+    forward, backward = getattr(torch.ops.aten, kernel), getattr(torch.ops.aten, f"{kernel}_backward")
+    product = 2 * b * h_q * s_q * s_k  # times a head dim: one batched matmul of q's heads
+    assert count_flops(forward.default, (q, k, v), {}, None) == product * (d_q + d_v)
+    assert count_flops(backward.default, (grad_out, q, k, v), {}, None) == product * (3 * d_q + 2 * d_v)
+    if forward in flop_registry:  # torch counts the same (the cuDNN kernel is missing on some builds)
+        assert count_flops(forward.default, (q, k, v), {}, None) == flop_registry[forward](q, k, v)
+        assert count_flops(backward.default, (grad_out, q, k, v), {}, None) == flop_registry[backward](
+            grad_out, q, k, v
+        )
 
 
 # --- Recurrent layers ----------------------------------------------------------------------------

@@ -600,6 +600,12 @@ def ddp_worker(directory: Path) -> None:
     (directory / f"rank{trainer.args.process_index}.json").write_text(json.dumps(seen))
     # The Trainer leaves the group up; gloo's threads still running at interpreter exit can abort it.
     torch.distributed.destroy_process_group()
+    # Even so, about one run in twenty aborted in interpreter teardown ("terminate called without an
+    # active exception"), after everything above was written and no hook or mode was left: skip the
+    # teardown, whose C++ destructors are not what this test is about.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --- bad input, missing transformers, runs that never reach the step -----------------------------------

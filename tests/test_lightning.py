@@ -413,8 +413,8 @@ def test_validation_between_micro_batches_is_not_counted(tmp_path: Path) -> None
 
 
 class StepClock(L.Callback):
-    """After FlopsProfilerCallback in the list: when each step starts and ends, its samples, and the hooks
-    on the model during its optimizer step."""
+    """After FlopsProfilerCallback in the list: when each step starts and ends, its samples, and the
+    module hooks (the model's and torch's global ones) during its optimizer step."""
 
     def __init__(self) -> None:
         self.started: dict[int, float] = {}
@@ -428,7 +428,8 @@ class StepClock(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         kinds = ("_forward_hooks", "_forward_pre_hooks")
-        self.hooks[trainer.global_step] = sum(len(getattr(m, k)) for m in pl_module.modules() for k in kinds)
+        on_model = sum(len(getattr(m, k)) for m in pl_module.modules() for k in kinds)
+        self.hooks[trainer.global_step] = on_model + len(torch.nn.modules.module._global_forward_pre_hooks)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.ended[trainer.global_step] = time.perf_counter()
@@ -457,7 +458,7 @@ def test_throughput_is_logged_at_every_later_logging_step_from_measured_flops(tm
     # the new shape was measured once, exactly, on its own step; the profiled one's came from the profile
     flops = {b: fwd_flops(b) + bwd_flops(b) for b in (3, 2)}
     assert sorted(callback.meter.flops_per_micro_batch.values()) == [flops[2], flops[3]]
-    # hooks on the model only in the profiled step and the measuring step
+    # module hooks only in the profiled step and the measuring step
     assert {step for step, hooks in clock.hooks.items() if hooks} == {PROFILE_STEP, 6}
     assert_nothing_left(module, before_model, before_torch)
 

@@ -38,7 +38,17 @@ def attribute_snapshot() -> dict[str, dict[str, int]]:
     return {owner.__name__: {k: id(v) for k, v in vars(owner).items()} for owner in owners}
 
 
+GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_forward_hooks_always_called",
+)
+
+
 def hook_state(model: nn.Module) -> list:
+    """Every module's hooks and attributes, and the hooks torch runs for every module."""
     return [
         (
             name,
@@ -50,7 +60,7 @@ def hook_state(model: nn.Module) -> list:
             sorted(vars(m)),
         )
         for name, m in model.named_modules()
-    ]
+    ] + [(kind, len(getattr(torch.nn.modules.module, kind))) for kind in GLOBAL_HOOKS]
 
 
 def train_step(model: nn.Module, x: torch.Tensor) -> None:
@@ -72,6 +82,31 @@ def test_forward_and_backward_counts_are_exact() -> None:
     assert p.bwd_latency > 0
     assert p.outside_model.fwd_flops == B * OUT  # the .sum() loss is not the model's
     assert prof.get_total_flops(as_string=True).endswith("FLOPS")
+
+
+def test_deepspeed_getters_agree_with_the_profile_read_before_or_after_it() -> None:
+    # The getters sum the model's totals without building the per-module profile (DeepSpeed's engine
+    # reads them one at a time); recompute inside the backward is not forward work.
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = mlp()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+    model, x = Checkpointed(), torch.randn(B, IN)
+    with FlopsProfiler(model) as prof:
+        y = model(x)
+        during = prof.get_total_flops(), prof.get_total_macs()
+        y.sum().backward()
+    before = prof.get_total_flops(), prof.get_total_macs(), prof.get_total_duration()
+    p = prof.get_profile()
+    # the checkpointed forward ran again in the backward, up to the last tensor the backward needs
+    assert p.recompute_flops == 2 * B * IN * HID + B * HID
+    assert during == before[:2] == (FWD, B * IN * HID + B * HID * OUT)
+    assert before == (p.fwd_flops, p.fwd_macs, p.fwd_latency)
+    assert (prof.get_total_flops(), prof.get_total_duration()) == (p.fwd_flops, p.fwd_latency)
 
 
 def test_every_module_has_its_own_fwd_and_bwd_and_parents_include_children() -> None:
@@ -214,6 +249,19 @@ def test_model_run_in_another_thread_is_not_counted() -> None:
         model(x)
     p = prof.get_profile()
     assert p.fwd_flops == FWD and p.model.calls == 1
+
+
+def test_modules_outside_the_profiled_model_are_not_profiled_modules() -> None:
+    # The profiler's module hooks are torch's global ones: every module passes through them while a
+    # profile is on, and only the profiled model's count as modules.
+    model, x = mlp(), torch.randn(B, IN)
+    head = nn.Linear(OUT, 5, bias=False)  # a loss head that is not part of the model
+    with FlopsProfiler(model) as prof:
+        head(model(x))
+    p = prof.get_profile()
+    assert set(p.modules) == {name for name, _ in model.named_modules()}
+    assert p.fwd_flops == FWD and p.model.calls == 1
+    assert p.outside_model.fwd_flops == 2 * B * OUT * 5  # the head's matmul, outside the model
 
 
 def test_meta_device_counts_without_memory_or_latency() -> None:

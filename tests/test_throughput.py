@@ -119,10 +119,11 @@ def test_a_profiled_step_of_mixed_shapes_seeds_nothing_and_close_stops_a_measure
     model = nn.Linear(IN, OUT)
     meter = profiled_meter(model, [torch.randn(4, IN), torch.randn(3, IN)])
     assert meter.flops_per_micro_batch == {}
-    meter.begin_micro_batch(torch.randn(4, IN), model)  # measuring starts: hooks on the model
-    assert model._forward_pre_hooks
+    meter.begin_micro_batch(torch.randn(4, IN), model)  # measuring starts: module hooks and modes on
+    assert torch.nn.modules.module._global_forward_pre_hooks
+    assert torch.utils._python_dispatch._get_current_dispatch_mode_stack()
     meter.close()
-    assert not model._forward_pre_hooks and not meter.started
+    assert not torch.nn.modules.module._global_forward_pre_hooks and not meter.started
     assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
 
 
