@@ -96,23 +96,20 @@ def workload_variants(
         with torch.no_grad():
             forward()
 
-    def ours_forward() -> None:  # the same calls as DeepSpeed's below: a user switches the import
-        prof = FlopsProfiler(model)
-        prof.start_profile()
-        with torch.no_grad():
-            forward()
-        prof.stop_profile()
-        prof.get_total_flops(), prof.get_total_macs(), prof.get_total_duration()
-        prof.end_profile()
+    def forward_profile(profiler: type) -> Callable[[], None]:
+        """A DeepSpeed-API forward profile: ours and DeepSpeed's make the same calls (a user switches
+        the import)."""
 
-    def deepspeed_forward() -> None:
-        prof = ds_profiler(model)
-        prof.start_profile()
-        with torch.no_grad():
-            forward()
-        prof.stop_profile()
-        prof.get_total_flops(), prof.get_total_macs(), prof.get_total_duration()
-        prof.end_profile()
+        def run() -> None:
+            prof = profiler(model)
+            prof.start_profile()
+            with torch.no_grad():
+                forward()
+            prof.stop_profile()
+            prof.get_total_flops(), prof.get_total_macs(), prof.get_total_duration()
+            prof.end_profile()
+
+        return run
 
     def flop_counter_forward() -> None:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
@@ -147,10 +144,11 @@ def workload_variants(
             forward().backward()
         counter.get_total_flops()
 
+    ours_forward = forward_profile(FlopsProfiler)
     forwards: dict[str, Callable[[], object]] = {"plain": plain_forward, "ours": ours_forward}
     steps: dict[str, Callable[[], object]] = {"plain": plain_step, "ours": ours_step}
     if ds_profiler is not None:
-        forwards["deepspeed"], steps["deepspeed"] = deepspeed_forward, deepspeed_step
+        forwards["deepspeed"], steps["deepspeed"] = forward_profile(ds_profiler), deepspeed_step
     forwards["flop_counter"], steps["flop_counter"] = flop_counter_forward, flop_counter_step
     return forwards, steps
 
