@@ -41,6 +41,7 @@ from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, Un
 _TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()
 
 _FWD, _BWD, _REC = 0, 1, 2  # phases, in the order of Counts' flops fields
+_CALLS = 6  # index of the calls count in a sums list (Counts' field order)
 
 _current_autograd_node = torch._C._current_autograd_node
 
@@ -64,7 +65,7 @@ class _Context:
     def sums_of(self, functional: str) -> list[int]:
         sums = self.sums.get(functional)
         if sums is None:
-            sums = self.sums[functional] = [0] * 7
+            sums = self.sums[functional] = [0] * (_CALLS + 1)
         return sums
 
     def add(self, phase: int, functional: str, flops: int, macs: int) -> None:
@@ -436,7 +437,7 @@ class Tracer:
             counted = self._flops_in_call
             self._functional, self._ctx, self._flops_in_call = outer, None, outer_flag
         if counted and name is not None:
-            ctx.sums_of(name)[6] += 1
+            ctx.sums_of(name)[_CALLS] += 1
         if torch.is_grad_enabled():
             self._tag(out, ctx)
         return out
@@ -460,12 +461,11 @@ class Tracer:
 
     def _run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         kind = rule(func).kind
-        node = _current_autograd_node()
-        if node is None and (kind is OpKind.FREE or kind is OpKind.METADATA):  # most forward ops
-            if kind is OpKind.FREE:
-                self._free_calls += 1
-            return func(*args, **kwargs)
         if kind is OpKind.METADATA:
+            return func(*args, **kwargs)
+        node = _current_autograd_node()
+        if node is None and kind is OpKind.FREE:  # views and copies: most forward ops
+            self._free_calls += 1
             return func(*args, **kwargs)
         if self._stack and self._stack[-1].recompute:
             phase, ctx = _REC, self._ctx or self._context()
@@ -535,7 +535,7 @@ class Tracer:
         DeepSpeed's getters read one number at a time, and a total needs none of the rest."""
         if self._profile is not None and not self.running:
             return self._profile.model, self._profile.fwd_latency
-        sums = [0] * 7
+        sums = [0] * (_CALLS + 1)
         for key, by_functional in self._contexts.items():
             if key:  # the model is on every stack inside it
                 for ctx in by_functional.values():
@@ -543,7 +543,7 @@ class Tracer:
                         sums = _plus(sums, part)
         self.clock.synchronize()
         seconds = sum(self.clock.seconds(a, b) for a, b in self._top_spans)
-        return Counts(*sums[:6], calls=self._calls[""]), seconds
+        return Counts(*sums[:_CALLS], calls=self._calls[""]), seconds
 
     def profile(self, causal_attention: str = "full") -> Profile:
         """Everything counted since the last reset, with latencies resolved (synchronizes once).
@@ -589,9 +589,9 @@ class Tracer:
         modules: dict[str, ModuleProfile] = {}
         for name, module in self._modules.items():
             functionals = {functional: Counts(*sums) for functional, sums in per_module[name].items()}
-            totals = [sum(column) for column in zip(*per_module[name].values(), strict=True)] or [0] * 7
+            totals = [sum(column) for column in zip(*per_module[name].values(), strict=True)][:_CALLS]
             modules[name] = ModuleProfile(
-                *totals[:6],
+                *(totals or [0] * _CALLS),
                 calls=self._calls[name],
                 name=name,
                 class_name=type(module).__name__,
@@ -627,7 +627,7 @@ class Tracer:
             bwd_latency=total_bwd,
             device=str(self.device),
             modules=modules,
-            outside_model=Counts(*outside[:6]) if outside else Counts(),
+            outside_model=Counts(*outside[:_CALLS]) if outside else Counts(),
             coverage=Coverage(self._counted_calls, self._free_calls, uncounted),
             causal_attention=causal_attention,
         )
