@@ -20,9 +20,9 @@ except ImportError as err:  # the core needs only torch; the Lightning callback 
         "FlopsProfilerCallback needs Lightning: pip install 'flops-callbacks[lightning]'"
     ) from err
 
+from flops_callbacks.options import check_flag
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
-from flops_callbacks.profiler import check_flag
 from flops_callbacks.step import BACKWARD, FORWARD, OPTIMIZER_STEP, StepProfiler, StepResult
 from flops_callbacks.throughput import ThroughputMeter
 

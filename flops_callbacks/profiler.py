@@ -15,37 +15,17 @@ from typing import Any
 import torch
 
 from flops_callbacks.clock import Clock, clock_for, module_device
+from flops_callbacks.options import check_causal_attention, check_report_args
 from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.report import render_aggregated, render_profile
 from flops_callbacks.tracer import Tracer
 from flops_callbacks.units import duration_to_string, flops_to_string, macs_to_string, params_to_string
-
-CAUSAL_ATTENTION = ("full", "half")
 
 
 def check_model(model: Any) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     return model
-
-
-def check_report_args(module_depth: Any, top_modules: Any) -> None:
-    """The report arguments every entry point shares (DeepSpeed's meanings)."""
-    if isinstance(module_depth, bool) or not isinstance(module_depth, int) or module_depth < -1:
-        raise ValueError(f"module_depth must be an int >= -1 (-1 means all depths), got {module_depth!r}")
-    if isinstance(top_modules, bool) or not isinstance(top_modules, int) or top_modules < 1:
-        raise ValueError(f"top_modules must be an int >= 1, got {top_modules!r}")
-
-
-def check_flag(name: str, value: Any) -> None:
-    """A switch argument: exactly True or False (a truthy string is a mistake, not a yes)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def check_causal_attention(causal_attention: Any) -> None:
-    if causal_attention not in CAUSAL_ATTENTION:
-        raise ValueError(f"causal_attention must be one of {CAUSAL_ATTENTION}, got {causal_attention!r}")
 
 
 class FlopsProfiler:

@@ -32,10 +32,11 @@ import torch
 from flops_callbacks import metrics as names
 from flops_callbacks.clock import PhaseTimer
 from flops_callbacks.metrics import step_metrics
+from flops_callbacks.options import check_causal_attention, check_flag, check_report_args
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import ENV_VAR, Peak, check_peak_flops, peak_from_env, resolve_peak
 from flops_callbacks.profile import Profile
-from flops_callbacks.profiler import FlopsProfiler, check_causal_attention, check_flag, check_report_args
+from flops_callbacks.profiler import FlopsProfiler
 from flops_callbacks.report import render_profile
 from flops_callbacks.units import duration_to_string, flops_to_string, number_to_string, params_to_string
 

@@ -274,6 +274,11 @@ class Tracer:
         if self.running:
             return
         self._profile = None
+        # torch wraps every mode's handler in a dynamo "disable" that imports torch._dynamo on its
+        # first call (about a second): imported here, before the first clock mark, so that the first
+        # profile of a process does not time the import.
+        import torch._dynamo  # noqa: F401
+
         stack = contextlib.ExitStack()
         try:
             if _has_compiled(module for _, module in self._paths):
