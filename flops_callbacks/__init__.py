@@ -9,7 +9,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
-from flops_callbacks.profiler import FlopsProfiler, get_model_profile
+from flops_callbacks.profiler import (
+    FlopsProfiler,
+    get_model_profile,
+    get_module_duration,
+    get_module_flops,
+    get_module_macs,
+)
+from flops_callbacks.units import (
+    bytes_to_string,
+    duration_to_string,
+    flops_to_string,
+    macs_to_string,
+    number_to_string,
+    params_to_string,
+)
 
 if TYPE_CHECKING:
     from flops_callbacks.hf import HFFlopsCallback
@@ -40,5 +54,14 @@ __all__ = [
     "ModuleProfile",
     "Profile",
     "UncountedOp",
+    "bytes_to_string",
+    "duration_to_string",
+    "flops_to_string",
     "get_model_profile",
+    "get_module_duration",
+    "get_module_flops",
+    "get_module_macs",
+    "macs_to_string",
+    "number_to_string",
+    "params_to_string",
 ]

@@ -51,6 +51,7 @@ class ModuleProfile(Counts):
     bwd_latency: float = 0.0
     recompute_latency: float = 0.0
     functionals: dict[str, Counts] = field(default_factory=dict)
+    extra_repr: str = ""  # the module's own settings (``in_features=8, ...``), shown on its report line
 
 
 @dataclass

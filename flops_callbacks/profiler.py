@@ -1,31 +1,91 @@
-"""DeepSpeed-compatible profiler API: ``FlopsProfiler`` and ``get_model_profile``.
+"""DeepSpeed's flops profiler API on our engine: ``FlopsProfiler``, ``get_model_profile``, ``get_module_*``.
 
-Switching from DeepSpeed is one import: the method names, arguments and ``get_total_*`` meanings
-are DeepSpeed's. What differs is underneath: flops are measured per aten op (backward included)
-by :mod:`flops_callbacks.tracer`, nothing is patched globally, and nothing stays on the model.
+Switching from DeepSpeed 0.19.8 is one import: method names, arguments, return values, strings,
+``started`` and the ``flops`` / ``macs`` / ``params`` attributes are DeepSpeed's, and a DeepSpeed
+engine passed as ``ds_engine`` gives the report DeepSpeed's engine rows. What differs is underneath:
+flops are measured per aten op (backward included) by :mod:`flops_callbacks.tracer`, nothing is
+patched globally, and nothing is written onto the user's modules: ``get_module_flops(module)`` finds
+the module's record through a weak registry instead of a ``__flops__`` attribute, so a profile can
+never leave state on a model (DeepSpeed's attributes stay behind when a profiled step raises).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from flops_callbacks.clock import Clock, clock_for, module_device
-from flops_callbacks.options import check_causal_attention, check_report_args
-from flops_callbacks.profile import Counts, Profile
-from flops_callbacks.report import render_aggregated, render_profile
+from flops_callbacks.options import check_causal_attention, check_flag, check_report_args
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.profile import Counts, ModuleProfile, Profile
+from flops_callbacks.report import RunContext, render_aggregated, render_profile
 from flops_callbacks.tracer import Tracer
-from flops_callbacks.units import duration_to_string, flops_to_string, macs_to_string, params_to_string
+from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
+
+# DeepSpeed's engine timer names (deepspeed.utils.timer); their elapsed() is in milliseconds.
+_ENGINE_TIMERS = {"fwd_latency": "fwd", "bwd_latency": "bwd", "step_latency": "step"}
 
 
 def check_model(model: Any) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     return model
+
+
+# module -> (the profiler that profiles it, its name in that profile). Weak on both sides: the registry
+# keeps neither a model nor a profiler alive, and nothing is stored on the module itself.
+_REGISTRY: weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref[FlopsProfiler], str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _record(module: torch.nn.Module, getter: str) -> ModuleProfile | None:
+    """The module's record in its profiler's current profile; None for a module of the profiled model
+    that has no record of its own (its type was in ``ignore_list``)."""
+    entry = _REGISTRY.get(module)
+    profiler = entry[0]() if entry else None
+    if entry is None or profiler is None or profiler._tracer is None:
+        raise ValueError(
+            f"{getter}: module {type(module).__name__} has no profile: call it between start_profile() "
+            "and end_profile() of a FlopsProfiler of its model"
+        )
+    return profiler.get_profile().modules.get(entry[1])
+
+
+def get_module_flops(module: torch.nn.Module) -> int:
+    """Forward flops of ``module`` and its children in its profiler's current profile (DeepSpeed's);
+    a module in ``ignore_list`` has none of its own (its work is its parent's)."""
+    record = _record(module, "get_module_flops")
+    return record.fwd_flops if record else 0
+
+
+def get_module_macs(module: torch.nn.Module) -> int:
+    """Forward MACs of ``module`` and its children in its profiler's current profile (DeepSpeed's)."""
+    record = _record(module, "get_module_macs")
+    return record.fwd_macs if record else 0
+
+
+def get_module_duration(module: torch.nn.Module) -> float:
+    """Forward seconds of ``module`` in its profiler's current profile; for a module that was never
+    called itself (a ``ModuleList``), the sum of its children's, as DeepSpeed."""
+    record = _record(module, "get_module_duration")
+    duration = record.fwd_latency if record else 0.0
+    if duration == 0:
+        duration = sum(get_module_duration(child) for child in module.children())
+    return duration
+
+
+def _profiled_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(name in the profile, module) for every module of ``model``; ``torch.compile``'s ``_orig_mod``
+    level is not part of the names (as in the tracer)."""
+    for name, module in model.named_modules():
+        yield ".".join(part for part in name.split(".") if part != "_orig_mod"), module
 
 
 class FlopsProfiler:
@@ -40,15 +100,14 @@ class FlopsProfiler:
         prof.print_model_profile(profile_step=1)
         prof.end_profile()
 
-    or ``with FlopsProfiler(model) as prof: ...``. Unlike DeepSpeed, the backward is counted from
-    the real backward ops (``get_profile().bwd_flops``) and activation-checkpointing recompute is
-    reported apart (``recompute_flops``).
+    or ``with FlopsProfiler(model) as prof: ...``. Unlike DeepSpeed, a backward run while profiling is
+    counted from its real ops (``get_profile().bwd_flops``) and activation-checkpointing recompute is
+    reported apart (``recompute_flops``). ``recompute_fwd_factor`` enters DeepSpeed's backward
+    estimate only where the backward was timed by ``ds_engine`` but not profiled.
 
     ``causal_attention="half"`` counts only the unmasked part of attention kernels called with
     ``is_causal=True``; the default ``"full"`` counts the whole QK^T and AV, as FlopCounterMode,
-    DeepSpeed and the PaLM MFU definition do. ``ds_engine`` and ``recompute_fwd_factor`` are
-    accepted for drop-in compatibility: the first is kept for the report's parallel sizes, the
-    second is not needed because recompute is measured.
+    DeepSpeed and the PaLM MFU definition do.
     """
 
     def __init__(
@@ -61,23 +120,22 @@ class FlopsProfiler:
     ) -> None:
         self.model = check_model(model)
         check_causal_attention(causal_attention)
-        if recompute_fwd_factor:
-            warnings.warn(
-                "recompute_fwd_factor is ignored: flops_callbacks measures recomputation "
-                "(see get_profile().recompute_flops)",
-                stacklevel=2,
-            )
+        if isinstance(recompute_fwd_factor, bool) or not isinstance(recompute_fwd_factor, (int, float)):
+            raise ValueError(f"recompute_fwd_factor must be a number, got {recompute_fwd_factor!r}")
         self.ds_engine = ds_engine
+        self.recompute_fwd_factor = recompute_fwd_factor
         self.causal_attention = causal_attention
         self.started = False
         self._tracer: Tracer | None = None
+        self._described: Profile | None = None
 
     # --- DeepSpeed lifecycle ---------------------------------------------------------------------
 
     def start_profile(self, ignore_list: Iterable[type] | None = None) -> None:
         """Start counting (and reset earlier counts). Modules whose type is in ``ignore_list`` get no
         record of their own; their work counts towards their parent."""
-        self.stop_profile()
+        if self._tracer is not None:
+            self._tracer.stop()
         self._tracer = Tracer(
             self.model,
             ignore_types=tuple(ignore_list or ()),
@@ -85,12 +143,15 @@ class FlopsProfiler:
         )
         self._tracer.start()
         self.started = True
+        me = weakref.ref(self)
+        for name, module in _profiled_names(self.model):
+            _REGISTRY[module] = (me, name)
 
     def stop_profile(self) -> None:
-        """Stop counting and remove every hook and mode; the counts stay readable."""
+        """Stop counting and remove every hook and mode; the counts stay readable and ``started`` stays
+        True until :meth:`end_profile` (as DeepSpeed)."""
         if self._tracer is not None:
             self._tracer.stop()
-        self.started = False
 
     def resume_profile(self) -> None:
         """Count again after :meth:`stop_profile`, adding to the counts so far (not in DeepSpeed's API:
@@ -98,7 +159,6 @@ class FlopsProfiler:
         if self._tracer is None:
             raise RuntimeError("resume_profile() without start_profile()")
         self._tracer.start()
-        self.started = True
 
     def reset_profile(self) -> None:
         """Zero the counts (profiling continues if it was on)."""
@@ -109,6 +169,7 @@ class FlopsProfiler:
         """Stop and drop everything (DeepSpeed's end: nothing of the profiler stays)."""
         self.stop_profile()
         self._tracer = None
+        self.started = False
 
     def __enter__(self) -> FlopsProfiler:
         self.start_profile()
@@ -128,7 +189,13 @@ class FlopsProfiler:
         """The structured result: totals, every module, per-functional breakdown and coverage."""
         if self._tracer is None:
             raise RuntimeError("no profile: call start_profile() and run the model first")
-        return self._tracer.profile(self.causal_attention)
+        profile = self._tracer.profile(self.causal_attention)
+        if profile is not self._described:  # the module's own settings, for the report's module lines
+            for name, module in _profiled_names(self.model):
+                if name in profile.modules:
+                    profile.modules[name].extra_repr = module.extra_repr()
+            self._described = profile
+        return profile
 
     def _totals(self) -> tuple[Counts, float]:
         if self._tracer is None:
@@ -138,7 +205,7 @@ class FlopsProfiler:
     def get_total_flops(self, as_string: bool = False) -> int | str:
         """Forward flops of the model (DeepSpeed's meaning); backward is in :meth:`get_profile`."""
         flops = self._totals()[0].fwd_flops
-        return flops_to_string(flops) if as_string else flops
+        return number_to_string(flops) if as_string else flops
 
     def get_total_macs(self, as_string: bool = False) -> int | str:
         macs = self._totals()[0].fwd_macs
@@ -153,6 +220,31 @@ class FlopsProfiler:
         duration = self._totals()[1]
         return duration_to_string(duration) if as_string else duration
 
+    def _run_context(self) -> RunContext:
+        """DeepSpeed's engine rows, read from ``ds_engine`` as DeepSpeed reads them."""
+        engine = self.ds_engine
+        if not engine:
+            return RunContext(recompute_fwd_factor=self.recompute_fwd_factor)
+        dp = engine.dp_world_size
+        if dp is None:  # sequence parallelism folds data parallelism into its own group
+            dp = engine.seq_dp_world_size
+        parallel = ParallelSizes(
+            world_size=engine.world_size, data_parallel=dp, tensor_parallel=engine.mp_world_size
+        )
+        batch_size = engine.train_micro_batch_size_per_gpu()
+        if not engine.wall_clock_breakdown():
+            return RunContext(parallel, batch_size, recompute_fwd_factor=self.recompute_fwd_factor)
+        timers = engine.timers
+        latencies = {key: timers(timer).elapsed(False) / 1000.0 for key, timer in _ENGINE_TIMERS.items()}
+        iter_latency = sum(latencies.values())
+        return RunContext(
+            parallel,
+            batch_size,
+            **latencies,
+            samples_per_second=batch_size * engine.world_size / iter_latency if iter_latency > 0 else None,
+            recompute_fwd_factor=self.recompute_fwd_factor,
+        )
+
     def print_model_profile(
         self,
         profile_step: int = 1,
@@ -160,41 +252,57 @@ class FlopsProfiler:
         top_modules: int = 1,
         detailed: bool = True,
         output_file: str | Path | None = None,
-        context_lines: Sequence[tuple[str, str]] = (),
-        timing_lines: Sequence[tuple[str, str]] = (),
-    ) -> str:
-        """Print DeepSpeed's report (to ``output_file`` if given, never touching ``sys.stdout``).
-
-        ``context_lines`` and ``timing_lines`` are extra summary rows (label, value) that the
-        training callbacks add: parallel sizes and batch first, step/iter latency and rates last.
-        """
+    ) -> str | None:
+        """Print DeepSpeed's report (to ``output_file`` if given, never touching ``sys.stdout``) and set
+        ``self.flops``, ``self.macs`` and ``self.params``; return the text. Before
+        :meth:`start_profile` or after :meth:`end_profile` it prints nothing and returns None (as
+        DeepSpeed)."""
         check_report_args(module_depth, top_modules)
+        check_flag("detailed", detailed)
+        if not self.started or self._tracer is None:
+            return None
+        profile = self.get_profile()
+        self.flops, self.macs, self.params = profile.fwd_flops, profile.fwd_macs, profile.params
         text = render_profile(
-            self.get_profile(),
+            profile,
             profile_step=profile_step,
             module_depth=module_depth,
             top_modules=top_modules,
             detailed=detailed,
-            context_lines=context_lines,
-            timing_lines=timing_lines,
+            run=self._run_context(),
         )
         _emit(text, output_file)
         return text
 
-    def print_model_aggregated_profile(self, module_depth: int = -1, top_modules: int = 1) -> str:
+    def print_model_aggregated_profile(self, module_depth: int = -1, top_modules: int = 1) -> str | None:
+        """Print the top modules per depth; nothing (and None) without a profile."""
         check_report_args(module_depth, top_modules)
+        if self._tracer is None:
+            return None
         text = render_aggregated(self.get_profile(), module_depth=module_depth, top_modules=top_modules)
         print(text)
         return text
 
 
 def _emit(text: str, output_file: str | Path | None) -> None:
-    if output_file is None:
+    if not output_file:  # DeepSpeed treats "" as stdout too
         print(text)
     else:
         path = Path(output_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
+
+
+@contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model.eval()`` (as DeepSpeed's ``get_model_profile``), then every submodule's own mode back."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 MODES = ("forward", "generate")
@@ -219,21 +327,23 @@ def get_model_profile(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     causal_attention: str = "full",
 ) -> tuple[int | str, int | str, int | str]:
-    """Profile one call of ``model`` and return ``(flops, macs, params)`` as DeepSpeed does.
+    """Profile one call of ``model`` in eval mode and return ``(flops, macs, params)`` as DeepSpeed does
+    (strings: ``('1.34 K', '670 MACs', '120')``); the caller's train/eval mode of every submodule is
+    restored afterwards, also when the model raises.
 
     ``mode`` is "forward" (``model(*args, **kwargs)``), "generate", or the name of any method of the
-    model. With ``backward=True`` a training step is profiled: the output is reduced to a loss by
-    ``loss_fn`` (default: ``output.loss`` if the output has one, else the sum of its first tensor)
-    and back-propagated; the returned flops and MACs are then forward + backward (+ recompute).
+    model. With ``backward=True`` a step is profiled: the output is reduced to a loss by ``loss_fn``
+    (default: ``output.loss`` if the output has one, else the sum of its first floating tensor) and
+    back-propagated; the returned flops and MACs are then forward + backward (+ recompute).
     """
     check_model(model)
     check_report_args(module_depth, top_modules)
     check_causal_attention(causal_attention)
     if isinstance(warm_up, bool) or not isinstance(warm_up, int) or warm_up < 0:
         raise ValueError(f"warm_up must be an int >= 0, got {warm_up!r}")
-    if input_shape is not None and args is not None:
+    if input_shape is not None and args:
         raise ValueError("give either input_shape or args, not both")
-    if input_shape is None and args is None and not kwargs:
+    if input_shape is None and not args and not kwargs:
         raise ValueError("give the model's input: input_shape, args or kwargs")
     if not isinstance(mode, str) or not callable(getattr(model, mode, None)):
         raise ValueError(
@@ -245,37 +355,37 @@ def get_model_profile(
     call_args, call_kwargs = list(args or []), dict(kwargs or {})
     run = model if mode == "forward" else getattr(model, mode)  # __call__, so hooks run
 
-    for _ in range(warm_up):
-        with torch.no_grad():
-            run(*call_args, **call_kwargs)
-
     prof = FlopsProfiler(model, causal_attention=causal_attention)
-    prof.start_profile(ignore_list=ignore_modules)
-    try:
-        if backward:
-            output = run(*call_args, **call_kwargs)
-            _loss(output, loss_fn).backward()
-        else:
+    with _eval_mode(model):
+        for _ in range(warm_up):
             with torch.no_grad():
                 run(*call_args, **call_kwargs)
-    finally:
-        prof.stop_profile()
-    profile = prof.get_profile()
-    if print_profile:
-        prof.print_model_profile(
-            profile_step=1,
-            module_depth=module_depth,
-            top_modules=top_modules,
-            detailed=detailed,
-            output_file=output_file,
-        )
-    prof.end_profile()
+        prof.start_profile(ignore_list=ignore_modules)
+        try:
+            if backward:
+                output = run(*call_args, **call_kwargs)
+                _loss(output, loss_fn).backward()
+            else:
+                with torch.no_grad():
+                    run(*call_args, **call_kwargs)
+            prof.stop_profile()
+            profile = prof.get_profile()
+            if print_profile:
+                prof.print_model_profile(
+                    profile_step=warm_up,
+                    module_depth=module_depth,
+                    top_modules=top_modules,
+                    detailed=detailed,
+                    output_file=output_file,
+                )
+        finally:
+            prof.end_profile()
     if backward:
         flops, macs = profile.hardware_flops, profile.fwd_macs + profile.bwd_macs + profile.recompute_macs
     else:
         flops, macs = profile.fwd_flops, profile.fwd_macs
     if as_string:
-        return flops_to_string(flops), macs_to_string(macs), params_to_string(profile.params)
+        return number_to_string(flops), macs_to_string(macs), params_to_string(profile.params)
     return flops, macs, profile.params
 
 
@@ -289,3 +399,53 @@ def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.T
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
             return leaf.float().sum()
     raise ValueError("backward=True needs a loss: the output has no floating tensor; pass loss_fn")
+
+
+# The flops_profiler block of a DeepSpeed config: its keys and DeepSpeed's defaults.
+_DEEPSPEED_BLOCK = {
+    "enabled": False,
+    "recompute_fwd_factor": 0.0,
+    "profile_step": 1,
+    "module_depth": -1,
+    "top_modules": 1,
+    "detailed": True,
+    "output_file": None,
+}
+_CALLBACK_KEYS = ("profile_step", "module_depth", "top_modules", "detailed", "output_file")
+
+
+def deepspeed_callback_kwargs(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The training callbacks' keyword arguments from a DeepSpeed config (whole, or its
+    ``flops_profiler`` block), with DeepSpeed's defaults for absent keys; None where the profiler is
+    not enabled (DeepSpeed's default). The values are checked by the callback that receives them.
+
+    ``recompute_fwd_factor`` is accepted and ignored (recompute is measured), and keys DeepSpeed
+    does not know are ignored as DeepSpeed ignores them; each is said once, in one line.
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config must be a DeepSpeed config or its flops_profiler block, got {config!r}")
+    if "flops_profiler" in config:
+        block = config["flops_profiler"]
+        if not isinstance(block, Mapping):
+            raise ValueError(f"config['flops_profiler'] must be a mapping, got {block!r}")
+    elif any(key in _DEEPSPEED_BLOCK for key in config):
+        block = config
+    else:
+        return None  # a whole config without the block: DeepSpeed's profiler is off
+    settings = {**_DEEPSPEED_BLOCK, **block}
+    check_flag("flops_profiler.enabled", settings["enabled"])
+    if not settings["enabled"]:
+        return None
+    unknown = sorted(set(block) - set(_DEEPSPEED_BLOCK))
+    if unknown:
+        warnings.warn(
+            f"flops_profiler keys {unknown} are not DeepSpeed's and are ignored "
+            f"(DeepSpeed's: {sorted(_DEEPSPEED_BLOCK)})",
+            stacklevel=2,
+        )
+    if "recompute_fwd_factor" in block:
+        warnings.warn(
+            "flops_profiler.recompute_fwd_factor is ignored: recompute is measured, not estimated",
+            stacklevel=2,
+        )
+    return {key: settings[key] for key in _CALLBACK_KEYS}

@@ -1,12 +1,19 @@
 """Text reports in DeepSpeed's layout: summary, aggregated profile per depth, detailed tree, coverage.
 
-Pure functions of a :class:`~flops_callbacks.profile.Profile`: they return strings and print nothing.
+Pure functions of a :class:`~flops_callbacks.profile.Profile` and a :class:`RunContext`: they return
+strings and print nothing. DeepSpeed users grep its report, so every row DeepSpeed prints comes first,
+with DeepSpeed's label, order and row format (labels say "per GPU" whatever the device; a ``device``
+row says when it is not one); our own rows (measured backward, recompute, callers' rows) follow.
+Where DeepSpeed's label states its ``2 * fwd flops`` backward estimate and ours was measured, the
+label keeps DeepSpeed's words up to the ``=`` and then says what was divided.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.units import (
     duration_to_string,
@@ -18,19 +25,123 @@ from flops_callbacks.units import (
 )
 
 TITLE = "flops_callbacks Flops Profiler"
-_WIDTH = 60
+NOTATIONS = (
+    "Notations:",
+    "data parallel size (dp_size), model parallel size(mp_size),",
+    "number of parameters (params), number of multiply-accumulate operations(MACs),",
+    "number of floating-point operations (flops), floating-point operations per second (FLOPS),",
+    "fwd latency (forward propagation latency), bwd latency (backward propagation latency),",
+    "step (weights update latency), iter latency (sum of fwd, bwd and step latency)",
+    "Flops are measured op by op, in the backward too (not estimated as 2 x fwd) when it was profiled;",
+    "recompute = forward work re-run in the backward (activation checkpointing, fused attention).",
+)
 
 
-def _rule(title: str) -> str:
-    return f"{' ' + title + ' ':-^90}"
+@dataclass(frozen=True)
+class RunContext:
+    """What the report knows of the run beyond the profile: the rows DeepSpeed prints from its engine.
+
+    ``parallel`` gives the world / data / model parallel size rows and scales the "of model" rows by
+    its model-parallel size (``None``: no size rows, mp_size 1). Latencies given here were timed around
+    the model (DeepSpeed's engine timers, a callback's phase clock) and replace the profile's own;
+    ``step_latency`` adds the step, iter and samples/second rows. ``model_params`` overrides
+    params per GPU x mp_size (e.g. the global size of sharded DTensors). ``recompute_fwd_factor`` is
+    DeepSpeed's: it enters the backward estimate only when the backward was not profiled.
+    """
+
+    parallel: ParallelSizes | None = None
+    batch_size: int | None = None  # per GPU
+    model_params: int | None = None
+    fwd_latency: float | None = None
+    bwd_latency: float | None = None
+    step_latency: float | None = None
+    samples_per_second: float | None = None
+    recompute_fwd_factor: float = 0.0
 
 
-def _line(label: str, value: str) -> str:
-    return f"{label + ':':<{_WIDTH}}{value}"
+def _rule(title: str, width: int) -> str:
+    return f"{' ' + title + ' ':-^{width}}"
+
+
+def _row(label: str, value: object) -> str:
+    """DeepSpeed's summary row: the label and ': ' padded to 70, two spaces, the value padded to 8."""
+    return f"{label + ': ':<70}  {value!s:<8}"
 
 
 def _rate(flops: float, seconds: float) -> str:
     return flops_to_string(flops / seconds) if seconds > 0 else "n/a"
+
+
+def _deepspeed_rows(p: Profile, run: RunContext) -> list[tuple[str, object]]:
+    """DeepSpeed's summary rows, in its order and words."""
+    rows: list[tuple[str, object]] = []
+    mp = run.parallel.model_parallel if run.parallel else 1
+    if run.parallel:
+        rows += [
+            ("world size", run.parallel.world_size),
+            ("data parallel size", run.parallel.data_parallel),
+            ("model parallel size", mp),
+        ]
+    if run.batch_size is not None:
+        rows.append(("batch size per GPU", run.batch_size))
+    model_params = run.model_params if run.model_params is not None else p.params * mp
+    fwd_latency = p.fwd_latency if run.fwd_latency is None else run.fwd_latency
+    rows += [
+        ("params per GPU", params_to_string(p.params)),
+        ("params of model = params per GPU * mp_size", params_to_string(model_params)),
+        ("fwd MACs per GPU", macs_to_string(p.fwd_macs)),
+        ("fwd flops per GPU", number_to_string(p.fwd_flops)),
+        ("fwd flops of model = fwd flops per GPU * mp_size", number_to_string(p.fwd_flops * mp)),
+        ("fwd latency", duration_to_string(fwd_latency)),
+        ("fwd FLOPS per GPU = fwd flops per GPU / fwd latency", _rate(p.fwd_flops, fwd_latency)),
+    ]
+    measured = p.bwd_flops > 0
+    bwd_latency = p.bwd_latency if run.bwd_latency is None else run.bwd_latency
+    if not measured and run.bwd_latency is None:
+        return rows  # no backward was profiled or timed: DeepSpeed prints none of its rows either
+    if measured:  # the backward's own ops, recompute included: the work the device did
+        bwd_flops = p.bwd_flops + p.recompute_flops
+        bwd_label = "bwd FLOPS per GPU = bwd flops per GPU / bwd latency"
+        both_label = "fwd+bwd FLOPS per GPU = fwd+bwd flops per GPU / (fwd+bwd latency)"
+        iter_label = "FLOPS per GPU = fwd+bwd flops per GPU / iter latency"
+    else:  # only timed (DeepSpeed's engine profiles the forward): DeepSpeed's estimate, in its words
+        factor = 2 + run.recompute_fwd_factor
+        bwd_flops = factor * p.fwd_flops
+        bwd_label = f"bwd FLOPS per GPU = {factor:g} * fwd flops per GPU / bwd latency"
+        both_label = f"fwd+bwd FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / (fwd+bwd latency)"
+        iter_label = f"FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / iter latency"
+    rows += [
+        ("bwd latency", duration_to_string(bwd_latency)),
+        (bwd_label, _rate(bwd_flops, bwd_latency)),
+        (both_label, _rate(p.fwd_flops + bwd_flops, fwd_latency + bwd_latency)),
+    ]
+    if run.step_latency is not None:
+        iter_latency = fwd_latency + bwd_latency + run.step_latency
+        rows += [
+            ("step latency", duration_to_string(run.step_latency)),
+            ("iter latency", duration_to_string(iter_latency)),
+            (iter_label, _rate(p.fwd_flops + bwd_flops, iter_latency)),
+        ]
+        if run.samples_per_second is not None:
+            rows.append(("samples/second", round(run.samples_per_second, 2)))
+    return rows
+
+
+def _own_rows(p: Profile) -> list[tuple[str, object]]:
+    """Our rows that DeepSpeed has no equivalent of."""
+    rows: list[tuple[str, object]] = []
+    if not p.device.startswith("cuda"):
+        rows.append(("device", p.device))
+    rows.append(("trainable params per GPU", params_to_string(p.trainable_params)))
+    if p.bwd_flops:
+        rows += [
+            ("bwd MACs per GPU", macs_to_string(p.bwd_macs)),
+            ("bwd flops per GPU (measured)", number_to_string(p.bwd_flops)),
+            ("bwd / fwd flops", f"{p.bwd_flops / p.fwd_flops:.2f}" if p.fwd_flops else "n/a"),
+        ]
+    if p.recompute_flops:
+        rows.append(("recompute flops per GPU", number_to_string(p.recompute_flops)))
+    return rows
 
 
 def render_summary(
@@ -38,55 +149,23 @@ def render_summary(
     profile_step: int = 1,
     context_lines: Sequence[tuple[str, str]] = (),
     timing_lines: Sequence[tuple[str, str]] = (),
+    run: RunContext | None = None,
 ) -> str:
-    """The summary block. ``context_lines`` (world size, batch size, ...) come first and
-    ``timing_lines`` (step latency, iter latency, samples/second, MFU, ...) last."""
-    p = profile
-    fwd_bwd_latency = p.fwd_latency + p.bwd_latency
+    """The summary block: ``context_lines`` first, DeepSpeed's rows, ours, then ``timing_lines``.
+
+    Callers that give ``run`` leave its rows (sizes, batch size, "of model", step latencies) out of
+    ``context_lines`` and ``timing_lines``.
+    """
+    run = run or RunContext()
+    rows = [*context_lines, *_deepspeed_rows(profile, run), *_own_rows(profile), *timing_lines]
     lines = [
-        _rule(TITLE),
+        _rule(TITLE, 78),
         f"Profile Summary at step {profile_step}:",
-        "Notations:",
-        "data parallel size (dp_size), model parallel size (mp_size),",
-        "number of parameters (params), number of multiply-accumulate operations (MACs),",
-        "number of floating-point operations (flops), floating-point operations per second (FLOPS),",
-        "fwd latency (forward propagation latency), bwd latency (backward propagation latency),",
-        "step (weights update latency), iter latency (sum of fwd, bwd and step latency)",
-        "Flops are measured op by op in the forward AND the backward (not estimated as 2 x fwd);",
-        "recompute = forward work re-run in the backward (activation checkpointing, fused attention).",
+        *NOTATIONS,
         "",
-        *(_line(label, value) for label, value in context_lines),
-        _line("device", p.device),
-        _line("params per device", params_to_string(p.params)),
-        _line("trainable params per device", params_to_string(p.trainable_params)),
-        _line("fwd MACs per device", macs_to_string(p.fwd_macs)),
-        _line("fwd flops per device", number_to_string(p.fwd_flops)),
+        *(_row(label, value) for label, value in rows),
     ]
-    if p.bwd_flops or p.bwd_latency:
-        lines += [
-            _line("bwd MACs per device", macs_to_string(p.bwd_macs)),
-            _line("bwd flops per device (measured)", number_to_string(p.bwd_flops)),
-            _line("bwd / fwd flops", f"{p.bwd_flops / p.fwd_flops:.2f}" if p.fwd_flops else "n/a"),
-        ]
-    if p.recompute_flops:
-        lines.append(_line("recompute flops per device", number_to_string(p.recompute_flops)))
-    lines.append(_line("fwd latency", duration_to_string(p.fwd_latency)))
-    if p.bwd_flops or p.bwd_latency:
-        lines.append(_line("bwd latency", duration_to_string(p.bwd_latency)))
-    lines.append(_line("fwd FLOPS per device = fwd flops / fwd latency", _rate(p.fwd_flops, p.fwd_latency)))
-    if p.bwd_flops or p.bwd_latency:
-        lines += [
-            _line(
-                "bwd FLOPS per device = bwd flops / bwd latency",
-                _rate(p.bwd_flops + p.recompute_flops, p.bwd_latency),
-            ),
-            _line(
-                "fwd+bwd FLOPS per device = flops / (fwd+bwd latency)",
-                _rate(p.hardware_flops, fwd_bwd_latency),
-            ),
-        ]
-    lines += [_line(label, value) for label, value in timing_lines]
-    if p.causal_attention == "half":
+    if profile.causal_attention == "half":
         lines.append("Causal attention kernels are counted for their unmasked half only.")
     return "\n".join(lines)
 
@@ -96,8 +175,8 @@ def render_aggregated(profile: Profile, module_depth: int = -1, top_modules: int
     max_depth = profile.max_depth
     last = max_depth if module_depth == -1 else min(module_depth, max_depth)
     lines = [
-        _rule("Aggregated Profile per device"),
-        "Top modules in terms of params, MACs or fwd latency at different model depths:",
+        _rule("Aggregated Profile per GPU", 86),
+        f"Top {top_modules} modules in terms of params, MACs or fwd latency at different model depths:",
     ]
     for depth in range(last + 1):
         by_class = list(profile.aggregate_by_class(depth).values())
@@ -117,21 +196,21 @@ def render_aggregated(profile: Profile, module_depth: int = -1, top_modules: int
     return "\n".join(lines)
 
 
-def _module_line(m: ModuleProfile, root: ModuleProfile) -> str:
-    parts = [
+def _module_items(m: ModuleProfile, root: ModuleProfile) -> str:
+    """DeepSpeed's four items, our measured backward, then the module's own settings."""
+    items = [
         f"{params_to_string(m.params)} = {percent(m.params, root.params)} Params",
         f"{macs_to_string(m.fwd_macs)} = {percent(m.fwd_macs, root.fwd_macs)} MACs",
         f"{duration_to_string(m.fwd_latency)} = {percent(m.fwd_latency, root.fwd_latency)} latency",
-        _rate(m.fwd_flops, m.fwd_latency),
+        flops_to_string(round(m.fwd_flops / m.fwd_latency, 2) if m.fwd_latency else 0),
     ]
     if root.bwd_flops or root.bwd_latency:
-        parts += [
-            f"bwd {number_to_string(m.bwd_flops)}flops",
-            f"bwd {duration_to_string(m.bwd_latency)}",
-        ]
+        items += [f"bwd {number_to_string(m.bwd_flops)}flops", f"bwd {duration_to_string(m.bwd_latency)}"]
     if m.recompute_flops:
-        parts.append(f"recompute {number_to_string(m.recompute_flops)}flops")
-    return ", ".join(parts)
+        items.append(f"recompute {number_to_string(m.recompute_flops)}flops")
+    if m.extra_repr:
+        items.append(m.extra_repr)
+    return ", ".join(items)
 
 
 def _functionals_line(m: ModuleProfile) -> str:
@@ -147,34 +226,38 @@ def _functionals_line(m: ModuleProfile) -> str:
 
 
 def render_detailed(profile: Profile, module_depth: int = -1) -> str:
-    """The module tree down to ``module_depth`` with each module's numbers and functionals."""
+    """The module tree down to ``module_depth`` as ``print(model)`` shows it, each module's numbers
+    first inside its parentheses (as DeepSpeed prints it), then the functionals that did its flops."""
     root = profile.model
     lines = [
-        _rule("Detailed Profile per device"),
-        "Each module profile is listed after its name in the following order:",
-        "params, percentage of total params, MACs, percentage of total MACs, fwd latency,",
-        "percentage of total fwd latency, fwd FLOPS, then the measured bwd flops and bwd latency;",
-        "the next line lists the functionals (torch ops) that did the flops, fwd/bwd and call count.",
+        _rule("Detailed Profile per GPU", 86),
+        "Each module profile is listed after its name in the following order: ",
+        "params, percentage of total params, MACs, percentage of total MACs, fwd latency, "
+        "percentage of total fwd latency, fwd FLOPS, then the measured bwd flops and bwd latency and "
+        "the module's own settings;",
+        "a module with children or several functionals lists its functionals (torch ops that did "
+        "flops: fwd/bwd and call count).",
         "",
-        "Note: a module's totals include its children and its own functional calls (e.g. a loss),",
-        "so they can exceed the sum of its submodules'. Latencies are measured on a synchronized",
-        "clock (CUDA events on GPU); bwd latency is the time of the module's backward ops.",
+        "Note: a module's totals include its children and its own functional calls (e.g. a loss), so "
+        "they can exceed the sum of its submodules'. Latencies are measured on a synchronized clock "
+        "(CUDA events on GPU); bwd latency is the time of the module's backward ops.",
         "",
     ]
 
-    def walk(m: ModuleProfile, indent: int, label: str) -> None:
-        pad = "  " * indent
-        lines.append(f"{pad}{label}{m.class_name}(")
-        lines.append(f"{pad}  {_module_line(m, root)}")
+    def walk(m: ModuleProfile, pad: str, label: str) -> None:
+        children = profile.children(m.name) if module_depth == -1 or m.depth < module_depth else []
         functionals = _functionals_line(m)
+        if not children and (len(m.functionals) <= 1 or not functionals):
+            lines.append(f"{pad}{label}{m.class_name}({_module_items(m, root)})")
+            return
+        lines.extend([f"{pad}{label}{m.class_name}(", f"{pad}  {_module_items(m, root)}"])
         if functionals:
             lines.append(f"{pad}  {functionals}")
-        if module_depth == -1 or m.depth < module_depth:
-            for child in profile.children(m.name):
-                walk(child, indent + 1, f"({child.name.rsplit('.', 1)[-1]}): ")
+        for child in children:
+            walk(child, pad + "  ", f"({child.name.rsplit('.', 1)[-1]}): ")
         lines.append(f"{pad})")
 
-    walk(root, 0, "")
+    walk(root, "", "")
     return "\n".join(lines)
 
 
@@ -182,7 +265,7 @@ def render_coverage(profile: Profile) -> str:
     """What was counted, what had no arithmetic, and every op that had no formula (never hidden)."""
     c = profile.coverage
     lines = [
-        _rule("Coverage"),
+        _rule("Coverage", 86),
         f"{c.counted_calls} op calls counted with a formula, {c.free_calls} op calls do no arithmetic "
         "(views, copies, indexing, creation).",
     ]
@@ -212,13 +295,13 @@ def render_profile(
     detailed: bool = True,
     context_lines: Sequence[tuple[str, str]] = (),
     timing_lines: Sequence[tuple[str, str]] = (),
+    run: RunContext | None = None,
 ) -> str:
-    """The whole report, as ``print_model_profile`` prints it."""
-    parts = [render_summary(profile, profile_step, context_lines, timing_lines)]
+    """The whole report, as ``print_model_profile`` prints it: the aggregated profile always, the
+    detailed tree if ``detailed`` (as DeepSpeed)."""
+    parts = [render_summary(profile, profile_step, context_lines, timing_lines, run)]
+    parts.append(render_aggregated(profile, module_depth, top_modules))
     if detailed:
-        parts += [
-            render_aggregated(profile, module_depth, top_modules),
-            render_detailed(profile, module_depth),
-        ]
-    parts += [render_coverage(profile), "-" * 90]
+        parts.append(render_detailed(profile, module_depth))
+    parts += [render_coverage(profile), "-" * 78]
     return "\n\n".join(parts)

@@ -1,46 +1,62 @@
-"""DeepSpeed's number formatting: ``6.28 TFLOPS``, ``76.67 ms``, ``336.23 M`` params, ``6.74 B``."""
+"""Numbers written exactly as DeepSpeed's flops profiler writes them (``6.28 TFLOPS``, ``76.67 ms``).
+
+Scripts parse these strings, so every helper returns what DeepSpeed 0.19.8's helper of the same name
+returns, byte for byte: T is the largest prefix (``2500 TFLOPS``, never ``2.5 PFLOPS``), zero has no
+prefix, anything below 1 goes to ``m`` or ``u``. Written here rather than imported: DeepSpeed is not a
+dependency. The one difference: an unknown ``units`` is a ``ValueError`` instead of being printed
+unscaled.
+"""
 
 from __future__ import annotations
 
-_SCALES = (
-    (1e15, "P"),
-    (1e12, "T"),
-    (1e9, "G"),
-    (1e6, "M"),
-    (1e3, "K"),
-    (1.0, ""),
-    (1e-3, "m"),
-    (1e-6, "u"),
-)
+DEFAULT_PRECISION = 2
+
+# DeepSpeed's prefixes, largest first; "" is 1 (zero and numbers in [1, 1000) use it).
+_SCALES = {"T": 1e12, "G": 1e9, "M": 1e6, "K": 1e3, "": 1.0, "m": 1e-3, "u": 1e-6}
 
 
-def number_to_string(num: float, units: str | None = None, precision: int = 2) -> str:
-    """``num`` scaled to the largest unit that keeps it >= 1 (or to ``units``), as DeepSpeed prints."""
+def _auto_units(num: float) -> str:
+    """The largest prefix that keeps ``num`` >= 1; zero takes none, and negatives ``u`` (as DeepSpeed)."""
+    if num == 0:
+        return ""
+    return next((units for units, scale in _SCALES.items() if num >= scale), "u")
+
+
+def number_to_string(num: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
+    """``num`` with a prefix and a space: ``'1.34 K'``, ``'999 '``, ``'0 '``; ``units`` forces a prefix."""
     if units is None:
-        magnitude, units = next(((scale, unit) for scale, unit in _SCALES if abs(num) >= scale), _SCALES[-1])
-        if num == 0:
-            magnitude, units = 1.0, ""
-    else:
-        magnitude = dict((unit, scale) for scale, unit in _SCALES)[units]
-    return f"{round(num / magnitude, precision):g} {units}"
+        units = _auto_units(num)
+    elif units not in _SCALES:
+        raise ValueError(f"units must be None or one of {tuple(_SCALES)}, got {units!r}")
+    return f"{round(num / _SCALES[units], precision):g} {units}"
 
 
-def flops_to_string(flops: float, units: str | None = None, precision: int = 2) -> str:
+def flops_to_string(flops: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
+    """A rate in floating-point operations per second: ``'6.28 TFLOPS'``; counts use number_to_string."""
     return f"{number_to_string(flops, units, precision)}FLOPS"
 
 
-def macs_to_string(macs: float, units: str | None = None, precision: int = 2) -> str:
+def macs_to_string(macs: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
     return f"{number_to_string(macs, units, precision)}MACs"
 
 
-def params_to_string(params: float, units: str | None = None, precision: int = 2) -> str:
-    """Parameter counts say B for billions, as DeepSpeed and model cards do."""
-    return number_to_string(params, units, precision).replace("G", "B").strip()
+def bytes_to_string(b: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
+    return f"{number_to_string(b, units, precision)}B"
 
 
-def duration_to_string(seconds: float, units: str | None = None, precision: int = 2) -> str:
-    return f"{number_to_string(seconds, units, precision)}s"
+def params_to_string(params_num: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
+    """Parameter counts say B for billions, as model cards do, and carry no trailing space: ``'6.74 B'``."""
+    if units == "B":
+        units = "G"
+    return number_to_string(params_num, units, precision).replace("G", "B").strip()
+
+
+def duration_to_string(duration: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
+    """Seconds: ``'76.67 ms'``, ``'34.09 us'``."""
+    return f"{number_to_string(duration, units, precision)}s"
 
 
 def percent(part: float, whole: float) -> str:
-    return f"{100.0 * part / whole:.2f}%" if whole else "0.00%"
+    """``part`` as a share of ``whole``, as DeepSpeed's module lines print it: ``'33.33%'``, ``'100%'``;
+    ``'0%'`` of nothing."""
+    return f"{round(100 * part / whole, DEFAULT_PRECISION) if whole else 0:g}%"
