@@ -1,13 +1,12 @@
-"""Hugging Face Trainer adapter: ``HFFlopsCallback`` turns Trainer events into :class:`StepProfiler` events.
+"""Hugging Face Trainer adapter: ``HFFlopsCallback`` maps Trainer events onto a :class:`StepSession`.
 
-Everything measured lives in :mod:`flops_callbacks.step`; this module only knows which Trainer event
-(or model hook, where the Trainer has no event) starts which phase, where the parallel sizes are, and
-how the metrics reach the Trainer's reporting callbacks.
+Everything measured lives in :mod:`flops_callbacks.session`; this module only knows which Trainer event
+(or call of the Trainer's, where it has no event) starts which phase, where the parallel sizes and
+the compute dtype are, and how the metrics reach the Trainer's reporting callbacks.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
 import warnings
 import weakref
@@ -19,19 +18,20 @@ import torch
 
 try:
     import transformers
+    from tqdm.auto import tqdm
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 except ImportError as err:  # the core needs only torch; the HF callback is an extra
     raise ImportError("HFFlopsCallback needs transformers: pip install 'flops-callbacks[hf]'") from err
 
-from flops_callbacks import metrics as names
-from flops_callbacks.options import check_flag
+from flops_callbacks.metrics import FWD_FLOPS
+from flops_callbacks.options import CausalAttention, Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
-from flops_callbacks.step import BACKWARD, FORWARD, OPTIMIZER_STEP, StepProfiler, StepResult
-from flops_callbacks.throughput import ThroughputMeter
+from flops_callbacks.profile import Profile
+from flops_callbacks.result import WindowResult
+from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, RunContext, StepSession
 from flops_callbacks.units import number_to_string
-
-logger = logging.getLogger(__name__)
 
 
 def _size(value: Any) -> int:
@@ -123,125 +123,112 @@ def _calling_trainer() -> transformers.Trainer | None:
     return None
 
 
-def _input_ids_tokens(batch: Any) -> int:
-    return int(batch["input_ids"].numel())
+def _input_ids_tokens(batch: Any) -> int | None:
+    """``input_ids.numel()`` when the inputs hold input_ids (the Trainer's own token count), else None."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    return int(ids.numel()) if isinstance(ids, torch.Tensor) else None
 
 
-def _has_input_ids(batch: Any) -> bool:
-    return isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor)
+class _Outlet:
+    """Where the session's results go in the HF Trainer: its log path, its output dir, its console."""
 
+    def __init__(self, trainer: transformers.Trainer | None, args: Any, state: TrainerState) -> None:
+        self.trainer = trainer
+        self.args = args
+        self.is_logging_rank = state.is_world_process_zero
 
-def _inputs_of(args: tuple, kwargs: dict) -> Any:
-    """The ``inputs`` of a ``Trainer.training_step(model, inputs, num_items_in_batch)`` call."""
-    return args[1] if len(args) > 1 else kwargs.get("inputs")
+    def log_dir(self) -> str | None:
+        return getattr(self.args, "logging_dir", None) or self.args.output_dir
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        # Why through Trainer.log: the reporting callbacks (TensorBoard, W&B, ...) come before user
+        # callbacks and all get the same `logs` dict in on_log, so keys added in our own on_log arrive
+        # after they have written. Trainer.log hands our dict to every callback, in their order, and
+        # appends it to state.log_history at the current global step. The base class's log, not a
+        # subclass's (TRL's merges its own accumulated metrics into any log). The console printers
+        # are left out of the call (their one long dict line per log is noise; the report says it),
+        # and should_log is restored so the loss is logged at exactly the steps it would be.
+        trainer = self.trainer
+        if trainer is None:
+            warnings.warn(
+                "HFFlopsCallback: no Trainer found calling this callback: the metrics are in the report "
+                "and its JSON only.",
+                stacklevel=3,
+            )
+            return
+        handler, should_log = trainer.callback_handler, trainer.control.should_log
+        callbacks = handler.callbacks
+        handler.callbacks = [c for c in callbacks if not isinstance(c, (ProgressCallback, PrinterCallback))]
+        try:
+            transformers.Trainer.log(trainer, dict(metrics))
+        finally:
+            handler.callbacks = callbacks
+            trainer.control.should_log = should_log
+
+    def console(self, text: str) -> None:
+        tqdm.write(text)  # above the Trainer's progress bar, which stays intact
 
 
 class HFFlopsCallback(TrainerCallback):
-    """Profiles one optimizer step of a ``transformers.Trainer`` run: DeepSpeed-style report, metrics
-    in every reporting backend of the Trainer.
+    """Profiles a short window of optimizer steps of a ``transformers.Trainer`` run: DeepSpeed-style
+    report, metrics in every reporting backend of the Trainer.
 
-    ``Trainer(..., callbacks=[HFFlopsCallback(profile_step=10)])`` profiles the optimizer step that
-    starts when ``state.global_step == profile_step`` (DeepSpeed's convention), all
-    ``gradient_accumulation_steps`` micro-batches of it. The world process zero prints the report
-    (or writes it to ``output_file``) and writes it and a JSON of the full profile as
-    ``flops_profile_step{N}.txt/.json`` into ``args.logging_dir`` (``args.output_dir`` in
-    transformers 5, which has no logging dir). The ``flops_profiler/*`` metrics
-    (:mod:`flops_callbacks.metrics`) are logged once through the Trainer's own log path at step
-    ``profile_step``: they are in ``state.log_history`` under those names, and the Trainer's
-    TensorBoard / W&B / MLflow ... callbacks write them as they write every training log, under
-    ``train/flops_profiler/*``. Nothing is registered on the model outside the profiled step.
+    ``Trainer(..., callbacks=[HFFlopsCallback(profile_step=10)])``: the first optimizer step at or
+    after ``state.global_step == profile_step`` is counted (all its ``gradient_accumulation_steps``
+    micro-batches), the next one times the modules, and ``clean_steps`` more time the phases with
+    nothing else running (:mod:`flops_callbacks.session`). At the window's last step the world process
+    zero prints the report above the progress bar (or writes it to ``output_file``), writes it and a
+    JSON of the full profile as ``flops_profile_step{N}.txt/.json`` into ``args.logging_dir``
+    (``args.output_dir`` in transformers 5), and logs the ``flops_profiler/*`` metrics once through
+    ``Trainer.log`` at that global step: they are in ``state.log_history`` and the Trainer's TensorBoard
+    / W&B / MLflow callbacks write them as ``train/flops_profiler/*``. After the window, at every
+    logging event of the run (``logging_steps`` or ``logging_strategy="epoch"``), the
+    ``throughput/*`` metrics of the interval since the previous one (:mod:`flops_callbacks.throughput`),
+    evaluation left out from its first instruction to its last.
 
-    After that step, at every logging step (``logging_steps``), the world process zero logs the
-    ``throughput/*`` metrics of the interval since the previous one the same way, from the flops
-    measured per batch shape (:mod:`flops_callbacks.throughput`): no hooks and no counting on those
-    steps, one device synchronize per logging interval, evaluation time left out. The Trainer has no
-    event that carries the batch, so for this the adapter wraps the Trainer's ``training_step`` (an
-    instance attribute, as during the profiled step; the model gets nothing) from the end of the
-    profiled step to the end of training, or until an exception passes through it; an exception
-    elsewhere leaves it until the Trainer's next ``train()``. ``batch_size_fn`` and ``tokens_fn`` then
-    receive the Trainer's ``inputs`` dict.
+    The Trainer has no event that carries the batch, none between forward and backward, and none for
+    an exception, so for each micro-batch of a window step (and of metered steps) the adapter sets
+    ``trainer.training_step`` to a wrapper, an instance attribute that removes itself when the call
+    starts; inside it, ``trainer.compute_loss`` likewise marks the end of the forward. Everything the
+    profiler runs lives inside that call and is removed in its ``finally``: an exception anywhere
+    (forward, backward, clipping, ``optimizer.step()``, another callback) leaves nothing behind.
+    ``batch_size_fn`` and ``tokens_fn`` receive the Trainer's ``inputs`` dict; without ``tokens_fn``,
+    inputs with an ``input_ids`` tensor count ``input_ids.numel()`` tokens (padding included, as the
+    Trainer's ``num_input_tokens_seen`` does).
 
-    Phases, on the device's synchronized clock, as transformers 5 runs a step (``on_step_begin``
-    once, then per micro-batch ``training_step`` with the model's forward and ``accelerator.backward``
-    followed by ``on_substep_end``, except after the last one: gradient clipping,
-    ``on_pre_optimizer_step``, ``optimizer.step()``, ``on_optimizer_step``). The Trainer has no event
-    between forward and backward, so hooks on the model, registered for the profiled step only, mark
-    the end of each forward:
+    Phases, on the device's synchronized clock:
 
-    * forward: from the start of each micro-batch (``on_step_begin``, then ``on_substep_end`` of the
-      previous one) to the end of the model's forward: ``model.train()``, moving the inputs to the
-      device, and the forward, with the loss when the model computes it (``labels`` in the inputs).
-    * backward: from the end of the model's forward to the end of the micro-batch: a loss computed
-      outside the model (``compute_loss_func``, label smoothing), the scaling for accumulation,
-      ``accelerator.backward`` (with the gradient all-reduce), the Trainer's bookkeeping of the
-      micro-batch (loss sum, token count, ``total_flos``) and, after the last micro-batch, gradient
-      clipping and the grad-norm, up to ``on_pre_optimizer_step``.
-    * optimizer step: ``on_pre_optimizer_step`` -> ``on_optimizer_step``: ``optimizer.step()`` only;
-      the LR scheduler and ``zero_grad`` run after ``on_optimizer_step``, outside the step.
-      Under DeepSpeed through accelerate, ``accelerator.backward`` runs the engine's backward *and*
-      its optimizer step, and the Trainer's ``optimizer.step()`` does nothing: the update's time and
-      flops are then in the backward phase and the step phase is near zero. We report what ran, and
-      do not invent a split.
-
-    Not part of the step: fetching the batches (the Trainer fetches all of a step's micro-batches
-    before ``on_step_begin``), the LR scheduler, logging, evaluation and checkpointing. Work outside
-    the model's modules (a loss outside the model, the optimizer's arithmetic) is in the profile's
-    ``outside_model`` section, not in the model's totals.
-
-    Samples are counted per micro-batch from what the model is called with: ``batch_size_fn`` and
-    ``tokens_fn`` receive the model's keyword arguments (the Trainer's ``inputs`` dict as the model
-    gets it), or its positional arguments when it has none. Without ``tokens_fn``, inputs with an
-    ``input_ids`` tensor count ``input_ids.numel()`` tokens (padding included, as the Trainer's own
-    ``num_input_tokens_seen`` and ``total_flos`` do); pass ``tokens_fn`` (e.g.
-    ``lambda inputs: int(inputs["attention_mask"].sum())``) to count real tokens only.
+    * forward: the start of ``training_step`` to the end of ``compute_loss`` (the forward and the loss).
+    * backward: from there to ``on_pre_optimizer_step``: ``accelerator.backward`` (with the gradient
+      all-reduce), the Trainer's bookkeeping of the micro-batch, gradient clipping.
+    * optimizer step: ``on_pre_optimizer_step`` -> ``on_optimizer_step``: ``optimizer.step()`` only.
+      Under DeepSpeed through accelerate, ``accelerator.backward`` runs the engine's optimizer step
+      too: the update's time is in the backward phase. We report what ran.
 
     For models the Trainer estimates flops for (``Trainer.floating_point_ops``: 6 x non-embedding
-    params x tokens, what ``total_flos`` sums), the report prints that estimate beside the measured
-    fwd + bwd flops (recompute excluded: the estimate counts model flops) and their difference.
+    params x tokens), the report prints that estimate beside the measured fwd + bwd flops.
 
-    Exceptions: the Trainer has no exception event, so for the profiled step only the adapter wraps
-    the Trainer's ``training_step``: an exception in a forward or backward stops the profile and
-    propagates unchanged. An exception after the last backward (in gradient clipping or
-    ``optimizer.step()``) leaves the profile running until this callback's next event
-    (``on_train_begin``, ``on_prediction_step`` or ``on_train_end``), which stops it.
-
-    Args:
-        profile_step: global step (optimizer steps done) at which the profiled step starts.
-        module_depth: depth of the aggregated profile (-1: all depths).
-        top_modules: modules shown per depth in the aggregated profile.
-        detailed: print the per-module tree.
-        print_profile: print the report on the world process zero (it is written to the output dir
-            either way).
-        output_file: write the report to this file instead of printing it.
-        batch_size_fn: samples in a micro-batch (default: leading dim of the first tensor).
-        tokens_fn: tokens in a micro-batch (default: ``input_ids.numel()`` when there are input_ids);
-            adds ``flops_profiler/tokens_per_sec``.
-        causal_attention: "full" counts all of QK^T and AV for causal attention (FlopCounterMode,
-            DeepSpeed, PaLM MFU); "half" only the unmasked part.
-        throughput: log ``throughput/*`` at every logging step after the profiled one.
-        peak_flops: dense peak FLOPS of one device, for ``flops_profiler/mfu``, ``hfu`` and
-            ``throughput/mfu``. Default: the ``FLOPS_CALLBACKS_PEAK_FLOPS`` environment variable, else
-            the table of :mod:`flops_callbacks.peaks` for the GPU and the training arguments' compute dtype
-            (:func:`compute_dtype`). On a CPU or an unknown device there is no MFU; the report says so.
+    Args: as :class:`flops_callbacks.lightning.FlopsProfilerCallback`.
     """
 
     def __init__(
         self,
         profile_step: int = 10,
+        clean_steps: int = 3,
         module_depth: int = -1,
         top_modules: int = 1,
-        detailed: bool = True,
+        detailed: bool = False,
         print_profile: bool = True,
         output_file: str | Path | None = None,
         batch_size_fn: Callable[[Any], int] | None = None,
         tokens_fn: Callable[[Any], int] | None = None,
-        causal_attention: str = "full",
+        causal_attention: CausalAttention = "full",
         throughput: bool = True,
         peak_flops: float | None = None,
     ) -> None:
-        check_flag("throughput", throughput)
-        self.profiler = StepProfiler(
+        options = Options(
             profile_step=profile_step,
+            clean_steps=clean_steps,
             module_depth=module_depth,
             top_modules=top_modules,
             detailed=detailed,
@@ -250,53 +237,46 @@ class HFFlopsCallback(TrainerCallback):
             batch_size_fn=batch_size_fn,
             tokens_fn=tokens_fn,
             causal_attention=causal_attention,
+            throughput=throughput,
             peak_flops=peak_flops,
         )
-        self._tokens_fn = tokens_fn
-        self.meter = (
-            ThroughputMeter(self.profiler.batch_size_fn, self._meter_tokens, causal_attention)
-            if throughput
-            else None
-        )
-        self._metering = False  # this process meters throughput (the world process zero)
-        self._meter_pending: tuple[StepResult, torch.nn.Module] | None = None
+        self.session = StepSession(options, "HFFlopsCallback", tokens_fn=tokens_fn or _input_ids_tokens)
         self._trainer: weakref.ref[transformers.Trainer] | None = None
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._guarded: transformers.Trainer | None = None  # the Trainer whose training_step is wrapped
-        self._guard: Callable[..., Any] | None = None  # the wrapper: the profiled step's guard or the meter's
-        self._shadowed: Callable[..., Any] | None = None  # a user's own instance-level training_step
-        self._batches: list[Any] = []  # the micro-batches of the profiled step, as the model got them
-        self._batch_counted = False  # whether the current micro-batch's forward has been seen
-        self._resumed_past = False
+        self._wrapped: transformers.Trainer | None = None  # the Trainer whose training_step is wrapped
+        self._wrapper: Callable[..., Any] | None = None
 
     @property
-    def result(self) -> StepResult | None:
-        """The profiled step (on every process), once it has run."""
-        return self.profiler.result
+    def result(self) -> WindowResult | None:
+        """The profiled window (on every process), once it has been published."""
+        return self.session.result
+
+    def _current_trainer(self) -> transformers.Trainer | None:
+        return self._trainer() if self._trainer is not None else None
+
+    def _outlet(self, args: Any, state: TrainerState) -> _Outlet:
+        return _Outlet(self._current_trainer(), args, state)
 
     # --- Trainer events ----------------------------------------------------------------------------
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._stop_unfinished()
-        self._stop_metering()
+        self._unwrap()
         trainer = _calling_trainer()
         self._trainer = weakref.ref(trainer) if trainer is not None else None
-        step, profile_step = state.global_step, self.profiler.profile_step
-        self._resumed_past = step > profile_step and self.profiler.result is None
-        if not self._resumed_past or not state.is_world_process_zero:
-            return
-        if any(e.get("step") == profile_step and names.FWD_FLOPS in e for e in state.log_history):
-            logger.info(
-                f"HFFlopsCallback: resumed at step {step}; step {profile_step} was profiled before the "
-                f"checkpoint (flops_profile_step{profile_step}.txt in that run's output dir). "
-                "No profile runs in this run."
-            )
-        else:
+        profile_step = self.session.options.profile_step
+        profiled_before = any(e.get("step", -1) >= profile_step and FWD_FLOPS in e for e in state.log_history)
+        self.session.train_start(
+            state.global_step, max_steps=state.max_steps or None, profiled_before=profiled_before
+        )
+        if (
+            self.session.meter is not None
+            and str(getattr(args, "logging_strategy", "steps")).endswith("no")
+            and state.is_world_process_zero
+        ):
             warnings.warn(
-                f"HFFlopsCallback: resumed at step {step}, past profile_step={profile_step}: no profile "
-                "runs in this run. Set profile_step >= the step you resume from.",
+                "HFFlopsCallback: logging_strategy='no': the run never logs, so throughput/* is never "
+                "logged. Pass throughput=False to silence this, or log by steps or epochs.",
                 stacklevel=2,
             )
 
@@ -308,252 +288,130 @@ class HFFlopsCallback(TrainerCallback):
         model: torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        sp = self.profiler
-        if model is None or not sp.due(state.global_step):
+        trainer = self._current_trainer()
+        if model is None or trainer is None:
             return
-        trainer = self._trainer() if self._trainer is not None else None
-        accelerator = getattr(trainer, "accelerator", None)
-        parallel = parallel_sizes(args, model, getattr(accelerator, "state", None))
-        self._batches, self._batch_counted = [], False
-        self._metering = self.meter is not None and state.is_world_process_zero
-        # Registered before the profiler's own hooks so that they run first: counting the batch is
-        # not work of the model.
-        self._hooks = [
-            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-            model.register_forward_hook(self._after_forward),
-        ]
-        try:
-            if trainer is not None:
-                self._guard_training_step(trainer)
-            sp.begin(model, parallel, compute_dtype(args, model, accelerator))
-        except BaseException:
-            self._release()
-            raise
+        self.session.step_start(state.global_step, model, lambda: _context(trainer, args, model))
+        self._wrap_next_micro_batch(trainer)
 
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.profiler.active:  # the next micro-batch starts
-            self._batch_counted = False
-            self.profiler.phase(FORWARD)
+        trainer = self._current_trainer()
+        if trainer is not None:
+            self._wrap_next_micro_batch(trainer)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.profiler.active:
-            self.profiler.phase(OPTIMIZER_STEP)
-            self._unguard_training_step()
+        self.session.phase(OPTIMIZER_STEP)
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        sp = self.profiler
-        if not sp.active:
-            return
-        batches, self._batches = self._batches, []
-        try:
-            result = sp.finish(sp.profile_step)
-        finally:
-            self._release()
-        trainer = self._trainer() if self._trainer is not None else None
-        if trainer is not None:
-            result.extra_lines.extend(_estimate_lines(trainer, batches, result))
-        if state.is_world_process_zero:
-            sp.publish(result, getattr(args, "logging_dir", None) or args.output_dir)
-        self._log(trainer, result.metrics())
-        model = kwargs.get("model")
-        if self._metering and trainer is not None and model is not None:
-            self._meter_pending = (result, model)  # the first interval starts when this step ends
+        self.session.stop_timing()  # the LR scheduler and zero_grad are not part of the step
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        meter, pending, self._meter_pending = self.meter, self._meter_pending, None
-        trainer = self._trainer() if self._trainer is not None else None
-        if meter is None or trainer is None:
-            return
-        if pending is not None:
-            result, model = pending
-            meter.start(result, model)
-            self._wrap_training_step(trainer, lambda step: self._metered(step, meter, model))
-        elif meter.started:
-            meter.end_step()
-            # DefaultFlowCallback, first in the list, has decided by now whether this step logs
-            metrics = meter.metrics() if control.should_log else {}
-            if metrics:
-                self._log(trainer, metrics)
+        self._unwrap()
+        # DefaultFlowCallback, first in the list, has decided by now whether this step logs / evaluates
+        self.session.step_end(state.global_step, self._outlet(args, state), logs=control.should_log)
+        if control.should_evaluate:
+            self.session.pause_throughput()
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if control.should_log:  # logging_strategy="epoch"
+            self.session.log_throughput(state.global_step, self._outlet(args, state))
+        if control.should_evaluate:
+            self.session.pause_throughput()
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.meter is not None:
-            self.meter.resume()
-
-    def on_prediction_step(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self._stop_unfinished()
-        if self.meter is not None:
-            self.meter.pause(evaluating=True)  # evaluation time is not training throughput
+        self.session.resume_throughput()
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._stop_unfinished()
-        self._stop_metering()
+        self._unwrap()
+        self.session.train_end(state.global_step, self._outlet(args, state))
         self._trainer = None
-        sp = self.profiler
-        if sp.result is None and not self._resumed_past and state.is_world_process_zero:
-            warnings.warn(
-                f"HFFlopsCallback: no optimizer step started at global step profile_step={sp.profile_step} "
-                f"(training ended at global step {state.global_step}): no profile ran. "
-                "Use a profile_step below max_steps.",
-                stacklevel=2,
-            )
 
-    # --- model hooks (profiled step only) ----------------------------------------------------------
+    # --- the micro-batch scope -----------------------------------------------------------------------
 
-    def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch._C._current_autograd_node() is not None:
-            return  # the model re-run by activation checkpointing inside the backward
-        sp = self.profiler
-        sp.phase(FORWARD)
-        if self._batch_counted:
-            return  # the model called again in the same micro-batch
-        self._batch_counted = True
-        batch = kwargs or args
-        if not self._batches and self._tokens_fn is None:
-            sp.tokens_fn = _input_ids_tokens if _has_input_ids(batch) else None
-        self._batches.append(batch)
-        sp.add_batch(batch)
+    def _wrap_next_micro_batch(self, trainer: transformers.Trainer) -> None:
+        """Wrap ``trainer.training_step`` for one call when the session wants the micro-batch."""
+        self._unwrap()
+        if not self.session.wants_batches:
+            return
+        training_step = trainer.training_step
+        shadowed = trainer.__dict__.get("training_step")  # a user's own instance-level training_step
 
-    def _after_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if torch._C._current_autograd_node() is None:
-            self.profiler.phase(BACKWARD)
+        def one_micro_batch(*args: Any, **kwargs: Any) -> Any:
+            self._unwrap()
+            return self._micro_batch(trainer, training_step, args, kwargs)
 
-    # --- exceptions of the profiled step ------------------------------------------------------------
+        self._wrapper, self._wrapped, self._shadowed = one_micro_batch, trainer, shadowed
+        trainer.training_step = one_micro_batch
 
-    def _guard_training_step(self, trainer: transformers.Trainer) -> None:
-        """Wrap ``trainer.training_step`` (an instance attribute, removed at the step's end) so that
-        an exception in a forward or backward stops the profile before it propagates."""
+    def _micro_batch(
+        self, trainer: transformers.Trainer, training_step: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
+        session = self.session
+        compute_loss = trainer.compute_loss
+        shadowed = trainer.__dict__.get("compute_loss")
 
-        def guard(training_step: Callable[..., Any]) -> Callable[..., Any]:
-            def guarded_training_step(*args: Any, **kwargs: Any) -> Any:
-                if self._metering and self.meter is not None:
-                    self.meter.observe(_inputs_of(args, kwargs))
-                try:
-                    return training_step(*args, **kwargs)
-                except BaseException:
-                    self.profiler.abort()
-                    self._release()
-                    raise
+        def forward_then_backward(*a: Any, **kw: Any) -> Any:
+            out = compute_loss(*a, **kw)
+            session.phase(BACKWARD)
+            return out
 
-            return guarded_training_step
+        try:
+            session.micro_batch_start(args[1] if len(args) > 1 else kwargs.get("inputs"))  # the inputs
+            if session.window_open:
+                trainer.compute_loss = forward_then_backward
+            return training_step(*args, **kwargs)
+        except BaseException:
+            session.close()
+            raise
+        finally:
+            if trainer.__dict__.get("compute_loss") is forward_then_backward:
+                if shadowed is None:
+                    del trainer.compute_loss
+                else:
+                    trainer.compute_loss = shadowed
+            session.micro_batch_end(pause=False)
 
-        self._wrap_training_step(trainer, guard)
-
-    def _metered(
-        self, training_step: Callable[..., Any], meter: ThroughputMeter, model: torch.nn.Module
-    ) -> Callable[..., Any]:
-        """``training_step`` telling the throughput meter each micro-batch (it measures new shapes)."""
-
-        def metered_training_step(*args: Any, **kwargs: Any) -> Any:
-            meter.begin_micro_batch(_inputs_of(args, kwargs), model)
-            try:
-                loss = training_step(*args, **kwargs)
-            except BaseException:
-                self._stop_metering()
-                raise
-            meter.end_micro_batch()
-            return loss
-
-        return metered_training_step
-
-    def _wrap_training_step(
-        self, trainer: transformers.Trainer, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
-    ) -> None:
-        """Set ``trainer.training_step`` (an instance attribute) to ``wrap(training_step)``."""
-        wrapper = wrap(trainer.training_step)
-        self._shadowed = trainer.__dict__.get("training_step")
-        self._guard = wrapper
-        trainer.training_step = wrapper
-        self._guarded = trainer
-
-    def _stop_metering(self) -> None:
-        """End continuous throughput: a measurement in progress stops, the training_step wrapper goes."""
-        self._meter_pending = None
-        if self.meter is not None and self.meter.started:
-            self.meter.close()
-            self._unguard_training_step()
-
-    def _meter_tokens(self, batch: Any) -> int | None:
-        if self._tokens_fn is not None:
-            return self._tokens_fn(batch)
-        return _input_ids_tokens(batch) if _has_input_ids(batch) else None
-
-    def _unguard_training_step(self) -> None:
-        trainer, self._guarded = self._guarded, None
-        if trainer is None or trainer.__dict__.get("training_step") is not self._guard:
+    def _unwrap(self) -> None:
+        trainer, wrapper, self._wrapped, self._wrapper = self._wrapped, self._wrapper, None, None
+        if trainer is None or trainer.__dict__.get("training_step") is not wrapper:
             return
         if self._shadowed is None:
             del trainer.training_step
         else:
             trainer.training_step = self._shadowed
 
-    def _release(self) -> None:
-        """Remove the adapter's hooks and its training-step guard (the profiler removes its own)."""
-        hooks, self._hooks = self._hooks, []
-        for handle in hooks:
-            handle.remove()
-        self._unguard_training_step()
 
-    def _stop_unfinished(self) -> None:
-        """Stop a profile left running by an exception after the last backward of the step."""
-        if self.profiler.active:
-            self.profiler.abort()
-            self._release()
-            self._batches = []
-            warnings.warn(
-                f"HFFlopsCallback: the step at profile_step={self.profiler.profile_step} did not finish "
-                "(an exception?): no profile.",
-                stacklevel=3,
-            )
-
-    # --- results -------------------------------------------------------------------------------------
-
-    def _log(self, trainer: transformers.Trainer | None, metrics: dict[str, float]) -> None:
-        # Why through Trainer.log, right after the step: the reporting callbacks (TensorBoard, W&B,
-        # ...) come before user callbacks in the Trainer's list and all get the same `logs` dict in
-        # on_log, so keys added in our own on_log arrive after they have written. Moving ourselves to
-        # the front of the list and adding keys to the Trainer's next log would only work when a log
-        # falls on the profiled step, and setting control.should_log to get one would add loss logs
-        # the run would not have had. Trainer.log hands our dict to every callback the user has, in
-        # their order, and appends it to state.log_history, at step profile_step (global_step counts
-        # up after on_optimizer_step). The base class's log, not a subclass's: TRL's log, e.g., merges
-        # and clears its accumulated metrics, which would then be folded into ours. The Trainer's
-        # on_log clears control.should_log; we restore it, so that the loss is logged at exactly the
-        # steps it would be without us. Callbacks get no reference to their Trainer: on_train_begin
-        # finds it on the call stack (_calling_trainer).
-        if trainer is None:
-            warnings.warn(
-                "HFFlopsCallback: no Trainer found calling this callback: the flops_profiler/* metrics "
-                "are in the report and its JSON only.",
-                stacklevel=3,
-            )
-            return
-        should_log = trainer.control.should_log
-        transformers.Trainer.log(trainer, dict(metrics))
-        trainer.control.should_log = should_log
+def _context(trainer: transformers.Trainer, args: Any, model: torch.nn.Module) -> RunContext:
+    accelerator = getattr(trainer, "accelerator", None)
+    return RunContext(
+        parallel_sizes(args, model, getattr(accelerator, "state", None)),
+        compute_dtype(args, model, accelerator),
+        extra_lines=lambda batches, profile: _estimate_lines(trainer, batches, profile),
+    )
 
 
 def _estimate_lines(
-    trainer: transformers.Trainer, batches: list[Any], result: StepResult
+    trainer: transformers.Trainer, batches: list[Any], profile: Profile
 ) -> list[tuple[str, str]]:
-    """The Trainer's own flops estimate of the step's micro-batches beside the measured flops."""
+    """The Trainer's own flops estimate of the counting step's micro-batches beside the measured flops."""
     estimate = sum(trainer.floating_point_ops(b) for b in batches if isinstance(b, dict))
     if not estimate:
         return []
-    measured = result.profile.fwd_flops + result.profile.bwd_flops
+    measured = profile.fwd_flops + profile.bwd_flops
     return [
         ("Trainer's estimate (6 x non-embedding params x tokens)", number_to_string(estimate)),
         ("measured fwd + bwd flops vs Trainer's estimate", f"{(measured - estimate) / estimate * 100:+.1f}%"),

@@ -1,4 +1,6 @@
-"""The metric names both callbacks log, in one place, and the step -> metrics dict conversion.
+"""The metric names both callbacks log, in one place, and the window -> metrics dict conversion.
+
+The metrics dict is computed here, once; the printed report, the JSON and the loggers all read it.
 
 Flops and latencies are per device; ``samples_per_sec`` and ``tokens_per_sec`` count every
 data-parallel replica. Latencies are in seconds, rates per second, MFU and HFU fractions of the
@@ -11,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from flops_callbacks.step import StepResult
+    from flops_callbacks.result import WindowResult
 
 PREFIX = "flops_profiler/"
 
@@ -20,7 +22,7 @@ BWD_FLOPS = PREFIX + "bwd_flops"  # backward flops, measured (not 2 x fwd)
 RECOMPUTE_FLOPS = PREFIX + "recompute_flops"  # forwards re-run by activation checkpointing
 FWD_MACS = PREFIX + "fwd_macs"  # forward multiply-accumulates (matmul, conv, attention)
 PARAMS = PREFIX + "params"  # parameters on this device
-FWD_LATENCY = PREFIX + "fwd_latency"  # seconds in the forward phase(s)
+FWD_LATENCY = PREFIX + "fwd_latency"  # seconds in the forward phase(s): median of the clean steps
 BWD_LATENCY = PREFIX + "bwd_latency"  # seconds in the backward phase(s)
 STEP_LATENCY = PREFIX + "step_latency"  # seconds in the optimizer step
 ITER_LATENCY = PREFIX + "iter_latency"  # fwd + bwd + step
@@ -66,8 +68,8 @@ def _per_sec(amount: float, seconds: float) -> float:
     return amount / seconds if seconds > 0 else 0.0
 
 
-def step_metrics(step: StepResult) -> dict[str, float]:
-    """The metrics dict of one profiled optimizer step (``tokens_per_sec`` only when tokens are known)."""
+def window_metrics(step: WindowResult) -> dict[str, float]:
+    """The metrics dict of a profile window (``tokens_per_sec`` only when tokens are known)."""
     p = step.profile
     dp = step.parallel.data_parallel
     metrics = {

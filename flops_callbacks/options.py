@@ -3,7 +3,12 @@ the argument and the values it accepts, at construction time."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args
+
+from flops_callbacks.peaks import check_peak_flops
 
 CausalAttention = Literal["full", "half"]
 CAUSAL_ATTENTION: tuple[str, ...] = get_args(CausalAttention)
@@ -32,3 +37,51 @@ def check_int(name: str, value: Any, minimum: int) -> None:
 def check_causal_attention(causal_attention: Any) -> None:
     if causal_attention not in CAUSAL_ATTENTION:
         raise ValueError(f"causal_attention must be one of {CAUSAL_ATTENTION}, got {causal_attention!r}")
+
+
+def check_callable(name: str, fn: Any) -> None:
+    if fn is not None and not callable(fn):
+        raise ValueError(f"{name} must be a callable taking the batch, got {fn!r}")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything a profile window is configured with, checked once, here (the callbacks' arguments).
+
+    The window starts at the first optimizer step at or after ``profile_step``: that step counts, the
+    next times modules, and ``clean_steps`` more time the phases with nothing else on the clock.
+    """
+
+    profile_step: int = 10
+    clean_steps: int = 3
+    module_depth: int = -1
+    top_modules: int = 1
+    detailed: bool = False
+    print_profile: bool = True
+    output_file: str | Path | None = None
+    batch_size_fn: Callable[[Any], int] | None = None
+    tokens_fn: Callable[[Any], int | None] | None = None
+    causal_attention: CausalAttention = "full"
+    throughput: bool = True
+    peak_flops: float | None = None
+    ignore_modules: tuple[type, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        check_int("profile_step", self.profile_step, 0)
+        check_int("clean_steps", self.clean_steps, 0)
+        check_report_args(self.module_depth, self.top_modules)
+        for name in ("detailed", "print_profile", "throughput"):
+            check_flag(name, getattr(self, name))
+        check_causal_attention(self.causal_attention)
+        check_callable("batch_size_fn", self.batch_size_fn)
+        check_callable("tokens_fn", self.tokens_fn)
+        if self.output_file is not None and not isinstance(self.output_file, (str, Path)):
+            raise ValueError(f"output_file must be a path (str or Path) or None, got {self.output_file!r}")
+        if not all(isinstance(t, type) for t in self.ignore_modules):
+            raise ValueError(f"ignore_modules must be module classes, got {self.ignore_modules!r}")
+        object.__setattr__(self, "ignore_modules", tuple(self.ignore_modules))
+        check_peak_flops(self.peak_flops)
+
+    @property
+    def causal_half(self) -> bool:
+        return self.causal_attention == "half"

@@ -1,9 +1,8 @@
-"""Continuous throughput after the profiled step: samples, tokens, FLOPS and MFU per logging interval.
+"""Continuous throughput after the profile window: samples, tokens, FLOPS and MFU per logging interval.
 
 Shared by both callbacks; an adapter calls, on the logging rank:
 
-    meter.observe(batch)                       each micro-batch of the profiled step
-    meter.start(result, model)                 when the profiled step has ended
+    meter.start(result, model, signatures)     when the profile window has ended
     meter.begin_micro_batch(batch, model)      before each later micro-batch's forward
     meter.end_micro_batch()                    after its backward
     meter.end_step()                           when its optimizer step has ended
@@ -12,7 +11,7 @@ Shared by both callbacks; an adapter calls, on the logging rank:
     meter.close()                              at the end of training, or on an exception
 
 Flops are not counted on these steps: a micro-batch whose shape signature (the shapes and dtypes of
-its tensors) was seen before does the work measured for it then. The profiled step gives the flops
+its tensors) was seen before does the work measured for it then. The counting step gives the flops
 of its signature (when all its micro-batches share one). A micro-batch with a new signature is
 measured once, exactly, by the counting engine (:class:`~flops_callbacks.tracer.Tracer`, with no
 clock) on its own forward and backward: nothing is scaled or guessed, so attention's quadratic cost in
@@ -37,20 +36,14 @@ from typing import Any
 import torch
 
 from flops_callbacks import metrics as names
+from flops_callbacks.batch import Signature, shape_signature
 from flops_callbacks.clock import NullClock, clock_for, module_device
-from flops_callbacks.step import StepResult, batch_tensors
+from flops_callbacks.result import WindowResult
 from flops_callbacks.tracer import Tracer
-
-Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
-
-
-def shape_signature(batch: Any) -> Signature:
-    """The shapes and dtypes of the tensors in ``batch``: micro-batches alike in them do the same flops."""
-    return tuple((tuple(t.shape), t.dtype) for t in batch_tensors(batch))
 
 
 class ThroughputMeter:
-    """Samples, tokens and measured flops per logging interval after the profiled step (module doc).
+    """Samples, tokens and measured flops per logging interval after the profile window (module doc).
 
     Args:
         batch_size_fn: samples in a micro-batch.
@@ -72,7 +65,6 @@ class ThroughputMeter:
         self.max_signatures = max_signatures
         # model flops (fwd + bwd) of one micro-batch, per signature
         self.flops_per_micro_batch: dict[Signature, float] = {}
-        self._observed: list[Signature] = []
         self._started = False
         self._measuring: tuple[Signature, Tracer] | None = None
         self._warned_unmeasured = False
@@ -82,13 +74,9 @@ class ThroughputMeter:
     def started(self) -> bool:
         return self._started
 
-    def observe(self, batch: Any) -> None:
-        """Note the signature of a micro-batch of the profiled step."""
-        self._observed.append(shape_signature(batch))
-
-    def start(self, result: StepResult, model: torch.nn.Module) -> None:
-        """Take the profiled step's flops and sizes, and start the first interval now."""
-        observed, self._observed = self._observed, []
+    def start(self, result: WindowResult, model: torch.nn.Module, observed: list[Signature]) -> None:
+        """Take the counting step's flops (``observed``: its micro-batches' signatures) and sizes, and
+        start the first interval now."""
         if observed and len(set(observed)) == 1:
             self.flops_per_micro_batch[observed[0]] = result.profile.model_flops / len(observed)
         self._data_parallel = result.parallel.data_parallel

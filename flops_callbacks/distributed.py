@@ -1,0 +1,39 @@
+"""What a profile needs from the other ranks of a multi-process run: their phase latencies."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+Latencies = tuple[float, float, float]  # (fwd, bwd, step) seconds
+
+
+def gather_latencies(local: Latencies, device: torch.device) -> list[Latencies]:
+    """Every rank's ``(fwd, bwd, step)`` latencies, by rank: an all-gather that every rank of the default
+    process group must join (just ``[local]`` without one).
+
+    The tensor lives where the backend can move it: on the CPU for gloo / MPI, on the model's device
+    otherwise (this rank's GPU for NCCL).
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return [local]
+    backend = str(dist.get_backend()).lower()
+    if "gloo" in backend or "mpi" in backend:
+        device = torch.device("cpu")
+    elif device.type == "cpu" and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor(local, dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [(float(f), float(b), float(s)) for f, b, s in torch.stack(every).tolist()]
+
+
+def dtensor_params(model: torch.nn.Module) -> int | None:
+    """Parameters of the whole model if they are DTensors (sharded: numel is the global size), else None."""
+    params = list(dict.fromkeys(model.parameters()))
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None or not any(isinstance(p, dtensor) for p in params):
+        return None
+    return sum(p.numel() for p in params)

@@ -1,0 +1,230 @@
+"""Per-module forward and backward latencies, on a step where nothing counts.
+
+The counting engine runs every op through Python, so the module latencies it sees are inflated (5x on
+an op-bound model). This timer runs on its own step of the profile window with only clock marks:
+
+* forward: two global module hooks mark each call of a module of the profiled model (CUDA events on
+  a GPU, ``perf_counter`` on a CPU) and note the autograd nodes the call received and produced;
+* backward: when the backward starts (:meth:`ModuleTimer.arm`, between the phase marks), each node a
+  call produced is given to that module (the innermost first, stopping at the nodes it received), and
+  a pre-hook and a hook on each such node mark its execution. A module's backward latency is the sum
+  of its nodes' executions, its submodules' included: the gradient kernels of its ops and the
+  accumulation of its parameters' gradients, not the autograd engine's scheduling between nodes.
+
+Why not ``register_full_backward_hook``: it wraps a module's inputs and outputs in extra autograd
+nodes and never fires when no input needs a gradient (a first layer, frozen embeddings). Nothing is
+written onto the modules or the nodes: names live in this object, and every hook is removed by
+:meth:`ModuleTimer.stop` (or when the backward's hooks are released).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from flops_callbacks.clock import Clock
+
+_current_autograd_node = torch._C._current_autograd_node
+FORWARD, BACKWARD, RECOMPUTE = "forward", "backward", "recompute"
+
+
+@dataclass(frozen=True)
+class TimedSpan:
+    """One module call (forward, recompute) or one module's backward, in seconds from the first mark."""
+
+    name: str
+    phase: str
+    start: float
+    duration: float
+
+
+@dataclass(frozen=True)
+class ModuleTimes:
+    """Latencies per module name ("" is the model): forward, recompute (checkpointing) and backward."""
+
+    fwd: dict[str, float]
+    bwd: dict[str, float]
+    recompute: dict[str, float]
+    spans: list[TimedSpan]
+
+
+def _grad_fns(value: Any) -> list[Any]:
+    if isinstance(value, torch.Tensor):
+        return [value.grad_fn] if value.grad_fn is not None else []
+    leaves = torch.utils._pytree.tree_leaves(value)
+    return [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+
+def module_names(model: torch.nn.Module) -> dict[int, str]:
+    """``id(module) -> qualified name`` for the model's modules (first name of a shared one), without
+    ``torch.compile``'s ``_orig_mod`` level."""
+    names: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), ".".join(p for p in name.split(".") if p != "_orig_mod"))
+    return names
+
+
+def ancestors(name: str) -> list[str]:
+    """``"a.b.c"`` -> ``["", "a", "a.b"]``: the names above a module, the model first."""
+    if not name:
+        return []
+    parts = name.split(".")
+    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+class ModuleTimer:
+    """Marks module calls in the forward and their autograd nodes in the backward (module doc)."""
+
+    def __init__(self, model: torch.nn.Module, clock: Clock) -> None:
+        self.clock = clock
+        self._names = module_names(model)
+        self._stack: list[tuple[str, Any, bool, list[Any]]] = []  # name, start mark, recompute, inputs
+        self._calls: list[tuple[str, list[Any], set[int]]] = []  # name, output nodes, input node ids
+        self._fwd_spans: list[tuple[str, Any, Any, bool]] = []
+        self._node_spans: list[tuple[str, Any, Any]] = []
+        self._node_start: dict[int, Any] = {}
+        self._owner: dict[int, str] = {}  # node id -> module name, for the nodes armed
+        self._armed: list[Any] = []  # node hook handles of the current backward
+        self._exit: contextlib.ExitStack | None = None
+        self._thread: int | None = None
+        self._origin: Any = None
+
+    @property
+    def running(self) -> bool:
+        return self._exit is not None
+
+    def start(self) -> None:
+        if self.running:
+            return
+        stack = contextlib.ExitStack()
+        stack.callback(register_module_forward_pre_hook(self._pre_hook).remove)
+        stack.callback(register_module_forward_hook(self._post_hook, always_call=True).remove)
+        self._exit, self._thread = stack, threading.get_ident()
+        if self._origin is None:
+            self._origin = self.clock.mark()
+
+    def stop(self) -> None:
+        """Remove the module hooks and any node hooks; what was marked stays readable."""
+        exit_stack, self._exit = self._exit, None
+        try:
+            if exit_stack is not None:
+                exit_stack.close()
+        finally:
+            self.release()
+            self._stack.clear()
+            self._calls.clear()
+
+    # --- forward -----------------------------------------------------------------------------------
+
+    def _mine(self) -> bool:
+        """The thread that started, or an autograd thread serving its backward (recompute on a GPU)."""
+        return threading.get_ident() == self._thread or _current_autograd_node() is not None
+
+    def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        name = self._names.get(id(module))
+        if name is None or not self._mine():
+            return
+        recompute = _current_autograd_node() is not None or bool(self._stack and self._stack[-1][2])
+        inputs = [] if recompute or not torch.is_grad_enabled() else _grad_fns(args)
+        self._stack.append((name, self.clock.mark(), recompute, inputs))
+
+    def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        name = self._names.get(id(module))
+        if name is None or not self._mine():
+            return
+        end = self.clock.mark()
+        while self._stack:  # children whose post hook did not run (an exception) close here too
+            frame_name, start, recompute, inputs = self._stack.pop()
+            self._fwd_spans.append((frame_name, start, end, recompute))
+            if frame_name == name:
+                break
+        else:
+            return
+        if not recompute and torch.is_grad_enabled():
+            self._calls.append((name, _grad_fns(output), {id(n) for n in inputs}))
+
+    # --- backward ----------------------------------------------------------------------------------
+
+    def arm(self) -> None:
+        """Give the nodes of the calls so far to their modules and hook them (call before the backward
+        phase's mark: the walk is not part of any module's time)."""
+        calls, self._calls = self._calls, []
+        for name, outputs, received in calls:  # post-hook order: the innermost module claims first
+            pending = list(outputs)
+            while pending:
+                node = pending.pop()
+                key = id(node)
+                if key in self._owner or key in received:
+                    continue
+                self._owner[key] = name
+                if type(node).__name__ != "AccumulateGrad":  # a leaf: no execution of its own to hook
+                    self._armed.append(node.register_prehook(self._node_pre(key)))
+                    self._armed.append(node.register_hook(self._node_post(key, name)))
+                pending.extend(n for n, _ in node.next_functions if n is not None)
+
+    def _node_pre(self, key: int) -> Any:
+        def pre(grad_outputs: Any) -> None:
+            self._node_start[key] = self.clock.mark()
+
+        return pre
+
+    def _node_post(self, key: int, name: str) -> Any:
+        def post(grad_inputs: Any, grad_outputs: Any) -> None:
+            start = self._node_start.pop(key, None)
+            if start is not None:
+                self._node_spans.append((name, start, self.clock.mark()))
+
+        return post
+
+    def release(self) -> None:
+        """Remove the node hooks of the backward(s) armed so far (their marks stay)."""
+        armed, self._armed = self._armed, []
+        for handle in armed:
+            handle.remove()
+        self._owner.clear()
+        self._node_start.clear()
+
+    # --- result ------------------------------------------------------------------------------------
+
+    def times(self) -> ModuleTimes:
+        """Latencies per module (synchronizes once: call after the step)."""
+        seconds = self.clock.seconds
+        self.clock.synchronize()
+        fwd: dict[str, float] = {}
+        recompute: dict[str, float] = {}
+        bwd: dict[str, float] = {}
+        spans: list[TimedSpan] = []
+        origin = self._origin
+        for name, start, end, is_recompute in self._fwd_spans:
+            duration = seconds(start, end)
+            table = recompute if is_recompute else fwd
+            table[name] = table.get(name, 0.0) + duration
+            phase = RECOMPUTE if is_recompute else FORWARD
+            spans.append(TimedSpan(name, phase, seconds(origin, start), duration))
+        extent: dict[str, tuple[float, float]] = {}
+        for name, start, end in self._node_spans:
+            begin, duration = seconds(origin, start), seconds(start, end)
+            for owner in (*ancestors(name), name):
+                bwd[owner] = bwd.get(owner, 0.0) + duration
+                first, last = extent.get(owner, (begin, begin + duration))
+                extent[owner] = (min(first, begin), max(last, begin + duration))
+        spans += [TimedSpan(name, BACKWARD, a, b - a) for name, (a, b) in extent.items()]
+        spans.sort(key=lambda s: (s.start, -s.duration))
+        _fill_containers(fwd)
+        _fill_containers(recompute)
+        return ModuleTimes(fwd, bwd, recompute, spans)
+
+
+def _fill_containers(table: dict[str, float]) -> None:
+    """A module never called itself (a ``ModuleList``) takes the sum of its called submodules."""
+    own = set(table)
+    for name in sorted(own, key=lambda n: -n.count(".")):
+        for above in reversed(ancestors(name)):
+            if above in own:
+                break
+            table[above] = table.get(above, 0.0) + table[name]

@@ -1,0 +1,74 @@
+"""The phases of one optimizer step (forward, backward, optimizer step) on a synchronized clock.
+
+Phases are contiguous: starting one ends the previous on the same clock mark, so ``fwd + bwd + step``
+is exactly the time the step's events cover. Where the framework says a phase *ended* but not what
+comes next (Lightning's ``on_after_backward``, the end of a manual ``optimizer.step()``), the time up
+to the next event is held open and given to the phase that event reveals: a backward starting next
+means a new forward ran (a GAN's second model, a second manual chunk); anything else continues the
+phase that ended.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flops_callbacks.clock import Clock
+
+FORWARD, BACKWARD, OPTIMIZER_STEP = "forward", "backward", "optimizer_step"
+PHASES = (FORWARD, BACKWARD, OPTIMIZER_STEP)
+
+
+def check_phase(name: str) -> None:
+    if name not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
+
+
+class StepPhases:
+    """Marks the phases of one step; :meth:`seconds` reads them (after the step: reading CUDA events
+    synchronizes, so it is left until the profile window has ended)."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.current: str | None = None
+        self._since: Any = None
+        self._ended: str | None = None  # a phase that ended with its successor unknown (held open)
+        self._spans: dict[str, list[tuple[Any, Any]]] = {}
+
+    def start(self, name: str) -> None:
+        """End whatever runs (resolving a held-open gap) and start ``name`` on one mark."""
+        check_phase(name)
+        if name == self.current and self._ended is None:
+            return
+        mark = self.clock.mark()
+        if self._ended is not None:
+            ended = self._ended
+            self._close(FORWARD if name == BACKWARD else ended, mark)
+        elif self.current is not None:
+            self._close(self.current, mark)
+        self.current, self._since, self._ended = name, mark, None
+
+    def end(self) -> None:
+        """The running phase ended; what follows is decided by the next :meth:`start` or :meth:`stop`."""
+        if self.current is None or self._ended is not None:
+            return
+        mark = self.clock.mark()
+        self._close(self.current, mark)
+        self._ended, self._since = self.current, mark
+
+    def stop(self) -> None:
+        """Stop timing (between micro-batches, at the end of the step); a held-open gap continues the
+        phase that ended."""
+        if self.current is None:
+            return
+        self._close(self._ended or self.current, self.clock.mark())
+        self.current = self._ended = self._since = None
+
+    def _close(self, name: str, mark: Any) -> None:
+        self._spans.setdefault(name, []).append((self._since, mark))
+        self._since = mark
+
+    def seconds(self) -> tuple[float, float, float]:
+        """Seconds in (forward, backward, optimizer step)."""
+        return tuple(  # type: ignore[return-value]
+            sum(self.clock.seconds(a, b) for a, b in self._spans.get(name, ())) for name in PHASES
+        )

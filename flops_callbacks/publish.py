@@ -1,0 +1,155 @@
+"""Publishing a window's result: the report text, the JSON, and the one writer of files.
+
+Every number shown comes from the metrics dict (:func:`flops_callbacks.metrics.window_metrics`),
+computed once: the printed, the logged and the saved figures are the same by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+from flops_callbacks import metrics as names
+from flops_callbacks.options import Options
+from flops_callbacks.report import render_profile
+from flops_callbacks.result import WindowResult
+from flops_callbacks.units import duration_to_string, flops_to_string, number_to_string, params_to_string
+
+
+class Outlet(Protocol):
+    """Where a framework's results go; the adapter implements it."""
+
+    is_logging_rank: bool
+
+    def log_dir(self) -> str | Path | None:
+        """The run's log directory (called on every rank: Lightning's broadcasts)."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Hand ``metrics`` to every logger of the run (logging rank only)."""
+
+    def console(self, text: str) -> None:
+        """Print ``text`` without breaking the framework's progress bar (logging rank only)."""
+
+
+def _steps_text(steps: tuple[int, ...]) -> str:
+    return ", ".join(str(s) for s in steps)
+
+
+def source_lines(result: WindowResult) -> list[tuple[str, str]]:
+    """Which step each figure comes from, in the report's words."""
+    s = result.steps
+    module = f"step {s.module_timing} (module hooks, no counting)" if s.module_timing is not None else "none"
+    lines = [
+        ("flops, MACs, params from", f"step {s.counting} (counting step)"),
+        ("module latencies from", module),
+        (
+            "fwd / bwd / step latency from",
+            s.latency_source + (f": steps {_steps_text(s.clean)}" if s.clean else ""),
+        ),
+    ]
+    if s.skipped:
+        lines.append(("clean steps left out (other batch shapes)", _steps_text(s.skipped)))
+    return lines
+
+
+def context_lines(result: WindowResult) -> list[tuple[str, str]]:
+    """Rows before the profile's own: how the run is split, the batch, and the model's size."""
+    mp = result.parallel.model_parallel
+    p = result.profile
+    if result.sharded_model_params is None:
+        params = ("params of model = params per device * mp_size", params_to_string(p.params * mp))
+    else:  # replicated parameters of a tensor-parallel model are not mp_size times in the model
+        params = (
+            "params of model (global sizes of its DTensors)",
+            params_to_string(result.sharded_model_params),
+        )
+    return [
+        *result.parallel.summary_lines(),
+        ("batch size per device (all micro-batches)", str(result.samples)),
+        ("micro-batches", str(result.micro_batches)),
+        params,
+        ("fwd flops of model = fwd flops per device * mp_size", number_to_string(p.fwd_flops * mp)),
+    ]
+
+
+def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
+    """Rows after the profile's own: step and iter latency, the rates, MFU; all read from ``metrics``."""
+    lines = [
+        ("step latency", duration_to_string(metrics[names.STEP_LATENCY])),
+        ("iter latency = fwd + bwd + step latency", duration_to_string(metrics[names.ITER_LATENCY])),
+        ("FLOPS per device = (fwd+bwd flops) / iter latency", flops_to_string(metrics[names.FLOPS_PER_SEC])),
+        ("samples/second (all data-parallel replicas)", f"{metrics[names.SAMPLES_PER_SEC]:.2f}"),
+    ]
+    if names.TOKENS_PER_SEC in metrics:
+        lines.append(("tokens/second (all data-parallel replicas)", f"{metrics[names.TOKENS_PER_SEC]:.2f}"))
+    if len(result.rank_latencies) > 1:
+        iters = [sum(latencies) for latencies in result.rank_latencies]
+        spread = f"{duration_to_string(min(iters))} .. {duration_to_string(max(iters))}"
+        lines.append((f"iter latency over {len(iters)} ranks, min .. max (slowest shown)", spread))
+    lines.append(("compute dtype (picks the peak)", result.compute_dtype or "unknown"))
+    if result.peak is None:
+        lines.append(("MFU", f"n/a: {result.no_peak_reason}"))
+    else:
+        lines += [
+            (f"peak FLOPS per device ({result.peak.source})", flops_to_string(result.peak.flops)),
+            ("MFU = (fwd+bwd flops) / iter latency / peak", f"{100 * metrics[names.MFU]:.2f}%"),
+            ("HFU = (fwd+bwd+recompute flops) / iter latency / peak", f"{100 * metrics[names.HFU]:.2f}%"),
+        ]
+    return lines + source_lines(result) + result.extra_lines
+
+
+def report_text(result: WindowResult, options: Options, detailed: bool) -> str:
+    """The DeepSpeed-style report of a window; ``detailed`` adds the module tree."""
+    metrics = result.metrics()
+    return render_profile(
+        result.profile,
+        profile_step=result.step,
+        module_depth=options.module_depth,
+        top_modules=options.top_modules,
+        detailed=detailed,
+        context_lines=context_lines(result),
+        timing_lines=timing_lines(result, metrics),
+    )
+
+
+def json_data(result: WindowResult) -> dict[str, Any]:
+    """Everything of a window as JSON-ready data: metrics, where each came from, and the full profile."""
+    return {
+        "step": result.step,
+        "published_at_step": result.published_at,
+        "steps": dataclasses.asdict(result.steps),
+        "metrics": result.metrics(),
+        "samples_per_device": result.samples,
+        "micro_batches": result.micro_batches,
+        "tokens_per_device": result.tokens,
+        "compute_dtype": result.compute_dtype,
+        "peak": dataclasses.asdict(result.peak) if result.peak else {"none": result.no_peak_reason},
+        "parallel": dataclasses.asdict(result.parallel),
+        "rank_latencies": result.rank_latencies,  # (fwd, bwd, step) seconds, by rank
+        "profile": result.profile.to_dict(),
+    }
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """The one writer of files: parents created, text written whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def publish(result: WindowResult, options: Options, log_dir: str | Path | None, outlet: Outlet) -> None:
+    """On the logging rank: the report to the console (or ``output_file``), the report, JSON, picture
+    and trace into ``log_dir``, and the metrics to the loggers."""
+    full = report_text(result, options, detailed=True)
+    if options.output_file is not None:
+        write_text(options.output_file, full + "\n")
+    elif options.print_profile:
+        outlet.console(full if options.detailed else report_text(result, options, detailed=False))
+    if log_dir is not None:
+        stem = Path(log_dir) / f"flops_profile_step{result.step}"
+        write_text(stem.with_suffix(".txt"), full + "\n")
+        write_text(stem.with_suffix(".json"), json.dumps(json_data(result), indent=2))
+    outlet.log_metrics(result.metrics(), result.published_at)

@@ -1,0 +1,72 @@
+"""The result of a profile window: plain data that the metrics, the report, the JSON and the picture read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flops_callbacks.distributed import Latencies
+from flops_callbacks.metrics import window_metrics
+from flops_callbacks.module_timer import TimedSpan
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.peaks import Peak
+from flops_callbacks.profile import Profile
+
+
+@dataclass(frozen=True)
+class WindowSteps:
+    """Which global step each figure comes from.
+
+    ``counting``: flops, MACs, params, coverage. ``module_timing``: the per-module latencies (None when
+    the run ended before it). ``clean``: the steps whose phase latencies were used (their median);
+    ``skipped``: clean steps left out because their batches had other shapes than the counting step's.
+    ``latency_source`` names where fwd / bwd / step latency come from in words.
+    """
+
+    counting: int
+    module_timing: int | None
+    clean: tuple[int, ...]
+    skipped: tuple[int, ...]
+    latency_source: str
+
+
+@dataclass
+class WindowResult:
+    """A profiled window: the model's profile plus what the training loop around it did.
+
+    ``profile``'s per-module latencies are the module-timing step's; its ``fwd_latency`` and
+    ``bwd_latency`` (like the fields below) are the phase latencies of the clean steps.
+    """
+
+    profile: Profile
+    steps: WindowSteps
+    fwd_latency: float
+    bwd_latency: float
+    step_latency: float
+    samples: int  # per device, per optimizer step (all its micro-batches)
+    tokens: int | None
+    micro_batches: int
+    parallel: ParallelSizes = field(default_factory=ParallelSizes)
+    compute_dtype: str | None = None
+    peak: Peak | None = None  # the device's dense peak FLOPS that MFU is computed against
+    no_peak_reason: str = ""  # why there is none (said once, in the report)
+    # every rank's (fwd, bwd, step) latencies, by rank; the latencies above are the slowest rank's
+    rank_latencies: list[Latencies] = field(default_factory=list)
+    # parameters of the whole model when they are DTensors (their global sizes); None otherwise
+    sharded_model_params: int | None = None
+    # report rows an adapter adds about its framework (label, value), e.g. the HF Trainer's estimate
+    extra_lines: list[tuple[str, str]] = field(default_factory=list)
+    spans: list[TimedSpan] = field(default_factory=list)  # module calls of the module-timing step
+    published_at: int = 0  # the global step at which the result was published and logged
+
+    @property
+    def step(self) -> int:
+        """The counting step (``profile_step``, or the first step after it that ran)."""
+        return self.steps.counting
+
+    @property
+    def iter_latency(self) -> float:
+        return self.fwd_latency + self.bwd_latency + self.step_latency
+
+    def metrics(self) -> dict[str, float]:
+        """The ``flops_profiler/*`` metrics (names in :mod:`flops_callbacks.metrics`)."""
+        return window_metrics(self)

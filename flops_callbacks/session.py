@@ -1,0 +1,404 @@
+"""The step session below both callbacks: the profile window, then the continuous throughput meter.
+
+A measuring instrument must not perturb what it measures, so a profile is a short window of steps,
+each doing one job on its own clock:
+
+1. the counting step (the first optimizer step at or after ``profile_step``): the counting engine
+   (:class:`~flops_callbacks.tracer.Tracer`) counts every op per module, forward, backward and
+   recompute. Its times feed no headline figure.
+2. the module-timing step: clock marks on module calls and their autograd nodes only
+   (:class:`~flops_callbacks.module_timer.ModuleTimer`), for the per-module latencies of the tree.
+3. ``clean_steps`` clean steps: only the phase marks at the framework's events. The median of each
+   phase gives fwd / bwd / step latency, and from them FLOPS, MFU, samples/s. A clean step whose
+   micro-batches have other shapes than the counting step's is left out, never scaled.
+
+At the end of the window (or of a run that ends inside it) the result is published: report, JSON,
+picture and trace in the log directory, the metrics to the framework's loggers. After it, every
+logging step gets the ``throughput/*`` metrics (:mod:`flops_callbacks.throughput`).
+
+An adapter maps its framework's events onto this object and hands it an :class:`Outlet`:
+
+    train_start(global_step, max_steps=..)   at the start of a run (warnings come here, not at the end)
+    step_start(global_step, model, context)  at the start of each optimizer step
+    micro_batch_start(batch)                 before each micro-batch's forward
+    phase(BACKWARD / OPTIMIZER_STEP / FORWARD), phase_end()   at the events between phases
+    micro_batch_end(pause=..)                after each micro-batch
+    step_end(global_step, outlet, logs=..)   when the optimizer step has ended
+    train_end(global_step, outlet)           at the end of the run
+    close()                                  on an exception: nothing of the profiler remains
+
+Nothing is installed outside a micro-batch of a window step: instruments start at
+:meth:`StepSession.micro_batch_start` and stop at :meth:`StepSession.micro_batch_end`, and
+:meth:`StepSession.close` removes whatever runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flops_callbacks import publish
+from flops_callbacks.batch import Signature, leading_batch_size, shape_signature
+from flops_callbacks.clock import clock_for, module_device
+from flops_callbacks.distributed import Latencies, dtensor_params, gather_latencies
+from flops_callbacks.module_timer import ModuleTimer
+from flops_callbacks.options import Options
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.peaks import ENV_VAR, Peak, peak_from_env, resolve_peak
+from flops_callbacks.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
+from flops_callbacks.profile import Profile
+from flops_callbacks.publish import Outlet
+from flops_callbacks.result import WindowResult, WindowSteps
+from flops_callbacks.throughput import ThroughputMeter
+from flops_callbacks.tracer import Tracer
+
+COUNTING, MODULE_TIMING, CLEAN = "counting", "module timing", "clean"
+
+__all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Outlet", "RunContext", "StepSession"]
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the adapter reads from its framework when a window starts."""
+
+    parallel: ParallelSizes = field(default_factory=ParallelSizes)
+    compute_dtype: str | None = None  # a flops_callbacks.peaks.DTYPES name: what the matmuls run in
+    # report rows about the counting step's batches (the HF Trainer's own flops estimate)
+    extra_lines: Callable[[list[Any], Profile], list[tuple[str, str]]] | None = None
+
+
+@dataclass
+class _Step:
+    """One step of the window: its job, its phase marks and its batches."""
+
+    kind: str
+    number: int
+    phases: StepPhases
+    signatures: list[Signature] = field(default_factory=list)
+    batches: list[Any] = field(default_factory=list)
+    samples: int = 0
+    tokens: int | None = None
+
+
+def _given_peak(peak_flops: float | None) -> Peak | None:
+    """The user's peak: the argument, else the environment variable (both validated already)."""
+    if peak_flops is not None:
+        return Peak(float(peak_flops), "peak_flops argument")
+    value = peak_from_env()
+    return Peak(value, f"{ENV_VAR} environment variable") if value is not None else None
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+class StepSession:
+    """The profile window and the throughput meter of one callback (module doc).
+
+    ``owner`` names the callback in messages; ``tokens_fn`` defaults to the options' (an adapter may
+    pass a smarter default, e.g. the HF Trainer's ``input_ids``).
+    """
+
+    def __init__(
+        self, options: Options, owner: str, tokens_fn: Callable[[Any], int | None] | None = None
+    ) -> None:
+        self.options = options
+        self.owner = owner
+        self.batch_size_fn = options.batch_size_fn or leading_batch_size
+        self.tokens_fn = tokens_fn or options.tokens_fn
+        self.given_peak = _given_peak(options.peak_flops)
+        self.meter = (
+            ThroughputMeter(self.batch_size_fn, self.tokens_fn, options.causal_attention)
+            if options.throughput
+            else None
+        )
+        self.result: WindowResult | None = None
+        self._kinds = [COUNTING, MODULE_TIMING] + [CLEAN] * options.clean_steps
+        self._steps: list[_Step] = []  # the window's steps so far
+        self._step: _Step | None = None  # the window step in progress
+        self._model: torch.nn.Module | None = None
+        self._context = RunContext()
+        self._tracer: Tracer | None = None
+        self._timer: ModuleTimer | None = None
+        self._metering = False  # the meter's events are routed (after the window, on the logging rank)
+        self._resumed_past = False
+
+    # --- the run -------------------------------------------------------------------------------------
+
+    @property
+    def window_open(self) -> bool:
+        """Between the counting step's start and the window's end."""
+        return bool(self._steps)
+
+    @property
+    def wants_batches(self) -> bool:
+        """Whether the micro-batches of the next step matter (a window step, or the meter runs)."""
+        return self._step is not None or self._metering
+
+    def train_start(
+        self, global_step: int, *, max_steps: int | None = None, profiled_before: bool = False
+    ) -> None:
+        """A run starts: forget an earlier run's window, and warn now if no profile can run in this one."""
+        self.close()
+        self.result = None
+        self._metering = False
+        profile_step, length = self.options.profile_step, len(self._kinds)
+        self._resumed_past = global_step > profile_step
+        if self._resumed_past:
+            before = (
+                f"step {profile_step} was profiled before the checkpoint "
+                f"(flops_profile_step{profile_step}.txt in that run's log dir)"
+                if profiled_before
+                else f"past profile_step={profile_step}"
+            )
+            warnings.warn(
+                f"{self.owner}: resumed at step {global_step}, {before}: no profile runs in this run. "
+                "Set profile_step >= the step you resume from to profile again.",
+                stacklevel=3,
+            )
+        elif max_steps is not None and max_steps <= profile_step:
+            warnings.warn(
+                f"{self.owner}: profile_step={profile_step} is never reached: the run has {max_steps} "
+                f"optimizer steps (0 .. {max_steps - 1}). Use a profile_step below {max_steps}.",
+                stacklevel=3,
+            )
+        elif max_steps is not None and max_steps < profile_step + length:
+            clean = max(max_steps - profile_step - 2, 0)
+            warnings.warn(
+                f"{self.owner}: the profile window needs steps {profile_step} .. {profile_step + length - 1} "
+                f"(counting, module timing, clean_steps={self.options.clean_steps}); the run has "
+                f"{max_steps} steps: the latencies will rest on {clean} clean step(s).",
+                stacklevel=3,
+            )
+
+    def train_end(self, global_step: int, outlet: Outlet) -> None:
+        """The run ended: publish a window it cut short, or say that none ran."""
+        self._stop_instruments()
+        self._step = None
+        if self._metering and self.meter is not None:
+            self.meter.close()
+        self._metering = False
+        if self._steps:
+            self._finish(global_step, outlet)
+        elif self.result is None and not self._resumed_past and outlet.is_logging_rank:
+            warnings.warn(
+                f"{self.owner}: no optimizer step started at or after "
+                f"profile_step={self.options.profile_step} (training ended at global step {global_step}): "
+                "no profile ran.",
+                stacklevel=3,
+            )
+
+    def close(self) -> None:
+        """Stop everything that runs and drop the window (an exception ended the run): no hook, mode
+        or tag of the profiler remains. Safe to call at any time, any number of times."""
+        try:
+            self._stop_instruments()
+        finally:
+            self._steps, self._step, self._model = [], None, None
+            if self.meter is not None:
+                self.meter.close()
+            self._metering = False
+
+    # --- steps ---------------------------------------------------------------------------------------
+
+    def step_start(
+        self, global_step: int, model: torch.nn.Module, context: Callable[[], RunContext] | None = None
+    ) -> None:
+        """An optimizer step starts (before its first micro-batch)."""
+        if self._metering and self.meter is not None:
+            self._model = model
+            return
+        if not self._steps:
+            if self.result is not None or self._resumed_past or global_step < self.options.profile_step:
+                return
+            self._context = context() if context is not None else RunContext()
+            self._model = model
+        kind = self._kinds[len(self._steps)]
+        step = _Step(kind, global_step, StepPhases(clock_for(module_device(model))))
+        self._steps.append(step)
+        self._step = step
+        if kind == COUNTING:
+            self._tracer = Tracer(
+                model, ignore_types=self.options.ignore_modules, causal_half=self.options.causal_half
+            )
+        elif kind == MODULE_TIMING:
+            self._timer = ModuleTimer(model, step.phases.clock)
+
+    def micro_batch_start(self, batch: Any) -> None:
+        """Before a micro-batch's forward: count its samples and start this step's instrument."""
+        step = self._step
+        if step is None:
+            if self._metering and self.meter is not None and self._model is not None:
+                self.meter.begin_micro_batch(batch, self._model)
+            return
+        step.signatures.append(shape_signature(batch))
+        step.samples += int(self.batch_size_fn(batch))
+        if self.tokens_fn is not None:
+            tokens = self.tokens_fn(batch)
+            if tokens is not None:
+                step.tokens = (step.tokens or 0) + int(tokens)
+        if step.kind == COUNTING:
+            step.batches.append(batch)
+        if step.kind == COUNTING and self._tracer is not None:
+            self._tracer.start()
+        elif step.kind == MODULE_TIMING and self._timer is not None:
+            self._timer.start()
+        step.phases.start(FORWARD)
+
+    def phase(self, name: str) -> None:
+        """The framework reached the start of phase ``name``."""
+        step = self._step
+        if step is None:
+            return
+        if name == BACKWARD and self._timer is not None and self._timer.running:
+            self._timer.arm()  # before the mark: the walk is nobody's time
+        elif name != BACKWARD and self._timer is not None:
+            self._timer.release()
+        step.phases.start(name)
+
+    def phase_end(self) -> None:
+        """The framework says the running phase ended, not what comes next (:mod:`flops_callbacks.phases`)."""
+        if self._step is not None:
+            self._step.phases.end()
+
+    def micro_batch_end(self, pause: bool = True) -> None:
+        """After a micro-batch: its instrument stops; with ``pause`` the phase clock stops too (what runs
+        until the next micro-batch, such as a validation run, is not part of the step)."""
+        step = self._step
+        if step is None:
+            if self._metering and self.meter is not None:
+                self.meter.end_micro_batch()
+            return
+        self._stop_instruments()
+        if pause:
+            step.phases.stop()
+
+    def stop_timing(self) -> None:
+        """The step's timed part ended (before bookkeeping the framework does after it)."""
+        if self._step is not None:
+            self._step.phases.stop()
+
+    def step_end(self, global_step: int, outlet: Outlet, logs: bool = False) -> None:
+        """The optimizer step ended; ``logs`` says whether this is a logging step of the run."""
+        step = self._step
+        if step is None:
+            if self._metering and self.meter is not None:
+                self.meter.end_step()
+                if logs:
+                    self.log_throughput(global_step, outlet)
+            return
+        self._stop_instruments()
+        step.phases.stop()
+        self._step = None
+        if len(self._steps) == len(self._kinds):
+            self._finish(global_step, outlet)
+
+    # --- throughput ----------------------------------------------------------------------------------
+
+    def log_throughput(self, global_step: int, outlet: Outlet) -> None:
+        """Log the ``throughput/*`` metrics of the interval since the last call (a logging event)."""
+        if self._metering and self.meter is not None:
+            metrics = self.meter.metrics()
+            if metrics:
+                outlet.log_metrics(metrics, global_step)
+
+    def pause_throughput(self) -> None:
+        """Evaluation starts: its time is not training throughput."""
+        if self.meter is not None:
+            self.meter.pause(evaluating=True)
+
+    def resume_throughput(self) -> None:
+        if self.meter is not None:
+            self.meter.resume()
+
+    # --- the window's end ----------------------------------------------------------------------------
+
+    def _stop_instruments(self) -> None:
+        try:
+            if self._tracer is not None:
+                self._tracer.stop()
+        finally:
+            if self._timer is not None:
+                self._timer.stop()
+
+    def _finish(self, global_step: int, outlet: Outlet) -> None:
+        """Build the result from the window's steps, publish it, and start the throughput meter."""
+        steps, self._steps, self._step = self._steps, [], None
+        tracer, timer, self._tracer, self._timer = self._tracer, self._timer, None, None
+        model, self._model = self._model, None
+        counting = steps[0]
+        if tracer is None or model is None or not counting.signatures:
+            return
+        profile = tracer.profile(self.options.causal_attention)
+        spans = []
+        module_step = next((s for s in steps if s.kind == MODULE_TIMING and s.signatures), None)
+        if timer is not None and module_step is not None:
+            times = timer.times()
+            spans = times.spans
+            profile.modules = {
+                name: dataclasses.replace(
+                    m,
+                    fwd_latency=times.fwd.get(name, 0.0),
+                    bwd_latency=times.bwd.get(name, 0.0),
+                    recompute_latency=times.recompute.get(name, 0.0),
+                )
+                for name, m in profile.modules.items()
+            }
+        clean = [s for s in steps if s.kind == CLEAN and s.signatures == counting.signatures]
+        skipped = [s.number for s in steps if s.kind == CLEAN and s not in clean]
+        if clean:
+            timed = clean
+            source = f"median of {len(clean)} clean step(s)"
+        else:
+            timed = [module_step or counting]
+            source = (
+                f"the {timed[0].kind} step alone (no clean step ran: inflated by "
+                f"{'module hooks' if module_step else 'counting'})"
+            )
+        per_step = [s.phases.seconds() for s in timed]
+        local: Latencies = tuple(_median([t[i] for t in per_step]) for i in range(3))  # type: ignore[assignment]
+        device = torch.device(profile.device)
+        ranks = gather_latencies(local, device)
+        fwd, bwd, opt = max(ranks, key=sum)
+        context = self._context
+        peak, no_peak_reason = resolve_peak(self.given_peak, device, context.compute_dtype)
+        profile = dataclasses.replace(profile, fwd_latency=fwd, bwd_latency=bwd)
+        extra = context.extra_lines(counting.batches, profile) if context.extra_lines is not None else []
+        self.result = result = WindowResult(
+            profile=profile,
+            steps=WindowSteps(
+                counting=counting.number,
+                module_timing=module_step.number if module_step else None,
+                clean=tuple(s.number for s in clean),
+                skipped=tuple(skipped),
+                latency_source=source,
+            ),
+            fwd_latency=fwd,
+            bwd_latency=bwd,
+            step_latency=opt,
+            samples=counting.samples,
+            tokens=counting.tokens,
+            micro_batches=len(counting.signatures),
+            parallel=context.parallel,
+            compute_dtype=context.compute_dtype,
+            peak=peak,
+            no_peak_reason=no_peak_reason,
+            rank_latencies=ranks,
+            sharded_model_params=dtensor_params(model),
+            extra_lines=extra,
+            spans=spans,
+            published_at=global_step,
+        )
+        log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective
+        if not outlet.is_logging_rank:
+            return
+        publish.publish(result, self.options, log_dir, outlet)
+        if self.meter is not None:
+            self.meter.start(result, model, counting.signatures)
+            self._metering = True
