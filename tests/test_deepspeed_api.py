@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import threading
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flops_callbacks import FlopsProfiler, get_model_profile
+from flops_callbacks import (
+    FlopsProfiler,
+    flops_to_string,
+    get_model_profile,
+    get_module_duration,
+    get_module_flops,
+    get_module_macs,
+    number_to_string,
+    params_to_string,
+)
+from flops_callbacks.profiler import deepspeed_callback_kwargs
 
 B, IN, HID, OUT = 4, 8, 16, 3
 
@@ -420,3 +434,269 @@ def test_bad_constructor_and_report_arguments() -> None:
         prof.model(torch.randn(B, IN))
     with pytest.raises(ValueError, match="top_modules"):
         prof.print_model_aggregated_profile(top_modules=0)
+
+
+# --- what DeepSpeed's own profiler tests assert, on the same models, through our import ----------------
+
+
+class LeNet5(nn.Module):
+    """LeNet-5 on 32x32 grey images: three tanh convolutions with average pooling, two linear layers."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        conv = [nn.Conv2d(1, 6, 5), nn.Conv2d(6, 16, 5), nn.Conv2d(16, 120, 5)]
+        self.features = nn.Sequential(
+            conv[0], nn.Tanh(), nn.AvgPool2d(2), conv[1], nn.Tanh(), nn.AvgPool2d(2), conv[2], nn.Tanh()
+        )
+        self.classifier = nn.Sequential(nn.Linear(120, 84), nn.Tanh(), nn.Linear(84, classes))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.classifier(torch.flatten(self.features(x), 1))
+        return logits, F.softmax(logits, dim=1)
+
+
+def test_lenet5_inference_counts_what_deepspeed_asserts() -> None:
+    n = 1024
+    flops, macs, params = get_model_profile(
+        LeNet5(), input_shape=(n, 1, 32, 32), print_profile=False, top_modules=3, as_string=False
+    )
+    # outputs per sample: 6x28x28 -> pool 6x14x14 -> 16x10x10 -> pool 16x5x5 -> 120 -> 84 -> 10
+    conv_out, conv2_out, conv3_out = 6 * 28 * 28, 16 * 10 * 10, 120
+    per_sample_macs = conv_out * 25 + conv2_out * 6 * 25 + conv3_out * 16 * 25 + 120 * 84 + 84 * 10
+    assert macs == n * per_sample_macs == 426516480  # DeepSpeed's test: within 5% of 426516480
+    # bias adds are not counted (a convolution or matmul is 2 x MACs, as torch counts it); one flop per
+    # tanh output, per pooled input element, per softmax element
+    tanh = conv_out + conv2_out + conv3_out + 84
+    pools = conv_out + conv2_out
+    assert flops == n * (2 * per_sample_macs + tanh + pools + 10)
+    assert abs(flops - 866076672) / 866076672 < 0.05  # DeepSpeed's test and tolerance
+    assert params == 61706
+
+
+def ulysses_engine(**overrides: object) -> SimpleNamespace:
+    """A stand-in with the attributes DeepSpeed's profiler reads from its engine."""
+    engine = {
+        "world_size": 8,
+        "dp_world_size": None,  # sequence parallelism: the data-parallel group is seq_dp's
+        "seq_dp_world_size": 4,
+        "mp_world_size": 1,
+        "has_moe_layers": False,
+        "train_micro_batch_size_per_gpu": lambda: 1,
+        "wall_clock_breakdown": lambda: False,
+    }
+    return SimpleNamespace(**{**engine, **overrides})
+
+
+def test_engine_without_dp_world_size_reports_the_sequence_data_parallel_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = nn.Sequential(nn.Linear(128, 128))
+    prof = FlopsProfiler(model)
+    prof.ds_engine = ulysses_engine()
+    prof.start_profile()
+    for _ in range(3):
+        model(torch.randn(64, 128))
+    prof.print_model_profile(profile_step=1, detailed=False)
+    prof.end_profile()
+    out = capsys.readouterr().out
+    assert re.search(r"data parallel size:\s+(\S+)", out).group(1) == "4"  # type: ignore[union-attr]
+    assert re.search(r"world size:\s+(\S+)", out).group(1) == "8"  # type: ignore[union-attr]
+    assert re.search(r"batch size per GPU:\s+(\S+)", out).group(1) == "1"  # type: ignore[union-attr]
+    assert "Aggregated Profile per GPU" in out and "Detailed Profile" not in out  # detailed=False
+
+
+class SimpleModel(nn.Module):
+    """The model of DeepSpeed's engine test: one Linear in a ModuleList, the loss inside the forward."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList([nn.Linear(hidden, hidden)])
+        self.cross_entropy_loss = nn.CrossEntropyLoss()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.cross_entropy_loss(self.linears[0](x), y)
+
+
+def test_engine_style_profile_is_read_through_prof_flops_and_params(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # DeepSpeed's engine starts the profile before the forward of its profile step, stops it after,
+    # and prints after the optimizer step; its test then reads prof.flops and prof.params.
+    hidden = 10
+    torch.manual_seed(0)
+    model = SimpleModel(hidden)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    prof = FlopsProfiler(model, ds_engine=ulysses_engine(dp_world_size=1, world_size=1))
+    for step in range(4):
+        x, y = torch.randn(1, hidden), torch.randint(0, hidden, (1,))
+        if step == 1:
+            prof.start_profile()
+        loss = model(x, y)
+        if step == 1:
+            prof.stop_profile()
+            assert prof.started  # as DeepSpeed: until end_profile
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            prof.print_model_profile(profile_step=step, module_depth=-1, top_modules=3)
+            prof.end_profile()
+    # linear 2 x 100 MACs, the loss's log_softmax 10 and nll_loss 1 (DeepSpeed's test: 200 +- 5%; it
+    # does not count the loss inside the model's forward)
+    assert prof.flops == 2 * hidden * hidden + hidden + 1
+    assert prof.macs == hidden * hidden
+    assert prof.params == hidden * hidden + hidden == 110
+    assert "Profile Summary at step 1:" in capsys.readouterr().out
+    assert not prof.started
+
+
+def test_engine_timers_give_deepspeeds_estimated_backward_rows() -> None:
+    # With wall_clock_breakdown the engine's timers (milliseconds) give fwd, bwd and step latency; the
+    # backward was not profiled, so its flops are DeepSpeed's estimate (2 + recompute_fwd_factor) x fwd.
+    elapsed = {"fwd": 2.0, "bwd": 5.0, "step": 1.0}
+    timers = lambda name: SimpleNamespace(elapsed=lambda reset=True: elapsed[name])  # noqa: E731
+    engine = ulysses_engine(
+        dp_world_size=2, mp_world_size=4, wall_clock_breakdown=lambda: True, timers=timers,
+        train_micro_batch_size_per_gpu=lambda: 3,
+    )  # fmt: skip
+    model = mlp()
+    prof = FlopsProfiler(model, ds_engine=engine, recompute_fwd_factor=0.5)
+    prof.start_profile()
+    model(torch.randn(B, IN))
+    prof.stop_profile()
+    text = prof.print_model_profile(output_file=os.devnull)
+    rows = summary_rows(text)
+    assert rows["model parallel size"] == "4" and rows["data parallel size"] == "2"
+    assert rows["params of model = params per GPU * mp_size"] == params_to_string(4 * prof.params)
+    assert rows["fwd flops of model = fwd flops per GPU * mp_size"] == number_to_string(4 * FWD).strip()
+    assert rows["fwd latency"] == "2 ms" and rows["bwd latency"] == "5 ms" and rows["step latency"] == "1 ms"
+    assert rows["iter latency"] == "8 ms"
+    bwd_rate, iter_rate = flops_to_string(2.5 * FWD / 5e-3), flops_to_string(3.5 * FWD / 8e-3)
+    assert rows["bwd FLOPS per GPU = 2.5 * fwd flops per GPU / bwd latency"] == bwd_rate
+    assert rows["FLOPS per GPU = 3.5 * fwd flops per GPU / iter latency"] == iter_rate
+    assert rows["samples/second"] == str(round(3 * 8 / 8e-3, 2))  # micro batch x world size / iter
+    prof.end_profile()
+
+
+def summary_rows(text: str) -> dict[str, str]:
+    """The summary's rows, label -> value (DeepSpeed's row format: label, ':', padding, value)."""
+    summary = text.split("Aggregated Profile")[0]
+    rows = [line.split(": ", 1) for line in summary.splitlines() if re.match(r".{70}  ", line)]
+    return {label: value.strip() for label, value in rows}
+
+
+# --- DeepSpeed's lifecycle -------------------------------------------------------------------------
+
+
+def test_print_before_start_and_after_end_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    model = mlp()
+    prof = FlopsProfiler(model)
+    assert prof.print_model_profile() is None and not prof.started
+    prof.start_profile()
+    model(torch.randn(B, IN))
+    prof.stop_profile()
+    assert prof.started
+    assert prof.print_model_profile(output_file=os.devnull) is not None
+    prof.end_profile()
+    assert prof.print_model_profile() is None and prof.print_model_aggregated_profile() is None
+    assert capsys.readouterr().out == ""
+
+
+def test_get_module_getters_read_the_profile_and_write_nothing_on_modules() -> None:
+    model, x = mlp(), torch.randn(B, IN)
+    before = [sorted(vars(m)) for m in model.modules()]
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    model(x)
+    assert get_module_flops(model[0]) == 2 * B * IN * HID  # during the profile
+    prof.stop_profile()
+    m = prof.get_profile().modules
+    assert [get_module_flops(model[i]) for i in range(3)] == [m[n].fwd_flops for n in ("0", "1", "2")]
+    assert get_module_macs(model) == B * IN * HID + B * HID * OUT
+    assert get_module_duration(model[2]) == m["2"].fwd_latency > 0
+    assert [sorted(vars(m)) for m in model.modules()] == before
+    prof.end_profile()
+    with pytest.raises(ValueError, match="get_module_flops: module Linear has no profile"):
+        get_module_flops(model[0])
+
+
+def test_module_list_duration_is_its_childrens_as_deepspeed() -> None:
+    model = SimpleModel(4)
+    prof = FlopsProfiler(model)
+    with prof:
+        model(torch.randn(2, 4), torch.tensor([0, 1]))
+    assert get_module_duration(model.linears) == get_module_duration(model.linears[0]) > 0
+    prof.end_profile()
+
+
+# --- get_model_profile: eval mode, then the caller's modes back -------------------------------------
+
+
+class Normalized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.drop, self.head = nn.BatchNorm1d(IN), nn.Dropout(0.5), nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.norm(x)))
+
+
+def test_get_model_profile_runs_in_eval_mode_and_restores_every_submodule_mode() -> None:
+    model = Normalized().train()
+    model.head.eval()  # a caller's mixed modes come back as they were
+    stats = model.norm.running_mean.clone(), model.norm.num_batches_tracked.clone()
+    flops, _, _ = get_model_profile(model, input_shape=(B, IN), print_profile=False, as_string=False)
+    # eval BatchNorm applies its statistics (2 flops per element with affine); dropout is a no-op
+    assert flops == 2 * B * IN + 2 * B * IN * OUT
+    assert torch.equal(model.norm.running_mean, stats[0])
+    assert torch.equal(model.norm.num_batches_tracked, stats[1])
+    assert [m.training for m in (model, model.norm, model.drop, model.head)] == [True, True, True, False]
+
+
+def test_get_model_profile_restores_modes_when_the_model_raises() -> None:
+    class Fails(Normalized):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.training:
+                raise RuntimeError("eval forward fails")
+            return super().forward(x)
+
+    model = Fails().train()
+    with pytest.raises(RuntimeError, match="eval forward fails"):
+        get_model_profile(model, input_shape=(B, IN), print_profile=False, warm_up=0)
+    assert all(m.training for m in model.modules())
+    assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+
+
+def test_get_model_profile_strings_are_deepspeeds() -> None:
+    flops, macs, params = get_model_profile(mlp(), input_shape=(B, IN), print_profile=False)
+    assert (flops, macs, params) == (f"{round(FWD / 1e3, 2):g} K", "704 MACs", "195")
+
+
+# --- the flops_profiler block of a DeepSpeed config --------------------------------------------------
+
+
+def test_deepspeed_config_block_gives_the_callback_arguments() -> None:
+    block = {"enabled": True, "profile_step": 5, "module_depth": 2, "top_modules": 3, "detailed": False}
+    expected = {**block, "output_file": None}
+    del expected["enabled"]
+    assert deepspeed_callback_kwargs({"train_batch_size": 8, "flops_profiler": block}) == expected
+    assert deepspeed_callback_kwargs(block) == expected
+    assert deepspeed_callback_kwargs({"enabled": True}) == {
+        "profile_step": 1, "module_depth": -1, "top_modules": 1, "detailed": True, "output_file": None,
+    }  # fmt: skip
+    assert deepspeed_callback_kwargs({"flops_profiler": {**block, "enabled": False}}) is None
+    assert deepspeed_callback_kwargs({"flops_profiler": {"profile_step": 5}}) is None  # off by default
+    assert deepspeed_callback_kwargs({"train_batch_size": 8}) is None
+
+
+def test_deepspeed_config_recompute_factor_and_unknown_keys_are_said_once_and_ignored() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kwargs = deepspeed_callback_kwargs({"enabled": True, "recompute_fwd_factor": 1.0})
+    assert kwargs is not None and "recompute_fwd_factor" not in kwargs
+    (note,) = [str(w.message) for w in caught]
+    assert "recompute_fwd_factor is ignored" in note and "\n" not in note
+    with pytest.warns(UserWarning, match=r"keys \['step'\] are not DeepSpeed's"):
+        assert deepspeed_callback_kwargs({"enabled": True, "step": 1})["profile_step"] == 1  # type: ignore[index]
+    with pytest.raises(ValueError, match="flops_profiler.enabled must be True or False"):
+        deepspeed_callback_kwargs({"enabled": "yes"})
