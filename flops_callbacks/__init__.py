@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
-from flops_callbacks.profiler import (
+from flops_callbacks.deepspeed_api import (
     FlopsProfiler,
     get_model_profile,
     get_module_duration,
     get_module_flops,
     get_module_macs,
 )
+from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
 from flops_callbacks.units import (
     bytes_to_string,
     duration_to_string,
