@@ -110,37 +110,3 @@ def module_device(module: torch.nn.Module) -> torch.device:
     for tensor in module.buffers():
         return tensor.device
     return torch.device("cpu")
-
-
-class PhaseTimer:
-    """Times named phases on one clock. A phase may run several times (micro-batches); its spans add.
-
-    ``switch(a, b)`` ends ``a`` and starts ``b`` on the same mark, so back-to-back phases add up to
-    exactly the wall time they cover.
-    """
-
-    def __init__(self, clock: Clock) -> None:
-        self.clock = clock
-        self._open: dict[str, Any] = {}
-        self._spans: dict[str, list[tuple[Any, Any]]] = {}
-
-    def start(self, phase: str, mark: Any = None) -> None:
-        self._open[phase] = self.clock.mark() if mark is None else mark
-
-    def stop(self, phase: str, mark: Any = None) -> Any:
-        """End ``phase`` if it is open; returns the mark used (or None)."""
-        start = self._open.pop(phase, None)
-        if start is None:
-            return None
-        end = self.clock.mark() if mark is None else mark
-        self._spans.setdefault(phase, []).append((start, end))
-        return end
-
-    def switch(self, ending: str, starting: str) -> None:
-        mark = self.clock.mark()
-        self.stop(ending, mark)
-        self.start(starting, mark)
-
-    def seconds(self, phase: str) -> float:
-        """Total seconds of the closed spans of ``phase``."""
-        return sum(self.clock.seconds(a, b) for a, b in self._spans.get(phase, ()))

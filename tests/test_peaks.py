@@ -11,6 +11,7 @@ import torch
 from transformers import TrainingArguments
 
 from flops_callbacks import hf, lightning
+from flops_callbacks.options import Options
 from flops_callbacks.peaks import (
     BF16,
     CHIPS,
@@ -26,7 +27,7 @@ from flops_callbacks.peaks import (
     resolve_peak,
     table_peak,
 )
-from flops_callbacks.step import StepProfiler
+from flops_callbacks.session import StepSession
 
 # (what torch.cuda.get_device_name() returns on that device, our table's name for it)
 DEVICE_NAMES = [
@@ -144,16 +145,16 @@ def test_fp32_matmuls_count_as_tf32_only_when_torch_allows_it(restore_matmul_pre
 @pytest.mark.parametrize("value", [0, -1.0, "312e12", True, float("inf"), float("nan"), [1e12]])
 def test_bad_peak_flops_fails_at_construction_naming_the_argument(value: object) -> None:
     with pytest.raises(ValueError, match="peak_flops must be the dense peak FLOPS of one device"):
-        StepProfiler(peak_flops=value)  # type: ignore[arg-type]
+        Options(peak_flops=value)  # type: ignore[arg-type]
 
 
 def test_environment_variable_sets_the_peak_and_the_argument_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "312e12")
-    assert StepProfiler().given_peak == Peak(312e12, f"{ENV_VAR} environment variable")
-    assert StepProfiler(peak_flops=1e12).given_peak == Peak(1e12, "peak_flops argument")
+    assert StepSession(Options(), "test").given_peak == Peak(312e12, f"{ENV_VAR} environment variable")
+    assert StepSession(Options(peak_flops=1e12), "test").given_peak == Peak(1e12, "peak_flops argument")
     monkeypatch.setenv(ENV_VAR, "fast")
     with pytest.raises(ValueError, match=f"{ENV_VAR} must be the dense peak FLOPS"):
-        StepProfiler()
+        StepSession(Options(), "test")
 
 
 def test_no_peak_on_cpu_unless_given() -> None:

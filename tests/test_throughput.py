@@ -9,16 +9,12 @@ import torch
 import torch.nn as nn
 
 from flops_callbacks import metrics as names
+from flops_callbacks.batch import leading_batch_size, shape_signature
+from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.step import (
-    BACKWARD,
-    FORWARD,
-    OPTIMIZER_STEP,
-    StepProfiler,
-    StepResult,
-    leading_batch_size,
-)
-from flops_callbacks.throughput import ThroughputMeter, shape_signature
+from flops_callbacks.result import WindowResult
+from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, RunContext, StepSession
+from flops_callbacks.throughput import ThroughputMeter
 
 IN, OUT = 6, 2
 
@@ -34,28 +30,49 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.
     optimizer.step()
 
 
-def profiled_step(model: nn.Module, batches: list[torch.Tensor], meter: ThroughputMeter) -> StepResult:
-    """A real profiled step over ``batches`` (its micro-batches), dp = 2, that ``meter`` observes."""
+class Quiet:
+    """An outlet that keeps what it is given: no console, no files."""
+
+    is_logging_rank = True
+
+    def __init__(self) -> None:
+        self.logged: list[tuple[dict[str, float], int]] = []
+
+    def log_dir(self) -> None:
+        return None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.logged.append((metrics, step))
+
+    def console(self, text: str) -> None:
+        pass
+
+
+def profiled_step(model: nn.Module, batches: list[torch.Tensor]) -> WindowResult:
+    """A real counting step over ``batches`` (its micro-batches), dp = 2, published as a window of one."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    sp = StepProfiler(profile_step=0, peak_flops=1e6)
-    sp.begin(model, ParallelSizes(world_size=2, data_parallel=2))
+    session = StepSession(Options(profile_step=0, clean_steps=0, peak_flops=1e6, throughput=False), "test")
+    session.train_start(0)
+    session.step_start(0, model, lambda: RunContext(ParallelSizes(world_size=2, data_parallel=2)))
     optimizer.zero_grad()
     for batch in batches:
-        meter.observe(batch)
-        sp.add_batch(batch)
-        sp.phase(FORWARD)
+        session.micro_batch_start(batch)
         loss = model(batch).sum()
-        sp.phase(BACKWARD)
+        session.phase(BACKWARD)
         loss.backward()
-    sp.phase(OPTIMIZER_STEP)
+        session.micro_batch_end()
+    session.phase(OPTIMIZER_STEP)
     optimizer.step()
-    return sp.finish()
+    session.step_end(1, Quiet())
+    session.train_end(1, Quiet())
+    assert session.result is not None
+    return session.result
 
 
 def profiled_meter(model: nn.Module, batches: list[torch.Tensor], **kwargs: object) -> ThroughputMeter:
-    """A meter started from a profiled step over ``batches``, with tokens = numel."""
+    """A meter started from a counting step over ``batches``, with tokens = numel."""
     meter = ThroughputMeter(leading_batch_size, tokens_fn=lambda b: b.numel(), **kwargs)  # type: ignore[arg-type]
-    meter.start(profiled_step(model, batches, meter), model)
+    meter.start(profiled_step(model, batches), model, [shape_signature(b) for b in batches])
     return meter
 
 
@@ -130,7 +147,8 @@ def test_a_profiled_step_of_mixed_shapes_seeds_nothing_and_close_stops_a_measure
 def test_an_evaluation_before_training_does_not_keep_later_intervals_paused() -> None:
     model, meter = nn.Linear(IN, OUT), ThroughputMeter(leading_batch_size)
     meter.pause(evaluating=True)  # e.g. trainer.predict() before training: no resume event follows
-    meter.start(profiled_step(model, [torch.randn(4, IN)], meter), model)
+    first = torch.randn(4, IN)
+    meter.start(profiled_step(model, [first]), model, [shape_signature(first)])
     metered_step(meter, model, torch.randn(3, IN))  # a measuring step: its pause ends with the step
     metered_step(meter, model, torch.randn(3, IN))
     assert meter.metrics()[names.THROUGHPUT_FLOPS_PER_SEC] > 0

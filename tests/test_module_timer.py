@@ -1,0 +1,90 @@
+"""ModuleTimer: per-module forward and backward latencies from clock marks alone, nothing left behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.modules import module as torch_module
+from torch.utils.checkpoint import checkpoint
+
+from flops_callbacks.clock import CpuClock
+from flops_callbacks.module_timer import BACKWARD, FORWARD, ModuleTimer, ancestors
+from tests.sleepy import Sleepy
+
+
+class Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = Sleepy(fwd=0.06, bwd=0.1, tiny_ops=2)
+        self.rest = nn.ModuleList([Sleepy(fwd=0.1, bwd=0.05, tiny_ops=2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest[0](self.first(x))
+
+
+def timed(model: nn.Module, x: torch.Tensor) -> tuple[ModuleTimer, object]:
+    timer = ModuleTimer(model, CpuClock())
+    timer.start()
+    loss = model(x).sum()
+    timer.arm()
+    loss.backward()
+    timer.stop()
+    return timer, timer.times()
+
+
+def test_forward_and_backward_latencies_per_module_match_their_sleeps() -> None:
+    _, times = timed(Two(), torch.randn(2, 4))
+    assert times.fwd["first"] == pytest.approx(0.06, rel=0.15)
+    assert times.fwd["rest.0"] == pytest.approx(0.1, rel=0.15)
+    assert times.fwd["rest"] == times.fwd["rest.0"]  # a ModuleList is never called: its children's sum
+    assert times.fwd[""] == pytest.approx(0.16, rel=0.15)
+    # the input needs no grad: ModuleTracker would never see the first block's backward
+    assert times.bwd["first"] == pytest.approx(0.1, rel=0.15)
+    assert times.bwd["rest.0"] == pytest.approx(0.05, rel=0.15)
+    assert times.bwd[""] == pytest.approx(0.15, rel=0.15)
+
+
+def test_one_span_per_module_call_and_one_backward_span_per_module() -> None:
+    model = Two()
+    timer, times = timed(model, torch.randn(2, 4))
+    forward = [s.name for s in times.spans if s.phase == FORWARD]
+    called = ["", "first", "first.tiny.0", "first.tiny.1", "rest.0", "rest.0.tiny.0", "rest.0.tiny.1"]
+    assert sorted(forward) == sorted(called)
+    backward = {s.name for s in times.spans if s.phase == BACKWARD}
+    assert {"", "first", "rest", "rest.0"} <= backward
+    assert all(s.start >= 0 and s.duration >= 0 for s in times.spans)
+
+
+def test_recompute_under_activation_checkpointing_is_timed_apart() -> None:
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Sleepy(fwd=0.05, bwd=0.0, tiny_ops=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.block, x, use_reentrant=False)
+
+    _, times = timed(Checkpointed(), torch.randn(2, 4, requires_grad=True))
+    assert times.fwd["block"] == pytest.approx(0.05, rel=0.15)
+    assert times.recompute["block"] == pytest.approx(0.05, rel=0.15)
+
+
+def test_nothing_stays_on_torch_the_modules_or_the_nodes() -> None:
+    model = Two()
+    x = torch.randn(2, 4)
+    timer = ModuleTimer(model, CpuClock())
+    timer.start()
+    out = model(x)
+    timer.arm()
+    timer.stop()  # stopped before the backward ran: the node hooks go too
+    assert not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert not out.grad_fn.metadata
+    out.sum().backward()  # runs as if never timed
+    assert timer.times().bwd == {}
+
+
+def test_ancestors_list_the_model_first() -> None:
+    assert ancestors("a.b.c") == ["", "a", "a.b"]
+    assert ancestors("") == []

@@ -1,0 +1,261 @@
+"""StepSession: the profile window (counting, module timing, clean steps), what it publishes, and when."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.modules import module as torch_module
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from flops_callbacks import metrics as names
+from flops_callbacks.options import Options
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, RunContext, StepSession
+from tests.sleepy import Sleepy, SleepySGD
+
+B, IN, OUT = 5, 6, 2
+
+
+class Outlet:
+    """Keeps what a session publishes: console text, logged metrics, and a real log dir."""
+
+    is_logging_rank = True
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = directory
+        self.printed: list[str] = []
+        self.logged: list[tuple[dict[str, float], int]] = []
+
+    def log_dir(self) -> Path | None:
+        return self.directory
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.logged.append((dict(metrics), step))
+
+    def console(self, text: str) -> None:
+        self.printed.append(text)
+
+
+def run(
+    session: StepSession,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: range,
+    outlet: Outlet,
+    batch: torch.Tensor | None = None,
+    micro_batches: int = 1,
+    parallel: ParallelSizes | None = None,
+) -> None:
+    """Drive ``session`` as an adapter would, one optimizer step per global step in ``steps``."""
+    for step in steps:
+        session.step_start(step, model, lambda: RunContext(parallel or ParallelSizes()))
+        optimizer.zero_grad()
+        for _ in range(micro_batches):
+            session.micro_batch_start(torch.randn(B, IN) if batch is None else batch)
+            loss = model(torch.randn(B, IN) if batch is None else batch).sum()
+            session.phase(BACKWARD)
+            loss.backward()
+            session.micro_batch_end()
+        session.phase(OPTIMIZER_STEP)
+        optimizer.step()
+        session.step_end(step + 1, outlet, logs=True)
+
+
+def no_profiler_left() -> bool:
+    return not (
+        torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+        or _get_current_dispatch_mode_stack()
+        or _get_current_function_mode_stack()
+    )
+
+
+def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: Path) -> None:
+    model = nn.Linear(IN, OUT)
+    session = StepSession(Options(profile_step=3, clean_steps=2, tokens_fn=lambda b: b.numel()), "test")
+    outlet = Outlet(tmp_path)
+    session.train_start(0, max_steps=10)
+    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, 7), outlet, micro_batches=2)
+    r = session.result
+    assert r is not None and no_profiler_left()
+    assert (r.steps.counting, r.steps.module_timing, r.steps.clean) == (3, 4, (5, 6))
+    assert r.steps.latency_source == "median of 2 clean step(s)"
+    assert r.published_at == 7
+    fwd = 2 * B * IN * OUT
+    bwd = 2 * B * IN * OUT + B * OUT  # weight grad + bias grad (the input needs no grad)
+    accumulate = IN * OUT + OUT  # the second micro-batch adds its gradients into .grad
+    m = r.metrics()
+    assert (m[names.FWD_FLOPS], m[names.BWD_FLOPS]) == (2 * fwd, 2 * bwd + accumulate)
+    assert (r.samples, r.tokens, r.micro_batches) == (2 * B, 2 * B * IN, 2)
+    assert m[names.ITER_LATENCY] == pytest.approx(
+        m[names.FWD_LATENCY] + m[names.BWD_LATENCY] + m[names.STEP_LATENCY], rel=1e-12
+    )
+    assert m[names.FLOPS_PER_SEC] == pytest.approx((2 * (fwd + bwd) + accumulate) / m[names.ITER_LATENCY])
+    assert set(m) == set(names.ALL)
+    # logged once, at the window's end; printed once; saved with which step each figure came from
+    assert [step for _, step in outlet.logged] == [7] and outlet.logged[0][0] == m
+    assert len(outlet.printed) == 1 and "module latencies from" in outlet.printed[0]
+    data = json.loads((tmp_path / "flops_profile_step3.json").read_text())
+    assert data["steps"] == {
+        "counting": 3,
+        "module_timing": 4,
+        "clean": [5, 6],
+        "skipped": [],
+        "latency_source": "median of 2 clean step(s)",
+    }
+    assert (data["samples_per_device"], data["micro_batches"], data["tokens_per_device"]) == (10, 2, 60)
+    assert data["metrics"] == m
+    assert "Detailed Profile" in (tmp_path / "flops_profile_step3.txt").read_text()  # the file has the tree
+    assert "Detailed Profile" not in outlet.printed[0]  # the console does not (detailed=False)
+
+
+def test_latencies_come_from_clean_steps_not_from_the_counting_step() -> None:
+    """Each phase sleeps a known time around tiny ops that counting slows down: the clean steps report
+    the sleeps, the counting step's own phases would not."""
+    model = Sleepy(fwd=0.1, bwd=0.1)
+    optimizer = SleepySGD(model.parameters(), seconds=0.1)
+    session = StepSession(Options(profile_step=0, clean_steps=3), "test")
+    session.train_start(0)
+    batch = torch.randn(B, 4)
+    run(session, model, optimizer, range(0, 5), Outlet(), batch=batch)
+    r = session.result
+    assert r is not None
+    assert r.fwd_latency == pytest.approx(0.1, rel=0.15)
+    assert r.bwd_latency == pytest.approx(0.1, rel=0.15)
+    assert r.step_latency == pytest.approx(0.1, rel=0.15)
+    # the module-timing step's module latencies are the sleeps too
+    assert r.profile.modules[""].fwd_latency == pytest.approx(0.1, rel=0.15)
+    assert r.profile.modules[""].bwd_latency == pytest.approx(0.1, rel=0.15)
+
+
+def test_the_window_starts_at_the_first_step_at_or_after_profile_step() -> None:
+    model = nn.Linear(IN, OUT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = StepSession(Options(profile_step=3, clean_steps=1), "test")
+    session.train_start(0)
+    for step in range(0, 12, 2):  # two optimizers: the global step advances by 2 per batch
+        run(session, model, optimizer, range(step, step + 1), Outlet())
+    r = session.result
+    assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (4, 6, (8,))
+
+
+def test_a_clean_step_with_other_batch_shapes_is_left_out_not_scaled() -> None:
+    model = nn.Linear(IN, OUT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = StepSession(Options(profile_step=0, clean_steps=2), "test")
+    session.train_start(0)
+    outlet = Outlet()
+    run(session, model, optimizer, range(0, 3), outlet, batch=torch.randn(B, IN))
+    run(session, model, optimizer, range(3, 4), outlet, batch=torch.randn(B + 1, IN))  # another shape
+    r = session.result
+    assert r is not None and (r.steps.clean, r.steps.skipped) == ((2,), (3,))
+
+
+def test_a_run_that_ends_inside_the_window_publishes_what_it_had_and_says_so(tmp_path: Path) -> None:
+    model = nn.Linear(IN, OUT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = StepSession(Options(profile_step=1, clean_steps=3), "test")
+    with pytest.warns(UserWarning, match=r"window needs steps 1 \.\. 5.*latencies will rest on 1 clean step"):
+        session.train_start(0, max_steps=4)
+    outlet = Outlet(tmp_path)
+    run(session, model, optimizer, range(0, 4), outlet)
+    assert session.result is None  # the window has not ended
+    session.train_end(4, outlet)
+    r = session.result
+    assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (1, 2, (3,))
+    assert [step for _, step in outlet.logged] == [4]
+    assert "median of 1 clean step(s): steps 3" in outlet.printed[0]
+
+
+def test_a_window_with_no_clean_step_says_its_latencies_are_inflated() -> None:
+    model = nn.Linear(IN, OUT)
+    session = StepSession(Options(profile_step=0, clean_steps=3), "test")
+    with pytest.warns(UserWarning, match="rest on 0 clean step"):
+        session.train_start(0, max_steps=1)
+    outlet = Outlet()
+    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, 1), outlet)
+    session.train_end(1, outlet)
+    assert session.result is not None
+    assert session.result.steps.latency_source.startswith("the counting step alone")
+    assert "inflated by counting" in outlet.printed[0]
+
+
+def test_warnings_come_at_train_start_not_after_the_run() -> None:
+    with pytest.warns(UserWarning, match=r"profile_step=10 is never reached: the run has 5 optimizer steps"):
+        StepSession(Options(profile_step=10), "test").train_start(0, max_steps=5)
+    with pytest.warns(UserWarning, match="resumed at step 12, past profile_step=10: no profile runs"):
+        StepSession(Options(profile_step=10), "test").train_start(12)
+    with pytest.warns(UserWarning, match="step 10 was profiled before the checkpoint"):
+        StepSession(Options(profile_step=10), "test").train_start(12, profiled_before=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        StepSession(Options(profile_step=2, clean_steps=1), "test").train_start(0, max_steps=6)
+
+
+def test_a_second_run_profiles_again() -> None:
+    model = nn.Linear(IN, OUT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = StepSession(Options(profile_step=0, clean_steps=0), "test")
+    for _ in range(2):
+        session.train_start(0)
+        outlet = Outlet()
+        run(session, model, optimizer, range(0, 3), outlet)
+        profiles = [step for metrics, step in outlet.logged if names.FWD_FLOPS in metrics]
+        assert session.result is not None and profiles == [2]
+
+
+def test_close_inside_any_window_step_leaves_nothing_and_the_next_run_counts_the_same() -> None:
+    model = nn.Linear(IN, OUT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = torch.randn(B, IN)
+    for failing in range(3):  # the counting, the module-timing and a clean step
+        session = StepSession(Options(profile_step=0, clean_steps=1), "test")
+        session.train_start(0)
+        run(session, model, optimizer, range(0, failing), Outlet(), batch=batch)
+        session.step_start(failing, model)
+        session.micro_batch_start(batch)
+        out = model(batch)
+        session.close()  # an exception: the adapter closes the session
+        assert no_profiler_left() and not out.grad_fn.metadata
+        assert session.result is None and not session.window_open
+    session = StepSession(Options(profile_step=0, clean_steps=0), "test")
+    session.train_start(0)
+    run(session, model, optimizer, range(0, 2), Outlet(), batch=batch)
+    assert session.result is not None
+    assert session.result.profile.bwd_flops == 2 * B * IN * OUT + B * OUT
+
+
+def test_throughput_is_logged_after_the_window_at_logging_steps() -> None:
+    model = nn.Linear(IN, OUT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = StepSession(Options(profile_step=0, clean_steps=0, peak_flops=1e9), "test")
+    session.train_start(0)
+    outlet = Outlet()
+    batch = torch.randn(B, IN)
+    run(session, model, optimizer, range(0, 5), outlet, batch=batch)
+    steps = [step for metrics, step in outlet.logged if names.THROUGHPUT_SAMPLES_PER_SEC in metrics]
+    assert steps == [3, 4, 5]  # published at 2; metered from there
+    flops = 2 * B * IN * OUT + 2 * B * IN * OUT + B * OUT
+    for metrics, _ in outlet.logged[1:]:
+        assert metrics[names.THROUGHPUT_MFU] == pytest.approx(metrics[names.THROUGHPUT_FLOPS_PER_SEC] / 1e9)
+        seconds = B / metrics[names.THROUGHPUT_SAMPLES_PER_SEC]
+        assert metrics[names.THROUGHPUT_FLOPS_PER_SEC] == pytest.approx(flops / seconds)
+
+
+def test_parallel_sizes_scale_samples_per_second_by_the_data_parallel_size() -> None:
+    model = nn.Linear(IN, OUT)
+    session = StepSession(Options(profile_step=0, clean_steps=1, throughput=False), "test")
+    session.train_start(0)
+    parallel = ParallelSizes(world_size=4, data_parallel=4)
+    batch = torch.randn(B, IN)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run(session, model, optimizer, range(0, 3), Outlet(), batch, 1, parallel)
+    r = session.result
+    assert r is not None and r.parallel == parallel
+    assert r.metrics()[names.SAMPLES_PER_SEC] == pytest.approx(B * 4 / r.iter_latency)
