@@ -16,6 +16,7 @@ from flops_callbacks.deepspeed_api import (
     get_module_macs,
 )
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
+from flops_callbacks.registry import OpKind, register_formula, register_op_kind
 from flops_callbacks.units import (
     bytes_to_string,
     duration_to_string,
@@ -52,6 +53,7 @@ __all__ = [
     "FlopsProfilerCallback",
     "HFFlopsCallback",
     "ModuleProfile",
+    "OpKind",
     "Profile",
     "UncountedOp",
     "bytes_to_string",
@@ -64,4 +66,6 @@ __all__ = [
     "macs_to_string",
     "number_to_string",
     "params_to_string",
+    "register_formula",
+    "register_op_kind",
 ]

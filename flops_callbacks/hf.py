@@ -24,13 +24,14 @@ try:
 except ImportError as err:  # the core needs only torch; the HF callback is an extra
     raise ImportError("HFFlopsCallback needs transformers: pip install 'flops-callbacks[hf]'") from err
 
+from flops_callbacks.from_deepspeed import FromDeepSpeedConfig
 from flops_callbacks.metrics import FWD_FLOPS
 from flops_callbacks.options import CausalAttention, Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
 from flops_callbacks.profile import Profile
 from flops_callbacks.result import WindowResult
-from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, RunContext, StepSession
+from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
 from flops_callbacks.units import number_to_string
 
 
@@ -169,7 +170,7 @@ class _Outlet:
         tqdm.write(text)  # above the Trainer's progress bar, which stays intact
 
 
-class HFFlopsCallback(TrainerCallback):
+class HFFlopsCallback(FromDeepSpeedConfig, TrainerCallback):
     """Profiles a short window of optimizer steps of a ``transformers.Trainer`` run: DeepSpeed-style
     report, metrics in every reporting backend of the Trainer.
 
@@ -395,9 +396,9 @@ class HFFlopsCallback(TrainerCallback):
             trainer.training_step = self._shadowed
 
 
-def _context(trainer: transformers.Trainer, args: Any, model: torch.nn.Module) -> RunContext:
+def _context(trainer: transformers.Trainer, args: Any, model: torch.nn.Module) -> TrainingContext:
     accelerator = getattr(trainer, "accelerator", None)
-    return RunContext(
+    return TrainingContext(
         parallel_sizes(args, model, getattr(accelerator, "state", None)),
         compute_dtype(args, model, accelerator),
         extra_lines=lambda batches, profile: _estimate_lines(trainer, batches, profile),

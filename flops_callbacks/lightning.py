@@ -19,19 +19,27 @@ except ImportError as err:  # the core needs only torch; the Lightning callback 
         "FlopsProfilerCallback needs Lightning: pip install 'flops-callbacks[lightning]'"
     ) from err
 
+from flops_callbacks.from_deepspeed import FromDeepSpeedConfig
 from flops_callbacks.options import CausalAttention, Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
 from flops_callbacks.result import WindowResult
-from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, RunContext, StepSession
+from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
 
 
 def parallel_sizes(trainer: pl.Trainer) -> ParallelSizes:
-    """How ``trainer``'s strategy splits the run; every size is 1 where that parallelism is not used."""
+    """How ``trainer``'s strategy splits the run; every size is 1 where that parallelism is not used.
+
+    Data parallel from the sampler (DDP, FSDP, FSDP2 under ``ModelParallelStrategy``), tensor parallel
+    from ``ModelParallelStrategy``'s mesh, and under DeepSpeed the engine's own sizes: data parallel,
+    tensor (``mp_world_size``), pipeline (``num_stages``) and Ulysses sequence parallel
+    (``sequence_parallel_size``, context parallel here). Lightning 2.6 has no context parallelism
+    of its own: its ``ModelParallelStrategy`` mesh is data x tensor only.
+    """
     strategy = trainer.strategy
     sampler_kwargs = trainer.distributed_sampler_kwargs or {}
     data_parallel = int(sampler_kwargs.get("num_replicas", 1))
-    tensor_parallel = pipeline_parallel = 1
+    tensor_parallel = pipeline_parallel = context_parallel = 1
     if isinstance(strategy, ModelParallelStrategy):
         mesh = strategy.device_mesh
         if "tensor_parallel" in (mesh.mesh_dim_names or ()):
@@ -41,11 +49,13 @@ def parallel_sizes(trainer: pl.Trainer) -> ParallelSizes:
         data_parallel = int(getattr(engine, "dp_world_size", data_parallel))
         tensor_parallel = int(getattr(engine, "mp_world_size", 1))
         pipeline_parallel = int(getattr(engine, "num_stages", 1))
+        context_parallel = int(getattr(engine, "sequence_parallel_size", 1))
     return ParallelSizes(
         world_size=trainer.world_size,
         data_parallel=data_parallel,
         tensor_parallel=tensor_parallel,
         pipeline_parallel=pipeline_parallel,
+        context_parallel=context_parallel,
     )
 
 
@@ -88,7 +98,7 @@ class _Outlet:
             print(text)
 
 
-class FlopsProfilerCallback(pl.Callback):
+class FlopsProfilerCallback(FromDeepSpeedConfig, pl.Callback):
     """Profiles a short window of optimizer steps of a Lightning run: DeepSpeed-style report, metrics
     in every logger.
 
@@ -258,8 +268,8 @@ class FlopsProfilerCallback(pl.Callback):
             self._profiled_step = self.session.result.step
 
 
-def _context(trainer: pl.Trainer, pl_module: pl.LightningModule) -> RunContext:
-    return RunContext(parallel_sizes(trainer), compute_dtype(trainer, pl_module))
+def _context(trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainingContext:
+    return TrainingContext(parallel_sizes(trainer), compute_dtype(trainer, pl_module))
 
 
 def _run_length(trainer: pl.Trainer) -> int | None:

@@ -10,7 +10,10 @@ In a multi-process run the latencies are the slowest rank's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from flops_callbacks.profile import Profile
 
 if TYPE_CHECKING:
     from flops_callbacks.result import WindowResult
@@ -26,9 +29,11 @@ FWD_LATENCY = PREFIX + "fwd_latency"  # seconds in the forward phase(s): median 
 BWD_LATENCY = PREFIX + "bwd_latency"  # seconds in the backward phase(s)
 STEP_LATENCY = PREFIX + "step_latency"  # seconds in the optimizer step
 ITER_LATENCY = PREFIX + "iter_latency"  # fwd + bwd + step
+# Achieved FLOPS per phase count the work the device did in it: recompute is in the backward (as
+# DeepSpeed's recompute_fwd_factor puts it there); the printed report's rates are these (phase_rates).
 FWD_FLOPS_PER_SEC = PREFIX + "fwd_flops_per_sec"  # fwd flops / fwd latency
-BWD_FLOPS_PER_SEC = PREFIX + "bwd_flops_per_sec"  # bwd flops / bwd latency
-FLOPS_PER_SEC = PREFIX + "flops_per_sec"  # (fwd + bwd flops) / iter latency
+BWD_FLOPS_PER_SEC = PREFIX + "bwd_flops_per_sec"  # (bwd + recompute flops) / bwd latency
+FLOPS_PER_SEC = PREFIX + "flops_per_sec"  # (fwd + bwd + recompute flops) / iter latency
 SAMPLES_PER_SEC = PREFIX + "samples_per_sec"  # samples per device x dp size / iter latency
 TOKENS_PER_SEC = PREFIX + "tokens_per_sec"  # tokens per device x dp size / iter latency (if known)
 MFU = PREFIX + "mfu"  # (fwd + bwd flops) / iter latency / peak FLOPS (model flops: recompute excluded)
@@ -68,10 +73,33 @@ def _per_sec(amount: float, seconds: float) -> float:
     return amount / seconds if seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class PhaseRates:
+    """Achieved FLOPS of each phase (0 where a latency is 0): the one definition the report and the
+    metrics both use."""
+
+    fwd: float
+    bwd: float
+    fwd_bwd: float
+    iter: float
+
+
+def phase_rates(profile: Profile, fwd_latency: float, bwd_latency: float, step_latency: float) -> PhaseRates:
+    """The work the device did in each phase over its latency; recompute runs in the backward."""
+    bwd = profile.bwd_flops + profile.recompute_flops
+    return PhaseRates(
+        fwd=_per_sec(profile.fwd_flops, fwd_latency),
+        bwd=_per_sec(bwd, bwd_latency),
+        fwd_bwd=_per_sec(profile.fwd_flops + bwd, fwd_latency + bwd_latency),
+        iter=_per_sec(profile.fwd_flops + bwd, fwd_latency + bwd_latency + step_latency),
+    )
+
+
 def window_metrics(step: WindowResult) -> dict[str, float]:
     """The metrics dict of a profile window (``tokens_per_sec`` only when tokens are known)."""
     p = step.profile
     dp = step.parallel.data_parallel
+    rates = phase_rates(p, step.fwd_latency, step.bwd_latency, step.step_latency)
     metrics = {
         FWD_FLOPS: float(p.fwd_flops),
         BWD_FLOPS: float(p.bwd_flops),
@@ -82,9 +110,9 @@ def window_metrics(step: WindowResult) -> dict[str, float]:
         BWD_LATENCY: step.bwd_latency,
         STEP_LATENCY: step.step_latency,
         ITER_LATENCY: step.iter_latency,
-        FWD_FLOPS_PER_SEC: _per_sec(p.fwd_flops, step.fwd_latency),
-        BWD_FLOPS_PER_SEC: _per_sec(p.bwd_flops, step.bwd_latency),
-        FLOPS_PER_SEC: _per_sec(p.fwd_flops + p.bwd_flops, step.iter_latency),
+        FWD_FLOPS_PER_SEC: rates.fwd,
+        BWD_FLOPS_PER_SEC: rates.bwd,
+        FLOPS_PER_SEC: rates.iter,
         SAMPLES_PER_SEC: _per_sec(step.samples * dp, step.iter_latency),
     }
     if step.tokens is not None:

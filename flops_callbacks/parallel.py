@@ -1,8 +1,18 @@
-"""How a run is split across devices: the sizes both callbacks read from their framework."""
+"""How a run is split across devices: the sizes both callbacks read from their framework, and how
+much of each parameter one device holds.
+
+Sizes are a small frozen dataclass rather than a dict so that every reader (Lightning strategy, HF
+Trainer / accelerate state, the DeepSpeed API) fills the same five fields and the report prints
+them the same way. Parameter sizes are read by duck typing (a DTensor's ``_local_tensor``,
+DeepSpeed ZeRO-3's ``ds_tensor`` / ``ds_numel``) instead of importing torch.distributed.tensor or
+deepspeed: a process that never loaded them has no such parameter.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -12,6 +22,7 @@ class ParallelSizes:
     ``data_parallel`` counts replicas that see different samples (DDP, FSDP/ZeRO shards);
     ``model_parallel`` is how many devices share one copy of the model (tensor x pipeline x
     context), which turns per-device flops into flops of the model as DeepSpeed reports them.
+    ``context_parallel`` splits each sequence across devices (accelerate's ``cp_size x sp_size``).
     """
 
     world_size: int = 1
@@ -25,9 +36,49 @@ class ParallelSizes:
         return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
 
     def summary_lines(self) -> list[tuple[str, str]]:
-        """DeepSpeed's summary rows for these sizes."""
+        """DeepSpeed's summary rows for these sizes, then the factors of the model-parallel size."""
         return [
             ("world size", str(self.world_size)),
             ("data parallel size", str(self.data_parallel)),
             ("model parallel size", str(self.model_parallel)),
+            ("tensor parallel size", str(self.tensor_parallel)),
+            ("pipeline parallel size", str(self.pipeline_parallel)),
+            ("context parallel size", str(self.context_parallel)),
         ]
+
+
+def _zero3_partition(param: torch.Tensor) -> torch.Tensor | None:
+    """The partition DeepSpeed ZeRO-3 keeps of ``param`` on this device; None if ZeRO-3 does not
+    partition it (not a ZeRO-3 parameter, or a small one it persists whole on every device)."""
+    partition = getattr(param, "ds_tensor", None)
+    if not isinstance(partition, torch.Tensor) or getattr(param, "ds_persist", False):
+        return None
+    return partition
+
+
+def stored_numel(param: torch.Tensor) -> int:
+    """Elements of ``param`` this device stores: a DTensor's local shard (FSDP2, tensor parallel),
+    the ZeRO-3 partition (padding included: DeepSpeed allocates it), else the whole tensor."""
+    local = getattr(param, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local.numel()
+    partition = _zero3_partition(param)
+    if partition is not None:
+        return int(getattr(partition, "ds_numel", partition.numel()))
+    return param.numel()
+
+
+def global_numel(param: torch.Tensor) -> int:
+    """Elements of the whole ``param`` over all devices: a DTensor's and a ZeRO-3 parameter's
+    global size (ZeRO-3 empties ``param`` itself outside its module's forward and backward)."""
+    ds_numel = getattr(param, "ds_numel", None)
+    return int(ds_numel) if isinstance(ds_numel, int) else param.numel()
+
+
+def sharded_params(model: torch.nn.Module) -> int | None:
+    """Parameters of the whole model when some are sharded across devices (DTensors, ZeRO-3
+    partitions), each tensor once; None when every device holds every parameter whole."""
+    params = list(dict.fromkeys(model.parameters()))
+    if all(stored_numel(p) == global_numel(p) and not hasattr(p, "_local_tensor") for p in params):
+        return None
+    return sum(global_numel(p) for p in params)

@@ -10,7 +10,7 @@ Latencies are in seconds.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -79,16 +79,13 @@ class Coverage:
 
 @dataclass
 class Profile:
-    """A profiled stretch of work on one model: totals, every module, and coverage."""
+    """A profiled stretch of work on one model: every module, coverage, and the pass latencies.
 
-    fwd_flops: int
-    bwd_flops: int
-    recompute_flops: int
-    fwd_macs: int
-    bwd_macs: int
-    recompute_macs: int
-    params: int
-    trainable_params: int
+    The totals (flops, MACs, parameters) are the model's own record, ``modules[""]``: read through
+    the properties below, never stored twice. ``fwd_latency`` / ``bwd_latency`` are the passes'
+    times, which the step layer may replace with its phase times.
+    """
+
     fwd_latency: float
     bwd_latency: float
     device: str
@@ -102,12 +99,44 @@ class Profile:
         return self.modules[""]
 
     @property
+    def fwd_flops(self) -> int:
+        return self.model.fwd_flops
+
+    @property
+    def bwd_flops(self) -> int:
+        return self.model.bwd_flops
+
+    @property
+    def recompute_flops(self) -> int:
+        return self.model.recompute_flops
+
+    @property
+    def fwd_macs(self) -> int:
+        return self.model.fwd_macs
+
+    @property
+    def bwd_macs(self) -> int:
+        return self.model.bwd_macs
+
+    @property
+    def recompute_macs(self) -> int:
+        return self.model.recompute_macs
+
+    @property
+    def params(self) -> int:
+        return self.model.params
+
+    @property
+    def trainable_params(self) -> int:
+        return self.model.trainable_params
+
+    @property
     def model_flops(self) -> int:
-        return self.fwd_flops + self.bwd_flops
+        return self.model.model_flops
 
     @property
     def hardware_flops(self) -> int:
-        return self.fwd_flops + self.bwd_flops + self.recompute_flops
+        return self.model.hardware_flops
 
     @property
     def max_depth(self) -> int:
@@ -137,10 +166,8 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """Everything, as JSON-ready plain data (derived totals included)."""
-        data = asdict(self)
-        data["model_flops"] = self.model_flops
-        data["hardware_flops"] = self.hardware_flops
-        return data
+        totals = (*_COUNTED_TOTALS, "params", "trainable_params", "model_flops", "hardware_flops")
+        return {**{name: getattr(self, name) for name in totals}, **asdict(self)}
 
     def write_json(self, path: str | Path) -> Path:
         """Write :meth:`to_dict` to ``path`` (parents created) and return the path."""
@@ -148,6 +175,9 @@ class Profile:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(), indent=2))
         return path
+
+
+_COUNTED_TOTALS = tuple(f.name for f in fields(Counts) if f.name != "calls")
 
 
 def _parent(name: str, modules: dict[str, ModuleProfile]) -> str:

@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
-from flops_callbacks.report import render_profile
+from flops_callbacks.report import RunContext, render_profile
 from flops_callbacks.result import WindowResult
-from flops_callbacks.units import duration_to_string, flops_to_string, number_to_string, params_to_string
+from flops_callbacks.units import duration_to_string, flops_to_string
 
 
 class Outlet(Protocol):
@@ -54,41 +54,19 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
     return lines
 
 
-def context_lines(result: WindowResult) -> list[tuple[str, str]]:
-    """Rows before the profile's own: how the run is split, the batch, and the model's size."""
-    mp = result.parallel.model_parallel
-    p = result.profile
-    if result.sharded_model_params is None:
-        params = ("params of model = params per device * mp_size", params_to_string(p.params * mp))
-    else:  # replicated parameters of a tensor-parallel model are not mp_size times in the model
-        params = (
-            "params of model (global sizes of its DTensors)",
-            params_to_string(result.sharded_model_params),
-        )
-    return [
-        *result.parallel.summary_lines(),
-        ("batch size per device (all micro-batches)", str(result.samples)),
-        ("micro-batches", str(result.micro_batches)),
-        params,
-        ("fwd flops of model = fwd flops per device * mp_size", number_to_string(p.fwd_flops * mp)),
-    ]
-
-
 def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
-    """Rows after the profile's own: step and iter latency, the rates, MFU; all read from ``metrics``."""
-    lines = [
-        ("step latency", duration_to_string(metrics[names.STEP_LATENCY])),
-        ("iter latency = fwd + bwd + step latency", duration_to_string(metrics[names.ITER_LATENCY])),
-        ("FLOPS per device = (fwd+bwd flops) / iter latency", flops_to_string(metrics[names.FLOPS_PER_SEC])),
-        ("samples/second (all data-parallel replicas)", f"{metrics[names.SAMPLES_PER_SEC]:.2f}"),
-    ]
+    """Rows after DeepSpeed's and the profile's own: tokens, rank spread, MFU, where figures come from."""
+    lines = []
     if names.TOKENS_PER_SEC in metrics:
         lines.append(("tokens/second (all data-parallel replicas)", f"{metrics[names.TOKENS_PER_SEC]:.2f}"))
     if len(result.rank_latencies) > 1:
         iters = [sum(latencies) for latencies in result.rank_latencies]
         spread = f"{duration_to_string(min(iters))} .. {duration_to_string(max(iters))}"
         lines.append((f"iter latency over {len(iters)} ranks, min .. max (slowest shown)", spread))
-    lines.append(("compute dtype (picks the peak)", result.compute_dtype or "unknown"))
+    lines += [
+        ("micro-batches per step", str(result.micro_batches)),
+        ("compute dtype (picks the peak)", result.compute_dtype or "unknown"),
+    ]
     if result.peak is None:
         lines.append(("MFU", f"n/a: {result.no_peak_reason}"))
     else:
@@ -100,6 +78,19 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     return lines + source_lines(result) + result.extra_lines
 
 
+def run_rows(result: WindowResult, metrics: dict[str, float]) -> RunContext:
+    """DeepSpeed's engine rows of the summary, from the window: sizes, batch, phase latencies."""
+    return RunContext(
+        parallel=result.parallel,
+        batch_size=result.samples,
+        model_params=result.sharded_model_params,
+        fwd_latency=metrics[names.FWD_LATENCY],
+        bwd_latency=metrics[names.BWD_LATENCY],
+        step_latency=metrics[names.STEP_LATENCY],
+        samples_per_second=metrics[names.SAMPLES_PER_SEC],
+    )
+
+
 def report_text(result: WindowResult, options: Options, detailed: bool) -> str:
     """The DeepSpeed-style report of a window; ``detailed`` adds the module tree."""
     metrics = result.metrics()
@@ -109,8 +100,8 @@ def report_text(result: WindowResult, options: Options, detailed: bool) -> str:
         module_depth=options.module_depth,
         top_modules=options.top_modules,
         detailed=detailed,
-        context_lines=context_lines(result),
         timing_lines=timing_lines(result, metrics),
+        run=run_rows(result, metrics),
     )
 
 

@@ -10,9 +10,11 @@ label keeps DeepSpeed's words up to the ``=`` and then says what was divided.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from flops_callbacks.metrics import phase_rates
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.units import (
@@ -68,8 +70,8 @@ def _row(label: str, value: object) -> str:
     return f"{label + ': ':<70}  {value!s:<8}"
 
 
-def _rate(flops: float, seconds: float) -> str:
-    return flops_to_string(flops / seconds) if seconds > 0 else "n/a"
+def _rate(flops_per_second: float, seconds: float) -> str:
+    return flops_to_string(flops_per_second) if seconds > 0 else "n/a"
 
 
 def _deepspeed_rows(p: Profile, run: RunContext) -> list[tuple[str, object]]:
@@ -93,34 +95,39 @@ def _deepspeed_rows(p: Profile, run: RunContext) -> list[tuple[str, object]]:
         ("fwd flops per GPU", number_to_string(p.fwd_flops)),
         ("fwd flops of model = fwd flops per GPU * mp_size", number_to_string(p.fwd_flops * mp)),
         ("fwd latency", duration_to_string(fwd_latency)),
-        ("fwd FLOPS per GPU = fwd flops per GPU / fwd latency", _rate(p.fwd_flops, fwd_latency)),
+        (
+            "fwd FLOPS per GPU = fwd flops per GPU / fwd latency",
+            _rate(phase_rates(p, fwd_latency, 0, 0).fwd, fwd_latency),
+        ),
     ]
     measured = p.bwd_flops > 0
     bwd_latency = p.bwd_latency if run.bwd_latency is None else run.bwd_latency
     if not measured and run.bwd_latency is None:
         return rows  # no backward was profiled or timed: DeepSpeed prints none of its rows either
+    step_latency = run.step_latency or 0.0
     if measured:  # the backward's own ops, recompute included: the work the device did
-        bwd_flops = p.bwd_flops + p.recompute_flops
+        rates = phase_rates(p, fwd_latency, bwd_latency, step_latency)
         bwd_label = "bwd FLOPS per GPU = bwd flops per GPU / bwd latency"
         both_label = "fwd+bwd FLOPS per GPU = fwd+bwd flops per GPU / (fwd+bwd latency)"
         iter_label = "FLOPS per GPU = fwd+bwd flops per GPU / iter latency"
     else:  # only timed (DeepSpeed's engine profiles the forward): DeepSpeed's estimate, in its words
         factor = 2 + run.recompute_fwd_factor
-        bwd_flops = factor * p.fwd_flops
+        estimated = dataclasses.replace(p, bwd_flops=int(factor * p.fwd_flops), recompute_flops=0)
+        rates = phase_rates(estimated, fwd_latency, bwd_latency, step_latency)
         bwd_label = f"bwd FLOPS per GPU = {factor:g} * fwd flops per GPU / bwd latency"
         both_label = f"fwd+bwd FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / (fwd+bwd latency)"
         iter_label = f"FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / iter latency"
     rows += [
         ("bwd latency", duration_to_string(bwd_latency)),
-        (bwd_label, _rate(bwd_flops, bwd_latency)),
-        (both_label, _rate(p.fwd_flops + bwd_flops, fwd_latency + bwd_latency)),
+        (bwd_label, _rate(rates.bwd, bwd_latency)),
+        (both_label, _rate(rates.fwd_bwd, fwd_latency + bwd_latency)),
     ]
     if run.step_latency is not None:
         iter_latency = fwd_latency + bwd_latency + run.step_latency
         rows += [
             ("step latency", duration_to_string(run.step_latency)),
             ("iter latency", duration_to_string(iter_latency)),
-            (iter_label, _rate(p.fwd_flops + bwd_flops, iter_latency)),
+            (iter_label, _rate(rates.iter, iter_latency)),
         ]
         if run.samples_per_second is not None:
             rows.append(("samples/second", round(run.samples_per_second, 2)))

@@ -60,11 +60,11 @@ from flops_callbacks.tracer import Tracer
 
 COUNTING, MODULE_TIMING, CLEAN = "counting", "module timing", "clean"
 
-__all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Outlet", "RunContext", "StepSession"]
+__all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Outlet", "TrainingContext", "StepSession"]
 
 
 @dataclass(frozen=True)
-class RunContext:
+class TrainingContext:
     """What the adapter reads from its framework when a window starts."""
 
     parallel: ParallelSizes = field(default_factory=ParallelSizes)
@@ -123,11 +123,17 @@ class StepSession:
         self._steps: list[_Step] = []  # the window's steps so far
         self._step: _Step | None = None  # the window step in progress
         self._model: torch.nn.Module | None = None
-        self._context = RunContext()
+        self._context = TrainingContext()
         self._tracer: Tracer | None = None
         self._timer: ModuleTimer | None = None
         self._metering = False  # the meter's events are routed (after the window, on the logging rank)
         self._resumed_past = False
+        self.enabled = True
+
+    def disable(self) -> None:
+        """Profile nothing and meter nothing (a DeepSpeed config with ``enabled: false``)."""
+        self.close()
+        self.enabled, self.meter = False, None
 
     # --- the run -------------------------------------------------------------------------------------
 
@@ -148,6 +154,8 @@ class StepSession:
         self.close()
         self.result = None
         self._metering = False
+        if not self.enabled:
+            return
         profile_step, length = self.options.profile_step, len(self._kinds)
         self._resumed_past = global_step > profile_step
         if self._resumed_past:
@@ -186,7 +194,7 @@ class StepSession:
         self._metering = False
         if self._steps:
             self._finish(global_step, outlet)
-        elif self.result is None and not self._resumed_past and outlet.is_logging_rank:
+        elif self.result is None and not self._resumed_past and self.enabled and outlet.is_logging_rank:
             warnings.warn(
                 f"{self.owner}: no optimizer step started at or after "
                 f"profile_step={self.options.profile_step} (training ended at global step {global_step}): "
@@ -208,16 +216,17 @@ class StepSession:
     # --- steps ---------------------------------------------------------------------------------------
 
     def step_start(
-        self, global_step: int, model: torch.nn.Module, context: Callable[[], RunContext] | None = None
+        self, global_step: int, model: torch.nn.Module, context: Callable[[], TrainingContext] | None = None
     ) -> None:
         """An optimizer step starts (before its first micro-batch)."""
         if self._metering and self.meter is not None:
             self._model = model
             return
         if not self._steps:
-            if self.result is not None or self._resumed_past or global_step < self.options.profile_step:
+            late = self.result is not None or self._resumed_past or not self.enabled
+            if late or global_step < self.options.profile_step:
                 return
-            self._context = context() if context is not None else RunContext()
+            self._context = context() if context is not None else TrainingContext()
             self._model = model
         kind = self._kinds[len(self._steps)]
         step = _Step(kind, global_step, StepPhases(clock_for(module_device(model))))

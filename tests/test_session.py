@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, RunContext, StepSession
+from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
+from flops_callbacks.units import flops_to_string
 from tests.sleepy import Sleepy, SleepySGD
 
 B, IN, OUT = 5, 6, 2
@@ -54,7 +55,7 @@ def run(
 ) -> None:
     """Drive ``session`` as an adapter would, one optimizer step per global step in ``steps``."""
     for step in steps:
-        session.step_start(step, model, lambda: RunContext(parallel or ParallelSizes()))
+        session.step_start(step, model, lambda: TrainingContext(parallel or ParallelSizes()))
         optimizer.zero_grad()
         for _ in range(micro_batches):
             session.micro_batch_start(torch.randn(B, IN) if batch is None else batch)
@@ -259,3 +260,36 @@ def test_parallel_sizes_scale_samples_per_second_by_the_data_parallel_size() -> 
     r = session.result
     assert r is not None and r.parallel == parallel
     assert r.metrics()[names.SAMPLES_PER_SEC] == pytest.approx(B * 4 / r.iter_latency)
+
+
+def test_with_activation_checkpointing_the_printed_logged_and_saved_rates_agree(tmp_path: Path) -> None:
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(IN, 16), nn.GELU(), nn.Linear(16, OUT))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+    model = Checkpointed()
+    session = StepSession(Options(profile_step=0, clean_steps=1, throughput=False), "test")
+    session.train_start(0)
+    outlet = Outlet(tmp_path)
+    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, 3), outlet)
+    r = session.result
+    assert r is not None and r.profile.recompute_flops > 0
+    logged = outlet.logged[0][0]
+    saved = json.loads((tmp_path / "flops_profile_step0.json").read_text())["metrics"]
+    assert saved == logged
+    printed = dict(
+        (label.strip(), value.strip())
+        for label, _, value in (line.partition(": ") for line in outlet.printed[0].splitlines())
+    )
+    assert printed["bwd FLOPS per GPU = bwd flops per GPU / bwd latency"] == flops_to_string(
+        logged[names.BWD_FLOPS_PER_SEC]
+    )
+    assert printed["FLOPS per GPU = fwd+bwd flops per GPU / iter latency"] == flops_to_string(
+        logged[names.FLOPS_PER_SEC]
+    )
+    bwd = r.profile.bwd_flops + r.profile.recompute_flops  # the backward phase re-runs the forward
+    assert logged[names.BWD_FLOPS_PER_SEC] == pytest.approx(bwd / r.bwd_latency)

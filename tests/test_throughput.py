@@ -13,7 +13,7 @@ from flops_callbacks.batch import leading_batch_size, shape_signature
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.result import WindowResult
-from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, RunContext, StepSession
+from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
 from flops_callbacks.throughput import ThroughputMeter
 
 IN, OUT = 6, 2
@@ -53,7 +53,7 @@ def profiled_step(model: nn.Module, batches: list[torch.Tensor]) -> WindowResult
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     session = StepSession(Options(profile_step=0, clean_steps=0, peak_flops=1e6, throughput=False), "test")
     session.train_start(0)
-    session.step_start(0, model, lambda: RunContext(ParallelSizes(world_size=2, data_parallel=2)))
+    session.step_start(0, model, lambda: TrainingContext(ParallelSizes(world_size=2, data_parallel=2)))
     optimizer.zero_grad()
     for batch in batches:
         session.micro_batch_start(batch)

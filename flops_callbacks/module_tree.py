@@ -1,0 +1,118 @@
+"""The profiled model's module tree: qualified names, ancestors, and parameter counts per module.
+
+Built once per trace from one walk of the model. Why not ``named_modules(remove_duplicate=False)``:
+it yields the same through one generator per level, which costs several times this walk, and a
+trace is set up for every profiled step.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+import torch
+
+
+class ModuleTree:
+    """Names, ancestors and parameter holders of ``model``'s modules (except ``ignore_types``).
+
+    A shared module is profiled under its first name; ``torch.compile``'s ``_orig_mod`` wrapper
+    level is left out of the names; a module of an ignored type gets no record, and its work counts
+    towards its nearest profiled ancestor.
+    """
+
+    def __init__(self, model: torch.nn.Module, ignore_types: tuple[type, ...] = ()) -> None:
+        self.paths = _module_paths(model)
+        self.modules: dict[str, torch.nn.Module] = {}  # profiled modules by name, parents first
+        self.names: dict[int, str] = {}  # by id(module)
+        for name, module in self.paths:
+            if name and isinstance(module, ignore_types):
+                continue
+            if id(module) in self.names or name in self.modules:
+                continue  # the _orig_mod wrapper level, or a module seen under an earlier name
+            self.names[id(module)] = name
+            self.modules[name] = module
+        self.ancestors: dict[str, list[str]] = {}
+        for name in self.modules:  # walk order: every parent before its children
+            self.ancestors[name] = self.ancestors_of(name)
+        containers = {name for name, m in self.modules.items() if type(m).forward is torch.nn.Module.forward}
+        # ancestors that cannot be called (ModuleList, ModuleDict): no hook marks them entered
+        self.container_ancestors = {
+            name: [a for a in ancestors if a in containers] for name, ancestors in self.ancestors.items()
+        }
+        self._param_holders: list[tuple[torch.nn.Parameter, tuple[str, ...]]] | None = None  # when read
+
+    def ancestors_of(self, name: str) -> list[str]:
+        """Profiled modules above ``name``, outermost first (each derived from its parent's, once)."""
+        found = self.ancestors.get(name)
+        if found is not None:
+            return found
+        if not name:
+            return []
+        parent = name.rpartition(".")[0]
+        above = self.ancestors_of(parent)
+        return above + [parent] if parent in self.modules else above
+
+    def param_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Parameters (all, trainable) under each module, each tensor once per module (tied ones
+        count in every module that holds them); a sharded parameter counts this device's shard."""
+        params = dict.fromkeys(self.modules, 0)
+        trainable = dict.fromkeys(self.modules, 0)
+        if self._param_holders is None:
+            self._param_holders = self._holders_of_params()
+        for param, holders in self._param_holders:
+            numel = _stored_numel(param)
+            for name in holders:
+                params[name] += numel
+                if param.requires_grad:
+                    trainable[name] += numel
+        return params, trainable
+
+    def _holders_of_params(self) -> list[tuple[torch.nn.Parameter, tuple[str, ...]]]:
+        """Each parameter with the profiled modules that hold it (its owners and their ancestors)."""
+        holders: dict[int, tuple[torch.nn.Parameter, dict[str, None]]] = {}
+        for owner, module in self.paths:
+            params = [p for p in module._parameters.values() if p is not None]
+            if not params:
+                continue
+            names = [n for n in (*self.ancestors_of(owner), owner) if n in self.modules]
+            for param in params:
+                holders.setdefault(id(param), (param, {}))[1].update(dict.fromkeys(names))
+        return [(param, tuple(names)) for param, names in holders.values()]
+
+    def has_compiled(self) -> bool:
+        """Whether any module was ``torch.compile``d (without importing dynamo if unused)."""
+        return _has_compiled(module for _, module in self.paths)
+
+
+def _module_paths(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every (qualified name, module) of ``model``, parents first, a shared module under each of its
+    names; ``torch.compile``'s ``_orig_mod`` wrapper level is left out of the names."""
+    paths: list[tuple[str, torch.nn.Module]] = []
+    pending = [("", model)]
+    while pending:
+        name, module = pending.pop()
+        paths.append((name, module))
+        children = [
+            (name if child == "_orig_mod" else f"{name}.{child}" if name else child, sub)
+            for child, sub in module._modules.items()
+            if sub is not None
+        ]
+        pending.extend(reversed(children))
+    return paths
+
+
+def _stored_numel(param: torch.Tensor) -> int:
+    """Elements this device stores: a DTensor's local shard, not its global size."""
+    local = getattr(param, "_local_tensor", None)
+    return local.numel() if isinstance(local, torch.Tensor) else param.numel()
+
+
+def _has_compiled(modules: Iterable[torch.nn.Module]) -> bool:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return False  # dynamo never loaded: nothing can be compiled
+    return any(
+        isinstance(m, eval_frame.OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in modules
+    )

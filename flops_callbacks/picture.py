@@ -1,0 +1,58 @@
+"""A picture of a profile: one self-contained HTML page with the module tree as an icicle chart.
+
+Widths are forward (or, toggled, backward) latency, colours the achieved FLOPS, hover gives every count
+of a module and its per-functional split, a click zooms in. Why a page and not a PNG or SVG: a
+32-layer model has hundreds of modules, too many to label at once; zooming and hovering make them
+readable. Why no plotting library: the page must open anywhere, offline, years later, so its script and
+style are inline (``picture.html``, the template next to this module) and nothing is fetched.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import asdict
+from importlib.resources import files
+
+from flops_callbacks.profile import Profile
+
+_SLOTS = re.compile(r"\{\{(title|summary|data)\}\}")
+
+
+def render_html(
+    profile: Profile,
+    *,
+    title: str = "flops_callbacks profile",
+    summary: Sequence[tuple[str, str]] = (),
+) -> str:
+    """The page for ``profile``, with ``summary`` rows (label, value) shown above the chart."""
+    rows = "".join(
+        f"<div><dt>{html.escape(label)}</dt><dd>{html.escape(value)}</dd></div>" for label, value in summary
+    )
+    slots = {
+        "title": html.escape(title),
+        "summary": f'<dl class="summary">{rows}</dl>' if rows else "",
+        # "<" escaped so that no string in the data can close the script element holding it
+        "data": json.dumps({"modules": _tree(profile)}, separators=(",", ":")).replace("<", "\\u003c"),
+    }
+    template = files("flops_callbacks").joinpath("picture.html").read_text(encoding="utf-8")
+    return _SLOTS.sub(lambda slot: slots[slot[1]], template)
+
+
+def _tree(profile: Profile) -> list[dict]:
+    """Every module as plain data, depth first from the model, each with its children's indices."""
+    order: list[str] = []
+    children: dict[str, list[str]] = {}
+    pending = [""]
+    while pending:
+        name = pending.pop()
+        order.append(name)
+        children[name] = [child.name for child in profile.children(name)]
+        pending.extend(reversed(children[name]))
+    index = {name: i for i, name in enumerate(order)}
+    return [
+        {**asdict(profile.modules[name]), "kids": [index[child] for child in children[name]]}
+        for name in order
+    ]

@@ -1,0 +1,104 @@
+"""Turns a trace's :class:`~flops_callbacks.recording.Recording` into a :class:`Profile`.
+
+Apart from the trace because it runs once per profile, not per op: the trace only adds to one
+context's sums and appends clock marks; here each context's sums are spread over the modules on
+its stack, clock marks become seconds (one synchronization), and parameters are counted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flops_callbacks.clock import Clock
+from flops_callbacks.module_tree import ModuleTree
+from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
+from flops_callbacks.recording import Recording, Sums, as_counts, plus, total
+
+
+def model_totals(recording: Recording, clock: Clock) -> tuple[Counts, float]:
+    """The model's flops, MACs and forward seconds, without the per-module profile."""
+    sums = total(
+        part
+        for key, by_functional in recording.contexts.items()
+        if key  # the model is on every stack inside it
+        for ctx in by_functional.values()
+        for part in ctx.sums.values()
+    )
+    clock.synchronize()
+    seconds = sum(clock.seconds(a, b) for a, b in recording.top_spans)
+    return Counts(**as_counts(sums, calls=recording.module_calls[""])), seconds
+
+
+def build_profile(
+    recording: Recording, tree: ModuleTree, clock: Clock, device: torch.device, causal_attention: str
+) -> Profile:
+    """Everything ``recording`` holds, per module, with latencies resolved (synchronizes once)."""
+    seconds = clock.seconds
+    clock.synchronize()
+    per_module, outside = _spread(recording, tree)
+
+    fwd_latency = dict.fromkeys(tree.modules, 0.0)
+    rec_latency = dict.fromkeys(tree.modules, 0.0)
+    bwd_latency = dict.fromkeys(tree.modules, 0.0)
+    for name, start, end, recompute in recording.module_spans:
+        (rec_latency if recompute else fwd_latency)[name] += seconds(start, end)
+    for ctx, start, end in recording.bwd_op_spans:
+        s = seconds(start, end)
+        for name in ctx.names:
+            bwd_latency[name] += s
+    total_fwd = sum(seconds(a, b) for a, b in recording.top_spans)
+    total_bwd = sum(seconds(a, b) for a, b in recording.bwd_spans)
+
+    params, trainable = tree.param_counts()
+    modules = {
+        name: ModuleProfile(
+            **as_counts(total(per_module[name].values()), calls=recording.module_calls[name]),
+            name=name,
+            class_name=type(module).__name__,
+            depth=name.count(".") + 1 if name else 0,
+            params=params[name],
+            trainable_params=trainable[name],
+            fwd_latency=fwd_latency[name],
+            bwd_latency=bwd_latency[name],
+            recompute_latency=rec_latency[name],
+            functionals={functional: Counts(*sums) for functional, sums in per_module[name].items()},
+        )
+        for name, module in tree.modules.items()
+    }
+    return Profile(
+        fwd_latency=total_fwd,
+        bwd_latency=total_bwd,
+        device=str(device),
+        modules=modules,
+        outside_model=Counts(**as_counts(outside, calls=0)) if outside else Counts(),
+        coverage=_coverage(recording, clock, total_fwd + total_bwd),
+        causal_attention=causal_attention,
+    )
+
+
+def _spread(recording: Recording, tree: ModuleTree) -> tuple[dict[str, dict[str, Sums]], Sums | None]:
+    """Sums per module and functional, and the sums of work outside the model's modules."""
+    per_module: dict[str, dict[str, Sums]] = {name: {} for name in tree.modules}
+    outside: Sums | None = None
+    for key, by_functional in recording.contexts.items():  # a stack's contexts merged, then spread
+        merged: dict[str, Sums] = {}
+        for ctx in by_functional.values():
+            for functional, sums in ctx.sums.items():
+                merged[functional] = plus(merged.get(functional), sums)
+        for functional, sums in merged.items():
+            for name in key:
+                mine = per_module[name]
+                mine[functional] = plus(mine.get(functional), sums)
+            if not key:
+                outside = plus(outside, sums)
+    return per_module, outside
+
+
+def _coverage(recording: Recording, clock: Clock, measured: float) -> Coverage:
+    uncounted = []
+    for op, spans in recording.uncounted.items():
+        secs = sum(clock.seconds(a, b) for a, b in spans)
+        share = secs / measured if measured > 0 else 0.0
+        uncounted.append(UncountedOp(op=op, calls=len(spans), seconds=secs, time_share=share))
+    uncounted.sort(key=lambda u: (-u.seconds, -u.calls, u.op))
+    return Coverage(recording.counted_calls, recording.free_calls, uncounted)

@@ -1,0 +1,89 @@
+"""What a trace records while it runs: running sums per context, spans to time, and coverage tallies.
+
+The hot path adds each counted op to one int list, not to a :class:`~flops_callbacks.profile.Counts`
+(a dataclass update costs several times a list update, on every op). The list's layout is read here
+from ``Counts``' fields, once: slot ``i`` holds field ``i``, so a list becomes ``Counts(*sums)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from flops_callbacks.profile import Counts
+from flops_callbacks.registry import OpCount
+
+FWD, BWD, REC = 0, 1, 2  # phases: forward, backward, recompute inside the backward
+SLOTS = tuple(f.name for f in fields(Counts))
+_FLOPS = tuple(SLOTS.index(f"{phase}_flops") for phase in ("fwd", "bwd", "recompute"))
+_MACS = tuple(SLOTS.index(f"{phase}_macs") for phase in ("fwd", "bwd", "recompute"))
+CALLS = SLOTS.index("calls")  # forward calls of a functional that did flops
+_REC_FLOPS, _REC_MACS = _FLOPS[REC], _MACS[REC]
+
+Sums = list[int]  # one slot per field of Counts, in its order
+
+
+def plus(a: Sums | None, b: Sums) -> Sums:
+    """Slotwise sum as a new list (sum lists are shared between modules, never changed in place)."""
+    return b if a is None else [x + y for x, y in zip(a, b, strict=True)]
+
+
+def total(parts: Any) -> Sums:
+    """The slotwise sum of ``parts`` (zeros when there are none)."""
+    found: Sums = [0] * len(SLOTS)
+    for part in parts:
+        found = plus(found, part)
+    return found
+
+
+def as_counts(sums: Sums, **override: int) -> dict[str, int]:
+    """``sums`` as ``Counts`` keyword arguments (``override`` replacing some)."""
+    return {**dict(zip(SLOTS, sums, strict=True)), **override}
+
+
+class Context:
+    """Where work goes: the modules on the stack (each once) and the functional being run.
+
+    An op adds to its context only, one list update whatever the stack depth; the profile spreads
+    each context's sums over its modules once. Contexts are interned, so identity is equality.
+    """
+
+    __slots__ = ("names", "functional", "sums")
+
+    def __init__(self, names: tuple[str, ...], functional: str | None) -> None:
+        self.names = names  # () is outside the model's modules
+        self.functional = functional
+        self.sums: dict[str, Sums] = {}  # by functional (an op's own name where none was named)
+
+    def sums_of(self, functional: str) -> Sums:
+        sums = self.sums.get(functional)
+        if sums is None:
+            sums = self.sums[functional] = [0] * len(SLOTS)
+        return sums
+
+    def add(self, phase: int, functional: str, count: OpCount) -> None:
+        sums = self.sums_of(functional)
+        sums[_FLOPS[phase]] += count.flops
+        sums[_MACS[phase]] += count.macs
+        if count.recompute_flops:
+            sums[_REC_FLOPS] += count.recompute_flops
+            sums[_REC_MACS] += count.recompute_macs
+
+
+Span = tuple[Any, Any]  # (start, end) clock marks
+
+
+@dataclass(slots=True)
+class Recording:
+    """Everything counted and marked since a reset; turned into a profile by ``build_profile``."""
+
+    module_calls: dict[str, int]  # forward calls of each profiled module (recomputes left out)
+    contexts: dict[tuple[str, ...], dict[str | None, Context]] = field(default_factory=dict)
+    counted_calls: int = 0  # op calls with a formula
+    free_calls: int = 0  # op calls without arithmetic
+    uncounted: dict[str, list[Span]] = field(default_factory=dict)  # each call of each op without a formula
+    # (module name, start, end, recompute) of every module call
+    module_spans: list[tuple[str, Any, Any, bool]] = field(default_factory=list)
+    top_spans: list[Span] = field(default_factory=list)  # calls of the outermost module: the forward
+    bwd_op_spans: list[tuple[Context, Any, Any]] = field(default_factory=list)
+    bwd_spans: list[Span] = field(default_factory=list)  # each backward pass, first op to its end
