@@ -1,0 +1,222 @@
+"""The formula registry: users' ops are counted in forward and backward, duplicates are refused, and an
+op without a formula stays in the coverage section. Expected counts are a matmul's 2*m*k*n by hand."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from flops_callbacks import FlopsProfiler, OpKind, Profile, register_formula, register_op_kind
+from flops_callbacks.registry import entry_for
+
+ROOT = Path(__file__).resolve().parents[1]
+aten = torch.ops.aten
+
+
+# --- a custom op with its own backward op, as a Triton kernel is wrapped -----------------------------
+
+
+@torch.library.custom_op("flops_test::scaled_mm", mutates_args=())
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    return (a @ b) * scale
+
+
+@scaled_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+@torch.library.custom_op("flops_test::scaled_mm_backward", mutates_args=())
+def scaled_mm_backward(
+    grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad = grad * scale
+    return grad @ b.T, a.T @ grad
+
+
+@scaled_mm_backward.register_fake
+def _(
+    grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(a), torch.empty_like(b)
+
+
+def _setup(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
+    a, b, scale = inputs
+    ctx.save_for_backward(a, b)
+    ctx.scale = scale
+
+
+def _backward(ctx: object, grad: torch.Tensor) -> tuple:
+    a, b = ctx.saved_tensors
+    return (*torch.ops.flops_test.scaled_mm_backward(grad, a, b, ctx.scale), None)
+
+
+scaled_mm.register_autograd(_backward, setup_context=_setup)
+
+
+@register_formula(torch.ops.flops_test.scaled_mm)
+def _scaled_mm_flops(args: tuple, kwargs: dict, out: torch.Tensor) -> int:
+    a, b, _ = args
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+
+
+@register_formula(torch.ops.flops_test.scaled_mm_backward.default)  # an overload, not the packet
+def _scaled_mm_backward_flops(args: tuple, kwargs: dict, out: tuple) -> int:
+    grad, a, b, _ = args
+    return 2 * (2 * a.shape[0] * a.shape[1] * b.shape[1])  # grad_a and grad_b
+
+
+@torch.library.custom_op("flops_test::opaque", mutates_args=())
+def opaque(x: torch.Tensor) -> torch.Tensor:
+    return x.exp()
+
+
+@opaque.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class Projection(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_in, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        opaque(x.detach())  # a side computation with no formula
+        return scaled_mm(x, self.weight, 0.5)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = Projection(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def profile_step(model: nn.Module, x: torch.Tensor, backward: bool = True) -> Profile:
+    with FlopsProfiler(model) as prof:
+        y = model(x)
+        if backward:
+            y.sum().backward()  # the sum is outside the model
+    return prof.get_profile()
+
+
+def test_a_custom_op_with_a_formula_is_counted_in_forward_and_backward_in_its_module() -> None:
+    m, k, n = 4, 16, 8
+    x = torch.randn(m, k, requires_grad=True)
+    profile = profile_step(Net(), x)
+    assert (profile.fwd_flops, profile.fwd_macs) == (2 * m * k * n, m * k * n)
+    assert (profile.bwd_flops, profile.bwd_macs) == (4 * m * k * n, 2 * m * k * n)
+    proj = profile.modules["proj"]
+    assert (proj.fwd_flops, proj.bwd_flops) == (2 * m * k * n, 4 * m * k * n)
+    assert proj.functionals["scaled_mm"].fwd_flops == 2 * m * k * n
+    assert proj.functionals["scaled_mm"].bwd_flops == 4 * m * k * n  # the backward op, under its forward
+    [uncounted] = profile.coverage.uncounted
+    assert (uncounted.op, uncounted.calls) == ("flops_test.opaque", 1)
+
+
+def test_registering_an_op_twice_is_refused_unless_replaced() -> None:
+    with pytest.raises(ValueError, match=r"aten\.mm already registered; pass replace=True"):
+        register_formula(aten.mm)(lambda args, kwargs, out: 0)
+    with pytest.raises(ValueError, match="flops_test.scaled_mm already registered"):
+        register_formula([aten.erfinv, torch.ops.flops_test.scaled_mm])(lambda args, kwargs, out: 0)
+    assert entry_for(aten.erfinv.default).kind is OpKind.ELEMENTWISE  # nothing of a refused list is kept
+    assert entry_for(aten.erfinv.default).formula is not None
+
+    @torch.library.custom_op("flops_test::double", mutates_args=())
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    register_formula(torch.ops.flops_test.double, kind="elementwise")(lambda args, kwargs, out: out.numel())
+    x = torch.randn(5)
+    assert profile_step(Call(double), x, backward=False).fwd_flops == 5
+    register_formula(torch.ops.flops_test.double, kind="elementwise", replace=True)(
+        lambda args, kwargs, out: 3 * out.numel()
+    )
+    assert (
+        profile_step(Call(double), x, backward=False).fwd_flops == 15
+    )  # the cached lookup saw the replacement
+
+
+class Call(nn.Module):
+    def __init__(self, fn: object) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def test_an_op_marked_free_leaves_the_coverage_section() -> None:
+    @torch.library.custom_op("flops_test::shuffle", mutates_args=())
+    def shuffle(x: torch.Tensor) -> torch.Tensor:
+        return x.flip(0)
+
+    before = profile_step(Call(shuffle), torch.randn(6), backward=False)
+    assert [(u.op, u.calls) for u in before.coverage.uncounted] == [("flops_test.shuffle", 1)]
+    register_op_kind(torch.ops.flops_test.shuffle, "free")
+    after = profile_step(Call(shuffle), torch.randn(6), backward=False)
+    assert after.coverage.uncounted == []
+    assert after.fwd_flops == 0
+
+
+def test_dense_counts_macs_as_half_the_flops_and_elementwise_none() -> None:
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    mm = entry_for(aten.mm.default).count(aten.mm.default, (a, b), {}, None, causal_half=False)
+    assert (mm.flops, mm.macs) == (2 * 3 * 4 * 5, 3 * 4 * 5)
+    out = a.exp()
+    exp = entry_for(aten.exp.default).count(aten.exp.default, (a,), {}, out, causal_half=False)
+    assert (exp.flops, exp.macs) == (12, 0)
+
+
+def test_attention_entries_carry_their_causal_and_recompute_shares() -> None:
+    b, h, s, d = 1, 2, 4, 8
+    q = k = v = torch.empty(b, h, s, d, device="meta")
+    forward = aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    full = 2 * b * h * s * s * (d + d)
+    causal = {"is_causal": True}
+    assert entry_for(forward).count(forward, (q, k, v), causal, None, causal_half=False).flops == full
+    kept = entry_for(forward).count(forward, (q, k, v), causal, None, causal_half=True).flops
+    assert kept == full * (1 + 2 + 3 + 4) // 16  # row i of the 4x4 score matrix keeps i + 1 entries
+    grad_out = torch.empty(b, h, s, d, device="meta")
+    bwd = entry_for(backward).count(backward, (grad_out, q, k, v), {}, None, causal_half=False)
+    assert bwd.recompute_flops == 2 * b * h * s * s * d  # the recomputed QK^T
+    assert bwd.flops == 2 * b * h * s * s * (2 * d + 2 * d)  # dV, dP, dQ, dK
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: register_formula("aten.mm"), r"ops must be torch op overload packets or overloads"),
+        (lambda: register_formula(aten.erfinv, kind="fused"), r"kind must be one of 'dense', 'elementwise'"),
+        (lambda: register_formula(aten.erfinv, kind="free"), r"kind must be 'dense' or 'elementwise'"),
+        (lambda: register_op_kind(aten.erfinv, "dense"), r"kind must be 'free', 'metadata' or 'uncounted'"),
+    ],
+    ids=["not-an-op", "unknown-kind", "free-with-formula", "dense-without-formula"],
+)
+def test_bad_arguments_are_refused_by_name(call: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def readme_example() -> str:
+    """The Python block of the README's "Counting your own ops" section."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("### Counting your own ops", 1)
+    assert len(section) == 2, "README.md has no 'Counting your own ops' section"
+    return re.search(r"```python\n(.*?)```", section[1], re.DOTALL).group(1)
+
+
+def test_the_readme_example_runs_and_counts_its_custom_op(capsys: pytest.CaptureFixture) -> None:
+    namespace: dict = {}
+    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    assert capsys.readouterr().out.split()[-1] == str(2 * 8 * 16 * 32)
+    assert namespace["prof"].get_profile().fwd_macs == 8 * 16 * 32
