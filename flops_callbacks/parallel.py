@@ -47,23 +47,17 @@ class ParallelSizes:
         ]
 
 
-def _zero3_partition(param: torch.Tensor) -> torch.Tensor | None:
-    """The partition DeepSpeed ZeRO-3 keeps of ``param`` on this device; None if ZeRO-3 does not
-    partition it (not a ZeRO-3 parameter, or a small one it persists whole on every device)."""
-    partition = getattr(param, "ds_tensor", None)
-    if not isinstance(partition, torch.Tensor) or getattr(param, "ds_persist", False):
-        return None
-    return partition
-
-
 def stored_numel(param: torch.Tensor) -> int:
-    """Elements of ``param`` this device stores: a DTensor's local shard (FSDP2, tensor parallel),
-    the ZeRO-3 partition (padding included: DeepSpeed allocates it), else the whole tensor."""
+    """Elements of ``param`` this device stores while training: a DTensor's local shard (FSDP2,
+    tensor parallel); under ZeRO-3 its partition (padding included: DeepSpeed allocates it), or the
+    whole parameter for the small ones it keeps whole on every device once gathered; else the tensor."""
     local = getattr(param, "_local_tensor", None)
     if isinstance(local, torch.Tensor):
         return local.numel()
-    partition = _zero3_partition(param)
-    if partition is not None:
+    partition = getattr(param, "ds_tensor", None)
+    if isinstance(partition, torch.Tensor):
+        if getattr(param, "ds_persist", False):
+            return global_numel(param)
         return int(getattr(partition, "ds_numel", partition.numel()))
     return param.numel()
 
