@@ -20,6 +20,7 @@ try:
     import transformers
     from tqdm.auto import tqdm
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.integrations import TensorBoardCallback, WandbCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 except ImportError as err:  # the core needs only torch; the HF callback is an extra
     raise ImportError("HFFlopsCallback needs transformers: pip install 'flops-callbacks[hf]'") from err
@@ -30,6 +31,7 @@ from flops_callbacks.options import CausalAttention, Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
 from flops_callbacks.profile import Profile
+from flops_callbacks.publish import markdown_block
 from flops_callbacks.result import WindowResult
 from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
 from flops_callbacks.units import number_to_string
@@ -165,6 +167,16 @@ class _Outlet:
         finally:
             handler.callbacks = callbacks
             trainer.control.should_log = should_log
+
+    def log_report(self, text: str, html: str, step: int) -> None:
+        callbacks = self.trainer.callback_handler.callbacks if self.trainer is not None else []
+        for callback in callbacks:
+            writer = getattr(callback, "tb_writer", None)  # TensorBoardCallback, once training began
+            if isinstance(callback, TensorBoardCallback) and writer is not None:
+                writer.add_text("flops_profiler/report", markdown_block(text), global_step=step)
+            wandb = getattr(callback, "_wandb", None)  # WandbCallback: the wandb module, once set up
+            if isinstance(callback, WandbCallback) and getattr(wandb, "run", None) is not None:
+                wandb.log({"flops_profiler/profile": wandb.Html(html)}, commit=False)
 
     def console(self, text: str) -> None:
         tqdm.write(text)  # above the Trainer's progress bar, which stays intact

@@ -13,6 +13,7 @@ from typing import Any
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
     from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 except ImportError as err:  # the core needs only torch; the Lightning callback is an extra
     raise ImportError(
@@ -23,6 +24,7 @@ from flops_callbacks.from_deepspeed import FromDeepSpeedConfig
 from flops_callbacks.options import CausalAttention, Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
+from flops_callbacks.publish import markdown_block as _markdown_block
 from flops_callbacks.result import WindowResult
 from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
 
@@ -89,6 +91,15 @@ class _Outlet:
         for logger in self.trainer.loggers:
             logger.log_metrics(metrics, step=step)
             logger.save()
+
+    def log_report(self, text: str, html: str, step: int) -> None:
+        for logger in self.trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("flops_profiler/report", _markdown_block(text), global_step=step)
+            elif isinstance(logger, WandbLogger):
+                import wandb
+
+                logger.experiment.log({"flops_profiler/profile": wandb.Html(html)}, commit=False)
 
     def console(self, text: str) -> None:
         bar = self.trainer.progress_bar_callback

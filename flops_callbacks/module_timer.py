@@ -28,19 +28,10 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from flops_callbacks.clock import Clock
+from flops_callbacks.trace import ModuleSpan
 
 _current_autograd_node = torch._C._current_autograd_node
 FORWARD, BACKWARD, RECOMPUTE = "forward", "backward", "recompute"
-
-
-@dataclass(frozen=True)
-class TimedSpan:
-    """One module call (forward, recompute) or one module's backward, in seconds from the first mark."""
-
-    name: str
-    phase: str
-    start: float
-    duration: float
 
 
 @dataclass(frozen=True)
@@ -50,7 +41,7 @@ class ModuleTimes:
     fwd: dict[str, float]
     bwd: dict[str, float]
     recompute: dict[str, float]
-    spans: list[TimedSpan]
+    spans: list[ModuleSpan]  # each forward / recompute call; each module's backward (first .. last node)
 
 
 def _grad_fns(value: Any) -> list[Any]:
@@ -198,14 +189,14 @@ class ModuleTimer:
         fwd: dict[str, float] = {}
         recompute: dict[str, float] = {}
         bwd: dict[str, float] = {}
-        spans: list[TimedSpan] = []
+        spans: list[ModuleSpan] = []
         origin = self._origin
         for name, start, end, is_recompute in self._fwd_spans:
             duration = seconds(start, end)
             table = recompute if is_recompute else fwd
             table[name] = table.get(name, 0.0) + duration
             phase = RECOMPUTE if is_recompute else FORWARD
-            spans.append(TimedSpan(name, phase, seconds(origin, start), duration))
+            spans.append(ModuleSpan(name, phase, seconds(origin, start), duration, _depth(name)))
         extent: dict[str, tuple[float, float]] = {}
         for name, start, end in self._node_spans:
             begin, duration = seconds(origin, start), seconds(start, end)
@@ -213,11 +204,15 @@ class ModuleTimer:
                 bwd[owner] = bwd.get(owner, 0.0) + duration
                 first, last = extent.get(owner, (begin, begin + duration))
                 extent[owner] = (min(first, begin), max(last, begin + duration))
-        spans += [TimedSpan(name, BACKWARD, a, b - a) for name, (a, b) in extent.items()]
+        spans += [ModuleSpan(name, BACKWARD, a, b - a, _depth(name)) for name, (a, b) in extent.items()]
         spans.sort(key=lambda s: (s.start, -s.duration))
         _fill_containers(fwd)
         _fill_containers(recompute)
         return ModuleTimes(fwd, bwd, recompute, spans)
+
+
+def _depth(name: str) -> int:
+    return name.count(".") + 1 if name else 0
 
 
 def _fill_containers(table: dict[str, float]) -> None:

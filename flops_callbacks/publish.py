@@ -1,4 +1,5 @@
-"""Publishing a window's result: the report text, the JSON, and the one writer of files.
+"""Publishing a window's result: the report text, the JSON, the picture, the trace, and the one writer
+of files.
 
 Every number shown comes from the metrics dict (:func:`flops_callbacks.metrics.window_metrics`),
 computed once: the printed, the logged and the saved figures are the same by construction.
@@ -13,8 +14,10 @@ from typing import Any, Protocol
 
 from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
+from flops_callbacks.picture import render_html
 from flops_callbacks.report import RunContext, render_profile
 from flops_callbacks.result import WindowResult
+from flops_callbacks.trace import chrome_trace
 from flops_callbacks.units import duration_to_string, flops_to_string
 
 
@@ -31,6 +34,9 @@ class Outlet(Protocol):
 
     def console(self, text: str) -> None:
         """Print ``text`` without breaking the framework's progress bar (logging rank only)."""
+
+    def log_report(self, text: str, html: str, step: int) -> None:
+        """Hand the report (TensorBoard's Text tab) and the picture (W&B HTML) to loggers that show them."""
 
 
 def _steps_text(steps: tuple[int, ...]) -> str:
@@ -123,6 +129,11 @@ def json_data(result: WindowResult) -> dict[str, Any]:
     }
 
 
+def markdown_block(text: str) -> str:
+    """``text`` as a Markdown code block (TensorBoard's Text tab renders Markdown)."""
+    return "\n".join("    " + line for line in text.splitlines())
+
+
 def write_text(path: str | Path, text: str) -> Path:
     """The one writer of files: parents created, text written whole."""
     path = Path(path)
@@ -139,8 +150,38 @@ def publish(result: WindowResult, options: Options, log_dir: str | Path | None, 
         write_text(options.output_file, full + "\n")
     elif options.print_profile:
         outlet.console(full if options.detailed else report_text(result, options, detailed=False))
+    html = picture(result)
     if log_dir is not None:
         stem = Path(log_dir) / f"flops_profile_step{result.step}"
         write_text(stem.with_suffix(".txt"), full + "\n")
         write_text(stem.with_suffix(".json"), json.dumps(json_data(result), indent=2))
+        write_text(stem.with_suffix(".html"), html)
+        trace = chrome_trace(
+            result.spans, process_name=f"flops_callbacks modules, step {result.steps.module_timing}"
+        )
+        write_text(stem.with_suffix(".trace.json"), json.dumps(trace))
     outlet.log_metrics(result.metrics(), result.published_at)
+    outlet.log_report(full, html, result.published_at)
+
+
+def picture(result: WindowResult) -> str:
+    """The profile's HTML picture, with the headline figures and their sources above the chart."""
+    metrics = result.metrics()
+    summary = [
+        (
+            "fwd / bwd / step latency",
+            " / ".join(
+                duration_to_string(metrics[k])
+                for k in (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY)
+            ),
+        ),
+        ("FLOPS per device", flops_to_string(metrics[names.FLOPS_PER_SEC])),
+        ("samples/second", f"{metrics[names.SAMPLES_PER_SEC]:.2f}"),
+    ]
+    if names.MFU in metrics:
+        summary.append(("MFU", f"{100 * metrics[names.MFU]:.2f}%"))
+    return render_html(
+        result.profile,
+        title=f"flops_callbacks profile, step {result.step}",
+        summary=summary + source_lines(result),
+    )

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from flops_callbacks.distributed import Latencies
 from flops_callbacks.metrics import window_metrics
-from flops_callbacks.module_timer import TimedSpan
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Peak
 from flops_callbacks.profile import Profile
+from flops_callbacks.trace import ModuleSpan
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class WindowResult:
     sharded_model_params: int | None = None
     # report rows an adapter adds about its framework (label, value), e.g. the HF Trainer's estimate
     extra_lines: list[tuple[str, str]] = field(default_factory=list)
-    spans: list[TimedSpan] = field(default_factory=list)  # module calls of the module-timing step
+    spans: list[ModuleSpan] = field(default_factory=list)  # module calls of the module-timing step
     published_at: int = 0  # the global step at which the result was published and logged
 
     @property

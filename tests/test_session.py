@@ -32,6 +32,7 @@ class Outlet:
         self.directory = directory
         self.printed: list[str] = []
         self.logged: list[tuple[dict[str, float], int]] = []
+        self.reports: list[tuple[str, str, int]] = []
 
     def log_dir(self) -> Path | None:
         return self.directory
@@ -41,6 +42,9 @@ class Outlet:
 
     def console(self, text: str) -> None:
         self.printed.append(text)
+
+    def log_report(self, text: str, html: str, step: int) -> None:
+        self.reports.append((text, html, step))
 
 
 def run(
@@ -114,6 +118,12 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
     assert data["metrics"] == m
     assert "Detailed Profile" in (tmp_path / "flops_profile_step3.txt").read_text()  # the file has the tree
     assert "Detailed Profile" not in outlet.printed[0]  # the console does not (detailed=False)
+    html = (tmp_path / "flops_profile_step3.html").read_text()
+    assert "<script" in html and "http://" not in html and "https://" not in html
+    trace = json.loads((tmp_path / "flops_profile_step3.trace.json").read_text())
+    calls = [(e["name"], e["cat"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sorted(calls) == [("(model)", "backward")] + [("(model)", "forward")] * 2  # two micro-batches
+    assert [step for *_, step in outlet.reports] == [7]
 
 
 def test_latencies_come_from_clean_steps_not_from_the_counting_step() -> None:

@@ -47,6 +47,9 @@ class Quiet:
     def console(self, text: str) -> None:
         pass
 
+    def log_report(self, text: str, html: str, step: int) -> None:
+        pass
+
 
 def profiled_step(model: nn.Module, batches: list[torch.Tensor]) -> WindowResult:
     """A real counting step over ``batches`` (its micro-batches), dp = 2, published as a window of one."""
