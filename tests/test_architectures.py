@@ -21,9 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from flops_callbacks import FlopsProfiler, Profile
+from flops_callbacks.estimate import Routing, estimate_rows, routing_of
+from flops_callbacks.units import flops_to_string, params_to_string
 
 transformers = pytest.importorskip("transformers")
 
@@ -311,6 +314,138 @@ def test_recurrent_lm(kind: str, gates: int) -> None:
     else:  # the GRU cell runs as separate matmuls FlopCounterMode counts; it skips the zero h0's grads
         assert dense_fwd_bwd(profile) == truth.fwd_bwd
         assert expected - truth.fwd_bwd == layers * 2 * batch * gates * width * width
+
+
+# --- mixture of experts: grouped matmuls, which FlopCounterMode does not count ---------------------
+
+
+def grouped_mm_by_hand(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> int:
+    """2 * m * k * n of every group's own matmul, the groups' extents read from ``offs``."""
+    ends = offs.tolist() if offs is not None else []
+    sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+    if a.dim() == 3 and b.dim() == 3:  # a batch of G matmuls
+        return a.shape[0] * 2 * a.shape[1] * a.shape[2] * b.shape[2]
+    if b.dim() == 3:  # group g: its rows of a (tokens routed to expert g) @ b[g]
+        return sum(2 * rows * a.shape[1] * b.shape[2] for rows in sizes)
+    if a.dim() == 2:  # group g: a[:, its columns] @ b[its rows, :] (an expert's weight gradient)
+        return sum(2 * a.shape[0] * k * b.shape[1] for k in sizes)
+    return sum(2 * a.shape[1] * a.shape[2] * n for n in sizes)  # a[g] @ b[:, its columns]
+
+
+class GroupedMatmuls(TorchDispatchMode):
+    """Adds up every ``aten._grouped_mm`` call by hand, beside FlopCounterMode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default:
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+            self.flops += grouped_mm_by_hand(args[0], args[1], offs)
+        return func(*args, **kwargs)
+
+
+def moe_truth(model: nn.Module, run: Callable[[nn.Module], Any]) -> tuple[int, int, int, int]:
+    """(FlopCounterMode fwd, its fwd+bwd, grouped matmuls fwd, their fwd+bwd) of one training step."""
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, GroupedMatmuls() as grouped:
+        output = run(model)
+        fwd, grouped_fwd = counter.get_total_flops(), grouped.flops
+        loss_of(output).backward()
+    model.zero_grad(set_to_none=True)
+    return fwd, counter.get_total_flops(), grouped_fwd, grouped.flops
+
+
+MOE_COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=256, max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+)  # fmt: skip
+
+MOE_CONFIGS: dict[str, Callable[[], Any]] = {
+    "mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **MOE_COMMON),
+    "qwen2-moe": lambda: transformers.Qwen2MoeConfig(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        **MOE_COMMON,
+    ),  # fmt: skip
+    "olmoe": lambda: transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **MOE_COMMON),
+}
+
+
+def tiny_moe(name: str) -> tuple[Any, nn.Module, Callable]:
+    # Real tensors: routing sorts and counts tokens per expert, which a meta tensor cannot answer.
+    torch.manual_seed(0)
+    config = MOE_CONFIGS[name]()
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    tokens = torch.randint(1, 256, (2, 16))
+    return config, model, lambda m: m(tokens, labels=tokens)
+
+
+@functools.cache
+def moe_truth_and_profile(name: str) -> tuple[Any, tuple[int, int, int, int], Profile]:
+    config, model, run = tiny_moe(name)
+    return config, moe_truth(model, run), measure(model, run)
+
+
+@pytest.mark.parametrize("name", list(MOE_CONFIGS))
+def test_mixture_of_experts_matches_aten_truth_plus_grouped_matmuls(name: str) -> None:
+    config, (fwd, fwd_bwd, grouped_fwd, grouped_fwd_bwd), profile = moe_truth_and_profile(name)
+    layers, tokens, k = config.num_hidden_layers, 2 * 16, config.num_experts_per_tok
+    # every token goes through k experts: gate+up (2 x inter) and down, in every layer
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    assert grouped_fwd == layers * 2 * tokens * k * 3 * config.hidden_size * inter
+    assert grouped_fwd_bwd == 3 * grouped_fwd  # the input and the weight gradient, each forward-sized
+    assert dense_fwd(profile) == fwd + grouped_fwd
+    assert dense_fwd_bwd(profile) == fwd_bwd + grouped_fwd_bwd
+    assert profile.coverage.uncounted == []  # routing (sort, topk, histc, index_put_, ...) is classified
+    experts = [profile.modules[f"model.layers.{i}.mlp.experts"] for i in range(layers)]
+    assert sum(2 * m.fwd_macs for m in experts) == grouped_fwd  # the experts hold their own matmuls
+    assert sum(2 * (m.fwd_macs + m.bwd_macs) for m in experts) == grouped_fwd_bwd
+    assert all(m.functionals["_grouped_mm"].fwd_flops > 0 for m in experts)
+
+
+@pytest.mark.parametrize("name", list(MOE_CONFIGS))
+def test_moe_estimate_rows_give_six_n_d_and_the_active_params_from_the_config(name: str) -> None:
+    config, _, profile = moe_truth_and_profile(name)
+    _, model, _ = tiny_moe(name)
+    total = sum(p.numel() for p in model.parameters())
+    layers, experts, k, hidden = (
+        config.num_hidden_layers,
+        config.num_experts if name != "mixtral" else config.num_local_experts,
+        config.num_experts_per_tok,
+        config.hidden_size,
+    )
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    # each expert: gate and up (2 x inter x hidden) and down (hidden x inter); a token skips E - k
+    active = total - layers * (experts - k) * 3 * hidden * inter
+    assert routing_of(config) == Routing(experts, k)
+    assert profile.params == total
+    tokens = 2 * 16
+    measured = profile.model_flops
+    assert estimate_rows(profile, tokens, config) == [
+        ("experts per token", f"{k} of {experts}"),
+        ("active params per token", params_to_string(active)),
+        ("6 x params x tokens", f"{flops_to_string(6 * total * tokens)} (measured fwd+bwd flops: "
+         f"{measured / (6 * total * tokens):.2f}x this)"),
+        ("6 x active params x tokens", f"{flops_to_string(6 * active * tokens)} (measured fwd+bwd flops: "
+         f"{measured / (6 * active * tokens):.2f}x this)"),
+    ]  # fmt: skip
+    # the rule with all parameters overstates an MoE's work; with the active ones it comes closer
+    assert measured < 6 * total * tokens
+    assert abs(measured - 6 * active * tokens) < abs(measured - 6 * total * tokens)
+
+
+def test_estimate_rows_of_a_dense_model_and_bad_token_counts() -> None:
+    _, profile = truth_and_profile("lenet-5")
+    assert routing_of(transformers.GPT2Config()) is None
+    [(label, value)] = estimate_rows(profile, 8, transformers.GPT2Config())
+    assert label == "6 x params x tokens"
+    assert value.startswith(flops_to_string(6 * profile.params * 8))
+    with pytest.raises(ValueError, match="tokens must be a positive number"):
+        estimate_rows(profile, 0)
 
 
 # --- fine-tuning and activation checkpointing ----------------------------------------------------

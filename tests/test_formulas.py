@@ -294,6 +294,65 @@ def test_gpu_attention_kernels_count_as_torch_registry_does(kernel: str) -> None
         )
 
 
+# --- Grouped matmuls (mixture-of-experts experts) ------------------------------------------------
+
+
+def per_group_flops(layout: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> int:
+    """2 * m * k * n of every group's own matmul, the groups' extents read from ``offs``."""
+    ends = offs.tolist() if offs is not None else []
+    sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+    if layout == "3d-3d":  # group g: a[g] (M, K) @ b[g] (K, N)
+        return sum(2 * a.shape[1] * a.shape[2] * b.shape[2] for _ in range(a.shape[0]))
+    if layout == "2d-3d":  # group g: its rows of a @ b[g]
+        return sum(2 * rows * a.shape[1] * b.shape[2] for rows in sizes)
+    if layout == "2d-2d":  # group g: a[:, its columns] @ b[its rows, :]
+        return sum(2 * a.shape[0] * k * b.shape[1] for k in sizes)
+    return sum(2 * a.shape[1] * a.shape[2] * n for n in sizes)  # "3d-2d": a[g] @ b[:, its columns]
+
+
+# Sizes are multiples of 4 floats: the kernel needs 16-byte strides.
+GROUPED_LAYOUTS = {
+    "2d-3d": ((12, 8), (3, 8, 16), [2, 7, 12]),
+    "3d-3d": ((3, 4, 8), (3, 8, 16), None),
+    "2d-2d": ((16, 12), (12, 8), [4, 4, 12]),  # an empty group in the middle
+    "3d-2d": ((3, 16, 8), (8, 12), [4, 8, 12]),
+}
+
+
+@pytest.mark.parametrize("layout", list(GROUPED_LAYOUTS))
+def test_grouped_mm_forward_and_backward_in_every_layout(layout: str) -> None:
+    a_shape, b_shape, ends = GROUPED_LAYOUTS[layout]
+    a, b = leaf(*a_shape), leaf(*b_shape)
+    offs = torch.tensor(ends, dtype=torch.int32) if ends is not None else None
+    model = Call(lambda a, b: torch._grouped_mm(a, b, offs=offs))
+    with FlopsProfiler(model) as prof:
+        out = model(a, b)
+        (out * torch.randn_like(out)).sum().backward()  # a dense upstream gradient, as a loss gives
+    forward = per_group_flops(layout, a, b, offs)
+    # each input's gradient is a grouped matmul of the same size (FlopCounterMode has no formula)
+    assert dense(prof.get_profile()) == (forward, 2 * forward)
+    assert prof.get_profile().coverage.uncounted == []
+
+
+def test_grouped_mm_counts_only_rows_up_to_the_last_offset() -> None:
+    # Expert parallelism sorts tokens routed to other ranks past offs[-1]; the kernel skips them.
+    a, b = leaf(12, 8), leaf(3, 8, 16)
+    offs = torch.tensor([2, 5, 6], dtype=torch.int32)
+    profile = profile_of(Call(lambda a, b: torch._grouped_mm(a, b, offs=offs)), a, b)
+    assert dense(profile)[0] == 2 * 6 * 8 * 16
+
+
+def test_scaled_grouped_mm_counts_its_products_from_shapes_on_meta() -> None:
+    # A GPU (fp8) kernel: checked on meta tensors, where offs cannot be read and the shapes count.
+    meta = {"device": "meta"}
+    a, b = torch.empty(64, 32, **meta), torch.empty(4, 32, 16, **meta)
+    scale_a, scale_b = torch.empty(64, **meta), torch.empty(4, 16, **meta)
+    offs = torch.empty(4, dtype=torch.int32, **meta)
+    assert count_flops(torch.ops.aten._scaled_grouped_mm.default, (a, b, scale_a, scale_b, offs)) == (
+        2 * 64 * 32 * 16
+    )
+
+
 # --- Recurrent layers ----------------------------------------------------------------------------
 
 
