@@ -1,0 +1,229 @@
+"""The picture of a profile: a real GPT-2 profile rendered to HTML, opened in headless Chromium.
+
+Chromium runs the page's script (``--dump-dom`` gives the DOM after it ran) and paints it
+(``--screenshot``): the module tree, the numbers formatted as the text report formats them, and a
+chart drawn in the colour ramp. The page's embedded data is read back and compared with the profile.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+import subprocess
+import zlib
+from dataclasses import asdict
+from importlib.resources import files
+from pathlib import Path
+
+import pytest
+import torch
+
+from flops_callbacks.picture import render_html
+from flops_callbacks.profile import Profile
+from flops_callbacks.tracer import Tracer
+from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
+
+transformers = pytest.importorskip("transformers")
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium binary on PATH (Debian: apt-get install -y chromium)"
+)
+TEMPLATE = files("flops_callbacks").joinpath("picture.html").read_text(encoding="utf-8")
+RAMP = {  # the page's colour ramp (viridis), as RGB
+    tuple(int(c[i : i + 2], 16) for i in (1, 3, 5))
+    for c in re.findall(r'"(#[0-9a-f]{6})"', TEMPLATE.split("RAMP = [")[1].split("]")[0])
+}
+WINDOW = (1200, 800)
+
+
+@pytest.fixture(scope="module")
+def profile() -> Profile:
+    """One training step of a 2-layer GPT-2, counted and timed by the Tracer."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 512, (2, 16))
+    tracer = Tracer(model)
+    tracer.start()
+    try:
+        model(ids, labels=ids).loss.backward()
+    finally:
+        tracer.stop()
+    return tracer.profile()
+
+
+@pytest.fixture(scope="module")
+def page(profile: Profile, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("picture") / "profile.html"
+    summary = [("model", "GPT-2, 2 layers"), ("fwd latency", duration_to_string(profile.fwd_latency))]
+    path.write_text(render_html(profile, title="GPT-2 <2 layers>", summary=summary))
+    return path
+
+
+def chromium(*args: str, tmp: Path) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+         f"--user-data-dir={tmp / 'chromium-profile'}", f"--window-size={WINDOW[0]},{WINDOW[1]}", *args],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def embedded_data(html: str) -> dict:
+    return json.loads(re.search(r'<script type="application/json" id="profile-data">(.*?)</script>', html)[1])
+
+
+def read_png(path: Path) -> tuple[int, int, list[bytes]]:
+    """Width, height and RGB rows of an 8-bit non-interlaced RGB or RGBA PNG (what Chromium writes)."""
+    blob = path.read_bytes()
+    assert blob[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat = 8, b""
+    while pos < len(blob):
+        length, kind = struct.unpack(">I4s", blob[pos : pos + 8])
+        body = blob[pos + 8 : pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", body)
+            assert (depth, colour, interlace) in ((8, 2, 0), (8, 6, 0))
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    step = 3 if colour == 2 else 4
+    raw, stride, rows, prev = zlib.decompress(idat), width * step, [], bytearray(width * step)
+    for y in range(height):
+        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
+        for i in range(stride):
+            left = line[i - step] if i >= step else 0
+            up, corner = prev[i], prev[i - step] if i >= step else 0
+            if kind == 1:
+                line[i] = (line[i] + left) & 255
+            elif kind == 2:
+                line[i] = (line[i] + up) & 255
+            elif kind == 3:
+                line[i] = (line[i] + (left + up) // 2) & 255
+            elif kind == 4:
+                p = left + up - corner
+                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+                line[i] = (line[i] + (left if pa <= pb and pa <= pc else up if pb <= pc else corner)) & 255
+        rows.append(bytes(b for x in range(width) for b in line[x * step : x * step + 3]))
+        prev = line
+    return width, height, rows
+
+
+def test_the_page_embeds_every_module_with_its_counts_and_children(profile: Profile, page: Path) -> None:
+    modules = embedded_data(page.read_text())["modules"]
+    # the model, the transformer and its 5 children, 2 blocks of 13 modules, lm_head
+    assert len(modules) == len(profile.modules) == 34
+    names = [m["name"] for m in modules]
+    assert names[0] == "" and set(names) == set(profile.modules)
+    for record in modules:
+        expected = asdict(profile.modules[record["name"]])
+        assert {k: v for k, v in record.items() if k != "kids"} == expected
+        assert [names[k] for k in record["kids"]] == [c.name for c in profile.children(record["name"])]
+    # depth first: every module comes right after its previous sibling's subtree, under its parent
+    assert names[:5] == ["", "transformer", "transformer.wte", "transformer.wpe", "transformer.drop"]
+    assert names[-1] == "lm_head"
+
+
+def test_the_page_fetches_nothing_and_escapes_what_it_is_given(page: Path) -> None:
+    html = page.read_text()
+    assert not re.search(r"https?:|//[a-z0-9]|\b(src|href)\s*=|@import|url\(", html, re.IGNORECASE)
+    assert "<title>GPT-2 &lt;2 layers&gt;</title>" in html
+    assert "<dt>model</dt><dd>GPT-2, 2 layers</dd>" in html
+
+
+def test_a_module_name_cannot_close_the_script_that_holds_the_data() -> None:
+    evil = "x</script><script>alert(1)</script>"
+    model = torch.nn.Sequential()
+    model.add_module(evil, torch.nn.Linear(2, 3))
+    tracer = Tracer(model)
+    tracer.start()
+    try:
+        model(torch.ones(1, 2))
+    finally:
+        tracer.stop()
+    html = render_html(tracer.profile())
+    assert html.count("</script>") == 2  # the data's and the code's, nothing else
+    modules = embedded_data(html)["modules"]
+    assert [m["name"] for m in modules] == ["", evil] and modules[1]["fwd_macs"] == 6
+
+
+@needs_chromium
+def test_chromium_runs_the_script_and_the_page_shows_names_and_numbers(
+    profile: Profile, page: Path, tmp_path: Path
+) -> None:
+    dom = chromium("--dump-dom", page.as_uri(), tmp=tmp_path).stdout
+    assert f'data-rendered="{len(profile.modules)}"' in dom  # the script ran to its end
+    for name in profile.modules:
+        assert f'data-name="{name}"' in dom
+    assert len(re.findall(r'<div class="cell[^"]*" data-name=', dom)) == len(profile.modules)
+    # the details of the model, formatted as the text report formats them
+    root = profile.model
+    details = dom.split('id="details"')[1].split('id="tip"')[0]
+    for text in (
+        number_to_string(root.fwd_flops).strip(),
+        number_to_string(root.bwd_flops).strip(),
+        macs_to_string(root.fwd_macs),
+        duration_to_string(root.fwd_latency),
+        *root.functionals,
+    ):
+        assert f">{text}<" in details, text
+    assert re.search(f"(>|· ){re.escape(params_to_string(root.params))} params \\(", details)
+    # the transformer's bar (nearly all of the forward) is wide enough to carry its full label
+    label = f"transformer GPT2Model · {duration_to_string(profile.modules['transformer'].fwd_latency)}"
+    assert re.search(f'data-name="transformer"[^>]*>{re.escape(label)}<', dom)
+
+
+@needs_chromium
+def test_the_screenshot_shows_the_chart_in_the_colour_ramp(page: Path, tmp_path: Path) -> None:
+    png = tmp_path / "shot.png"
+    chromium(f"--screenshot={png}", page.as_uri(), tmp=tmp_path)
+    width, height, rows = read_png(png)
+    assert (width, height) == WINDOW
+    pixels = [row[i : i + 3] for row in rows for i in range(0, len(row), 3)]
+    colours = {tuple(p) for p in pixels}
+    assert len(colours) > 50  # text, panels and bars, not one flat colour
+    in_ramp = sum(1 for p in pixels if tuple(p) in RAMP)
+    assert in_ramp > 0.03 * width * height  # the bars: at least a few percent of the window
+    assert len(RAMP & colours) >= 3  # modules of different achieved FLOPS in different colours
+
+
+@needs_chromium
+def test_a_click_zooms_into_a_module_and_the_toggle_shows_backward_latency(
+    profile: Profile, page: Path, tmp_path: Path
+) -> None:
+    clicks = (
+        "<script>document.querySelector('[data-name=\"transformer.h.1\"]').click();"
+        "document.querySelector('[data-phase=\"bwd\"]').click();</script></body>"
+    )
+    clicked = tmp_path / "clicked.html"
+    clicked.write_text(page.read_text().replace("</body>", clicks))
+    dom = chromium("--dump-dom", clicked.as_uri(), tmp=tmp_path).stdout
+
+    def style(name: str) -> str:
+        return re.search(f'data-name="{re.escape(name)}" style="([^"]*)"', dom)[1]
+
+    block = profile.modules["transformer.h.1"]
+    # the block and its ancestors span the width; its children share it; the other block is hidden
+    for name in ("", "transformer", "transformer.h", "transformer.h.1"):
+        assert "left: 0%; width: 100%" in style(name)
+    assert "display: none" in style("transformer.h.0") and "display: none" in style("lm_head")
+    shown = 0
+    for child in profile.children(block.name):
+        share = child.bwd_latency / block.bwd_latency
+        if "display: none" in style(child.name):
+            assert share < 1 / WINDOW[0]  # hidden only when thinner than half a pixel of the chart
+        else:
+            shown += 1
+            width = float(re.search(r"width: ([0-9.e-]+)%", style(child.name))[1])
+            assert width / 100 == pytest.approx(share, abs=1e-5)  # Chromium keeps 6 digits
+    assert shown  # the widest of ln_1, attn, ln_2, mlp at least
+    # the details follow the zoom, in the phase shown
+    details = dom.split('id="details"')[1].split('id="tip"')[0]
+    assert ">transformer.h.1<small>GPT2Block</small>" in details
+    assert f">{duration_to_string(block.bwd_latency)}<" in details
+    assert '<span id="legend-title">achieved backward FLOPS</span>' in dom
+    assert "<b>h.1</b>" in dom.split('id="crumbs"')[1].split("</div>")[0]
