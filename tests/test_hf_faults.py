@@ -1,0 +1,452 @@
+"""HFFlopsCallback never outlives its step: a fault injected at every point of the profile window.
+
+Each case raises at one point of one window step (counting, module timing, clean) of a real
+``transformers.Trainer`` run, then checks that the exception reached the caller unchanged and that
+nothing of the profiler remains: torch's global hook dicts, both mode stacks, the attributes of
+``torch``, ``torch.nn.functional`` and ``torch.Tensor``, every module's and the optimizer's hooks, the
+Trainer's attributes and callbacks. A clean run in the same process then counts what a run before any
+fault counted. The model is a two-layer MLP in plain torch, so its MACs are worked out by hand.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from flops_callbacks.hf import HFFlopsCallback
+
+PROFILE_STEP, CLEAN_STEPS = 1, 1
+WINDOW = {"counting": PROFILE_STEP, "module timing": PROFILE_STEP + 1, "clean": PROFILE_STEP + 2}
+MAX_STEPS = PROFILE_STEP + 2 + CLEAN_STEPS  # the window's last step is the run's last
+IN, HIDDEN, OUT, BATCH = 8, 16, 4, 4
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@dataclass
+class Fault:
+    """Where and at which global step (the step being run) to raise ``error``; fires once."""
+
+    point: str | None = None
+    step: int = -1
+    error: BaseException = field(default_factory=lambda: Boom("injected"))
+    trainer: Trainer | None = None
+    fired: bool = False
+
+    def check(self, point: str, step: int | None = None) -> None:
+        if point != self.point or self.fired:
+            return
+        if step is None:
+            step = self.trainer.state.global_step if self.trainer is not None else -1
+        if step == self.step:
+            self.fired = True
+            raise self.error
+
+
+class RaiseInBackward(torch.autograd.Function):
+    """Identity whose backward raises the fault's error."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fault: Fault) -> torch.Tensor:
+        ctx.fault = fault
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.fault.check("backward")
+        return grad, None
+
+
+class Regressor(nn.Module):
+    """Linear(IN, HIDDEN) -> ReLU -> Linear(HIDDEN, OUT), MSE loss; raises where the fault says."""
+
+    def __init__(self, fault: Fault) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, OUT)
+        self.fault = fault
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.fault.check("forward")
+        loss = F.mse_loss(self.fc2(torch.relu(self.fc1(x))), labels)
+        return {"loss": RaiseInBackward.apply(loss, self.fault)}
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, size: int = 64) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = (
+            torch.randn(size, IN, generator=generator),
+            torch.randn(size, OUT, generator=generator),
+        )
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class FaultyTrainer(Trainer):
+    """A Trainer whose ``compute_loss`` and gradient clipping raise where the fault says."""
+
+    fault: Fault
+    sgd: torch.optim.Optimizer  # the optimizer itself (trainer.optimizer becomes accelerate's wrapper)
+
+    def compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        self.fault.check("compute_loss")
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        self.fault.check("gradient clipping")
+        return super()._clip_grad_norm(model)
+
+
+class FailingSGD(torch.optim.SGD):
+    def __init__(self, params: Any, fault: Fault) -> None:
+        super().__init__(params, lr=1e-2)
+        self.fault = fault
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.fault.check("optimizer.step")
+        return super().step(closure)
+
+
+class FailingLR(torch.optim.lr_scheduler.LambdaLR):
+    def __init__(self, optimizer: torch.optim.Optimizer, fault: Fault) -> None:
+        self.fault = fault
+        super().__init__(optimizer, lambda step: 1.0)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.fault.check("lr_scheduler.step")
+        super().step(*args, **kwargs)
+
+
+class FailingCallback(TrainerCallback):
+    """Another callback of the run, raising in one of its events (on_step_end sees the step + 1)."""
+
+    def __init__(self, fault: Fault) -> None:
+        self.fault = fault
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        self.fault.check("on_step_begin", state.global_step)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self.fault.check("on_pre_optimizer_step", state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.fault.check("on_step_end", state.global_step - 1)
+
+
+def make_trainer(
+    tmp_path: Path,
+    fault: Fault,
+    callbacks: list[TrainerCallback],
+    max_steps: int = MAX_STEPS,
+) -> FaultyTrainer:
+    model = Regressor(fault)
+    optimizer = FailingSGD(model.parameters(), fault)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=max_steps, per_device_train_batch_size=BATCH,
+        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = FaultyTrainer(
+        model=model,
+        args=args,
+        train_dataset=Pairs(),
+        callbacks=callbacks,
+        optimizers=(optimizer, FailingLR(optimizer, fault)),
+    )
+    trainer.fault, trainer.sgd = fault, optimizer
+    fault.trainer = trainer
+    return trainer
+
+
+def callback(**kwargs: Any) -> HFFlopsCallback:
+    return HFFlopsCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN_STEPS, print_profile=False, **kwargs)
+
+
+# --- the state that must be the same after a fault as before it --------------------------------------
+
+
+def torch_state() -> dict[str, Any]:
+    """torch's global hook dicts (modules, optimizers) and both mode stacks."""
+    state: dict[str, Any] = {}
+    for namespace in (torch.nn.modules.module, importlib.import_module("torch.optim.optimizer")):
+        for name, value in vars(namespace).items():
+            if name.startswith("_global_") and isinstance(value, dict):
+                state[f"{namespace.__name__}.{name}"] = dict(value)
+    state["dispatch modes"] = list(_get_current_dispatch_mode_stack())
+    state["function modes"] = list(_get_current_function_mode_stack())
+    return state
+
+
+def torch_namespaces() -> dict[tuple[str, str], Any]:
+    return {(ns.__name__, key): value for ns in (torch, F, torch.Tensor) for key, value in vars(ns).items()}
+
+
+def hooks_of(obj: Any) -> dict[str, Any]:
+    """Every hook dict of a module or optimizer."""
+    return {
+        name: dict(value) for name, value in vars(obj).items() if "hook" in name and isinstance(value, dict)
+    }
+
+
+def attributes(trainer: FaultyTrainer) -> dict[str, set[str]]:
+    """Attribute names of the Trainer, the optimizer and every module."""
+    names = {"trainer": set(vars(trainer)), "optimizer": set(vars(trainer.sgd))}
+    names.update({f"module {name!r}": set(vars(m)) for name, m in trainer.model.named_modules()})
+    return names
+
+
+@dataclass
+class Snapshot:
+    torch: dict[str, Any]
+    namespaces: dict[tuple[str, str], Any]
+    hooks: dict[str, dict[str, Any]]
+    attributes: dict[str, set[str]]
+    callbacks: list[TrainerCallback]
+
+    @classmethod
+    def of(cls, trainer: FaultyTrainer) -> Snapshot:
+        hooks = {name: hooks_of(module) for name, module in trainer.model.named_modules()}
+        hooks["optimizer"] = hooks_of(trainer.sgd)
+        return cls(
+            torch_state(),
+            torch_namespaces(),
+            hooks,
+            attributes(trainer),
+            list(trainer.callback_handler.callbacks),
+        )
+
+    def added(self, trainer: FaultyTrainer) -> dict[str, set[str]]:
+        after = attributes(trainer)
+        return {key: after[key] - names for key, names in self.attributes.items() if after[key] != names}
+
+    def assert_same_after(self, trainer: FaultyTrainer, by_training: dict[str, set[str]]) -> None:
+        """As before, but for the attributes a plain run of the Trainer adds itself (``by_training``)."""
+        after = Snapshot.of(trainer)
+        assert after.torch == self.torch
+        assert [key for key, value in self.namespaces.items() if after.namespaces.get(key) is not value] == []
+        assert after.hooks == self.hooks
+        assert "training_step" not in vars(trainer) and "compute_loss" not in vars(trainer)
+        added = self.added(trainer)
+        assert {key: names - by_training.get(key, set()) for key, names in added.items()} == {
+            key: set() for key in added
+        }
+        assert after.callbacks == self.callbacks
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A run before any fault: its counts, and the attributes a Trainer run adds by itself."""
+    root = tmp_path_factory.mktemp("reference")
+    plain = make_trainer(root / "plain", Fault(), [])
+    before = Snapshot.of(plain)
+    plain.train()
+    profiled = callback()
+    make_trainer(root / "profiled", Fault(), [profiled]).train()
+    return {"counts": counts(profiled), "run_keys": before.added(plain)}
+
+
+def counts(profiled: HFFlopsCallback) -> tuple[int, ...]:
+    p = profiled.result.profile
+    return (p.fwd_flops, p.bwd_flops, p.recompute_flops, p.fwd_macs, p.bwd_macs, p.params)
+
+
+def test_reference_run_counts_the_hand_computed_macs(reference: dict[str, Any]) -> None:
+    fwd_flops, bwd_flops, recompute_flops, fwd_macs, bwd_macs, params = reference["counts"]
+    assert fwd_macs == BATCH * (IN * HIDDEN + HIDDEN * OUT)
+    # weight gradients of both layers, input gradient of fc2 only (the batch needs none)
+    assert bwd_macs == BATCH * (IN * HIDDEN + 2 * HIDDEN * OUT)
+    assert params == IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT
+    assert fwd_flops >= 2 * fwd_macs and bwd_flops >= 2 * bwd_macs and recompute_flops == 0
+
+
+def assert_a_clean_run_counts_as_before(tmp_path: Path, reference: dict[str, Any]) -> None:
+    fresh = callback()
+    trainer = make_trainer(tmp_path / "after", Fault(), [fresh])
+    before = Snapshot.of(trainer)
+    trainer.train()
+    assert fresh.result is not None and counts(fresh) == reference["counts"]
+    assert fresh.result.profile.bwd_flops > 0
+    before.assert_same_after(trainer, reference["run_keys"])
+
+
+# --- the matrix ----------------------------------------------------------------------------------------
+
+POINTS = [
+    "forward",
+    "compute_loss",
+    "backward",
+    "gradient clipping",
+    "on_pre_optimizer_step",
+    "optimizer.step",
+    "lr_scheduler.step",
+    "on_step_end",
+    "on_step_begin",
+]
+
+
+def run_with_fault(tmp_path: Path, fault: Fault, callbacks: list[TrainerCallback], reference: dict) -> None:
+    trainer = make_trainer(tmp_path / "faulty", fault, callbacks)
+    before = Snapshot.of(trainer)
+    with pytest.raises(type(fault.error)) as raised:
+        trainer.train()
+    assert raised.value is fault.error  # the same exception, not wrapped or replaced
+    before.assert_same_after(trainer, reference["run_keys"])
+
+
+AFTER_OURS_AT_STEP_BEGIN = pytest.mark.xfail(
+    reason="the one-shot training_step wrapper, set in our on_step_begin, stays on the Trainer when a "
+    "callback after ours raises in on_step_begin: no event or scope of ours comes before training_step",
+    strict=True,
+)
+
+
+@pytest.mark.parametrize("step", list(WINDOW), ids=lambda s: s.replace(" ", "_"))
+@pytest.mark.parametrize(
+    "point", [p if p != "on_step_begin" else pytest.param(p, marks=AFTER_OURS_AT_STEP_BEGIN) for p in POINTS]
+)
+def test_a_fault_anywhere_in_the_window_propagates_and_leaves_nothing(
+    tmp_path: Path, reference: dict[str, Any], point: str, step: str
+) -> None:
+    fault = Fault(point, WINDOW[step])
+    # another callback's events: before ours in the list (on_step_end: ours never sees the step end),
+    # after ours for on_step_begin (ours has already set up the step's first micro-batch)
+    other = FailingCallback(fault)
+    callbacks = [callback(), other] if point == "on_step_begin" else [other, callback()]
+    run_with_fault(tmp_path, fault, callbacks, reference)
+    assert fault.fired
+    assert_a_clean_run_counts_as_before(tmp_path, reference)
+
+
+@pytest.mark.parametrize("step", list(WINDOW), ids=lambda s: s.replace(" ", "_"))
+def test_another_callback_failing_after_ours_at_step_end_leaves_nothing(
+    tmp_path: Path, reference: dict[str, Any], step: str
+) -> None:
+    # at the window's last step ours has published by then: the fault comes after the metrics
+    fault = Fault("on_step_end", WINDOW[step])
+    profiled = callback()
+    run_with_fault(tmp_path, fault, [profiled, FailingCallback(fault)], reference)
+    assert (profiled.result is not None) == (step == "clean")
+    assert_a_clean_run_counts_as_before(tmp_path, reference)
+
+
+@pytest.mark.parametrize("step", list(WINDOW), ids=lambda s: s.replace(" ", "_"))
+def test_keyboard_interrupt_inside_optimizer_step_leaves_nothing(
+    tmp_path: Path, reference: dict[str, Any], step: str
+) -> None:
+    fault = Fault("optimizer.step", WINDOW[step], error=KeyboardInterrupt())
+    run_with_fault(tmp_path, fault, [callback()], reference)
+    assert_a_clean_run_counts_as_before(tmp_path, reference)
+
+
+# --- after the fault, the process runs as before it ----------------------------------------------------
+
+
+def iteration_time(model: nn.Module, batch: torch.Tensor, iterations: int = 50) -> float:
+    """Seconds per forward + backward: the fastest of ``iterations``, which holds what a leftover hook
+    or mode adds to every iteration and not what other processes on a busy machine take away."""
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        model(batch).sum().backward()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def test_after_an_optimizer_fault_at_the_counting_step_iterations_stay_fast_and_memory_flat(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    # before the rewrite this case left the counting hooks and modes installed: every later
+    # forward + backward of any model ran under them, 2x slower, and memory grew without bound
+    torch.manual_seed(0)
+    layers = [m for _ in range(8) for m in (nn.Linear(128, 128), nn.ReLU())]
+    model, batch = nn.Sequential(*layers), torch.randn(32, 128)
+    iteration_time(model, batch, 5)  # first-call initialisations
+    baseline = iteration_time(model, batch)
+    fault = Fault("optimizer.step", WINDOW["counting"])
+    run_with_fault(tmp_path, fault, [callback()], reference)
+
+    process = psutil.Process()
+    rss_before = process.memory_info().rss
+    first = iteration_time(model, batch)
+    iteration_time(model, batch, 100)
+    last = iteration_time(model, batch)
+    rss_growth = process.memory_info().rss - rss_before
+    assert last < 1.5 * first and first < 1.5 * baseline
+    assert rss_growth < 50 * 2**20
+
+
+# --- user functions and loggers that fail ---------------------------------------------------------------
+
+# the n-th micro-batch: 1 = the counting step's, 3 = the clean step's, 4 = the first metered one's
+CALLS = {"counting": 1, "clean": 3, "metered": 4}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("argument", ["batch_size_fn", "tokens_fn"])
+def test_a_failing_batch_size_or_tokens_fn_propagates_and_leaves_nothing(
+    tmp_path: Path, reference: dict[str, Any], argument: str, call: str
+) -> None:
+    error, seen = Boom(argument), []
+
+    def user_fn(inputs: dict[str, torch.Tensor]) -> int:
+        seen.append(inputs)
+        if len(seen) == CALLS[call]:
+            raise error
+        return int(inputs["x"].shape[0])
+
+    fault = Fault(error=error)
+    trainer = make_trainer(tmp_path / "faulty", fault, [callback(**{argument: user_fn})], MAX_STEPS + 1)
+    before = Snapshot.of(trainer)
+    with pytest.raises(Boom) as raised:
+        trainer.train()
+    assert raised.value is error and len(seen) == CALLS[call]
+    assert trainer.state.global_step == PROFILE_STEP + CALLS[call] - 1
+    before.assert_same_after(trainer, reference["run_keys"])
+    assert_a_clean_run_counts_as_before(tmp_path, reference)
+
+
+class FailingLogger(TrainerCallback):
+    """A reporting callback whose on_log raises on the first logs holding ``key``."""
+
+    def __init__(self, key: str, error: Exception) -> None:
+        self.key, self.error = key, error
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        if self.key in (logs or {}):
+            raise self.error
+
+
+@pytest.mark.parametrize("key", ["flops_profiler/fwd_flops", "throughput/samples_per_sec"])
+def test_a_logger_failing_on_the_metrics_propagates_and_leaves_nothing(
+    tmp_path: Path, reference: dict[str, Any], key: str
+) -> None:
+    error = Boom("logger")
+    trainer = make_trainer(
+        tmp_path / "faulty", Fault(), [FailingLogger(key, error), callback()], MAX_STEPS + 1
+    )
+    before = Snapshot.of(trainer)
+    with pytest.raises(Boom) as raised:
+        trainer.train()
+    assert raised.value is error
+    assert trainer.state.global_step == MAX_STEPS + (key.startswith("throughput"))
+    before.assert_same_after(trainer, reference["run_keys"])  # the console printers are back in the list
+    assert trainer.control.should_log  # as the Trainer set it: the loss of that step is still due
+    assert_a_clean_run_counts_as_before(tmp_path, reference)
