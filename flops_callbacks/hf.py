@@ -23,7 +23,10 @@ try:
     from transformers.integrations import TensorBoardCallback, WandbCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 except ImportError as err:  # the core needs only torch; the HF callback is an extra
-    raise ImportError("HFFlopsCallback needs transformers: pip install 'flops-callbacks[hf]'") from err
+    raise ImportError(
+        "HFFlopsCallback needs transformers: pip install transformers accelerate "
+        "(from a checkout of flops_callbacks: pip install '.[hf]')"
+    ) from err
 
 from flops_callbacks.from_deepspeed import FromDeepSpeedConfig
 from flops_callbacks.metrics import FWD_FLOPS

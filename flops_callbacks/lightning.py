@@ -17,7 +17,8 @@ try:
     from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 except ImportError as err:  # the core needs only torch; the Lightning callback is an extra
     raise ImportError(
-        "FlopsProfilerCallback needs Lightning: pip install 'flops-callbacks[lightning]'"
+        "FlopsProfilerCallback needs Lightning: pip install lightning "
+        "(from a checkout of flops_callbacks: pip install '.[lightning]')"
     ) from err
 
 from flops_callbacks.from_deepspeed import FromDeepSpeedConfig
