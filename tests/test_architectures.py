@@ -322,7 +322,7 @@ def test_recurrent_lm(kind: str, gates: int) -> None:
 def grouped_mm_by_hand(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> int:
     """2 * m * k * n of every group's own matmul, the groups' extents read from ``offs``."""
     ends = offs.tolist() if offs is not None else []
-    sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+    sizes = [end - start for start, end in zip([0, *ends], ends, strict=False)]  # one per group
     if a.dim() == 3 and b.dim() == 3:  # a batch of G matmuls
         return a.shape[0] * 2 * a.shape[1] * a.shape[2] * b.shape[2]
     if b.dim() == 3:  # group g: its rows of a (tokens routed to expert g) @ b[g]

@@ -300,7 +300,7 @@ def test_gpu_attention_kernels_count_as_torch_registry_does(kernel: str) -> None
 def per_group_flops(layout: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> int:
     """2 * m * k * n of every group's own matmul, the groups' extents read from ``offs``."""
     ends = offs.tolist() if offs is not None else []
-    sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+    sizes = [end - start for start, end in zip([0, *ends], ends, strict=False)]  # one per group
     if layout == "3d-3d":  # group g: a[g] (M, K) @ b[g] (K, N)
         return sum(2 * a.shape[1] * a.shape[2] * b.shape[2] for _ in range(a.shape[0]))
     if layout == "2d-3d":  # group g: its rows of a @ b[g]

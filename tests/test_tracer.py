@@ -1,0 +1,173 @@
+"""The counting engine: forward, backward and recompute attributed to modules, nothing left behind on stop,
+totals equal to the profile's, and the running sums laid out as Counts. Counts are matmuls by hand."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import fields
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as module_globals
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils.checkpoint import checkpoint
+
+from flops_callbacks.profile import Counts
+from flops_callbacks.recording import CALLS, SLOTS, Context
+from flops_callbacks.registry import OpCount
+from flops_callbacks.tracer import Tracer
+
+B, D_IN, D_HID, D_OUT = 4, 8, 16, 2
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D_IN, D_HID, bias=False)
+        self.act = nn.ReLU()
+        self.down = nn.Linear(D_HID, D_OUT, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+UP, DOWN = 2 * B * D_IN * D_HID, 2 * B * D_HID * D_OUT  # forward matmul flops
+
+
+def traced(model: nn.Module, x: torch.Tensor, **options: object) -> Tracer:
+    tracer = Tracer(model, **options)
+    tracer.start()
+    try:
+        model(x).sum().backward()
+    finally:
+        tracer.stop()
+    return tracer
+
+
+def test_forward_and_backward_are_attributed_to_their_modules() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(B, D_IN)  # no grad: the first layer's input gradient is never computed
+    profile = traced(Mlp(), x).profile()
+    up, down = profile.modules["up"], profile.modules["down"]
+    assert (up.fwd_macs * 2, up.bwd_macs * 2) == (UP, UP)  # the weight gradient only
+    assert (down.fwd_macs * 2, down.bwd_macs * 2) == (DOWN, 2 * DOWN)
+    assert profile.modules["act"].fwd_flops == B * D_HID  # one comparison per element
+    assert profile.fwd_macs == up.fwd_macs + down.fwd_macs
+    assert (up.calls, down.calls, profile.model.calls) == (1, 1, 1)
+    params = D_IN * D_HID + D_HID * D_OUT
+    assert (up.params, profile.params, profile.trainable_params) == (D_IN * D_HID, params, params)
+
+
+def test_totals_equal_the_profile_without_building_it() -> None:
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(B, D_IN)
+    tracer = Tracer(model)
+    tracer.start()
+    model(x).sum().backward()
+    counts, seconds = tracer.totals()  # while running: from the sums
+    tracer.stop()
+    profile = tracer.profile()
+    assert (counts.fwd_flops, counts.bwd_flops, counts.fwd_macs, counts.calls) == (
+        profile.fwd_flops,
+        profile.bwd_flops,
+        profile.fwd_macs,
+        1,
+    )
+    assert seconds == pytest.approx(profile.fwd_latency)
+    assert tracer.totals()[0] is profile.model  # once built, read from the profile
+
+
+def test_stop_leaves_no_hook_mode_or_tag_and_reset_forgets_counts() -> None:
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(B, D_IN, requires_grad=True)
+    hooks = (len(module_globals._global_forward_pre_hooks), len(module_globals._global_forward_hooks))
+    tracer = Tracer(model)
+    tracer.start()
+    assert tracer.running
+    out = model(x)
+    tracer.stop()
+    assert not tracer.running
+    assert (len(module_globals._global_forward_pre_hooks), len(module_globals._global_forward_hooks)) == hooks
+    assert _get_current_dispatch_mode_stack() == []
+    node, seen = out.grad_fn, []
+    while node is not None:  # every autograd node of the graph, none tagged any more
+        seen.append(dict(node.metadata))
+        node = next((n for n, _ in node.next_functions if n is not None), None)
+    assert seen and all(meta == {} for meta in seen)
+    assert tracer.profile().fwd_macs * 2 == UP + DOWN
+    tracer.reset()
+    assert tracer.profile().fwd_flops == 0
+
+
+def test_recompute_under_activation_checkpointing_is_apart() -> None:
+    torch.manual_seed(0)
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = Mlp()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.mlp, x, use_reentrant=False)
+
+    profile = traced(Checkpointed(), torch.randn(B, D_IN, requires_grad=True)).profile()
+    assert 2 * profile.fwd_macs == UP + DOWN
+    # non-reentrant checkpointing re-runs the forward only as far as the backward needs saved
+    # tensors: up and its ReLU (down's weight gradient reads the ReLU's output); down's own output
+    # is needed by nobody
+    assert 2 * profile.recompute_macs == UP
+    assert 2 * profile.bwd_macs == 2 * (UP + DOWN)
+    assert profile.modules["mlp.up"].recompute_macs * 2 == UP
+
+
+def test_ignored_types_count_towards_their_parent() -> None:
+    torch.manual_seed(0)
+    profile = traced(Mlp(), torch.randn(B, D_IN), ignore_types=(nn.Linear,)).profile()
+    assert set(profile.modules) == {"", "act"}
+    assert profile.model.fwd_macs * 2 == UP + DOWN
+
+
+def test_work_in_another_thread_is_not_counted() -> None:
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(B, D_IN)
+    tracer = Tracer(model)
+    tracer.start()
+    try:
+        worker = threading.Thread(target=lambda: model(x))
+        worker.start()
+        worker.join()
+    finally:
+        tracer.stop()
+    assert tracer.profile().fwd_flops == 0
+
+
+def test_causal_half_counts_the_kept_part_of_causal_attention() -> None:
+    q = torch.randn(1, 2, 8, 4)
+
+    class Attention(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    def attention_flops(causal_half: bool) -> int:
+        tracer = Tracer(Attention(), causal_half=causal_half)
+        tracer.start()
+        try:
+            tracer.model(q)
+        finally:
+            tracer.stop()
+        return tracer.profile().model.functionals["scaled_dot_product_attention"].fwd_flops
+
+    full = 2 * 2 * 8 * 8 * (4 + 4)
+    assert attention_flops(False) == full
+    assert attention_flops(True) == full * sum(range(1, 9)) // 64  # row i keeps i + 1 of 8 keys
+
+
+def test_the_running_sums_are_laid_out_as_counts() -> None:
+    assert tuple(f.name for f in fields(Counts)) == SLOTS
+    ctx = Context(("",), "linear")
+    ctx.add(1, "linear", OpCount(flops=10, macs=4, recompute_flops=3, recompute_macs=1))
+    ctx.sums_of("linear")[CALLS] += 1
+    assert Counts(*ctx.sums["linear"]) == Counts(
+        bwd_flops=10, bwd_macs=4, recompute_flops=3, recompute_macs=1, calls=1
+    )
