@@ -36,11 +36,16 @@ class ParallelSizes:
         return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
 
     def summary_lines(self) -> list[tuple[str, str]]:
-        """DeepSpeed's summary rows for these sizes, then the factors of the model-parallel size."""
+        """DeepSpeed's summary rows for these sizes, in its words and order."""
         return [
             ("world size", str(self.world_size)),
             ("data parallel size", str(self.data_parallel)),
             ("model parallel size", str(self.model_parallel)),
+        ]
+
+    def factor_lines(self) -> list[tuple[str, str]]:
+        """Rows DeepSpeed does not print: the factors of the model-parallel size."""
+        return [
             ("tensor parallel size", str(self.tensor_parallel)),
             ("pipeline parallel size", str(self.pipeline_parallel)),
             ("context parallel size", str(self.context_parallel)),
