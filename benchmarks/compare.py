@@ -3,7 +3,7 @@ flops_callbacks and the tools users compare it with (those that are installed).
 
 Reference: torch's ``FlopCounterMode`` with SDPA on the math backend (attention becomes matmuls it
 counts), i.e. matmul, convolution and attention flops of the real forward and the real backward;
-for RNNs, whose kernels it counts as 0, the standard formula (``flops_callbacks.formulas.rnn_flops``,
+for RNNs, whose kernels it counts as 0, the standard formula (``rnn_flops`` below,
 backward = 2 x forward). Every tool runs on CPU on its own copy of the same model (same weights,
 same ``requires_grad`` flags) with the same input tensors, so a tool that leaves hooks, patches or
 a changed ``train()`` flag behind cannot affect the next one; what each left behind is listed.
@@ -36,7 +36,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from flops_callbacks import FlopsProfiler
-from flops_callbacks.formulas import rnn_flops
 
 Inputs = dict[str, torch.Tensor]
 
@@ -50,6 +49,25 @@ class Count:
 
 
 # --- the models: real architectures from transformers configs, an LSTM, a functional-only block ----
+
+
+def rnn_flops(
+    mode: str,
+    input_size: int,
+    hidden_size: int,
+    tokens: int,
+    num_layers: int = 1,
+    bidirectional: bool = False,
+) -> int:
+    """The standard forward formula for ``nn.RNN``/``GRU``/``LSTM`` matmul flops (no gate arithmetic):
+    the reference for RNNs, whose kernels FlopCounterMode counts as 0 on CPU."""
+    gates = {"RNN": 1, "GRU": 3, "LSTM": 4}[mode]
+    directions = 2 if bidirectional else 1
+    total = 0
+    for layer in range(num_layers):
+        layer_in = input_size if layer == 0 else hidden_size * directions
+        total += directions * 2 * tokens * gates * hidden_size * (layer_in + hidden_size)
+    return total
 
 
 def transformers_module() -> Any:

@@ -112,7 +112,8 @@ def _deepspeed_rows(p: Profile, run: RunContext) -> list[tuple[str, object]]:
         iter_label = "FLOPS per GPU = fwd+bwd flops per GPU / iter latency"
     else:  # only timed (DeepSpeed's engine profiles the forward): DeepSpeed's estimate, in its words
         factor = 2 + run.recompute_fwd_factor
-        estimated = dataclasses.replace(p, bwd_flops=int(factor * p.fwd_flops), recompute_flops=0)
+        root = dataclasses.replace(p.model, bwd_flops=int(factor * p.fwd_flops), recompute_flops=0)
+        estimated = dataclasses.replace(p, modules={**p.modules, "": root})
         rates = phase_rates(estimated, fwd_latency, bwd_latency, step_latency)
         bwd_label = f"bwd FLOPS per GPU = {factor:g} * fwd flops per GPU / bwd latency"
         both_label = f"fwd+bwd FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / (fwd+bwd latency)"

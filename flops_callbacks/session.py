@@ -47,6 +47,7 @@ from flops_callbacks import publish
 from flops_callbacks.batch import Signature, leading_batch_size, shape_signature
 from flops_callbacks.clock import clock_for, module_device
 from flops_callbacks.distributed import Latencies, dtensor_params, gather_latencies
+from flops_callbacks.estimate import estimate_rows
 from flops_callbacks.module_timer import ModuleTimer
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
@@ -92,6 +93,15 @@ def _given_peak(peak_flops: float | None) -> Peak | None:
         return Peak(float(peak_flops), "peak_flops argument")
     value = peak_from_env()
     return Peak(value, f"{ENV_VAR} environment variable") if value is not None else None
+
+
+def _model_config(model: torch.nn.Module) -> Any:
+    """The model's config (a transformers config: ``model.config``, or a submodule's), if it has one."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if callable(getattr(config, "to_dict", None)):
+            return config
+    return None
 
 
 def _median(values: list[float]) -> float:
@@ -379,6 +389,8 @@ class StepSession:
         peak, no_peak_reason = resolve_peak(self.given_peak, device, context.compute_dtype)
         profile = dataclasses.replace(profile, fwd_latency=fwd, bwd_latency=bwd)
         extra = context.extra_lines(counting.batches, profile) if context.extra_lines is not None else []
+        if counting.tokens:  # what "6 x params x tokens" claims (with active parameters, for an MoE)
+            extra += estimate_rows(profile, counting.tokens, _model_config(model))
         self.result = result = WindowResult(
             profile=profile,
             steps=WindowSteps(

@@ -17,7 +17,7 @@ from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
-from flops_callbacks.units import flops_to_string
+from flops_callbacks.units import flops_to_string, params_to_string
 from tests.sleepy import Sleepy, SleepySGD
 
 B, IN, OUT = 5, 6, 2
@@ -303,3 +303,45 @@ def test_with_activation_checkpointing_the_printed_logged_and_saved_rates_agree(
     )
     bwd = r.profile.bwd_flops + r.profile.recompute_flops  # the backward phase re-runs the forward
     assert logged[names.BWD_FLOPS_PER_SEC] == pytest.approx(bwd / r.bwd_latency)
+
+
+def test_an_moe_models_report_says_what_six_n_d_claims_with_all_and_active_parameters() -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, num_local_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    tokens = torch.randint(1, 256, (2, 16))
+    session = StepSession(Options(profile_step=0, clean_steps=0, tokens_fn=lambda b: b.numel()), "test")
+    session.train_start(0)
+    outlet = Outlet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for step in range(2):
+        session.step_start(step, model)
+        session.micro_batch_start(tokens)
+        loss = model(tokens, labels=tokens).loss
+        session.phase(BACKWARD)
+        loss.backward()
+        session.micro_batch_end()
+        session.phase(OPTIMIZER_STEP)
+        optimizer.step()
+        session.step_end(step + 1, outlet)
+    session.train_end(2, outlet)
+    r = session.result
+    assert r is not None
+    rows = dict(r.extra_lines)
+    params = r.profile.params
+    experts = sum(m.params for m in r.profile.modules.values() if m.name.endswith("experts"))
+    active = params - experts + experts * 2 // 4  # top-2 of 4 experts
+    claimed = 6 * params * 32  # 2 x 16 tokens
+    ratio = r.profile.model_flops / claimed
+    expected = f"{flops_to_string(claimed)} (measured fwd+bwd flops: {ratio:.2f}x this)"
+    assert rows["6 x params x tokens"] == expected
+    assert rows["experts per token"] == "2 of 4"
+    assert rows["active params per token"] == params_to_string(active)
+    assert rows["6 x active params x tokens"].startswith(flops_to_string(6 * active * 32))
+    assert "6 x params x tokens" in outlet.printed[0]
