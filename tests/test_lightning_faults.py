@@ -1,0 +1,484 @@
+"""Issue 11's fault matrix for FlopsProfilerCallback in a real lightning.Trainer: whatever ends a profile
+window, the error reaches the caller unchanged and nothing of the profiler stays behind.
+
+An exception is raised at each point of a window step (the forward, ``training_step``, another callback's
+``on_before_backward``, the backward, ``on_after_backward``, gradient clipping, ``optimizer.step``, the LR
+scheduler, another callback's ``on_train_batch_end``, a ``KeyboardInterrupt`` in ``optimizer.step``), at
+each kind of window step: counting, module timing, clean. After each, torch's global hook dicts, both mode
+stacks, the attributes of ``torch``, ``torch.nn.functional`` and ``torch.Tensor``, the optimizer's and
+every module's hooks are as before, and a following fit in the same process counts what a fresh process
+counts. The model is the one of test_lightning.py with a probe module that can raise in its forward and
+in its backward (a custom autograd Function), so its flops are counted by hand the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.trainer.states import TrainerStatus
+from torch import nn
+from torch.nn.modules import module as torch_module
+from torch.optim import optimizer as torch_optimizer
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from flops_callbacks.lightning import FlopsProfilerCallback
+from flops_callbacks.profile import Counts, Profile
+from flops_callbacks.result import WindowSteps
+
+IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3
+PROFILE_STEP, CLEAN = 1, 1
+WINDOW_STEPS = {"counting": PROFILE_STEP, "module timing": PROFILE_STEP + 1, "clean": PROFILE_STEP + 2}
+WINDOW_END = PROFILE_STEP + 2 + CLEAN  # the global step after the window's last step
+ROOT = Path(__file__).resolve().parents[1]
+
+# By hand, as in test_lightning.py: the probe does no arithmetic (its clone is a copy, its backward
+# hands the gradient on), the loss is outside the model.
+FWD_FLOPS = 2 * BATCH * IN * HIDDEN + BATCH * HIDDEN + 2 * BATCH * HIDDEN * OUT  # 1200
+BWD_FLOPS = (
+    2 * BATCH * OUT * HIDDEN * 2 + BATCH * OUT  # head: grad input, weight, bias
+    + BATCH * HIDDEN  # ReLU
+    + 2 * BATCH * IN * HIDDEN + BATCH * HIDDEN  # first Linear: grad weight, bias (its input needs none)
+)  # fmt: skip
+
+
+# --- where to fail -----------------------------------------------------------------------------------
+
+
+class Fault:
+    """Raises ``error`` once, at ``point``, in the optimizer step that started at global step ``step``."""
+
+    def __init__(self, point: str | None = None, step: int = -1, error: BaseException | None = None) -> None:
+        self.point, self.step = point, step
+        self.error = error if error is not None else RuntimeError(f"injected in {point} at step {step}")
+        self.current: int | None = None  # the global step the running optimizer step started at
+        self.raised = False
+
+    def check(self, point: str) -> None:
+        if point == self.point and self.current == self.step and not self.raised:
+            self.raised = True
+            raise self.error
+
+
+class RaiseInBackward(torch.autograd.Function):
+    """Identity whose backward may raise."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fault: Fault) -> torch.Tensor:
+        ctx.fault = fault
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.fault.check("backward")
+        return grad, None
+
+
+class Probe(nn.Module):
+    """Inside the model: may raise in its forward or in its backward."""
+
+    def __init__(self, fault: Fault) -> None:
+        super().__init__()
+        self.fault = fault
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fault.check("forward")
+        return RaiseInBackward.apply(x, self.fault)
+
+
+class FaultySGD(torch.optim.SGD):
+    """SGD that may raise in its step, after Lightning's closure (the forward and backward) ran."""
+
+    def __init__(self, params: Any, fault: Fault) -> None:
+        super().__init__(params, lr=0.01)
+        self.fault = fault
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        self.fault.check("optimizer.step")
+        super().step()
+        return loss
+
+
+class FaultyLR(torch.optim.lr_scheduler.LambdaLR):
+    """A constant schedule whose step may raise."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, fault: Fault) -> None:
+        self.fault = fault
+        super().__init__(optimizer, lambda step: 1.0)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.fault.check("lr_scheduler.step")
+        super().step(*args, **kwargs)
+
+
+class FaultyMLP(L.LightningModule):
+    """Linear(8, 16) -> Probe -> ReLU -> Linear(16, 4); the optimizer is built here, so that its hooks
+    can be read before the fit."""
+
+    def __init__(self, fault: Fault | None = None, manual: bool = False) -> None:
+        super().__init__()
+        self.fault = fault or Fault()
+        self.block = nn.Sequential(nn.Linear(IN, HIDDEN), Probe(self.fault), nn.ReLU())
+        self.head = nn.Linear(HIDDEN, OUT)
+        self.automatic_optimization = not manual
+        self.optimizer = FaultySGD(self.parameters(), self.fault)
+        self.scheduler = FaultyLR(self.optimizer, self.fault)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.head(self.block(x)), y)
+        self.fault.check("training_step")
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+            self.lr_schedulers().step()
+        return loss
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, **kwargs: Any
+    ) -> None:
+        self.fault.check("gradient clipping")
+
+    def configure_optimizers(self) -> dict:
+        return {
+            "optimizer": self.optimizer,
+            "lr_scheduler": {"scheduler": self.scheduler, "interval": "step"},
+        }
+
+
+class Injector(L.Callback):
+    """After FlopsProfilerCallback in the list: tells the fault which step runs, and may raise in the
+    callback events; keeps the exception Lightning's ``on_exception`` was given."""
+
+    def __init__(self, fault: Fault) -> None:
+        self.fault = fault
+        self.seen: BaseException | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.fault.current = trainer.global_step
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.fault.check("on_before_backward")
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.fault.check("on_after_backward")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.fault.check("on_train_batch_end")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.seen = exception
+
+
+def loader(samples: int = 48) -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(samples, IN, generator=generator), torch.randn(samples, OUT, generator=generator)
+    )
+    return torch.utils.data.DataLoader(data, batch_size=BATCH)
+
+
+def fit(
+    root: Path,
+    module: FaultyMLP,
+    callback: FlopsProfilerCallback,
+    extra: list[L.Callback] | None = None,
+    **options: Any,
+) -> L.Trainer:
+    settings: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=WINDOW_END,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        default_root_dir=root,
+    )
+    settings.update(options)
+    trainer = L.Trainer(callbacks=[callback, *(extra or [])], **settings)
+    trainer.fit(module, train_dataloaders=loader())
+    return trainer
+
+
+def quiet_callback(**kwargs: Any) -> FlopsProfilerCallback:
+    return FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False, **kwargs)
+
+
+# --- the state that must come back -------------------------------------------------------------------
+
+
+def hook_dicts(obj: object) -> dict[str, dict]:
+    """Copies of an object's hook dicts (every dict attribute with "hook" in its name)."""
+    return {k: dict(v) for k, v in vars(obj).items() if "hook" in k and isinstance(v, dict)}
+
+
+def process_state(module: FaultyMLP) -> dict[str, Any]:
+    """What the profiler could leave behind, in torch, on the module and on its optimizer."""
+    return {
+        "global module hooks": hook_dicts(torch_module),
+        "global optimizer hooks": hook_dicts(torch_optimizer),
+        "dispatch modes": list(_get_current_dispatch_mode_stack()),
+        "function modes": list(_get_current_function_mode_stack()),
+        "grad mode": (torch.is_grad_enabled(), torch.is_inference_mode_enabled()),
+        "namespaces": {ns.__name__: dict(vars(ns)) for ns in (torch, F, torch.Tensor)},
+        "module hooks": {name: hook_dicts(m) for name, m in module.named_modules()},
+        # Lightning adds attributes to the LightningModule itself; none may appear on its submodules
+        "module attributes": {name: set(vars(m)) for name, m in module.named_modules() if name},
+        "optimizer hooks": hook_dicts(module.optimizer),
+        "optimizer step": (type(module.optimizer).step, "step" in vars(module.optimizer)),
+    }
+
+
+def assert_same_state(before: dict[str, Any], after: dict[str, Any]) -> None:
+    for key in before:
+        if key == "namespaces":
+            continue
+        assert after[key] == before[key], key
+    for ns, attributes in before["namespaces"].items():
+        now = after["namespaces"][ns]
+        changed = [k for k, v in attributes.items() if now.get(k) is not v]
+        assert changed == [], ns
+        # torch imports some submodules on first use (torch._dynamo): new names may only be modules
+        added = [k for k in set(now) - set(attributes) if not isinstance(now[k], types.ModuleType)]
+        assert added == [], ns
+
+
+def counts(profile: Profile) -> dict[str, Any]:
+    """Every count of a profile (per module, outside the model, coverage): no latency."""
+    return {
+        "modules": {
+            name: {f.name: getattr(m, f.name) for f in dataclasses.fields(Counts)}
+            for name, m in profile.modules.items()
+        },
+        "outside": dataclasses.asdict(profile.outside_model),
+        "calls": (profile.coverage.counted_calls, profile.coverage.free_calls),
+    }
+
+
+def fresh_process_worker() -> None:
+    """Prints the counts of one clean fit, in a process where nothing ran before."""
+    import tempfile
+
+    callback = quiet_callback()
+    with tempfile.TemporaryDirectory() as root:
+        fit(Path(root), FaultyMLP(), callback)
+    print("counts", json.dumps(counts(callback.result.profile)))
+
+
+@pytest.fixture(scope="module")
+def fresh_counts() -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, __file__, "fresh-counts"], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith("counts ")]
+    return json.loads(line.split(" ", 1)[1])
+
+
+def assert_a_clean_fit_counts_as_a_fresh_process(root: Path, fresh: dict[str, Any]) -> None:
+    callback = quiet_callback()
+    fit(root, FaultyMLP(), callback)
+    result = callback.result
+    assert result.steps == WindowSteps(
+        counting=PROFILE_STEP,
+        module_timing=PROFILE_STEP + 1,
+        clean=(PROFILE_STEP + 2,),
+        skipped=(),
+        latency_source="median of 1 clean step(s)",
+    )
+    assert (result.profile.fwd_flops, result.profile.bwd_flops) == (FWD_FLOPS, BWD_FLOPS)
+    assert json.loads(json.dumps(counts(result.profile))) == fresh
+
+
+@pytest.fixture
+def sigint_handler() -> Iterator[None]:
+    """Lightning ignores SIGINT for the rest of the process after a KeyboardInterrupt: put it back."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
+# --- the matrix ------------------------------------------------------------------------------------
+
+POINTS = [
+    ("forward", False),
+    ("training_step", False),
+    ("on_before_backward", False),
+    ("backward", False),
+    ("on_after_backward", False),
+    ("gradient clipping", False),
+    ("optimizer.step", False),
+    ("lr_scheduler.step", False),
+    ("on_train_batch_end", False),
+    ("backward", True),  # manual optimization: the window steps hook the optimizer
+    ("optimizer.step", True),
+]
+
+
+@pytest.mark.parametrize("window_step", list(WINDOW_STEPS))
+@pytest.mark.parametrize(("point", "manual"), POINTS, ids=[f"{p}{' (manual)' * m}" for p, m in POINTS])
+def test_an_exception_in_a_window_step_reaches_the_caller_and_leaves_nothing(
+    tmp_path: Path, fresh_counts: dict, point: str, manual: bool, window_step: str
+) -> None:
+    fault = Fault(point, WINDOW_STEPS[window_step])
+    module, callback, injector = FaultyMLP(fault, manual=manual), quiet_callback(), Injector(fault)
+    before = process_state(module)
+    with pytest.raises(RuntimeError) as raised:
+        fit(tmp_path / "faulty", module, callback, [injector])
+    assert raised.value is fault.error and injector.seen is fault.error
+    assert str(raised.value) == f"injected in {point} at step {WINDOW_STEPS[window_step]}"
+    assert_same_state(before, process_state(module))
+    assert not callback.session.window_open
+    if window_step != "clean" or point != "on_train_batch_end":  # that one ends after the window
+        assert callback.result is None
+    assert_a_clean_fit_counts_as_a_fresh_process(tmp_path / "clean", fresh_counts)
+
+
+@pytest.mark.usefixtures("sigint_handler")
+@pytest.mark.parametrize("window_step", list(WINDOW_STEPS))
+def test_a_keyboard_interrupt_in_the_optimizer_step_exits_through_lightning_and_leaves_nothing(
+    tmp_path: Path, fresh_counts: dict, window_step: str
+) -> None:
+    fault = Fault("optimizer.step", WINDOW_STEPS[window_step], KeyboardInterrupt())
+    module, callback, injector = FaultyMLP(fault), quiet_callback(), Injector(fault)
+    before = process_state(module)
+    with pytest.raises(SystemExit) as raised:
+        fit(tmp_path / "faulty", module, callback, [injector])
+    # Lightning's handler: on_exception gets the KeyboardInterrupt, then sys.exit(1) inside its except
+    assert raised.value.code == 1 and raised.value.__context__ is fault.error
+    assert injector.seen is fault.error
+    assert module.trainer.state.status == TrainerStatus.INTERRUPTED
+    assert_same_state(before, process_state(module))
+    assert callback.result is None and not callback.session.window_open
+    assert_a_clean_fit_counts_as_a_fresh_process(tmp_path / "clean", fresh_counts)
+
+
+def test_the_callback_that_saw_the_fault_profiles_the_next_fit(tmp_path: Path) -> None:
+    fault = Fault("optimizer.step", PROFILE_STEP)
+    callback = quiet_callback()
+    with pytest.raises(RuntimeError):
+        fit(tmp_path / "faulty", FaultyMLP(fault), callback, [Injector(fault)])
+    fit(tmp_path / "again", FaultyMLP(), callback)
+    assert callback.result.step == PROFILE_STEP and callback.result.published_at == WINDOW_END
+    assert (callback.result.profile.fwd_flops, callback.result.profile.bwd_flops) == (FWD_FLOPS, BWD_FLOPS)
+
+
+# --- user functions that fail ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window_step", list(WINDOW_STEPS))
+@pytest.mark.parametrize("argument", ["batch_size_fn", "tokens_fn"])
+def test_a_failing_batch_size_fn_or_tokens_fn_propagates_unchanged_and_leaves_nothing(
+    tmp_path: Path, fresh_counts: dict, argument: str, window_step: str
+) -> None:
+    fault = Fault(argument, WINDOW_STEPS[window_step])
+
+    def user_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        fault.current = module.trainer.global_step  # called before the injector hears of the step
+        fault.check(argument)
+        return len(batch[0])
+
+    module, callback = FaultyMLP(fault), quiet_callback(**{argument: user_fn})
+    before = process_state(module)
+    with pytest.raises(RuntimeError) as raised:
+        fit(tmp_path / "faulty", module, callback)
+    assert raised.value is fault.error
+    assert_same_state(before, process_state(module))
+    assert callback.result is None and not callback.session.window_open
+    assert_a_clean_fit_counts_as_a_fresh_process(tmp_path / "clean", fresh_counts)
+
+
+class RaisingLogger(CSVLogger):
+    """A CSV logger whose ``log_metrics`` raises when it is given metrics named ``prefix*``."""
+
+    def __init__(self, root: Path, prefix: str) -> None:
+        super().__init__(root)
+        self.prefix = prefix
+        self.error = RuntimeError(f"logger refuses {prefix}")
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if any(name.startswith(self.prefix) for name in metrics):
+            raise self.error
+        super().log_metrics(metrics, step)
+
+
+@pytest.mark.parametrize("prefix", ["flops_profiler/", "throughput/"])
+def test_a_logger_raising_on_our_metrics_propagates_unchanged_and_leaves_nothing(
+    tmp_path: Path, fresh_counts: dict, prefix: str
+) -> None:
+    module, callback, logger = FaultyMLP(), quiet_callback(), RaisingLogger(tmp_path / "faulty", prefix)
+    before = process_state(module)
+    with pytest.raises(RuntimeError) as raised:  # throughput is logged from the step after the window
+        fit(tmp_path / "faulty", module, callback, logger=logger, max_steps=WINDOW_END + 1)
+    assert raised.value is logger.error
+    assert module.trainer.global_step == WINDOW_END + (prefix == "throughput/")
+    assert_same_state(before, process_state(module))
+    assert not callback.session.window_open and not callback.session.wants_batches
+    assert_a_clean_fit_counts_as_a_fresh_process(tmp_path / "clean", fresh_counts)
+
+
+# --- after a fault, training runs as before ---------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def iteration_seconds(model: nn.Module, optimizer: torch.optim.Optimizer, iterations: int) -> list[float]:
+    """Seconds of each of ``iterations`` plain forward + backward + step iterations."""
+    x, y = torch.randn(BATCH, IN), torch.randn(BATCH, OUT)
+    seconds = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def test_after_a_fault_in_the_optimizer_step_200_iterations_keep_their_speed_and_memory(
+    tmp_path: Path,
+) -> None:
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    iteration_seconds(model, optimizer, 20)  # warm-up
+    before = statistics.median(iteration_seconds(model, optimizer, 50))
+    fault = Fault("optimizer.step", PROFILE_STEP)  # issue 11's case: the counting step's optimizer step
+    with pytest.raises(RuntimeError):
+        fit(tmp_path, FaultyMLP(fault), quiet_callback(), [Injector(fault)])
+    started, rss = time.perf_counter(), rss_bytes()
+    seconds = iteration_seconds(model, optimizer, 200)
+    growth = rss_bytes() - rss
+    first, last = statistics.median(seconds[:50]), statistics.median(seconds[-50:])
+    assert last < 1.5 * first and first < 1.5 * before, (before, first, last)
+    assert growth < 50 * 2**20
+    assert time.perf_counter() - started < 20
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["fresh-counts"]:
+    fresh_process_worker()
