@@ -107,6 +107,14 @@ def report_rows(log_dir: Path) -> dict[str, str]:
     }
 
 
+def assert_saved_profile(log_dir: Path, rank0: dict[str, Any]) -> None:
+    """The JSON rank 0 wrote next to the logs holds the metrics and sizes its callback published."""
+    saved = json.loads((log_dir / f"flops_profile_step{PROFILE_STEP}.json").read_text())
+    assert saved["metrics"] == rank0["metrics"]
+    assert saved["parallel"] == rank0["parallel"]
+    assert saved["profile"]["params"] == rank0["profile"]["params"]
+
+
 def model_params_rows(rows: dict[str, str]) -> list[str]:
     """The values of the report's "params of model ..." rows (ours and DeepSpeed's)."""
     return [value for label, value in rows.items() if label.startswith("params of model")]
@@ -144,6 +152,7 @@ def test_lightning_fsdp2_each_device_counts_the_whole_model_on_its_batch_and_hol
         assert ParallelSizes(**seen["parallel"]) == ParallelSizes(world_size=2, data_parallel=2)
     assert every[0]["metrics"] == every[1]["metrics"]  # the slowest rank's latencies, everywhere
     rows = report_rows(Path(every[0]["log_dir"]))
+    assert_saved_profile(Path(every[0]["log_dir"]), every[0])
     assert_sizes_rows(rows, data=2, tensor=1, pipeline=1, context=1)
     assert params_to_string(whole(mlp())) in model_params_rows(rows)  # the global size
 
@@ -165,6 +174,7 @@ def test_hf_trainer_deepspeed_zero_counts_the_whole_model_on_each_devices_batch(
         tokens_per_sec = seen["metrics"][names.TOKENS_PER_SEC]
         assert tokens_per_sec == pytest.approx(2 * BATCH * SEQ / seen["metrics"][names.ITER_LATENCY])
     rows = report_rows(tmp_path / "out")
+    assert_saved_profile(tmp_path / "out", every[0])
     assert_sizes_rows(rows, data=2, tensor=1, pipeline=1, context=1)
     assert params_to_string(whole(gpt2())) in model_params_rows(rows)
 
