@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 Latencies = tuple[float, float, float]  # (fwd, bwd, step) seconds
@@ -29,11 +27,3 @@ def gather_latencies(local: Latencies, device: torch.device) -> list[Latencies]:
     dist.all_gather(every, mine)
     return [(float(f), float(b), float(s)) for f, b, s in torch.stack(every).tolist()]
 
-
-def dtensor_params(model: torch.nn.Module) -> int | None:
-    """Parameters of the whole model if they are DTensors (sharded: numel is the global size), else None."""
-    params = list(dict.fromkeys(model.parameters()))
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    if dtensor is None or not any(isinstance(p, dtensor) for p in params):
-        return None
-    return sum(p.numel() for p in params)

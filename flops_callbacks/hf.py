@@ -11,7 +11,6 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,15 +27,13 @@ except ImportError as err:  # the core needs only torch; the HF callback is an e
         "(from a checkout of flops_callbacks: pip install '.[hf]')"
     ) from err
 
-from flops_callbacks.from_deepspeed import FromDeepSpeedConfig
+from flops_callbacks.callback_base import SessionCallback
 from flops_callbacks.metrics import FWD_FLOPS
-from flops_callbacks.options import CausalAttention, Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
 from flops_callbacks.profile import Profile
 from flops_callbacks.publish import markdown_block
-from flops_callbacks.result import WindowResult
-from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
+from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, TrainingContext
 from flops_callbacks.units import number_to_string
 
 
@@ -185,7 +182,7 @@ class _Outlet:
         tqdm.write(text)  # above the Trainer's progress bar, which stays intact
 
 
-class HFFlopsCallback(FromDeepSpeedConfig, TrainerCallback):
+class HFFlopsCallback(SessionCallback, TrainerCallback):
     """Profiles a short window of optimizer steps of a ``transformers.Trainer`` run: DeepSpeed-style
     report, metrics in every reporting backend of the Trainer.
 
@@ -227,44 +224,11 @@ class HFFlopsCallback(FromDeepSpeedConfig, TrainerCallback):
     Args: as :class:`flops_callbacks.lightning.FlopsProfilerCallback`.
     """
 
-    def __init__(
-        self,
-        profile_step: int = 10,
-        clean_steps: int = 3,
-        module_depth: int = -1,
-        top_modules: int = 1,
-        detailed: bool = False,
-        print_profile: bool = True,
-        output_file: str | Path | None = None,
-        batch_size_fn: Callable[[Any], int] | None = None,
-        tokens_fn: Callable[[Any], int] | None = None,
-        causal_attention: CausalAttention = "full",
-        throughput: bool = True,
-        peak_flops: float | None = None,
-    ) -> None:
-        options = Options(
-            profile_step=profile_step,
-            clean_steps=clean_steps,
-            module_depth=module_depth,
-            top_modules=top_modules,
-            detailed=detailed,
-            print_profile=print_profile,
-            output_file=output_file,
-            batch_size_fn=batch_size_fn,
-            tokens_fn=tokens_fn,
-            causal_attention=causal_attention,
-            throughput=throughput,
-            peak_flops=peak_flops,
-        )
-        self.session = StepSession(options, "HFFlopsCallback", tokens_fn=tokens_fn or _input_ids_tokens)
-        self._trainer: weakref.ref[transformers.Trainer] | None = None
-        self._wrapped: transformers.Trainer | None = None  # the Trainer whose training_step is wrapped
-        self._wrapper: Callable[..., Any] | None = None
-
-    @property
-    def result(self) -> WindowResult | None:
-        """The profiled window (on every process), once it has been published."""
-        return self.session.result
+    default_tokens_fn = staticmethod(_input_ids_tokens)
+    _trainer: weakref.ref[transformers.Trainer] | None = None
+    _wrapped: transformers.Trainer | None = None  # the Trainer whose training_step is wrapped
+    _wrapper: Callable[..., Any] | None = None
+    _shadowed: Callable[..., Any] | None = None  # a user's own instance-level training_step
 
     def _current_trainer(self) -> transformers.Trainer | None:
         return self._trainer() if self._trainer is not None else None
@@ -287,7 +251,7 @@ class HFFlopsCallback(FromDeepSpeedConfig, TrainerCallback):
         )
         if (
             self.session.meter is not None
-            and str(getattr(args, "logging_strategy", "steps")).endswith("no")
+            and getattr(args, "logging_strategy", "steps") == "no"  # a str enum ("IntervalStrategy.NO")
             and state.is_world_process_zero
         ):
             warnings.warn(

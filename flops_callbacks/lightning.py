@@ -7,8 +7,6 @@ hook starts which phase, where the parallel sizes and the compute dtype are, and
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 try:
@@ -21,13 +19,11 @@ except ImportError as err:  # the core needs only torch; the Lightning callback 
         "(from a checkout of flops_callbacks: pip install '.[lightning]')"
     ) from err
 
-from flops_callbacks.from_deepspeed import FromDeepSpeedConfig
-from flops_callbacks.options import CausalAttention, Options
+from flops_callbacks.callback_base import SessionCallback
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
 from flops_callbacks.publish import markdown_block as _markdown_block
-from flops_callbacks.result import WindowResult
-from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
+from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, TrainingContext
 
 
 def parallel_sizes(trainer: pl.Trainer) -> ParallelSizes:
@@ -110,7 +106,7 @@ class _Outlet:
             print(text)
 
 
-class FlopsProfilerCallback(FromDeepSpeedConfig, pl.Callback):
+class FlopsProfilerCallback(SessionCallback, pl.Callback):
     """Profiles a short window of optimizer steps of a Lightning run: DeepSpeed-style report, metrics
     in every logger.
 
@@ -157,45 +153,9 @@ class FlopsProfilerCallback(FromDeepSpeedConfig, pl.Callback):
             :mod:`flops_callbacks.peaks` for the GPU and the precision plugin's compute dtype.
     """
 
-    def __init__(
-        self,
-        profile_step: int = 10,
-        clean_steps: int = 3,
-        module_depth: int = -1,
-        top_modules: int = 1,
-        detailed: bool = False,
-        print_profile: bool = True,
-        output_file: str | Path | None = None,
-        batch_size_fn: Callable[[Any], int] | None = None,
-        tokens_fn: Callable[[Any], int] | None = None,
-        causal_attention: CausalAttention = "full",
-        throughput: bool = True,
-        peak_flops: float | None = None,
-    ) -> None:
-        super().__init__()
-        options = Options(
-            profile_step=profile_step,
-            clean_steps=clean_steps,
-            module_depth=module_depth,
-            top_modules=top_modules,
-            detailed=detailed,
-            print_profile=print_profile,
-            output_file=output_file,
-            batch_size_fn=batch_size_fn,
-            tokens_fn=tokens_fn,
-            causal_attention=causal_attention,
-            throughput=throughput,
-            peak_flops=peak_flops,
-        )
-        self.session = StepSession(options, "FlopsProfilerCallback")
-        self._step_at_batch_start: int | None = None  # the global step of the step in progress
-        self._step_hooks: list[Any] = []  # manual optimization: optimizer step post hooks, window only
-        self._profiled_step: int | None = None  # kept in checkpoints: a resumed run knows it ran
-
-    @property
-    def result(self) -> WindowResult | None:
-        """The profiled window (on every rank), once it has been published."""
-        return self.session.result
+    _step_at_batch_start: int | None = None  # the global step of the optimizer step in progress
+    _step_hooks: tuple[Any, ...] | list[Any] = ()  # manual optimization: optimizer step post hooks
+    _profiled_step: int | None = None  # kept in checkpoints: a resumed run knows it ran
 
     def state_dict(self) -> dict[str, Any]:
         return {"profiled_step": self._profiled_step}
@@ -253,7 +213,7 @@ class FlopsProfilerCallback(FromDeepSpeedConfig, pl.Callback):
 
     def _end_step(self) -> None:
         self._step_at_batch_start = None
-        hooks, self._step_hooks = self._step_hooks, []
+        hooks, self._step_hooks = self._step_hooks, ()
         for handle in hooks:
             handle.remove()
 

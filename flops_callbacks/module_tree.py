@@ -12,6 +12,8 @@ from collections.abc import Iterable
 
 import torch
 
+from flops_callbacks.parallel import stored_numel
+
 
 class ModuleTree:
     """Names, ancestors and parameter holders of ``model``'s modules (except ``ignore_types``).
@@ -61,7 +63,7 @@ class ModuleTree:
         if self._param_holders is None:
             self._param_holders = self._holders_of_params()
         for param, holders in self._param_holders:
-            numel = _stored_numel(param)
+            numel = stored_numel(param)
             for name in holders:
                 params[name] += numel
                 if param.requires_grad:
@@ -100,12 +102,6 @@ def _module_paths(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         ]
         pending.extend(reversed(children))
     return paths
-
-
-def _stored_numel(param: torch.Tensor) -> int:
-    """Elements this device stores: a DTensor's local shard, not its global size."""
-    local = getattr(param, "_local_tensor", None)
-    return local.numel() if isinstance(local, torch.Tensor) else param.numel()
 
 
 def _has_compiled(modules: Iterable[torch.nn.Module]) -> bool:

@@ -62,7 +62,7 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
 
 def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
     """Rows after DeepSpeed's and the profile's own: tokens, rank spread, MFU, where figures come from."""
-    lines = []
+    lines = result.parallel.factor_lines()
     if names.TOKENS_PER_SEC in metrics:
         lines.append(("tokens/second (all data-parallel replicas)", f"{metrics[names.TOKENS_PER_SEC]:.2f}"))
     if len(result.rank_latencies) > 1:

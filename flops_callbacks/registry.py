@@ -158,6 +158,11 @@ def registered(op: Any) -> FormulaEntry | None:
     return _ENTRIES.get(op)
 
 
+# Profiler marks, and collectives and the copies around them (FSDP's all-gathers, reduce-scatters,
+# chunk_cat): they move data between devices; the reductions of a reduce-scatter are not model flops.
+_NO_ARITHMETIC_NAMESPACES = frozenset({"profiler", "c10d", "_c10d_functional", "c10d_functional", "fsdp"})
+
+
 def entry_for(func: torch._ops.OpOverload) -> FormulaEntry:
     """How calls of the overload ``func`` are counted (resolved once per overload)."""
     found = _RESOLVED.get(func)
@@ -173,7 +178,7 @@ def _resolve(func: torch._ops.OpOverload) -> FormulaEntry:
         return entry
     if packet in _torch_registry:
         return FormulaEntry(OpKind.DENSE, torch_formula(packet))
-    if func.is_view or func.namespace == "profiler":
+    if func.is_view or func.namespace in _NO_ARITHMETIC_NAMESPACES:
         return FormulaEntry(OpKind.FREE)
     if torch.Tag.pointwise in tags:
         return FormulaEntry(OpKind.ELEMENTWISE, _pointwise)

@@ -51,7 +51,7 @@ class WindowResult:
     no_peak_reason: str = ""  # why there is none (said once, in the report)
     # every rank's (fwd, bwd, step) latencies, by rank; the latencies above are the slowest rank's
     rank_latencies: list[Latencies] = field(default_factory=list)
-    # parameters of the whole model when they are DTensors (their global sizes); None otherwise
+    # parameters of the whole model when they are sharded (FSDP2/TP DTensors, ZeRO-3): global sizes
     sharded_model_params: int | None = None
     # report rows an adapter adds about its framework (label, value), e.g. the HF Trainer's estimate
     extra_lines: list[tuple[str, str]] = field(default_factory=list)

@@ -46,11 +46,11 @@ import torch
 from flops_callbacks import publish
 from flops_callbacks.batch import Signature, leading_batch_size, shape_signature
 from flops_callbacks.clock import clock_for, module_device
-from flops_callbacks.distributed import Latencies, dtensor_params, gather_latencies
+from flops_callbacks.distributed import Latencies, gather_latencies
 from flops_callbacks.estimate import estimate_rows
 from flops_callbacks.module_timer import ModuleTimer
 from flops_callbacks.options import Options
-from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.parallel import ParallelSizes, sharded_params
 from flops_callbacks.peaks import ENV_VAR, Peak, peak_from_env, resolve_peak
 from flops_callbacks.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
 from flops_callbacks.profile import Profile
@@ -411,7 +411,7 @@ class StepSession:
             peak=peak,
             no_peak_reason=no_peak_reason,
             rank_latencies=ranks,
-            sharded_model_params=dtensor_params(model),
+            sharded_model_params=sharded_params(model),
             extra_lines=extra,
             spans=spans,
             published_at=global_step,

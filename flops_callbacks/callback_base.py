@@ -1,0 +1,74 @@
+"""What both callbacks share above their event maps: their arguments, their session and result, and
+the constructor from a DeepSpeed config's ``flops_profiler`` block, as DeepSpeed users write it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from flops_callbacks.deepspeed_api import deepspeed_callback_kwargs
+from flops_callbacks.options import CausalAttention, Options
+from flops_callbacks.result import WindowResult
+from flops_callbacks.session import StepSession
+
+C = TypeVar("C", bound="SessionCallback")
+
+
+class SessionCallback:
+    """Builds the :class:`StepSession` of a callback from its arguments (checked once, in
+    :class:`~flops_callbacks.options.Options`). Arguments: see the README's table or
+    :class:`flops_callbacks.lightning.FlopsProfilerCallback`."""
+
+    # tokens per micro-batch when the user gives no tokens_fn (the HF Trainer's inputs: input_ids)
+    default_tokens_fn: ClassVar[Callable[[Any], int | None] | None] = None
+
+    def __init__(
+        self,
+        profile_step: int = 10,
+        clean_steps: int = 3,
+        module_depth: int = -1,
+        top_modules: int = 1,
+        detailed: bool = False,
+        print_profile: bool = True,
+        output_file: str | Path | None = None,
+        batch_size_fn: Callable[[Any], int] | None = None,
+        tokens_fn: Callable[[Any], int] | None = None,
+        causal_attention: CausalAttention = "full",
+        throughput: bool = True,
+        peak_flops: float | None = None,
+    ) -> None:
+        super().__init__()
+        options = Options(
+            profile_step=profile_step,
+            clean_steps=clean_steps,
+            module_depth=module_depth,
+            top_modules=top_modules,
+            detailed=detailed,
+            print_profile=print_profile,
+            output_file=output_file,
+            batch_size_fn=batch_size_fn,
+            tokens_fn=tokens_fn,
+            causal_attention=causal_attention,
+            throughput=throughput,
+            peak_flops=peak_flops,
+        )
+        default = type(self).default_tokens_fn
+        self.session = StepSession(options, type(self).__name__, tokens_fn=tokens_fn or default)
+
+    @property
+    def result(self) -> WindowResult | None:
+        """The profiled window (on every rank), once it has been published."""
+        return self.session.result
+
+    @classmethod
+    def from_deepspeed_config(cls: type[C], config: Mapping[str, Any], **kwargs: Any) -> C:
+        """The callback a DeepSpeed config asks for (the whole config or its ``flops_profiler`` block;
+        ``kwargs`` add or override arguments). ``enabled: false`` (DeepSpeed's default) gives a callback
+        that does nothing; ``recompute_fwd_factor`` is ignored with a one-line note: recompute is measured.
+        """
+        found = deepspeed_callback_kwargs(config)
+        callback = cls(**{**(found or {}), **kwargs})
+        if found is None:
+            callback.session.disable()
+        return callback
