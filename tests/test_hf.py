@@ -2,23 +2,29 @@
 
 Flop counts are checked against an independent count: FlopCounterMode with SDPA's math backend
 counts the dense ops (matmuls, attention) of the same micro-batch, which must equal our MACs x 2.
-Metrics are read back from the files the Trainer's own reporting callbacks write.
+Metrics are read back from the Trainer's ``state.log_history`` and from the files its own reporting
+callbacks write, at the global step where the profile window ended (``result.published_at``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import logging
 import os
+import re
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from accelerate.parallelism_config import ParallelismConfig
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -39,9 +45,15 @@ from flops_callbacks import FlopsProfiler
 from flops_callbacks import metrics as names
 from flops_callbacks.hf import HFFlopsCallback, parallel_sizes
 from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.result import WindowSteps
 from flops_callbacks.units import duration_to_string
+from tests.sleepy import Sleepy, SleepySGD
 
-PROFILE_STEP = 2
+# The window: counting step 2, module-timing step 3, one clean step 4; published when step 4 has ended,
+# at global step 5. Runs go one step past it unless a test is about where they end.
+PROFILE_STEP, CLEAN_STEPS = 2, 1
+WINDOW_END = PROFILE_STEP + 2 + CLEAN_STEPS
+STEPS = WindowSteps(PROFILE_STEP, PROFILE_STEP + 1, (PROFILE_STEP + 2,), (), "median of 1 clean step(s)")
 VOCAB, SEQ, BATCH = 97, 16, 4
 
 
@@ -85,7 +97,8 @@ def llama() -> LlamaForCausalLM:
 
 
 def quiet(**kwargs: Any) -> HFFlopsCallback:
-    return HFFlopsCallback(profile_step=PROFILE_STEP, print_profile=False, **kwargs)
+    settings = {"profile_step": PROFILE_STEP, "clean_steps": CLEAN_STEPS, "print_profile": False}
+    return HFFlopsCallback(**{**settings, **kwargs})
 
 
 def make_trainer(
@@ -93,12 +106,15 @@ def make_trainer(
     model: torch.nn.Module,
     callbacks: list[TrainerCallback],
     report_to: tuple[str, ...] = ("tensorboard",),
+    trainer_class: type[Trainer] = Trainer,
+    datasets: dict[str, torch.utils.data.Dataset] | None = None,
+    optimizers: tuple[Any, Any] = (None, None),
     **overrides: Any,
 ) -> Trainer:
     settings = {
         "output_dir": str(tmp_path / "out"),
         "use_cpu": True,
-        "max_steps": PROFILE_STEP + 2,
+        "max_steps": WINDOW_END + 1,
         "per_device_train_batch_size": BATCH,
         "logging_steps": 1,
         "save_strategy": "no",
@@ -107,7 +123,8 @@ def make_trainer(
         "seed": 0,
     }
     args = TrainingArguments(**{**settings, **overrides})
-    return Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=callbacks)
+    datasets = datasets or {"train_dataset": TokenDataset()}
+    return trainer_class(model=model, args=args, callbacks=callbacks, optimizers=optimizers, **datasets)
 
 
 def train(tmp_path: Path, model: torch.nn.Module, callbacks: list[TrainerCallback], **kwargs: Any) -> Trainer:
@@ -143,45 +160,78 @@ def losses(trainer: Trainer) -> list[tuple[int, float]]:
     return [(entry["step"], entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
 
 
-def hooks_on(model: torch.nn.Module) -> int:
-    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return sum(len(getattr(module, kind)) for module in model.modules() for kind in kinds)
+def logged(trainer: Trainer, name: str) -> list[tuple[int, float]]:
+    """(step, value) of every ``name`` in the Trainer's log history."""
+    return [(entry["step"], entry[name]) for entry in trainer.state.log_history if name in entry]
+
+
+_GLOBAL_HOOKS = [name for name in vars(torch.nn.modules.module) if name.startswith("_global_")]
+
+
+def leftovers(trainer: Trainer) -> list[str]:
+    """Whatever of a profiler is installed now: torch's global module hooks, hooks on the model's
+    modules, modes on either stack, instance attributes that shadow the Trainer's methods."""
+    found = [name for name in _GLOBAL_HOOKS if getattr(torch.nn.modules.module, name)]
+    found += [
+        f"{name or 'model'}.{kind}"
+        for name, module in trainer.model.named_modules()
+        for kind, hooks in vars(module).items()
+        if "hook" in kind and isinstance(hooks, dict) and hooks
+    ]
+    found += ["dispatch mode"] * len(_get_current_dispatch_mode_stack())
+    found += ["function mode"] * len(_get_current_function_mode_stack())
+    return found + sorted({"training_step", "compute_loss"} & set(vars(trainer)))
 
 
 def assert_nothing_left(trainer: Trainer) -> None:
-    assert hooks_on(trainer.model) == 0
-    assert not _get_current_dispatch_mode_stack()
-    assert not _get_current_function_mode_stack()
-    assert "training_step" not in vars(trainer)
+    assert leftovers(trainer) == []
+
+
+class WarningsAtFirstStep(TrainerCallback):
+    """The callbacks' warnings already issued when the first step begins (``caught``: the list of a
+    ``warnings.catch_warnings(record=True)`` around the run)."""
+
+    def __init__(self, caught: list[warnings.WarningMessage]) -> None:
+        self.caught = caught
+        self.seen: list[str] | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if self.seen is None:
+            self.seen = [str(w.message) for w in self.caught if "HFFlopsCallback" in str(w.message)]
 
 
 # --- TensorBoard: the Trainer's own event files -------------------------------------------------------
 
 
-def test_metrics_reach_tensorboard_once_at_the_profiled_step_and_losses_are_unchanged(tmp_path: Path) -> None:
+def test_metrics_reach_tensorboard_once_at_the_window_end_and_losses_are_unchanged(tmp_path: Path) -> None:
     callback = quiet()
     profiled = train(tmp_path / "with", gpt2(), [callback])
     plain = train(tmp_path / "without", gpt2(), [])
 
-    scalars = tensorboard_scalars(profiled.args.output_dir)
-    metrics = saved_profile(profiled)["metrics"]
+    result = callback.result
+    assert (result.steps, result.step, result.published_at) == (STEPS, PROFILE_STEP, WINDOW_END)
+    saved = saved_profile(profiled)
+    metrics = saved["metrics"]
+    assert (saved["step"], saved["published_at_step"]) == (PROFILE_STEP, WINDOW_END)
+    assert saved["steps"]["clean"] == [PROFILE_STEP + 2]
     assert set(metrics) == set(names.ALL)  # tokens_per_sec too: input_ids are counted by default
+    scalars = tensorboard_scalars(profiled.args.output_dir)
     for name in names.ALL:
         ((step, value),) = scalars["train/" + name]  # the Trainer's TensorBoardCallback prefixes train/
-        assert step == PROFILE_STEP
+        assert step == WINDOW_END
         assert value == pytest.approx(metrics[name], rel=1e-6)  # event files hold float32
     assert [e for e in profiled.state.log_history if names.FWD_FLOPS in e] == [
-        {**metrics, "epoch": pytest.approx(PROFILE_STEP * BATCH / len(TokenDataset())), "step": PROFILE_STEP}
+        {**metrics, "epoch": pytest.approx(WINDOW_END * BATCH / len(TokenDataset())), "step": WINDOW_END}
     ]
 
     # the loss is logged at the same steps with the same values as without the callback
     assert losses(profiled) == losses(plain)
-    assert [s for s, _ in losses(profiled)] == list(range(1, PROFILE_STEP + 3))
+    assert [s for s, _ in losses(profiled)] == list(range(1, WINDOW_END + 2))
     assert scalars["train/loss"] == tensorboard_scalars(plain.args.output_dir)["train/loss"]
 
     # flops: the dense part equals an independent count of one micro-batch, exactly (the fused attention
     # backward's recompute of QK^T is in recompute_macs: the math backend does not recompute)
-    profile = callback.result.profile
+    profile = result.profile
     assert profile.fwd_macs * 2 == dense_flops(profiled.model, backward=False)
     assert (profile.fwd_macs + profile.bwd_macs) * 2 == dense_flops(profiled.model, backward=True)
     assert profile.fwd_flops > profile.fwd_macs * 2  # plus the elementwise ops (norms, gelu, softmax, loss)
@@ -189,16 +239,17 @@ def test_metrics_reach_tensorboard_once_at_the_profiled_step_and_losses_are_unch
     assert metrics[names.BWD_FLOPS] == profile.bwd_flops
 
     # the step's own numbers
-    result = callback.result
     assert (result.samples, result.tokens, result.micro_batches) == (BATCH, BATCH * SEQ, 1)
     assert result.parallel == ParallelSizes()
     assert metrics[names.ITER_LATENCY] == pytest.approx(
         metrics[names.FWD_LATENCY] + metrics[names.BWD_LATENCY] + metrics[names.STEP_LATENCY]
     )
     assert metrics[names.SAMPLES_PER_SEC] == pytest.approx(BATCH / metrics[names.ITER_LATENCY])
+    assert metrics[names.TOKENS_PER_SEC] == pytest.approx(BATCH * SEQ / metrics[names.ITER_LATENCY])
     assert min(metrics[n] for n in (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY)) > 0
 
-    # the report, written next to the run, with the Trainer's own estimate (what total_flos sums)
+    # the report, written next to the run, with the Trainer's own estimate (what total_flos sums) and
+    # the steps each figure comes from
     report = (Path(profiled.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
     assert f"Profile Summary at step {PROFILE_STEP}:" in report
     estimate = 6 * BATCH * SEQ * profiled.model.num_parameters(exclude_embeddings=True)
@@ -206,27 +257,39 @@ def test_metrics_reach_tensorboard_once_at_the_profiled_step_and_losses_are_unch
     difference = (profile.fwd_flops + profile.bwd_flops - estimate) / estimate * 100
     assert "measured fwd + bwd flops vs Trainer's estimate:" in report
     assert f"{difference:+.1f}%" in report
+    assert re.search(
+        rf"fwd / bwd / step latency from: +median of 1 clean step\(s\): steps {PROFILE_STEP + 2}", report
+    )
+    # the meter's first interval after the window: the one step after it
+    ((step, rate),) = logged(profiled, names.THROUGHPUT_SAMPLES_PER_SEC)
+    assert step == WINDOW_END + 1 and rate > 0
     assert_nothing_left(profiled)
 
 
-# --- what the step covers ------------------------------------------------------------------------------
+# --- what the window covers ----------------------------------------------------------------------------
 
 
 class Probe(TrainerCallback):
-    """A user's callback: records the model's hook count at each optimizer step and every on_log."""
+    """A user's callback: what is left installed at each optimizer step and its end, and every on_log."""
 
     def __init__(self) -> None:
-        self.hooks: dict[int, int] = {}
+        self.trainer: Trainer | None = None
+        self.left: dict[tuple[int, str], list[str]] = {}
         self.logs: list[tuple[int, dict[str, float]]] = []
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs) -> None:
-        self.hooks[state.global_step] = hooks_on(model)
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self.left[state.global_step, "optimizer step"] = leftovers(self.trainer)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.left[state.global_step - 1, "step end"] = leftovers(self.trainer)
 
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         self.logs.append((state.global_step, dict(logs)))
 
 
-def test_gradient_accumulation_profiles_every_micro_batch_and_hooks_only_that_step(tmp_path: Path) -> None:
+def test_gradient_accumulation_profiles_every_micro_batch_and_nothing_stays_between_them(
+    tmp_path: Path,
+) -> None:
     seen: list[Any] = []
 
     def batch_size(inputs: Any) -> int:
@@ -234,12 +297,13 @@ def test_gradient_accumulation_profiles_every_micro_batch_and_hooks_only_that_st
         return int(inputs["input_ids"].shape[0])
 
     before, callback, after = Probe(), quiet(batch_size_fn=batch_size), Probe()
-    trainer = train(tmp_path, gpt2(), [before, callback, after], gradient_accumulation_steps=2)
+    trainer = make_trainer(tmp_path, gpt2(), [before, callback, after], gradient_accumulation_steps=2)
+    before.trainer = after.trainer = trainer
+    trainer.train()
     result = callback.result
     assert (result.micro_batches, result.samples, result.tokens) == (2, 2 * BATCH, 2 * BATCH * SEQ)
-    # the profiled step's 2 micro-batches as the model's keyword arguments: the Trainer's inputs
-    # (+ num_items_in_batch, for the loss); then the 2 of the last step, for the throughput meter
-    assert len(seen) == 4 and all({"input_ids", "labels"} <= set(inputs) for inputs in seen)
+    # the Trainer's inputs of the window's 3 steps x 2 micro-batches, then of the metered last step
+    assert len(seen) == 2 * 4 and all({"input_ids", "labels"} <= set(inputs) for inputs in seen)
     profile = result.profile
     assert profile.fwd_macs * 2 == 2 * dense_flops(trainer.model, backward=False)
     assert (profile.fwd_macs + profile.bwd_macs) * 2 == 2 * dense_flops(trainer.model, backward=True)
@@ -247,14 +311,45 @@ def test_gradient_accumulation_profiles_every_micro_batch_and_hooks_only_that_st
     assert saved_profile(trainer)["metrics"][names.SAMPLES_PER_SEC] == pytest.approx(
         2 * BATCH / result.iter_latency
     )
-    # hooks on the model during the profiled step only
-    assert after.hooks[PROFILE_STEP] > 0
-    assert all(count == 0 for step, count in after.hooks.items() if step != PROFILE_STEP)
+    # nothing installed at any optimizer step or step end, the window's included
+    for probe in (before, after):
+        steps = sorted({step for step, _ in probe.left})
+        assert steps == list(range(WINDOW_END + 1))
+    assert {key: left for key, left in after.left.items() if left} == {}
     # the user's other callbacks, before and after ours in the list, get the metrics in on_log, once
     for probe in (before, after):
-        (logged,) = [(step, logs) for step, logs in probe.logs if names.FWD_FLOPS in logs]
-        assert logged[0] == PROFILE_STEP
-        assert {k: v for k, v in logged[1].items() if k in names.ALL} == result.metrics()
+        (logged_at,) = [(step, logs) for step, logs in probe.logs if names.FWD_FLOPS in logs]
+        assert logged_at[0] == WINDOW_END
+        assert {k: v for k, v in logged_at[1].items() if k in names.ALL} == result.metrics()
+    assert_nothing_left(trainer)
+
+
+def test_a_run_ending_inside_the_window_warns_at_train_start_and_publishes_at_train_end(
+    tmp_path: Path,
+) -> None:
+    callback = quiet()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first_step = WarningsAtFirstStep(caught)
+        trainer = train(tmp_path, gpt2(), [first_step, callback], max_steps=PROFILE_STEP + 2)
+    (warning,) = [w for w in caught if "profile window" in str(w.message)]
+    assert first_step.seen == [str(warning.message)]  # before the first step ran
+    assert f"needs steps {PROFILE_STEP} .. {WINDOW_END - 1}" in str(warning.message)
+    assert "the latencies will rest on 0 clean step(s)" in str(warning.message)
+    # the counting and module-timing steps ran: their result is published when training ends
+    result = callback.result
+    assert (result.steps.counting, result.steps.module_timing, result.steps.clean) == (
+        PROFILE_STEP,
+        PROFILE_STEP + 1,
+        (),
+    )
+    assert result.steps.latency_source.startswith("the module timing step alone")
+    assert result.published_at == PROFILE_STEP + 2
+    assert [step for step, _ in logged(trainer, names.FWD_FLOPS)] == [PROFILE_STEP + 2]
+    ((step, _),) = tensorboard_scalars(trainer.args.output_dir)["train/" + names.FWD_FLOPS]
+    assert step == PROFILE_STEP + 2
+    report = (Path(trainer.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    assert "the module timing step alone (no clean step ran" in report
     assert_nothing_left(trainer)
 
 
@@ -266,6 +361,7 @@ class StepClock(Probe):
         self.ended: dict[int, float] = {}
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
+        super().on_step_end(args, state, control, **kwargs)
         self.ended[state.global_step] = time.perf_counter()
 
 
@@ -273,15 +369,11 @@ def test_throughput_is_logged_at_every_later_logging_step_from_measured_flops(tm
     # 22 sequences in batches of 4: the last step of each epoch (steps 5 and 11) has 2, a new shape
     peak, clock = 3e10, StepClock()
     callback = quiet(peak_flops=peak)
-    trainer = Trainer(
-        model=gpt2(),
-        args=TrainingArguments(
-            output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=12, per_device_train_batch_size=BATCH,
-            logging_steps=3, save_strategy="no", report_to=["tensorboard"], disable_tqdm=True, seed=0,
-        ),
-        train_dataset=TokenDataset(22),
-        callbacks=[callback, clock],
+    trainer = make_trainer(
+        tmp_path, gpt2(), [callback, clock], datasets={"train_dataset": TokenDataset(22)},
+        max_steps=12, logging_steps=3,
     )  # fmt: skip
+    clock.trainer = trainer
     trainer.train()
 
     # the 2-sequence shape was measured once, on its own step, and counted the same as a profile of it
@@ -289,20 +381,21 @@ def test_throughput_is_logged_at_every_later_logging_step_from_measured_flops(tm
     # as the Trainer calls the model: the loss summed and divided by the step's label count
     short = {"input_ids": ids, "labels": ids, "num_items_in_batch": torch.tensor(2 * (SEQ - 1))}
     flops = {BATCH: callback.result.profile.model_flops, 2: profiled_flops(trainer.model, short)}
-    assert sorted(callback.meter.flops_per_micro_batch.values()) == sorted(flops.values())
-    # hooks at the optimizer step only in the profiled step (the measuring ones end with training_step)
-    assert {step for step, hooks in clock.hooks.items() if hooks} == {PROFILE_STEP}
+    assert sorted(callback.session.meter.flops_per_micro_batch.values()) == sorted(flops.values())
+    # nothing installed at any optimizer step (the measuring tracer ends with training_step)
+    assert {key: left for key, left in clock.left.items() if left} == {}
     assert_nothing_left(trainer)
 
     scalars = tensorboard_scalars(trainer.args.output_dir)
-    logged = {
+    throughput = {
         step: {name: dict(scalars["train/" + name])[step] for name in names.THROUGHPUT}
         for step, _ in scalars["train/" + names.THROUGHPUT_SAMPLES_PER_SEC]
     }
-    assert sorted(logged) == [6, 9, 12]  # every logging step after the profiled one
+    # the window ends at 5; at 6 the interval holds step 5 only, the measuring one: nothing to log
+    assert sorted(throughput) == [9, 12]
     sizes = {step: 2 if step in (5, 11) else BATCH for step in range(12)}
-    previous = PROFILE_STEP + 1
-    for step, values in sorted(logged.items()):
+    previous = WINDOW_END
+    for step, values in sorted(throughput.items()):
         counted = [s for s in range(previous, step) if s != 5]  # the measuring step is left out
         samples = sum(sizes[s] for s in counted)
         model_flops = sum(flops[sizes[s]] for s in counted)
@@ -312,40 +405,11 @@ def test_throughput_is_logged_at_every_later_logging_step_from_measured_flops(tm
         assert values[names.THROUGHPUT_MFU] == pytest.approx(
             values[names.THROUGHPUT_FLOPS_PER_SEC] / peak, 1e-5
         )
-        if previous > PROFILE_STEP + 1:  # as in the Lightning test: both clocks include one log write
-            assert 5 not in range(previous, step)
+        if previous > WINDOW_END:  # as in the Lightning test: both clocks include one log write
             assert rate == pytest.approx(samples / (clock.ended[step] - clock.ended[previous]), rel=0.2)
         previous = step
     # the loss is logged as without the callback, beside its own entries
-    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [3, 6, 9, 12]
-
-
-class SlowEvaluation(TrainerCallback):
-    def on_prediction_step(self, args, state, control, **kwargs) -> None:
-        time.sleep(0.1)
-
-
-def test_evaluation_time_is_left_out_of_throughput(tmp_path: Path) -> None:
-    # evaluation (2 batches, 0.2 s) runs after the logs of steps 3 and 6: inside the interval logged at 9
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=9, per_device_train_batch_size=BATCH,
-        per_device_eval_batch_size=BATCH, logging_steps=3, eval_strategy="steps", eval_steps=3,
-        save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
-    )  # fmt: skip
-    callbacks = [quiet(), SlowEvaluation()]
-    trainer = Trainer(
-        gpt2(), args, train_dataset=TokenDataset(), eval_dataset=TokenDataset(2 * BATCH), callbacks=callbacks
-    )
-    trainer.train()
-    history = trainer.state.log_history
-    assert [e["step"] for e in history if "eval_loss" in e] == [3, 6, 9]
-    logged = [
-        (e["step"], e[names.THROUGHPUT_SAMPLES_PER_SEC])
-        for e in history
-        if names.THROUGHPUT_SAMPLES_PER_SEC in e
-    ]
-    assert [step for step, _ in logged] == [6, 9]
-    assert logged[1][1] > 3 * BATCH / 0.2  # 3 steps of BATCH samples; 0.2 s of evaluation in between
+    assert [step for step, _ in losses(trainer)] == [3, 6, 9, 12]
 
 
 def profiled_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
@@ -357,6 +421,190 @@ def profiled_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> in
     return profiler.get_profile().model_flops
 
 
+# --- phases of known durations, evaluation, logging strategies -----------------------------------------
+# Sleeps around many tiny ops (tests/sleepy.py): a figure taken while counting would be inflated by the
+# ops, one taken on the wrong boundaries would miss a sleep.
+
+SLEEP = 0.1
+
+
+class SleepyRegressor(nn.Module):
+    """A forward and a backward that sleep known times, and a loss for the Trainer."""
+
+    def __init__(self, fwd: float, bwd: float, tiny_ops: int = 60, eval_sleep: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = Sleepy(fwd, bwd, tiny_ops)
+        self.eval_sleep = eval_sleep
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self.training:
+            time.sleep(self.eval_sleep)
+        return {"loss": F.mse_loss(self.body(x), labels)}
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(size, 4, generator=generator), torch.randn(size, 4, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def test_forward_backward_and_optimizer_step_of_known_durations_are_reported_within_15_percent(
+    tmp_path: Path,
+) -> None:
+    model = SleepyRegressor(SLEEP, SLEEP)
+    callback = quiet(profile_step=1, clean_steps=2)
+    trainer = train(
+        tmp_path, model, [callback], report_to=(), datasets={"train_dataset": Pairs(10)},
+        optimizers=(SleepySGD(model.parameters(), SLEEP), None), max_steps=5, per_device_train_batch_size=2,
+    )  # fmt: skip
+    result = callback.result
+    assert (result.steps.counting, result.steps.module_timing, result.steps.clean) == (1, 2, (3, 4))
+    assert result.fwd_latency == pytest.approx(SLEEP, rel=0.15)
+    assert result.bwd_latency == pytest.approx(SLEEP, rel=0.15)
+    assert result.step_latency == pytest.approx(SLEEP, rel=0.15)
+    # the module-timing step: the model's forward, and its backward (the sleeping node's execution)
+    root = result.profile.modules[""]
+    assert (root.fwd_latency, root.bwd_latency) == pytest.approx((SLEEP, SLEEP), rel=0.15)
+    assert_nothing_left(trainer)
+
+
+class SlowToStartEvaluation(Trainer):
+    """Evaluation that takes a while before its first batch (set-up a user's subclass might do)."""
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        time.sleep(0.1)
+        return super().evaluate(*args, **kwargs)
+
+
+def test_evaluation_from_its_first_instruction_to_its_last_leaves_throughput_unchanged(
+    tmp_path: Path,
+) -> None:
+    # training steps of 0.05 s; an evaluation of 0.1 s set-up + 8 batches x 0.05 s runs after step 9's
+    # log, inside the interval logged at 12: three times the interval itself if it were counted
+    step_sleep = 0.05
+    model = SleepyRegressor(step_sleep, 0.0, tiny_ops=2, eval_sleep=0.0)
+    trainer = train(
+        tmp_path, model, [quiet(profile_step=1)], report_to=(), trainer_class=SlowToStartEvaluation,
+        datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(8 * BATCH)}, max_steps=15,
+        logging_steps=3, eval_strategy="steps", eval_steps=9, per_device_eval_batch_size=BATCH,
+    )  # fmt: skip
+    assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [9, 15]  # and at the end
+    rates = dict(logged(trainer, names.THROUGHPUT_SAMPLES_PER_SEC))
+    assert sorted(rates) == [6, 9, 12, 15]  # the window ends at 4
+    assert BATCH / (step_sleep + 0.02) < rates[9] < BATCH / step_sleep  # a step's sleep and a little more
+    without = [rates[step] for step in (6, 9, 15)]
+    assert max(without) / min(without) < 1.1
+    assert rates[12] == pytest.approx(sum(without) / 3, rel=0.10)
+
+
+def test_epoch_logging_logs_throughput_at_every_epoch_end_after_the_window(tmp_path: Path) -> None:
+    # 16 sequences in batches of 4: epochs end at steps 4, 8 and 12; the window ends at 5
+    callback = quiet()
+    trainer = train(
+        tmp_path, gpt2(), [callback], report_to=(), datasets={"train_dataset": TokenDataset(16)},
+        max_steps=-1, num_train_epochs=3, logging_strategy="epoch",
+    )  # fmt: skip
+    assert [step for step, _ in losses(trainer)] == [4, 8, 12]
+    assert [step for step, _ in logged(trainer, names.FWD_FLOPS)] == [WINDOW_END]
+    rates = logged(trainer, names.THROUGHPUT_SAMPLES_PER_SEC)
+    assert [step for step, _ in rates] == [8, 12]
+    flops_per_sample = callback.result.profile.model_flops / BATCH
+    for (_, rate), (_, tokens), (_, flops) in zip(
+        rates,
+        logged(trainer, names.THROUGHPUT_TOKENS_PER_SEC),
+        logged(trainer, names.THROUGHPUT_FLOPS_PER_SEC),
+        strict=True,
+    ):
+        assert rate > 0
+        assert tokens == pytest.approx(SEQ * rate, rel=1e-9)
+        assert flops == pytest.approx(flops_per_sample * rate, rel=1e-9)
+
+
+def test_a_run_that_never_logs_warns_once_at_train_start(tmp_path: Path) -> None:
+    callback = quiet()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first_step = WarningsAtFirstStep(caught)
+        trainer = train(tmp_path, gpt2(), [first_step, callback], report_to=(), logging_strategy="no")
+    (message,) = [str(w.message) for w in caught if "logging_strategy" in str(w.message)]
+    assert first_step.seen == [message]
+    assert "logging_strategy='no'" in message and "throughput=False" in message
+    assert logged(trainer, names.THROUGHPUT_SAMPLES_PER_SEC) == []
+    # the profile itself is still in the history (Trainer.log appends whatever the strategy)
+    assert [step for step, _ in logged(trainer, names.FWD_FLOPS)] == [WINDOW_END]
+    assert losses(trainer) == []
+
+
+# --- reuse: a second train() and a second Trainer --------------------------------------------------------
+
+
+def test_a_second_train_and_a_second_trainer_profile_again(tmp_path: Path) -> None:
+    callback = quiet()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(tmp_path / "first", gpt2(), [callback], report_to=())
+        trainer.train()
+        first = callback.result
+        trainer.train()  # a new run of the same Trainer: state.global_step starts at 0 again
+        again = callback.result
+        other = train(tmp_path / "second", gpt2(), [callback], report_to=())
+        second = callback.result
+    assert [str(w.message) for w in caught if "HFFlopsCallback" in str(w.message)] == []
+    assert first is not again and again is not second and first is not None
+    for result in (first, again, second):
+        assert (result.steps, result.published_at) == (STEPS, WINDOW_END)
+        profile = result.profile
+        assert (profile.fwd_flops, profile.bwd_flops, profile.fwd_macs) == (
+            first.profile.fwd_flops,
+            first.profile.bwd_flops,
+            first.profile.fwd_macs,
+        )
+        assert profile.bwd_flops > 0
+    # each run's own history holds its profile once; each Trainer's output dir its report
+    for run in (trainer, other):
+        assert [step for step, _ in logged(run, names.FWD_FLOPS)] == [WINDOW_END]
+        assert saved_profile(run)["metrics"][names.FWD_FLOPS] == first.profile.fwd_flops
+        assert_nothing_left(run)
+
+
+# --- the console: the report above the bar, no metrics dict line ----------------------------------------
+
+
+@pytest.mark.parametrize("disable_tqdm", [False, True], ids=["progress bar", "printer"])
+def test_the_console_gets_the_report_above_the_bar_and_no_metrics_dict(
+    tmp_path: Path, disable_tqdm: bool
+) -> None:
+    console = io.StringIO()  # stdout and stderr together, as a terminal shows them
+    with contextlib.redirect_stdout(console), contextlib.redirect_stderr(console):
+        trainer = train(tmp_path, gpt2(), [quiet(print_profile=True)], disable_tqdm=disable_tqdm)
+    out = console.getvalue()
+    # the Trainer's printer (ProgressCallback with the bar, PrinterCallback without) prints each log as
+    # a dict: the losses are there, the profiler's metrics are not
+    assert "'loss'" in out
+    assert "'flops_profiler/" not in out and "'throughput/" not in out
+    # TensorBoard still got them
+    scalars = tensorboard_scalars(trainer.args.output_dir)
+    assert [step for step, _ in scalars["train/" + names.FWD_FLOPS]] == [WINDOW_END]
+    assert [step for step, _ in scalars["train/" + names.THROUGHPUT_SAMPLES_PER_SEC]] == [WINDOW_END + 1]
+    # the report's first rule line begins a line of the terminal: written above the bar, not after it
+    report = (Path(trainer.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    rule = next(line for line in report.splitlines() if line.startswith("---"))
+    assert rule in re.split(r"[\r\n]", out)
+    assert out.count(rule) == 1
+    if not disable_tqdm:
+        assert f"{WINDOW_END + 1}/{WINDOW_END + 1}" in out  # the bar ran to its end
+
+
+# --- model variants -------------------------------------------------------------------------------------
+
+
 def test_frozen_layers_make_backward_far_below_twice_forward(tmp_path: Path) -> None:
     model = llama()
     frozen = [model.model.embed_tokens, *model.model.layers[:3], model.lm_head]
@@ -365,7 +613,7 @@ def test_frozen_layers_make_backward_far_below_twice_forward(tmp_path: Path) -> 
     params = model.num_parameters()
     assert model.num_parameters(only_trainable=True) <= 0.25 * params  # 75% frozen
     callback = quiet()
-    trainer = train(tmp_path, model, [callback])
+    trainer = train(tmp_path, model, [callback], report_to=(), max_steps=WINDOW_END)
     profile = callback.result.profile
     assert profile.trainable_params == model.num_parameters(only_trainable=True)
     assert profile.bwd_flops < 0.6 * profile.fwd_flops  # not 2 x fwd: 3 of 4 layers need no backward
@@ -378,11 +626,13 @@ def test_frozen_layers_make_backward_far_below_twice_forward(tmp_path: Path) -> 
 
 def test_gradient_checkpointing_reports_recompute_apart(tmp_path: Path) -> None:
     plain = quiet()
-    train(tmp_path / "plain", gpt2(), [plain])
+    train(tmp_path / "plain", gpt2(), [plain], report_to=(), max_steps=WINDOW_END)
     peak = 3e10
     callback = quiet(peak_flops=peak)
     # activation_checkpointing: transformers 5's name for gradient_checkpointing (a deprecated alias)
-    trainer = train(tmp_path / "checkpointed", gpt2(), [callback], activation_checkpointing=True)
+    trainer = train(
+        tmp_path / "checkpointed", gpt2(), [callback], activation_checkpointing=True, max_steps=WINDOW_END
+    )
     profile, baseline = callback.result.profile, plain.result.profile
     assert (profile.fwd_flops, profile.fwd_macs, profile.bwd_macs) == (
         baseline.fwd_flops, baseline.fwd_macs, baseline.bwd_macs
@@ -399,7 +649,7 @@ def test_gradient_checkpointing_reports_recompute_apart(tmp_path: Path) -> None:
     )
     scalars = tensorboard_scalars(trainer.args.output_dir)
     ((step, value),) = scalars["train/" + names.RECOMPUTE_FLOPS]
-    assert step == PROFILE_STEP and value == pytest.approx(profile.recompute_flops, rel=1e-6)
+    assert step == WINDOW_END and value == pytest.approx(profile.recompute_flops, rel=1e-6)
 
     # MFU counts model flops (fwd + bwd), HFU the hardware's (recompute too), against the given peak
     iter_latency = callback.result.iter_latency
@@ -407,7 +657,7 @@ def test_gradient_checkpointing_reports_recompute_apart(tmp_path: Path) -> None:
     hfu = (profile.fwd_flops + profile.bwd_flops + profile.recompute_flops) / iter_latency / peak
     for name, expected in ((names.MFU, mfu), (names.HFU, hfu)):
         ((step, value),) = scalars["train/" + name]
-        assert step == PROFILE_STEP and value == pytest.approx(expected, rel=1e-6)
+        assert step == WINDOW_END and value == pytest.approx(expected, rel=1e-6)
     assert hfu > mfu
     report = (Path(trainer.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
     assert "peak FLOPS per device (peak_flops argument):" in report
@@ -437,13 +687,15 @@ def test_metrics_reach_the_wandb_run_history(tmp_path: Path, monkeypatch: pytest
     metrics = callback.result.metrics()
     for name in names.ALL:
         (row,) = [row for row in history if "train/" + name in row]
-        assert row["train/global_step"] == PROFILE_STEP
+        assert row["train/global_step"] == WINDOW_END
         assert row["train/" + name] == pytest.approx(metrics[name])
+    (row,) = [row for row in history if "train/" + names.THROUGHPUT_SAMPLES_PER_SEC in row]
+    assert row["train/global_step"] == WINDOW_END + 1
     loss_steps = [row["train/global_step"] for row in history if "train/loss" in row]
-    assert loss_steps == list(range(1, PROFILE_STEP + 3))
+    assert loss_steps == list(range(1, WINDOW_END + 2))
 
 
-# --- exceptions: propagate unchanged, nothing left behind ----------------------------------------------
+# --- exceptions: propagate unchanged, nothing left behind (the full matrix: test_hf_faults.py) ----------
 
 
 class Boom(RuntimeError):
@@ -480,7 +732,9 @@ class RaiseInBackward(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["forward", "backward"])
-def test_exception_in_profiled_step_propagates_and_leaves_nothing(tmp_path: Path, in_backward: bool) -> None:
+def test_exception_in_the_counting_step_propagates_and_the_next_train_profiles(
+    tmp_path: Path, in_backward: bool
+) -> None:
     torch.manual_seed(0)
     model = RaisingGPT2(gpt2_config(), fail_call=PROFILE_STEP + 1, in_backward=in_backward)
     callback = quiet()
@@ -489,12 +743,13 @@ def test_exception_in_profiled_step_propagates_and_leaves_nothing(tmp_path: Path
         trainer.train()
     assert raised.value is model.error  # the same exception, not wrapped or replaced
     assert trainer.state.global_step == PROFILE_STEP
-    assert not callback.profiler.active and callback.result is None
+    assert callback.result is None
     assert_nothing_left(trainer)
     assert not list(Path(trainer.args.output_dir).glob("flops_profile_*"))
 
-    trainer.train()  # the next run profiles its step as usual
-    assert callback.result is not None and callback.result.micro_batches == 1
+    trainer.train()  # the next run profiles its window as usual
+    assert callback.result is not None and callback.result.steps == STEPS
+    assert callback.result.profile.bwd_flops > 0
     assert_nothing_left(trainer)
 
 
@@ -504,41 +759,68 @@ class RaiseBeforeOptimizerStep(TrainerCallback):
             raise Boom("in on_pre_optimizer_step")
 
 
-def test_exception_after_the_backward_is_cleaned_up_by_the_next_event(tmp_path: Path) -> None:
+def test_exception_after_the_backward_leaves_nothing_at_once(tmp_path: Path) -> None:
     callback = quiet()
     trainer = make_trainer(tmp_path, gpt2(), [RaiseBeforeOptimizerStep(), callback], report_to=())
-    with pytest.raises(Boom):
+    with pytest.raises(Boom, match="in on_pre_optimizer_step"):
         trainer.train()
-    assert callback.profiler.active  # documented: the Trainer has no event that tells us
+    assert_nothing_left(trainer)  # not waiting for a next event of the callback
     trainer.remove_callback(RaiseBeforeOptimizerStep)
-    with pytest.warns(UserWarning, match="did not finish"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.train()
-    assert callback.result is not None
+    assert [str(w.message) for w in caught if "HFFlopsCallback" in str(w.message)] == []
+    assert callback.result is not None and callback.result.steps == STEPS
     assert_nothing_left(trainer)
 
 
-# --- resuming past the profiled step --------------------------------------------------------------------
+# --- resuming past the profiled step, runs that never reach it ------------------------------------------
 
 
-def test_resuming_past_profile_step_says_whether_it_was_profiled(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_resuming_past_profile_step_warns_at_train_start_whether_or_not_it_was_profiled(
+    tmp_path: Path,
 ) -> None:
-    save = {"save_strategy": "steps", "save_steps": PROFILE_STEP + 1, "max_steps": PROFILE_STEP + 1}
-    resume = {"max_steps": PROFILE_STEP + 2, "report_to": ()}
-    train(tmp_path / "plain", gpt2(), [], report_to=(), **save)
-    callback = quiet()
-    with pytest.warns(
-        UserWarning, match=f"resumed at step {PROFILE_STEP + 1}, past profile_step={PROFILE_STEP}"
-    ):
-        make_trainer(tmp_path / "plain", gpt2(), [callback], **resume).train(resume_from_checkpoint=True)
-    assert callback.result is None
+    # the first runs end with the window: its metrics are in the checkpoint's log history
+    save = {"save_strategy": "steps", "save_steps": WINDOW_END, "max_steps": WINDOW_END, "report_to": ()}
+    resume = {"max_steps": WINDOW_END + 1, "report_to": ()}
+    train(tmp_path / "plain", gpt2(), [], **save)
+    train(tmp_path / "profiled", gpt2(), [quiet()], **save)
+    expected = {
+        "plain": f"resumed at step {WINDOW_END}, past profile_step={PROFILE_STEP}: no profile runs",
+        "profiled": f"resumed at step {WINDOW_END}, step {PROFILE_STEP} was profiled before the checkpoint",
+    }
+    for run, message in expected.items():
+        callback = quiet()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first_step = WarningsAtFirstStep(caught)
+            make_trainer(tmp_path / run, gpt2(), [first_step, callback], **resume).train(
+                resume_from_checkpoint=True
+            )
+        (warning,) = [w for w in caught if "HFFlopsCallback" in str(w.message)]
+        assert message in str(warning.message) and issubclass(warning.category, UserWarning)
+        assert first_step.seen == [str(warning.message)]
+        assert callback.result is None
 
-    train(tmp_path / "profiled", gpt2(), [quiet()], report_to=(), **save)
-    callback = quiet()
-    with caplog.at_level(logging.INFO, logger="flops_callbacks.hf"):
-        make_trainer(tmp_path / "profiled", gpt2(), [callback], **resume).train(resume_from_checkpoint=True)
-    assert f"step {PROFILE_STEP} was profiled before the checkpoint" in caplog.text
+
+@pytest.mark.xfail(
+    reason="StepSession.train_end warns again at the end of the run ('no optimizer step started at or after "
+    "profile_step=50 ... no profile ran') after train_start already warned that the step is never reached",
+    strict=True,
+)
+def test_profile_step_beyond_the_run_warns_once_at_train_start(tmp_path: Path) -> None:
+    callback = HFFlopsCallback(profile_step=50, print_profile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first_step = WarningsAtFirstStep(caught)
+        trainer = train(tmp_path, gpt2(), [first_step, callback], report_to=())
+    (warning,) = [w for w in caught if "HFFlopsCallback" in str(w.message)]
+    message = str(warning.message)
+    assert first_step.seen == [message]  # said before the run, once
+    assert "profile_step=50 is never reached" in message
+    assert f"the run has {WINDOW_END + 1} optimizer steps" in message
     assert callback.result is None
+    assert_nothing_left(trainer)
 
 
 # --- data parallel: two processes ----------------------------------------------------------------------
@@ -558,15 +840,21 @@ def test_ddp_two_processes_report_data_parallel_size_from_world_process_zero(tmp
         capture_output=True,
         text=True,
         timeout=300,
+        # the worker runs this file as __main__: the checkout on the path makes `tests` importable
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+        },
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count(f"Profile Summary at step {PROFILE_STEP}") == 1  # world process zero only
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-    # every rank profiled its step; the gathered latencies are the same everywhere, the slowest reported
+    # every rank profiled its window; the gathered latencies are the same everywhere, the slowest reported
     assert ranks[0]["ranks"] == ranks[1]["ranks"] and len(ranks[0]["ranks"]) == 2
     slowest = max(ranks[0]["ranks"], key=sum)
     for rank in ranks:
         assert ParallelSizes(**rank["parallel"]) == ParallelSizes(world_size=2, data_parallel=2)
+        assert rank["published_at"] == WINDOW_END
         metrics = rank["metrics"]
         assert [metrics[n] for n in (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY)] == slowest
         assert metrics[names.SAMPLES_PER_SEC] == pytest.approx(2 * BATCH / metrics[names.ITER_LATENCY])
@@ -578,7 +866,7 @@ def test_ddp_two_processes_report_data_parallel_size_from_world_process_zero(tmp
     scalars = tensorboard_scalars(output_dir)  # written by world process zero's TensorBoardCallback
     for name in names.ALL + names.WITH_PEAK:
         ((step, value),) = scalars["train/" + name]  # one set of metrics: rank 1 logged none
-        assert step == PROFILE_STEP and value == pytest.approx(ranks[0]["metrics"][name], rel=1e-6)
+        assert step == WINDOW_END and value == pytest.approx(ranks[0]["metrics"][name], rel=1e-6)
     report = (Path(output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
     lines = dict(line.split(":", 1) for line in report.splitlines() if ":" in line)
     assert [lines[k].strip() for k in ("world size", "data parallel size", "model parallel size")] == [
@@ -593,10 +881,15 @@ def test_ddp_two_processes_report_data_parallel_size_from_world_process_zero(tmp
 
 def ddp_worker(directory: Path) -> None:
     """One process of the DDP test: trains on CPU with gloo and saves what its callback saw."""
-    callback = HFFlopsCallback(profile_step=PROFILE_STEP, detailed=False, peak_flops=1e9)
-    trainer = train(directory, gpt2(), [callback], ddp_backend="gloo")
+    callback = HFFlopsCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN_STEPS, peak_flops=1e9)
+    trainer = train(directory, gpt2(), [callback], ddp_backend="gloo", max_steps=WINDOW_END)
     result = callback.result
-    seen = {"parallel": vars(result.parallel), "metrics": result.metrics(), "ranks": result.rank_latencies}
+    seen = {
+        "parallel": vars(result.parallel),
+        "metrics": result.metrics(),
+        "ranks": result.rank_latencies,
+        "published_at": result.published_at,
+    }
     (directory / f"rank{trainer.args.process_index}.json").write_text(json.dumps(seen))
     # The Trainer leaves the group up; gloo's threads still running at interpreter exit can abort it.
     torch.distributed.destroy_process_group()
@@ -608,7 +901,7 @@ def ddp_worker(directory: Path) -> None:
     os._exit(0)
 
 
-# --- bad input, missing transformers, runs that never reach the step -----------------------------------
+# --- bad input, missing transformers --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -617,6 +910,8 @@ def ddp_worker(directory: Path) -> None:
         ({"profile_step": -1}, "profile_step"),
         ({"profile_step": "10"}, "profile_step"),
         ({"profile_step": True}, "profile_step"),
+        ({"clean_steps": -1}, "clean_steps"),
+        ({"clean_steps": 1.5}, "clean_steps"),
         ({"module_depth": -2}, "module_depth"),
         ({"top_modules": 0}, "top_modules"),
         ({"causal_attention": "quarter"}, "causal_attention"),
@@ -632,19 +927,13 @@ def test_bad_arguments_raise_at_construction_naming_the_argument(kwargs: dict, a
         HFFlopsCallback(**kwargs)
 
 
-def test_missing_transformers_says_which_extra_to_install() -> None:
+def test_missing_transformers_says_what_to_install() -> None:
     code = "import sys; sys.modules['transformers'] = None; import flops_callbacks.hf"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
     assert run.returncode != 0
-    assert "ImportError: HFFlopsCallback needs transformers: pip install 'flops-callbacks[hf]'" in run.stderr
-
-
-def test_profile_step_beyond_the_run_warns_at_the_end(tmp_path: Path) -> None:
-    callback = HFFlopsCallback(profile_step=50, print_profile=False)
-    with pytest.warns(UserWarning, match="profile_step=50"):
-        trainer = train(tmp_path, gpt2(), [callback])
-    assert callback.result is None
-    assert_nothing_left(trainer)
+    assert (
+        "ImportError: HFFlopsCallback needs transformers: pip install transformers accelerate" in run.stderr
+    )
 
 
 # --- parallel sizes from transformers / accelerate -----------------------------------------------------
