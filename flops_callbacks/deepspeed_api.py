@@ -139,7 +139,7 @@ class FlopsProfiler:
         self._tracer = Tracer(
             self.model,
             ignore_types=tuple(ignore_list or ()),
-            causal_half=self.causal_attention == "half",
+            causal_attention=self.causal_attention,
         )
         self._tracer.start()
         self.started = True
@@ -189,7 +189,7 @@ class FlopsProfiler:
         """The structured result: totals, every module, per-functional breakdown and coverage."""
         if self._tracer is None:
             raise RuntimeError("no profile: call start_profile() and run the model first")
-        profile = self._tracer.profile(self.causal_attention)
+        profile = self._tracer.profile()
         if profile is not self._described:  # the module's own settings, for the report's module lines
             for name, module in _profiled_names(self.model):
                 if name in profile.modules:

@@ -81,7 +81,3 @@ class Options:
             raise ValueError(f"ignore_modules must be module classes, got {self.ignore_modules!r}")
         object.__setattr__(self, "ignore_modules", tuple(self.ignore_modules))
         check_peak_flops(self.peak_flops)
-
-    @property
-    def causal_half(self) -> bool:
-        return self.causal_attention == "half"

@@ -244,7 +244,9 @@ class StepSession:
         self._step = step
         if kind == COUNTING:
             self._tracer = Tracer(
-                model, ignore_types=self.options.ignore_modules, causal_half=self.options.causal_half
+                model,
+                ignore_types=self.options.ignore_modules,
+                causal_attention=self.options.causal_attention,
             )
         elif kind == MODULE_TIMING:
             self._timer = ModuleTimer(model, step.phases.clock)
@@ -354,7 +356,7 @@ class StepSession:
         counting = steps[0]
         if tracer is None or model is None or not counting.signatures:
             return
-        profile = tracer.profile(self.options.causal_attention)
+        profile = tracer.profile()
         spans = []
         module_step = next((s for s in steps if s.kind == MODULE_TIMING and s.signatures), None)
         if timer is not None and module_step is not None:

@@ -38,6 +38,7 @@ import torch
 from flops_callbacks import metrics as names
 from flops_callbacks.batch import Signature, shape_signature
 from flops_callbacks.clock import NullClock, clock_for, module_device
+from flops_callbacks.options import CausalAttention
 from flops_callbacks.result import WindowResult
 from flops_callbacks.tracer import Tracer
 
@@ -56,12 +57,12 @@ class ThroughputMeter:
         self,
         batch_size_fn: Callable[[Any], int],
         tokens_fn: Callable[[Any], int | None] | None = None,
-        causal_attention: str = "full",
+        causal_attention: CausalAttention = "full",
         max_signatures: int = 16,
     ) -> None:
         self.batch_size_fn = batch_size_fn
         self.tokens_fn = tokens_fn
-        self.causal_half = causal_attention == "half"
+        self.causal_attention = causal_attention
         self.max_signatures = max_signatures
         # model flops (fwd + bwd) of one micro-batch, per signature
         self.flops_per_micro_batch: dict[Signature, float] = {}
@@ -95,7 +96,7 @@ class ThroughputMeter:
         flops = self.flops_per_micro_batch.get(signature)
         if flops is None and len(self.flops_per_micro_batch) < self.max_signatures:
             self.pause()  # the counting step is slower: not part of the interval
-            tracer = Tracer(model, causal_half=self.causal_half, clock=NullClock())
+            tracer = Tracer(model, causal_attention=self.causal_attention, clock=NullClock())
             tracer.start()
             self._measuring = (signature, tracer)
             return

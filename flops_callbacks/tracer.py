@@ -41,6 +41,7 @@ from flops_callbacks import elementwise_formulas, formulas  # noqa: F401  (the b
 from flops_callbacks.clock import Clock, clock_for, module_device
 from flops_callbacks.functionals import READ, functional_name
 from flops_callbacks.module_tree import ModuleTree
+from flops_callbacks.options import CausalAttention
 from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.profile_builder import build_profile, model_totals
 from flops_callbacks.recording import BWD, CALLS, FWD, REC, Context, Recording
@@ -96,19 +97,20 @@ class Tracer:
 
     Only work in the thread that called :meth:`start` (and autograd's threads serving it) is seen:
     the modes are thread-local and the hooks check for them, so a model run in another thread is
-    not counted. ``causal_half`` counts attention called with ``is_causal=True`` on the unmasked
-    part of the score matrix only.
+    not counted. ``causal_attention="half"`` counts attention called with ``is_causal=True`` on the
+    unmasked part of the score matrix only (``"full"``: all of it, as FlopCounterMode and DeepSpeed).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         ignore_types: tuple[type, ...] = (),
-        causal_half: bool = False,
+        causal_attention: CausalAttention = "full",
         clock: Clock | None = None,
     ) -> None:
         self.model = model
-        self.causal_half = causal_half
+        self.causal_attention = causal_attention
+        self.causal_half = causal_attention == "half"
         self.device = module_device(model)
         self.clock = clock or clock_for(self.device)
         self.tree = ModuleTree(model, ignore_types)
@@ -192,13 +194,15 @@ class Tracer:
             return self._profile.model, self._profile.fwd_latency
         return model_totals(self._rec, self.clock)
 
-    def profile(self, causal_attention: str = "full") -> Profile:
+    def profile(self) -> Profile:
         """Everything counted since the last reset, with latencies resolved (synchronizes once).
 
         Built once per stop: DeepSpeed's API reads totals one getter at a time.
         """
         if self._profile is None or self.running:
-            self._profile = build_profile(self._rec, self.tree, self.clock, self.device, causal_attention)
+            self._profile = build_profile(
+                self._rec, self.tree, self.clock, self.device, self.causal_attention
+            )
         return self._profile
 
     # --- module stack ------------------------------------------------------------------------------

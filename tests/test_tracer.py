@@ -13,6 +13,7 @@ from torch.nn.modules import module as module_globals
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import checkpoint
 
+from flops_callbacks.options import CausalAttention
 from flops_callbacks.profile import Counts
 from flops_callbacks.recording import CALLS, SLOTS, Context
 from flops_callbacks.registry import OpCount
@@ -149,8 +150,8 @@ def test_causal_half_counts_the_kept_part_of_causal_attention() -> None:
         def forward(self, q: torch.Tensor) -> torch.Tensor:
             return nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
 
-    def attention_flops(causal_half: bool) -> int:
-        tracer = Tracer(Attention(), causal_half=causal_half)
+    def attention_flops(causal_attention: CausalAttention) -> int:
+        tracer = Tracer(Attention(), causal_attention=causal_attention)
         tracer.start()
         try:
             tracer.model(q)
@@ -159,8 +160,8 @@ def test_causal_half_counts_the_kept_part_of_causal_attention() -> None:
         return tracer.profile().model.functionals["scaled_dot_product_attention"].fwd_flops
 
     full = 2 * 2 * 8 * 8 * (4 + 4)
-    assert attention_flops(False) == full
-    assert attention_flops(True) == full * sum(range(1, 9)) // 64  # row i keeps i + 1 of 8 keys
+    assert attention_flops("full") == full
+    assert attention_flops("half") == full * sum(range(1, 9)) // 64  # row i keeps i + 1 of 8 keys
 
 
 def test_the_running_sums_are_laid_out_as_counts() -> None:
