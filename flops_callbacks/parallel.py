@@ -44,7 +44,9 @@ class ParallelSizes:
         ]
 
     def factor_lines(self) -> list[tuple[str, str]]:
-        """Rows DeepSpeed does not print: the factors of the model-parallel size."""
+        """Rows DeepSpeed does not print: the factors of the model-parallel size, when it is not 1."""
+        if self.model_parallel == 1:
+            return []
         return [
             ("tensor parallel size", str(self.tensor_parallel)),
             ("pipeline parallel size", str(self.pipeline_parallel)),

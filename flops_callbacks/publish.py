@@ -69,10 +69,9 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
         iters = [sum(latencies) for latencies in result.rank_latencies]
         spread = f"{duration_to_string(min(iters))} .. {duration_to_string(max(iters))}"
         lines.append((f"iter latency over {len(iters)} ranks, min .. max (slowest shown)", spread))
-    lines += [
-        ("micro-batches per step", str(result.micro_batches)),
-        ("compute dtype (picks the peak)", result.compute_dtype or "unknown"),
-    ]
+    if result.micro_batches > 1:
+        lines.append(("micro-batches per step", str(result.micro_batches)))
+    lines.append(("compute dtype (picks the peak)", result.compute_dtype or "unknown"))
     if result.peak is None:
         lines.append(("MFU", f"n/a: {result.no_peak_reason}"))
     else:

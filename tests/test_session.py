@@ -345,3 +345,29 @@ def test_an_moe_models_report_says_what_six_n_d_claims_with_all_and_active_param
     assert rows["active params per token"] == params_to_string(active)
     assert rows["6 x active params x tokens"].startswith(flops_to_string(6 * active * 32))
     assert "6 x params x tokens" in outlet.printed[0]
+
+
+def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path: Path) -> None:
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=12, n_embd=32, n_head=2, vocab_size=128, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 128, (2, 16))
+    session = StepSession(Options(profile_step=0, clean_steps=1, tokens_fn=lambda b: b.numel()), "test")
+    session.train_start(0)
+    outlet = Outlet(tmp_path)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for step in range(3):
+        session.step_start(step, model)
+        session.micro_batch_start(ids)
+        loss = model(ids, labels=ids).loss
+        session.phase(BACKWARD)
+        loss.backward()
+        session.micro_batch_end()
+        session.phase(OPTIMIZER_STEP)
+        optimizer.step()
+        session.step_end(step + 1, outlet)
+    console = outlet.printed[0].splitlines()
+    assert len(console) <= 80, len(console)
+    assert "Aggregated Profile" in outlet.printed[0] and "h.11" not in outlet.printed[0]
+    assert len((tmp_path / "flops_profile_step0.txt").read_text().splitlines()) > 300  # the whole tree
