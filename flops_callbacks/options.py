@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+import torch
+
 from flops_callbacks.peaks import check_peak_flops
 
 CausalAttention = Literal["full", "half"]
@@ -77,7 +79,7 @@ class Options:
         check_callable("tokens_fn", self.tokens_fn)
         if self.output_file is not None and not isinstance(self.output_file, (str, Path)):
             raise ValueError(f"output_file must be a path (str or Path) or None, got {self.output_file!r}")
-        if not all(isinstance(t, type) for t in self.ignore_modules):
+        if not all(isinstance(t, type) and issubclass(t, torch.nn.Module) for t in self.ignore_modules):
             raise ValueError(f"ignore_modules must be module classes, got {self.ignore_modules!r}")
         object.__setattr__(self, "ignore_modules", tuple(self.ignore_modules))
         check_peak_flops(self.peak_flops)
