@@ -102,17 +102,27 @@ class Probe(nn.Module):
         return RaiseInBackward.apply(x, self.fault)
 
 
-class FaultySGD(torch.optim.SGD):
-    """SGD that may raise in its step, after Lightning's closure (the forward and backward) ran."""
+class FaultySGD(torch.optim.Optimizer):
+    """Plain SGD that may raise in its step, after Lightning's closure (the forward and backward) ran.
+
+    Not a ``torch.optim.SGD`` subclass: torch wraps ``SGD.step`` in a ``record_function`` the first time
+    an ``SGD`` is built in a process, so the ops counted in a subclass's step would depend on what ran
+    in the process before (the fresh process would see two ops fewer).
+    """
 
     def __init__(self, params: Any, fault: Fault) -> None:
-        super().__init__(params, lr=0.01)
+        super().__init__(params, {"lr": 0.01})
         self.fault = fault
 
+    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = closure() if closure is not None else None
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         self.fault.check("optimizer.step")
-        super().step()
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                if parameter.grad is not None:
+                    parameter.add_(parameter.grad, alpha=-group["lr"])
         return loss
 
 
