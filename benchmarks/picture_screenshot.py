@@ -1,9 +1,8 @@
-"""The README's screenshot of the profile picture: GPT-2 124M (12 layers), one training step on CPU.
-
-Builds the model from its config (random weights, nothing downloaded), runs one step unprofiled (so the
-first call's set-up is not in the timings), profiles the next forward + backward with the Tracer,
-renders the page of the fastest of a few profiled steps (a shared machine's neighbours slow some)
-and screenshots it with headless Chromium (Debian: ``apt-get install chromium``).
+"""The README's screenshot of the profile picture: GPT-2 124M (12 layers) trained on CPU, profiled by
+the step session as a callback would (a counting step, a module-timing step, a clean step), so the
+widths are module latencies measured with marks only, nothing counting. Builds the model from its
+config (random weights, nothing downloaded) and screenshots the window's page with headless Chromium
+(Debian: ``apt-get install chromium``).
 
     python benchmarks/picture_screenshot.py [--out docs/profile.png] [--html profile.html]
 """
@@ -20,9 +19,27 @@ from pathlib import Path
 import torch
 import transformers
 
-from flops_callbacks.picture import render_html
-from flops_callbacks.tracer import Tracer
-from flops_callbacks.units import duration_to_string, flops_to_string, number_to_string, params_to_string
+from flops_callbacks.options import Options
+from flops_callbacks.publish import picture
+from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession
+
+
+class Quiet:
+    """An outlet that keeps nothing: the page is rendered from the session's result."""
+
+    is_logging_rank = True
+
+    def log_dir(self) -> None:
+        return None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def console(self, text: str) -> None:
+        pass
+
+    def log_report(self, text: str, html: str, step: int) -> None:
+        pass
 
 
 def main() -> None:
@@ -31,7 +48,6 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (one is steadiest when shared)")
-    parser.add_argument("--repeats", type=int, default=3, help="profiled steps; the fastest is shown")
     parser.add_argument("--out", type=Path, default=Path("docs/profile.png"))
     parser.add_argument("--html", type=Path, help="also keep the page here")
     parser.add_argument("--size", default="1400,850", help="window width,height in pixels")
@@ -44,38 +60,22 @@ def main() -> None:
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=args.layers))
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq))
-    model(ids, labels=ids).loss.backward()  # warm-up, not profiled
-    model.zero_grad(set_to_none=True)
-    profiles = []
-    for _ in range(args.repeats):
-        tracer = Tracer(model)
-        tracer.start()
-        try:
-            model(ids, labels=ids).loss.backward()
-        finally:
-            tracer.stop()
-        model.zero_grad(set_to_none=True)
-        profiles.append(tracer.profile())
-    profile = min(profiles, key=lambda p: p.fwd_latency + p.bwd_latency)  # the least disturbed by neighbours
-
-    step = profile.fwd_latency + profile.bwd_latency
-    summary = [
-        ("model", f"GPT-2, n_embd {model.config.n_embd}"),
-        ("batch x sequence", f"{args.batch} x {args.seq}"),
-        ("params", params_to_string(profile.params)),
-        (
-            "flops fwd / bwd",
-            " / ".join(number_to_string(f).strip() for f in (profile.fwd_flops, profile.bwd_flops)),
-        ),
-        (
-            "latency fwd / bwd",
-            " / ".join(duration_to_string(t) for t in (profile.fwd_latency, profile.bwd_latency)),
-        ),
-        ("achieved", flops_to_string(profile.model_flops / step) if step > 0 else "n/a"),
-        ("device", f"{profile.device}, {args.threads} thread{'s' if args.threads > 1 else ''}"),
-    ]
-    title = f"GPT-2, {args.layers} layers: one training step, profiled"
-    page = render_html(profile, title=title, summary=summary)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    session = StepSession(Options(profile_step=1, clean_steps=1, tokens_fn=lambda b: b.numel()), "screenshot")
+    session.train_start(0)
+    for step in range(4):  # step 0 warms up; 1 counts, 2 times modules, 3 is clean
+        session.step_start(step, model)
+        session.micro_batch_start(ids)
+        loss = model(ids, labels=ids).loss
+        session.phase(BACKWARD)
+        loss.backward()
+        session.micro_batch_end()
+        session.phase(OPTIMIZER_STEP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        session.step_end(step + 1, Quiet())
+    assert session.result is not None
+    page = picture(session.result)
     with tempfile.TemporaryDirectory() as tmp:
         html = Path(args.html or Path(tmp) / "profile.html")
         html.write_text(page, encoding="utf-8")

@@ -8,7 +8,6 @@ the compute dtype are, and how the metrics reach the Trainer's reporting callbac
 from __future__ import annotations
 
 import sys
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +34,7 @@ from flops_callbacks.profile import Profile
 from flops_callbacks.publish import markdown_block
 from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, TrainingContext
 from flops_callbacks.units import number_to_string
+from flops_callbacks.user_warning import warn
 
 
 def _size(value: Any) -> int:
@@ -153,10 +153,9 @@ class _Outlet:
         # and should_log is restored so the loss is logged at exactly the steps it would be.
         trainer = self.trainer
         if trainer is None:
-            warnings.warn(
+            warn(
                 "HFFlopsCallback: no Trainer found calling this callback: the metrics are in the report "
                 "and its JSON only.",
-                stacklevel=3,
             )
             return
         handler, should_log = trainer.callback_handler, trainer.control.should_log
@@ -247,17 +246,19 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         profile_step = self.session.options.profile_step
         profiled_before = any(e.get("step", -1) >= profile_step and FWD_FLOPS in e for e in state.log_history)
         self.session.train_start(
-            state.global_step, max_steps=state.max_steps or None, profiled_before=profiled_before
+            state.global_step,
+            max_steps=state.max_steps or None,
+            profiled_before=profiled_before,
+            is_logging_rank=state.is_world_process_zero,
         )
         if (
             self.session.meter is not None
             and getattr(args, "logging_strategy", "steps") == "no"  # a str enum ("IntervalStrategy.NO")
             and state.is_world_process_zero
         ):
-            warnings.warn(
+            warn(
                 "HFFlopsCallback: logging_strategy='no': the run never logs, so throughput/* is never "
                 "logged. Pass throughput=False to silence this, or log by steps or epochs.",
-                stacklevel=2,
             )
 
     def on_step_begin(

@@ -169,6 +169,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             trainer.global_step,
             max_steps=_run_length(trainer),
             profiled_before=self._profiled_step is not None,
+            is_logging_rank=trainer.is_global_zero,
         )
 
     def on_train_batch_start(

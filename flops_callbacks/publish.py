@@ -164,23 +164,22 @@ def publish(result: WindowResult, options: Options, log_dir: str | Path | None, 
 
 
 def picture(result: WindowResult) -> str:
-    """The profile's HTML picture, with the headline figures and their sources above the chart."""
+    """The profile's HTML picture, with the headline figures and the steps they come from above it."""
     metrics = result.metrics()
+    steps = result.steps
     summary = [
-        (
-            "fwd / bwd / step latency",
-            " / ".join(
-                duration_to_string(metrics[k])
-                for k in (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY)
-            ),
-        ),
+        ("fwd latency", duration_to_string(metrics[names.FWD_LATENCY])),
+        ("bwd latency", duration_to_string(metrics[names.BWD_LATENCY])),
+        ("step latency", duration_to_string(metrics[names.STEP_LATENCY])),
         ("FLOPS per device", flops_to_string(metrics[names.FLOPS_PER_SEC])),
         ("samples/second", f"{metrics[names.SAMPLES_PER_SEC]:.2f}"),
     ]
     if names.MFU in metrics:
         summary.append(("MFU", f"{100 * metrics[names.MFU]:.2f}%"))
-    return render_html(
-        result.profile,
-        title=f"flops_callbacks profile, step {result.step}",
-        summary=summary + source_lines(result),
-    )
+    summary += [
+        ("flops counted at", f"step {steps.counting}"),
+        ("modules timed at", "none" if steps.module_timing is None else f"step {steps.module_timing}"),
+        ("phases: median of", ", ".join(str(s) for s in steps.clean) or "no clean step"),
+    ]
+    title = f"flops_callbacks profile, step {result.step}"
+    return render_html(result.profile, title=title, summary=summary)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +57,7 @@ from flops_callbacks.publish import Outlet
 from flops_callbacks.result import WindowResult, WindowSteps
 from flops_callbacks.throughput import ThroughputMeter
 from flops_callbacks.tracer import Tracer
+from flops_callbacks.user_warning import warn
 
 COUNTING, MODULE_TIMING, CLEAN = "counting", "module timing", "clean"
 
@@ -138,6 +138,7 @@ class StepSession:
         self._timer: ModuleTimer | None = None
         self._metering = False  # the meter's events are routed (after the window, on the logging rank)
         self._resumed_past = False
+        self._unreachable = False  # said at train start: profile_step is past the run's last step
         self.enabled = True
 
     def disable(self) -> None:
@@ -158,16 +159,23 @@ class StepSession:
         return self._step is not None or self._metering
 
     def train_start(
-        self, global_step: int, *, max_steps: int | None = None, profiled_before: bool = False
+        self,
+        global_step: int,
+        *,
+        max_steps: int | None = None,
+        profiled_before: bool = False,
+        is_logging_rank: bool = True,
     ) -> None:
-        """A run starts: forget an earlier run's window, and warn now if no profile can run in this one."""
+        """A run starts: forget an earlier run's window, and warn now (on the logging rank) if no
+        profile can run in this one, or only a cut-short one."""
         self.close()
         self.result = None
         self._metering = False
-        if not self.enabled:
-            return
         profile_step, length = self.options.profile_step, len(self._kinds)
         self._resumed_past = global_step > profile_step
+        self._unreachable = max_steps is not None and max_steps <= profile_step
+        if not self.enabled or not is_logging_rank:
+            return
         if self._resumed_past:
             before = (
                 f"step {profile_step} was profiled before the checkpoint "
@@ -175,24 +183,21 @@ class StepSession:
                 if profiled_before
                 else f"past profile_step={profile_step}"
             )
-            warnings.warn(
+            warn(
                 f"{self.owner}: resumed at step {global_step}, {before}: no profile runs in this run. "
                 "Set profile_step >= the step you resume from to profile again.",
-                stacklevel=3,
             )
-        elif max_steps is not None and max_steps <= profile_step:
-            warnings.warn(
+        elif self._unreachable:
+            warn(
                 f"{self.owner}: profile_step={profile_step} is never reached: the run has {max_steps} "
                 f"optimizer steps (0 .. {max_steps - 1}). Use a profile_step below {max_steps}.",
-                stacklevel=3,
             )
         elif max_steps is not None and max_steps < profile_step + length:
             clean = max(max_steps - profile_step - 2, 0)
-            warnings.warn(
+            warn(
                 f"{self.owner}: the profile window needs steps {profile_step} .. {profile_step + length - 1} "
                 f"(counting, module timing, clean_steps={self.options.clean_steps}); the run has "
                 f"{max_steps} steps: the latencies will rest on {clean} clean step(s).",
-                stacklevel=3,
             )
 
     def train_end(self, global_step: int, outlet: Outlet) -> None:
@@ -204,13 +209,17 @@ class StepSession:
         self._metering = False
         if self._steps:
             self._finish(global_step, outlet)
-        elif self.result is None and not self._resumed_past and self.enabled and outlet.is_logging_rank:
-            warnings.warn(
+        elif self.result is None and self._should_have_run() and outlet.is_logging_rank:
+            warn(
                 f"{self.owner}: no optimizer step started at or after "
                 f"profile_step={self.options.profile_step} (training ended at global step {global_step}): "
                 "no profile ran.",
-                stacklevel=3,
             )
+
+    def _should_have_run(self) -> bool:
+        """A window was expected and no warning at train start said otherwise (a run shorter than
+        its announced length, an iterable dataset that ran out)."""
+        return self.enabled and not (self._resumed_past or self._unreachable)
 
     def close(self) -> None:
         """Stop everything that runs and drop the window (an exception ended the run): no hook, mode

@@ -29,7 +29,6 @@ every replica's batches are as this rank's (as ``flops_profiler/samples_per_sec`
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +40,7 @@ from flops_callbacks.clock import NullClock, clock_for, module_device
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.result import WindowResult
 from flops_callbacks.tracer import Tracer
+from flops_callbacks.user_warning import warn
 
 
 class ThroughputMeter:
@@ -108,10 +108,9 @@ class ThroughputMeter:
             self._flops = None
             if not self._warned_unmeasured:
                 self._warned_unmeasured = True
-                warnings.warn(
+                warn(
                     f"flops_callbacks: more than {self.max_signatures} batch shapes; intervals with a new "
                     "one log samples and tokens per second, not flops.",
-                    stacklevel=3,
                 )
         elif self._flops is not None:
             self._flops += flops

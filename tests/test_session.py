@@ -371,3 +371,13 @@ def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path
     assert len(console) <= 80, len(console)
     assert "Aggregated Profile" in outlet.printed[0] and "h.11" not in outlet.printed[0]
     assert len((tmp_path / "flops_profile_step0.txt").read_text().splitlines()) > 300  # the whole tree
+
+
+def test_a_warning_points_at_the_users_line_and_an_unreachable_step_is_said_once(tmp_path: Path) -> None:
+    session = StepSession(Options(profile_step=10), "test")
+    with pytest.warns(UserWarning, match="never reached") as said:
+        session.train_start(0, max_steps=5)  # this line is the user's (outside the frameworks)
+    assert said[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        session.train_end(5, Outlet(tmp_path))  # said at the start: not again at the end
