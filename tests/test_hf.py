@@ -803,11 +803,6 @@ def test_resuming_past_profile_step_warns_at_train_start_whether_or_not_it_was_p
         assert callback.result is None
 
 
-@pytest.mark.xfail(
-    reason="StepSession.train_end warns again at the end of the run ('no optimizer step started at or after "
-    "profile_step=50 ... no profile ran') after train_start already warned that the step is never reached",
-    strict=True,
-)
 def test_profile_step_beyond_the_run_warns_once_at_train_start(tmp_path: Path) -> None:
     callback = HFFlopsCallback(profile_step=50, print_profile=False)
     with warnings.catch_warnings(record=True) as caught:
