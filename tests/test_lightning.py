@@ -510,18 +510,8 @@ def test_profile_step_beyond_the_run_warns_at_train_start(tmp_path: Path) -> Non
         f"{OURS}: profile_step=50 is never reached: the run has 4 optimizer steps (0 .. 3). "
         "Use a profile_step below 4."
     )
-    assert at_start == [expected]
+    assert at_start == ours == [expected]  # once, before the first batch
     assert callback.result is None
-
-
-@pytest.mark.xfail(
-    reason="StepSession.train_end warns again ('no optimizer step started at or after profile_step') "
-    "when train_start already warned that profile_step is never reached",
-    strict=True,
-)
-def test_profile_step_beyond_the_run_is_said_once(tmp_path: Path) -> None:
-    _, at_start, ours = fit_watching_warnings(tmp_path, MLP(), quiet_callback(profile_step=50), max_steps=4)
-    assert len(at_start) == 1 and ours == at_start
 
 
 def test_a_run_ending_inside_the_window_warns_at_start_and_publishes_what_it_had_at_its_end(
@@ -925,11 +915,11 @@ def test_the_report_printed_under_a_progress_bar_leaves_the_bar_lines_intact(
 
 
 class WideMLP(L.LightningModule):
-    """About 30 ms of forward on one CPU thread: timing noise is small next to it."""
+    """About 25 ms of forward on one CPU thread: timing noise is small next to it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.Sequential(*(layer for _ in range(8) for layer in (nn.Linear(512, 512), nn.ReLU())))
+        self.layers = nn.Sequential(*(layer for _ in range(16) for layer in (nn.Linear(512, 512), nn.ReLU())))
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.layers(batch[0]).square().mean()
