@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flops_callbacks.profile import ModuleProfile, Profile
-from flops_callbacks.units import flops_to_string, params_to_string
+from flops_callbacks.units import number_to_string, params_to_string
 
 # transformers' names for the routed experts per MoE layer and the experts each token goes to
 _NUM_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -88,4 +88,5 @@ def estimate_rows(profile: Profile, tokens: int, config: Any = None) -> list[tup
 
 def _estimate_row(label: str, params: int, tokens: int, measured: int) -> tuple[str, str]:
     claimed = six_n_d(params, tokens)
-    return (label, f"{flops_to_string(claimed)} (measured fwd+bwd flops: {measured / claimed:.2f}x this)")
+    ratio = measured / claimed
+    return (label, f"{number_to_string(claimed)}flops (measured fwd+bwd flops: {ratio:.2f}x this)")
