@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -700,3 +703,34 @@ def test_deepspeed_config_recompute_factor_and_unknown_keys_are_said_once_and_ig
         assert deepspeed_callback_kwargs({"enabled": True, "step": 1})["profile_step"] == 1  # type: ignore[index]
     with pytest.raises(ValueError, match="flops_profiler.enabled must be True or False"):
         deepspeed_callback_kwargs({"enabled": "yes"})
+
+
+FIRST_PROFILE = """
+import json, torch
+from flops_callbacks import FlopsProfiler
+from tests.sleepy import Sleepy
+model, x = Sleepy(fwd=0.1, bwd=0.0), torch.randn(2, 4)
+seconds = []
+for _ in range(2):
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    with torch.no_grad():
+        model(x)
+    prof.stop_profile()
+    seconds.append(prof.get_total_duration())
+    prof.end_profile()
+print(json.dumps(seconds))
+"""
+
+
+def test_the_first_profile_of_a_fresh_process_times_no_lazy_import() -> None:
+    """A forward of 0.1 s of sleep: torch imports ``torch._dynamo`` (about a second) on a mode's first
+    call, which must not land in the first profile's timed forward."""
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-c", FIRST_PROFILE], capture_output=True, text=True, cwd=root, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, second = json.loads(run.stdout.strip().splitlines()[-1])
+    assert first <= 1.1 * second, (first, second)
