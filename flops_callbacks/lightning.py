@@ -170,6 +170,8 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             max_steps=_run_length(trainer),
             profiled_before=self._profiled_step is not None,
             is_logging_rank=trainer.is_global_zero,
+            # manual optimization: every optimizer's step() adds one to global_step
+            steps_per_batch=1 if pl_module.automatic_optimization else max(len(trainer.optimizers), 1),
         )
 
     def on_train_batch_start(

@@ -165,15 +165,19 @@ class StepSession:
         max_steps: int | None = None,
         profiled_before: bool = False,
         is_logging_rank: bool = True,
+        steps_per_batch: int = 1,
     ) -> None:
         """A run starts: forget an earlier run's window, and warn now (on the logging rank) if no
-        profile can run in this one, or only a cut-short one."""
+        profile can run in this one, or only a cut-short one. ``steps_per_batch``: global steps each
+        optimizer step of the window takes (Lightning's manual optimization with several optimizers)."""
         self.close()
         self.result = None
         self._metering = False
         profile_step, length = self.options.profile_step, len(self._kinds)
+        first = global_step + -(-(profile_step - global_step) // steps_per_batch) * steps_per_batch
+        last = first + (length - 1) * steps_per_batch  # the window's last step starts here
         self._resumed_past = global_step > profile_step
-        self._unreachable = max_steps is not None and max_steps <= profile_step
+        self._unreachable = max_steps is not None and max_steps <= first
         if not self.enabled or not is_logging_rank:
             return
         if self._resumed_past:
@@ -192,10 +196,10 @@ class StepSession:
                 f"{self.owner}: profile_step={profile_step} is never reached: the run has {max_steps} "
                 f"optimizer steps (0 .. {max_steps - 1}). Use a profile_step below {max_steps}.",
             )
-        elif max_steps is not None and max_steps < profile_step + length:
-            clean = max(max_steps - profile_step - 2, 0)
+        elif max_steps is not None and max_steps <= last:
+            clean = max(-(-(max_steps - first) // steps_per_batch) - 2, 0)
             warn(
-                f"{self.owner}: the profile window needs steps {profile_step} .. {profile_step + length - 1} "
+                f"{self.owner}: the profile window needs steps {first} .. {last} "
                 f"(counting, module timing, clean_steps={self.options.clean_steps}); the run has "
                 f"{max_steps} steps: the latencies will rest on {clean} clean step(s).",
             )

@@ -811,11 +811,6 @@ def test_with_two_optimizers_the_window_starts_at_the_first_step_at_or_after_pro
     assert values[names.BWD_FLOPS] == 2 * sleepy_bwd_flops(2, 2) == 416
 
 
-@pytest.mark.xfail(
-    reason="train_start counts the window in global steps, one per window step; with 2 optimizers each "
-    "window step takes 2, so a window cut short by max_steps is not warned about",
-    strict=True,
-)
 def test_with_two_optimizers_a_window_cut_short_by_max_steps_warns_at_train_start(tmp_path: Path) -> None:
     # batches start at 0, 2, 4, 6: counting at 4, module timing at 6, and the run ends at 8
     callback = quiet_callback(profile_step=3)
