@@ -224,6 +224,15 @@ def test_metrics_reach_tensorboard_once_at_the_window_end_and_losses_are_unchang
         {**metrics, "epoch": pytest.approx(WINDOW_END * BATCH / len(TokenDataset())), "step": WINDOW_END}
     ]
 
+    # the report in TensorBoard's Text tab, as a Markdown code block of the report file
+    (run_dir,) = (Path(profiled.args.output_dir) / "runs").iterdir()
+    events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    (text,) = events.Tensors("flops_profiler/report/text_summary")
+    report = (Path(profiled.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    assert text.step == WINDOW_END
+    assert [line[4:] for line in text.tensor_proto.string_val[0].decode().splitlines()] == report.splitlines()
+
     # the loss is logged at the same steps with the same values as without the callback
     assert losses(profiled) == losses(plain)
     assert [s for s, _ in losses(profiled)] == list(range(1, WINDOW_END + 2))

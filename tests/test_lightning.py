@@ -290,6 +290,16 @@ def test_the_window_counts_then_times_modules_then_clean_steps_and_publishes_at_
     assert modules["block.0"].bwd_latency > 0  # its weight and bias gradients
 
 
+def test_tensorboard_text_tab_holds_the_report_at_the_window_end(logged_run: dict) -> None:
+    events = EventAccumulator(logged_run["loggers"][0].log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    (event,) = events.Tensors("flops_profiler/report/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    report = (Path(logged_run["trainer"].log_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    assert event.step == WINDOW_END
+    assert [line[4:] for line in text.splitlines()] == report.rstrip("\n").splitlines()  # a code block
+
+
 def test_tensorboard_event_file_has_every_metric_once_at_the_window_end(logged_run: dict) -> None:
     events = EventAccumulator(logged_run["loggers"][0].log_dir, size_guidance={"scalars": 0})
     events.Reload()
