@@ -39,7 +39,7 @@ TOKENS_PER_SEC = PREFIX + "tokens_per_sec"  # tokens per device x dp size / iter
 MFU = PREFIX + "mfu"  # (fwd + bwd flops) / iter latency / peak FLOPS (model flops: recompute excluded)
 HFU = PREFIX + "hfu"  # (fwd + bwd + recompute flops) / iter latency / peak FLOPS (hardware flops)
 
-# Continuous throughput, at every logging step after the profiled one (flops_callbacks.throughput):
+# Continuous throughput, at every logging step after the profile window (flops_callbacks.throughput):
 # rates over the wall time since the previous logging step, flops from the measured flops per batch.
 THROUGHPUT_PREFIX = "throughput/"
 THROUGHPUT_SAMPLES_PER_SEC = THROUGHPUT_PREFIX + "samples_per_sec"  # all data-parallel replicas
@@ -48,9 +48,9 @@ THROUGHPUT_FLOPS_PER_SEC = THROUGHPUT_PREFIX + "flops_per_sec"  # model flops pe
 THROUGHPUT_MFU = THROUGHPUT_PREFIX + "mfu"  # flops_per_sec / peak FLOPS, when a peak is known
 
 THROUGHPUT = (THROUGHPUT_SAMPLES_PER_SEC, THROUGHPUT_TOKENS_PER_SEC, THROUGHPUT_FLOPS_PER_SEC, THROUGHPUT_MFU)
-WITH_PEAK = (MFU, HFU)  # at the profiled step, only when a peak is known
+WITH_PEAK = (MFU, HFU)  # at the window's end, only when a peak is known
 
-# At the profiled step, always (tokens_per_sec only when tokens are known).
+# At the window's end, always (tokens_per_sec only when tokens are known).
 ALL = (
     FWD_FLOPS,
     BWD_FLOPS,
