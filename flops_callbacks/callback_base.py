@@ -7,12 +7,59 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from flops_callbacks.deepspeed_api import deepspeed_callback_kwargs
-from flops_callbacks.options import CausalAttention, Options
+from flops_callbacks.options import CausalAttention, Options, check_flag
 from flops_callbacks.result import WindowResult
 from flops_callbacks.session import StepSession
+from flops_callbacks.user_warning import warn
 
 C = TypeVar("C", bound="SessionCallback")
+
+# The flops_profiler block of a DeepSpeed config: its keys and DeepSpeed's defaults.
+_DEEPSPEED_BLOCK = {
+    "enabled": False,
+    "recompute_fwd_factor": 0.0,
+    "profile_step": 1,
+    "module_depth": -1,
+    "top_modules": 1,
+    "detailed": True,
+    "output_file": None,
+}
+_CALLBACK_KEYS = ("profile_step", "module_depth", "top_modules", "detailed", "output_file")
+
+
+def deepspeed_callback_kwargs(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The training callbacks' keyword arguments from a DeepSpeed config (whole, or its
+    ``flops_profiler`` block), with DeepSpeed's defaults for absent keys; None where the profiler is
+    not enabled (DeepSpeed's default). The values are checked by the callback that receives them.
+
+    ``recompute_fwd_factor`` is accepted and ignored (recompute is measured), and keys DeepSpeed
+    does not know are ignored as DeepSpeed ignores them; each is said once, in one line.
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config must be a DeepSpeed config or its flops_profiler block, got {config!r}")
+    if "flops_profiler" in config:
+        block = config["flops_profiler"]
+        if not isinstance(block, Mapping):
+            raise ValueError(f"config['flops_profiler'] must be a mapping, got {block!r}")
+    elif any(key in _DEEPSPEED_BLOCK for key in config):
+        block = config
+    else:
+        return None  # a whole config without the block: DeepSpeed's profiler is off
+    settings = {**_DEEPSPEED_BLOCK, **block}
+    check_flag("flops_profiler.enabled", settings["enabled"])
+    if not settings["enabled"]:
+        return None
+    unknown = sorted(set(block) - set(_DEEPSPEED_BLOCK))
+    if unknown:
+        warn(
+            f"flops_profiler keys {unknown} are not DeepSpeed's and are ignored "
+            f"(DeepSpeed's: {sorted(_DEEPSPEED_BLOCK)})",
+        )
+    if "recompute_fwd_factor" in block:
+        warn(
+            "flops_profiler.recompute_fwd_factor is ignored: recompute is measured, not estimated",
+        )
+    return {key: settings[key] for key in _CALLBACK_KEYS}
 
 
 class SessionCallback:

@@ -11,16 +11,15 @@ never leave state on a model (DeepSpeed's attributes stay behind when a profiled
 
 from __future__ import annotations
 
-import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from flops_callbacks.clock import Clock, clock_for, module_device
+from flops_callbacks.files import write_text
 from flops_callbacks.options import check_causal_attention, check_flag, check_report_args
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import Counts, ModuleProfile, Profile
@@ -153,13 +152,6 @@ class FlopsProfiler:
         if self._tracer is not None:
             self._tracer.stop()
 
-    def resume_profile(self) -> None:
-        """Count again after :meth:`stop_profile`, adding to the counts so far (not in DeepSpeed's API:
-        a training step pauses it between micro-batches so that validation run there is not counted)."""
-        if self._tracer is None:
-            raise RuntimeError("resume_profile() without start_profile()")
-        self._tracer.start()
-
     def reset_profile(self) -> None:
         """Zero the counts (profiling continues if it was on)."""
         if self._tracer is not None:
@@ -177,11 +169,6 @@ class FlopsProfiler:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_profile()
-
-    @property
-    def clock(self) -> Clock:
-        """The synchronized clock of the model's device (phases of a step are timed on it too)."""
-        return self._tracer.clock if self._tracer is not None else clock_for(module_device(self.model))
 
     # --- results ---------------------------------------------------------------------------------
 
@@ -288,9 +275,7 @@ def _emit(text: str, output_file: str | Path | None) -> None:
     if not output_file:  # DeepSpeed treats "" as stdout too
         print(text)
     else:
-        path = Path(output_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
+        write_text(output_file, text + "\n")
 
 
 @contextmanager
@@ -399,53 +384,3 @@ def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.T
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
             return leaf.float().sum()
     raise ValueError("backward=True needs a loss: the output has no floating tensor; pass loss_fn")
-
-
-# The flops_profiler block of a DeepSpeed config: its keys and DeepSpeed's defaults.
-_DEEPSPEED_BLOCK = {
-    "enabled": False,
-    "recompute_fwd_factor": 0.0,
-    "profile_step": 1,
-    "module_depth": -1,
-    "top_modules": 1,
-    "detailed": True,
-    "output_file": None,
-}
-_CALLBACK_KEYS = ("profile_step", "module_depth", "top_modules", "detailed", "output_file")
-
-
-def deepspeed_callback_kwargs(config: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The training callbacks' keyword arguments from a DeepSpeed config (whole, or its
-    ``flops_profiler`` block), with DeepSpeed's defaults for absent keys; None where the profiler is
-    not enabled (DeepSpeed's default). The values are checked by the callback that receives them.
-
-    ``recompute_fwd_factor`` is accepted and ignored (recompute is measured), and keys DeepSpeed
-    does not know are ignored as DeepSpeed ignores them; each is said once, in one line.
-    """
-    if not isinstance(config, Mapping):
-        raise ValueError(f"config must be a DeepSpeed config or its flops_profiler block, got {config!r}")
-    if "flops_profiler" in config:
-        block = config["flops_profiler"]
-        if not isinstance(block, Mapping):
-            raise ValueError(f"config['flops_profiler'] must be a mapping, got {block!r}")
-    elif any(key in _DEEPSPEED_BLOCK for key in config):
-        block = config
-    else:
-        return None  # a whole config without the block: DeepSpeed's profiler is off
-    settings = {**_DEEPSPEED_BLOCK, **block}
-    check_flag("flops_profiler.enabled", settings["enabled"])
-    if not settings["enabled"]:
-        return None
-    unknown = sorted(set(block) - set(_DEEPSPEED_BLOCK))
-    if unknown:
-        warnings.warn(
-            f"flops_profiler keys {unknown} are not DeepSpeed's and are ignored "
-            f"(DeepSpeed's: {sorted(_DEEPSPEED_BLOCK)})",
-            stacklevel=2,
-        )
-    if "recompute_fwd_factor" in block:
-        warnings.warn(
-            "flops_profiler.recompute_fwd_factor is ignored: recompute is measured, not estimated",
-            stacklevel=2,
-        )
-    return {key: settings[key] for key in _CALLBACK_KEYS}

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from flops_callbacks.files import write_text
+
 
 @dataclass
 class Counts:
@@ -171,10 +173,7 @@ class Profile:
 
     def write_json(self, path: str | Path) -> Path:
         """Write :meth:`to_dict` to ``path`` (parents created) and return the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2))
-        return path
+        return write_text(path, json.dumps(self.to_dict(), indent=2))
 
 
 _COUNTED_TOTALS = tuple(f.name for f in fields(Counts) if f.name != "calls")

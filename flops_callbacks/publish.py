@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flops_callbacks import metrics as names
+from flops_callbacks.files import write_text
 from flops_callbacks.options import Options
 from flops_callbacks.picture import render_html
 from flops_callbacks.report import RunContext, render_profile
@@ -131,14 +132,6 @@ def json_data(result: WindowResult) -> dict[str, Any]:
 def markdown_block(text: str) -> str:
     """``text`` as a Markdown code block (TensorBoard's Text tab renders Markdown)."""
     return "\n".join("    " + line for line in text.splitlines())
-
-
-def write_text(path: str | Path, text: str) -> Path:
-    """The one writer of files: parents created, text written whole."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
 
 
 def publish(result: WindowResult, options: Options, log_dir: str | Path | None, outlet: Outlet) -> None:
