@@ -62,10 +62,10 @@ class HookTimedCallback(FlopsProfilerCallback):
 
     def _timed(self, hook: Any) -> Any:
         def timed(*args: Any) -> None:
-            idle = not self.profiler.active
+            idle = not self.session.window_open
             start = time.perf_counter()
             hook(*args)
-            if idle and not self.profiler.active:
+            if idle and not self.session.window_open:
                 self.idle_seconds += time.perf_counter() - start
 
         return timed
@@ -112,7 +112,9 @@ def main() -> None:
             for config in order:
                 callback = None
                 if config == "profiling":
-                    callback = HookTimedCallback(profile_step=args.profile_step, print_profile=False)
+                    callback = HookTimedCallback(
+                        profile_step=args.profile_step, clean_steps=0, print_profile=False
+                    )
                 elif config == "never profiling":
                     callback = FlopsProfilerCallback(profile_step=profile_steps[config])
                 timers[config].append(run(args.steps, args.batch_size, callback, root))
@@ -121,7 +123,8 @@ def main() -> None:
 
     def kept(timer: StepTimer, clock: str) -> list[float]:
         times = timer.step_times(clock)
-        return [t for step, t in enumerate(times) if step >= args.warmup and step != args.profile_step]
+        window = range(args.profile_step, args.profile_step + 2)  # the counting and module-timing steps
+        return [t for step, t in enumerate(times) if step >= args.warmup and step not in window]
 
     print(f"torch {torch.__version__}, lightning {L.__version__}, 1 torch thread, batch {args.batch_size}")
     print(f"{args.repeats} runs per configuration x {args.steps} steps, alternating; left out: the first")

@@ -268,7 +268,9 @@ def lightning_configurations(profile_step: int, ds_profiler: type | None) -> dic
 
     configurations: dict[str, Callable[[], list]] = {
         "none": lambda: [],
-        "ours: FlopsProfilerCallback": lambda: [FlopsProfilerCallback(profile_step, print_profile=False)],
+        "ours: FlopsProfilerCallback": lambda: [
+            FlopsProfilerCallback(profile_step, clean_steps=0, print_profile=False)
+        ],
     }
     if ds_profiler is not None:
         configurations["DeepSpeed profiler (own callback)"] = lambda: [DeepSpeedCallback()]
@@ -354,7 +356,8 @@ def unprofiled_steps(
                     times[name].append(lightning_run(callbacks, steps, batch_size, flops_per_batch, root))
 
     def kept(step_times: list[float]) -> list[float]:
-        return [t for step, t in enumerate(step_times) if step >= warmup and step != profile_step]
+        window = range(profile_step, profile_step + 2)  # ours: the counting and module-timing steps
+        return [t for step, t in enumerate(step_times) if step >= warmup and step not in window]
 
     rows = []
     for name, name_runs in times.items():

@@ -79,15 +79,15 @@ def run(config: str, args: argparse.Namespace, root: str, flops_per_batch: float
     callbacks: list[L.Callback] = [timer]
     spent: dict[str, list[float]] = {}
     if config == "flops_callbacks throughput":
-        callback = FlopsProfilerCallback(
-            profile_step=args.profile_step, print_profile=False, tokens_fn=count_tokens
+        callback = FlopsProfilerCallback(  # clean_steps=0: the window is the counting and module-timing step
+            profile_step=args.profile_step, clean_steps=0, print_profile=False, tokens_fn=count_tokens
         )
-        spent = time_hooks(callback, args.profile_step + 1)
+        spent = time_hooks(callback, args.profile_step + 2)
         callbacks.append(callback)
     elif config == "Lightning ThroughputMonitor":
         module.flops_per_batch = flops_per_batch  # ThroughputMonitor needs the flops by hand
         callback = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0], length_fn=count_tokens)
-        spent = time_hooks(callback, args.profile_step + 1)
+        spent = time_hooks(callback, args.profile_step + 2)
         callbacks.append(callback)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -154,7 +154,7 @@ def main() -> None:
                 timers[config].append(timer)
                 in_hooks[config].append(seconds)
 
-    first = args.profile_step + 1 + args.warmup  # steps before are the profile and its warm-up
+    first = args.profile_step + 2 + args.warmup  # steps before are the profile window and its warm-up
 
     def kept(timer: StepTimer, clock: str) -> list[float]:
         return timer.step_times(clock)[first:]
