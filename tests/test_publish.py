@@ -108,7 +108,7 @@ def test_output_file_takes_the_report_instead_of_the_console(tmp_path: Path) -> 
     assert "Detailed Profile" in (tmp_path / "out" / "report.txt").read_text()  # the whole report
 
 
-def test_markdown_block_and_the_one_writer() -> None:
+def test_markdown_block_and_the_one_writer(tmp_path: Path) -> None:
     assert markdown_block("a\n  b") == "    a\n      b"
-    path = write_text(Path(__import__("tempfile").mkdtemp()) / "deep" / "er" / "f.txt", "x")
+    path = write_text(tmp_path / "deep" / "er" / "f.txt", "x")
     assert path.read_text() == "x"
