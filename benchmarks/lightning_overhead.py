@@ -128,7 +128,10 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, lightning {L.__version__}, 1 torch thread, batch {args.batch_size}")
     print(f"{args.repeats} runs per configuration x {args.steps} steps, alternating; left out: the first")
-    print(f"{args.warmup} steps of every run and the profiled step (global step {args.profile_step})")
+    window = f"{args.profile_step}-{args.profile_step + 1}"
+    print(
+        f"{args.warmup} steps of every run and the counting and module-timing steps (global steps {window})"
+    )
     print()
     print("| clock | callback | median step (ms) | ratio to without (median over rounds) | goal |")
     print("|---|---|---:|---:|---|")

@@ -485,7 +485,8 @@ def main() -> None:
     print(
         f"Unprofiled steps: lightning.Trainer, example GPT, batch 2, CPU; {args.runs} runs per configuration "
         f"x {args.steps} steps, alternating; left out: the first {args.warmup} steps of every run and the "
-        f"profiled step (global step {args.profile_step})"
+        f"counting and module-timing steps of our window (global steps {args.profile_step}, "
+        f"{args.profile_step + 1})"
     )
     print()
     print(
