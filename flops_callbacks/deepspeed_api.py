@@ -126,7 +126,6 @@ class FlopsProfiler:
         self.causal_attention = causal_attention
         self.started = False
         self._tracer: Tracer | None = None
-        self._described: Profile | None = None
 
     # --- DeepSpeed lifecycle ---------------------------------------------------------------------
 
@@ -176,13 +175,7 @@ class FlopsProfiler:
         """The structured result: totals, every module, per-functional breakdown and coverage."""
         if self._tracer is None:
             raise RuntimeError("no profile: call start_profile() and run the model first")
-        profile = self._tracer.profile()
-        if profile is not self._described:  # the module's own settings, for the report's module lines
-            for name, module in _profiled_names(self.model):
-                if name in profile.modules:
-                    profile.modules[name].extra_repr = module.extra_repr()
-            self._described = profile
-        return profile
+        return self._tracer.profile()
 
     def _totals(self) -> tuple[Counts, float]:
         if self._tracer is None:

@@ -55,6 +55,7 @@ def build_profile(
             **as_counts(total(per_module[name].values()), calls=recording.module_calls[name]),
             name=name,
             class_name=type(module).__name__,
+            extra_repr=module.extra_repr(),  # its own settings (in_features=...), on its report line
             depth=name.count(".") + 1 if name else 0,
             params=params[name],
             trainable_params=trainable[name],

@@ -117,6 +117,7 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
     assert (data["samples_per_device"], data["micro_batches"], data["tokens_per_device"]) == (10, 2, 60)
     assert data["metrics"] == m
     assert "Detailed Profile" in (tmp_path / "flops_profile_step3.txt").read_text()  # the file has the tree
+    assert "in_features=6, out_features=2, bias=True" in (tmp_path / "flops_profile_step3.txt").read_text()
     assert "Detailed Profile" not in outlet.printed[0]  # the console does not (detailed=False)
     html = (tmp_path / "flops_profile_step3.html").read_text()
     assert "<script" in html and "http://" not in html and "https://" not in html
