@@ -84,7 +84,7 @@ class ModuleTree:
 
     def has_compiled(self) -> bool:
         """Whether any module was ``torch.compile``d (without importing dynamo if unused)."""
-        return _has_compiled(module for _, module in self.paths)
+        return has_compiled(module for _, module in self.paths)
 
 
 def _module_paths(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -104,7 +104,8 @@ def _module_paths(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return paths
 
 
-def _has_compiled(modules: Iterable[torch.nn.Module]) -> bool:
+def has_compiled(modules: Iterable[torch.nn.Module]) -> bool:
+    """Whether any of ``modules`` was ``torch.compile``d (without importing dynamo if it is unused)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None:
         return False  # dynamo never loaded: nothing can be compiled

@@ -88,3 +88,32 @@ def test_nothing_stays_on_torch_the_modules_or_the_nodes() -> None:
 def test_ancestors_list_the_model_first() -> None:
     assert ancestors("a.b.c") == ["", "a", "a.b"]
     assert ancestors("") == []
+
+
+def test_a_compiled_model_is_timed_eagerly_and_runs_its_compiled_graph_again_after() -> None:
+    stats = {"compiles": 0, "calls": 0}
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        stats["compiles"] += 1
+
+        def run(*args: object) -> object:
+            stats["calls"] += 1
+            return graph.forward(*args)
+
+        return run
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(3, 4)
+    compiled(x).sum().backward()
+    assert stats == {"compiles": 1, "calls": 1}
+    timer = ModuleTimer(compiled, CpuClock())
+    timer.start()
+    loss = compiled(x).sum()
+    timer.arm()
+    loss.backward()
+    timer.stop()
+    assert stats == {"compiles": 1, "calls": 1}  # eager while timed: no recompile for the hooks
+    assert {"0", "1", "2"} <= set(timer.times().fwd)  # every module's own call was marked
+    compiled(x)
+    assert stats == {"compiles": 1, "calls": 2}  # and compiled again afterwards
