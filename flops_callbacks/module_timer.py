@@ -28,7 +28,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from flops_callbacks.clock import Clock
-from flops_callbacks.module_tree import has_compiled
+from flops_callbacks.module_tree import ModuleTree, has_compiled
 from flops_callbacks.trace import ModuleSpan
 
 _current_autograd_node = torch._C._current_autograd_node
@@ -52,15 +52,6 @@ def _grad_fns(value: Any) -> list[Any]:
     return [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
 
 
-def module_names(model: torch.nn.Module) -> dict[int, str]:
-    """``id(module) -> qualified name`` for the model's modules (first name of a shared one), without
-    ``torch.compile``'s ``_orig_mod`` level."""
-    names: dict[int, str] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        names.setdefault(id(module), ".".join(p for p in name.split(".") if p != "_orig_mod"))
-    return names
-
-
 def ancestors(name: str) -> list[str]:
     """``"a.b.c"`` -> ``["", "a", "a.b"]``: the names above a module, the model first."""
     if not name:
@@ -74,7 +65,7 @@ class ModuleTimer:
 
     def __init__(self, model: torch.nn.Module, clock: Clock) -> None:
         self.clock = clock
-        self._names = module_names(model)
+        self._names = ModuleTree(model).names  # the counting engine's names: one record per module
         # a compiled graph has no module boundaries (and global hooks would make dynamo recompile it):
         # its modules are timed eagerly, as they are counted
         self._compiled = has_compiled(model.modules())

@@ -88,6 +88,15 @@ def _deepspeed_rows(p: Profile, run: RunContext) -> list[tuple[str, object]]:
         rows.append(("batch size per GPU", run.batch_size))
     model_params = run.model_params if run.model_params is not None else p.params * mp
     fwd_latency = p.fwd_latency if run.fwd_latency is None else run.fwd_latency
+    bwd_latency = p.bwd_latency if run.bwd_latency is None else run.bwd_latency
+    measured = p.bwd_flops > 0
+    if measured:  # the backward's own ops, recompute included: the work the device did
+        counted = p
+    else:  # only timed (DeepSpeed's engine profiles the forward): DeepSpeed's estimate of the backward
+        factor = 2 + run.recompute_fwd_factor
+        root = dataclasses.replace(p.model, bwd_flops=int(factor * p.fwd_flops), recompute_flops=0)
+        counted = dataclasses.replace(p, modules={**p.modules, "": root})
+    rates = phase_rates(counted, fwd_latency, bwd_latency, run.step_latency or 0.0)
     rows += [
         ("params per GPU", params_to_string(p.params)),
         ("params of model = params per GPU * mp_size", params_to_string(model_params)),
@@ -97,24 +106,16 @@ def _deepspeed_rows(p: Profile, run: RunContext) -> list[tuple[str, object]]:
         ("fwd latency", duration_to_string(fwd_latency)),
         (
             "fwd FLOPS per GPU = fwd flops per GPU / fwd latency",
-            _rate(phase_rates(p, fwd_latency, 0, 0).fwd, fwd_latency),
+            _rate(rates.fwd, fwd_latency),
         ),
     ]
-    measured = p.bwd_flops > 0
-    bwd_latency = p.bwd_latency if run.bwd_latency is None else run.bwd_latency
     if not measured and run.bwd_latency is None:
         return rows  # no backward was profiled or timed: DeepSpeed prints none of its rows either
-    step_latency = run.step_latency or 0.0
-    if measured:  # the backward's own ops, recompute included: the work the device did
-        rates = phase_rates(p, fwd_latency, bwd_latency, step_latency)
+    if measured:
         bwd_label = "bwd FLOPS per GPU = bwd flops per GPU / bwd latency"
         both_label = "fwd+bwd FLOPS per GPU = fwd+bwd flops per GPU / (fwd+bwd latency)"
         iter_label = "FLOPS per GPU = fwd+bwd flops per GPU / iter latency"
-    else:  # only timed (DeepSpeed's engine profiles the forward): DeepSpeed's estimate, in its words
-        factor = 2 + run.recompute_fwd_factor
-        root = dataclasses.replace(p.model, bwd_flops=int(factor * p.fwd_flops), recompute_flops=0)
-        estimated = dataclasses.replace(p, modules={**p.modules, "": root})
-        rates = phase_rates(estimated, fwd_latency, bwd_latency, step_latency)
+    else:  # DeepSpeed's estimate, in its words
         bwd_label = f"bwd FLOPS per GPU = {factor:g} * fwd flops per GPU / bwd latency"
         both_label = f"fwd+bwd FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / (fwd+bwd latency)"
         iter_label = f"FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / iter latency"
