@@ -1,6 +1,5 @@
 """What both callbacks share: their session built from their arguments, and the constructor from a
-DeepSpeed config's flops_profiler block (checked here once, for the Lightning callback; the HF
-callback inherits the same code)."""
+DeepSpeed config's flops_profiler block (both callbacks inherit this code)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,23 @@ import warnings
 import pytest
 
 from flops_callbacks.callback_base import SessionCallback
+from flops_callbacks.hf import HFFlopsCallback
+from flops_callbacks.lightning import FlopsProfilerCallback
 from flops_callbacks.options import Options
+
+
+@pytest.mark.parametrize("callback_class", [FlopsProfilerCallback, HFFlopsCallback])
+def test_both_callbacks_hand_every_argument_to_the_options_which_check_them(callback_class: type) -> None:
+    """Every argument is checked once, in flops_callbacks.options (tests/test_options.py); each
+    callback hands them all over, so a bad one fails when the callback is built."""
+    kwargs = dict(
+        profile_step=4, clean_steps=2, module_depth=1, top_modules=2, detailed=True, print_profile=False,
+        output_file="report.txt", batch_size_fn=len, tokens_fn=len, causal_attention="half",
+        throughput=False, peak_flops=1e12,
+    )  # fmt: skip
+    assert callback_class(**kwargs).session.options == Options(**kwargs)
+    with pytest.raises(ValueError, match="clean_steps must be an int >= 0, got -1"):
+        callback_class(clean_steps=-1)
 
 
 def test_the_session_gets_the_arguments_and_the_class_name_in_its_messages() -> None:

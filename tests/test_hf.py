@@ -44,10 +44,10 @@ from transformers import (
 from flops_callbacks import FlopsProfiler
 from flops_callbacks import metrics as names
 from flops_callbacks.hf import HFFlopsCallback, parallel_sizes
-from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.result import WindowSteps
 from flops_callbacks.units import duration_to_string
+from tests.raising import RaiseInBackward
 from tests.sleepy import Sleepy, SleepySGD
 
 # The window: counting step 2, module-timing step 3, one clean step 4; published when step 4 has ended,
@@ -726,19 +726,11 @@ class RaisingGPT2(GPT2LMHeadModel):
             raise self.error
         output = super().forward(input_ids=input_ids, labels=labels, **kwargs)
         if failing:
-            output.loss = RaiseInBackward.apply(output.loss, self.error)
+            output.loss = RaiseInBackward.apply(output.loss, self.raise_error)
         return output
 
-
-class RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, error: Exception) -> torch.Tensor:
-        ctx.error = error
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        raise ctx.error
+    def raise_error(self) -> None:
+        raise self.error
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["forward", "backward"])
@@ -907,19 +899,6 @@ def ddp_worker(directory: Path) -> None:
 
 
 # --- bad input, missing transformers --------------------------------------------------------------------
-
-
-def test_the_arguments_reach_the_options_which_check_them_at_construction() -> None:
-    """Every argument is checked once, in flops_callbacks.options (tests/test_options.py); the callback
-    hands them all over, so a bad one fails when the callback is built."""
-    kwargs = dict(
-        profile_step=4, clean_steps=2, module_depth=1, top_modules=2, detailed=True, print_profile=False,
-        output_file="report.txt", batch_size_fn=len, tokens_fn=len, causal_attention="half",
-        throughput=False, peak_flops=1e12,
-    )  # fmt: skip
-    assert HFFlopsCallback(**kwargs).session.options == Options(**kwargs)
-    with pytest.raises(ValueError, match="clean_steps must be an int >= 0, got -1"):
-        HFFlopsCallback(clean_steps=-1)
 
 
 def test_missing_transformers_says_what_to_install() -> None:

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from flops_callbacks.hf import HFFlopsCallback
+from tests.raising import RaiseInBackward
 
 PROFILE_STEP, CLEAN_STEPS = 1, 1
 WINDOW = {"counting": PROFILE_STEP, "module timing": PROFILE_STEP + 1, "clean": PROFILE_STEP + 2}
@@ -57,20 +58,6 @@ class Fault:
             raise self.error
 
 
-class RaiseInBackward(torch.autograd.Function):
-    """Identity whose backward raises the fault's error."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fault: Fault) -> torch.Tensor:
-        ctx.fault = fault
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.fault.check("backward")
-        return grad, None
-
-
 class Regressor(nn.Module):
     """Linear(IN, HIDDEN) -> ReLU -> Linear(HIDDEN, OUT), MSE loss; raises where the fault says."""
 
@@ -83,7 +70,7 @@ class Regressor(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         self.fault.check("forward")
         loss = F.mse_loss(self.fc2(torch.relu(self.fc1(x))), labels)
-        return {"loss": RaiseInBackward.apply(loss, self.fault)}
+        return {"loss": RaiseInBackward.apply(loss, lambda: self.fault.check("backward"))}
 
 
 class Pairs(torch.utils.data.Dataset):

@@ -37,7 +37,6 @@ from torch.utils.checkpoint import checkpoint
 
 from flops_callbacks import metrics as names
 from flops_callbacks.lightning import FlopsProfilerCallback, parallel_sizes
-from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.result import WindowSteps
 from flops_callbacks.units import duration_to_string, number_to_string
@@ -1185,19 +1184,6 @@ def test_a_rank_failing_in_the_windows_last_step_ends_the_run_instead_of_hanging
 
 
 # --- bad input ------------------------------------------------------------------------------------
-
-
-def test_the_arguments_reach_the_options_which_check_them_at_construction() -> None:
-    """Every argument is checked once, in flops_callbacks.options (tests/test_options.py); the callback
-    hands them all over, so a bad one fails when the callback is built."""
-    kwargs = dict(
-        profile_step=4, clean_steps=2, module_depth=1, top_modules=2, detailed=True, print_profile=False,
-        output_file="report.txt", batch_size_fn=len, tokens_fn=len, causal_attention="half",
-        throughput=False, peak_flops=1e12,
-    )  # fmt: skip
-    assert FlopsProfilerCallback(**kwargs).session.options == Options(**kwargs)
-    with pytest.raises(ValueError, match="clean_steps must be an int >= 0, got -1"):
-        FlopsProfilerCallback(clean_steps=-1)
 
 
 def test_missing_lightning_says_which_extra_to_install() -> None:

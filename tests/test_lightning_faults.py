@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from flops_callbacks.lightning import FlopsProfilerCallback
 from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.result import WindowSteps
+from tests.raising import RaiseInBackward
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3
 PROFILE_STEP, CLEAN = 1, 1
@@ -76,20 +77,6 @@ class Fault:
             raise self.error
 
 
-class RaiseInBackward(torch.autograd.Function):
-    """Identity whose backward may raise."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fault: Fault) -> torch.Tensor:
-        ctx.fault = fault
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.fault.check("backward")
-        return grad, None
-
-
 class Probe(nn.Module):
     """Inside the model: may raise in its forward or in its backward."""
 
@@ -99,7 +86,7 @@ class Probe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.fault.check("forward")
-        return RaiseInBackward.apply(x, self.fault)
+        return RaiseInBackward.apply(x, lambda: self.fault.check("backward"))
 
 
 class FaultySGD(torch.optim.Optimizer):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,7 @@ def run(
     batch: torch.Tensor | None = None,
     micro_batches: int = 1,
     parallel: ParallelSizes | None = None,
+    loss_of: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda model, batch: model(batch).sum(),
 ) -> None:
     """Drive ``session`` as an adapter would, one optimizer step per global step in ``steps``."""
     for step in steps:
@@ -63,13 +65,18 @@ def run(
         optimizer.zero_grad()
         for _ in range(micro_batches):
             session.micro_batch_start(torch.randn(B, IN) if batch is None else batch)
-            loss = model(torch.randn(B, IN) if batch is None else batch).sum()
+            loss = loss_of(model, torch.randn(B, IN) if batch is None else batch)
             session.phase(BACKWARD)
             loss.backward()
             session.micro_batch_end()
         session.phase(OPTIMIZER_STEP)
         optimizer.step()
         session.step_end(step + 1, outlet, logs=True)
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A causal language model's own loss on ``ids``."""
+    return model(ids, labels=ids).loss
 
 
 def no_profiler_left() -> bool:
@@ -320,17 +327,15 @@ def test_an_moe_models_report_says_what_six_n_d_claims_with_all_and_active_param
     session = StepSession(Options(profile_step=0, clean_steps=0, tokens_fn=lambda b: b.numel()), "test")
     session.train_start(0)
     outlet = Outlet()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    for step in range(2):
-        session.step_start(step, model)
-        session.micro_batch_start(tokens)
-        loss = model(tokens, labels=tokens).loss
-        session.phase(BACKWARD)
-        loss.backward()
-        session.micro_batch_end()
-        session.phase(OPTIMIZER_STEP)
-        optimizer.step()
-        session.step_end(step + 1, outlet)
+    run(
+        session,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        range(0, 2),
+        outlet,
+        tokens,
+        loss_of=lm_loss,
+    )
     session.train_end(2, outlet)
     r = session.result
     assert r is not None
@@ -357,17 +362,9 @@ def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path
     session = StepSession(Options(profile_step=0, clean_steps=1, tokens_fn=lambda b: b.numel()), "test")
     session.train_start(0)
     outlet = Outlet(tmp_path)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    for step in range(3):
-        session.step_start(step, model)
-        session.micro_batch_start(ids)
-        loss = model(ids, labels=ids).loss
-        session.phase(BACKWARD)
-        loss.backward()
-        session.micro_batch_end()
-        session.phase(OPTIMIZER_STEP)
-        optimizer.step()
-        session.step_end(step + 1, outlet)
+    run(
+        session, model, torch.optim.SGD(model.parameters(), lr=0.0), range(0, 3), outlet, ids, loss_of=lm_loss
+    )
     console = outlet.printed[0].splitlines()
     assert len(console) <= 80, len(console)
     assert "Aggregated Profile" in outlet.printed[0] and "h.11" not in outlet.printed[0]
