@@ -3,6 +3,7 @@ the constructor from a DeepSpeed config's ``flops_profiler`` block, as DeepSpeed
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -13,6 +14,22 @@ from flops_callbacks.session import StepSession
 from flops_callbacks.user_warning import warn
 
 C = TypeVar("C", bound="SessionCallback")
+Fn = TypeVar("Fn", bound=Callable[..., Any])
+
+
+def _renamed(function: Fn, qualname: str) -> Fn:
+    """A copy of ``function`` whose code says ``qualname`` (Python 3.11+ names the code object in
+    argument errors, 3.10 the function)."""
+    code = function.__code__
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=qualname)
+    copy = types.FunctionType(
+        code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+    )
+    copy.__kwdefaults__, copy.__annotations__ = function.__kwdefaults__, function.__annotations__
+    copy.__doc__, copy.__module__, copy.__qualname__ = function.__doc__, function.__module__, qualname
+    return copy  # type: ignore[return-value]
+
 
 # The flops_profiler block of a DeepSpeed config: its keys and DeepSpeed's defaults.
 _DEEPSPEED_BLOCK = {
@@ -86,22 +103,31 @@ class SessionCallback:
         peak_flops: float | None = None,
     ) -> None:
         super().__init__()
-        options = Options(
-            profile_step=profile_step,
-            clean_steps=clean_steps,
-            module_depth=module_depth,
-            top_modules=top_modules,
-            detailed=detailed,
-            print_profile=print_profile,
-            output_file=output_file,
-            batch_size_fn=batch_size_fn,
-            tokens_fn=tokens_fn,
-            causal_attention=causal_attention,
-            throughput=throughput,
-            peak_flops=peak_flops,
-        )
-        default = type(self).default_tokens_fn
-        self.session = StepSession(options, type(self).__name__, tokens_fn=tokens_fn or default)
+        try:
+            options = Options(
+                profile_step=profile_step,
+                clean_steps=clean_steps,
+                module_depth=module_depth,
+                top_modules=top_modules,
+                detailed=detailed,
+                print_profile=print_profile,
+                output_file=output_file,
+                batch_size_fn=batch_size_fn,
+                tokens_fn=tokens_fn,
+                causal_attention=causal_attention,
+                throughput=throughput,
+                peak_flops=peak_flops,
+            )
+        except ValueError as error:  # said in the words of the class the user called
+            raise ValueError(f"{type(self).__name__}: {error}") from None
+        self.session = StepSession(options, type(self).__name__, tokens_fn=type(self).default_tokens_fn)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A callback class's ``__init__`` is this one under the callback's own name, so that Python's
+        own argument errors (a misspelt keyword) name the class the user called, not this base."""
+        super().__init_subclass__(**kwargs)
+        if "__init__" not in vars(cls):
+            cls.__init__ = _renamed(SessionCallback.__init__, f"{cls.__name__}.__init__")  # type: ignore[method-assign]
 
     @property
     def result(self) -> WindowResult | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -128,7 +128,7 @@ def _calling_trainer() -> transformers.Trainer | None:
 
 def _input_ids_tokens(batch: Any) -> int | None:
     """``input_ids.numel()`` when the inputs hold input_ids (the Trainer's own token count), else None."""
-    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None  # a dict or a BatchEncoding
     return int(ids.numel()) if isinstance(ids, torch.Tensor) else None
 
 
@@ -167,14 +167,14 @@ class _Outlet:
             handler.callbacks = callbacks
             trainer.control.should_log = should_log
 
-    def log_report(self, text: str, html: str, step: int) -> None:
+    def log_report(self, text: str | None, html: str | None, step: int) -> None:
         callbacks = self.trainer.callback_handler.callbacks if self.trainer is not None else []
         for callback in callbacks:
             writer = getattr(callback, "tb_writer", None)  # TensorBoardCallback, once training began
-            if isinstance(callback, TensorBoardCallback) and writer is not None:
+            if isinstance(callback, TensorBoardCallback) and writer is not None and text is not None:
                 writer.add_text("flops_profiler/report", markdown_block(text), global_step=step)
             wandb = getattr(callback, "_wandb", None)  # WandbCallback: the wandb module, once set up
-            if isinstance(callback, WandbCallback) and getattr(wandb, "run", None) is not None:
+            if isinstance(callback, WandbCallback) and getattr(wandb, "run", None) is not None and html:
                 wandb.log({"flops_profiler/profile": wandb.Html(html)}, commit=False)
 
     def console(self, text: str) -> None:
@@ -250,6 +250,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
             max_steps=state.max_steps or None,
             profiled_before=profiled_before,
             is_logging_rank=state.is_world_process_zero,
+            log_dir=self._outlet(args, state).log_dir(),
         )
         if (
             self.session.meter is not None
@@ -389,7 +390,7 @@ def _estimate_lines(
     trainer: transformers.Trainer, batches: list[Any], profile: Profile
 ) -> list[tuple[str, str]]:
     """The Trainer's own flops estimate of the counting step's micro-batches beside the measured flops."""
-    estimate = sum(trainer.floating_point_ops(b) for b in batches if isinstance(b, dict))
+    estimate = sum(trainer.floating_point_ops(b) for b in batches if isinstance(b, Mapping))
     if not estimate:
         return []
     measured = profile.fwd_flops + profile.bwd_flops

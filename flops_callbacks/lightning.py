@@ -89,11 +89,11 @@ class _Outlet:
             logger.log_metrics(metrics, step=step)
             logger.save()
 
-    def log_report(self, text: str, html: str, step: int) -> None:
+    def log_report(self, text: str | None, html: str | None, step: int) -> None:
         for logger in self.trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
+            if isinstance(logger, TensorBoardLogger) and text is not None:
                 logger.experiment.add_text("flops_profiler/report", _markdown_block(text), global_step=step)
-            elif isinstance(logger, WandbLogger):
+            elif isinstance(logger, WandbLogger) and html is not None:
                 import wandb
 
                 logger.experiment.log({"flops_profiler/profile": wandb.Html(html)}, commit=False)
@@ -172,6 +172,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             is_logging_rank=trainer.is_global_zero,
             # manual optimization: every optimizer's step() adds one to global_step
             steps_per_batch=1 if pl_module.automatic_optimization else max(len(trainer.optimizers), 1),
+            log_dir=_Outlet(trainer).log_dir(),  # a collective: every rank asks
         )
 
     def on_train_batch_start(

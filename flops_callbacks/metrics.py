@@ -50,7 +50,8 @@ THROUGHPUT_MFU = THROUGHPUT_PREFIX + "mfu"  # flops_per_sec / peak FLOPS, when a
 THROUGHPUT = (THROUGHPUT_SAMPLES_PER_SEC, THROUGHPUT_TOKENS_PER_SEC, THROUGHPUT_FLOPS_PER_SEC, THROUGHPUT_MFU)
 WITH_PEAK = (MFU, HFU)  # at the window's end, only when a peak is known
 
-# At the window's end, always (tokens_per_sec only when tokens are known).
+# At the window's end, always (samples_per_sec only when the batch size is known, tokens_per_sec only
+# when tokens are).
 ALL = (
     FWD_FLOPS,
     BWD_FLOPS,
@@ -113,8 +114,9 @@ def window_metrics(step: WindowResult) -> dict[str, float]:
         FWD_FLOPS_PER_SEC: rates.fwd,
         BWD_FLOPS_PER_SEC: rates.bwd,
         FLOPS_PER_SEC: rates.iter,
-        SAMPLES_PER_SEC: _per_sec(step.samples * dp, step.iter_latency),
     }
+    if step.samples is not None:
+        metrics[SAMPLES_PER_SEC] = _per_sec(step.samples * dp, step.iter_latency)
     if step.tokens is not None:
         metrics[TOKENS_PER_SEC] = _per_sec(step.tokens * dp, step.iter_latency)
     if step.peak is not None:

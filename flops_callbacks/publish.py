@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Protocol
 
 from flops_callbacks import metrics as names
 from flops_callbacks.files import write_text
+from flops_callbacks.guard import Guard
 from flops_callbacks.options import Options
 from flops_callbacks.picture import render_html
 from flops_callbacks.report import RunContext, render_profile
@@ -36,8 +38,9 @@ class Outlet(Protocol):
     def console(self, text: str) -> None:
         """Print ``text`` without breaking the framework's progress bar (logging rank only)."""
 
-    def log_report(self, text: str, html: str, step: int) -> None:
-        """Hand the report (TensorBoard's Text tab) and the picture (W&B HTML) to loggers that show them."""
+    def log_report(self, text: str | None, html: str | None, step: int) -> None:
+        """Hand the report (TensorBoard's Text tab) and the picture (W&B HTML) to loggers that show them
+        (None: it could not be rendered)."""
 
 
 def _steps_text(steps: tuple[int, ...]) -> str:
@@ -64,6 +67,8 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
 def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
     """Rows after DeepSpeed's and the profile's own: tokens, rank spread, MFU, where figures come from."""
     lines = result.parallel.factor_lines()
+    if result.samples is None:
+        lines.append(("samples/second", "n/a: the batch size was not found (pass batch_size_fn)"))
     if names.TOKENS_PER_SEC in metrics:
         lines.append(("tokens/second (all data-parallel replicas)", f"{metrics[names.TOKENS_PER_SEC]:.2f}"))
     if len(result.rank_latencies) > 1:
@@ -93,7 +98,7 @@ def run_rows(result: WindowResult, metrics: dict[str, float]) -> RunContext:
         fwd_latency=metrics[names.FWD_LATENCY],
         bwd_latency=metrics[names.BWD_LATENCY],
         step_latency=metrics[names.STEP_LATENCY],
-        samples_per_second=metrics[names.SAMPLES_PER_SEC],
+        samples_per_second=metrics.get(names.SAMPLES_PER_SEC),
     )
 
 
@@ -134,26 +139,65 @@ def markdown_block(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-def publish(result: WindowResult, options: Options, log_dir: str | Path | None, outlet: Outlet) -> None:
+def publish(
+    result: WindowResult,
+    options: Options,
+    log_dir: str | Path | None,
+    outlet: Outlet,
+    guard: Guard,
+    skip: Collection[str] = (),
+) -> None:
     """On the logging rank: the report to the console (or ``output_file``), the report, JSON, picture
-    and trace into ``log_dir``, and the metrics to the loggers."""
-    full = report_text(result, options, detailed=True)
-    if options.output_file is not None:
-        write_text(options.output_file, full + "\n")
-    elif options.print_profile:
-        outlet.console(full if options.detailed else report_text(result, options, detailed=False))
-    html = picture(result)
-    if log_dir is not None:
+    and trace into ``log_dir``, and the metrics to the loggers.
+
+    Each output is the profiler's own work (``guard``): one that fails is said and the others still
+    go out; the metrics are logged whatever failed. ``skip`` names destinations ("output_file",
+    "log_dir") already said to be unwritable at the start of the run. The loggers are the user's:
+    their exceptions pass.
+    """
+    metrics = result.metrics()
+    full = html = None
+    with guard.own_work("rendering the report", "the metrics are logged"):
+        full = report_text(result, options, detailed=True)
+    with guard.own_work("rendering the picture", "the metrics and the report are logged"):
+        html = picture(result)
+    files: list[tuple[Path, Callable[[], str]]] = []
+    to_file = options.output_file is not None and "output_file" not in skip
+    if to_file and full is not None:
+        files.append((Path(options.output_file), lambda: full + "\n"))
+    elif full is not None and (options.print_profile or options.output_file is not None):
+        # an output_file said to be unwritable at the start: the report comes to the console instead
+        with guard.own_work("printing the report", "the metrics are logged"):
+            outlet.console(full if options.detailed else report_text(result, options, detailed=False))
+    if log_dir is not None and "log_dir" not in skip:
         stem = Path(log_dir) / f"flops_profile_step{result.step}"
-        write_text(stem.with_suffix(".txt"), full + "\n")
-        write_text(stem.with_suffix(".json"), json.dumps(json_data(result), indent=2))
-        write_text(stem.with_suffix(".html"), html)
-        trace = chrome_trace(
-            result.spans, process_name=f"flops_callbacks modules, step {result.steps.module_timing}"
+        if full is not None:
+            files.append((stem.with_suffix(".txt"), lambda: full + "\n"))
+        files.append((stem.with_suffix(".json"), lambda: json.dumps(json_data(result), indent=2)))
+        if html is not None:
+            files.append((stem.with_suffix(".html"), lambda: html))
+        process = f"flops_callbacks modules, step {result.steps.module_timing}"
+        files.append(
+            (
+                stem.with_suffix(".trace.json"),
+                lambda: json.dumps(chrome_trace(result.spans, process_name=process)),
+            )
         )
-        write_text(stem.with_suffix(".trace.json"), json.dumps(trace))
-    outlet.log_metrics(result.metrics(), result.published_at)
-    outlet.log_report(full, html, result.published_at)
+    _write_all(files, guard)
+    guard.user(outlet.log_metrics, metrics, result.published_at)
+    guard.user(outlet.log_report, full, html, result.published_at)
+
+
+def _write_all(files: list[tuple[Path, Callable[[], str]]], guard: Guard) -> None:
+    """Write every file; the ones that fail are said in one warning (a full disk fails them all)."""
+    failed: list[tuple[Path, Exception]] = []
+    for path, text in files:
+        error = guard.attempt(lambda path=path, text=text: write_text(path, text()))
+        if error is not None:
+            failed.append((path, error))
+    if failed:
+        paths = ", ".join(str(path) for path, _ in failed)
+        guard.fail("writing the profile's files", failed[0][1], f"not saved: {paths}; the metrics are logged")
 
 
 def picture(result: WindowResult) -> str:
@@ -165,7 +209,10 @@ def picture(result: WindowResult) -> str:
         ("bwd latency", duration_to_string(metrics[names.BWD_LATENCY])),
         ("step latency", duration_to_string(metrics[names.STEP_LATENCY])),
         ("FLOPS per device", flops_to_string(metrics[names.FLOPS_PER_SEC])),
-        ("samples/second", f"{metrics[names.SAMPLES_PER_SEC]:.2f}"),
+        (
+            "samples/second",
+            f"{metrics[names.SAMPLES_PER_SEC]:.2f}" if names.SAMPLES_PER_SEC in metrics else "n/a",
+        ),
     ]
     if names.MFU in metrics:
         summary.append(("MFU", f"{100 * metrics[names.MFU]:.2f}%"))

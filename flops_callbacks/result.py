@@ -42,7 +42,7 @@ class WindowResult:
     fwd_latency: float
     bwd_latency: float
     step_latency: float
-    samples: int  # per device, per optimizer step (all its micro-batches)
+    samples: int | None  # per device, per optimizer step (all its micro-batches); None: not found
     tokens: int | None
     micro_batches: int
     parallel: ParallelSizes = field(default_factory=ParallelSizes)

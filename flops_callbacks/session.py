@@ -30,23 +30,32 @@ An adapter maps its framework's events onto this object and hands it an :class:`
 Nothing is installed outside a micro-batch of a window step: instruments start at
 :meth:`StepSession.micro_batch_start` and stop at :meth:`StepSession.micro_batch_end`, and
 :meth:`StepSession.close` removes whatever runs.
+
+Every event runs as the profiler's own work (:class:`~flops_callbacks.guard.Guard`): if it fails, the
+window is dropped as after a fault in the user's code, a warning says what failed, and the run goes on
+unprofiled. The user's functions (``batch_size_fn``, ``tokens_fn``) and the run's loggers are called
+through the guard, so their exceptions reach the training loop unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 from flops_callbacks import publish
-from flops_callbacks.batch import Signature, leading_batch_size, shape_signature
+from flops_callbacks.batch import Signature, find_batch_size, shape_signature
 from flops_callbacks.clock import clock_for, module_device
 from flops_callbacks.distributed import Latencies, gather_latencies
 from flops_callbacks.estimate import estimate_rows
+from flops_callbacks.files import unwritable_reason
+from flops_callbacks.guard import Guard
 from flops_callbacks.module_timer import ModuleTimer
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes, sharded_params
@@ -60,6 +69,27 @@ from flops_callbacks.tracer import Tracer
 from flops_callbacks.user_warning import warn
 
 COUNTING, MODULE_TIMING, CLEAN = "counting", "module timing", "clean"
+DROPPED = "the profile window is dropped and nothing of the profiler stays; this run goes on unprofiled"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _own_work(what: str, abandon: bool = True) -> Callable[[F], F]:
+    """An event of the session run as the profiler's own work: a failure is said and (with
+    ``abandon``) the window dropped; the event then returns None (module doc)."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def guarded(self: StepSession, *args: Any, **kwargs: Any) -> Any:
+            on_failure = self._abandon if abandon else None
+            with self.guard.own_work(what, DROPPED if abandon else "training goes on", on_failure):
+                return method(self, *args, **kwargs)
+            return None
+
+        return guarded  # type: ignore[return-value]
+
+    return wrap
+
 
 __all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Outlet", "TrainingContext", "StepSession"]
 
@@ -83,7 +113,7 @@ class _Step:
     phases: StepPhases
     signatures: list[Signature] = field(default_factory=list)
     batches: list[Any] = field(default_factory=list)
-    samples: int = 0
+    samples: int | None = 0  # None when a micro-batch's size could not be found
     tokens: int | None = None
 
 
@@ -120,11 +150,13 @@ class StepSession:
     ) -> None:
         self.options = options
         self.owner = owner
-        self.batch_size_fn = options.batch_size_fn or leading_batch_size
-        self.tokens_fn = tokens_fn or options.tokens_fn
+        self.guard = Guard(owner)
+        self._default_tokens_fn = tokens_fn
         self.given_peak = _given_peak(options.peak_flops)
         self.meter = (
-            ThroughputMeter(self.batch_size_fn, self.tokens_fn, options.causal_attention)
+            ThroughputMeter(
+                lambda batch: self.samples_of(batch) or 0, self.tokens_of, options.causal_attention
+            )
             if options.throughput
             else None
         )
@@ -139,12 +171,39 @@ class StepSession:
         self._metering = False  # the meter's events are routed (after the window, on the logging rank)
         self._resumed_past = False
         self._unreachable = False  # said at train start: profile_step is past the run's last step
+        self._abandoned = False  # the profiler's own work failed in this run: it goes on unprofiled
+        self._said_no_size = False
+        self._unwritable: dict[str, str] = {}  # "output_file" / "log_dir" -> why, said at train start
         self.enabled = True
 
     def disable(self) -> None:
         """Profile nothing and meter nothing (a DeepSpeed config with ``enabled: false``)."""
         self.close()
         self.enabled, self.meter = False, None
+
+    def _abandon(self) -> None:
+        """The profiler's own work failed: drop the window and stop metering for the rest of the run."""
+        self._abandoned = True
+        self.close()
+
+    # --- batches -------------------------------------------------------------------------------------
+
+    def samples_of(self, batch: Any) -> int | None:
+        """Samples in a micro-batch: the user's ``batch_size_fn`` (its errors are theirs), else the
+        leading dimension of its first tensor; None when it has none."""
+        if self.options.batch_size_fn is not None:
+            return int(self.guard.user(self.options.batch_size_fn, batch))
+        return find_batch_size(batch)
+
+    def tokens_of(self, batch: Any) -> int | None:
+        """Tokens in a micro-batch (the user's ``tokens_fn``, else the adapter's default), or None."""
+        if self.options.tokens_fn is not None:
+            tokens = self.guard.user(self.options.tokens_fn, batch)
+        elif self._default_tokens_fn is not None:
+            tokens = self._default_tokens_fn(batch)
+        else:
+            return None
+        return None if tokens is None else int(tokens)
 
     # --- the run -------------------------------------------------------------------------------------
 
@@ -158,6 +217,7 @@ class StepSession:
         """Whether the micro-batches of the next step matter (a window step, or the meter runs)."""
         return self._step is not None or self._metering
 
+    @_own_work("checking the run at its start")
     def train_start(
         self,
         global_step: int,
@@ -166,13 +226,19 @@ class StepSession:
         profiled_before: bool = False,
         is_logging_rank: bool = True,
         steps_per_batch: int = 1,
+        log_dir: str | Path | None = None,
     ) -> None:
         """A run starts: forget an earlier run's window, and warn now (on the logging rank) if no
         profile can run in this one, or only a cut-short one. ``steps_per_batch``: global steps each
-        optimizer step of the window takes (Lightning's manual optimization with several optimizers)."""
+        optimizer step of the window takes (Lightning's manual optimization with several optimizers).
+        ``log_dir``: where the window's files will go, checked now so that an unwritable one is said
+        before the run rather than at the window's end."""
         self.close()
+        self.guard.forget()
         self.result = None
         self._metering = False
+        self._abandoned = self._said_no_size = False
+        self._unwritable = {}
         profile_step, length = self.options.profile_step, len(self._kinds)
         first = global_step + -(-(profile_step - global_step) // steps_per_batch) * steps_per_batch
         last = first + (length - 1) * steps_per_batch  # the window's last step starts here
@@ -180,6 +246,7 @@ class StepSession:
         self._unreachable = max_steps is not None and max_steps <= first
         if not self.enabled or not is_logging_rank:
             return
+        self._check_destinations(log_dir)
         if self._resumed_past:
             before = (
                 f"step {profile_step} was profiled before the checkpoint "
@@ -204,6 +271,24 @@ class StepSession:
                 f"{max_steps} steps: the latencies will rest on {clean} clean step(s).",
             )
 
+    def _check_destinations(self, log_dir: str | Path | None) -> None:
+        """Say now which of the window's files could not be written; they are not tried at its end."""
+        output_file = self.options.output_file
+        places = {
+            "output_file": Path(output_file).parent if output_file is not None else None,
+            "log_dir": Path(log_dir) if log_dir is not None else None,
+        }
+        lost = {"output_file": "the report (printed instead)", "log_dir": "the files in the log dir"}
+        for place, folder in places.items():
+            reason = unwritable_reason(folder) if folder is not None else None
+            if reason is not None:
+                self._unwritable[place] = reason
+                warn(
+                    f"{self.owner}: cannot write {place} {folder}: {reason}. Not saved: {lost[place]}; "
+                    "the metrics are logged. Training goes on.",
+                )
+
+    @_own_work("ending the run")
     def train_end(self, global_step: int, outlet: Outlet) -> None:
         """The run ended: publish a window it cut short, or say that none ran."""
         self._stop_instruments()
@@ -223,8 +308,9 @@ class StepSession:
     def _should_have_run(self) -> bool:
         """A window was expected and no warning at train start said otherwise (a run shorter than
         its announced length, an iterable dataset that ran out)."""
-        return self.enabled and not (self._resumed_past or self._unreachable)
+        return self.enabled and not (self._resumed_past or self._unreachable or self._abandoned)
 
+    @_own_work("cleaning up", abandon=False)
     def close(self) -> None:
         """Stop everything that runs and drop the window (an exception ended the run): no hook, mode
         or tag of the profiler remains. Safe to call at any time, any number of times."""
@@ -238,6 +324,7 @@ class StepSession:
 
     # --- steps ---------------------------------------------------------------------------------------
 
+    @_own_work("starting a step")
     def step_start(
         self, global_step: int, model: torch.nn.Module, context: Callable[[], TrainingContext] | None = None
     ) -> None:
@@ -246,7 +333,7 @@ class StepSession:
             self._model = model
             return
         if not self._steps:
-            late = self.result is not None or self._resumed_past or not self.enabled
+            late = self.result is not None or self._resumed_past or not self.enabled or self._abandoned
             if late or global_step < self.options.profile_step:
                 return
             self._context = context() if context is not None else TrainingContext()
@@ -264,6 +351,7 @@ class StepSession:
         elif kind == MODULE_TIMING:
             self._timer = ModuleTimer(model, step.phases.clock)
 
+    @_own_work("reading the batch")
     def micro_batch_start(self, batch: Any) -> None:
         """Before a micro-batch's forward: count its samples and start this step's instrument."""
         step = self._step
@@ -272,11 +360,13 @@ class StepSession:
                 self.meter.begin_micro_batch(batch, self._model)
             return
         step.signatures.append(shape_signature(batch))
-        step.samples += int(self.batch_size_fn(batch))
-        if self.tokens_fn is not None:
-            tokens = self.tokens_fn(batch)
-            if tokens is not None:
-                step.tokens = (step.tokens or 0) + int(tokens)
+        samples = self.samples_of(batch)
+        if samples is None:
+            self._no_batch_size(batch)
+        step.samples = None if samples is None or step.samples is None else step.samples + samples
+        tokens = self.tokens_of(batch)
+        if tokens is not None:
+            step.tokens = (step.tokens or 0) + tokens
         if step.kind == COUNTING:
             step.batches.append(batch)
         if step.kind == COUNTING and self._tracer is not None:
@@ -285,6 +375,17 @@ class StepSession:
             self._timer.start()
         step.phases.start(FORWARD)
 
+    def _no_batch_size(self, batch: Any) -> None:
+        if self._said_no_size:
+            return
+        self._said_no_size = True
+        warn(
+            f"{self.owner}: cannot find the batch size of a {type(batch).__name__} batch (no tensor with a "
+            "leading dimension in it): samples/second is n/a. Pass batch_size_fn (and tokens_fn) to "
+            "say how many samples (tokens) a batch holds. Training goes on.",
+        )
+
+    @_own_work("marking a phase")
     def phase(self, name: str) -> None:
         """The framework reached the start of phase ``name``."""
         step = self._step
@@ -296,11 +397,13 @@ class StepSession:
             self._timer.release()
         step.phases.start(name)
 
+    @_own_work("marking a phase")
     def phase_end(self) -> None:
         """The framework says the running phase ended, not what comes next (:mod:`flops_callbacks.phases`)."""
         if self._step is not None:
             self._step.phases.end()
 
+    @_own_work("ending a micro-batch")
     def micro_batch_end(self, pause: bool = True) -> None:
         """After a micro-batch: its instrument stops; with ``pause`` the phase clock stops too (what runs
         until the next micro-batch, such as a validation run, is not part of the step)."""
@@ -310,14 +413,18 @@ class StepSession:
                 self.meter.end_micro_batch()
             return
         self._stop_instruments()
+        if self._counting_failed():
+            return
         if pause:
             step.phases.stop()
 
+    @_own_work("marking a phase")
     def stop_timing(self) -> None:
         """The step's timed part ended (before bookkeeping the framework does after it)."""
         if self._step is not None:
             self._step.phases.stop()
 
+    @_own_work("ending a step")
     def step_end(self, global_step: int, outlet: Outlet, logs: bool = False) -> None:
         """The optimizer step ended; ``logs`` says whether this is a logging step of the run."""
         step = self._step
@@ -328,6 +435,8 @@ class StepSession:
                     self.log_throughput(global_step, outlet)
             return
         self._stop_instruments()
+        if self._counting_failed():
+            return
         step.phases.stop()
         self._step = None
         if len(self._steps) == len(self._kinds):
@@ -335,18 +444,21 @@ class StepSession:
 
     # --- throughput ----------------------------------------------------------------------------------
 
+    @_own_work("logging throughput")
     def log_throughput(self, global_step: int, outlet: Outlet) -> None:
         """Log the ``throughput/*`` metrics of the interval since the last call (a logging event)."""
         if self._metering and self.meter is not None:
             metrics = self.meter.metrics()
             if metrics:
-                outlet.log_metrics(metrics, global_step)
+                self.guard.user(outlet.log_metrics, metrics, global_step)
 
+    @_own_work("pausing throughput")
     def pause_throughput(self) -> None:
         """Evaluation starts: its time is not training throughput."""
         if self.meter is not None:
             self.meter.pause(evaluating=True)
 
+    @_own_work("resuming throughput")
     def resume_throughput(self) -> None:
         if self.meter is not None:
             self.meter.resume()
@@ -360,6 +472,16 @@ class StepSession:
         finally:
             if self._timer is not None:
                 self._timer.stop()
+
+    def _counting_failed(self) -> bool:
+        """Whether a formula failed while counting (said here, and the window dropped)."""
+        tracer = self._tracer
+        if tracer is None or tracer.failure is None:
+            return False
+        (what, error), tracer.failure = tracer.failure, None
+        self.guard.fail(what, error, DROPPED)
+        self._abandon()
+        return True
 
     def _finish(self, global_step: int, outlet: Outlet) -> None:
         """Build the result from the window's steps, publish it, and start the throughput meter."""
@@ -398,7 +520,9 @@ class StepSession:
         per_step = [s.phases.seconds() for s in timed]
         local: Latencies = tuple(_median([t[i] for t in per_step]) for i in range(3))  # type: ignore[assignment]
         device = torch.device(profile.device)
-        ranks = gather_latencies(local, device)
+        ranks = [local]
+        with self.guard.own_work("gathering every rank's latencies", "this rank's latencies are reported"):
+            ranks = gather_latencies(local, device)
         fwd, bwd, opt = max(ranks, key=sum)
         context = self._context
         peak, no_peak_reason = resolve_peak(self.given_peak, device, context.compute_dtype)
@@ -434,7 +558,7 @@ class StepSession:
         log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective
         if not outlet.is_logging_rank:
             return
-        publish.publish(result, self.options, log_dir, outlet)
+        publish.publish(result, self.options, log_dir, outlet, self.guard, skip=set(self._unwritable))
         if self.meter is not None:
             self.meter.start(result, model, counting.signatures)
             self._metering = True

@@ -119,6 +119,9 @@ class Tracer:
         self._exit: contextlib.ExitStack | None = None
         self._dispatch = _DispatchMode(self)
         self._tagged: list[Any] = []
+        # A formula that raised (what was being counted, the error): counting stops there, the op's
+        # result is handed on, and the owner says it (flops_callbacks.guard): never the user's forward.
+        self.failure: tuple[str, Exception] | None = None
         self.reset()
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -326,6 +329,8 @@ class Tracer:
     # --- ops: the hot path ---------------------------------------------------------------------------
 
     def _run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.failure is not None:
+            return func(*args, **kwargs)
         entry = entry_for(func)
         kind = entry.kind
         if kind is OpKind.METADATA:
@@ -355,7 +360,11 @@ class Tracer:
         elif kind is OpKind.UNCOUNTED:
             self._rec.uncounted.setdefault(str(func._overloadpacket), []).append((start, end))
         else:
-            count = entry.count(func, args, kwargs, out, self.causal_half)
+            try:
+                count = entry.count(func, args, kwargs, out, self.causal_half)
+            except Exception as error:  # the formula's failure, not the op's: the op's result goes on
+                self.failure = (f"counting {func} with its formula", error)
+                return out
             ctx.add(phase, ctx.functional or func._overloadpacket.__name__, count)
             self._rec.counted_calls += 1
             self._flops_in_call = True

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import namedtuple
 
+import attrs
 import pytest
 import torch
+from transformers import BatchEncoding
 
-from flops_callbacks.batch import batch_tensors, leading_batch_size, shape_signature
+from flops_callbacks.batch import batch_tensors, find_batch_size, leading_batch_size, shape_signature
 
 
 def test_tensors_are_found_in_any_nesting_in_tree_order() -> None:
@@ -19,8 +22,39 @@ def test_tensors_are_found_in_any_nesting_in_tree_order() -> None:
 
 def test_the_batch_size_is_the_leading_dim_of_the_first_tensor_with_one() -> None:
     assert leading_batch_size({"scale": torch.tensor(2.0), "ids": torch.zeros(8, 16)}) == 8
-    with pytest.raises(ValueError, match="the batch holds no tensor; pass batch_size_fn"):
+    with pytest.raises(ValueError, match="size of a dict batch: it holds no tensor .*; pass batch_size_fn"):
         leading_batch_size({"name": "no tensors"})
+    assert find_batch_size({"name": "no tensors"}) is None
+
+
+@dataclasses.dataclass
+class Pair:
+    inputs: torch.Tensor
+    mask: torch.Tensor | None = None
+
+
+@attrs.define
+class AttrsPair:
+    name: str
+    inputs: torch.Tensor
+
+
+class Holder:
+    """An object holding tensors in attributes, and itself (the walk must end)."""
+
+    def __init__(self) -> None:
+        self.ids, self.me, self.module = torch.zeros(6, 2), self, torch.nn.Linear(1, 1)
+
+
+def test_tensors_are_found_in_dataclasses_attrs_classes_objects_and_batch_encodings() -> None:
+    assert find_batch_size(Pair(torch.zeros(5, 3))) == 5
+    assert find_batch_size(AttrsPair("x", torch.zeros(7))) == 7
+    assert [t.shape for t in batch_tensors(Holder())] == [(6, 2)]  # not the Linear's weight
+    assert find_batch_size(BatchEncoding({"input_ids": torch.zeros(9, 4)})) == 9
+    assert shape_signature([Pair(torch.zeros(2, 1), torch.ones(2))]) == (
+        ((2, 1), torch.float32),
+        ((2,), torch.float32),
+    )
 
 
 def test_batches_alike_in_shapes_and_dtypes_share_a_signature() -> None:

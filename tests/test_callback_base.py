@@ -23,8 +23,20 @@ def test_both_callbacks_hand_every_argument_to_the_options_which_check_them(call
         throughput=False, peak_flops=1e12,
     )  # fmt: skip
     assert callback_class(**kwargs).session.options == Options(**kwargs)
-    with pytest.raises(ValueError, match="clean_steps must be an int >= 0, got -1"):
+    name = callback_class.__name__
+    with pytest.raises(ValueError, match=f"^{name}: clean_steps must be an int >= 0, got -1"):
         callback_class(clean_steps=-1)
+
+
+@pytest.mark.parametrize("callback_class", [FlopsProfilerCallback, HFFlopsCallback])
+def test_argument_errors_name_the_class_the_user_called(callback_class: type) -> None:
+    name = callback_class.__name__
+    with pytest.raises(
+        TypeError, match=rf"^{name}\.__init__\(\) got an unexpected keyword argument 'profile_stepp'"
+    ):
+        callback_class(profile_stepp=3)
+    with pytest.raises(TypeError, match=rf"^{name}\.__init__\(\) takes from 1 to 13 positional arguments"):
+        callback_class(*range(13))
 
 
 def test_the_session_gets_the_arguments_and_the_class_name_in_its_messages() -> None:

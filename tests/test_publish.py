@@ -8,6 +8,7 @@ from pathlib import Path
 
 from flops_callbacks import metrics as names
 from flops_callbacks.files import write_text
+from flops_callbacks.guard import Guard
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Peak
@@ -85,7 +86,7 @@ class Outlet:
 
 def test_publishing_prints_writes_four_files_then_logs(tmp_path: Path) -> None:
     outlet = Outlet(tmp_path)
-    publish(window(), Options(), tmp_path, outlet)
+    publish(window(), Options(), tmp_path, outlet, Guard("test"))
     assert outlet.calls == ["console", "metrics@15", "report@15"]
     names_written = sorted(p.name for p in tmp_path.iterdir())
     assert names_written == [
@@ -103,7 +104,7 @@ def test_publishing_prints_writes_four_files_then_logs(tmp_path: Path) -> None:
 
 def test_output_file_takes_the_report_instead_of_the_console(tmp_path: Path) -> None:
     outlet = Outlet(tmp_path / "logs")
-    publish(window(), Options(output_file=tmp_path / "out" / "report.txt"), None, outlet)
+    publish(window(), Options(output_file=tmp_path / "out" / "report.txt"), None, outlet, Guard("test"))
     assert "console" not in outlet.calls
     assert "Detailed Profile" in (tmp_path / "out" / "report.txt").read_text()  # the whole report
 

@@ -1,0 +1,81 @@
+"""The boundary between the profiler's own work and the training it measures.
+
+A profiler must never be the reason a run ends. Everything the profiler does for itself (reading a
+batch, building and rendering the profile, writing files, gathering across ranks, counting with a
+formula) runs inside :meth:`Guard.own_work`: an exception there is said once, as a warning naming what
+failed and what was kept, and training goes on. Code of the user's that the profiler calls on the way
+(``batch_size_fn``, ``tokens_fn``, the run's loggers) runs through :meth:`Guard.user`: its exceptions
+pass through unchanged, as do the training's own (forward, backward, optimizer), which never run inside
+a guard. ``KeyboardInterrupt`` and other ``BaseException``\\ s are never caught.
+
+Why one class and not a try/except wherever something can fail: the rule (what is caught, what passes,
+how it is said) lives in one place, and a new piece of own work cannot forget it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+from flops_callbacks.user_warning import warn
+
+__all__ = ["Guard"]
+
+T = TypeVar("T")
+
+
+class Guard:
+    """Runs the profiler's own work of one callback (``owner`` names it in warnings); see the module doc."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._passing: BaseException | None = None  # the user's exception on its way out
+        self._said: set[str] = set()
+
+    def user(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)``, the user's code: an exception it raises passes every guard unchanged."""
+        try:
+            return fn(*args)
+        except BaseException as error:
+            self._passing = error
+            raise
+
+    @contextmanager
+    def own_work(self, what: str, kept: str, on_failure: Callable[[], None] | None = None) -> Iterator[None]:
+        """Run the body as the profiler's own work: if it raises, warn (once per ``what``) that ``what``
+        failed and ``kept`` is what remains, call ``on_failure``, and carry on after the ``with``."""
+        try:
+            yield
+        except Exception as error:
+            if error is self._passing:  # kept: an outer guard lets it pass too
+                raise
+            self.fail(what, error, kept)
+            if on_failure is not None:
+                try:
+                    on_failure()
+                except Exception as again:  # cleaning up after our own failure must not end the run
+                    self.fail("cleaning up", again, "what remains of the profiler may stay")
+
+    def attempt(self, fn: Callable[[], object]) -> Exception | None:
+        """Run own work ``fn`` and return its exception instead of saying it (the caller says several
+        failures as one); the user's exceptions pass."""
+        try:
+            fn()
+        except Exception as error:
+            if error is self._passing:
+                raise
+            return error
+        return None
+
+    def fail(self, what: str, error: BaseException, kept: str) -> None:
+        """Say that ``what`` failed with ``error`` (once per ``what``); training goes on."""
+        if what in self._said:
+            return
+        self._said.add(what)
+        warn(f"{self.owner}: {what} failed ({type(error).__name__}: {error}); {kept}. Training goes on.")
+
+    def forget(self) -> None:
+        """A new run: its failures are said again."""
+        self._said.clear()
+        self._passing = None
