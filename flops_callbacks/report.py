@@ -18,6 +18,7 @@ from flops_callbacks.metrics import phase_rates
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.units import (
+    bytes_to_string,
     duration_to_string,
     flops_to_string,
     macs_to_string,
@@ -150,6 +151,13 @@ def _own_rows(p: Profile) -> list[tuple[str, object]]:
         ]
     if p.recompute_flops:
         rows.append(("recompute flops per GPU", number_to_string(p.recompute_flops)))
+    if p.fwd_bytes:  # what the ops read and write, unfused and uncached (flops_callbacks.bytes_moved)
+        rows.append(("fwd bytes moved per GPU", bytes_to_string(p.fwd_bytes)))
+        if p.bwd_bytes:
+            rows.append(("bwd bytes moved per GPU", bytes_to_string(p.bwd_bytes)))
+        if p.recompute_bytes:
+            rows.append(("recompute bytes moved per GPU", bytes_to_string(p.recompute_bytes)))
+        rows.append(("activations saved for bwd per GPU (params excluded)", bytes_to_string(p.saved_bytes)))
     return rows
 
 
@@ -217,6 +225,8 @@ def _module_items(m: ModuleProfile, root: ModuleProfile) -> str:
         items += [f"bwd {number_to_string(m.bwd_flops)}flops", f"bwd {duration_to_string(m.bwd_latency)}"]
     if m.recompute_flops:
         items.append(f"recompute {number_to_string(m.recompute_flops)}flops")
+    if m.fwd_bytes:
+        items.append(f"fwd {bytes_to_string(m.fwd_bytes)} moved, {bytes_to_string(m.saved_bytes)} saved")
     if m.extra_repr:
         items.append(m.extra_repr)
     return ", ".join(items)
@@ -242,8 +252,8 @@ def render_detailed(profile: Profile, module_depth: int = -1) -> str:
         _rule("Detailed Profile per GPU", 86),
         "Each module profile is listed after its name in the following order: ",
         "params, percentage of total params, MACs, percentage of total MACs, fwd latency, "
-        "percentage of total fwd latency, fwd FLOPS, then the measured bwd flops and bwd latency and "
-        "the module's own settings;",
+        "percentage of total fwd latency, fwd FLOPS, then the measured bwd flops and bwd latency, the "
+        "fwd bytes moved and the activations saved for bwd, and the module's own settings;",
         "a module with children or several functionals lists its functionals (torch ops that did "
         "flops: fwd/bwd and call count).",
         "",

@@ -38,13 +38,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves
 
 from flops_callbacks import elementwise_formulas, formulas  # noqa: F401  (the built-in entries)
+from flops_callbacks.bytes_moved import bytes_rule
 from flops_callbacks.clock import Clock, clock_for, module_device
 from flops_callbacks.functionals import READ, functional_name
 from flops_callbacks.module_tree import ModuleTree
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.profile_builder import build_profile, model_totals
-from flops_callbacks.recording import BWD, CALLS, FWD, REC, Context, Recording
+from flops_callbacks.recording import BWD, CALLS, FWD, REC, SAVED_BY, Context, Recording
 from flops_callbacks.registry import OpKind, entry_for
 
 _TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()
@@ -85,6 +86,10 @@ class _DispatchMode(TorchDispatchMode):
         return self.tracer._run_op(func, args, kwargs or {})
 
 
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 def _is_subclass_of(types: Any, module: str, name: str) -> bool:
     """Whether a tensor subclass in ``types`` is ``module.name`` (never imported: if the module is not
     loaded, no such tensor exists)."""
@@ -119,6 +124,7 @@ class Tracer:
         self._exit: contextlib.ExitStack | None = None
         self._dispatch = _DispatchMode(self)
         self._tagged: list[Any] = []
+        self._param_ptrs: set[int] = set()  # storages of the model's parameters: never activations
         self.reset()
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -138,6 +144,7 @@ class Tracer:
         self._flops_in_call = False
         self._bwd_start: Any = None
         self._in_backward = False
+        self._saved_ptrs: set[int] = set()  # storages whose saved bytes are counted (since a backward)
 
     def start(self) -> None:
         if self.running:
@@ -163,6 +170,10 @@ class Tracer:
             stack.callback(register_module_forward_hook(self._post_hook, always_call=True).remove)
             stack.enter_context(self._dispatch)
             stack.enter_context(_FunctionMode(self))
+            # outermost: torch.utils.checkpoint's own hooks replace these inside a checkpointed region,
+            # so what a checkpoint saves (its inputs, held by its frame) is what is counted there
+            self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()} - {0}
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         except BaseException:
             stack.close()
             raise
@@ -330,8 +341,9 @@ class Tracer:
         kind = entry.kind
         if kind is OpKind.METADATA:
             return func(*args, **kwargs)
+        moves = bytes_rule(func)
         node = _current_autograd_node()
-        if node is None and kind is OpKind.FREE:  # views and copies: most forward ops
+        if moves is None and node is None and kind is OpKind.FREE:  # views: most forward ops
             self._rec.free_calls += 1
             return func(*args, **kwargs)
         if self._stack and self._stack[-1].recompute:
@@ -350,18 +362,43 @@ class Tracer:
             end = self.clock.mark()
             if phase == BWD:
                 self._rec.bwd_op_spans.append((ctx, start, end))
-        if kind is OpKind.FREE:
-            self._rec.free_calls += 1
-        elif kind is OpKind.UNCOUNTED:
-            self._rec.uncounted.setdefault(str(func._overloadpacket), []).append((start, end))
+        moved = moves(args, kwargs, out) if moves is not None else 0
+        if kind is OpKind.FREE or kind is OpKind.UNCOUNTED:
+            if kind is OpKind.FREE:
+                self._rec.free_calls += 1
+            else:
+                self._rec.uncounted.setdefault(str(func._overloadpacket), []).append((start, end))
+            if moved:
+                ctx.add_bytes(phase, ctx.functional or func._overloadpacket.__name__, moved)
         else:
             count = entry.count(func, args, kwargs, out, self.causal_half)
-            ctx.add(phase, ctx.functional or func._overloadpacket.__name__, count)
+            ctx.add(phase, ctx.functional or func._overloadpacket.__name__, count, moved)
             self._rec.counted_calls += 1
             self._flops_in_call = True
         return out
 
+    # --- saved activations -------------------------------------------------------------------------
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """autograd saves ``tensor`` for the backward: add its storage's bytes to the forward's context,
+        once per storage, parameters left out. Returns the tensor itself: nothing changes for autograd.
+        A failure here is the profiler's, never the user's forward's: it is left uncounted."""
+        try:
+            if _current_autograd_node() is not None or (self._stack and self._stack[-1].recompute):
+                return tensor  # saved in a backward or a recompute: freed within the backward
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr and (ptr in self._param_ptrs or ptr in self._saved_ptrs):
+                return tensor
+            self._saved_ptrs.add(ptr)
+            ctx = self._ctx or self._context()
+            ctx.add_saved(ctx.functional or SAVED_BY, storage.nbytes())
+        except Exception:  # noqa: BLE001, S110  (a storage we cannot read: counted as nothing)
+            pass
+        return tensor
+
     def _begin_backward(self, start: Any) -> None:
+        self._saved_ptrs.clear()  # the forward's saved storages are freed by this backward: ptrs reused
         self._in_backward = True
         self._bwd_start = start
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
