@@ -84,6 +84,7 @@ class SessionCallback:
         causal_attention: CausalAttention = "full",
         throughput: bool = True,
         peak_flops: float | None = None,
+        peak_bandwidth: float | None = None,
     ) -> None:
         super().__init__()
         options = Options(
@@ -99,6 +100,7 @@ class SessionCallback:
             causal_attention=causal_attention,
             throughput=throughput,
             peak_flops=peak_flops,
+            peak_bandwidth=peak_bandwidth,
         )
         default = type(self).default_tokens_fn
         self.session = StepSession(options, type(self).__name__, tokens_fn=tokens_fn or default)

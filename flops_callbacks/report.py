@@ -152,12 +152,13 @@ def _own_rows(p: Profile) -> list[tuple[str, object]]:
     if p.recompute_flops:
         rows.append(("recompute flops per GPU", number_to_string(p.recompute_flops)))
     if p.fwd_bytes:  # what the ops read and write, unfused and uncached (flops_callbacks.bytes_moved)
-        rows.append(("fwd bytes moved per GPU", bytes_to_string(p.fwd_bytes)))
-        if p.bwd_bytes:
-            rows.append(("bwd bytes moved per GPU", bytes_to_string(p.bwd_bytes)))
-        if p.recompute_bytes:
-            rows.append(("recompute bytes moved per GPU", bytes_to_string(p.recompute_bytes)))
-        rows.append(("activations saved for bwd per GPU (params excluded)", bytes_to_string(p.saved_bytes)))
+        passes = [("fwd", p.fwd_bytes), ("bwd", p.bwd_bytes), ("recompute", p.recompute_bytes)]
+        shown = [(name, moved) for name, moved in passes if moved or name == "fwd"]
+        label = " / ".join(name for name, _ in shown)
+        rows += [
+            (f"{label} bytes moved per GPU", " / ".join(bytes_to_string(moved) for _, moved in shown)),
+            ("activations saved for bwd per GPU (params excluded)", bytes_to_string(p.saved_bytes)),
+        ]
     return rows
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from flops_callbacks.distributed import Latencies
 from flops_callbacks.metrics import window_metrics
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.peaks import Peak
+from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
 from flops_callbacks.trace import ModuleSpan
 
@@ -49,6 +49,8 @@ class WindowResult:
     compute_dtype: str | None = None
     peak: Peak | None = None  # the device's dense peak FLOPS that MFU is computed against
     no_peak_reason: str = ""  # why there is none (said once, in the report)
+    bandwidth: Bandwidth | None = None  # the device's peak memory bandwidth: the roofline's memory roof
+    no_bandwidth_reason: str = ""
     # every rank's (fwd, bwd, step) latencies, by rank; the latencies above are the slowest rank's
     rank_latencies: list[Latencies] = field(default_factory=list)
     # parameters of the whole model when they are sharded (FSDP2/TP DTensors, ZeRO-3): global sizes

@@ -50,7 +50,7 @@ from flops_callbacks.estimate import estimate_rows
 from flops_callbacks.module_timer import ModuleTimer
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes, sharded_params
-from flops_callbacks.peaks import ENV_VAR, Peak, peak_from_env, resolve_peak
+from flops_callbacks.peaks import given_bandwidth, given_peak, resolve_bandwidth, resolve_peak
 from flops_callbacks.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
 from flops_callbacks.profile import Profile
 from flops_callbacks.publish import Outlet
@@ -87,14 +87,6 @@ class _Step:
     tokens: int | None = None
 
 
-def _given_peak(peak_flops: float | None) -> Peak | None:
-    """The user's peak: the argument, else the environment variable (both validated already)."""
-    if peak_flops is not None:
-        return Peak(float(peak_flops), "peak_flops argument")
-    value = peak_from_env()
-    return Peak(value, f"{ENV_VAR} environment variable") if value is not None else None
-
-
 def _model_config(model: torch.nn.Module) -> Any:
     """The model's config (a transformers config: ``model.config``, or a submodule's), if it has one."""
     for module in model.modules():
@@ -122,7 +114,8 @@ class StepSession:
         self.owner = owner
         self.batch_size_fn = options.batch_size_fn or leading_batch_size
         self.tokens_fn = tokens_fn or options.tokens_fn
-        self.given_peak = _given_peak(options.peak_flops)
+        self.given_peak = given_peak(options.peak_flops)
+        self.given_bandwidth = given_bandwidth(options.peak_bandwidth)
         self.meter = (
             ThroughputMeter(self.batch_size_fn, self.tokens_fn, options.causal_attention)
             if options.throughput
@@ -402,6 +395,7 @@ class StepSession:
         fwd, bwd, opt = max(ranks, key=sum)
         context = self._context
         peak, no_peak_reason = resolve_peak(self.given_peak, device, context.compute_dtype)
+        bandwidth, no_bandwidth_reason = resolve_bandwidth(self.given_bandwidth, device)
         profile = dataclasses.replace(profile, fwd_latency=fwd, bwd_latency=bwd)
         extra = context.extra_lines(counting.batches, profile) if context.extra_lines is not None else []
         if counting.tokens:  # what "6 x params x tokens" claims (with active parameters, for an MoE)
@@ -425,6 +419,8 @@ class StepSession:
             compute_dtype=context.compute_dtype,
             peak=peak,
             no_peak_reason=no_peak_reason,
+            bandwidth=bandwidth,
+            no_bandwidth_reason=no_bandwidth_reason,
             rank_latencies=ranks,
             sharded_model_params=sharded_params(model),
             extra_lines=extra,
