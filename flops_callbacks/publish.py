@@ -16,10 +16,10 @@ from flops_callbacks import metrics as names
 from flops_callbacks.files import write_text
 from flops_callbacks.options import Options
 from flops_callbacks.picture import render_html
-from flops_callbacks.report import RunContext, render_profile
+from flops_callbacks.report import RunContext, render_profile, render_roofline
 from flops_callbacks.result import WindowResult
 from flops_callbacks.trace import chrome_trace
-from flops_callbacks.units import duration_to_string, flops_to_string
+from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string
 
 
 class Outlet(Protocol):
@@ -73,6 +73,8 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     if result.micro_batches > 1:
         lines.append(("micro-batches per step", str(result.micro_batches)))
     lines.append(("compute dtype (picks the peak)", result.compute_dtype or "unknown"))
+    if result.peak is not None and result.bandwidth is None:  # without a peak, the MFU row says why
+        lines.append(("roofline per module", f"n/a: {result.no_bandwidth_reason}"))
     if result.peak is None:
         lines.append(("MFU", f"n/a: {result.no_peak_reason}"))
     else:
@@ -108,7 +110,28 @@ def report_text(result: WindowResult, options: Options, detailed: bool) -> str:
         detailed=detailed,
         timing_lines=timing_lines(result, metrics),
         run=run_rows(result, metrics),
+        roofline=roofline_text(result),
     )
+
+
+def roofs_text(result: WindowResult) -> str:
+    """The two roofs and their sources, and the ridge point between them ("" unless both are known)."""
+    peak, bandwidth = result.peak, result.bandwidth
+    if peak is None or bandwidth is None:
+        return ""
+    return (
+        f"peak {flops_to_string(peak.flops)} ({peak.source}), peak bandwidth "
+        f"{bytes_to_string(bandwidth.bytes_per_sec)}/s ({bandwidth.source}): ridge at "
+        f"{peak.flops / bandwidth.bytes_per_sec:.3g} flops/B"
+    )
+
+
+def roofline_text(result: WindowResult) -> str:
+    """The report's roofline section ("" unless both peaks and module latencies are known)."""
+    rooflines = result.rooflines()
+    if not rooflines or result.steps.module_timing is None:
+        return ""
+    return render_roofline(result.profile, rooflines, roofs_text(result))
 
 
 def json_data(result: WindowResult) -> dict[str, Any]:
@@ -125,8 +148,22 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "peak": dataclasses.asdict(result.peak) if result.peak else {"none": result.no_peak_reason},
         "parallel": dataclasses.asdict(result.parallel),
         "rank_latencies": result.rank_latencies,  # (fwd, bwd, step) seconds, by rank
-        "profile": result.profile.to_dict(),
+        "bandwidth": dataclasses.asdict(result.bandwidth)
+        if result.bandwidth
+        else {"none": result.no_bandwidth_reason},
+        "profile": profile_json(result),
     }
+
+
+def profile_json(result: WindowResult) -> dict[str, Any]:
+    """The profile's JSON, each module entry with its forward and backward roofline where known."""
+    data = result.profile.to_dict()
+    for name, phases in result.rooflines().items():
+        data["modules"][name]["roofline"] = {
+            phase: {**dataclasses.asdict(r), "overhead_bound": r.overhead_bound}
+            for phase, r in phases.items()
+        }
+    return data
 
 
 def markdown_block(text: str) -> str:

@@ -11,12 +11,13 @@ label keeps DeepSpeed's words up to the ``=`` and then says what was divided.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from flops_callbacks.metrics import phase_rates
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import ModuleProfile, Profile
+from flops_callbacks.roofline import OVERHEAD_FRACTION, Roofline
 from flops_callbacks.units import (
     bytes_to_string,
     duration_to_string,
@@ -281,6 +282,42 @@ def render_detailed(profile: Profile, module_depth: int = -1) -> str:
     return "\n".join(lines)
 
 
+def render_roofline(
+    profile: Profile, rooflines: Mapping[str, Mapping[str, Roofline]], roofs: str, top: int = 10
+) -> str:
+    """The modules (those without children) that take the most time, each pass against the roofline,
+    then those far below both roofs: where a performance engineer fuses, compiles or checkpoints next."""
+    leaves = [m for m in profile.modules.values() if m.name in rooflines and not profile.children(m.name)]
+    leaves.sort(key=lambda m: m.fwd_latency + m.bwd_latency, reverse=True)
+    whole = profile.model.fwd_latency + profile.model.bwd_latency
+    lines = [
+        _rule("Roofline per GPU", 86),
+        roofs,
+        "Modules taking the most time (module-timing step), each pass against the roofline:",
+        "bound = max(flops / peak FLOPS, bytes / peak bandwidth), the larger term the limiter, bound / "
+        "latency the fraction of the roofline achieved.",
+    ]
+    for m in leaves[:top]:
+        passes = [
+            f"{phase} {duration_to_string(r.seconds)}, {_intensity(r)}, {r.verdict()}"
+            for phase, r in rooflines[m.name].items()
+        ]
+        share = percent(m.fwd_latency + m.bwd_latency, whole)
+        lines.append(f"    {m.name} ({m.class_name}), {share} of the time: {'; '.join(passes)}")
+    overhead = [m.name for m in leaves if all(r.overhead_bound for r in rooflines[m.name].values())]
+    if overhead:
+        shown = ", ".join(overhead[:8]) + (f" and {len(overhead) - 8} more" if len(overhead) > 8 else "")
+        lines.append(
+            f"Overhead-bound (under {OVERHEAD_FRACTION:.0%} of the roofline in every pass: kernel launch and "
+            f"Python overhead, not arithmetic or memory; fuse them or torch.compile them): {shown}"
+        )
+    return "\n".join(lines)
+
+
+def _intensity(r: Roofline) -> str:
+    return f"{r.intensity:.3g} flops/B" if r.intensity is not None else "no bytes"
+
+
 def render_coverage(profile: Profile) -> str:
     """What was counted, what had no arithmetic, and every op that had no formula (never hidden)."""
     c = profile.coverage
@@ -316,10 +353,13 @@ def render_profile(
     context_lines: Sequence[tuple[str, str]] = (),
     timing_lines: Sequence[tuple[str, str]] = (),
     run: RunContext | None = None,
+    roofline: str = "",
 ) -> str:
     """The whole report, as ``print_model_profile`` prints it: the aggregated profile always, the
-    detailed tree if ``detailed`` (as DeepSpeed)."""
+    detailed tree if ``detailed`` (as DeepSpeed); ``roofline`` (:func:`render_roofline`) after the summary."""
     parts = [render_summary(profile, profile_step, context_lines, timing_lines, run)]
+    if roofline:
+        parts.append(roofline)
     parts.append(render_aggregated(profile, module_depth, top_modules))
     if detailed:
         parts.append(render_detailed(profile, module_depth))

@@ -9,6 +9,7 @@ from flops_callbacks.metrics import window_metrics
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
+from flops_callbacks.roofline import Roofline, module_rooflines
 from flops_callbacks.trace import ModuleSpan
 
 
@@ -68,6 +69,20 @@ class WindowResult:
     @property
     def iter_latency(self) -> float:
         return self.fwd_latency + self.bwd_latency + self.step_latency
+
+    @property
+    def no_roofline_reason(self) -> str:
+        """Why no module has a roofline ("" when both peaks are known)."""
+        if self.peak is None:
+            return self.no_peak_reason
+        return self.no_bandwidth_reason if self.bandwidth is None else ""
+
+    def rooflines(self) -> dict[str, dict[str, Roofline]]:
+        """Each module's forward and backward roofline (module-timing step latencies), by module name;
+        empty unless both peaks are known."""
+        if self.peak is None or self.bandwidth is None:
+            return {}
+        return module_rooflines(self.profile, self.peak.flops, self.bandwidth.bytes_per_sec)
 
     def metrics(self) -> dict[str, float]:
         """The ``flops_profiler/*`` metrics (names in :mod:`flops_callbacks.metrics`)."""
