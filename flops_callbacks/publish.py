@@ -18,6 +18,7 @@ from flops_callbacks.options import Options
 from flops_callbacks.picture import render_html
 from flops_callbacks.report import RunContext, render_profile, render_roofline
 from flops_callbacks.result import WindowResult
+from flops_callbacks.roofline import as_data
 from flops_callbacks.trace import chrome_trace
 from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string
 
@@ -128,8 +129,8 @@ def roofs_text(result: WindowResult) -> str:
 
 def roofline_text(result: WindowResult) -> str:
     """The report's roofline section ("" unless both peaks and module latencies are known)."""
-    rooflines = result.rooflines()
-    if not rooflines or result.steps.module_timing is None:
+    rooflines = result.rooflines() if result.steps.module_timing is not None else {}
+    if not rooflines:
         return ""
     return render_roofline(result.profile, rooflines, roofs_text(result))
 
@@ -158,12 +159,16 @@ def json_data(result: WindowResult) -> dict[str, Any]:
 def profile_json(result: WindowResult) -> dict[str, Any]:
     """The profile's JSON, each module entry with its forward and backward roofline where known."""
     data = result.profile.to_dict()
-    for name, phases in result.rooflines().items():
-        data["modules"][name]["roofline"] = {
-            phase: {**dataclasses.asdict(r), "overhead_bound": r.overhead_bound}
-            for phase, r in phases.items()
-        }
+    for name, phases in roofline_entries(result).items():
+        data["modules"][name]["roofline"] = phases
     return data
+
+
+def roofline_entries(result: WindowResult) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each module's rooflines as plain data, by name and pass (the JSON's and the picture's)."""
+    if result.steps.module_timing is None:
+        return {}  # the counting step's latencies are inflated by counting: no verdict on them
+    return as_data(result.rooflines())
 
 
 def markdown_block(text: str) -> str:
@@ -212,4 +217,17 @@ def picture(result: WindowResult) -> str:
         ("phases: median of", ", ".join(str(s) for s in steps.clean) or "no clean step"),
     ]
     title = f"flops_callbacks profile, step {result.step}"
-    return render_html(result.profile, title=title, summary=summary)
+    peak, bandwidth, entries = result.peak, result.bandwidth, roofline_entries(result)
+    roofline = (
+        {
+            "peak_flops": peak.flops,
+            "peak_bandwidth": bandwidth.bytes_per_sec,
+            "peak_source": peak.source,
+            "bandwidth_source": bandwidth.source,
+            "modules": entries,
+        }
+        if peak is not None and bandwidth is not None and entries
+        else None
+    )
+    why = result.no_roofline_reason or "no module latency was measured (the run ended before module timing)"
+    return render_html(result.profile, title=title, summary=summary, roofline=roofline, no_roofline=why)

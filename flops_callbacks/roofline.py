@@ -14,11 +14,21 @@ and backward; none gives a verdict per ``nn.Module`` of a training step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from flops_callbacks.profile import ModuleProfile, Profile
 
-__all__ = ["COMPUTE", "MEMORY", "OVERHEAD_FRACTION", "PHASES", "Roofline", "module_rooflines", "roofline"]
+__all__ = [
+    "COMPUTE",
+    "MEMORY",
+    "OVERHEAD_FRACTION",
+    "PHASES",
+    "Roofline",
+    "as_data",
+    "module_rooflines",
+    "roofline",
+]
 
 COMPUTE, MEMORY = "compute", "memory"
 PHASES = ("fwd", "bwd")
@@ -87,3 +97,11 @@ def module_rooflines(
         if phases:
             found[name] = phases
     return found
+
+
+def as_data(rooflines: dict[str, dict[str, Roofline]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``rooflines`` as JSON-ready plain data (the JSON's module entries, the picture's points)."""
+    return {
+        name: {phase: {**asdict(r), "overhead_bound": r.overhead_bound} for phase, r in phases.items()}
+        for name, phases in rooflines.items()
+    }
