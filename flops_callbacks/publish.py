@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from flops_callbacks import metrics as names
 from flops_callbacks.files import write_text
 from flops_callbacks.options import Options
+from flops_callbacks.phases import PHASES
 from flops_callbacks.picture import render_html
 from flops_callbacks.report import RunContext, render_profile, render_roofline
 from flops_callbacks.result import WindowResult
@@ -74,6 +75,7 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     if result.micro_batches > 1:
         lines.append(("micro-batches per step", str(result.micro_batches)))
     lines.append(("compute dtype (picks the peak)", result.compute_dtype or "unknown"))
+    lines.append(("peak memory allocated fwd / bwd / step (clean steps)", _peak_memory_text(result)))
     if result.peak is not None and result.bandwidth is None:  # without a peak, the MFU row says why
         lines.append(("roofline per module", f"n/a: {result.no_bandwidth_reason}"))
     if result.peak is None:
@@ -85,6 +87,12 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
             ("HFU = (fwd+bwd+recompute flops) / iter latency / peak", f"{100 * metrics[names.HFU]:.2f}%"),
         ]
     return lines + source_lines(result) + result.extra_lines
+
+
+def _peak_memory_text(result: WindowResult) -> str:
+    if result.peak_memory is None:
+        return f"n/a on {result.profile.device.split(':')[0]} (CUDA only)"
+    return " / ".join(bytes_to_string(result.peak_memory.get(phase, 0)) for phase in PHASES)
 
 
 def run_rows(result: WindowResult, metrics: dict[str, float]) -> RunContext:
@@ -149,6 +157,7 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "peak": dataclasses.asdict(result.peak) if result.peak else {"none": result.no_peak_reason},
         "parallel": dataclasses.asdict(result.parallel),
         "rank_latencies": result.rank_latencies,  # (fwd, bwd, step) seconds, by rank
+        "peak_memory_allocated": result.peak_memory,  # bytes per phase, clean steps; None off CUDA
         "bandwidth": dataclasses.asdict(result.bandwidth)
         if result.bandwidth
         else {"none": result.no_bandwidth_reason},

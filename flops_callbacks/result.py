@@ -59,6 +59,9 @@ class WindowResult:
     # report rows an adapter adds about its framework (label, value), e.g. the HF Trainer's estimate
     extra_lines: list[tuple[str, str]] = field(default_factory=list)
     spans: list[ModuleSpan] = field(default_factory=list)  # module calls of the module-timing step
+    # peak device memory allocated in each phase (forward, backward, optimizer_step) over the clean
+    # steps, in bytes; None where the device keeps no such counter (only CUDA does)
+    peak_memory: dict[str, int] | None = None
     published_at: int = 0  # the global step at which the result was published and logged
 
     @property

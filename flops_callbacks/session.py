@@ -51,7 +51,8 @@ from flops_callbacks.module_timer import ModuleTimer
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes, sharded_params
 from flops_callbacks.peaks import given_bandwidth, given_peak, resolve_bandwidth, resolve_peak
-from flops_callbacks.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
+from flops_callbacks.phase_memory import phase_memory_for
+from flops_callbacks.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, PHASES, StepPhases
 from flops_callbacks.profile import Profile
 from flops_callbacks.publish import Outlet
 from flops_callbacks.result import WindowResult, WindowSteps
@@ -94,6 +95,14 @@ def _model_config(model: torch.nn.Module) -> Any:
         if callable(getattr(config, "to_dict", None)):
             return config
     return None
+
+
+def _peak_memory(steps: list[_Step]) -> dict[str, int] | None:
+    """The largest peak allocated bytes of each phase over the clean steps (None off CUDA)."""
+    recorded = [s.phases.memory.peaks for s in steps if s.phases.memory is not None]
+    if not recorded:
+        return None
+    return {phase: max(peaks.get(phase, 0) for peaks in recorded) for phase in PHASES}
 
 
 def _median(values: list[float]) -> float:
@@ -245,7 +254,9 @@ class StepSession:
             self._context = context() if context is not None else TrainingContext()
             self._model = model
         kind = self._kinds[len(self._steps)]
-        step = _Step(kind, global_step, StepPhases(clock_for(module_device(model))))
+        device = module_device(model)
+        memory = phase_memory_for(device) if kind == CLEAN else None  # peaks on clean steps only
+        step = _Step(kind, global_step, StepPhases(clock_for(device), memory))
         self._steps.append(step)
         self._step = step
         if kind == COUNTING:
@@ -425,6 +436,7 @@ class StepSession:
             sharded_model_params=sharded_params(model),
             extra_lines=extra,
             spans=spans,
+            peak_memory=_peak_memory(clean),
             published_at=global_step,
         )
         log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective
