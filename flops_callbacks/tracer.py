@@ -86,7 +86,18 @@ class _DispatchMode(TorchDispatchMode):
         return self.tracer._run_op(func, args, kwargs or {})
 
 
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """The saved tensor, refused as autograd refuses it when an in-place op changed it since it was
+    saved: with saved-tensor hooks autograd leaves that check to the hooks, and a profile must not
+    turn the user's error into a silently wrong gradient."""
+    tensor, version = packed
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected "
+            f"version {version} instead. (Raised by flops_callbacks' saved-tensor hook, in autograd's "
+            "place, during a profiled step; the same error without the profiler.)"
+        )
     return tensor
 
 
@@ -170,8 +181,8 @@ class Tracer:
             stack.callback(register_module_forward_hook(self._post_hook, always_call=True).remove)
             stack.enter_context(self._dispatch)
             stack.enter_context(_FunctionMode(self))
-            # outermost: torch.utils.checkpoint's own hooks replace these inside a checkpointed region,
-            # so what a checkpoint saves (its inputs, held by its frame) is what is counted there
+            # hooks the model pushes (torch.utils.checkpoint's) replace these inside their region: a
+            # checkpointed region saves nothing here; its inputs, saved where it is called, count
             self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()} - {0}
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         except BaseException:
@@ -379,23 +390,25 @@ class Tracer:
 
     # --- saved activations -------------------------------------------------------------------------
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         """autograd saves ``tensor`` for the backward: add its storage's bytes to the forward's context,
-        once per storage, parameters left out. Returns the tensor itself: nothing changes for autograd.
-        A failure here is the profiler's, never the user's forward's: it is left uncounted."""
+        once per storage, parameters left out. Keeps the tensor itself and its version, which
+        :func:`_unpack` checks as autograd does without hooks. A failure to read the storage is the
+        profiler's, never the user's forward's: that tensor is left uncounted."""
+        packed = (tensor, tensor._version)
         try:
             if _current_autograd_node() is not None or (self._stack and self._stack[-1].recompute):
-                return tensor  # saved in a backward or a recompute: freed within the backward
+                return packed  # saved in a backward or a recompute: freed within the backward
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()
             if ptr and (ptr in self._param_ptrs or ptr in self._saved_ptrs):
-                return tensor
+                return packed
             self._saved_ptrs.add(ptr)
             ctx = self._ctx or self._context()
             ctx.add_saved(ctx.functional or SAVED_BY, storage.nbytes())
         except Exception:  # noqa: BLE001, S110  (a storage we cannot read: counted as nothing)
             pass
-        return tensor
+        return packed
 
     def _begin_backward(self, start: Any) -> None:
         self._saved_ptrs.clear()  # the forward's saved storages are freed by this backward: ptrs reused

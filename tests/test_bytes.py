@@ -4,6 +4,7 @@ parameters never."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -163,3 +164,40 @@ def test_views_and_allocations_move_nothing_copies_move_both_ways() -> None:
     out = torch.empty(4)
     a = torch.ones(4)
     assert bytes_rule(aten.add.out)((a, a), {"out": out}, out) == 3 * 4 * F32  # out= is written, not read
+
+
+def test_a_saved_tensor_changed_in_place_still_fails_the_backward_as_without_the_profiler() -> None:
+    """autograd leaves its version check to saved-tensor hooks: ours does it, or a user's bug would
+    become a silently wrong gradient on the counting step."""
+
+    class SigmoidThenScaleInPlace(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.sigmoid(x)  # saves its output
+            y.mul_(2)  # and changes it
+            return y
+
+    x = torch.randn(3, requires_grad=True)
+    model = SigmoidThenScaleInPlace()
+    message = "modified by an inplace operation"
+    with pytest.raises(RuntimeError, match=message):
+        model(x).sum().backward()
+    tracer = Tracer(model)
+    tracer.start()
+    try:
+        with pytest.raises(RuntimeError, match=message):
+            model(x).sum().backward()
+    finally:
+        tracer.stop()
+
+
+def test_reentrant_checkpointing_saves_its_inputs_only_too() -> None:
+    torch.manual_seed(0)
+
+    class Reentrant(Checkpointed):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.mlp, x, use_reentrant=True)
+
+    profile = traced(Reentrant(), torch.randn(B, D_IN, requires_grad=True))
+    assert profile.saved_bytes == F32 * B * D_IN  # CheckpointFunction saves x; its no-grad forward nothing
+    assert profile.modules["mlp"].saved_bytes == 0
+    assert profile.recompute_bytes > 0
