@@ -86,6 +86,17 @@ class _DispatchMode(TorchDispatchMode):
         return self.tracer._run_op(func, args, kwargs or {})
 
 
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """Address and bytes of the memory holding ``tensor`` (a DTensor's: its local shard's); (0, 0)
+    where there is none to read (other wrapper subclasses, sparse tensors)."""
+    tensor = getattr(tensor, "_local_tensor", tensor)
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0, 0
+    return storage.data_ptr(), storage.nbytes()
+
+
 def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     """The saved tensor, refused as autograd refuses it when an in-place op changed it since it was
     saved: with saved-tensor hooks autograd leaves that check to the hooks, and a profile must not
@@ -183,7 +194,7 @@ class Tracer:
             stack.enter_context(_FunctionMode(self))
             # hooks the model pushes (torch.utils.checkpoint's) replace these inside their region: a
             # checkpointed region saves nothing here; its inputs, saved where it is called, count
-            self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()} - {0}
+            self._param_ptrs = {_storage(p)[0] for p in self.model.parameters()} - {0}
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         except BaseException:
             stack.close()
@@ -399,13 +410,12 @@ class Tracer:
         try:
             if _current_autograd_node() is not None or (self._stack and self._stack[-1].recompute):
                 return packed  # saved in a backward or a recompute: freed within the backward
-            storage = tensor.untyped_storage()
-            ptr = storage.data_ptr()
+            ptr, nbytes = _storage(tensor)
             if ptr and (ptr in self._param_ptrs or ptr in self._saved_ptrs):
                 return packed
             self._saved_ptrs.add(ptr)
             ctx = self._ctx or self._context()
-            ctx.add_saved(ctx.functional or SAVED_BY, storage.nbytes())
+            ctx.add_saved(ctx.functional or SAVED_BY, nbytes)
         except Exception:  # noqa: BLE001, S110  (a storage we cannot read: counted as nothing)
             pass
         return packed
