@@ -5,7 +5,7 @@ Three variants of one GPT-2 training step run side by side in one process, inter
 
 * plain: the step, no profiler;
 * counting, flops only: the counting engine with its byte rules switched off (every op moves nothing,
-  no saved-tensor hooks): the engine as it was before bytes were counted;
+  no saved tensor read): the engine as it was before bytes were counted;
 * counting, flops + bytes: the engine as shipped.
 
 A counting step is everything a user pays for it: creating the tracer, the profiled forward and
@@ -27,17 +27,17 @@ from unittest import mock
 import torch
 
 from flops_callbacks import tracer as tracer_module
+from flops_callbacks.saved_activations import SavedActivations
 from flops_callbacks.tracer import Tracer
 
 
 @contextlib.contextmanager
 def without_bytes() -> Iterator[None]:
-    """The engine with no byte rule and no saved-tensor hooks: flops only."""
+    """The engine with no byte rule and no saved-activation reading: flops only."""
     with (
         mock.patch.object(tracer_module, "bytes_rule", lambda func: None),
-        mock.patch.object(
-            torch.autograd.graph, "saved_tensors_hooks", lambda pack, unpack: contextlib.nullcontext()
-        ),
+        mock.patch.object(SavedActivations, "watch", lambda self, node, ctx: None),
+        mock.patch.object(SavedActivations, "enter", lambda self, args, ctx: None),
     ):
         yield
 

@@ -19,7 +19,6 @@ _FLOPS = tuple(SLOTS.index(f"{phase}_flops") for phase in ("fwd", "bwd", "recomp
 _MACS = tuple(SLOTS.index(f"{phase}_macs") for phase in ("fwd", "bwd", "recompute"))
 _BYTES = tuple(SLOTS.index(f"{phase}_bytes") for phase in ("fwd", "bwd", "recompute"))
 SAVED = SLOTS.index("saved_bytes")  # bytes saved for the backward by the forward
-SAVED_BY = "saved by autograd"  # the functional of a save outside any named functional
 CALLS = SLOTS.index("calls")  # forward calls of a functional that did flops
 _REC_FLOPS, _REC_MACS = _FLOPS[REC], _MACS[REC]
 

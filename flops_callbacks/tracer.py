@@ -8,8 +8,10 @@ removed by ``stop()``:
 * a ``TorchFunctionMode`` names the functional being run (``linear``, ``softmax``, ...) and tags
   every autograd node that functional creates with the module stack and its name;
 * a ``TorchDispatchMode`` sees every aten op, forward and backward, counts it with its entry in
-  :mod:`flops_callbacks.registry`, and attributes it: forward ops to the current module stack,
-  backward ops to the tag of ``torch._C._current_autograd_node()``.
+  :mod:`flops_callbacks.registry` and its bytes with :mod:`flops_callbacks.bytes_moved`, and
+  attributes it: forward ops to the current module stack, backward ops to the tag of
+  ``torch._C._current_autograd_node()``; the tensors a forward's nodes save for the backward are
+  read as they are tagged (:mod:`flops_callbacks.saved_activations`).
 
 This module is the per-op hot path and the module stack; what it records is laid out in
 :mod:`flops_callbacks.recording`, the model's names and parameters are read by
@@ -45,8 +47,9 @@ from flops_callbacks.module_tree import ModuleTree
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.profile_builder import build_profile, model_totals
-from flops_callbacks.recording import BWD, CALLS, FWD, REC, SAVED_BY, Context, Recording
+from flops_callbacks.recording import BWD, CALLS, FWD, REC, Context, Recording
 from flops_callbacks.registry import OpKind, entry_for
+from flops_callbacks.saved_activations import SavedActivations
 
 _TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()
 
@@ -86,32 +89,6 @@ class _DispatchMode(TorchDispatchMode):
         return self.tracer._run_op(func, args, kwargs or {})
 
 
-def _storage(tensor: torch.Tensor) -> tuple[int, int]:
-    """Address and bytes of the memory holding ``tensor`` (a DTensor's: its local shard's); (0, 0)
-    where there is none to read (other wrapper subclasses, sparse tensors)."""
-    tensor = getattr(tensor, "_local_tensor", tensor)
-    try:
-        storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return 0, 0
-    return storage.data_ptr(), storage.nbytes()
-
-
-def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
-    """The saved tensor, refused as autograd refuses it when an in-place op changed it since it was
-    saved: with saved-tensor hooks autograd leaves that check to the hooks, and a profile must not
-    turn the user's error into a silently wrong gradient."""
-    tensor, version = packed
-    if tensor._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected "
-            f"version {version} instead. (Raised by flops_callbacks' saved-tensor hook, in autograd's "
-            "place, during a profiled step; the same error without the profiler.)"
-        )
-    return tensor
-
-
 def _is_subclass_of(types: Any, module: str, name: str) -> bool:
     """Whether a tensor subclass in ``types`` is ``module.name`` (never imported: if the module is not
     loaded, no such tensor exists)."""
@@ -146,7 +123,7 @@ class Tracer:
         self._exit: contextlib.ExitStack | None = None
         self._dispatch = _DispatchMode(self)
         self._tagged: list[Any] = []
-        self._param_ptrs: set[int] = set()  # storages of the model's parameters: never activations
+        self._saved = SavedActivations()
         self.reset()
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -166,7 +143,6 @@ class Tracer:
         self._flops_in_call = False
         self._bwd_start: Any = None
         self._in_backward = False
-        self._saved_ptrs: set[int] = set()  # storages whose saved bytes are counted (since a backward)
 
     def start(self) -> None:
         if self.running:
@@ -192,14 +168,11 @@ class Tracer:
             stack.callback(register_module_forward_hook(self._post_hook, always_call=True).remove)
             stack.enter_context(self._dispatch)
             stack.enter_context(_FunctionMode(self))
-            # hooks the model pushes (torch.utils.checkpoint's) replace these inside their region: a
-            # checkpointed region saves nothing here; its inputs, saved where it is called, count
-            self._param_ptrs = {_storage(p)[0] for p in self.model.parameters()} - {0}
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
         except BaseException:
             stack.close()
             raise
         self._exit = stack
+        self._saved.start(self.model)
         self._thread = threading.get_ident()
         self._tagged = []
 
@@ -269,6 +242,8 @@ class Tracer:
             return
         recompute = bool(self._stack and self._stack[-1].recompute)
         recompute = recompute or _current_autograd_node() is not None
+        if not recompute and torch.is_grad_enabled():  # a checkpoint holds the inputs of its region
+            self._saved.enter(args, self._context_for(None))
         start = self.clock.mark()
         for ancestor in self._virtual_ancestors(name):
             self._push(ancestor, start, recompute, True)
@@ -342,7 +317,9 @@ class Tracer:
         return out
 
     def _tag(self, out: Any, ctx: Context) -> None:
-        """Mark the autograd nodes this call created (those not marked yet) with its context."""
+        """Mark the autograd nodes this call created (those not marked yet) with its context, and count
+        what a forward's nodes save for the backward (a recompute's and a backward's are freed in it)."""
+        forward = _current_autograd_node() is None and not (self._stack and self._stack[-1].recompute)
         if isinstance(out, torch.Tensor):
             pending = [out.grad_fn] if out.grad_fn is not None else []
         else:
@@ -354,6 +331,8 @@ class Tracer:
                 continue
             metadata[_TAG] = ctx
             self._tagged.append(node)
+            if forward:
+                self._saved.watch(node, ctx)
             pending.extend(n for n, _ in node.next_functions if n is not None)
 
     # --- ops: the hot path ---------------------------------------------------------------------------
@@ -399,29 +378,8 @@ class Tracer:
             self._flops_in_call = True
         return out
 
-    # --- saved activations -------------------------------------------------------------------------
-
-    def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """autograd saves ``tensor`` for the backward: add its storage's bytes to the forward's context,
-        once per storage, parameters left out. Keeps the tensor itself and its version, which
-        :func:`_unpack` checks as autograd does without hooks. A failure to read the storage is the
-        profiler's, never the user's forward's: that tensor is left uncounted."""
-        packed = (tensor, tensor._version)
-        try:
-            if _current_autograd_node() is not None or (self._stack and self._stack[-1].recompute):
-                return packed  # saved in a backward or a recompute: freed within the backward
-            ptr, nbytes = _storage(tensor)
-            if ptr and (ptr in self._param_ptrs or ptr in self._saved_ptrs):
-                return packed
-            self._saved_ptrs.add(ptr)
-            ctx = self._ctx or self._context()
-            ctx.add_saved(ctx.functional or SAVED_BY, nbytes)
-        except Exception:  # noqa: BLE001, S110  (a storage we cannot read: counted as nothing)
-            pass
-        return packed
-
     def _begin_backward(self, start: Any) -> None:
-        self._saved_ptrs.clear()  # the forward's saved storages are freed by this backward: ptrs reused
+        self._saved.seen.clear()  # the forward's saved storages are freed by this backward: ptrs reused
         self._in_backward = True
         self._bwd_start = start
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)

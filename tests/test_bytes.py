@@ -201,3 +201,25 @@ def test_reentrant_checkpointing_saves_its_inputs_only_too() -> None:
     assert profile.saved_bytes == F32 * B * D_IN  # CheckpointFunction saves x; its no-grad forward nothing
     assert profile.modules["mlp"].saved_bytes == 0
     assert profile.recompute_bytes > 0
+
+
+def test_torch_func_transforms_inside_a_model_run_while_saved_activations_are_counted() -> None:
+    """Thread-wide saved-tensor hooks would make torch.func.grad and vmap raise: none are installed."""
+
+    class WithTransforms(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(D_IN, D_IN)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            slope = torch.func.grad(lambda y: (y.sin() ** 2).sum())(x)
+            return self.linear(x + slope + torch.func.vmap(torch.cos)(x))
+
+    torch.manual_seed(0)
+    model, x = WithTransforms(), torch.randn(B, D_IN, requires_grad=True)
+    model(x).sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    profile = traced(model, x)
+    assert torch.equal(x.grad, expected)
+    assert profile.modules["linear"].saved_bytes == F32 * B * D_IN  # the Linear's input
