@@ -20,7 +20,7 @@ def test_both_callbacks_hand_every_argument_to_the_options_which_check_them(call
     kwargs = dict(
         profile_step=4, clean_steps=2, module_depth=1, top_modules=2, detailed=True, print_profile=False,
         output_file="report.txt", batch_size_fn=len, tokens_fn=len, causal_attention="half",
-        throughput=False, peak_flops=1e12,
+        throughput=False, peak_flops=1e12, peak_bandwidth=3.35e12,
     )  # fmt: skip
     assert callback_class(**kwargs).session.options == Options(**kwargs)
     with pytest.raises(ValueError, match="clean_steps must be an int >= 0, got -1"):
