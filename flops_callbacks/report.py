@@ -287,7 +287,8 @@ def render_roofline(
 ) -> str:
     """The modules (those without children) that take the most time, each pass against the roofline,
     then those far below both roofs: where a performance engineer fuses, compiles or checkpoints next."""
-    leaves = [m for m in profile.modules.values() if m.name in rooflines and not profile.children(m.name)]
+    parents = {""} | {name[:i] for name in profile.modules for i, c in enumerate(name) if c == "."}
+    leaves = [m for m in profile.modules.values() if m.name in rooflines and m.name not in parents]
     leaves.sort(key=lambda m: m.fwd_latency + m.bwd_latency, reverse=True)
     whole = profile.model.fwd_latency + profile.model.bwd_latency
     lines = [
