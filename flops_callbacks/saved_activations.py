@@ -37,9 +37,9 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     tensor = getattr(tensor, "_local_tensor", tensor)
     try:
         storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):  # e.g. "an invalid python storage" (TP)
         return 0, 0
-    return storage.data_ptr(), storage.nbytes()
 
 
 def _saved_names(node: Any) -> tuple[str, ...]:
@@ -86,15 +86,16 @@ class SavedActivations:
         for name in names:
             try:
                 value = getattr(node, name)
-            except Exception:  # noqa: BLE001, S112  (freed, or changed in place: not ours to raise)
+                for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(tensor, torch.Tensor):
+                        self._count(tensor, ctx)
+            except Exception:  # noqa: BLE001, S112  (freed, changed in place: autograd's to raise, not ours)
                 continue
-            for tensor in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(tensor, torch.Tensor):
-                    self._count(tensor, ctx)
 
     def _count(self, tensor: torch.Tensor, ctx: Context) -> None:
         ptr, nbytes = _storage(tensor)
-        if ptr and (ptr in self.param_ptrs or ptr in self.seen):
+        if not nbytes or (ptr and (ptr in self.param_ptrs or ptr in self.seen)):
             return
-        self.seen.add(ptr)
+        if ptr:  # a meta tensor has no address: each counts
+            self.seen.add(ptr)
         ctx.add_saved(ctx.functional or SAVED_BY, nbytes)
