@@ -26,3 +26,4 @@ def gather_latencies(local: Latencies, device: torch.device) -> list[Latencies]:
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return [(float(f), float(b), float(s)) for f, b, s in torch.stack(every).tolist()]
+
