@@ -101,6 +101,7 @@ class SessionCallback:
         causal_attention: CausalAttention = "full",
         throughput: bool = True,
         peak_flops: float | None = None,
+        peak_bandwidth: float | None = None,
     ) -> None:
         super().__init__()
         try:
@@ -117,6 +118,7 @@ class SessionCallback:
                 causal_attention=causal_attention,
                 throughput=throughput,
                 peak_flops=peak_flops,
+                peak_bandwidth=peak_bandwidth,
             )
         except ValueError as error:  # said in the words of the class the user called
             raise ValueError(f"{type(self).__name__}: {error}") from None

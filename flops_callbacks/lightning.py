@@ -151,6 +151,9 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         peak_flops: dense peak FLOPS of one device, for MFU and HFU. Default: the
             ``FLOPS_CALLBACKS_PEAK_FLOPS`` environment variable, else the table of
             :mod:`flops_callbacks.peaks` for the GPU and the precision plugin's compute dtype.
+        peak_bandwidth: peak memory bandwidth of one device in bytes/s, for the per-module roofline.
+            Default: the ``FLOPS_CALLBACKS_PEAK_BANDWIDTH`` environment variable, else the table of
+            :mod:`flops_callbacks.peaks` for the GPU.
     """
 
     _step_at_batch_start: int | None = None  # the global step of the optimizer step in progress

@@ -24,6 +24,9 @@ FWD_FLOPS = PREFIX + "fwd_flops"  # forward flops, measured
 BWD_FLOPS = PREFIX + "bwd_flops"  # backward flops, measured (not 2 x fwd)
 RECOMPUTE_FLOPS = PREFIX + "recompute_flops"  # forwards re-run by activation checkpointing
 FWD_MACS = PREFIX + "fwd_macs"  # forward multiply-accumulates (matmul, conv, attention)
+FWD_BYTES = PREFIX + "fwd_bytes"  # bytes the forward's ops read and write (flops_callbacks.bytes_moved)
+BWD_BYTES = PREFIX + "bwd_bytes"  # bytes the backward's ops read and write (recompute apart)
+SAVED_ACTIVATION_BYTES = PREFIX + "saved_activation_bytes"  # saved for the backward, params excluded
 PARAMS = PREFIX + "params"  # parameters on this device
 FWD_LATENCY = PREFIX + "fwd_latency"  # seconds in the forward phase(s): median of the clean steps
 BWD_LATENCY = PREFIX + "bwd_latency"  # seconds in the backward phase(s)
@@ -57,6 +60,9 @@ ALL = (
     BWD_FLOPS,
     RECOMPUTE_FLOPS,
     FWD_MACS,
+    FWD_BYTES,
+    BWD_BYTES,
+    SAVED_ACTIVATION_BYTES,
     PARAMS,
     FWD_LATENCY,
     BWD_LATENCY,
@@ -106,6 +112,9 @@ def window_metrics(step: WindowResult) -> dict[str, float]:
         BWD_FLOPS: float(p.bwd_flops),
         RECOMPUTE_FLOPS: float(p.recompute_flops),
         FWD_MACS: float(p.fwd_macs),
+        FWD_BYTES: float(p.fwd_bytes),
+        BWD_BYTES: float(p.bwd_bytes),
+        SAVED_ACTIVATION_BYTES: float(p.saved_bytes),
         PARAMS: float(p.params),
         FWD_LATENCY: step.fwd_latency,
         BWD_LATENCY: step.bwd_latency,

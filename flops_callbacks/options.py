@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from flops_callbacks.peaks import check_peak_flops
+from flops_callbacks.peaks import check_peak_bandwidth, check_peak_flops
 
 CausalAttention = Literal["full", "half"]
 CAUSAL_ATTENTION: tuple[str, ...] = get_args(CausalAttention)
@@ -66,6 +66,7 @@ class Options:
     causal_attention: CausalAttention = "full"
     throughput: bool = True
     peak_flops: float | None = None
+    peak_bandwidth: float | None = None  # bytes/s
     ignore_modules: tuple[type, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -83,3 +84,4 @@ class Options:
             raise ValueError(f"ignore_modules must be module classes, got {self.ignore_modules!r}")
         object.__setattr__(self, "ignore_modules", tuple(self.ignore_modules))
         check_peak_flops(self.peak_flops)
+        check_peak_bandwidth(self.peak_bandwidth)

@@ -1,4 +1,5 @@
-"""Dense peak FLOPS per device and compute dtype: MFU's denominator.
+"""Dense peak FLOPS per device and compute dtype (MFU's denominator), and peak memory bandwidth per
+device (the roofline's other roof).
 
 Why not Lightning's ``lightning.fabric.utilities.throughput.get_available_flops``: the core depends on
 torch only, and its table does not serve MFU as this package reports it: no B200, GB200, GH200, AMD
@@ -10,7 +11,10 @@ device, in FLOPS, with its datasheet named.
 
 A device name that matches nothing, a MIG slice (a fraction of the GPU) or a CPU gives no peak: we do
 not guess. ``peak_flops=`` on a callback, or the ``FLOPS_CALLBACKS_PEAK_FLOPS`` environment variable,
-sets the peak instead of the table.
+sets the peak instead of the table; ``peak_bandwidth=`` or ``FLOPS_CALLBACKS_PEAK_BANDWIDTH`` (bytes/s)
+the bandwidth. Bandwidths are the datasheets' peak DRAM (HBM / GDDR) figures, in bytes per second
+(1 TB/s = 1e12 B/s, as the datasheets count), per single device; where one name covers parts with
+different memory (A100 40 / 80 GB, GH200 HBM3 / HBM3e), the device name picks the part.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 FP32, TF32, BF16, FP16, FP8 = "fp32", "tf32", "bf16", "fp16", "fp8"
 DTYPES = (FP32, TF32, BF16, FP16, FP8)
 ENV_VAR = "FLOPS_CALLBACKS_PEAK_FLOPS"
+BANDWIDTH_ENV_VAR = "FLOPS_CALLBACKS_PEAK_BANDWIDTH"
 
 T = 1e12  # TFLOPS
 
@@ -152,6 +157,40 @@ CHIPS: dict[str, Chip] = {
     ),
 }
 
+GB = 1e9  # GB/s, in bytes per second (decimal, as the datasheets count)
+
+# Peak memory bandwidth per chip: (pattern on the device name, bytes/s) pairs, the first that matches
+# wins ("" matches every name), and the datasheet they come from. Keys are CHIPS' keys.
+BANDWIDTHS: dict[str, tuple[tuple[tuple[str, float], ...], str]] = {
+    # NVIDIA A100 datasheet: 40 GB (PCIe and SXM) 1,555 GB/s; 80 GB PCIe 1,935 GB/s; 80 GB SXM 2,039 GB/s.
+    "a100": (
+        (
+            (r"\b80 ?gb\b.*\bpcie\b|\bpcie\b.*\b80 ?gb\b", 1935 * GB),
+            (r"\b80 ?gb\b", 2039 * GB),
+            ("", 1555 * GB),
+        ),
+        "NVIDIA A100 datasheet",
+    ),
+    "a10": ((("", 600 * GB),), "NVIDIA A10 datasheet"),  # 600 GB/s GDDR6
+    "a10g": ((("", 600 * GB),), "AWS G5 A10G figures"),  # 600 GB/s GDDR6 (24 GB)
+    "h100 sxm": ((("", 3350 * GB),), "NVIDIA H100 datasheet"),  # SXM column: 3.35 TB/s HBM3
+    "h100 pcie": ((("", 2000 * GB),), "NVIDIA H100 PCIe datasheet"),  # 2 TB/s HBM2e
+    "h100 nvl": ((("", 3900 * GB),), "NVIDIA H100 datasheet (NVL)"),  # NVL column: 3.9 TB/s per card
+    # NVIDIA GH200 datasheet: 96 GB HBM3 at 4 TB/s, 144 GB HBM3e at 4.9 TB/s ("GH200 480GB" is the first).
+    "gh200": (((r"\b144 ?g|\bhbm3e\b", 4900 * GB), ("", 4000 * GB)), "NVIDIA GH200 datasheet"),
+    "h200 sxm": ((("", 4800 * GB),), "NVIDIA H200 datasheet"),  # 4.8 TB/s HBM3e
+    "h200 nvl": ((("", 4800 * GB),), "NVIDIA H200 datasheet (NVL)"),
+    "b200": ((("", 8000 * GB),), "NVIDIA HGX B200 specifications"),  # 8 TB/s per GPU
+    "gb200": ((("", 8000 * GB),), "NVIDIA GB200 NVL72 specifications"),  # 576 TB/s over 72 GPUs
+    "l4": ((("", 300 * GB),), "NVIDIA L4 datasheet"),  # 300 GB/s GDDR6
+    "l40": ((("", 864 * GB),), "NVIDIA L40 datasheet"),  # 864 GB/s GDDR6
+    "l40s": ((("", 864 * GB),), "NVIDIA L40S datasheet"),  # 864 GB/s GDDR6
+    "rtx 4090": ((("", 1008 * GB),), "NVIDIA Ada architecture whitepaper"),  # 1,008 GB/s GDDR6X
+    "mi300x": ((("", 5300 * GB),), "AMD Instinct MI300X datasheet"),  # 5.3 TB/s HBM3
+    "mi325x": ((("", 6000 * GB),), "AMD Instinct MI325X datasheet"),  # 6 TB/s HBM3E
+    "mi355x": ((("", 8000 * GB),), "AMD Instinct MI355X datasheet"),  # 8 TB/s HBM3E
+}
+
 # Device-name patterns, most specific first, on the name lowercased with "-" and "_" as spaces.
 _PATTERNS: tuple[tuple[str, str], ...] = (
     (r"\bmi355x\b", "mi355x"),
@@ -175,15 +214,21 @@ _PATTERNS: tuple[tuple[str, str], ...] = (
 )
 
 
-def chip_for(device_name: str) -> Chip | None:
-    """The table entry of a ``torch.cuda.get_device_name()`` string, or None (unknown, or a MIG slice)."""
-    name = re.sub(r"[\s_-]+", " ", device_name.lower()).strip()
+def _normalized(device_name: str) -> str:
+    return re.sub(r"[\s_-]+", " ", device_name.lower()).strip()
+
+
+def _chip_key(device_name: str) -> str | None:
+    name = _normalized(device_name)
     if re.search(r"\bmig\b", name):
         return None  # a MIG instance has a fraction of the GPU's SMs: the full GPU's peak would be wrong
-    for pattern, key in _PATTERNS:
-        if re.search(pattern, name):
-            return CHIPS[key]
-    return None
+    return next((key for pattern, key in _PATTERNS if re.search(pattern, name)), None)
+
+
+def chip_for(device_name: str) -> Chip | None:
+    """The table entry of a ``torch.cuda.get_device_name()`` string, or None (unknown, or a MIG slice)."""
+    key = _chip_key(device_name)
+    return CHIPS[key] if key is not None else None
 
 
 def fp32_matmul_dtype() -> str:
@@ -237,6 +282,14 @@ class Peak:
     source: str  # "peak_flops argument", the environment variable, or "<chip> <dtype> dense, <datasheet>"
 
 
+def given_peak(peak_flops: float | None) -> Peak | None:
+    """The user's peak: the argument, else the environment variable (both validated already)."""
+    if peak_flops is not None:
+        return Peak(float(peak_flops), "peak_flops argument")
+    value = peak_from_env()
+    return Peak(value, f"{ENV_VAR} environment variable") if value is not None else None
+
+
 def device_name(device: torch.device) -> str | None:
     """What the accelerator calls itself (``torch.cuda.get_device_name``); None for CPU and meta."""
     if device.type in ("cpu", "meta"):
@@ -272,3 +325,68 @@ def resolve_peak(given: Peak | None, device: torch.device, dtype: str | None) ->
         return None, f"unknown compute dtype on {name!r}: {how}"
     peak, why = table_peak(name, dtype)
     return peak, f"{why}: {how}" if peak is None else ""
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """The peak memory bandwidth of one device that the roofline is drawn with, and where it came from."""
+
+    bytes_per_sec: float
+    source: str  # "peak_bandwidth argument", the environment variable, or "<chip>, <datasheet>"
+
+
+def check_peak_bandwidth(value: Any, name: str = "peak_bandwidth") -> float | None:
+    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise."""
+    if value is None:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not 0 < value < float("inf"):
+        raise ValueError(
+            f"{name} must be the peak memory bandwidth of one device in bytes/s, a positive number "
+            f"(e.g. 3.35e12), or None to look the device up; got {value!r}"
+        )
+    return float(value)
+
+
+def bandwidth_from_env() -> float | None:
+    """The bandwidth set by ``FLOPS_CALLBACKS_PEAK_BANDWIDTH`` (bytes/s per device, e.g. ``3.35e12``)."""
+    raw = os.environ.get(BANDWIDTH_ENV_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = raw  # reported as given
+    return check_peak_bandwidth(value, BANDWIDTH_ENV_VAR)
+
+
+def table_bandwidth(name: str) -> Bandwidth | None:
+    """The table's peak memory bandwidth for a device name, or None (unknown, or a MIG slice)."""
+    key = _chip_key(name)
+    if key is None:
+        return None
+    variants, source = BANDWIDTHS[key]
+    normalized = _normalized(name)
+    found = next(value for pattern, value in variants if re.search(pattern, normalized))
+    return Bandwidth(found, f"{CHIPS[key].name}, {source}")
+
+
+def resolve_bandwidth(given: Bandwidth | None, device: torch.device) -> tuple[Bandwidth | None, str]:
+    """The bandwidth to use: the user's if given, else the table's for ``device``; or None and a
+    sentence saying why there is none."""
+    if given is not None:
+        return given, ""
+    how = f"pass peak_bandwidth= or set {BANDWIDTH_ENV_VAR}"
+    name = device_name(device)
+    if name is None:
+        return None, f"no peak bandwidth for a {device.type} device: {how}"
+    found = table_bandwidth(name)
+    return found, "" if found is not None else f"device {name!r} is not in the bandwidth table: {how}"
+
+
+def given_bandwidth(peak_bandwidth: float | None) -> Bandwidth | None:
+    """The user's peak bandwidth: the argument, else the environment variable (validated here)."""
+    if peak_bandwidth is not None:
+        return Bandwidth(float(peak_bandwidth), "peak_bandwidth argument")
+    value = bandwidth_from_env()
+    return Bandwidth(value, f"{BANDWIDTH_ENV_VAR} environment variable") if value is not None else None

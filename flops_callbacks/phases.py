@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from flops_callbacks.clock import Clock
+from flops_callbacks.phase_memory import PhaseMemory
 
 FORWARD, BACKWARD, OPTIMIZER_STEP = "forward", "backward", "optimizer_step"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER_STEP)
@@ -27,8 +28,9 @@ class StepPhases:
     """Marks the phases of one step; :meth:`seconds` reads them (after the step: reading CUDA events
     synchronizes, so it is left until the profile window has ended)."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, memory: PhaseMemory | None = None) -> None:
         self.clock = clock
+        self.memory = memory  # peak allocated bytes per phase (CUDA, clean steps only)
         self.current: str | None = None
         self._since: Any = None
         self._ended: str | None = None  # a phase that ended with its successor unknown (held open)
@@ -45,6 +47,8 @@ class StepPhases:
             self._close(FORWARD if name == BACKWARD else ended, mark)
         elif self.current is not None:
             self._close(self.current, mark)
+        elif self.memory is not None:
+            self.memory.reset()  # the first phase since a stop
         self.current, self._since, self._ended = name, mark, None
 
     def end(self) -> None:
@@ -66,6 +70,8 @@ class StepPhases:
     def _close(self, name: str, mark: Any) -> None:
         self._spans.setdefault(name, []).append((self._since, mark))
         self._since = mark
+        if self.memory is not None:
+            self.memory.close(name)
 
     def seconds(self) -> tuple[float, float, float]:
         """Seconds in (forward, backward, optimizer step)."""

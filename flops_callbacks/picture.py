@@ -1,10 +1,13 @@
 """A picture of a profile: one self-contained HTML page with the module tree as an icicle chart.
 
 Widths are forward (or, toggled, backward) latency, colours the achieved FLOPS, hover gives every count
-of a module and its per-functional split, a click zooms in. Why a page and not a PNG or SVG: a
-32-layer model has hundreds of modules, too many to label at once; zooming and hovering make them
-readable. Why no plotting library: the page must open anywhere, offline, years later, so its script and
-style are inline (``picture.html``, the template next to this module) and nothing is fetched.
+of a module and its per-functional split, a click zooms in. Below it, where both peaks are known, a
+roofline chart (log-log: flops per byte against achieved FLOPS, both roofs drawn) has every module as
+a point sized by its latency; a click on a point zooms the tree to that module.
+Why a page and not a PNG or SVG: a 32-layer model has hundreds of modules, too many to label at once;
+zooming and hovering make them readable. Why no plotting library: the page must open anywhere, offline,
+years later, so its script and style are inline (``picture.html``, the template next to this module) and
+nothing is fetched.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from __future__ import annotations
 import html
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from importlib.resources import files
+from typing import Any
 
 from flops_callbacks.profile import Profile
 
@@ -26,8 +30,15 @@ def render_html(
     *,
     title: str = "flops_callbacks profile",
     summary: Sequence[tuple[str, str]] = (),
+    roofline: Mapping[str, Any] | None = None,
+    no_roofline: str = "",
 ) -> str:
-    """The page for ``profile``, with ``summary`` rows (label, value) shown above the chart."""
+    """The page for ``profile``, with ``summary`` rows (label, value) shown above the chart.
+
+    ``roofline`` (``peak_flops``, ``peak_bandwidth``, their ``*_source`` and per module name and pass
+    the :class:`~flops_callbacks.roofline.Roofline` fields as ``modules``) draws the roofline chart;
+    without it the chart's place says ``no_roofline``.
+    """
     rows = "".join(
         f"<div><dt>{html.escape(label)}</dt><dd>{html.escape(value)}</dd></div>" for label, value in summary
     )
@@ -35,7 +46,10 @@ def render_html(
         "title": html.escape(title),
         "summary": f'<dl class="summary">{rows}</dl>' if rows else "",
         # "<" escaped so that no string in the data can close the script element holding it
-        "data": json.dumps({"modules": _tree(profile)}, separators=(",", ":")).replace("<", "\\u003c"),
+        "data": json.dumps(
+            {"modules": _tree(profile), "roofline": roofline, "no_roofline": no_roofline},
+            separators=(",", ":"),
+        ).replace("<", "\\u003c"),
     }
     template = files("flops_callbacks").joinpath("picture.html").read_text(encoding="utf-8")
     return _SLOTS.sub(lambda slot: slots[slot[1]], template)

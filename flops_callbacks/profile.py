@@ -4,7 +4,10 @@ Flops are counted per pass: ``fwd`` (the forward), ``bwd`` (the real backward, m
 and ``recompute`` (forwards re-run inside the backward by activation checkpointing). MACs count
 only multiply-accumulate ops (matmul, conv, attention), so ``2 * macs`` is exactly the flops that
 ``torch.utils.flop_counter.FlopCounterMode`` reports; the rest of ``flops`` is elementwise work.
-Latencies are in seconds.
+Bytes (``fwd_bytes`` ...) are the memory traffic the same ops imply: each op reads every tensor it is
+given and writes every tensor it returns (element size x elements; views move nothing; an in-place op
+reads and writes its operand: :mod:`flops_callbacks.bytes_moved`). ``saved_bytes`` are the activations
+the forward leaves for the backward (parameters excluded, each storage once). Latencies are in seconds.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from flops_callbacks.files import write_text
 
 @dataclass
 class Counts:
-    """Flops and MACs of one pass-split unit of work (a module, a functional, or code outside the model)."""
+    """Flops, MACs and bytes of one pass-split unit of work (a module, a functional, or code outside the
+    model), and the bytes its forward saved for the backward."""
 
     fwd_flops: int = 0
     bwd_flops: int = 0
@@ -27,6 +31,10 @@ class Counts:
     fwd_macs: int = 0
     bwd_macs: int = 0
     recompute_macs: int = 0
+    fwd_bytes: int = 0
+    bwd_bytes: int = 0
+    recompute_bytes: int = 0
+    saved_bytes: int = 0
     calls: int = 0
 
     @property
@@ -125,6 +133,22 @@ class Profile:
         return self.model.recompute_macs
 
     @property
+    def fwd_bytes(self) -> int:
+        return self.model.fwd_bytes
+
+    @property
+    def bwd_bytes(self) -> int:
+        return self.model.bwd_bytes
+
+    @property
+    def recompute_bytes(self) -> int:
+        return self.model.recompute_bytes
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.model.saved_bytes
+
+    @property
     def params(self) -> int:
         return self.model.params
 
@@ -156,9 +180,13 @@ class Profile:
         for m in self.at_depth(depth):
             acc = merged.setdefault(m.class_name, ModuleProfile(class_name=m.class_name, depth=m.depth))
             for name in (
-                "fwd_flops", "bwd_flops", "recompute_flops", "fwd_macs", "bwd_macs", "recompute_macs",
-                "calls", "params", "trainable_params", "fwd_latency", "bwd_latency", "recompute_latency",
-            ):  # fmt: skip
+                *_SUMMED,
+                "params",
+                "trainable_params",
+                "fwd_latency",
+                "bwd_latency",
+                "recompute_latency",
+            ):
                 setattr(acc, name, getattr(acc, name) + getattr(m, name))
         return merged
 
@@ -176,7 +204,8 @@ class Profile:
         return write_text(path, json.dumps(self.to_dict(), indent=2))
 
 
-_COUNTED_TOTALS = tuple(f.name for f in fields(Counts) if f.name != "calls")
+_SUMMED = tuple(f.name for f in fields(Counts))
+_COUNTED_TOTALS = tuple(name for name in _SUMMED if name != "calls")
 
 
 def _parent(name: str, modules: dict[str, ModuleProfile]) -> str:

@@ -17,11 +17,13 @@ from flops_callbacks import metrics as names
 from flops_callbacks.files import write_text
 from flops_callbacks.guard import Guard
 from flops_callbacks.options import Options
+from flops_callbacks.phases import PHASES
 from flops_callbacks.picture import render_html
-from flops_callbacks.report import RunContext, render_profile
+from flops_callbacks.report import RunContext, render_profile, render_roofline
 from flops_callbacks.result import WindowResult
+from flops_callbacks.roofline import as_data
 from flops_callbacks.trace import chrome_trace
-from flops_callbacks.units import duration_to_string, flops_to_string
+from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string
 
 
 class Outlet(Protocol):
@@ -78,6 +80,9 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     if result.micro_batches > 1:
         lines.append(("micro-batches per step", str(result.micro_batches)))
     lines.append(("compute dtype (picks the peak)", result.compute_dtype or "unknown"))
+    lines.append(("peak memory allocated fwd / bwd / step (clean steps)", _peak_memory_text(result)))
+    if result.peak is not None and result.bandwidth is None:  # without a peak, the MFU row says why
+        lines.append(("roofline per module", f"n/a: {result.no_bandwidth_reason}"))
     if result.peak is None:
         lines.append(("MFU", f"n/a: {result.no_peak_reason}"))
     else:
@@ -87,6 +92,12 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
             ("HFU = (fwd+bwd+recompute flops) / iter latency / peak", f"{100 * metrics[names.HFU]:.2f}%"),
         ]
     return lines + source_lines(result) + result.extra_lines
+
+
+def _peak_memory_text(result: WindowResult) -> str:
+    if result.peak_memory is None:
+        return f"n/a on {result.profile.device.split(':')[0]} (CUDA only)"
+    return " / ".join(bytes_to_string(result.peak_memory.get(phase, 0)) for phase in PHASES)
 
 
 def run_rows(result: WindowResult, metrics: dict[str, float]) -> RunContext:
@@ -113,7 +124,28 @@ def report_text(result: WindowResult, options: Options, detailed: bool) -> str:
         detailed=detailed,
         timing_lines=timing_lines(result, metrics),
         run=run_rows(result, metrics),
+        roofline=roofline_text(result),
     )
+
+
+def roofs_text(result: WindowResult) -> str:
+    """The two roofs and their sources, and the ridge point between them ("" unless both are known)."""
+    peak, bandwidth = result.peak, result.bandwidth
+    if peak is None or bandwidth is None:
+        return ""
+    return (
+        f"peak {flops_to_string(peak.flops)} ({peak.source}), peak bandwidth "
+        f"{bytes_to_string(bandwidth.bytes_per_sec)}/s ({bandwidth.source}): ridge at "
+        f"{peak.flops / bandwidth.bytes_per_sec:.3g} flops/B"
+    )
+
+
+def roofline_text(result: WindowResult) -> str:
+    """The report's roofline section ("" unless both peaks and module latencies are known)."""
+    rooflines = result.rooflines() if result.steps.module_timing is not None else {}
+    if not rooflines:
+        return ""
+    return render_roofline(result.profile, rooflines, roofs_text(result))
 
 
 def json_data(result: WindowResult) -> dict[str, Any]:
@@ -130,8 +162,27 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "peak": dataclasses.asdict(result.peak) if result.peak else {"none": result.no_peak_reason},
         "parallel": dataclasses.asdict(result.parallel),
         "rank_latencies": result.rank_latencies,  # (fwd, bwd, step) seconds, by rank
-        "profile": result.profile.to_dict(),
+        "peak_memory_allocated": result.peak_memory,  # bytes per phase, clean steps; None off CUDA
+        "bandwidth": dataclasses.asdict(result.bandwidth)
+        if result.bandwidth
+        else {"none": result.no_bandwidth_reason},
+        "profile": profile_json(result),
     }
+
+
+def profile_json(result: WindowResult) -> dict[str, Any]:
+    """The profile's JSON, each module entry with its forward and backward roofline where known."""
+    data = result.profile.to_dict()
+    for name, phases in roofline_entries(result).items():
+        data["modules"][name]["roofline"] = phases
+    return data
+
+
+def roofline_entries(result: WindowResult) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each module's rooflines as plain data, by name and pass (the JSON's and the picture's)."""
+    if result.steps.module_timing is None:
+        return {}  # the counting step's latencies are inflated by counting: no verdict on them
+    return as_data(result.rooflines())
 
 
 def markdown_block(text: str) -> str:
@@ -222,4 +273,17 @@ def picture(result: WindowResult) -> str:
         ("phases: median of", ", ".join(str(s) for s in steps.clean) or "no clean step"),
     ]
     title = f"flops_callbacks profile, step {result.step}"
-    return render_html(result.profile, title=title, summary=summary)
+    peak, bandwidth, entries = result.peak, result.bandwidth, roofline_entries(result)
+    roofline = (
+        {
+            "peak_flops": peak.flops,
+            "peak_bandwidth": bandwidth.bytes_per_sec,
+            "peak_source": peak.source,
+            "bandwidth_source": bandwidth.source,
+            "modules": entries,
+        }
+        if peak is not None and bandwidth is not None and entries
+        else None
+    )
+    why = result.no_roofline_reason or "no module latency was measured (the run ended before module timing)"
+    return render_html(result.profile, title=title, summary=summary, roofline=roofline, no_roofline=why)

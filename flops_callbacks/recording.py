@@ -17,6 +17,8 @@ FWD, BWD, REC = 0, 1, 2  # phases: forward, backward, recompute inside the backw
 SLOTS = tuple(f.name for f in fields(Counts))
 _FLOPS = tuple(SLOTS.index(f"{phase}_flops") for phase in ("fwd", "bwd", "recompute"))
 _MACS = tuple(SLOTS.index(f"{phase}_macs") for phase in ("fwd", "bwd", "recompute"))
+_BYTES = tuple(SLOTS.index(f"{phase}_bytes") for phase in ("fwd", "bwd", "recompute"))
+SAVED = SLOTS.index("saved_bytes")  # bytes saved for the backward by the forward
 CALLS = SLOTS.index("calls")  # forward calls of a functional that did flops
 _REC_FLOPS, _REC_MACS = _FLOPS[REC], _MACS[REC]
 
@@ -61,13 +63,23 @@ class Context:
             sums = self.sums[functional] = [0] * len(SLOTS)
         return sums
 
-    def add(self, phase: int, functional: str, count: OpCount) -> None:
+    def add(self, phase: int, functional: str, count: OpCount, moved: int) -> None:
+        """One counted op: its flops, MACs and bytes moved."""
         sums = self.sums_of(functional)
         sums[_FLOPS[phase]] += count.flops
         sums[_MACS[phase]] += count.macs
+        sums[_BYTES[phase]] += moved
         if count.recompute_flops:
             sums[_REC_FLOPS] += count.recompute_flops
             sums[_REC_MACS] += count.recompute_macs
+
+    def add_saved(self, functional: str, saved: int) -> None:
+        """A tensor the forward saved for the backward."""
+        self.sums_of(functional)[SAVED] += saved
+
+    def add_bytes(self, phase: int, functional: str, moved: int) -> None:
+        """One op without arithmetic (a copy, a gather) or without a formula: bytes only."""
+        self.sums_of(functional)[_BYTES[phase]] += moved
 
 
 Span = tuple[Any, Any]  # (start, end) clock marks

@@ -11,13 +11,15 @@ label keeps DeepSpeed's words up to the ``=`` and then says what was divided.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from flops_callbacks.metrics import phase_rates
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import ModuleProfile, Profile
+from flops_callbacks.roofline import OVERHEAD_FRACTION, Roofline
 from flops_callbacks.units import (
+    bytes_to_string,
     duration_to_string,
     flops_to_string,
     macs_to_string,
@@ -150,6 +152,14 @@ def _own_rows(p: Profile) -> list[tuple[str, object]]:
         ]
     if p.recompute_flops:
         rows.append(("recompute flops per GPU", number_to_string(p.recompute_flops)))
+    if p.fwd_bytes:  # what the ops read and write, unfused and uncached (flops_callbacks.bytes_moved)
+        passes = [("fwd", p.fwd_bytes), ("bwd", p.bwd_bytes), ("recompute", p.recompute_bytes)]
+        shown = [(name, moved) for name, moved in passes if moved or name == "fwd"]
+        label = " / ".join(name for name, _ in shown)
+        rows += [
+            (f"{label} bytes moved per GPU", " / ".join(bytes_to_string(moved) for _, moved in shown)),
+            ("activations saved for bwd per GPU (params excluded)", bytes_to_string(p.saved_bytes)),
+        ]
     return rows
 
 
@@ -217,6 +227,8 @@ def _module_items(m: ModuleProfile, root: ModuleProfile) -> str:
         items += [f"bwd {number_to_string(m.bwd_flops)}flops", f"bwd {duration_to_string(m.bwd_latency)}"]
     if m.recompute_flops:
         items.append(f"recompute {number_to_string(m.recompute_flops)}flops")
+    if m.fwd_bytes:
+        items.append(f"fwd {bytes_to_string(m.fwd_bytes)} moved, {bytes_to_string(m.saved_bytes)} saved")
     if m.extra_repr:
         items.append(m.extra_repr)
     return ", ".join(items)
@@ -242,8 +254,8 @@ def render_detailed(profile: Profile, module_depth: int = -1) -> str:
         _rule("Detailed Profile per GPU", 86),
         "Each module profile is listed after its name in the following order: ",
         "params, percentage of total params, MACs, percentage of total MACs, fwd latency, "
-        "percentage of total fwd latency, fwd FLOPS, then the measured bwd flops and bwd latency and "
-        "the module's own settings;",
+        "percentage of total fwd latency, fwd FLOPS, then the measured bwd flops and bwd latency, the "
+        "fwd bytes moved and the activations saved for bwd, and the module's own settings;",
         "a module with children or several functionals lists its functionals (torch ops that did "
         "flops: fwd/bwd and call count).",
         "",
@@ -268,6 +280,43 @@ def render_detailed(profile: Profile, module_depth: int = -1) -> str:
 
     walk(root, "", "")
     return "\n".join(lines)
+
+
+def render_roofline(
+    profile: Profile, rooflines: Mapping[str, Mapping[str, Roofline]], roofs: str, top: int = 10
+) -> str:
+    """The modules (those without children) that take the most time, each pass against the roofline,
+    then those far below both roofs: where a performance engineer fuses, compiles or checkpoints next."""
+    parents = {""} | {name[:i] for name in profile.modules for i, c in enumerate(name) if c == "."}
+    leaves = [m for m in profile.modules.values() if m.name in rooflines and m.name not in parents]
+    leaves.sort(key=lambda m: m.fwd_latency + m.bwd_latency, reverse=True)
+    whole = profile.model.fwd_latency + profile.model.bwd_latency
+    lines = [
+        _rule("Roofline per GPU", 86),
+        roofs,
+        "Modules taking the most time (module-timing step), each pass against the roofline:",
+        "bound = max(flops / peak FLOPS, bytes / peak bandwidth), the larger term the limiter, bound / "
+        "latency the fraction of the roofline achieved.",
+    ]
+    for m in leaves[:top]:
+        passes = [
+            f"{phase} {duration_to_string(r.seconds)}, {_intensity(r)}, {r.verdict()}"
+            for phase, r in rooflines[m.name].items()
+        ]
+        share = percent(m.fwd_latency + m.bwd_latency, whole)
+        lines.append(f"    {m.name} ({m.class_name}), {share} of the time: {'; '.join(passes)}")
+    overhead = [m.name for m in leaves if all(r.overhead_bound for r in rooflines[m.name].values())]
+    if overhead:
+        shown = ", ".join(overhead[:8]) + (f" and {len(overhead) - 8} more" if len(overhead) > 8 else "")
+        lines.append(
+            f"Overhead-bound (under {OVERHEAD_FRACTION:.0%} of the roofline in every pass: kernel launch and "
+            f"Python overhead, not arithmetic or memory; fuse them or torch.compile them): {shown}"
+        )
+    return "\n".join(lines)
+
+
+def _intensity(r: Roofline) -> str:
+    return f"{r.intensity:.3g} flops/B" if r.intensity is not None else "no bytes"
 
 
 def render_coverage(profile: Profile) -> str:
@@ -305,10 +354,13 @@ def render_profile(
     context_lines: Sequence[tuple[str, str]] = (),
     timing_lines: Sequence[tuple[str, str]] = (),
     run: RunContext | None = None,
+    roofline: str = "",
 ) -> str:
     """The whole report, as ``print_model_profile`` prints it: the aggregated profile always, the
-    detailed tree if ``detailed`` (as DeepSpeed)."""
+    detailed tree if ``detailed`` (as DeepSpeed); ``roofline`` (:func:`render_roofline`) after the summary."""
     parts = [render_summary(profile, profile_step, context_lines, timing_lines, run)]
+    if roofline:
+        parts.append(roofline)
     parts.append(render_aggregated(profile, module_depth, top_modules))
     if detailed:
         parts.append(render_detailed(profile, module_depth))

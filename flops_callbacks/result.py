@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from flops_callbacks.distributed import Latencies
 from flops_callbacks.metrics import window_metrics
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.peaks import Peak
+from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
+from flops_callbacks.roofline import Roofline, module_rooflines
 from flops_callbacks.trace import ModuleSpan
 
 
@@ -49,6 +50,8 @@ class WindowResult:
     compute_dtype: str | None = None
     peak: Peak | None = None  # the device's dense peak FLOPS that MFU is computed against
     no_peak_reason: str = ""  # why there is none (said once, in the report)
+    bandwidth: Bandwidth | None = None  # the device's peak memory bandwidth: the roofline's memory roof
+    no_bandwidth_reason: str = ""
     # every rank's (fwd, bwd, step) latencies, by rank; the latencies above are the slowest rank's
     rank_latencies: list[Latencies] = field(default_factory=list)
     # parameters of the whole model when they are sharded (FSDP2/TP DTensors, ZeRO-3): global sizes
@@ -56,6 +59,9 @@ class WindowResult:
     # report rows an adapter adds about its framework (label, value), e.g. the HF Trainer's estimate
     extra_lines: list[tuple[str, str]] = field(default_factory=list)
     spans: list[ModuleSpan] = field(default_factory=list)  # module calls of the module-timing step
+    # peak device memory allocated in each phase (forward, backward, optimizer_step) over the clean
+    # steps, in bytes; None where the device keeps no such counter (only CUDA does)
+    peak_memory: dict[str, int] | None = None
     published_at: int = 0  # the global step at which the result was published and logged
 
     @property
@@ -66,6 +72,20 @@ class WindowResult:
     @property
     def iter_latency(self) -> float:
         return self.fwd_latency + self.bwd_latency + self.step_latency
+
+    @property
+    def no_roofline_reason(self) -> str:
+        """Why no module has a roofline ("" when both peaks are known)."""
+        if self.peak is None:
+            return self.no_peak_reason
+        return self.no_bandwidth_reason if self.bandwidth is None else ""
+
+    def rooflines(self) -> dict[str, dict[str, Roofline]]:
+        """Each module's forward and backward roofline (module-timing step latencies), by module name;
+        empty unless both peaks are known."""
+        if self.peak is None or self.bandwidth is None:
+            return {}
+        return module_rooflines(self.profile, self.peak.flops, self.bandwidth.bytes_per_sec)
 
     def metrics(self) -> dict[str, float]:
         """The ``flops_profiler/*`` metrics (names in :mod:`flops_callbacks.metrics`)."""

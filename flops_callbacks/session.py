@@ -59,8 +59,9 @@ from flops_callbacks.guard import Guard
 from flops_callbacks.module_timer import ModuleTimer
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes, sharded_params
-from flops_callbacks.peaks import ENV_VAR, Peak, peak_from_env, resolve_peak
-from flops_callbacks.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
+from flops_callbacks.peaks import given_bandwidth, given_peak, resolve_bandwidth, resolve_peak
+from flops_callbacks.phase_memory import phase_memory_for
+from flops_callbacks.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, PHASES, StepPhases
 from flops_callbacks.profile import Profile
 from flops_callbacks.publish import Outlet
 from flops_callbacks.result import WindowResult, WindowSteps
@@ -117,14 +118,6 @@ class _Step:
     tokens: int | None = None
 
 
-def _given_peak(peak_flops: float | None) -> Peak | None:
-    """The user's peak: the argument, else the environment variable (both validated already)."""
-    if peak_flops is not None:
-        return Peak(float(peak_flops), "peak_flops argument")
-    value = peak_from_env()
-    return Peak(value, f"{ENV_VAR} environment variable") if value is not None else None
-
-
 def _model_config(model: torch.nn.Module) -> Any:
     """The model's config (a transformers config: ``model.config``, or a submodule's), if it has one."""
     for module in model.modules():
@@ -132,6 +125,14 @@ def _model_config(model: torch.nn.Module) -> Any:
         if callable(getattr(config, "to_dict", None)):
             return config
     return None
+
+
+def _peak_memory(steps: list[_Step]) -> dict[str, int] | None:
+    """The largest peak allocated bytes of each phase over the clean steps (None off CUDA)."""
+    recorded = [s.phases.memory.peaks for s in steps if s.phases.memory is not None]
+    if not recorded:
+        return None
+    return {phase: max(peaks.get(phase, 0) for peaks in recorded) for phase in PHASES}
 
 
 def _median(values: list[float]) -> float:
@@ -152,7 +153,8 @@ class StepSession:
         self.owner = owner
         self.guard = Guard(owner)
         self._default_tokens_fn = tokens_fn
-        self.given_peak = _given_peak(options.peak_flops)
+        self.given_peak = given_peak(options.peak_flops)
+        self.given_bandwidth = given_bandwidth(options.peak_bandwidth)
         self.meter = (
             ThroughputMeter(
                 lambda batch: self.samples_of(batch) or 0, self.tokens_of, options.causal_attention
@@ -339,7 +341,9 @@ class StepSession:
             self._context = context() if context is not None else TrainingContext()
             self._model = model
         kind = self._kinds[len(self._steps)]
-        step = _Step(kind, global_step, StepPhases(clock_for(module_device(model))))
+        device = module_device(model)
+        memory = phase_memory_for(device) if kind == CLEAN else None  # peaks on clean steps only
+        step = _Step(kind, global_step, StepPhases(clock_for(device), memory))
         self._steps.append(step)
         self._step = step
         if kind == COUNTING:
@@ -526,6 +530,7 @@ class StepSession:
         fwd, bwd, opt = max(ranks, key=sum)
         context = self._context
         peak, no_peak_reason = resolve_peak(self.given_peak, device, context.compute_dtype)
+        bandwidth, no_bandwidth_reason = resolve_bandwidth(self.given_bandwidth, device)
         profile = dataclasses.replace(profile, fwd_latency=fwd, bwd_latency=bwd)
         extra = context.extra_lines(counting.batches, profile) if context.extra_lines is not None else []
         if counting.tokens:  # what "6 x params x tokens" claims (with active parameters, for an MoE)
@@ -549,10 +554,13 @@ class StepSession:
             compute_dtype=context.compute_dtype,
             peak=peak,
             no_peak_reason=no_peak_reason,
+            bandwidth=bandwidth,
+            no_bandwidth_reason=no_bandwidth_reason,
             rank_latencies=ranks,
             sharded_model_params=sharded_params(model),
             extra_lines=extra,
             spans=spans,
+            peak_memory=_peak_memory(clean),
             published_at=global_step,
         )
         log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective

@@ -8,8 +8,10 @@ removed by ``stop()``:
 * a ``TorchFunctionMode`` names the functional being run (``linear``, ``softmax``, ...) and tags
   every autograd node that functional creates with the module stack and its name;
 * a ``TorchDispatchMode`` sees every aten op, forward and backward, counts it with its entry in
-  :mod:`flops_callbacks.registry`, and attributes it: forward ops to the current module stack,
-  backward ops to the tag of ``torch._C._current_autograd_node()``.
+  :mod:`flops_callbacks.registry` and its bytes with :mod:`flops_callbacks.bytes_moved`, and
+  attributes it: forward ops to the current module stack, backward ops to the tag of
+  ``torch._C._current_autograd_node()``; the tensors a forward's nodes save for the backward are
+  read as they are tagged (:mod:`flops_callbacks.saved_activations`).
 
 This module is the per-op hot path and the module stack; what it records is laid out in
 :mod:`flops_callbacks.recording`, the model's names and parameters are read by
@@ -38,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves
 
 from flops_callbacks import elementwise_formulas, formulas  # noqa: F401  (the built-in entries)
+from flops_callbacks.bytes_moved import bytes_rule
 from flops_callbacks.clock import Clock, clock_for, module_device
 from flops_callbacks.functionals import READ, functional_name
 from flops_callbacks.module_tree import ModuleTree
@@ -46,6 +49,7 @@ from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.profile_builder import build_profile, model_totals
 from flops_callbacks.recording import BWD, CALLS, FWD, REC, Context, Recording
 from flops_callbacks.registry import OpKind, entry_for
+from flops_callbacks.saved_activations import SavedActivations
 
 _TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()
 
@@ -122,6 +126,7 @@ class Tracer:
         # A formula that raised (what was being counted, the error): counting stops there, the op's
         # result is handed on, and the owner says it (flops_callbacks.guard): never the user's forward.
         self.failure: tuple[str, Exception] | None = None
+        self._saved = SavedActivations()
         self.reset()
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -170,6 +175,7 @@ class Tracer:
             stack.close()
             raise
         self._exit = stack
+        self._saved.start(self.model)
         self._thread = threading.get_ident()
         self._tagged = []
 
@@ -239,6 +245,8 @@ class Tracer:
             return
         recompute = bool(self._stack and self._stack[-1].recompute)
         recompute = recompute or _current_autograd_node() is not None
+        if not recompute and torch.is_grad_enabled():  # a checkpoint holds the inputs of its region
+            self._saved.enter(args, self._context_for(None))
         start = self.clock.mark()
         for ancestor in self._virtual_ancestors(name):
             self._push(ancestor, start, recompute, True)
@@ -312,7 +320,9 @@ class Tracer:
         return out
 
     def _tag(self, out: Any, ctx: Context) -> None:
-        """Mark the autograd nodes this call created (those not marked yet) with its context."""
+        """Mark the autograd nodes this call created (those not marked yet) with its context, and count
+        what a forward's nodes save for the backward (a recompute's and a backward's are freed in it)."""
+        forward = _current_autograd_node() is None and not (self._stack and self._stack[-1].recompute)
         if isinstance(out, torch.Tensor):
             pending = [out.grad_fn] if out.grad_fn is not None else []
         else:
@@ -324,6 +334,8 @@ class Tracer:
                 continue
             metadata[_TAG] = ctx
             self._tagged.append(node)
+            if forward:
+                self._saved.watch(node, ctx)
             pending.extend(n for n, _ in node.next_functions if n is not None)
 
     # --- ops: the hot path ---------------------------------------------------------------------------
@@ -335,8 +347,9 @@ class Tracer:
         kind = entry.kind
         if kind is OpKind.METADATA:
             return func(*args, **kwargs)
+        moves = bytes_rule(func)
         node = _current_autograd_node()
-        if node is None and kind is OpKind.FREE:  # views and copies: most forward ops
+        if moves is None and node is None and kind is OpKind.FREE:  # views: most forward ops
             self._rec.free_calls += 1
             return func(*args, **kwargs)
         if self._stack and self._stack[-1].recompute:
@@ -355,22 +368,27 @@ class Tracer:
             end = self.clock.mark()
             if phase == BWD:
                 self._rec.bwd_op_spans.append((ctx, start, end))
-        if kind is OpKind.FREE:
-            self._rec.free_calls += 1
-        elif kind is OpKind.UNCOUNTED:
-            self._rec.uncounted.setdefault(str(func._overloadpacket), []).append((start, end))
+        moved = moves(args, kwargs, out) if moves is not None else 0
+        if kind is OpKind.FREE or kind is OpKind.UNCOUNTED:
+            if kind is OpKind.FREE:
+                self._rec.free_calls += 1
+            else:
+                self._rec.uncounted.setdefault(str(func._overloadpacket), []).append((start, end))
+            if moved:
+                ctx.add_bytes(phase, ctx.functional or func._overloadpacket.__name__, moved)
         else:
             try:
                 count = entry.count(func, args, kwargs, out, self.causal_half)
             except Exception as error:  # the formula's failure, not the op's: the op's result goes on
                 self.failure = (f"counting {func} with its formula", error)
                 return out
-            ctx.add(phase, ctx.functional or func._overloadpacket.__name__, count)
+            ctx.add(phase, ctx.functional or func._overloadpacket.__name__, count, moved)
             self._rec.counted_calls += 1
             self._flops_in_call = True
         return out
 
     def _begin_backward(self, start: Any) -> None:
+        self._saved.seen.clear()  # the forward's saved storages are freed by this backward: ptrs reused
         self._in_backward = True
         self._bwd_start = start
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)

@@ -33,9 +33,9 @@ def test_the_users_exception_passes_through_own_work_unchanged() -> None:
     def batch_size_fn(batch: object) -> int:
         raise error
 
-    with pytest.raises(LookupError) as raised, guard.own_work("reading the batch", "kept"):
-        with guard.own_work("an inner piece of own work", "kept"):  # guards nest
-            guard.user(batch_size_fn, object())
+    outer, inner = guard.own_work("reading the batch", "kept"), guard.own_work("an inner piece", "kept")
+    with pytest.raises(LookupError) as raised, outer, inner:  # guards nest
+        guard.user(batch_size_fn, object())
     assert raised.value is error and error.__context__ is None and error.__cause__ is None
 
 

@@ -14,8 +14,9 @@ from flops_callbacks.result import WindowResult, WindowSteps
 
 def profile(fwd: int, bwd: int, recompute: int) -> Profile:
     root = ModuleProfile(
-        fwd_flops=fwd, bwd_flops=bwd, recompute_flops=recompute, fwd_macs=fwd // 2, params=1000, name=""
-    )
+        fwd_flops=fwd, bwd_flops=bwd, recompute_flops=recompute, fwd_macs=fwd // 2, params=1000, name="",
+        fwd_bytes=3 * fwd, bwd_bytes=5 * bwd, saved_bytes=7 * fwd,
+    )  # fmt: skip
     return Profile(0.0, 0.0, "cpu", {"": root}, Counts(), Coverage())
 
 
@@ -43,6 +44,9 @@ def test_every_metric_of_a_window_by_hand() -> None:
         names.BWD_FLOPS: 200.0,
         names.RECOMPUTE_FLOPS: 50.0,
         names.FWD_MACS: 50.0,
+        names.FWD_BYTES: 300.0,
+        names.BWD_BYTES: 1000.0,
+        names.SAVED_ACTIVATION_BYTES: 700.0,
         names.PARAMS: 1000.0,
         names.FWD_LATENCY: 0.25,
         names.BWD_LATENCY: 0.5,

@@ -17,6 +17,7 @@ def test_the_defaults_are_the_documented_ones() -> None:
     assert (o.profile_step, o.clean_steps, o.module_depth, o.top_modules) == (10, 3, -1, 1)
     assert (o.detailed, o.print_profile, o.throughput, o.causal_attention) == (False, True, True, "full")
     assert (o.output_file, o.batch_size_fn, o.tokens_fn, o.peak_flops) == (None, None, None, None)
+    assert o.peak_bandwidth is None
     assert o.ignore_modules == ()
     assert CAUSAL_ATTENTION == ("full", "half")
 
@@ -41,6 +42,15 @@ def test_the_defaults_are_the_documented_ones() -> None:
         ({"ignore_modules": (int,)}, "ignore_modules must be module classes, got (<class 'int'>,)"),
         ({"peak_flops": 0}, "peak_flops must be the dense peak FLOPS of one device"),
         ({"peak_flops": "312e12"}, "peak_flops must be the dense peak FLOPS of one device"),
+        (
+            {"peak_bandwidth": -1.0},
+            "peak_bandwidth must be the peak memory bandwidth of one device in bytes/s",
+        ),
+        (
+            {"peak_bandwidth": "3e12"},
+            "peak_bandwidth must be the peak memory bandwidth of one device in bytes/s",
+        ),
+        ({"peak_bandwidth": float("inf")}, "peak_bandwidth must be the peak memory bandwidth"),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_argument_and_what_it_accepts(kwargs: dict, message: str) -> None:

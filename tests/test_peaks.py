@@ -13,6 +13,8 @@ from transformers import TrainingArguments
 from flops_callbacks import hf, lightning
 from flops_callbacks.options import Options
 from flops_callbacks.peaks import (
+    BANDWIDTH_ENV_VAR,
+    BANDWIDTHS,
     BF16,
     CHIPS,
     ENV_VAR,
@@ -20,11 +22,14 @@ from flops_callbacks.peaks import (
     FP16,
     FP32,
     TF32,
+    Bandwidth,
     Peak,
     check_peak_flops,
     chip_for,
     fp32_matmul_dtype,
+    resolve_bandwidth,
     resolve_peak,
+    table_bandwidth,
     table_peak,
 )
 from flops_callbacks.session import StepSession
@@ -165,6 +170,68 @@ def test_no_peak_on_cpu_unless_given() -> None:
     given = Peak(5e12, "peak_flops argument")
     assert resolve_peak(given, cpu, FP32) == (given, "")
     assert check_peak_flops(None) is None
+
+
+# --- peak memory bandwidth ---------------------------------------------------------------------------
+
+# Peak DRAM bandwidth as the datasheets print it (GB/s, decimal), independently of the table.
+DATASHEET_GB_PER_SEC = [
+    ("NVIDIA H100 80GB HBM3", 3350),
+    ("NVIDIA H100 PCIe", 2000),
+    ("NVIDIA H100 NVL", 3900),
+    ("NVIDIA H200", 4800),
+    ("NVIDIA GH200 480GB", 4000),  # 96 GB HBM3
+    ("NVIDIA GH200 144G HBM3e", 4900),
+    ("NVIDIA A100-SXM4-80GB", 2039),
+    ("NVIDIA A100 80GB PCIe", 1935),
+    ("NVIDIA A100-SXM4-40GB", 1555),
+    ("NVIDIA A100-PCIE-40GB", 1555),
+    ("NVIDIA A10G", 600),
+    ("NVIDIA L4", 300),
+    ("NVIDIA L40S", 864),
+    ("NVIDIA GeForce RTX 4090", 1008),
+    ("NVIDIA B200", 8000),
+    ("AMD Instinct MI300X", 5300),
+    ("AMD Instinct MI325X", 6000),
+]
+
+
+@pytest.mark.parametrize(("device_name", "gb_per_sec"), DATASHEET_GB_PER_SEC)
+def test_bandwidth_table_gives_the_datasheet_figure(device_name: str, gb_per_sec: float) -> None:
+    found = table_bandwidth(device_name)
+    assert found is not None and found.bytes_per_sec == gb_per_sec * 1e9
+    chip = chip_for(device_name)
+    assert chip is not None and found.source.startswith(f"{chip.name}, ")
+
+
+def test_every_chip_has_a_bandwidth_with_a_source_and_mig_slices_have_none() -> None:
+    assert set(BANDWIDTHS) == set(CHIPS)
+    for variants, source in BANDWIDTHS.values():
+        assert source and variants[-1][0] == "" and all(value > 0 for _, value in variants)
+    assert table_bandwidth("NVIDIA H100 80GB HBM3 MIG 1g.10gb") is None
+    assert table_bandwidth("Tesla V100-SXM2-32GB") is None
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "3e12", True, float("inf"), float("nan")])
+def test_bad_peak_bandwidth_fails_at_construction_naming_the_argument(value: object) -> None:
+    with pytest.raises(ValueError, match="peak_bandwidth must be the peak memory bandwidth of one device"):
+        Options(peak_bandwidth=value)  # type: ignore[arg-type]
+
+
+def test_bandwidth_environment_variable_and_the_argument_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BANDWIDTH_ENV_VAR, "2e12")
+    from_env = Bandwidth(2e12, f"{BANDWIDTH_ENV_VAR} environment variable")
+    assert StepSession(Options(), "test").given_bandwidth == from_env
+    given = StepSession(Options(peak_bandwidth=1e12), "test").given_bandwidth
+    assert given == Bandwidth(1e12, "peak_bandwidth argument")
+    cpu = torch.device("cpu")
+    assert resolve_bandwidth(given, cpu) == (given, "")
+    found, why = resolve_bandwidth(None, cpu)
+    assert found is None
+    assert why == f"no peak bandwidth for a cpu device: pass peak_bandwidth= or set {BANDWIDTH_ENV_VAR}"
+    monkeypatch.setenv(BANDWIDTH_ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=f"{BANDWIDTH_ENV_VAR} must be the peak memory bandwidth"):
+        StepSession(Options(), "test")
 
 
 # --- the compute dtype, from the frameworks' own objects -------------------------------------------

@@ -22,6 +22,7 @@ import torch
 
 from flops_callbacks.picture import render_html
 from flops_callbacks.profile import Profile
+from flops_callbacks.roofline import as_data, module_rooflines
 from flops_callbacks.tracer import Tracer
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
 
@@ -63,10 +64,10 @@ def page(profile: Profile, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def chromium(*args: str, tmp: Path) -> subprocess.CompletedProcess:
+def chromium(*args: str, tmp: Path, window: tuple[int, int] = WINDOW) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-         f"--user-data-dir={tmp / 'chromium-profile'}", f"--window-size={WINDOW[0]},{WINDOW[1]}", *args],
+         f"--user-data-dir={tmp / 'chromium-profile'}", f"--window-size={window[0]},{window[1]}", *args],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -227,3 +228,100 @@ def test_a_click_zooms_into_a_module_and_the_toggle_shows_backward_latency(
     assert f">{duration_to_string(block.bwd_latency)}<" in details
     assert '<span id="legend-title">achieved backward FLOPS</span>' in dom
     assert "<b>h.1</b>" in dom.split('id="crumbs"')[1].split("</div>")[0]
+
+
+# --- the roofline chart -------------------------------------------------------------------------------
+
+PEAK_FLOPS, PEAK_BANDWIDTH = 1e11, 1e10  # ridge at 10 flops per byte
+MEMORY_ROOF, COMPUTE_ROOF = (0xE0, 0x7A, 0x1F), (0x24, 0x56, 0xC9)  # the page's colours of the two roofs
+
+
+@pytest.fixture(scope="module")
+def roofline_page(profile: Profile, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    roofline = {
+        "peak_flops": PEAK_FLOPS,
+        "peak_bandwidth": PEAK_BANDWIDTH,
+        "peak_source": "given",
+        "bandwidth_source": "given",
+        "modules": as_data(module_rooflines(profile, PEAK_FLOPS, PEAK_BANDWIDTH)),
+    }
+    path = tmp_path_factory.mktemp("roofline") / "profile.html"
+    path.write_text(render_html(profile, title="GPT-2 roofline", roofline=roofline))
+    return path
+
+
+def plotted(profile: Profile, phase: str = "fwd") -> dict[str, float]:
+    """The modules the chart must show (a roofline with bytes and flops), with their latencies."""
+    rooflines = module_rooflines(profile, PEAK_FLOPS, PEAK_BANDWIDTH)
+    return {
+        name: r[phase].seconds
+        for name, r in rooflines.items()
+        if phase in r and r[phase].intensity and r[phase].flops_per_sec > 0
+    }
+
+
+def attributes(tag: str) -> dict[str, str]:
+    return dict(re.findall(r'([\w-]+)="([^"]*)"', tag))
+
+
+@needs_chromium
+def test_the_roofline_chart_plots_every_module_of_the_tree_under_two_roofs(
+    profile: Profile, roofline_page: Path, tmp_path: Path
+) -> None:
+    dom = chromium("--dump-dom", roofline_page.as_uri(), tmp=tmp_path).stdout
+    chart = dom.split('id="roofline-chart"')[1].split("</svg>")[0]
+    points = [attributes(tag) for tag in re.findall(r"<circle [^>]*>", chart)]
+    names = [p["data-name"] for p in points]
+    expected = plotted(profile)
+    assert len(expected) > 10  # the leaves that do work and their ancestors
+    assert all(name in profile.modules for name in names)  # every point is a module of the tree
+    assert sorted(names) == sorted(expected)  # and every module with a roofline is a point, once
+    # sized by time: a longer module is never drawn smaller
+    by_time = sorted(points, key=lambda p: expected[p["data-name"]])
+    radii = [float(p["r"]) for p in by_time]
+    assert radii == sorted(radii) and radii[-1] > radii[0]
+    # the memory roof rises to the ridge, where the flat compute roof starts
+    memory, compute = (
+        attributes(re.search(f'<line [^>]*data-roof="{r}"[^>]*>', chart)[0]) for r in ("memory", "compute")
+    )
+    assert float(memory["y1"]) > float(memory["y2"])  # SVG y grows downwards: the roof rises
+    assert (memory["x2"], memory["y2"]) == (compute["x1"], compute["y1"]) and compute["y1"] == compute["y2"]
+    assert "ridge at 10 flops/B" in dom
+
+
+@needs_chromium
+def test_a_click_on_a_point_zooms_the_tree_to_that_module(roofline_page: Path, tmp_path: Path) -> None:
+    clicks = (
+        "<script>document.querySelector('#roofline circle[data-name=\\\"transformer.h.1.mlp\\\"]')"
+        ".dispatchEvent(new MouseEvent('click'));</script></body>"
+    )
+    clicked = tmp_path / "clicked.html"
+    clicked.write_text(roofline_page.read_text().replace("</body>", clicks))
+    dom = chromium("--dump-dom", clicked.as_uri(), tmp=tmp_path).stdout
+    style = re.search('data-name="transformer.h.1.mlp" style="([^"]*)"', dom)[1]
+    assert "left: 0%; width: 100%" in style  # the icicle zoomed to it
+    assert "<b>mlp</b>" in dom.split('id="crumbs"')[1].split("</div>")[0]
+    # the point of the zoomed module and its children stay solid, the others fade
+    chart = dom.split('id="roofline-chart"')[1].split("</svg>")[0]
+    for tag in re.findall(r"<circle [^>]*>", chart):
+        point = attributes(tag)
+        inside = point["data-name"].startswith("transformer.h.1.mlp")
+        assert ("faded" in point["class"]) != inside, point["data-name"]
+
+
+@needs_chromium
+def test_the_screenshot_shows_both_roofs(roofline_page: Path, tmp_path: Path) -> None:
+    png = tmp_path / "roofline.png"
+    window = (1200, 1400)  # the roofline sits under the tree
+    chromium(f"--screenshot={png}", roofline_page.as_uri(), tmp=tmp_path, window=window)
+    width, height, rows = read_png(png)
+    assert (width, height) == window
+    pixels = [tuple(row[i : i + 3]) for row in rows for i in range(0, len(row), 3)]
+    # each roof is a 3 px line hundreds of pixels long (points in the same colours add to it)
+    assert pixels.count(MEMORY_ROOF) > 300 and pixels.count(COMPUTE_ROOF) > 300
+
+
+def test_without_peaks_the_page_says_why_there_is_no_roofline(profile: Profile) -> None:
+    html = render_html(profile, no_roofline="no peak bandwidth for a cpu device")
+    data = embedded_data(html)
+    assert data["roofline"] is None and data["no_roofline"] == "no peak bandwidth for a cpu device"

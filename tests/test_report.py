@@ -12,7 +12,7 @@ from flops_callbacks import FlopsProfiler
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import Profile
 from flops_callbacks.report import RunContext, render_profile
-from flops_callbacks.units import duration_to_string, flops_to_string, number_to_string
+from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string, number_to_string
 
 B, IN, HID, OUT = 4, 8, 16, 3
 FWD = 2 * B * IN * HID + B * HID + 2 * B * HID * OUT  # linear, relu, linear
@@ -55,8 +55,19 @@ def test_deepspeed_rows_come_first_in_its_order_then_ours() -> None:
         profile_of_mlp(), timing_lines=[("MFU", "n/a")], context_lines=[("micro-batches", "1")]
     )
     labels = [label for label, _ in rows(text)]
-    assert labels == ["micro-batches", *DEEPSPEED_ROWS, "device", "trainable params per GPU", "MFU"]
+    ours = [
+        "device",
+        "trainable params per GPU",
+        "fwd bytes moved per GPU",
+        "activations saved for bwd per GPU (params excluded)",
+    ]
+    assert labels == ["micro-batches", *DEEPSPEED_ROWS, *ours, "MFU"]
     values = dict(rows(text))
+    # addmm reads bias, x, weight and writes its output; relu reads and writes 4 x 16; addmm again
+    moved = 4 * ((HID + B * IN + IN * HID + B * HID) + 2 * B * HID + (OUT + B * HID + HID * OUT + B * OUT))
+    assert values["fwd bytes moved per GPU"] == bytes_to_string(moved) == "1.98 KB"
+    saved = 4 * (B * IN + B * HID)  # x (by the first addmm), the ReLU's output (once, for relu and addmm)
+    assert values["activations saved for bwd per GPU (params excluded)"] == bytes_to_string(saved)
     assert values["fwd flops per GPU"] == number_to_string(FWD).strip()
     assert values["params of model = params per GPU * mp_size"] == str(IN * HID + HID + HID * OUT + OUT)
     assert values["device"] == "cpu"

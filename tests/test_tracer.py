@@ -167,7 +167,7 @@ def test_causal_half_counts_the_kept_part_of_causal_attention() -> None:
 def test_the_running_sums_are_laid_out_as_counts() -> None:
     assert tuple(f.name for f in fields(Counts)) == SLOTS
     ctx = Context(("",), "linear")
-    ctx.add(1, "linear", OpCount(flops=10, macs=4, recompute_flops=3, recompute_macs=1))
+    ctx.add(1, "linear", OpCount(flops=10, macs=4, recompute_flops=3, recompute_macs=1), 0)
     ctx.sums_of("linear")[CALLS] += 1
     assert Counts(*ctx.sums["linear"]) == Counts(
         bwd_flops=10, bwd_macs=4, recompute_flops=3, recompute_macs=1, calls=1

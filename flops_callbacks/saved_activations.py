@@ -1,0 +1,101 @@
+"""Activations saved for the backward: the bytes of the tensors each autograd node of the forward keeps.
+
+When the counting engine tags a node the forward created (right after the call that created it),
+:meth:`SavedActivations.watch` reads the node's saved tensors (``node._saved_*``; a custom Function's
+``saved_tensors``) and counts each storage once, parameters excluded, for the module and functional
+that created the node. Reading a saved tensor only unpacks it: autograd's state is not touched.
+
+Why not ``torch.autograd.graph.saved_tensors_hooks`` around the forward (or hooks registered on each
+``SavedTensor``): thread-wide hooks make ``torch.func.grad`` / ``vmap`` inside a model raise ("don't
+yet support saved tensor hooks"), and hooks replace autograd's check that a saved tensor was not
+changed in place: a profile must neither end a run nor hide a user's bug. Nodes created under
+someone's saved-tensor hooks (a ``torch.utils.checkpoint`` region, ``save_on_cpu``) are not read:
+unpacking them would run those hooks (a checkpoint would recompute). So a checkpointed region shows
+as what it saves: the inputs of its first module call (:meth:`SavedActivations.enter`), counted
+where the checkpoint is called.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from flops_callbacks.recording import Context
+
+__all__ = ["SAVED_BY", "SavedActivations"]
+
+SAVED_BY = "saved by autograd"  # the functional of a node no named functional created
+_NAMES: dict[type, tuple[str, ...]] = {}  # the saved-tensor attributes of each node type
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """Address and bytes of the memory holding ``tensor`` (a DTensor's: its local shard's); (0, 0)
+    where there is none to read (other wrapper subclasses, sparse tensors)."""
+    tensor = getattr(tensor, "_local_tensor", tensor)
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):  # e.g. "an invalid python storage" (TP)
+        return 0, 0
+
+
+def _saved_names(node: Any) -> tuple[str, ...]:
+    """``_saved_<x>`` for each ``_raw_saved_<x>`` of the node's type (``saved_tensors`` for a custom
+    Function's), found once per type."""
+    names = _NAMES.get(type(node))
+    if names is None:
+        raw = [a.removeprefix("_raw") for a in dir(node) if a.startswith("_raw_saved_")]
+        names = _NAMES[type(node)] = tuple("saved_tensors" if a == "_saved_tensors" else a for a in raw)
+    return names
+
+
+class SavedActivations:
+    """Counts the tensors the forward's nodes save, into each node's context."""
+
+    def __init__(self) -> None:
+        self.param_ptrs: set[int] = set()  # storages of the model's parameters: never activations
+        self.seen: set[int] = set()  # storages counted since the last backward (addresses are reused)
+        self.region: Any = None  # the pack hook of the saved-tensor hooks region last entered
+
+    def start(self, model: torch.nn.Module) -> None:
+        self.param_ptrs = {_storage(p)[0] for p in model.parameters()} - {0}
+
+    def enter(self, args: tuple, ctx: Context) -> None:
+        """A module is called: when it is the first one inside a new region of saved-tensor hooks (a
+        checkpoint), count its tensor arguments, which the checkpoint holds for its recompute, for
+        ``ctx``: where the checkpoint is called."""
+        top = _top_hooks(True)
+        if top is None or top[0] is self.region:
+            return
+        self.region = top[0]
+        for arg in args:
+            for tensor in arg if isinstance(arg, (tuple, list)) else (arg,):
+                if isinstance(tensor, torch.Tensor):
+                    self._count(tensor, ctx)
+
+    def watch(self, node: Any, ctx: Context) -> None:
+        """Count the tensors ``node`` saved (a node the forward created, tagged with ``ctx``). Never
+        raises: what cannot be read (a tensor changed in place since: autograd raises in the backward)
+        is not counted."""
+        names = _saved_names(node)
+        if not names or _top_hooks(True) is not None:
+            return
+        for name in names:
+            try:
+                value = getattr(node, name)
+                for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(tensor, torch.Tensor):
+                        self._count(tensor, ctx)
+            except Exception:  # noqa: BLE001, S112  (freed, changed in place: autograd's to raise, not ours)
+                continue
+
+    def _count(self, tensor: torch.Tensor, ctx: Context) -> None:
+        ptr, nbytes = _storage(tensor)
+        if not nbytes or (ptr and (ptr in self.param_ptrs or ptr in self.seen)):
+            return
+        if ptr:  # a meta tensor has no address: each counts
+            self.seen.add(ptr)
+        ctx.add_saved(ctx.functional or SAVED_BY, nbytes)
