@@ -28,7 +28,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from flops_callbacks.clock import Clock
-from flops_callbacks.module_tree import ModuleTree, has_compiled
+from flops_callbacks.module_tree import ModuleTree, eager_compiled_code
 from flops_callbacks.trace import ModuleSpan
 
 _current_autograd_node = torch._C._current_autograd_node
@@ -66,9 +66,6 @@ class ModuleTimer:
     def __init__(self, model: torch.nn.Module, clock: Clock) -> None:
         self.clock = clock
         self._names = ModuleTree(model).names  # the counting engine's names: one record per module
-        # a compiled graph has no module boundaries (and global hooks would make dynamo recompile it):
-        # its modules are timed eagerly, as they are counted
-        self._compiled = has_compiled(model.modules())
         self._stack: list[tuple[str, Any, bool, list[Any]]] = []  # name, start mark, recompute, inputs
         self._calls: list[tuple[str, list[Any], set[int]]] = []  # name, output nodes, input node ids
         self._fwd_spans: list[tuple[str, Any, Any, bool]] = []
@@ -88,8 +85,9 @@ class ModuleTimer:
         if self.running:
             return
         stack = contextlib.ExitStack()
-        if self._compiled:
-            stack.enter_context(torch.compiler.set_stance("force_eager"))
+        # a compiled graph has no module boundaries, and dynamo would recompile it for the hooks:
+        # compiled modules are timed eagerly, as they are counted
+        stack.enter_context(eager_compiled_code())
         stack.callback(register_module_forward_pre_hook(self._pre_hook).remove)
         stack.callback(register_module_forward_hook(self._post_hook, always_call=True).remove)
         self._exit, self._thread = stack, threading.get_ident()

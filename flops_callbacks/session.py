@@ -48,6 +48,7 @@ from flops_callbacks.clock import clock_for, module_device
 from flops_callbacks.distributed import Latencies, gather_latencies
 from flops_callbacks.estimate import estimate_rows
 from flops_callbacks.module_timer import ModuleTimer
+from flops_callbacks.module_tree import has_compiled
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes, sharded_params
 from flops_callbacks.peaks import ENV_VAR, Peak, peak_from_env, resolve_peak
@@ -239,9 +240,14 @@ class StepSession:
     # --- steps ---------------------------------------------------------------------------------------
 
     def step_start(
-        self, global_step: int, model: torch.nn.Module, context: Callable[[], TrainingContext] | None = None
+        self,
+        global_step: int,
+        model: torch.nn.Module,
+        context: Callable[[], TrainingContext] | None = None,
+        runs: torch.nn.Module | None = None,
     ) -> None:
-        """An optimizer step starts (before its first micro-batch)."""
+        """An optimizer step starts (before its first micro-batch). ``runs``: what the framework calls,
+        when it is a wrapper of ``model`` (the HF Trainer's compiled model): a compile is seen there."""
         if self._metering and self.meter is not None:
             self._model = model
             return
@@ -260,6 +266,7 @@ class StepSession:
                 model,
                 ignore_types=self.options.ignore_modules,
                 causal_attention=self.options.causal_attention,
+                compiled=None if runs is None else has_compiled(runs.modules()),
             )
         elif kind == MODULE_TIMING:
             self._timer = ModuleTimer(model, step.phases.clock)
