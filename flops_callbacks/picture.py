@@ -17,8 +17,9 @@ from dataclasses import asdict
 from importlib.resources import files
 
 from flops_callbacks.profile import Profile
+from flops_callbacks.tree_check import TreeCheck
 
-_SLOTS = re.compile(r"\{\{(title|summary|data)\}\}")
+_SLOTS = re.compile(r"\{\{(title|summary|notes|data)\}\}")
 
 
 def render_html(
@@ -26,22 +27,32 @@ def render_html(
     *,
     title: str = "flops_callbacks profile",
     summary: Sequence[tuple[str, str]] = (),
+    doubts: TreeCheck | None = None,
 ) -> str:
-    """The page for ``profile``, with ``summary`` rows (label, value) shown above the chart."""
+    """The page for ``profile``, with ``summary`` rows (label, value) shown above the chart, and what
+    ``doubts`` found wrong with the module latencies said above it and on the modules concerned."""
+    doubts = doubts or TreeCheck()
     rows = "".join(
         f"<div><dt>{html.escape(label)}</dt><dd>{html.escape(value)}</dd></div>" for label, value in summary
     )
     slots = {
         "title": html.escape(title),
         "summary": f'<dl class="summary">{rows}</dl>' if rows else "",
+        "notes": (
+            '<ul class="doubts">' + "".join(f"<li>{html.escape(n)}</li>" for n in doubts.notes) + "</ul>"
+            if doubts.notes
+            else ""
+        ),
         # "<" escaped so that no string in the data can close the script element holding it
-        "data": json.dumps({"modules": _tree(profile)}, separators=(",", ":")).replace("<", "\\u003c"),
+        "data": json.dumps({"modules": _tree(profile, doubts.flagged)}, separators=(",", ":")).replace(
+            "<", "\\u003c"
+        ),
     }
     template = files("flops_callbacks").joinpath("picture.html").read_text(encoding="utf-8")
     return _SLOTS.sub(lambda slot: slots[slot[1]], template)
 
 
-def _tree(profile: Profile) -> list[dict]:
+def _tree(profile: Profile, doubts: dict[str, str]) -> list[dict]:
     """Every module as plain data, depth first from the model, each with its children's indices."""
     order: list[str] = []
     children: dict[str, list[str]] = {}
@@ -53,6 +64,10 @@ def _tree(profile: Profile) -> list[dict]:
         pending.extend(reversed(children[name]))
     index = {name: i for i, name in enumerate(order)}
     return [
-        {**asdict(profile.modules[name]), "kids": [index[child] for child in children[name]]}
+        {
+            **asdict(profile.modules[name]),
+            "kids": [index[child] for child in children[name]],
+            "doubt": doubts.get(name, ""),  # why its latency is not to be believed ("": it is)
+        }
         for name in order
     ]

@@ -19,6 +19,7 @@ from flops_callbacks.picture import render_html
 from flops_callbacks.report import RunContext, render_profile
 from flops_callbacks.result import WindowResult
 from flops_callbacks.trace import chrome_trace
+from flops_callbacks.tree_check import TreeCheck, check_tree
 from flops_callbacks.units import duration_to_string, flops_to_string
 
 
@@ -81,7 +82,13 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
             ("MFU = (fwd+bwd flops) / iter latency / peak", f"{100 * metrics[names.MFU]:.2f}%"),
             ("HFU = (fwd+bwd+recompute flops) / iter latency / peak", f"{100 * metrics[names.HFU]:.2f}%"),
         ]
-    return lines + source_lines(result) + result.extra_lines
+    doubts = [("module latencies in doubt", note) for note in tree_doubts(result).notes]
+    return lines + source_lines(result) + doubts + result.extra_lines
+
+
+def tree_doubts(result: WindowResult) -> TreeCheck:
+    """What is wrong with the module tree's latencies against the clean steps' phases (if anything)."""
+    return check_tree(result.profile, result.fwd_latency, result.bwd_latency, result.steps.module_timing)
 
 
 def run_rows(result: WindowResult, metrics: dict[str, float]) -> RunContext:
@@ -175,4 +182,4 @@ def picture(result: WindowResult) -> str:
         ("phases: median of", ", ".join(str(s) for s in steps.clean) or "no clean step"),
     ]
     title = f"flops_callbacks profile, step {result.step}"
-    return render_html(result.profile, title=title, summary=summary)
+    return render_html(result.profile, title=title, summary=summary, doubts=tree_doubts(result))
