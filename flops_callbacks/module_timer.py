@@ -29,10 +29,10 @@ written onto the modules or the nodes: names live in this object, and every hook
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,13 +40,14 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from flops_callbacks.clock import Clock, CpuClock
 from flops_callbacks.module_tree import ModuleTree, eager_compiled_code
+from flops_callbacks.profile import Profile
 from flops_callbacks.trace import ModuleSpan
 
 _current_autograd_node = torch._C._current_autograd_node
 FORWARD, BACKWARD, RECOMPUTE = "forward", "backward", "recompute"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ModuleTimes:
     """Latencies per module name ("" is the model): forward, recompute (checkpointing) and backward."""
 
@@ -54,6 +55,19 @@ class ModuleTimes:
     bwd: dict[str, float]
     recompute: dict[str, float]
     spans: list[ModuleSpan]  # each forward / recompute call; each module's backward (first .. last node)
+
+    def applied_to(self, profile: Profile) -> Profile:
+        """``profile`` with these latencies on its modules (a module never timed gets 0)."""
+        modules = {
+            name: dataclasses.replace(
+                m,
+                fwd_latency=self.fwd.get(name, 0.0),
+                bwd_latency=self.bwd.get(name, 0.0),
+                recompute_latency=self.recompute.get(name, 0.0),
+            )
+            for name, m in profile.modules.items()
+        }
+        return dataclasses.replace(profile, modules=modules)
 
 
 def _grad_fns(value: Any) -> list[Any]:
@@ -217,8 +231,9 @@ class ModuleTimer:
         bwd: dict[str, float] = {}
         spans: list[ModuleSpan] = []
         origin = self._origin
-        for name, start, started, end, ended, is_recompute in self._fwd_spans:
-            duration = seconds(start, end, ended - started)
+        durations = self._forward_durations(seconds)
+        for span, duration in zip(self._fwd_spans, durations, strict=True):
+            name, start, started, _, _, is_recompute = span
             table = recompute if is_recompute else fwd
             table[name] = table.get(name, 0.0) + duration
             phase = RECOMPUTE if is_recompute else FORWARD
@@ -235,6 +250,30 @@ class ModuleTimer:
         _fill_containers(fwd)
         _fill_containers(recompute)
         return ModuleTimes(fwd, bwd, recompute, spans)
+
+
+    def _forward_durations(self, seconds: Any) -> list[float]:
+        """Each forward span less its calls' hooks, and never less than its children's (a calibration
+        taken while another process ran may overstate the hooks' cost; a parent still holds its
+        children). Children are the spans whose first call falls inside their parent's calls."""
+        spans = self._fwd_spans
+        order = sorted(range(len(spans)), key=lambda i: spans[i][2])  # by the call that opened them
+        parent: dict[int, int] = {}
+        open_spans: list[int] = []
+        for i in order:
+            while open_spans and spans[open_spans[-1]][4] < spans[i][2]:
+                open_spans.pop()
+            if open_spans:
+                parent[i] = open_spans[-1]
+            open_spans.append(i)
+        durations = [0.0] * len(spans)
+        children = [0.0] * len(spans)
+        for i in reversed(order):  # children before their parents
+            _, start, started, end, ended, _ = spans[i]
+            durations[i] = max(seconds(start, end, ended - started), children[i])
+            if i in parent:
+                children[parent[i]] += durations[i]
+        return durations
 
 
 def _depth(name: str) -> int:
@@ -256,7 +295,7 @@ class _Probe(torch.nn.Module):
         return x * 1.0  # one small op with an autograd node, as a real call makes
 
 
-def hook_cost(calls: int = 100, rounds: int = 7) -> float:
+def hook_cost(calls: int = 50, rounds: int = 15) -> float:
     """Seconds one module call's timing hooks add to the span of the module that called it: a one-op
     module called ``calls`` times with a timer's hooks on and off (its outputs kept, as a forward keeps
     them), the fastest of ``rounds`` each (what another process takes from a round is not the hooks';

@@ -387,15 +387,7 @@ class StepSession:
         if timer is not None and module_step is not None:
             times = timer.times()
             spans = times.spans
-            profile.modules = {
-                name: dataclasses.replace(
-                    m,
-                    fwd_latency=times.fwd.get(name, 0.0),
-                    bwd_latency=times.bwd.get(name, 0.0),
-                    recompute_latency=times.recompute.get(name, 0.0),
-                )
-                for name, m in profile.modules.items()
-            }
+            profile = times.applied_to(profile)
         clean = [s for s in steps if s.kind == CLEAN and s.signatures == counting.signatures]
         skipped = [s.number for s in steps if s.kind == CLEAN and s not in clean]
         if clean:
