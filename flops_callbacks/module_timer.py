@@ -120,14 +120,18 @@ class ModuleTimer:
         if self.hook_cost is None:
             self.hook_cost = hook_cost()
         stack = contextlib.ExitStack()
-        if gc.isenabled():
-            gc.disable()
-            stack.callback(gc.enable)
-        # a compiled graph has no module boundaries, and dynamo would recompile it for the hooks:
-        # compiled modules are timed eagerly, as they are counted
-        stack.enter_context(eager_compiled_code())
-        stack.callback(register_module_forward_pre_hook(self._pre_hook).remove)
-        stack.callback(register_module_forward_hook(self._post_hook, always_call=True).remove)
+        try:
+            if gc.isenabled():
+                gc.disable()
+                stack.callback(gc.enable)
+            # a compiled graph has no module boundaries, and dynamo would recompile it for the hooks:
+            # compiled modules are timed eagerly, as they are counted
+            stack.enter_context(eager_compiled_code())
+            stack.callback(register_module_forward_pre_hook(self._pre_hook).remove)
+            stack.callback(register_module_forward_hook(self._post_hook, always_call=True).remove)
+        except BaseException:
+            stack.close()  # half-started: nothing stays (the collector on again, no hook)
+            raise
         self._exit, self._thread = stack, threading.get_ident()
         if self._origin is None:
             self._origin = self.clock.mark()
@@ -250,7 +254,6 @@ class ModuleTimer:
         _fill_containers(fwd)
         _fill_containers(recompute)
         return ModuleTimes(fwd, bwd, recompute, spans)
-
 
     def _forward_durations(self, seconds: Any) -> list[float]:
         """Each forward span less its calls' hooks, and never less than its children's (a calibration

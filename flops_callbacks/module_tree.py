@@ -1,4 +1,5 @@
-"""The profiled model's module tree: qualified names, ancestors, and parameter counts per module.
+"""The profiled model's module tree: qualified names, ancestors, and parameter counts per module; and
+whether (and how) any of it was ``torch.compile``d, with the switch that runs it eagerly meanwhile.
 
 Built once per trace from one walk of the model. Why not ``named_modules(remove_duplicate=False)``:
 it yields the same through one generator per level, which costs several times this walk, and a
