@@ -13,8 +13,9 @@ an op-bound model). This timer runs on its own step of the profile window with o
 
 What the marks themselves cost is taken out: a module's forward span holds the hooks of every module
 called inside it (and torch's slower call path while global hooks exist), a few microseconds each,
-which on a model of small ops is a fifth of the forward or more. On a CPU clock the cost of one call's
-hooks is calibrated on an empty module when the timer first starts, and each mark is moved back by
+which on a model of small ops is from a third of the forward to more than all of it. On a CPU clock
+the cost of one call's hooks is calibrated on a one-op module when the timer first starts (a few ms,
+before any phase mark), and each mark is moved back by
 that cost times the calls started before it (:func:`hook_cost`); on a GPU the marks are CUDA events,
 and the hooks' host time hides behind the kernels unless the model is launch-bound. The garbage
 collector is off while the timer runs (and on again at :meth:`ModuleTimer.stop`): a collection, of the
@@ -99,9 +100,8 @@ class ModuleTimer:
         # name, start mark, calls started at it, recompute, inputs
         self._stack: list[tuple[str, Any, int, bool, list[Any]]] = []
         self._calls: list[tuple[str, list[Any], set[int]]] = []  # name, output nodes, input node ids
-        self._fwd_spans: list[
-            tuple[str, Any, int, Any, int, bool]
-        ] = []  # name, mark, calls, mark, calls, rec
+        # name, start mark, calls started by it, end mark, calls started by it, recompute
+        self._fwd_spans: list[tuple[str, Any, int, Any, int, bool]] = []
         self._node_spans: list[tuple[str, Any, Any, int]] = []  # name, start, end, calls started
         self._node_start: dict[int, Any] = {}
         self._owner: dict[int, str] = {}  # node id -> module name, for the nodes armed
