@@ -7,7 +7,6 @@ import re
 import time
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn as nn
 
@@ -74,12 +73,13 @@ def test_get_model_profile_times_the_model_on_a_clean_pass_and_modules_on_a_mark
     text = out.read_text()
     found = rows(text)
     assert found["latencies from"].startswith("a clean pass after the counting pass")
-    assert seconds(found["fwd latency"]) == pytest.approx(SLEEPS[3], rel=0.3)  # not the counting's 0.3 s
+    # a sleep is never shorter; far from the counting pass's 0.3 s and the module pass's 0.1 s
+    assert SLEEPS[3] <= seconds(found["fwd latency"]) < 0.08
     lines = text.splitlines()
     inner = lines[next(i for i, line in enumerate(lines) if line.strip() == "(inner): Inner(") + 1]
     latency = re.search(r"MACs, ([\d.]+ \w+) = [\d.]+% latency", inner)
     assert latency is not None, inner
-    assert seconds(latency[1]) == pytest.approx(SLEEPS[2], rel=0.3)
+    assert SLEEPS[2] <= seconds(latency[1]) < 0.2  # the module pass's sleep, not 0.3 s nor 0.05 s
 
 
 def test_get_model_profile_with_backward_leaves_the_counting_passs_gradients_only() -> None:
