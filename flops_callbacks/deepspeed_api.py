@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from flops_callbacks.clean_pass import CLEAN_PASS_SOURCE, time_clean
 from flops_callbacks.files import write_text
 from flops_callbacks.options import check_causal_attention, check_flag, check_report_args
 from flops_callbacks.parallel import ParallelSizes
@@ -26,6 +27,11 @@ from flops_callbacks.profile import Counts, ModuleProfile, Profile
 from flops_callbacks.report import RunContext, render_aggregated, render_profile
 from flops_callbacks.tracer import Tracer
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
+
+COUNTING_PASS_SOURCE = (
+    "the counting pass (instrumented: every op runs through Python, several times a clean pass on a "
+    "model of small ops); clean times: get_model_profile(warm_up=...) or the Lightning / HF callbacks"
+)
 
 # DeepSpeed's engine timer names (deepspeed.utils.timer); their elapsed() is in milliseconds.
 _ENGINE_TIMERS = {"fwd_latency": "fwd", "bwd_latency": "bwd", "step_latency": "step"}
@@ -241,7 +247,19 @@ class FlopsProfiler:
         check_flag("detailed", detailed)
         if not self.started or self._tracer is None:
             return None
-        profile = self.get_profile()
+        args = (profile_step, module_depth, top_modules, detailed, output_file)
+        return self._print(self.get_profile(), COUNTING_PASS_SOURCE, *args)
+
+    def _print(
+        self,
+        profile: Profile,
+        latency_source: str,
+        profile_step: int,
+        module_depth: int,
+        top_modules: int,
+        detailed: bool,
+        output_file: str | Path | None,
+    ) -> str:
         self.flops, self.macs, self.params = profile.fwd_flops, profile.fwd_macs, profile.params
         text = render_profile(
             profile,
@@ -249,6 +267,7 @@ class FlopsProfiler:
             module_depth=module_depth,
             top_modules=top_modules,
             detailed=detailed,
+            timing_lines=[("latencies from", latency_source)],
             run=self._run_context(),
         )
         _emit(text, output_file)
@@ -333,6 +352,14 @@ def get_model_profile(
     call_args, call_kwargs = list(args or []), dict(kwargs or {})
     run = model if mode == "forward" else getattr(model, mode)  # __call__, so hooks run
 
+    def run_once() -> torch.Tensor | None:
+        """One call of the model; the loss to back-propagate with ``backward``, else None."""
+        if backward:
+            return _loss(run(*call_args, **call_kwargs), loss_fn)
+        with torch.no_grad():
+            run(*call_args, **call_kwargs)
+        return None
+
     prof = FlopsProfiler(model, causal_attention=causal_attention)
     with _eval_mode(model):
         for _ in range(warm_up):
@@ -340,22 +367,15 @@ def get_model_profile(
                 run(*call_args, **call_kwargs)
         prof.start_profile(ignore_list=ignore_modules)
         try:
-            if backward:
-                output = run(*call_args, **call_kwargs)
-                _loss(output, loss_fn).backward()
-            else:
-                with torch.no_grad():
-                    run(*call_args, **call_kwargs)
+            loss = run_once()
+            if loss is not None:
+                loss.backward()
             prof.stop_profile()
-            profile = prof.get_profile()
+            # we own the loop: latencies from clean passes, not from the counting one
+            profile = time_clean(prof.get_profile(), model, run_once)
             if print_profile:
-                prof.print_model_profile(
-                    profile_step=warm_up,
-                    module_depth=module_depth,
-                    top_modules=top_modules,
-                    detailed=detailed,
-                    output_file=output_file,
-                )
+                args = (warm_up, module_depth, top_modules, detailed, output_file)
+                prof._print(profile, CLEAN_PASS_SOURCE, *args)
         finally:
             prof.end_profile()
     if backward:

@@ -273,7 +273,12 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         trainer = self._current_trainer()
         if model is None or trainer is None:
             return
-        self.session.step_start(state.global_step, model, lambda: _context(trainer, args, model))
+        self.session.step_start(
+            state.global_step,
+            model,
+            lambda: _context(trainer, args, model),
+            runs=getattr(trainer, "model_wrapped", None),  # accelerate's compiled / parallel wrapper
+        )
         self._wrap_next_micro_batch(trainer)
 
     def on_substep_end(

@@ -1,4 +1,5 @@
-"""The profiled model's module tree: qualified names, ancestors, and parameter counts per module.
+"""The profiled model's module tree: qualified names, ancestors, and parameter counts per module; and
+whether (and how) any of it was ``torch.compile``d, with the switch that runs it eagerly meanwhile.
 
 Built once per trace from one walk of the model. Why not ``named_modules(remove_duplicate=False)``:
 it yields the same through one generator per level, which costs several times this walk, and a
@@ -7,6 +8,7 @@ trace is set up for every profiled step.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterable
 
@@ -105,11 +107,34 @@ def _module_paths(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def has_compiled(modules: Iterable[torch.nn.Module]) -> bool:
-    """Whether any of ``modules`` was ``torch.compile``d (without importing dynamo if it is unused)."""
+    """Whether any of ``modules`` was ``torch.compile``d, in any of the ways that leave a mark on it:
+    wrapped (``torch.compile(module)``: an ``OptimizedModule``), in place (``module.compile()``), or
+    through a compiled method set on the instance (``module.forward = torch.compile(module.forward)``,
+    which is what Lightning's ``from_compiled`` does to a compiled LightningModule). Dynamo is never
+    imported here: if it is not loaded, nothing can be compiled."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None:
-        return False  # dynamo never loaded: nothing can be compiled
+        return False
+    optimized = eval_frame.OptimizedModule
     return any(
-        isinstance(m, eval_frame.OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+        isinstance(m, optimized)
+        or getattr(m, "_compiled_call_impl", None) is not None
+        or any(_compiled_function(v) for v in vars(m).values())
         for m in modules
     )
+
+
+def _compiled_function(value: object) -> bool:
+    """A function ``torch.compile`` wrapped (``torch._dynamo.disable`` leaves the same mark, and a flag)."""
+    return hasattr(value, "_torchdynamo_orig_callable") and not getattr(value, "_torchdynamo_disable", False)
+
+
+def eager_compiled_code() -> contextlib.AbstractContextManager[None]:
+    """While a profiler's hooks and modes are on, compiled code runs eagerly: every op is seen, and
+    dynamo never traces the hooks (it would recompile each compiled frame for them, once per module
+    type, and hit its recompile limit). Entered whenever dynamo is loaded, compiled or not: a compiled
+    function that calls modules leaves no mark on them. ``set_stance`` is not part of dynamo's guards,
+    so the compiled graphs run again, unchanged, once it is left (torch >= 2.6 has it)."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")

@@ -21,8 +21,9 @@ from importlib.resources import files
 from typing import Any
 
 from flops_callbacks.profile import Profile
+from flops_callbacks.tree_check import TreeCheck
 
-_SLOTS = re.compile(r"\{\{(title|summary|data)\}\}")
+_SLOTS = re.compile(r"\{\{(title|summary|notes|data)\}\}")
 
 
 def render_html(
@@ -32,22 +33,30 @@ def render_html(
     summary: Sequence[tuple[str, str]] = (),
     roofline: Mapping[str, Any] | None = None,
     no_roofline: str = "",
+    doubts: TreeCheck | None = None,
 ) -> str:
     """The page for ``profile``, with ``summary`` rows (label, value) shown above the chart.
 
     ``roofline`` (``peak_flops``, ``peak_bandwidth``, their ``*_source`` and per module name and pass
     the :class:`~flops_callbacks.roofline.Roofline` fields as ``modules``) draws the roofline chart;
-    without it the chart's place says ``no_roofline``.
+    without it the chart's place says ``no_roofline``. What ``doubts`` found wrong with the module
+    latencies is said above the chart and on the modules concerned.
     """
+    doubts = doubts or TreeCheck()
     rows = "".join(
         f"<div><dt>{html.escape(label)}</dt><dd>{html.escape(value)}</dd></div>" for label, value in summary
     )
     slots = {
         "title": html.escape(title),
         "summary": f'<dl class="summary">{rows}</dl>' if rows else "",
+        "notes": (
+            '<ul class="doubts">' + "".join(f"<li>{html.escape(n)}</li>" for n in doubts.notes) + "</ul>"
+            if doubts.notes
+            else ""
+        ),
         # "<" escaped so that no string in the data can close the script element holding it
         "data": json.dumps(
-            {"modules": _tree(profile), "roofline": roofline, "no_roofline": no_roofline},
+            {"modules": _tree(profile, doubts.flagged), "roofline": roofline, "no_roofline": no_roofline},
             separators=(",", ":"),
         ).replace("<", "\\u003c"),
     }
@@ -55,7 +64,7 @@ def render_html(
     return _SLOTS.sub(lambda slot: slots[slot[1]], template)
 
 
-def _tree(profile: Profile) -> list[dict]:
+def _tree(profile: Profile, doubts: dict[str, str]) -> list[dict]:
     """Every module as plain data, depth first from the model, each with its children's indices."""
     order: list[str] = []
     children: dict[str, list[str]] = {}
@@ -67,6 +76,10 @@ def _tree(profile: Profile) -> list[dict]:
         pending.extend(reversed(children[name]))
     index = {name: i for i, name in enumerate(order)}
     return [
-        {**asdict(profile.modules[name]), "kids": [index[child] for child in children[name]]}
+        {
+            **asdict(profile.modules[name]),
+            "kids": [index[child] for child in children[name]],
+            "doubt": doubts.get(name, ""),  # why its latency is not to be believed ("": it is)
+        }
         for name in order
     ]

@@ -23,6 +23,7 @@ from flops_callbacks.report import RunContext, render_profile, render_roofline
 from flops_callbacks.result import WindowResult
 from flops_callbacks.roofline import as_data
 from flops_callbacks.trace import chrome_trace
+from flops_callbacks.tree_check import TreeCheck, check_tree
 from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string
 
 
@@ -91,7 +92,13 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
             ("MFU = (fwd+bwd flops) / iter latency / peak", f"{100 * metrics[names.MFU]:.2f}%"),
             ("HFU = (fwd+bwd+recompute flops) / iter latency / peak", f"{100 * metrics[names.HFU]:.2f}%"),
         ]
-    return lines + source_lines(result) + result.extra_lines
+    doubts = [("module latencies in doubt", note) for note in tree_doubts(result).notes]
+    return lines + source_lines(result) + doubts + result.extra_lines
+
+
+def tree_doubts(result: WindowResult) -> TreeCheck:
+    """What is wrong with the module tree's latencies against the clean steps' phases (if anything)."""
+    return check_tree(result.profile, result.fwd_latency, result.bwd_latency, result.steps.module_timing)
 
 
 def _peak_memory_text(result: WindowResult) -> str:
@@ -286,4 +293,11 @@ def picture(result: WindowResult) -> str:
         else None
     )
     why = result.no_roofline_reason or "no module latency was measured (the run ended before module timing)"
-    return render_html(result.profile, title=title, summary=summary, roofline=roofline, no_roofline=why)
+    return render_html(
+        result.profile,
+        title=title,
+        summary=summary,
+        roofline=roofline,
+        no_roofline=why,
+        doubts=tree_doubts(result),
+    )

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from flops_callbacks.estimate import estimate_rows
 from flops_callbacks.files import unwritable_reason
 from flops_callbacks.guard import Guard
 from flops_callbacks.module_timer import ModuleTimer
+from flops_callbacks.module_tree import has_compiled
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes, sharded_params
 from flops_callbacks.peaks import given_bandwidth, given_peak, resolve_bandwidth, resolve_peak
@@ -328,9 +330,14 @@ class StepSession:
 
     @_own_work("starting a step")
     def step_start(
-        self, global_step: int, model: torch.nn.Module, context: Callable[[], TrainingContext] | None = None
+        self,
+        global_step: int,
+        model: torch.nn.Module,
+        context: Callable[[], TrainingContext] | None = None,
+        runs: torch.nn.Module | None = None,
     ) -> None:
-        """An optimizer step starts (before its first micro-batch)."""
+        """An optimizer step starts (before its first micro-batch). ``runs``: what the framework calls,
+        when it is a wrapper of ``model`` (the HF Trainer's compiled model): a compile is seen there."""
         if self._metering and self.meter is not None:
             self._model = model
             return
@@ -351,6 +358,7 @@ class StepSession:
                 model,
                 ignore_types=self.options.ignore_modules,
                 causal_attention=self.options.causal_attention,
+                compiled=None if runs is None else has_compiled(runs.modules()),
             )
         elif kind == MODULE_TIMING:
             self._timer = ModuleTimer(model, step.phases.clock)
@@ -443,6 +451,10 @@ class StepSession:
             return
         step.phases.stop()
         self._step = None
+        if step.kind == COUNTING:
+            # the counting step leaves thousands of objects (tags, records, hooks' closures): collected
+            # now, outside every clock, not in whichever module of a timed step a collection would hit
+            gc.collect()
         if len(self._steps) == len(self._kinds):
             self._finish(global_step, outlet)
 
@@ -501,15 +513,7 @@ class StepSession:
         if timer is not None and module_step is not None:
             times = timer.times()
             spans = times.spans
-            profile.modules = {
-                name: dataclasses.replace(
-                    m,
-                    fwd_latency=times.fwd.get(name, 0.0),
-                    bwd_latency=times.bwd.get(name, 0.0),
-                    recompute_latency=times.recompute.get(name, 0.0),
-                )
-                for name, m in profile.modules.items()
-            }
+            profile = times.applied_to(profile)
         clean = [s for s in steps if s.kind == CLEAN and s.signatures == counting.signatures]
         skipped = [s.number for s in steps if s.kind == CLEAN and s not in clean]
         if clean:

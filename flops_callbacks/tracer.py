@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,13 +42,14 @@ from flops_callbacks import elementwise_formulas, formulas  # noqa: F401  (the b
 from flops_callbacks.bytes_moved import bytes_rule
 from flops_callbacks.clock import Clock, clock_for, module_device
 from flops_callbacks.functionals import READ, functional_name
-from flops_callbacks.module_tree import ModuleTree
+from flops_callbacks.module_tree import ModuleTree, eager_compiled_code
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.profile_builder import build_profile, model_totals
 from flops_callbacks.recording import BWD, CALLS, FWD, REC, Context, Recording
 from flops_callbacks.registry import OpKind, entry_for
 from flops_callbacks.saved_activations import SavedActivations
+from flops_callbacks.user_warning import warn
 
 _TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()
 
@@ -111,6 +111,7 @@ class Tracer:
         ignore_types: tuple[type, ...] = (),
         causal_attention: CausalAttention = "full",
         clock: Clock | None = None,
+        compiled: bool | None = None,
     ) -> None:
         self.model = model
         self.causal_attention = causal_attention
@@ -119,6 +120,8 @@ class Tracer:
         self.clock = clock or clock_for(self.device)
         self.tree = ModuleTree(model, ignore_types)
         self._names = self.tree.names
+        # ``compiled``: the caller knows what runs (a Trainer's compiled wrapper of ``model``)
+        self.compiled = self.tree.has_compiled() if compiled is None else compiled
         self._thread: int | None = None
         self._exit: contextlib.ExitStack | None = None
         self._dispatch = _DispatchMode(self)
@@ -158,13 +161,13 @@ class Tracer:
 
         stack = contextlib.ExitStack()
         try:
-            if self.tree.has_compiled():
-                warnings.warn(
-                    "flops_callbacks: torch.compile'd code runs eagerly while the profiler is on, so "
-                    "that every op is seen and counted; it stays compiled and runs compiled afterwards.",
-                    stacklevel=3,
+            if self.compiled:
+                warn(
+                    "flops_callbacks: torch.compile'd code runs eagerly while the profiler is on (the "
+                    "counting and module-timing steps), so that every op is seen and counted; it stays "
+                    "compiled and runs compiled on the clean steps and afterwards.",
                 )
-                stack.enter_context(torch.compiler.set_stance("force_eager"))
+            stack.enter_context(eager_compiled_code())
             # Two global hooks, not two per module: registering and removing hundreds of handles
             # was a tenth of a forward profile's cost. Modules of other models are passed over.
             stack.callback(register_module_forward_pre_hook(self._pre_hook).remove)

@@ -117,3 +117,35 @@ def test_a_compiled_model_is_timed_eagerly_and_runs_its_compiled_graph_again_aft
     assert {"0", "1", "2"} <= set(timer.times().fwd)  # every module's own call was marked
     compiled(x)
     assert stats == {"compiles": 1, "calls": 2}  # and compiled again afterwards
+
+
+def test_the_hooks_cost_comes_off_each_call_inside_a_span_and_a_parent_keeps_its_children() -> None:
+    model = Two()  # "" > first (2 tiny calls) and rest.0 (2 tiny calls): 6 calls inside the model's span
+    timer = ModuleTimer(model, CpuClock(), calibrate=False)
+    timer.hook_cost = 0.01  # say each call's hooks cost 10 ms (they cost microseconds)
+    timer.start()
+    try:
+        model(torch.randn(2, 4))
+    finally:
+        timer.stop()
+    times = timer.times()
+    assert times.fwd["first"] == pytest.approx(0.06 - 2 * 0.01, rel=0.15)
+    assert times.fwd["rest.0"] == pytest.approx(0.1 - 2 * 0.01, rel=0.15)
+    # 0.16 - 6 x 0.01 = 0.10 would be less than its children's 0.04 + 0.08: it keeps their sum
+    assert times.fwd[""] == pytest.approx(times.fwd["first"] + times.fwd["rest.0"], rel=1e-9)
+    starts = {s.name: s.start for s in times.spans}
+    # rest.0's mark moves back by the 4 calls before it (first, its 2 tiny, rest.0): ~0.06 - 0.04
+    assert starts["rest.0"] == pytest.approx(0.06 - 4 * 0.01, abs=0.01)
+
+
+def test_the_collector_is_off_while_modules_are_timed_and_on_again_after() -> None:
+    import gc
+
+    timer = ModuleTimer(Two(), CpuClock(), calibrate=False)
+    assert gc.isenabled()
+    timer.start()
+    try:
+        assert not gc.isenabled()
+    finally:
+        timer.stop()
+    assert gc.isenabled()

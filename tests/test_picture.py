@@ -122,7 +122,8 @@ def test_the_page_embeds_every_module_with_its_counts_and_children(profile: Prof
     assert names[0] == "" and set(names) == set(profile.modules)
     for record in modules:
         expected = asdict(profile.modules[record["name"]])
-        assert {k: v for k, v in record.items() if k != "kids"} == expected
+        assert {k: v for k, v in record.items() if k not in ("kids", "doubt")} == expected
+        assert record["doubt"] == ""  # no doubts were given
         assert [names[k] for k in record["kids"]] == [c.name for c in profile.children(record["name"])]
     # depth first: every module comes right after its previous sibling's subtree, under its parent
     assert names[:5] == ["", "transformer", "transformer.wte", "transformer.wpe", "transformer.drop"]

@@ -366,6 +366,8 @@ def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path
         session, model, torch.optim.SGD(model.parameters(), lr=0.0), range(0, 3), outlet, ids, loss_of=lm_loss
     )
     console = outlet.printed[0].splitlines()
+    # a module-timing step slowed by another process adds up to 4 lines saying so (tree_check)
+    console = [line for line in console if not line.startswith("module latencies in doubt")]
     assert len(console) <= 83, len(console)  # 80, and bytes moved, saved and peak memory since issue 21
     assert "Aggregated Profile" in outlet.printed[0] and "h.11" not in outlet.printed[0]
     assert len((tmp_path / "flops_profile_step0.txt").read_text().splitlines()) > 300  # the whole tree

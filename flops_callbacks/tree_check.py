@@ -1,0 +1,112 @@
+"""Whether the module tree's latencies can be believed: checked against the phases, said out loud.
+
+The tree's latencies come from one module-timing step; the phase latencies from the median of the
+clean steps. On a true tree the model's forward fits inside the forward phase and no module outlasts
+its parent. When one does not (a pause on the module-timing step: a collection, another process, a
+recompile; module calls made from outside their parent), the report and the picture say so, and where
+the excess lies, instead of drawing widths nobody should believe. One owner: the report and the
+picture both read :func:`check_tree`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flops_callbacks.profile import ModuleProfile, Profile, _parent
+from flops_callbacks.units import duration_to_string
+
+__all__ = ["TreeCheck", "check_tree"]
+
+PHASE_SLACK = 1.1  # the model's time may exceed its phase's median by this factor (one step vs a median)
+PARENT_SLACK = 1.05  # a child may exceed its parent by this factor (marks of its own hooks)
+ABSOLUTE_SLACK = 50e-6  # and by this many seconds (a clock's resolution, a few hooks)
+SHOWN = 3  # modules named per kind of note
+
+
+@dataclass(frozen=True)
+class TreeCheck:
+    """``notes``: sentences for the report and the picture; ``flagged``: module name -> why (short)."""
+
+    notes: list[str] = field(default_factory=list)
+    flagged: dict[str, str] = field(default_factory=dict)
+
+
+def check_tree(profile: Profile, fwd_phase: float, bwd_phase: float, module_step: int | None) -> TreeCheck:
+    """The notes on ``profile``'s module latencies against the phases' (seconds, clean steps)."""
+    check = TreeCheck()
+    if module_step is None:
+        return check
+    children: dict[str, list[ModuleProfile]] = {name: [] for name in profile.modules}
+    for name, m in profile.modules.items():  # once: Profile.children walks every module per call
+        if name:
+            children[_parent(name, profile.modules)].append(m)
+    for kind, phase in (("fwd", fwd_phase), ("bwd", bwd_phase)):
+        _check_root(profile, children, kind, phase, module_step, check)
+        _check_parents(profile, children, kind, check)
+    return check
+
+
+def _latency(m: ModuleProfile, kind: str) -> float:
+    return m.fwd_latency if kind == "fwd" else m.bwd_latency
+
+
+def _words(kind: str) -> str:
+    return "forward" if kind == "fwd" else "backward"
+
+
+Children = dict[str, list[ModuleProfile]]
+
+
+def _check_root(
+    profile: Profile, children: Children, kind: str, phase: float, step: int, check: TreeCheck
+) -> None:
+    root = _latency(profile.model, kind)
+    if phase <= 0 or root <= phase * PHASE_SLACK + ABSOLUTE_SLACK:
+        return
+    words = _words(kind)
+    note = (
+        f"module tree: the model's {words} on step {step} ({duration_to_string(root)}) is "
+        f"{root / phase:.1f}x the {words} phase ({duration_to_string(phase)}, clean steps): the step that "
+        f"timed the modules was slowed, so its {words} widths are not to be trusted"
+    )
+    culprit = _largest_own_time(profile, children, kind)
+    if culprit is not None and culprit[1] >= 0.5 * (root - phase):
+        name, own = culprit
+        note += f"; most of the excess lies in {name} ({duration_to_string(own)} of its own)"
+        check.flagged.setdefault(name, f"{words}: {duration_to_string(own)} of its own, a slowed step")
+    check.notes.append(note)
+    check.flagged.setdefault("", f"{words} {root / phase:.1f}x the {words} phase")
+
+
+def _largest_own_time(profile: Profile, children: Children, kind: str) -> tuple[str, float] | None:
+    """The module (not the model) whose time less its children's is largest."""
+    best: tuple[str, float] | None = None
+    for name, m in profile.modules.items():
+        if not name:
+            continue
+        own = _latency(m, kind) - sum(_latency(c, kind) for c in children[name])
+        if best is None or own > best[1]:
+            best = (name, own)
+    return best
+
+
+def _check_parents(profile: Profile, children: Children, kind: str, check: TreeCheck) -> None:
+    longer = []
+    for name, parent in profile.modules.items():
+        limit = _latency(parent, kind) * PARENT_SLACK + ABSOLUTE_SLACK
+        longer += [(c, parent) for c in children[name] if _latency(c, kind) > limit]
+    if not longer:
+        return
+    words = _words(kind)
+    shown = ", ".join(
+        f"{c.name} ({duration_to_string(_latency(c, kind))}) > {p.name or 'the model'} "
+        f"({duration_to_string(_latency(p, kind))})"
+        for c, p in longer[:SHOWN]
+    )
+    more = f" and {len(longer) - SHOWN} more" if len(longer) > SHOWN else ""
+    check.notes.append(
+        f"module tree: {len(longer)} module(s) took longer in the {words} than their parent: {shown}{more} "
+        "(called from outside their parent, or a slowed call)"
+    )
+    for c, p in longer:
+        check.flagged.setdefault(c.name, f"{words} longer than its parent {p.name or '(model)'}")

@@ -1,0 +1,276 @@
+"""Compiled models, however they were compiled, in both frameworks (dynamo's "eager" backend: no C++
+toolchain needed): the profiler's steps run them eagerly and say so, dynamo compiles exactly the frames
+it compiles without the profiler, the module-timing step costs what an eager step costs, and the tree's
+root agrees with the forward phase."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers
+from torch._dynamo.utils import counters
+
+from flops_callbacks import FlopsProfilerCallback, HFFlopsCallback
+from flops_callbacks.clock import CpuClock
+from flops_callbacks.module_timer import ModuleTimer
+from flops_callbacks.module_tree import has_compiled
+from flops_callbacks.tracer import Tracer
+
+WIDTH, BATCH, STEPS = 256, 128, 7  # a forward of ~2 ms: compute, not dynamo's guards, sets the times
+PROFILE_STEP = 2  # counting 2, module timing 3, clean 4 and 5
+EAGER_NOTE = "runs eagerly while the profiler is on"
+
+
+class Block(nn.Module):
+    """A module defined outside torch: dynamo skips torch's own files (an in-place compiled
+    ``nn.Sequential`` of torch layers compiles nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.linear(x))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def stack() -> Stack:
+    torch.manual_seed(0)
+    return Stack()
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def compiled_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+# --- how a module can be compiled ------------------------------------------------------------------
+
+
+def test_every_way_of_compiling_is_seen_and_a_disabled_function_is_not() -> None:
+    plain = stack()
+    assert not has_compiled(plain.modules())
+    assert has_compiled(torch.compile(stack(), backend="eager").modules())  # OptimizedModule
+    in_place = stack()
+    in_place.compile(backend="eager")
+    assert has_compiled(in_place.modules())  # module.compile()
+    inner = stack()
+    inner.blocks[2].compile(backend="eager")
+    assert has_compiled(inner.modules())  # a compiled submodule
+    method = stack()
+    method.forward = torch.compile(method.forward, backend="eager")  # what Lightning's from_compiled does
+    assert has_compiled(method.modules())
+    disabled = stack()
+    disabled.forward = torch._dynamo.disable(disabled.forward)
+    assert not has_compiled(disabled.modules())
+
+
+def test_a_model_compiled_in_place_is_counted_and_timed_eagerly_with_no_new_graph() -> None:
+    model = stack()
+    model.compile(backend="eager")
+    x = torch.randn(BATCH, WIDTH)
+    model(x).sum().backward()
+    graphs = compiled_graphs()
+    assert graphs >= 1
+    tracer = Tracer(model)
+    with pytest.warns(UserWarning, match=EAGER_NOTE):
+        tracer.start()
+    try:
+        model(x).sum().backward()
+    finally:
+        tracer.stop()
+    assert tracer.profile().modules["blocks.0.linear"].calls == 1  # every module's call seen: it ran eagerly
+    timer = ModuleTimer(model, CpuClock())
+    timer.start()
+    try:
+        loss = model(x).sum()
+        timer.arm()
+        loss.backward()
+    finally:
+        timer.stop()
+    assert {"", "blocks.0", "blocks.3.linear"} <= set(timer.times().fwd)
+    model(x).sum().backward()
+    assert compiled_graphs() == graphs  # the compiled graph ran again, unchanged
+
+
+# --- Lightning: torch.compile(lightning_module) passed to Trainer.fit -------------------------------------
+
+
+class Regressor(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = stack()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class StepTimes(L.Callback):
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def fit_compiled(root: Path, profiled: bool) -> tuple[FlopsProfilerCallback | None, StepTimes, int]:
+    torch._dynamo.reset()
+    counters.clear()
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(STEPS * BATCH, WIDTH, generator=generator),
+        torch.randn(STEPS * BATCH, WIDTH, generator=generator),
+    )
+    settings = {"profile_step": PROFILE_STEP, "clean_steps": 2, "print_profile": False}
+    ours = FlopsProfilerCallback(**settings) if profiled else None
+    times = StepTimes()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        callbacks=[times] + ([ours] if ours else []),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    compiled = torch.compile(Regressor(), backend="eager")
+    trainer.fit(compiled, torch.utils.data.DataLoader(data, batch_size=BATCH))
+    return ours, times, compiled_graphs()
+
+
+def assert_window_holds(result: Any, step_seconds: list[float]) -> None:
+    clean = [step_seconds[PROFILE_STEP + 2], step_seconds[PROFILE_STEP + 3]]
+    assert step_seconds[PROFILE_STEP + 1] <= 3 * max(clean)  # the module-timing step: no dearer than 3x
+    root = result.profile.modules[""].fwd_latency
+    # an eager tree beside a compiled phase, on a shared machine: the same order, not equal (the bug this
+    # guards against read 70x to 1,500x); how close they come is measured in benchmarks/
+    assert result.fwd_latency / 3 <= root <= 3 * result.fwd_latency
+
+
+def test_a_compiled_lightning_module_runs_eagerly_on_the_window_and_compiles_no_more_frames(
+    tmp_path: Path,
+) -> None:
+    _, _, graphs_alone = fit_compiled(tmp_path / "alone", profiled=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours, times, graphs = fit_compiled(tmp_path / "profiled", profiled=True)
+    assert graphs_alone >= 1
+    assert graphs == graphs_alone
+    assert any(EAGER_NOTE in str(w.message) for w in caught)
+    assert ours is not None and ours.result is not None
+    assert set(ours.result.profile.modules) >= {"", "net", "net.blocks.3.linear"}  # no _orig_mod level
+    assert_window_holds(ours.result, times.seconds)
+
+
+# --- HF Trainer: TrainingArguments(torch_compile=True), compiled by accelerate --------------------------
+
+
+class HFRegressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = stack()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": F.mse_loss(self.net(x), y)}
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(STEPS * BATCH, WIDTH, generator=generator)
+        self.y = torch.randn(STEPS * BATCH, WIDTH, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+class HFStepTimes(transformers.TrainerCallback):
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def train_compiled(root: Path, profiled: bool) -> tuple[HFFlopsCallback | None, HFStepTimes, int, Any]:
+    torch._dynamo.reset()
+    counters.clear()
+    settings = {"profile_step": PROFILE_STEP, "clean_steps": 2, "print_profile": False}
+    ours = HFFlopsCallback(**settings) if profiled else None
+    times = HFStepTimes()
+    args = transformers.TrainingArguments(
+        output_dir=str(root),
+        use_cpu=True,
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        torch_compile=True,
+        torch_compile_backend="eager",
+    )
+    trainer = transformers.Trainer(
+        model=HFRegressor(), args=args, train_dataset=Pairs(), callbacks=[times] + ([ours] if ours else [])
+    )
+    trainer.train()
+    return ours, times, compiled_graphs(), trainer
+
+
+def test_the_model_the_hf_trainer_compiled_runs_eagerly_on_the_window_and_compiles_no_more_frames(
+    tmp_path: Path,
+) -> None:
+    _, _, graphs_alone, _ = train_compiled(tmp_path / "alone", profiled=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours, times, graphs, trainer = train_compiled(tmp_path / "profiled", profiled=True)
+    assert has_compiled(trainer.model_wrapped.modules()) and not has_compiled(trainer.model.modules())
+    assert graphs_alone >= 1
+    assert graphs == graphs_alone
+    assert any(EAGER_NOTE in str(w.message) for w in caught)
+    assert ours is not None and ours.result is not None
+    assert_window_holds(ours.result, times.seconds)

@@ -1,0 +1,164 @@
+"""Module latencies that contradict the phases are said out loud, in the report and in the picture."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flops_callbacks import FlopsProfilerCallback
+from flops_callbacks.picture import render_html
+from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
+from flops_callbacks.tree_check import check_tree
+
+MS = 1e-3
+
+
+def hand_profile(latencies: dict[str, tuple[float, float]]) -> Profile:
+    """A profile whose modules have the given (forward, backward) seconds."""
+    modules = {
+        name: ModuleProfile(
+            name=name,
+            class_name="Block",
+            depth=name.count(".") + 1 if name else 0,
+            fwd_latency=fwd,
+            bwd_latency=bwd,
+        )
+        for name, (fwd, bwd) in latencies.items()
+    }
+    return Profile(0.0, 0.0, "cpu", modules, Counts(), Coverage())
+
+
+def test_a_tree_inside_its_phases_raises_no_doubt() -> None:
+    profile = hand_profile({"": (9 * MS, 18 * MS), "a": (4 * MS, 8 * MS), "b": (4.5 * MS, 9 * MS)})
+    check = check_tree(profile, fwd_phase=10 * MS, bwd_phase=20 * MS, module_step=3)
+    assert check.notes == [] and check.flagged == {}
+
+
+def test_a_model_three_times_its_forward_phase_names_the_module_holding_the_excess() -> None:
+    # a 20 ms pause in b's forward: the model reads 30 ms against a 10 ms phase, b has 21 ms of its own
+    profile = hand_profile(
+        {"": (30 * MS, 18 * MS), "a": (4 * MS, 8 * MS), "b": (25 * MS, 9 * MS), "b.c": (4 * MS, 4 * MS)}
+    )
+    check = check_tree(profile, fwd_phase=10 * MS, bwd_phase=20 * MS, module_step=3)
+    assert len(check.notes) == 1
+    note = check.notes[0]
+    assert "the model's forward on step 3 (30 ms) is 3.0x the forward phase (10 ms" in note
+    assert "most of the excess lies in b (21 ms of its own)" in note
+    assert set(check.flagged) == {"", "b"}
+
+
+def test_a_child_longer_than_its_parent_is_named_in_each_phase() -> None:
+    profile = hand_profile({"": (9 * MS, 15 * MS), "a": (2 * MS, 6 * MS), "a.x": (3 * MS, 5 * MS)})
+    check = check_tree(profile, fwd_phase=10 * MS, bwd_phase=20 * MS, module_step=3)
+    assert check.notes == [
+        "module tree: 1 module(s) took longer in the forward than their parent: a.x (3 ms) > a (2 ms) "
+        "(called from outside their parent, or a slowed call)"
+    ]
+    assert check.flagged == {"a.x": "forward longer than its parent a"}
+
+
+def test_without_a_module_timing_step_there_is_nothing_to_doubt() -> None:
+    profile = hand_profile({"": (30 * MS, 0.0), "a": (40 * MS, 0.0)})
+    assert check_tree(profile, 10 * MS, 20 * MS, module_step=None).notes == []
+
+
+# --- a pause on the module-timing step only, in a real Lightning run -----------------------------------
+
+PAUSE = 0.3
+PROFILE_STEP = 1  # counting 1, module timing 2, clean 3 and 4
+
+
+class Pausing(nn.Module):
+    """A layer that sleeps in its forward on one global step (a collection, another process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.pause_at: int | None = None
+        self.step = -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.step == self.pause_at:
+            time.sleep(PAUSE)
+        return F.relu(self.linear(x))
+
+
+class Net(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(Pausing() for _ in range(4)))
+
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
+        for layer in self.layers:
+            layer.step = self.trainer.global_step
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.layers(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_pause_in_one_module_on_the_module_timing_step_is_flagged_in_report_and_picture(
+    tmp_path: Path,
+) -> None:
+    net = Net()
+    net.layers[2].pause_at = PROFILE_STEP + 1  # the module-timing step only
+    data = torch.utils.data.TensorDataset(torch.randn(48, 16), torch.randn(48, 16))
+    ours = FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=2, print_profile=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=PROFILE_STEP + 4,
+        callbacks=[ours],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(net, torch.utils.data.DataLoader(data, batch_size=8))
+    result = ours.result
+    assert result is not None and result.fwd_latency < PAUSE / 10  # the clean steps did not pause
+    assert result.profile.modules["layers.2"].fwd_latency == pytest.approx(PAUSE, rel=0.15)
+    report = (tmp_path / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    doubts = [line for line in report.splitlines() if line.startswith("module latencies in doubt")]
+    assert len(doubts) == 1
+    assert f"the model's forward on step {PROFILE_STEP + 1}" in doubts[0]
+    assert "most of the excess lies in layers.2" in doubts[0]
+    page = (tmp_path / f"flops_profile_step{PROFILE_STEP}.html").read_text()
+    assert '<ul class="doubts"><li>module tree: the model&#x27;s forward' in page
+    assert '"name":"layers.2"' in page and "a slowed step" in page
+
+
+# --- the picture ---------------------------------------------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium binary on PATH (Debian: apt-get install -y chromium)"
+)
+def test_chromium_marks_the_doubtful_module_and_shows_the_note_above_the_chart(tmp_path: Path) -> None:
+    profile = hand_profile({"": (30 * MS, 18 * MS), "a": (4 * MS, 8 * MS), "b": (25 * MS, 9 * MS)})
+    check = check_tree(profile, fwd_phase=10 * MS, bwd_phase=20 * MS, module_step=3)
+    page = tmp_path / "page.html"
+    page.write_text(render_html(profile, doubts=check))
+    done = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'c'}",
+         "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    assert "is 3.0x the forward phase" in dom
+    assert 'class="cell doubtful" data-name="b"' in dom
+    assert 'class="cell" data-name="a"' in dom
