@@ -48,10 +48,10 @@ class BatchCounts(NamedTuple):
     fwd_macs: int = 0
 
     def plus(self, other: BatchCounts) -> BatchCounts:
-        return BatchCounts(*(a + b for a, b in zip(self, other)))
+        return BatchCounts(*(a + b for a, b in zip(self, other, strict=True)))
 
     def minus(self, other: BatchCounts) -> BatchCounts:
-        return BatchCounts(*(a - b for a, b in zip(self, other)))
+        return BatchCounts(*(a - b for a, b in zip(self, other, strict=True)))
 
     @property
     def model_flops(self) -> int:
@@ -97,7 +97,7 @@ class _Fit:
         row = _monomials(values, self.exponents)
         counts = []
         for coefficients in self.coefficients:
-            value = sum((c * m for c, m in zip(coefficients, row)), Fraction(0))
+            value = sum((c * m for c, m in zip(coefficients, row, strict=True)), Fraction(0))
             if value.denominator != 1 or value < 0:
                 return None
             counts.append(int(value))
@@ -108,7 +108,7 @@ def _monomials(values: list[int], exponents: list[tuple[int, ...]]) -> list[int]
     row = []
     for exps in exponents:
         term = 1
-        for value, e in zip(values, exps):
+        for value, e in zip(values, exps, strict=True):
             term *= value**e
         row.append(term)
     return row
@@ -120,20 +120,21 @@ def _solve(rows: list[list[int]], rhs: list[list[int]]) -> list[list[Fraction]] 
     n, k = len(rows), len(rows[0])
     if n <= k:
         return None
-    m = [[Fraction(v) for v in row] + [Fraction(r[j]) for j in range(len(rhs[0]))] for row, r in zip(rows, rhs)]
-    pivot_row = 0
-    for col in range(k):
-        pivot = next((r for r in range(pivot_row, n) if m[r][col] != 0), None)
+    m = [
+        [Fraction(v) for v in row] + [Fraction(r[j]) for j in range(len(rhs[0]))]
+        for row, r in zip(rows, rhs, strict=True)
+    ]
+    for col in range(k):  # Gauss-Jordan: column col's pivot goes to row col
+        pivot = next((r for r in range(col, n) if m[r][col] != 0), None)
         if pivot is None:
             return None  # not full rank: the points do not pin the polynomial down yet
-        m[pivot_row], m[pivot] = m[pivot], m[pivot_row]
-        lead = m[pivot_row][col]
-        m[pivot_row] = [v / lead for v in m[pivot_row]]
+        m[col], m[pivot] = m[pivot], m[col]
+        lead = m[col][col]
+        m[col] = [v / lead for v in m[col]]
         for r in range(n):
-            if r != pivot_row and m[r][col] != 0:
+            if r != col and m[r][col] != 0:
                 factor = m[r][col]
-                m[r] = [a - factor * b for a, b in zip(m[r], m[pivot_row])]
-        pivot_row += 1
+                m[r] = [a - factor * b for a, b in zip(m[r], m[col], strict=True)]
     if any(v != 0 for r in range(k, n) for v in m[r][k:]):
         return None  # a point the polynomial does not reproduce
     return [[m[i][k + j] for i in range(k)] for j in range(len(rhs[0]))]
