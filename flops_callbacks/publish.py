@@ -54,21 +54,21 @@ def _module_source(result: WindowResult) -> str:
             f"none: step {s.module_timing} had other batch shapes than step {s.counting} "
             "(per-module FLOPS would mix two batches)"
         )
-    return f"step {s.module_timing} (module hooks, no counting), same batch shapes as step {s.counting}"
+    return f"step {s.module_timing} (module hooks, no counting)"
 
 
 def source_lines(result: WindowResult) -> list[tuple[str, str]]:
     """Which step each figure comes from, in the report's words."""
     s = result.steps
     lines = [
-        ("flops, MACs, params (per-module) from", f"step {s.counting} (counting step)"),
+        ("flops, MACs, params from", f"step {s.counting} (counting step)"),
         ("module latencies from", _module_source(result)),
         (
             "fwd / bwd / step latency from",
             s.latency_source + (f": steps {_steps_text(s.clean)}" if s.clean else ""),
         ),
         (
-            "FLOPS, MFU, samples/s from: the same steps' summed flops / summed times",
+            "rates from: the same steps' summed flops (samples, tokens) / summed times",
             f"{s.shapes} batch shape(s): flops of {s.shapes_counted} counted, {s.shapes_predicted} predicted",
         ),
     ]
@@ -79,18 +79,22 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
     return lines
 
 
-def spread_line(result: WindowResult) -> tuple[str, str]:
-    """Each latency's median with its range over the clean steps, in one row."""
+def spread_lines(result: WindowResult) -> list[tuple[str, str]]:
+    """Each latency's median with its range over the clean steps (data and wall when timed)."""
     spreads = result.figures().spreads
-    parts = []
-    for name in ("fwd", "bwd", "step", "iter", "data", "wall"):
-        s = spreads[name]
-        if name in ("data", "wall") and s.high == 0:
-            continue
-        low, high = duration_to_string(s.low), duration_to_string(s.high)
-        parts.append(f"{name} {duration_to_string(s.median)} ({low} .. {high})")
-    steps = next(iter(spreads.values())).steps
-    return f"latencies over {steps} step(s): median (min .. max)", ", ".join(parts)
+    steps = spreads["iter"].steps
+    lines = []
+    for group in (("fwd", "bwd", "step"), ("iter", "data", "wall")):
+        shown = [n for n in group if not (n in ("data", "wall") and spreads[n].high == 0)]
+        values = [
+            f"{duration_to_string(spreads[n].median)} "
+            f"({duration_to_string(spreads[n].low)} .. {duration_to_string(spreads[n].high)})"
+            for n in shown
+        ]
+        lines.append(
+            (f"{' / '.join(shown)} latency over {steps} step(s): median (min .. max)", " / ".join(values))
+        )
+    return lines
 
 
 def wall_lines(metrics: dict[str, float]) -> list[tuple[str, str]]:
@@ -105,7 +109,7 @@ def wall_lines(metrics: dict[str, float]) -> list[tuple[str, str]]:
         "step": metrics[names.STEP_LATENCY],
     }
     parts["other"] = max(wall - sum(parts.values()), 0.0)
-    split = " + ".join(f"{k} {duration_to_string(v)} ({percent(v, wall)})" for k, v in parts.items())
+    split = " + ".join(f"{k} {duration_to_string(v)} {100 * v / wall:.0f}%" for k, v in parts.items())
     rate = f"{metrics[names.WALL_SAMPLES_PER_SEC]:.2f}"
     if names.WALL_TOKENS_PER_SEC in metrics:
         rate += f" (tokens/second: {metrics[names.WALL_TOKENS_PER_SEC]:.2f})"
@@ -142,7 +146,7 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
                 f"{metrics[names.REAL_TOKENS_PER_SEC]:.2f}",
             ),
         ]
-    lines += [*wall_lines(metrics), spread_line(result)]
+    lines += [*wall_lines(metrics), *spread_lines(result)]
     if len(result.rank_latencies) > 1:
         iters = [sum(latencies) for latencies in result.rank_latencies]
         spread = f"{duration_to_string(min(iters))} .. {duration_to_string(max(iters))}"

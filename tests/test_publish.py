@@ -56,10 +56,10 @@ def test_the_json_holds_the_counts_the_sources_and_the_metrics() -> None:
 def test_the_report_says_where_each_figure_came_from_and_the_dtype_and_peak() -> None:
     text = report_text(window(skipped=(13,)), Options(), detailed=False)
     assert dict(source_lines(window(skipped=(13,)))) == {
-        "flops, MACs, params (per-module) from": "step 10 (counting step)",
-        "module latencies from": "step 11 (module hooks, no counting), same batch shapes as step 10",
+        "flops, MACs, params from": "step 10 (counting step)",
+        "module latencies from": "step 11 (module hooks, no counting)",
         "fwd / bwd / step latency from": "median of 2 clean step(s): steps 12, 14",
-        "FLOPS, MFU, samples/s from: the same steps' summed flops / summed times": (
+        "rates from: the same steps' summed flops (samples, tokens) / summed times": (
             "1 batch shape(s): flops of 1 counted, 0 predicted"
         ),
         "clean steps left out (batch shapes not countable)": "13",
