@@ -86,11 +86,10 @@ class WindowResult:
         above doing the profile's flops."""
         if self.clean is not None:
             return self.clean
-        p = self.profile
         seconds = {"fwd": self.fwd_latency, "bwd": self.bwd_latency, "step": self.step_latency}
         seconds |= {"iter": self.iter_latency, "data": 0.0, "wall": 0.0}
         return CleanFigures(
-            counts=BatchCounts(p.fwd_flops, p.bwd_flops, p.recompute_flops, p.fwd_macs),
+            counts=BatchCounts.of(self.profile),
             samples=self.samples,
             tokens=self.tokens,
             real_tokens=None,

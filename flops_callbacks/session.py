@@ -424,5 +424,4 @@ class StepSession:
 
 def _totals(engine: Tracer) -> BatchCounts:
     """The model's counts an engine has seen so far."""
-    m = engine.totals()[0]
-    return BatchCounts(m.fwd_flops, m.bwd_flops, m.recompute_flops, m.fwd_macs)
+    return BatchCounts.of(engine.totals()[0])

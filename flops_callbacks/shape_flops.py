@@ -16,7 +16,7 @@ backward that the counting engine sees.
 Signatures of one *family* (same tensor count, ranks and dtypes) share a predictor. Its variables are
 the signature dims that vary among the family's counted points; dims that are equal to each other
 at every counted point are one variable (every sequence length ``L`` of input_ids, attention_mask,
-labels). Each count (fwd, bwd, recompute flops, fwd MACs) is fitted on the monomials with degree at
+labels). Each count (fwd, bwd, recompute flops and MACs) is fitted on the monomials with degree at
 most ``d`` in each variable, for ``d`` = 1, 2, 3 in turn: the first ``d`` whose system has full rank
 and is consistent with one more point than it has unknowns is used. A prediction must be a whole,
 non-negative number, else the signature is unpredictable.
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 from itertools import product
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from flops_callbacks.batch import Signature
 
@@ -46,6 +46,13 @@ class BatchCounts(NamedTuple):
     bwd_flops: int = 0
     recompute_flops: int = 0
     fwd_macs: int = 0
+    bwd_macs: int = 0
+    recompute_macs: int = 0
+
+    @classmethod
+    def of(cls, counts: Any) -> BatchCounts:
+        """The counts of a :class:`~flops_callbacks.profile.Counts` (or a profile's model totals)."""
+        return cls(*(getattr(counts, name) for name in cls._fields))
 
     def plus(self, other: BatchCounts) -> BatchCounts:
         return BatchCounts(*(a + b for a, b in zip(self, other, strict=True)))

@@ -98,9 +98,8 @@ def build_result(
             f"the {timed[0].kind} step alone (no clean step ran: inflated by "
             f"{'module hooks' if module_step else 'counting'})"
         )
-        p = profile
         known = timed[0].counts if timed[0] is module_step and timed[0].counts is not None else None
-        counts = known or BatchCounts(p.fwd_flops, p.bwd_flops, p.recompute_flops, p.fwd_macs)
+        counts = known or BatchCounts.of(profile)
     local = clean_figures(timed, counts)
     device = torch.device(profile.device)
     rows = gather_latencies(local.gathered(), device)

@@ -30,8 +30,7 @@ def counted(model: GPT2LMHeadModel, inputs: dict[str, torch.Tensor]) -> BatchCou
         model(**inputs).loss.backward()
     finally:
         tracer.stop()
-    m = tracer.profile().model
-    return BatchCounts(m.fwd_flops, m.bwd_flops, m.recompute_flops, m.fwd_macs)
+    return BatchCounts.of(tracer.profile().model)
 
 
 def torch_flops(model: GPT2LMHeadModel, inputs: dict[str, torch.Tensor]) -> int:
@@ -60,8 +59,8 @@ def test_dims_that_never_varied_or_stop_being_equal_are_not_predicted() -> None:
     table = ShapeFlops()
     for length in (1, 2, 3, 4):  # counts = 5 + 3 L + 2 L^2 (a batch of 2 x L ids and mask)
         sig = (((2, length), torch.int64), ((2, length), torch.int64))
-        table.record(sig, BatchCounts(5 + 3 * length + 2 * length**2, length, 0, 7))
-    assert table.get((((2, 10), torch.int64), ((2, 10), torch.int64))) == BatchCounts(235, 10, 0, 7)
+        table.record(sig, BatchCounts(5 + 3 * length + 2 * length**2, length, 0, 7, 1, 0))
+    assert table.get((((2, 10), torch.int64), ((2, 10), torch.int64))) == BatchCounts(235, 10, 0, 7, 1, 0)
     assert table.get((((3, 10), torch.int64), ((3, 10), torch.int64))) is None  # the batch size never varied
     assert table.get((((2, 10), torch.int64), ((2, 11), torch.int64))) is None  # L and L' were always equal
     assert table.get((((2, 10), torch.float32), ((2, 10), torch.int64))) is None  # another family
