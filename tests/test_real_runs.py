@@ -156,7 +156,8 @@ def test_hf_trainer_padded_lm_with_a_slow_collator(tmp_path: Path) -> None:
     collator = SlowPaddingCollator()
     callback = HFFlopsCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN_STEPS, print_profile=False)
     args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=MAX_STEPS, per_device_train_batch_size=BATCH,
+        output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=MAX_STEPS,
+        per_device_train_batch_size=BATCH,
         logging_steps=1, save_strategy="no", report_to=["tensorboard"], disable_tqdm=True, seed=0,
         remove_unused_columns=False, dataloader_num_workers=0,
     )  # fmt: skip
