@@ -216,6 +216,7 @@ def json_data(result: WindowResult) -> dict[str, Any]:
             "tokens": result.figures().tokens,
             "real_tokens": result.figures().real_tokens,
             "token_positions": result.figures().positions,
+            "iter_seconds_per_step": result.figures().iters,  # this rank's, in step order
         },
         "profile": result.profile.to_dict(),
     }

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -100,6 +100,7 @@ class CleanFigures:
     positions: int | None  # token positions the attention masks cover
     sums: dict[str, float]  # seconds of each of SUMS over the clean steps
     spreads: dict[str, Spread]  # each of LATENCIES
+    iters: tuple[float, ...] = ()  # each step's fwd + bwd + step seconds, in order (this rank's)
 
     @property
     def iter_seconds(self) -> float:
@@ -122,9 +123,7 @@ class CleanFigures:
             name: Spread(rest[3 * i], rest[3 * i + 1], rest[3 * i + 2], steps)
             for i, name in enumerate(LATENCIES)
         }
-        return CleanFigures(
-            self.counts, self.samples, self.tokens, self.real_tokens, self.positions, sums, spreads
-        )
+        return replace(self, sums=sums, spreads=spreads)
 
 
 def clean_figures(steps: list[WindowStep], counts: BatchCounts) -> CleanFigures:
@@ -147,6 +146,7 @@ def clean_figures(steps: list[WindowStep], counts: BatchCounts) -> CleanFigures:
         positions=positions,
         sums={name: sum(t[name] for t in per_step) for name in SUMS},
         spreads=spreads,
+        iters=tuple(t["iter"] for t in per_step),
     )
 
 
