@@ -23,7 +23,7 @@ def test_both_callbacks_hand_every_argument_to_the_options_which_check_them(call
         throughput=False, peak_flops=1e12,
     )  # fmt: skip
     assert callback_class(**kwargs).session.options == Options(**kwargs)
-    with pytest.raises(ValueError, match="clean_steps must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="clean_steps must be 'auto' or an int >= 0, got -1"):
         callback_class(clean_steps=-1)
 
 
