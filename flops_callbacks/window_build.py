@@ -74,7 +74,12 @@ def build_result(
     spans: list[Any] = []
     module_step = next((s for s in steps if s.kind == MODULE_TIMING and s.signatures), None)
     same_shapes = module_step is not None and module_step.signatures == counting.signatures
-    if timer is not None and module_step is not None and same_shapes:
+    if module_step is not None and not same_shapes:  # another batch's latencies would mix two batches
+        profile.modules = {
+            name: dataclasses.replace(m, fwd_latency=0.0, bwd_latency=0.0, recompute_latency=0.0)
+            for name, m in profile.modules.items()
+        }
+    elif timer is not None and module_step is not None:
         times = timer.times()
         spans = times.spans
         profile.modules = {

@@ -31,7 +31,7 @@ from flops_callbacks.lightning import FlopsProfilerCallback
 from flops_callbacks.shape_flops import BatchCounts
 from flops_callbacks.tracer import Tracer
 
-VOCAB, BATCH, SLEEP = 97, 4, 0.1
+VOCAB, BATCH, SLEEP = 97, 4, 0.5  # the collator's sleep: most of a step, even on a busy machine
 PROFILE_STEP, CLEAN_STEPS, MAX_STEPS = 1, 3, 16
 
 
@@ -130,15 +130,23 @@ def check_window(
     assert metrics[names.PADDING_FRACTION] == pytest.approx(1 - real / positions, rel=1e-12)
     assert metrics[names.REAL_TOKENS_PER_SEC] == pytest.approx(real / iter_seconds, rel=1e-9)
     # the wait for data is the collator's sleep, and the wall step holds it and the compute
-    assert SLEEP <= metrics[names.DATA_LATENCY] <= SLEEP + 0.06
+    assert SLEEP <= metrics[names.DATA_LATENCY] <= SLEEP * 1.2
     wall = metrics[names.WALL_LATENCY]
     assert metrics[names.DATA_LATENCY] + metrics[names.ITER_LATENCY] <= wall * 1.2
-    assert wall <= SLEEP + 0.06 + 2 * metrics[names.ITER_LATENCY]
+    assert wall <= SLEEP * 1.2 + 2 * metrics[names.ITER_LATENCY]
     assert metrics[names.WALL_SAMPLES_PER_SEC] == pytest.approx(samples / seconds["wall"], rel=1e-9)
     assert saved["spread"]["wall"]["steps"] == CLEAN_STEPS
     assert saved["spread"]["wall"]["low"] <= wall <= saved["spread"]["wall"]["high"]
-    assert "BOTTLENECK: the input pipeline" in report and "num_workers" in report
+    bottleneck = metrics[names.DATA_LATENCY] >= 0.3 * wall
+    assert ("BOTTLENECK: the input pipeline" in report) == bottleneck  # the rule, as the report applies it
+    assert bottleneck and "num_workers" in report
     assert "tokens/second (positions processed, padding included" in report
+    # per-module latencies only from a module-timing step with the counting step's batch shapes
+    timed = [m["fwd_latency"] for m in saved["profile"]["modules"].values()]
+    if steps["module_shapes_match"]:
+        assert any(t > 0 for t in timed)
+    else:
+        assert timed == [0.0] * len(timed) and "had other batch shapes than step" in report
 
 
 def tensorboard_steps(directory: Path, tag: str) -> list[int]:
