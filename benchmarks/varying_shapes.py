@@ -132,6 +132,8 @@ def run_lightning(root: Path, steps: int, sleep: float, profiled: bool) -> tuple
     )  # fmt: skip
     data = torch.utils.data.DataLoader(Sequences(steps * BATCH), batch_size=BATCH, collate_fn=Collator(sleep))
     trainer.fit(LitGPT2(), data)
+    if callback:
+        LAST_TABLE[0] = callback.session.flops
     return marks, callback.result if callback else None
 
 
@@ -153,10 +155,13 @@ def run_hf(root: Path, steps: int, sleep: float, profiled: bool) -> tuple[Marks,
         callbacks=callbacks,
     )  # fmt: skip
     trainer.train()
+    if callback:
+        LAST_TABLE[0] = callback.session.flops
     return marks, callback.result if callback else None
 
 
 RUNNERS = {"HF Trainer": run_hf, "Lightning": run_lightning}
+LAST_TABLE: list[Any] = [None]  # the flops table of the last profiled run
 
 
 def off_window(rounds: int, steps: int) -> None:
@@ -189,6 +194,30 @@ def off_window(rounds: int, steps: int) -> None:
             f"| {framework} | {end} | {1e3 * statistics.median(without_times):.2f} ms | "
             f"{1e3 * statistics.median(with_times):.2f} ms | {statistics.median(ratios):.3f} |"
         )
+
+
+def meter_cost(steps: int) -> None:
+    """The meter's own work per micro-batch after the window (its signature and table lookup), timed
+    directly on 200 batches of new padded lengths, beside a step's time: the least noisy figure."""
+    print("\n## The meter's own time per micro-batch after the window (new padded lengths)\n")
+    print("| framework | meter per micro-batch | median step | share of a step |")
+    print("|---|---:|---:|---:|")
+    collate = Collator(0.0)
+    data = Sequences(200 * BATCH)
+    batches = [collate([data[i * BATCH + j] for j in range(BATCH)]) for i in range(200)]
+    for framework, runner in RUNNERS.items():
+        with tempfile.TemporaryDirectory() as root:
+            marks, result = runner(Path(root), steps, 0.0, True)
+        step = statistics.median(marks.step_times(result.published_at + 1))
+        meter = HFFlopsCallback().session.meter if framework == "HF Trainer" else None
+        meter = meter or FlopsProfilerCallback().session.meter
+        meter.start(result, gpt2(), LAST_TABLE[0])
+        start = time.perf_counter()
+        for batch in batches:
+            meter.begin_micro_batch(batch)
+            meter.end_step()
+        each = (time.perf_counter() - start) / len(batches)
+        print(f"| {framework} | {each * 1e6:.1f} us | {step * 1e3:.2f} ms | {each / step:.5f} |")
 
 
 def truth(sleep: float, steps: int) -> None:
@@ -229,14 +258,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--data-sleep", type=float, default=0.02)
+    parser.add_argument("--only-meter", action="store_true", help="only the meter's own time per micro-batch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, lightning {L.__version__}")
-    off_window(args.rounds, args.steps)
-    truth(args.data_sleep, args.steps)
+    if not args.only_meter:
+        off_window(args.rounds, args.steps)
+    meter_cost(args.steps)
+    if not args.only_meter:
+        truth(args.data_sleep, args.steps)
 
 
 if __name__ == "__main__":
