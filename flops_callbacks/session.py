@@ -280,7 +280,10 @@ class StepSession:
             step.kind = SHAPE_COUNTING if shape_counts < MAX_SHAPE_COUNTS else SKIPPED
             if step.kind == SHAPE_COUNTING:
                 self._counter = Tracer(
-                    self._model, causal_attention=self.options.causal_attention, clock=NullClock()
+                    self._model,
+                    ignore_types=self.options.ignore_modules,
+                    causal_attention=self.options.causal_attention,
+                    clock=NullClock(),
                 )
         elif step.kind is None:
             step.kind = CLEAN
