@@ -6,7 +6,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from flops_callbacks.options import CausalAttention, Options, check_flag
 from flops_callbacks.result import WindowResult
@@ -90,7 +90,7 @@ class SessionCallback:
     def __init__(
         self,
         profile_step: int = 10,
-        clean_steps: int = 3,
+        clean_steps: int | Literal["auto"] = "auto",
         module_depth: int = -1,
         top_modules: int = 1,
         detailed: bool = False,

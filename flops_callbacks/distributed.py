@@ -7,9 +7,10 @@ import torch
 Latencies = tuple[float, float, float]  # (fwd, bwd, step) seconds
 
 
-def gather_latencies(local: Latencies, device: torch.device) -> list[Latencies]:
-    """Every rank's ``(fwd, bwd, step)`` latencies, by rank: an all-gather that every rank of the default
-    process group must join (just ``[local]`` without one).
+def gather_latencies(local: tuple[float, ...], device: torch.device) -> list[tuple[float, ...]]:
+    """Every rank's row of times (``(fwd, bwd, step)`` latencies, or any row of floats of one length),
+    by rank: an all-gather that every rank of the default process group must join (just ``[local]``
+    without one).
 
     The tensor lives where the backend can move it: on the CPU for gloo / MPI, on the model's device
     otherwise (this rank's GPU for NCCL).
@@ -25,4 +26,4 @@ def gather_latencies(local: Latencies, device: torch.device) -> list[Latencies]:
     mine = torch.tensor(local, dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    return [(float(f), float(b), float(s)) for f, b, s in torch.stack(every).tolist()]
+    return [tuple(float(v) for v in row) for row in torch.stack(every).tolist()]

@@ -113,7 +113,8 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     ``Trainer(callbacks=[FlopsProfilerCallback(profile_step=10)])``: the first optimizer step at or
     after ``trainer.global_step == profile_step`` (DeepSpeed's convention) is counted (all its
     ``accumulate_grad_batches`` micro-batches, automatic or manual optimization), the next one times
-    the modules, and ``clean_steps`` more time the phases with nothing else running
+    the modules, and the clean steps time the phases with nothing else running (batches of new shapes
+    are counted on steps of their own until their flops can be predicted)
     (:mod:`flops_callbacks.session`). At the window's last step rank 0 prints the report through the
     progress bar (or writes it to ``output_file``), writes it with a JSON of the full profile as
     ``flops_profile_step{N}.txt/.json`` into ``trainer.log_dir``, and logs the ``flops_profiler/*``
@@ -137,7 +138,8 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
 
     Args:
         profile_step: global step (optimizer steps done) at which the window starts.
-        clean_steps: steps timed with nothing else running, after the counting and module-timing steps.
+        clean_steps: steps timed with nothing else running, after the counting and module-timing steps:
+            "auto" (3 to 20, until the median iter latency is known within +-3%) or a fixed count.
         module_depth: depth of the aggregated profile (-1: all depths).
         top_modules: modules shown per depth in the aggregated profile.
         detailed: print the per-module tree too (it is always in the report file).

@@ -6,6 +6,11 @@ Flops and latencies are per device; ``samples_per_sec`` and ``tokens_per_sec`` c
 data-parallel replica. Latencies are in seconds, rates per second, MFU and HFU fractions of the
 device's dense peak FLOPS (logged only when a peak is known: :mod:`flops_callbacks.peaks`).
 In a multi-process run the latencies are the slowest rank's.
+
+Latencies are medians over the clean steps; rates are sums over them: the clean steps' flops (samples,
+tokens) over the sum of their times, each batch with its own exact flops whatever its shapes
+(:mod:`flops_callbacks.shape_flops`). The compute rates (``samples_per_sec``, DeepSpeed's: over
+fwd + bwd + step) sit beside the wall rates (over the whole wall step, the wait for data included).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flops_callbacks.profile import Profile
+from flops_callbacks.shape_flops import BatchCounts
 
 if TYPE_CHECKING:
     from flops_callbacks.result import WindowResult
@@ -42,6 +48,15 @@ TOKENS_PER_SEC = PREFIX + "tokens_per_sec"  # tokens per device x dp size / iter
 MFU = PREFIX + "mfu"  # (fwd + bwd flops) / iter latency / peak FLOPS (model flops: recompute excluded)
 HFU = PREFIX + "hfu"  # (fwd + bwd + recompute flops) / iter latency / peak FLOPS (hardware flops)
 
+# The wall step: from the end of the previous optimizer step to the end of this one (medians).
+WALL_LATENCY = PREFIX + "wall_latency"  # the whole step on the wall clock: data + fwd + bwd + step + other
+DATA_LATENCY = PREFIX + "data_latency"  # the wait for data: previous step's end -> first forward's start
+WALL_SAMPLES_PER_SEC = PREFIX + "wall_samples_per_sec"  # samples x dp size / wall latency (sums)
+WALL_TOKENS_PER_SEC = PREFIX + "wall_tokens_per_sec"  # tokens x dp size / wall latency, if known
+# Padding, when the batches have an attention_mask: tokens_per_sec counts positions, padding included.
+PADDING_FRACTION = PREFIX + "padding_fraction"  # padding positions / all positions (clean steps)
+REAL_TOKENS_PER_SEC = PREFIX + "real_tokens_per_sec"  # non-padding tokens x dp size / iter latency
+
 # Continuous throughput, at every logging step after the profile window (flops_callbacks.throughput):
 # rates over the wall time since the previous logging step, flops from the measured flops per batch.
 THROUGHPUT_PREFIX = "throughput/"
@@ -50,11 +65,14 @@ THROUGHPUT_TOKENS_PER_SEC = THROUGHPUT_PREFIX + "tokens_per_sec"  # all replicas
 THROUGHPUT_FLOPS_PER_SEC = THROUGHPUT_PREFIX + "flops_per_sec"  # model flops per device per second
 THROUGHPUT_MFU = THROUGHPUT_PREFIX + "mfu"  # flops_per_sec / peak FLOPS, when a peak is known
 
+WALL = (WALL_LATENCY, DATA_LATENCY, WALL_SAMPLES_PER_SEC, WALL_TOKENS_PER_SEC)  # with a step before
+PADDING = (PADDING_FRACTION, REAL_TOKENS_PER_SEC)  # when the batches have an attention_mask
 THROUGHPUT = (THROUGHPUT_SAMPLES_PER_SEC, THROUGHPUT_TOKENS_PER_SEC, THROUGHPUT_FLOPS_PER_SEC, THROUGHPUT_MFU)
 WITH_PEAK = (MFU, HFU)  # at the window's end, only when a peak is known
 
-# At the window's end, always (samples_per_sec only when the batch size is known, tokens_per_sec only
-# when tokens are).
+# At the window's end, always (samples_per_sec and wall_samples_per_sec only when the batch size is known,
+# tokens_per_sec and wall_tokens_per_sec only when tokens are; the WALL ones when the timed steps had a
+# step before them, as clean steps always have).
 ALL = (
     FWD_FLOPS,
     BWD_FLOPS,
@@ -73,6 +91,7 @@ ALL = (
     FLOPS_PER_SEC,
     SAMPLES_PER_SEC,
     TOKENS_PER_SEC,
+    *WALL,
 )
 
 
@@ -91,7 +110,9 @@ class PhaseRates:
     iter: float
 
 
-def phase_rates(profile: Profile, fwd_latency: float, bwd_latency: float, step_latency: float) -> PhaseRates:
+def phase_rates(
+    profile: Profile | BatchCounts, fwd_latency: float, bwd_latency: float, step_latency: float
+) -> PhaseRates:
     """The work the device did in each phase over its latency; recompute runs in the backward."""
     bwd = profile.bwd_flops + profile.recompute_flops
     return PhaseRates(
@@ -102,11 +123,19 @@ def phase_rates(profile: Profile, fwd_latency: float, bwd_latency: float, step_l
     )
 
 
+def window_rates(step: WindowResult) -> PhaseRates:
+    """Each phase's FLOPS over the clean steps: their flops over their summed phase times."""
+    c = step.figures()
+    return phase_rates(c.counts, c.sums["fwd"], c.sums["bwd"], c.sums["step"])
+
+
 def window_metrics(step: WindowResult) -> dict[str, float]:
     """The metrics dict of a profile window (``tokens_per_sec`` only when tokens are known)."""
     p = step.profile
+    c = step.figures()
     dp = step.parallel.data_parallel
-    rates = phase_rates(p, step.fwd_latency, step.bwd_latency, step.step_latency)
+    seconds, wall = c.iter_seconds, c.sums["wall"]
+    rates = window_rates(step)
     metrics = {
         FWD_FLOPS: float(p.fwd_flops),
         BWD_FLOPS: float(p.bwd_flops),
@@ -124,11 +153,21 @@ def window_metrics(step: WindowResult) -> dict[str, float]:
         BWD_FLOPS_PER_SEC: rates.bwd,
         FLOPS_PER_SEC: rates.iter,
     }
-    if step.samples is not None:
-        metrics[SAMPLES_PER_SEC] = _per_sec(step.samples * dp, step.iter_latency)
-    if step.tokens is not None:
-        metrics[TOKENS_PER_SEC] = _per_sec(step.tokens * dp, step.iter_latency)
+    if c.samples is not None:
+        metrics[SAMPLES_PER_SEC] = _per_sec(c.samples * dp, seconds)
+    if c.tokens is not None:
+        metrics[TOKENS_PER_SEC] = _per_sec(c.tokens * dp, seconds)
+    if wall > 0:
+        metrics[WALL_LATENCY] = c.spreads["wall"].median
+        metrics[DATA_LATENCY] = c.spreads["data"].median
+        if c.samples is not None:
+            metrics[WALL_SAMPLES_PER_SEC] = _per_sec(c.samples * dp, wall)
+        if c.tokens is not None:
+            metrics[WALL_TOKENS_PER_SEC] = _per_sec(c.tokens * dp, wall)
+    if c.positions:
+        metrics[PADDING_FRACTION] = 1 - (c.real_tokens or 0) / c.positions
+        metrics[REAL_TOKENS_PER_SEC] = _per_sec((c.real_tokens or 0) * dp, seconds)
     if step.peak is not None:
-        metrics[MFU] = _per_sec(p.model_flops, step.iter_latency) / step.peak.flops
-        metrics[HFU] = _per_sec(p.hardware_flops, step.iter_latency) / step.peak.flops
+        metrics[MFU] = _per_sec(c.counts.model_flops, seconds) / step.peak.flops
+        metrics[HFU] = _per_sec(c.counts.hardware_flops, seconds) / step.peak.flops
     return metrics

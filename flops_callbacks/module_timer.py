@@ -114,11 +114,16 @@ class ModuleTimer:
     def running(self) -> bool:
         return self._exit is not None
 
+    def calibrate(self) -> None:
+        """Measure the hooks' cost now (a few ms), if not done: the session does it between the counting
+        step and the module-timing step, outside every step's clock."""
+        if self.hook_cost is None:
+            self.hook_cost = hook_cost()
+
     def start(self) -> None:
         if self.running:
             return
-        if self.hook_cost is None:
-            self.hook_cost = hook_cost()
+        self.calibrate()
         stack = contextlib.ExitStack()
         try:
             if gc.isenabled():

@@ -35,6 +35,7 @@ class StepPhases:
         self._since: Any = None
         self._ended: str | None = None  # a phase that ended with its successor unknown (held open)
         self._spans: dict[str, list[tuple[Any, Any]]] = {}
+        self.first_mark: Any = None  # the step's first mark: the start of its first forward
 
     def start(self, name: str) -> None:
         """End whatever runs (resolving a held-open gap) and start ``name`` on one mark."""
@@ -42,6 +43,8 @@ class StepPhases:
         if name == self.current and self._ended is None:
             return
         mark = self.clock.mark()
+        if self.first_mark is None:
+            self.first_mark = mark
         if self._ended is not None:
             ended = self._ended
             self._close(FORWARD if name == BACKWARD else ended, mark)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from flops_callbacks import metrics as names
 from flops_callbacks.files import write_text
 from flops_callbacks.guard import Guard
+from flops_callbacks.metrics import window_rates
 from flops_callbacks.options import Options
 from flops_callbacks.phases import PHASES
 from flops_callbacks.picture import render_html
@@ -24,7 +25,7 @@ from flops_callbacks.result import WindowResult
 from flops_callbacks.roofline import as_data
 from flops_callbacks.trace import chrome_trace
 from flops_callbacks.tree_check import TreeCheck, check_tree
-from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string
+from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string, percent
 
 
 class Outlet(Protocol):
@@ -50,20 +51,85 @@ def _steps_text(steps: tuple[int, ...]) -> str:
     return ", ".join(str(s) for s in steps)
 
 
+def _module_source(result: WindowResult) -> str:
+    s = result.steps
+    if s.module_timing is None:
+        return "none"
+    if not s.module_shapes_match:
+        return (
+            f"none: step {s.module_timing} had other batch shapes than step {s.counting} "
+            "(per-module FLOPS would mix two batches)"
+        )
+    return f"step {s.module_timing} (module hooks, no counting)"
+
+
 def source_lines(result: WindowResult) -> list[tuple[str, str]]:
     """Which step each figure comes from, in the report's words."""
     s = result.steps
-    module = f"step {s.module_timing} (module hooks, no counting)" if s.module_timing is not None else "none"
     lines = [
         ("flops, MACs, params from", f"step {s.counting} (counting step)"),
-        ("module latencies from", module),
+        ("module latencies from", _module_source(result)),
         (
             "fwd / bwd / step latency from",
             s.latency_source + (f": steps {_steps_text(s.clean)}" if s.clean else ""),
         ),
+        (
+            "rates from: the same steps' summed flops (samples, tokens) / summed times",
+            f"{s.shapes} batch shape(s): flops of {s.shapes_counted} counted, {s.shapes_predicted} predicted",
+        ),
     ]
+    if s.shape_counting:
+        lines.append(("steps counted for new batch shapes (not timed)", _steps_text(s.shape_counting)))
     if s.skipped:
-        lines.append(("clean steps left out (other batch shapes)", _steps_text(s.skipped)))
+        lines.append(("clean steps left out (batch shapes not countable)", _steps_text(s.skipped)))
+    return lines
+
+
+def spread_lines(result: WindowResult) -> list[tuple[str, str]]:
+    """Each latency's median with its range over the clean steps (data and wall when timed)."""
+    spreads = result.figures().spreads
+    steps = spreads["iter"].steps
+    lines = []
+    for group in (("fwd", "bwd", "step"), ("iter", "data", "wall")):
+        shown = [n for n in group if not (n in ("data", "wall") and spreads[n].high == 0)]
+        values = [
+            f"{duration_to_string(spreads[n].median)} "
+            f"({duration_to_string(spreads[n].low)} .. {duration_to_string(spreads[n].high)})"
+            for n in shown
+        ]
+        lines.append(
+            (f"{' / '.join(shown)} latency over {steps} step(s): median (min .. max)", " / ".join(values))
+        )
+    return lines
+
+
+def wall_lines(metrics: dict[str, float]) -> list[tuple[str, str]]:
+    """The wall step split into data / fwd / bwd / step / other, the wall rate, and the bottleneck."""
+    if names.WALL_LATENCY not in metrics:
+        return []
+    wall = metrics[names.WALL_LATENCY]
+    parts = {
+        "data": metrics[names.DATA_LATENCY],
+        "fwd": metrics[names.FWD_LATENCY],
+        "bwd": metrics[names.BWD_LATENCY],
+        "step": metrics[names.STEP_LATENCY],
+    }
+    parts["other"] = max(wall - sum(parts.values()), 0.0)
+    split = " + ".join(f"{k} {duration_to_string(v)} {100 * v / wall:.0f}%" for k, v in parts.items())
+    rate = f"{metrics[names.WALL_SAMPLES_PER_SEC]:.2f}" if names.WALL_SAMPLES_PER_SEC in metrics else "n/a"
+    if names.WALL_TOKENS_PER_SEC in metrics:
+        rate += f" (tokens/second: {metrics[names.WALL_TOKENS_PER_SEC]:.2f})"
+    lines = [
+        ("wall step (previous step's end -> its end), median", f"{duration_to_string(wall)} = {split}"),
+        ("samples/second over the wall step (above: compute rate, fwd+bwd+step)", rate),
+    ]
+    if wall > 0 and parts["data"] >= 0.3 * wall:
+        lines.append(
+            (
+                f"BOTTLENECK: the input pipeline ({percent(parts['data'], wall)} of the wall step waits)",
+                "more DataLoader num_workers, pin_memory=True, prefetching (prefetch_factor)",
+            )
+        )
     return lines
 
 
@@ -73,7 +139,22 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     if result.samples is None:
         lines.append(("samples/second", "n/a: the batch size was not found (pass batch_size_fn)"))
     if names.TOKENS_PER_SEC in metrics:
-        lines.append(("tokens/second (all data-parallel replicas)", f"{metrics[names.TOKENS_PER_SEC]:.2f}"))
+        label = "tokens/second (all data-parallel replicas)"
+        if names.PADDING_FRACTION in metrics:
+            label = "tokens/second (positions processed, padding included; all replicas)"
+        lines.append((label, f"{metrics[names.TOKENS_PER_SEC]:.2f}"))
+    if names.PADDING_FRACTION in metrics:
+        lines += [
+            (
+                "padding fraction (attention_mask zeros / positions)",
+                f"{100 * metrics[names.PADDING_FRACTION]:.1f}%",
+            ),
+            (
+                "real tokens/second (padding excluded; all replicas)",
+                f"{metrics[names.REAL_TOKENS_PER_SEC]:.2f}",
+            ),
+        ]
+    lines += [*wall_lines(metrics), *spread_lines(result)]
     if len(result.rank_latencies) > 1:
         iters = [sum(latencies) for latencies in result.rank_latencies]
         spread = f"{duration_to_string(min(iters))} .. {duration_to_string(max(iters))}"
@@ -117,6 +198,7 @@ def run_rows(result: WindowResult, metrics: dict[str, float]) -> RunContext:
         bwd_latency=metrics[names.BWD_LATENCY],
         step_latency=metrics[names.STEP_LATENCY],
         samples_per_second=metrics.get(names.SAMPLES_PER_SEC),
+        rates=window_rates(result),
     )
 
 
@@ -173,6 +255,17 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "bandwidth": dataclasses.asdict(result.bandwidth)
         if result.bandwidth
         else {"none": result.no_bandwidth_reason},
+        # each latency over the clean steps: median, min, max, steps (the slowest rank's)
+        "spread": {name: dataclasses.asdict(s) for name, s in result.figures().spreads.items()},
+        "clean_totals": {  # what the rates are made of: sums over the clean steps
+            "seconds": result.figures().sums,
+            "counts": result.figures().counts._asdict(),
+            "samples": result.figures().samples,
+            "tokens": result.figures().tokens,
+            "real_tokens": result.figures().real_tokens,
+            "token_positions": result.figures().positions,
+            "iter_seconds_per_step": result.figures().iters,  # this rank's, in step order
+        },
         "profile": profile_json(result),
     }
 
@@ -268,15 +361,21 @@ def picture(result: WindowResult) -> str:
         ("step latency", duration_to_string(metrics[names.STEP_LATENCY])),
         ("FLOPS per device", flops_to_string(metrics[names.FLOPS_PER_SEC])),
         (
-            "samples/second",
+            "samples/second (compute)",
             f"{metrics[names.SAMPLES_PER_SEC]:.2f}" if names.SAMPLES_PER_SEC in metrics else "n/a",
         ),
     ]
+    if names.WALL_LATENCY in metrics:
+        summary += [
+            ("samples/second (wall)", f"{metrics.get(names.WALL_SAMPLES_PER_SEC, float('nan')):.2f}"),
+            ("wall step", duration_to_string(metrics[names.WALL_LATENCY])),
+            ("waiting for data", duration_to_string(metrics[names.DATA_LATENCY])),
+        ]
     if names.MFU in metrics:
         summary.append(("MFU", f"{100 * metrics[names.MFU]:.2f}%"))
     summary += [
-        ("flops counted at", f"step {steps.counting}"),
-        ("modules timed at", "none" if steps.module_timing is None else f"step {steps.module_timing}"),
+        ("module flops: the batch of", f"step {steps.counting}"),
+        ("module latencies", _module_source(result)),
         ("phases: median of", ", ".join(str(s) for s in steps.clean) or "no clean step"),
     ]
     title = f"flops_callbacks profile, step {result.step}"

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from flops_callbacks.metrics import phase_rates
+from flops_callbacks.metrics import PhaseRates, phase_rates
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.roofline import OVERHEAD_FRACTION, Roofline
@@ -61,6 +61,7 @@ class RunContext:
     step_latency: float | None = None
     samples_per_second: float | None = None
     recompute_fwd_factor: float = 0.0
+    rates: PhaseRates | None = None  # the phases' FLOPS when computed elsewhere (over several steps)
 
 
 def _rule(title: str, width: int) -> str:
@@ -99,6 +100,8 @@ def _deepspeed_rows(p: Profile, run: RunContext) -> list[tuple[str, object]]:
         root = dataclasses.replace(p.model, bwd_flops=int(factor * p.fwd_flops), recompute_flops=0)
         counted = dataclasses.replace(p, modules={**p.modules, "": root})
     rates = phase_rates(counted, fwd_latency, bwd_latency, run.step_latency or 0.0)
+    if measured and run.rates is not None:
+        rates = run.rates
     rows += [
         ("params per GPU", params_to_string(p.params)),
         ("params of model = params per GPU * mp_size", params_to_string(model_params)),

@@ -10,7 +10,9 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
 from flops_callbacks.roofline import Roofline, module_rooflines
+from flops_callbacks.shape_flops import BatchCounts
 from flops_callbacks.trace import ModuleSpan
+from flops_callbacks.window_steps import CleanFigures, Spread
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,11 @@ class WindowSteps:
     the run ended before it). ``clean``: the steps whose phase latencies were used (their median);
     ``skipped``: clean steps left out because their batches had other shapes than the counting step's.
     ``latency_source`` names where fwd / bwd / step latency come from in words.
+    ``shape_counting``: steps counted (not timed) because their batch shapes' flops were neither counted
+    nor predictable yet. ``shapes``: distinct micro-batch shape signatures the window's counted and
+    clean steps saw, and how their flops were obtained (counted, predicted from counted ones).
+    ``module_shapes_match``: whether the module-timing step's batches had the counting step's shapes
+    (else its per-module latencies are left out: with another batch's flops they would mix two batches).
     """
 
     counting: int
@@ -28,6 +35,11 @@ class WindowSteps:
     clean: tuple[int, ...]
     skipped: tuple[int, ...]
     latency_source: str
+    shape_counting: tuple[int, ...] = ()
+    shapes: int = 1
+    shapes_counted: int = 1
+    shapes_predicted: int = 0
+    module_shapes_match: bool = True
 
 
 @dataclass
@@ -63,6 +75,8 @@ class WindowResult:
     # steps, in bytes; None where the device keeps no such counter (only CUDA does)
     peak_memory: dict[str, int] | None = None
     published_at: int = 0  # the global step at which the result was published and logged
+    # the clean steps' sums and spreads (the slowest rank's); None: the single step of the latencies above
+    clean: CleanFigures | None = None
 
     @property
     def step(self) -> int:
@@ -86,6 +100,23 @@ class WindowResult:
         if self.peak is None or self.bandwidth is None:
             return {}
         return module_rooflines(self.profile, self.peak.flops, self.bandwidth.bytes_per_sec)
+
+    def figures(self) -> CleanFigures:
+        """The clean steps' figures; a result built without them stands for one step of the latencies
+        above doing the profile's flops."""
+        if self.clean is not None:
+            return self.clean
+        seconds = {"fwd": self.fwd_latency, "bwd": self.bwd_latency, "step": self.step_latency}
+        seconds |= {"iter": self.iter_latency, "data": 0.0, "wall": 0.0}
+        return CleanFigures(
+            counts=BatchCounts.of(self.profile),
+            samples=self.samples,
+            tokens=self.tokens,
+            real_tokens=None,
+            positions=None,
+            sums={k: v for k, v in seconds.items() if k != "iter"},
+            spreads={k: Spread(v, v, v, 1) for k, v in seconds.items()},
+        )
 
     def metrics(self) -> dict[str, float]:
         """The ``flops_profiler/*`` metrics (names in :mod:`flops_callbacks.metrics`)."""

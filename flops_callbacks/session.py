@@ -8,13 +8,21 @@ each doing one job on its own clock:
    recompute. Its times feed no headline figure.
 2. the module-timing step: clock marks on module calls and their autograd nodes only
    (:class:`~flops_callbacks.module_timer.ModuleTimer`), for the per-module latencies of the tree.
-3. ``clean_steps`` clean steps: only the phase marks at the framework's events. The median of each
-   phase gives fwd / bwd / step latency, and from them FLOPS, MFU, samples/s. A clean step whose
-   micro-batches have other shapes than the counting step's is left out, never scaled.
+3. clean steps: only the phase marks at the framework's events, and one clock mark at each step's
+   end (the wall step runs from the previous step's end to this one's; the wait for data from there
+   to the first forward). Each batch's flops come from :class:`~flops_callbacks.shape_flops.ShapeFlops`:
+   counted by a counting step, or predicted exactly from counted shapes, so steps of any shape count
+   and none is instrumented. A step whose batch shapes are neither counted nor predictable yet
+   becomes a *shape-counting* step (counted with no clock, not timed) and the window grows by one, at
+   most ``MAX_SHAPE_COUNTS`` times. ``clean_steps`` fixes how many clean steps run; ``"auto"`` runs
+   3 to 20, until the median iter latency is known within +-3%
+   (:func:`~flops_callbacks.window_steps.median_known`). Latencies are the clean steps' medians, rates
+   their summed flops (samples, tokens) over their summed times (:mod:`flops_callbacks.window_steps`).
 
 At the end of the window (or of a run that ends inside it) the result is published: report, JSON,
 picture and trace in the log directory, the metrics to the framework's loggers. After it, every
-logging step gets the ``throughput/*`` metrics (:mod:`flops_callbacks.throughput`).
+logging step gets the ``throughput/*`` metrics (:mod:`flops_callbacks.throughput`), with the flops
+of the same table: nothing after the window is counted.
 
 An adapter maps its framework's events onto this object and hands it an :class:`Outlet`:
 
@@ -39,11 +47,9 @@ through the guard, so their exceptions reach the training loop unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
-import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,27 +57,35 @@ from typing import Any, TypeVar
 import torch
 
 from flops_callbacks import publish
-from flops_callbacks.batch import Signature, find_batch_size, shape_signature
-from flops_callbacks.clock import clock_for, module_device
-from flops_callbacks.distributed import Latencies, gather_latencies
-from flops_callbacks.estimate import estimate_rows
+from flops_callbacks.batch import find_batch_size, shape_signature
+from flops_callbacks.clock import NullClock, clock_for, module_device
 from flops_callbacks.files import unwritable_reason
 from flops_callbacks.guard import Guard
 from flops_callbacks.module_timer import ModuleTimer
 from flops_callbacks.module_tree import has_compiled
 from flops_callbacks.options import Options
-from flops_callbacks.parallel import ParallelSizes, sharded_params
-from flops_callbacks.peaks import given_bandwidth, given_peak, resolve_bandwidth, resolve_peak
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.peaks import given_bandwidth, given_peak
 from flops_callbacks.phase_memory import phase_memory_for
-from flops_callbacks.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, PHASES, StepPhases
+from flops_callbacks.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
 from flops_callbacks.profile import Profile
 from flops_callbacks.publish import Outlet
-from flops_callbacks.result import WindowResult, WindowSteps
+from flops_callbacks.result import WindowResult
+from flops_callbacks.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.throughput import ThroughputMeter
 from flops_callbacks.tracer import Tracer
 from flops_callbacks.user_warning import warn
+from flops_callbacks.window_build import build_result
+from flops_callbacks.window_steps import (
+    CLEAN,
+    COUNTING,
+    MODULE_TIMING,
+    SHAPE_COUNTING,
+    SKIPPED,
+    WindowStep,
+    median_known,
+)
 
-COUNTING, MODULE_TIMING, CLEAN = "counting", "module timing", "clean"
 DROPPED = "the profile window is dropped and nothing of the profiler stays; this run goes on unprofiled"
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -94,6 +108,9 @@ def _own_work(what: str, abandon: bool = True) -> Callable[[F], F]:
     return wrap
 
 
+CLEAN_MIN, CLEAN_MAX = 3, 20  # clean_steps="auto"
+MAX_SHAPE_COUNTS = 8  # shape-counting steps a window may add
+
 __all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Outlet", "TrainingContext", "StepSession"]
 
 
@@ -105,40 +122,6 @@ class TrainingContext:
     compute_dtype: str | None = None  # a flops_callbacks.peaks.DTYPES name: what the matmuls run in
     # report rows about the counting step's batches (the HF Trainer's own flops estimate)
     extra_lines: Callable[[list[Any], Profile], list[tuple[str, str]]] | None = None
-
-
-@dataclass
-class _Step:
-    """One step of the window: its job, its phase marks and its batches."""
-
-    kind: str
-    number: int
-    phases: StepPhases
-    signatures: list[Signature] = field(default_factory=list)
-    batches: list[Any] = field(default_factory=list)
-    samples: int | None = 0  # None when a micro-batch's size could not be found
-    tokens: int | None = None
-
-
-def _model_config(model: torch.nn.Module) -> Any:
-    """The model's config (a transformers config: ``model.config``, or a submodule's), if it has one."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if callable(getattr(config, "to_dict", None)):
-            return config
-    return None
-
-
-def _peak_memory(steps: list[_Step]) -> dict[str, int] | None:
-    """The largest peak allocated bytes of each phase over the clean steps (None off CUDA)."""
-    recorded = [s.phases.memory.peaks for s in steps if s.phases.memory is not None]
-    if not recorded:
-        return None
-    return {phase: max(peaks.get(phase, 0) for peaks in recorded) for phase in PHASES}
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else 0.0
 
 
 class StepSession:
@@ -158,16 +141,16 @@ class StepSession:
         self.given_peak = given_peak(options.peak_flops)
         self.given_bandwidth = given_bandwidth(options.peak_bandwidth)
         self.meter = (
-            ThroughputMeter(
-                lambda batch: self.samples_of(batch) or 0, self.tokens_of, options.causal_attention
-            )
+            ThroughputMeter(lambda batch: self.samples_of(batch) or 0, self.tokens_of)
             if options.throughput
             else None
         )
         self.result: WindowResult | None = None
-        self._kinds = [COUNTING, MODULE_TIMING] + [CLEAN] * options.clean_steps
-        self._steps: list[_Step] = []  # the window's steps so far
-        self._step: _Step | None = None  # the window step in progress
+        self.flops = ShapeFlops()  # flops per micro-batch shape: counted in the window, read after it
+        self._steps: list[WindowStep] = []  # the window's steps so far
+        self._step: WindowStep | None = None  # the window step in progress
+        self._counter: Tracer | None = None  # a shape-counting step's engine (no clock)
+        self._counting: tuple[Any, bool, BatchCounts] | None = None  # (signature, later, counts before)
         self._model: torch.nn.Module | None = None
         self._context = TrainingContext()
         self._tracer: Tracer | None = None
@@ -240,10 +223,15 @@ class StepSession:
         self.close()
         self.guard.forget()
         self.result = None
+        self.flops = ShapeFlops()
         self._metering = False
         self._abandoned = self._said_no_size = False
         self._unwritable = {}
-        profile_step, length = self.options.profile_step, len(self._kinds)
+        clean_steps = self.options.clean_steps
+        profile_step, length = (
+            self.options.profile_step,
+            2 + (CLEAN_MIN if clean_steps == "auto" else clean_steps),
+        )
         first = global_step + -(-(profile_step - global_step) // steps_per_batch) * steps_per_batch
         last = first + (length - 1) * steps_per_batch  # the window's last step starts here
         self._resumed_past = global_step > profile_step
@@ -271,7 +259,7 @@ class StepSession:
             clean = max(-(-(max_steps - first) // steps_per_batch) - 2, 0)
             warn(
                 f"{self.owner}: the profile window needs steps {first} .. {last} "
-                f"(counting, module timing, clean_steps={self.options.clean_steps}); the run has "
+                f"(counting, module timing, clean_steps={clean_steps!r}); the run has "
                 f"{max_steps} steps: the latencies will rest on {clean} clean step(s).",
             )
 
@@ -319,9 +307,10 @@ class StepSession:
         """Stop everything that runs and drop the window (an exception ended the run): no hook, mode
         or tag of the profiler remains. Safe to call at any time, any number of times."""
         try:
-            self._stop_instruments()
+            self._stop_instruments(record=False)
         finally:
-            self._steps, self._step, self._model = [], None, None
+            self._steps, self._step, self._model, self._counter, self._counting = [], None, None, None, None
+            self._tracer = self._timer = None
             if self.meter is not None:
                 self.meter.close()
             self._metering = False
@@ -347,10 +336,13 @@ class StepSession:
                 return
             self._context = context() if context is not None else TrainingContext()
             self._model = model
-        kind = self._kinds[len(self._steps)]
+        n = len(self._steps)
+        kind = COUNTING if n == 0 else MODULE_TIMING if n == 1 else None  # None: its first batch decides
         device = module_device(model)
-        memory = phase_memory_for(device) if kind == CLEAN else None  # peaks on clean steps only
-        step = _Step(kind, global_step, StepPhases(clock_for(device), memory))
+        clock = self._steps[0].phases.clock if self._steps else clock_for(device)
+        start_mark = self._steps[-1].end_mark if self._steps else None
+        memory = phase_memory_for(device) if kind is None else None  # peaks on clean steps only
+        step = WindowStep(kind, global_step, StepPhases(clock, memory), start_mark=start_mark)
         self._steps.append(step)
         self._step = step
         if kind == COUNTING:
@@ -360,18 +352,19 @@ class StepSession:
                 causal_attention=self.options.causal_attention,
                 compiled=None if runs is None else has_compiled(runs.modules()),
             )
-        elif kind == MODULE_TIMING:
+        elif kind == MODULE_TIMING and self._timer is None:
             self._timer = ModuleTimer(model, step.phases.clock)
 
     @_own_work("reading the batch")
     def micro_batch_start(self, batch: Any) -> None:
-        """Before a micro-batch's forward: count its samples and start this step's instrument."""
+        """Before a micro-batch's forward: its samples, tokens and flops, and this step's instrument."""
         step = self._step
         if step is None:
             if self._metering and self.meter is not None and self._model is not None:
-                self.meter.begin_micro_batch(batch, self._model)
+                self.meter.begin_micro_batch(batch)
             return
-        step.signatures.append(shape_signature(batch))
+        signature, later = shape_signature(batch), bool(step.signatures)
+        step.signatures.append(signature)
         samples = self.samples_of(batch)
         if samples is None:
             self._no_batch_size(batch)
@@ -379,10 +372,32 @@ class StepSession:
         tokens = self.tokens_of(batch)
         if tokens is not None:
             step.tokens = (step.tokens or 0) + tokens
+        counts = self.flops.get(signature, later)
+        if step.kind in (None, CLEAN) and counts is None:
+            shape_counts = sum(s.kind == SHAPE_COUNTING for s in self._steps)
+            step.kind = SHAPE_COUNTING if shape_counts < MAX_SHAPE_COUNTS else SKIPPED
+            if step.kind == SHAPE_COUNTING:
+                self._counter = Tracer(
+                    self._model,
+                    ignore_types=self.options.ignore_modules,
+                    causal_attention=self.options.causal_attention,
+                    clock=NullClock(),
+                )
+        elif step.kind is None:
+            step.kind = CLEAN
+        step.counts = None if counts is None or step.counts is None else step.counts.plus(counts)
+        if step.kind == CLEAN:
+            mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                step.masks.append(mask)  # read after the window: no synchronize in a timed step
         if step.kind == COUNTING:
             step.batches.append(batch)
-        if step.kind == COUNTING and self._tracer is not None:
-            self._tracer.start()
+        engine = (
+            self._tracer if step.kind == COUNTING else self._counter if step.kind == SHAPE_COUNTING else None
+        )
+        if engine is not None:
+            self._counting = (signature, later, _totals(engine))
+            engine.start()
         elif step.kind == MODULE_TIMING and self._timer is not None:
             self._timer.start()
         step.phases.start(FORWARD)
@@ -421,14 +436,21 @@ class StepSession:
         until the next micro-batch, such as a validation run, is not part of the step)."""
         step = self._step
         if step is None:
-            if self._metering and self.meter is not None:
-                self.meter.end_micro_batch()
             return
         self._stop_instruments()
         if self._counting_failed():
             return
         if pause:
             step.phases.stop()
+
+    def _record_counted(self) -> None:
+        """A counted micro-batch ended: its counts (the engine's totals since its start) go in the table."""
+        counting, self._counting = self._counting, None
+        engine = self._tracer if self._step is not None and self._step.kind == COUNTING else self._counter
+        if counting is None or engine is None:
+            return
+        signature, later, before = counting
+        self.flops.record(signature, _totals(engine).minus(before), later)
 
     @_own_work("marking a phase")
     def stop_timing(self) -> None:
@@ -450,13 +472,31 @@ class StepSession:
         if self._counting_failed():
             return
         step.phases.stop()
+        step.end_mark = step.phases.clock.mark()
+        self._counter = None
         self._step = None
         if step.kind == COUNTING:
             # the counting step leaves thousands of objects (tags, records, hooks' closures): collected
             # now, outside every clock, not in whichever module of a timed step a collection would hit
             gc.collect()
-        if len(self._steps) == len(self._kinds):
+            if self._model is not None:  # the module timer's hooks are calibrated here too, off the clock
+                self._timer = ModuleTimer(self._model, step.phases.clock)
+                self._timer.calibrate()
+        if self._window_done():
             self._finish(global_step, outlet)
+
+    def _window_done(self) -> bool:
+        """Whether the window has its clean steps (or has grown as long as it may)."""
+        wanted = self.options.clean_steps
+        clean = [s for s in self._steps if s.kind == CLEAN]
+        most = CLEAN_MAX if wanted == "auto" else wanted
+        if len(self._steps) < 2:
+            return False
+        if len(clean) >= most or len(self._steps) - 2 >= most + 2 * MAX_SHAPE_COUNTS:
+            return True
+        if wanted != "auto" or len(clean) < CLEAN_MIN:
+            return False
+        return median_known([s.seconds()["iter"] for s in clean])  # reads the clock: a synchronize
 
     # --- throughput ----------------------------------------------------------------------------------
 
@@ -472,7 +512,7 @@ class StepSession:
     def pause_throughput(self) -> None:
         """Evaluation starts: its time is not training throughput."""
         if self.meter is not None:
-            self.meter.pause(evaluating=True)
+            self.meter.pause()
 
     @_own_work("resuming throughput")
     def resume_throughput(self) -> None:
@@ -481,20 +521,24 @@ class StepSession:
 
     # --- the window's end ----------------------------------------------------------------------------
 
-    def _stop_instruments(self) -> None:
+    def _stop_instruments(self, record: bool = True) -> None:
+        """Stop what runs; ``record`` keeps a counted micro-batch's counts (not after an exception)."""
         try:
-            if self._tracer is not None:
-                self._tracer.stop()
+            for engine in (self._tracer, self._counter):
+                if engine is not None and engine.running:
+                    engine.stop()
+                    if record:
+                        self._record_counted()
         finally:
             if self._timer is not None:
                 self._timer.stop()
 
     def _counting_failed(self) -> bool:
         """Whether a formula failed while counting (said here, and the window dropped)."""
-        tracer = self._tracer
-        if tracer is None or tracer.failure is None:
+        engine = next((e for e in (self._tracer, self._counter) if e is not None and e.failure), None)
+        if engine is None or engine.failure is None:
             return False
-        (what, error), tracer.failure = tracer.failure, None
+        (what, error), engine.failure = engine.failure, None
         self.guard.fail(what, error, DROPPED)
         self._abandon()
         return True
@@ -502,75 +546,30 @@ class StepSession:
     def _finish(self, global_step: int, outlet: Outlet) -> None:
         """Build the result from the window's steps, publish it, and start the throughput meter."""
         steps, self._steps, self._step = self._steps, [], None
-        tracer, timer, self._tracer, self._timer = self._tracer, self._timer, None, None
+        tracer, timer, self._tracer, self._timer, self._counter = self._tracer, self._timer, None, None, None
         model, self._model = self._model, None
-        counting = steps[0]
-        if tracer is None or model is None or not counting.signatures:
+        if tracer is None or model is None or not steps[0].signatures:
             return
-        profile = tracer.profile()
-        spans = []
-        module_step = next((s for s in steps if s.kind == MODULE_TIMING and s.signatures), None)
-        if timer is not None and module_step is not None:
-            times = timer.times()
-            spans = times.spans
-            profile = times.applied_to(profile)
-        clean = [s for s in steps if s.kind == CLEAN and s.signatures == counting.signatures]
-        skipped = [s.number for s in steps if s.kind == CLEAN and s not in clean]
-        if clean:
-            timed = clean
-            source = f"median of {len(clean)} clean step(s)"
-        else:
-            timed = [module_step or counting]
-            source = (
-                f"the {timed[0].kind} step alone (no clean step ran: inflated by "
-                f"{'module hooks' if module_step else 'counting'})"
-            )
-        per_step = [s.phases.seconds() for s in timed]
-        local: Latencies = tuple(_median([t[i] for t in per_step]) for i in range(3))  # type: ignore[assignment]
-        device = torch.device(profile.device)
-        ranks = [local]
-        with self.guard.own_work("gathering every rank's latencies", "this rank's latencies are reported"):
-            ranks = gather_latencies(local, device)
-        fwd, bwd, opt = max(ranks, key=sum)
-        context = self._context
-        peak, no_peak_reason = resolve_peak(self.given_peak, device, context.compute_dtype)
-        bandwidth, no_bandwidth_reason = resolve_bandwidth(self.given_bandwidth, device)
-        profile = dataclasses.replace(profile, fwd_latency=fwd, bwd_latency=bwd)
-        extra = context.extra_lines(counting.batches, profile) if context.extra_lines is not None else []
-        if counting.tokens:  # what "6 x params x tokens" claims (with active parameters, for an MoE)
-            extra += estimate_rows(profile, counting.tokens, _model_config(model))
-        self.result = result = WindowResult(
-            profile=profile,
-            steps=WindowSteps(
-                counting=counting.number,
-                module_timing=module_step.number if module_step else None,
-                clean=tuple(s.number for s in clean),
-                skipped=tuple(skipped),
-                latency_source=source,
-            ),
-            fwd_latency=fwd,
-            bwd_latency=bwd,
-            step_latency=opt,
-            samples=counting.samples,
-            tokens=counting.tokens,
-            micro_batches=len(counting.signatures),
-            parallel=context.parallel,
-            compute_dtype=context.compute_dtype,
-            peak=peak,
-            no_peak_reason=no_peak_reason,
-            bandwidth=bandwidth,
-            no_bandwidth_reason=no_bandwidth_reason,
-            rank_latencies=ranks,
-            sharded_model_params=sharded_params(model),
-            extra_lines=extra,
-            spans=spans,
-            peak_memory=_peak_memory(clean),
-            published_at=global_step,
+        self.result = build_result(
+            steps,
+            tracer,
+            timer,
+            model,
+            self._context,
+            self.flops,
+            global_step,
+            peaks=(self.given_peak, self.given_bandwidth),
+            guard=self.guard,
         )
         log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective
         if not outlet.is_logging_rank:
             return
-        publish.publish(result, self.options, log_dir, outlet, self.guard, skip=set(self._unwritable))
+        publish.publish(self.result, self.options, log_dir, outlet, self.guard, skip=set(self._unwritable))
         if self.meter is not None:
-            self.meter.start(result, model, counting.signatures)
+            self.meter.start(self.result, model, self.flops)
             self._metering = True
+
+
+def _totals(engine: Tracer) -> BatchCounts:
+    """The model's counts an engine has seen so far."""
+    return BatchCounts.of(engine.totals()[0])

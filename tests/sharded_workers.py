@@ -82,6 +82,8 @@ def save(directory: Path, rank: int, callback: Any, **extra: Any) -> None:
     seen = {
         "parallel": dataclasses.asdict(result.parallel),
         "metrics": result.metrics(),
+        # what the rates are made of: the clean steps' samples and summed fwd + bwd + step seconds
+        "clean": {"samples": result.figures().samples, "iter_seconds": result.figures().iter_seconds},
         "profile": {k: getattr(p, k) for k in ("fwd_flops", "bwd_flops", "fwd_macs", "bwd_macs", "params")},
         **extra,
     }

@@ -25,7 +25,7 @@ def test_both_callbacks_hand_every_argument_to_the_options_which_check_them(call
     )  # fmt: skip
     assert callback_class(**kwargs).session.options == Options(**kwargs)
     name = callback_class.__name__
-    with pytest.raises(ValueError, match=f"^{name}: clean_steps must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=f"^{name}: clean_steps must be 'auto' or an int >= 0, got -1"):
         callback_class(clean_steps=-1)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -196,7 +197,7 @@ def logged_once(
             assert not [row for row in rows if row.get(name)]
             continue
         logged = [row for row in rows if row.get(name)]
-        if name == names.TOKENS_PER_SEC and not with_tokens:
+        if name in (names.TOKENS_PER_SEC, names.WALL_TOKENS_PER_SEC) and not with_tokens:
             assert logged == []
             continue
         assert len(logged) == 1, name
@@ -359,13 +360,8 @@ def test_report_is_printed_once_and_saved_whole_with_its_json_next_to_the_logs(l
         assert summary_value(report, label) == value
     saved = json.loads((log_dir / f"flops_profile_step{PROFILE_STEP}.json").read_text())
     assert (saved["step"], saved["published_at_step"]) == (PROFILE_STEP, WINDOW_END)
-    assert saved["steps"] == {
-        "counting": PROFILE_STEP,
-        "module_timing": PROFILE_STEP + 1,
-        "clean": [PROFILE_STEP + 2],
-        "skipped": [],
-        "latency_source": "median of 1 clean step(s)",
-    }
+    assert saved["steps"] == json.loads(json.dumps(dataclasses.asdict(WINDOW)))
+    assert (saved["steps"]["shapes"], saved["steps"]["shapes_counted"]) == (1, 1)
     assert saved["metrics"] == logged_run["callback"].result.metrics()
     assert saved["profile"]["modules"]["block.0"]["fwd_flops"] == 2 * BATCH * IN * HIDDEN
 
@@ -542,12 +538,13 @@ def test_a_run_ending_inside_the_window_warns_at_start_and_publishes_what_it_had
     assert summary_value(report, "fwd / bwd / step latency from") == result.steps.latency_source
 
 
-def test_a_clean_step_with_other_batch_shapes_is_left_out(tmp_path: Path) -> None:
+def test_a_step_with_new_batch_shapes_is_counted_on_its_own_not_timed(tmp_path: Path) -> None:
     # 20 samples in batches of 3: the last batch of the epoch (step 6) has 2 samples
     callback = quiet_callback(profile_step=4, clean_steps=3)
     fit(tmp_path, MLP(), callback, loader(20), max_steps=9)
     steps = callback.result.steps
-    assert (steps.counting, steps.module_timing, steps.clean, steps.skipped) == (4, 5, (7, 8), (6,))
+    assert (steps.counting, steps.module_timing, steps.clean, steps.skipped) == (4, 5, (7, 8), ())
+    assert (steps.shape_counting, steps.shapes, steps.shapes_counted) == ((6,), 2, 2)
     assert steps.latency_source == "median of 2 clean step(s)"
     assert callback.result.published_at == 9
 
@@ -621,54 +618,54 @@ class StepClock(L.Callback):
         self.ended[trainer.global_step] = time.perf_counter()
 
 
-def test_throughput_is_logged_at_every_logging_step_after_the_window_from_measured_flops(
+def test_throughput_is_logged_at_every_logging_step_after_the_window_over_every_steps_wall_time(
     tmp_path: Path,
 ) -> None:
-    # 20 samples in batches of 3: the last batch of each epoch (steps 6, 13, 20) has 2 samples, a new shape
+    # 20 samples in batches of 3: the last batch of each epoch (steps 6, 13, 20) has 2 samples, a shape
+    # the window never saw and cannot predict from one counted shape: those intervals log no flops
     peak, clock, logger = 1e9, StepClock(), CSVLogger(tmp_path)
     callback = quiet_callback(tokens_fn=tokens, peak_flops=peak)
     module = MLP()
     before_model, before_torch = model_state(module), torch_namespace()
-    fit(
-        tmp_path,
-        module,
-        callback,
-        loader(20),
-        callbacks=[clock],
-        max_steps=23,
-        log_every_n_steps=5,
-        logger=logger,
-    )
+    with pytest.warns(UserWarning, match="neither counted nor can predict") as warned:
+        fit(
+            tmp_path,
+            module,
+            callback,
+            loader(20),
+            callbacks=[clock],
+            max_steps=23,
+            log_every_n_steps=5,
+            logger=logger,
+        )
+    assert len([w for w in warned if "neither counted" in str(w.message)]) == 1
     assert [clock.samples[6], clock.samples[13]] == [2, 2]
-
-    # the new shape was measured once, exactly, on its own step; the window's came from the counting step
-    flops = {b: fwd_flops(b) + bwd_flops(b) for b in (3, 2)}
-    assert sorted(callback.session.meter.flops_per_micro_batch.values()) == [flops[2], flops[3]]
-    # module hooks only in the counting step, the module-timing step and the measuring step
-    assert {step for step, hooks in clock.hooks.items() if hooks} == {PROFILE_STEP, PROFILE_STEP + 1, 6}
+    # module hooks only in the counting step and the module-timing step: nothing counts after the window
+    assert {step for step, hooks in clock.hooks.items() if hooks} == {PROFILE_STEP, PROFILE_STEP + 1}
     assert_nothing_left(module, before_model, before_torch)
 
     rows = [row for row in csv_metrics(logger) if row.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
-    logged = {int(row["step"]): {k: float(row[k]) for k in names.THROUGHPUT} for row in rows}
+    logged = {int(row["step"]): {k: float(row[k]) for k in names.THROUGHPUT if row.get(k)} for row in rows}
     assert sorted(logged) == [10, 15, 20]  # every logging step after the window (5 is its end)
+    flops = fwd_flops(3) + bwd_flops(3)
     previous = WINDOW_END  # the interval starts when the window's last step ends
     for step, values in sorted(logged.items()):
-        counted = [s for s in range(previous, step) if s != 6]  # the measuring step is left out
-        samples = sum(clock.samples[s] for s in counted)
+        samples = sum(clock.samples[s] for s in range(previous, step))
         seconds = clock.ended[step] - clock.ended[previous]
-        if 6 in range(previous, step):
-            seconds -= clock.ended[7] - clock.started[6]
-        model_flops = sum(flops[clock.samples[s]] for s in counted)
-        # exact relations between the rates of one interval
-        assert values[names.THROUGHPUT_FLOPS_PER_SEC] / values[names.THROUGHPUT_SAMPLES_PER_SEC] == (
-            pytest.approx(model_flops / samples, rel=1e-12)
-        )
+        has_new_shape = any(clock.samples[s] == 2 for s in range(previous, step))
+        assert (names.THROUGHPUT_FLOPS_PER_SEC in values) == (not has_new_shape)
+        if not has_new_shape:  # exact relations between the rates of one interval
+            assert values[names.THROUGHPUT_FLOPS_PER_SEC] / values[names.THROUGHPUT_SAMPLES_PER_SEC] == (
+                pytest.approx(flops / 3, rel=1e-12)
+            )
+            assert values[names.THROUGHPUT_MFU] == pytest.approx(
+                values[names.THROUGHPUT_FLOPS_PER_SEC] / peak
+            )
         assert values[names.THROUGHPUT_TOKENS_PER_SEC] == pytest.approx(
             IN * values[names.THROUGHPUT_SAMPLES_PER_SEC], rel=1e-12
         )
-        assert values[names.THROUGHPUT_MFU] == pytest.approx(values[names.THROUGHPUT_FLOPS_PER_SEC] / peak)
-        # and the wall time between logging steps, as a callback after ours measures it: from the second
-        # interval on, both clocks include one of our log writes (the first one ours starts after)
+        # every step of the interval in its wall time, as a callback after ours measures it: from the
+        # second interval on, both clocks include one of our log writes (the first one ours starts after)
         if previous > WINDOW_END:
             assert values[names.THROUGHPUT_SAMPLES_PER_SEC] == pytest.approx(samples / seconds, rel=0.2)
         previous = step

@@ -14,7 +14,7 @@ from flops_callbacks.options import CAUSAL_ATTENTION, Options
 
 def test_the_defaults_are_the_documented_ones() -> None:
     o = Options()
-    assert (o.profile_step, o.clean_steps, o.module_depth, o.top_modules) == (10, 3, -1, 1)
+    assert (o.profile_step, o.clean_steps, o.module_depth, o.top_modules) == (10, "auto", -1, 1)
     assert (o.detailed, o.print_profile, o.throughput, o.causal_attention) == (False, True, True, "full")
     assert (o.output_file, o.batch_size_fn, o.tokens_fn, o.peak_flops) == (None, None, None, None)
     assert o.peak_bandwidth is None
@@ -28,7 +28,8 @@ def test_the_defaults_are_the_documented_ones() -> None:
         ({"profile_step": -1}, "profile_step must be an int >= 0, got -1"),
         ({"profile_step": 2.0}, "profile_step must be an int >= 0, got 2.0"),
         ({"profile_step": True}, "profile_step must be an int >= 0, got True"),
-        ({"clean_steps": -1}, "clean_steps must be an int >= 0, got -1"),
+        ({"clean_steps": -1}, "clean_steps must be 'auto' or an int >= 0, got -1"),
+        ({"clean_steps": "many"}, "clean_steps must be 'auto' or an int >= 0, got 'many'"),
         ({"module_depth": -2}, "module_depth must be an int >= -1 (-1 means all depths), got -2"),
         ({"top_modules": 0}, "top_modules must be an int >= 1, got 0"),
         ({"detailed": "yes"}, "detailed must be True or False, got 'yes'"),

@@ -399,7 +399,7 @@ def test_a_failing_cross_rank_gather_is_said_once_and_this_ranks_latencies_are_r
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("gloo: connection reset")
 
-    monkeypatch.setattr("flops_callbacks.session.gather_latencies", broken)
+    monkeypatch.setattr("flops_callbacks.window_build.gather_latencies", broken)
     done = run(framework, tmp_path)
     assert done.steps == MAX_STEPS
     (warning,) = done.warnings

@@ -43,8 +43,11 @@ def test_the_json_holds_the_counts_the_sources_and_the_metrics() -> None:
     assert (data["step"], data["published_at_step"]) == (10, 15)
     assert data["steps"] == {
         "counting": 10, "module_timing": 11, "clean": [12, 14], "skipped": [13],
-        "latency_source": "median of 2 clean step(s)",
+        "latency_source": "median of 2 clean step(s)", "shape_counting": [], "shapes": 1,
+        "shapes_counted": 1, "shapes_predicted": 0, "module_shapes_match": True,
     }  # fmt: skip
+    # one step of the result's latencies stands for the clean steps: its spread is that step
+    assert data["spread"]["iter"] == {"median": 1.0, "low": 1.0, "high": 1.0, "steps": 1}
     assert (data["samples_per_device"], data["micro_batches"], data["tokens_per_device"]) == (8, 2, 1024)
     assert data["compute_dtype"] == "bf16"
     assert data["peak"] == {"flops": 1000.0, "source": "peak_flops argument"}
@@ -57,7 +60,10 @@ def test_the_report_says_where_each_figure_came_from_and_the_dtype_and_peak() ->
         "flops, MACs, params from": "step 10 (counting step)",
         "module latencies from": "step 11 (module hooks, no counting)",
         "fwd / bwd / step latency from": "median of 2 clean step(s): steps 12, 14",
-        "clean steps left out (other batch shapes)": "13",
+        "rates from: the same steps' summed flops (samples, tokens) / summed times": (
+            "1 batch shape(s): flops of 1 counted, 0 predicted"
+        ),
+        "clean steps left out (batch shapes not countable)": "13",
     }
     for label in ("compute dtype (picks the peak)", "peak FLOPS per device (peak_flops argument)", "MFU ="):
         assert label in text

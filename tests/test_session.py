@@ -120,6 +120,11 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
         "clean": [5, 6],
         "skipped": [],
         "latency_source": "median of 2 clean step(s)",
+        "shape_counting": [],
+        "shapes": 1,  # one shape, as the steps' first micro-batch and as a later one: both counted
+        "shapes_counted": 1,
+        "shapes_predicted": 0,
+        "module_shapes_match": True,
     }
     assert (data["samples_per_device"], data["micro_batches"], data["tokens_per_device"]) == (10, 2, 60)
     assert data["metrics"] == m
@@ -164,16 +169,28 @@ def test_the_window_starts_at_the_first_step_at_or_after_profile_step() -> None:
     assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (4, 6, (8,))
 
 
-def test_a_clean_step_with_other_batch_shapes_is_left_out_not_scaled() -> None:
+def test_clean_steps_of_new_shapes_are_counted_on_steps_of_their_own_then_predicted_and_all_count() -> None:
     model = nn.Linear(IN, OUT)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     session = StepSession(Options(profile_step=0, clean_steps=2), "test")
     session.train_start(0)
     outlet = Outlet()
     run(session, model, optimizer, range(0, 3), outlet, batch=torch.randn(B, IN))
-    run(session, model, optimizer, range(3, 4), outlet, batch=torch.randn(B + 1, IN))  # another shape
+    for step, size in ((3, B + 1), (4, B + 2), (5, B + 3)):  # new shapes: counted, counted, predicted
+        run(session, model, optimizer, range(step, step + 1), outlet, batch=torch.randn(size, IN))
     r = session.result
-    assert r is not None and (r.steps.clean, r.steps.skipped) == ((2,), (3,))
+    assert r is not None and (r.steps.clean, r.steps.skipped, r.steps.shape_counting) == ((2, 5), (), (3, 4))
+    assert (r.steps.shapes, r.steps.shapes_counted, r.steps.shapes_predicted) == (4, 3, 1)
+
+    def flops(size: int) -> int:  # forward, weight and bias gradients (the input needs no grad)
+        return 2 * size * IN * OUT + 2 * size * IN * OUT + size * OUT
+
+    figures = r.figures()
+    assert figures.counts.model_flops == flops(B) + flops(B + 3)  # the two clean steps' own batches
+    m = r.metrics()
+    assert m[names.FLOPS_PER_SEC] == pytest.approx((flops(B) + flops(B + 3)) / figures.iter_seconds)
+    assert m[names.SAMPLES_PER_SEC] == pytest.approx((B + B + 3) / figures.iter_seconds)
+    assert figures.spreads["iter"].steps == 2
 
 
 def test_a_run_that_ends_inside_the_window_publishes_what_it_had_and_says_so(tmp_path: Path) -> None:
@@ -368,7 +385,9 @@ def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path
     console = outlet.printed[0].splitlines()
     # a module-timing step slowed by another process adds up to 4 lines saying so (tree_check)
     console = [line for line in console if not line.startswith("module latencies in doubt")]
-    assert len(console) <= 83, len(console)  # 80, and bytes moved, saved and peak memory since issue 21
+    # 80 before the rows of bytes moved, saved and peak memory (issue 21), the wall step's split, its wall
+    # rate, the latencies' spread and the batch shapes' row (issue 18)
+    assert len(console) <= 88, len(console)
     assert "Aggregated Profile" in outlet.printed[0] and "h.11" not in outlet.printed[0]
     assert len((tmp_path / "flops_profile_step0.txt").read_text().splitlines()) > 300  # the whole tree
 

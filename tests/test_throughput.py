@@ -1,4 +1,4 @@
-"""ThroughputMeter, framework-free: flops per shape from the profile or measured once, intervals, pauses."""
+"""ThroughputMeter, framework-free: flops per shape from the window's table (never counted), pauses."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from flops_callbacks import metrics as names
 from flops_callbacks.batch import leading_batch_size, shape_signature
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.result import WindowResult
 from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
 from flops_callbacks.throughput import ThroughputMeter
 
@@ -51,67 +51,77 @@ class Quiet:
         pass
 
 
-def profiled_step(model: nn.Module, batches: list[torch.Tensor]) -> WindowResult:
-    """A real counting step over ``batches`` (its micro-batches), dp = 2, published as a window of one."""
+def window(model: nn.Module, sizes: list[int]) -> StepSession:
+    """A real window over steps of one micro-batch of each size in ``sizes`` (counting, module timing,
+    then clean steps: new sizes are counted on steps of their own until predicted), dp = 2."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = StepSession(Options(profile_step=0, clean_steps=0, peak_flops=1e6, throughput=False), "test")
+    options = Options(profile_step=0, clean_steps=1, peak_flops=1e6, throughput=False)
+    session = StepSession(options, "test")
     session.train_start(0)
-    session.step_start(0, model, lambda: TrainingContext(ParallelSizes(world_size=2, data_parallel=2)))
-    optimizer.zero_grad()
-    for batch in batches:
+    for step, size in enumerate(sizes):
+        session.step_start(step, model, lambda: TrainingContext(ParallelSizes(world_size=2, data_parallel=2)))
+        optimizer.zero_grad()
+        batch = torch.randn(size, IN)
         session.micro_batch_start(batch)
         loss = model(batch).sum()
         session.phase(BACKWARD)
         loss.backward()
         session.micro_batch_end()
-    session.phase(OPTIMIZER_STEP)
-    optimizer.step()
-    session.step_end(1, Quiet())
-    session.train_end(1, Quiet())
+        session.phase(OPTIMIZER_STEP)
+        optimizer.step()
+        session.step_end(step + 1, Quiet())
+    session.train_end(len(sizes), Quiet())
     assert session.result is not None
-    return session.result
+    return session
 
 
-def profiled_meter(model: nn.Module, batches: list[torch.Tensor], **kwargs: object) -> ThroughputMeter:
-    """A meter started from a counting step over ``batches``, with tokens = numel."""
-    meter = ThroughputMeter(leading_batch_size, tokens_fn=lambda b: b.numel(), **kwargs)  # type: ignore[arg-type]
-    meter.start(profiled_step(model, batches), model, [shape_signature(b) for b in batches])
+def profiled_meter(model: nn.Module, sizes: list[int]) -> ThroughputMeter:
+    """A meter started from a window over ``sizes``, with tokens = numel."""
+    session = window(model, sizes)
+    meter = ThroughputMeter(leading_batch_size, tokens_fn=lambda b: b.numel())
+    assert session.result is not None
+    meter.start(session.result, model, session.flops)
     return meter
 
 
 def metered_step(meter: ThroughputMeter, model: nn.Module, batch: torch.Tensor) -> None:
-    meter.begin_micro_batch(batch, model)
+    meter.begin_micro_batch(batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     train_step(model, optimizer, batch)
-    meter.end_micro_batch()
     meter.end_step()
 
 
-def test_the_profiled_shape_needs_no_counting_and_a_new_shape_is_measured_once_exactly() -> None:
+def test_every_batch_after_the_window_has_its_exact_flops_and_none_is_counted() -> None:
     model = nn.Linear(IN, OUT)
-    meter = profiled_meter(model, [torch.randn(4, IN)])
-    assert meter.flops_per_micro_batch == {shape_signature(torch.randn(4, IN)): flops(4)}
+    # sizes 4 (counting), 4 (module timing), 3 and 5 (new: counted on steps of their own), 6 (predicted)
+    meter = profiled_meter(model, [4, 4, 3, 5, 6])
+    assert meter.flops.source(shape_signature(torch.randn(9, IN))) == "predicted"
+    seen: list[bool] = []
+    model.register_forward_pre_hook(lambda *_: seen.append(bool(_get_current_dispatch_mode_stack())))
+    meter.metrics()  # a fresh interval
     start = time.perf_counter()
-    metered_step(meter, model, torch.randn(4, IN))
-    metered_step(meter, model, torch.randn(3, IN))  # new shape: measured, its step left out
-    assert not model._forward_hooks and not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
-    metered_step(meter, model, torch.randn(3, IN))
+    for size in (4, 9, 9, 7):
+        metered_step(meter, model, torch.randn(size, IN))
     metrics = meter.metrics()
     elapsed = time.perf_counter() - start
-    assert meter.flops_per_micro_batch[shape_signature(torch.randn(3, IN))] == flops(3)
+    assert seen == [False] * 4  # no counting mode on any step after the window
     rate = metrics[names.THROUGHPUT_SAMPLES_PER_SEC]
-    assert metrics[names.THROUGHPUT_FLOPS_PER_SEC] / rate == pytest.approx((flops(4) + flops(3)) / 7 / 2)
+    samples = 4 + 9 + 9 + 7
+    assert metrics[names.THROUGHPUT_FLOPS_PER_SEC] / rate == pytest.approx(
+        (flops(4) + 2 * flops(9) + flops(7)) / samples / 2
+    )
     assert metrics[names.THROUGHPUT_TOKENS_PER_SEC] == pytest.approx(IN * rate)
     assert metrics[names.THROUGHPUT_MFU] == pytest.approx(metrics[names.THROUGHPUT_FLOPS_PER_SEC] / 1e6)
-    assert rate > 7 * 2 / elapsed  # samples of both replicas, over less than the whole time
+    # every step's time is in the interval: the rate is over (at least) the wall time of the 4 steps
+    assert samples * 2 / elapsed <= rate <= samples * 2 / elapsed * 1.5
 
 
 def test_paused_time_and_samples_are_left_out_of_the_interval() -> None:
     model = nn.Linear(IN, OUT)
-    meter = profiled_meter(model, [torch.randn(4, IN)])
+    meter = profiled_meter(model, [4, 4, 4])
     meter.metrics()  # a fresh interval
     metered_step(meter, model, torch.randn(4, IN))
-    meter.pause(evaluating=True)
+    meter.pause()
     time.sleep(0.2)
     metered_step(meter, model, torch.randn(4, IN))  # paused: not counted, and end_step does not resume
     meter.resume()
@@ -121,11 +131,11 @@ def test_paused_time_and_samples_are_left_out_of_the_interval() -> None:
     assert meter.metrics() == {}  # nothing counted since
 
 
-def test_past_max_signatures_intervals_log_samples_not_flops_and_warn_once() -> None:
+def test_a_shape_the_window_cannot_predict_logs_samples_not_flops_and_warns_once() -> None:
     model = nn.Linear(IN, OUT)
-    meter = profiled_meter(model, [torch.randn(4, IN)], max_signatures=1)
+    meter = profiled_meter(model, [4, 4, 4])  # one counted shape: nothing to predict from
     meter.metrics()
-    with pytest.warns(UserWarning, match="more than 1 batch shapes") as warned:
+    with pytest.warns(UserWarning, match="neither counted nor can predict") as warned:
         metered_step(meter, model, torch.randn(3, IN))
         metered_step(meter, model, torch.randn(2, IN))
     assert len(warned) == 1
@@ -135,23 +145,24 @@ def test_past_max_signatures_intervals_log_samples_not_flops_and_warn_once() -> 
     assert names.THROUGHPUT_FLOPS_PER_SEC in meter.metrics()
 
 
-def test_a_profiled_step_of_mixed_shapes_seeds_nothing_and_close_stops_a_measurement() -> None:
+def test_a_later_micro_batch_of_a_step_is_looked_up_as_one_and_close_stops_metering() -> None:
     model = nn.Linear(IN, OUT)
-    meter = profiled_meter(model, [torch.randn(4, IN), torch.randn(3, IN)])
-    assert meter.flops_per_micro_batch == {}
-    meter.begin_micro_batch(torch.randn(4, IN), model)  # measuring starts: module hooks and modes on
-    assert torch.nn.modules.module._global_forward_pre_hooks
-    assert torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+    meter = profiled_meter(model, [4, 4, 4])
+    meter.metrics()
+    meter.begin_micro_batch(torch.randn(4, IN))
+    with pytest.warns(UserWarning, match="neither counted nor can predict"):
+        meter.begin_micro_batch(torch.randn(4, IN))  # no window step had two micro-batches
+    meter.end_step()
+    assert names.THROUGHPUT_FLOPS_PER_SEC not in meter.metrics()
     meter.close()
-    assert not torch.nn.modules.module._global_forward_pre_hooks and not meter.started
-    assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+    assert not meter.started and meter.metrics() == {}
 
 
 def test_an_evaluation_before_training_does_not_keep_later_intervals_paused() -> None:
     model, meter = nn.Linear(IN, OUT), ThroughputMeter(leading_batch_size)
-    meter.pause(evaluating=True)  # e.g. trainer.predict() before training: no resume event follows
-    first = torch.randn(4, IN)
-    meter.start(profiled_step(model, [first]), model, [shape_signature(first)])
-    metered_step(meter, model, torch.randn(3, IN))  # a measuring step: its pause ends with the step
-    metered_step(meter, model, torch.randn(3, IN))
+    meter.pause()  # e.g. trainer.predict() before training: no resume event follows
+    session = window(model, [4, 4, 4])
+    assert session.result is not None
+    meter.start(session.result, model, session.flops)
+    metered_step(meter, model, torch.randn(4, IN))
     assert meter.metrics()[names.THROUGHPUT_FLOPS_PER_SEC] > 0

@@ -1,0 +1,162 @@
+"""The window's steps -> one :class:`~flops_callbacks.result.WindowResult`, built once at the window's end.
+
+Apart from :mod:`flops_callbacks.session` (which decides what each step does) because this is the
+other half of the job: which steps stand for what, the slowest rank's times, the peak, and where each
+figure comes from, in words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flops_callbacks.distributed import gather_latencies
+from flops_callbacks.estimate import estimate_rows
+from flops_callbacks.guard import Guard
+from flops_callbacks.module_timer import ModuleTimer
+from flops_callbacks.parallel import sharded_params
+from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_peak
+from flops_callbacks.phases import PHASES
+from flops_callbacks.result import WindowResult, WindowSteps
+from flops_callbacks.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.tracer import Tracer
+from flops_callbacks.window_steps import (
+    CLEAN,
+    COUNTING,
+    MODULE_TIMING,
+    SHAPE_COUNTING,
+    SKIPPED,
+    WindowStep,
+    clean_figures,
+)
+
+if TYPE_CHECKING:
+    from flops_callbacks.session import TrainingContext
+
+__all__ = ["build_result"]
+
+
+def _model_config(model: torch.nn.Module) -> Any:
+    """The model's config (a transformers config: ``model.config``, or a submodule's), if it has one."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if callable(getattr(config, "to_dict", None)):
+            return config
+    return None
+
+
+def _shapes(steps: list[WindowStep], flops: ShapeFlops) -> tuple[int, int, int]:
+    """Distinct micro-batch shape signatures of the counted and clean steps: all of them, those whose
+    flops were counted (as every micro-batch of theirs appeared: a step's first, or a later one), and
+    those predicted."""
+    seen: dict[Any, set[bool]] = {}
+    for s in steps:
+        if s.kind in (COUNTING, SHAPE_COUNTING, CLEAN):
+            for i, sig in enumerate(s.signatures):
+                seen.setdefault(sig, set()).add(i > 0)
+    counted = sum(all((later, sig) in flops.counted for later in kinds) for sig, kinds in seen.items())
+    return len(seen), counted, len(seen) - counted
+
+
+def _peak_memory(steps: list[WindowStep]) -> dict[str, int] | None:
+    """The largest peak allocated bytes of each phase over the clean steps (None off CUDA)."""
+    recorded = [s.phases.memory.peaks for s in steps if s.phases.memory is not None]
+    if not recorded:
+        return None
+    return {phase: max(peaks.get(phase, 0) for peaks in recorded) for phase in PHASES}
+
+
+def build_result(
+    steps: list[WindowStep],
+    tracer: Tracer,
+    timer: ModuleTimer | None,
+    model: torch.nn.Module,
+    context: TrainingContext,
+    flops: ShapeFlops,
+    global_step: int,
+    *,
+    peaks: tuple[Peak | None, Bandwidth | None],
+    guard: Guard,
+) -> WindowResult:
+    """The result of a window's steps (every rank joins the gather of the clean steps' times); ``peaks``:
+    the user's peak FLOPS and bandwidth, if given; ``guard`` runs the gather as the profiler's own work."""
+    counting = steps[0]
+    profile = tracer.profile()
+    spans: list[Any] = []
+    module_step = next((s for s in steps if s.kind == MODULE_TIMING and s.signatures), None)
+    same_shapes = module_step is not None and module_step.signatures == counting.signatures
+    if module_step is not None and not same_shapes:  # another batch's latencies would mix two batches
+        profile.modules = {
+            name: dataclasses.replace(m, fwd_latency=0.0, bwd_latency=0.0, recompute_latency=0.0)
+            for name, m in profile.modules.items()
+        }
+    elif timer is not None and module_step is not None:
+        times = timer.times()
+        spans = times.spans
+        profile = times.applied_to(profile)
+    clean = [s for s in steps if s.kind == CLEAN and s.counts is not None]
+    if clean:
+        timed, source = clean, f"median of {len(clean)} clean step(s)"
+        counts = BatchCounts()
+        for s in clean:
+            counts = counts.plus(s.counts or BatchCounts())
+    else:
+        timed = [module_step or counting]
+        source = (
+            f"the {timed[0].kind} step alone (no clean step ran: inflated by "
+            f"{'module hooks' if module_step else 'counting'})"
+        )
+        known = timed[0].counts if timed[0] is module_step and timed[0].counts is not None else None
+        counts = known or BatchCounts.of(profile)
+    local = clean_figures(timed, counts)
+    device = torch.device(profile.device)
+    rows = [local.gathered()]
+    with guard.own_work("gathering every rank's latencies", "this rank's latencies are reported"):
+        rows = gather_latencies(local.gathered(), device)
+    figures = local.from_gathered(max(rows, key=lambda row: row[0] + row[1] + row[2]))  # fwd+bwd+step sums
+    spreads = figures.spreads
+    peak, no_peak_reason = resolve_peak(peaks[0], device, context.compute_dtype)
+    bandwidth, no_bandwidth_reason = resolve_bandwidth(peaks[1], device)
+    profile = dataclasses.replace(
+        profile, fwd_latency=spreads["fwd"].median, bwd_latency=spreads["bwd"].median
+    )
+    extra = context.extra_lines(counting.batches, profile) if context.extra_lines is not None else []
+    if counting.tokens:  # what "6 x params x tokens" claims (with active parameters, for an MoE)
+        extra += estimate_rows(profile, counting.tokens, _model_config(model))
+    shapes, counted, predicted = _shapes(steps, flops)
+    return WindowResult(
+        profile=profile,
+        steps=WindowSteps(
+            counting=counting.number,
+            module_timing=module_step.number if module_step else None,
+            clean=tuple(s.number for s in clean),
+            skipped=tuple(s.number for s in steps if s.kind in (CLEAN, SKIPPED) and s not in clean),
+            latency_source=source,
+            shape_counting=tuple(s.number for s in steps if s.kind == SHAPE_COUNTING),
+            shapes=shapes,
+            shapes_counted=counted,
+            shapes_predicted=predicted,
+            module_shapes_match=same_shapes or module_step is None,
+        ),
+        fwd_latency=spreads["fwd"].median,
+        bwd_latency=spreads["bwd"].median,
+        step_latency=spreads["step"].median,
+        samples=counting.samples,
+        tokens=counting.tokens,
+        micro_batches=len(counting.signatures),
+        parallel=context.parallel,
+        compute_dtype=context.compute_dtype,
+        peak=peak,
+        no_peak_reason=no_peak_reason,
+        bandwidth=bandwidth,
+        no_bandwidth_reason=no_bandwidth_reason,
+        peak_memory=_peak_memory(clean),
+        rank_latencies=[(row[5], row[8], row[11]) for row in rows],  # (fwd, bwd, step) medians, by rank
+        sharded_model_params=sharded_params(model),
+        extra_lines=extra,
+        spans=spans,
+        published_at=global_step,
+        clean=figures,
+    )

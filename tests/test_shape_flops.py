@@ -1,0 +1,73 @@
+"""ShapeFlops: counted shapes, and an exact predictor that is trusted only once a counted point checks it."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from flops_callbacks.batch import shape_signature
+from flops_callbacks.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.tracer import Tracer
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=128, n_embd=16, n_layer=2, n_head=2, bos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def batch(length: int, size: int = 2) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 64, (size, length))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def counted(model: GPT2LMHeadModel, inputs: dict[str, torch.Tensor]) -> BatchCounts:
+    model.zero_grad(set_to_none=True)  # a step's first micro-batch: no gradient to add to
+    tracer = Tracer(model)
+    tracer.start()
+    try:
+        model(**inputs).loss.backward()
+    finally:
+        tracer.stop()
+    return BatchCounts.of(tracer.profile().model)
+
+
+def torch_flops(model: GPT2LMHeadModel, inputs: dict[str, torch.Tensor]) -> int:
+    model.zero_grad(set_to_none=True)
+    with FlopCounterMode(display=False) as mode:
+        model(**inputs).loss.backward()
+    return mode.get_total_flops()
+
+
+def test_a_gpt2s_flops_at_an_unseen_length_are_predicted_exactly_after_four_counted_lengths() -> None:
+    model, table = tiny_gpt2(), ShapeFlops()
+    for n, length in enumerate((16, 24, 40, 72)):
+        inputs = batch(length)
+        table.record(shape_signature(inputs), counted(model, inputs))
+        # attention is quadratic in L: a line through 2 points and a parabola through 3 are not verified
+        assert (table.get(shape_signature(batch(57))) is None) == (n < 3)
+    inputs = batch(57)
+    predicted = table.get(shape_signature(inputs))
+    assert table.source(shape_signature(inputs)) == "predicted"
+    assert predicted == counted(model, inputs)
+    # the same work as torch's own counter sees (matmuls and attention: its registry's ops)
+    assert torch_flops(model, inputs) <= predicted.model_flops
+
+
+def test_dims_that_never_varied_or_stop_being_equal_are_not_predicted() -> None:
+    table = ShapeFlops()
+    for length in (1, 2, 3, 4):  # counts = 5 + 3 L + 2 L^2 (a batch of 2 x L ids and mask)
+        sig = (((2, length), torch.int64), ((2, length), torch.int64))
+        table.record(sig, BatchCounts(5 + 3 * length + 2 * length**2, length, 0, 7, 1, 0))
+    assert table.get((((2, 10), torch.int64), ((2, 10), torch.int64))) == BatchCounts(235, 10, 0, 7, 1, 0)
+    assert table.get((((3, 10), torch.int64), ((3, 10), torch.int64))) is None  # the batch size never varied
+    assert table.get((((2, 10), torch.int64), ((2, 11), torch.int64))) is None  # L and L' were always equal
+    assert table.get((((2, 10), torch.float32), ((2, 10), torch.int64))) is None  # another family
+
+
+def test_counts_that_are_no_polynomial_keep_being_counted() -> None:
+    table = ShapeFlops()
+    for length in (8, 9, 10, 11, 12, 13):  # padded internally to a multiple of 8: a step, no polynomial
+        table.record((((1, length), torch.int64),), BatchCounts(-(-length // 8) * 8, 0, 0, 0))
+    assert table.get((((1, 30), torch.int64),)) is None
