@@ -38,7 +38,7 @@ import torch, flops_callbacks
 flops, macs, params = flops_callbacks.get_model_profile(
     torch.nn.Linear(4, 2), input_shape=(3, 4), print_profile=False, as_string=False)
 assert (flops, macs, params) == (48, 24, 10), (flops, macs, params)
-from flops_callbacks.picture import render_html  # its page template is package data
+from flops_callbacks.reporting.picture import render_html  # its page template is package data
 model = torch.nn.Linear(4, 2)
 prof = flops_callbacks.FlopsProfiler(model)
 prof.start_profile()

@@ -26,9 +26,9 @@ from unittest import mock
 
 import torch
 
-from flops_callbacks import tracer as tracer_module
-from flops_callbacks.saved_activations import SavedActivations
-from flops_callbacks.tracer import Tracer
+from flops_callbacks.counting import engine as tracer_module
+from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.saved_activations import SavedActivations
 
 
 @contextlib.contextmanager

@@ -20,8 +20,8 @@ import torch
 import transformers
 
 from flops_callbacks.options import Options
-from flops_callbacks.publish import picture
-from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession
+from flops_callbacks.reporting.publish import picture
+from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession
 
 
 class Quiet:

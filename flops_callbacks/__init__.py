@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flops_callbacks.deepspeed_api import (
+from flops_callbacks.counting.registry import OpKind, register_formula, register_op_kind
+from flops_callbacks.integrations.deepspeed_api import (
     FlopsProfiler,
     get_model_profile,
     get_module_duration,
@@ -16,7 +17,6 @@ from flops_callbacks.deepspeed_api import (
     get_module_macs,
 )
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
-from flops_callbacks.registry import OpKind, register_formula, register_op_kind
 from flops_callbacks.units import (
     bytes_to_string,
     duration_to_string,
@@ -27,14 +27,14 @@ from flops_callbacks.units import (
 )
 
 if TYPE_CHECKING:
-    from flops_callbacks.hf import HFFlopsCallback
-    from flops_callbacks.lightning import FlopsProfilerCallback
+    from flops_callbacks.integrations.hf import HFFlopsCallback
+    from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "FlopsProfilerCallback": "flops_callbacks.lightning",
-    "HFFlopsCallback": "flops_callbacks.hf",
+    "FlopsProfilerCallback": "flops_callbacks.integrations.lightning",
+    "HFFlopsCallback": "flops_callbacks.integrations.hf",
 }
 
 

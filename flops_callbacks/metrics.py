@@ -1,6 +1,5 @@
-"""The metric names both callbacks log, in one place, and the window -> metrics dict conversion.
-
-The metrics dict is computed here, once; the printed report, the JSON and the loggers all read it.
+"""The metric names both callbacks log, in one place (names only: the window's result computes the
+dict once, :meth:`flops_callbacks.session.result.WindowResult.metrics`).
 
 Flops and latencies are per device; ``samples_per_sec`` and ``tokens_per_sec`` count every
 data-parallel replica. Latencies are in seconds, rates per second, MFU and HFU fractions of the
@@ -9,20 +8,11 @@ In a multi-process run the latencies are the slowest rank's.
 
 Latencies are medians over the clean steps; rates are sums over them: the clean steps' flops (samples,
 tokens) over the sum of their times, each batch with its own exact flops whatever its shapes
-(:mod:`flops_callbacks.shape_flops`). The compute rates (``samples_per_sec``, DeepSpeed's: over
+(:mod:`flops_callbacks.session.shape_flops`). The compute rates (``samples_per_sec``, DeepSpeed's: over
 fwd + bwd + step) sit beside the wall rates (over the whole wall step, the wait for data included).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from flops_callbacks.profile import Profile
-from flops_callbacks.shape_flops import BatchCounts
-
-if TYPE_CHECKING:
-    from flops_callbacks.result import WindowResult
 
 PREFIX = "flops_profiler/"
 
@@ -30,7 +20,8 @@ FWD_FLOPS = PREFIX + "fwd_flops"  # forward flops, measured
 BWD_FLOPS = PREFIX + "bwd_flops"  # backward flops, measured (not 2 x fwd)
 RECOMPUTE_FLOPS = PREFIX + "recompute_flops"  # forwards re-run by activation checkpointing
 FWD_MACS = PREFIX + "fwd_macs"  # forward multiply-accumulates (matmul, conv, attention)
-FWD_BYTES = PREFIX + "fwd_bytes"  # bytes the forward's ops read and write (flops_callbacks.bytes_moved)
+# bytes the forward's ops read and write (flops_callbacks.counting.bytes_moved)
+FWD_BYTES = PREFIX + "fwd_bytes"
 BWD_BYTES = PREFIX + "bwd_bytes"  # bytes the backward's ops read and write (recompute apart)
 SAVED_ACTIVATION_BYTES = PREFIX + "saved_activation_bytes"  # saved for the backward, params excluded
 PARAMS = PREFIX + "params"  # parameters on this device
@@ -57,7 +48,7 @@ WALL_TOKENS_PER_SEC = PREFIX + "wall_tokens_per_sec"  # tokens x dp size / wall 
 PADDING_FRACTION = PREFIX + "padding_fraction"  # padding positions / all positions (clean steps)
 REAL_TOKENS_PER_SEC = PREFIX + "real_tokens_per_sec"  # non-padding tokens x dp size / iter latency
 
-# Continuous throughput, at every logging step after the profile window (flops_callbacks.throughput):
+# Continuous throughput, at every logging step after the profile window (flops_callbacks.session.meter):
 # rates over the wall time since the previous logging step, flops from the measured flops per batch.
 THROUGHPUT_PREFIX = "throughput/"
 THROUGHPUT_SAMPLES_PER_SEC = THROUGHPUT_PREFIX + "samples_per_sec"  # all data-parallel replicas
@@ -93,81 +84,3 @@ ALL = (
     TOKENS_PER_SEC,
     *WALL,
 )
-
-
-def _per_sec(amount: float, seconds: float) -> float:
-    return amount / seconds if seconds > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class PhaseRates:
-    """Achieved FLOPS of each phase (0 where a latency is 0): the one definition the report and the
-    metrics both use."""
-
-    fwd: float
-    bwd: float
-    fwd_bwd: float
-    iter: float
-
-
-def phase_rates(
-    profile: Profile | BatchCounts, fwd_latency: float, bwd_latency: float, step_latency: float
-) -> PhaseRates:
-    """The work the device did in each phase over its latency; recompute runs in the backward."""
-    bwd = profile.bwd_flops + profile.recompute_flops
-    return PhaseRates(
-        fwd=_per_sec(profile.fwd_flops, fwd_latency),
-        bwd=_per_sec(bwd, bwd_latency),
-        fwd_bwd=_per_sec(profile.fwd_flops + bwd, fwd_latency + bwd_latency),
-        iter=_per_sec(profile.fwd_flops + bwd, fwd_latency + bwd_latency + step_latency),
-    )
-
-
-def window_rates(step: WindowResult) -> PhaseRates:
-    """Each phase's FLOPS over the clean steps: their flops over their summed phase times."""
-    c = step.figures()
-    return phase_rates(c.counts, c.sums["fwd"], c.sums["bwd"], c.sums["step"])
-
-
-def window_metrics(step: WindowResult) -> dict[str, float]:
-    """The metrics dict of a profile window (``tokens_per_sec`` only when tokens are known)."""
-    p = step.profile
-    c = step.figures()
-    dp = step.parallel.data_parallel
-    seconds, wall = c.iter_seconds, c.sums["wall"]
-    rates = window_rates(step)
-    metrics = {
-        FWD_FLOPS: float(p.fwd_flops),
-        BWD_FLOPS: float(p.bwd_flops),
-        RECOMPUTE_FLOPS: float(p.recompute_flops),
-        FWD_MACS: float(p.fwd_macs),
-        FWD_BYTES: float(p.fwd_bytes),
-        BWD_BYTES: float(p.bwd_bytes),
-        SAVED_ACTIVATION_BYTES: float(p.saved_bytes),
-        PARAMS: float(p.params),
-        FWD_LATENCY: step.fwd_latency,
-        BWD_LATENCY: step.bwd_latency,
-        STEP_LATENCY: step.step_latency,
-        ITER_LATENCY: step.iter_latency,
-        FWD_FLOPS_PER_SEC: rates.fwd,
-        BWD_FLOPS_PER_SEC: rates.bwd,
-        FLOPS_PER_SEC: rates.iter,
-    }
-    if c.samples is not None:
-        metrics[SAMPLES_PER_SEC] = _per_sec(c.samples * dp, seconds)
-    if c.tokens is not None:
-        metrics[TOKENS_PER_SEC] = _per_sec(c.tokens * dp, seconds)
-    if wall > 0:
-        metrics[WALL_LATENCY] = c.spreads["wall"].median
-        metrics[DATA_LATENCY] = c.spreads["data"].median
-        if c.samples is not None:
-            metrics[WALL_SAMPLES_PER_SEC] = _per_sec(c.samples * dp, wall)
-        if c.tokens is not None:
-            metrics[WALL_TOKENS_PER_SEC] = _per_sec(c.tokens * dp, wall)
-    if c.positions:
-        metrics[PADDING_FRACTION] = 1 - (c.real_tokens or 0) / c.positions
-        metrics[REAL_TOKENS_PER_SEC] = _per_sec((c.real_tokens or 0) * dp, seconds)
-    if step.peak is not None:
-        metrics[MFU] = _per_sec(c.counts.model_flops, seconds) / step.peak.flops
-        metrics[HFU] = _per_sec(c.counts.hardware_flops, seconds) / step.peak.flops
-    return metrics

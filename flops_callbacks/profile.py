@@ -6,7 +6,8 @@ only multiply-accumulate ops (matmul, conv, attention), so ``2 * macs`` is exact
 ``torch.utils.flop_counter.FlopCounterMode`` reports; the rest of ``flops`` is elementwise work.
 Bytes (``fwd_bytes`` ...) are the memory traffic the same ops imply: each op reads every tensor it is
 given and writes every tensor it returns (element size x elements; views move nothing; an in-place op
-reads and writes its operand: :mod:`flops_callbacks.bytes_moved`). ``saved_bytes`` are the activations
+reads and writes its operand: :mod:`flops_callbacks.counting.bytes_moved`). ``saved_bytes`` are the
+activations
 the forward leaves for the backward (parameters excluded, each storage once). Latencies are in seconds.
 """
 

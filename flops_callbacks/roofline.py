@@ -1,6 +1,6 @@
 """The roofline verdict of a module: is its time bound by arithmetic, by memory bandwidth, or by neither?
 
-Given a module's flops, the bytes its ops move (:mod:`flops_callbacks.bytes_moved`) and its measured
+Given a module's flops, the bytes its ops move (:mod:`flops_callbacks.counting.bytes_moved`) and its measured
 latency, and the device's peak FLOPS and peak memory bandwidth, the roofline model says the fastest the
 module could run: ``bound = max(flops / peak FLOPS, bytes / peak bandwidth)``. Which term is larger is
 the ``limiter``; ``bound / latency`` is the ``roofline_fraction`` it achieved. A module far below both

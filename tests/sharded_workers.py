@@ -109,7 +109,7 @@ def lightning_fsdp2(directory: Path) -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
 
-    from flops_callbacks.lightning import FlopsProfilerCallback
+    from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 
     class ShardedMLP(L.LightningModule):
         """The MLP with each Linear and the whole model sharded over the data-parallel mesh (FSDP2)."""
@@ -156,7 +156,7 @@ def lightning_fsdp2(directory: Path) -> None:
 def hf_zero(directory: Path, stage: int) -> None:
     from transformers import Trainer, TrainingArguments
 
-    from flops_callbacks.hf import HFFlopsCallback
+    from flops_callbacks.integrations.hf import HFFlopsCallback
 
     args = TrainingArguments(
         output_dir=str(directory / "out"),
@@ -193,7 +193,7 @@ def readers(directory: Path) -> None:
     from lightning.pytorch.strategies import DeepSpeedStrategy
     from transformers import Trainer, TrainingArguments
 
-    from flops_callbacks import hf, lightning
+    from flops_callbacks.integrations import hf, lightning
     from flops_callbacks.parallel import global_numel, sharded_params, stored_numel
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from flops_callbacks import FlopsProfiler, Profile
-from flops_callbacks.estimate import Routing, estimate_rows, routing_of
+from flops_callbacks.counting.estimate import Routing, estimate_rows, routing_of
 from flops_callbacks.units import number_to_string, params_to_string
 
 transformers = pytest.importorskip("transformers")

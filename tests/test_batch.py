@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import BatchEncoding
 
-from flops_callbacks.batch import batch_tensors, find_batch_size, leading_batch_size, shape_signature
+from flops_callbacks.session.batch import batch_tensors, find_batch_size, leading_batch_size, shape_signature
 
 
 def test_tensors_are_found_in_any_nesting_in_tree_order() -> None:

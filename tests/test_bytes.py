@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from flops_callbacks.bytes_moved import bytes_rule
+from flops_callbacks.counting.bytes_moved import bytes_rule
+from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.profile import Profile
-from flops_callbacks.tracer import Tracer
 
 F32 = 4
 B, D_IN, D_OUT = 4, 8, 16

@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 
-from flops_callbacks.callback_base import SessionCallback
-from flops_callbacks.hf import HFFlopsCallback
-from flops_callbacks.lightning import FlopsProfilerCallback
+from flops_callbacks.integrations.callback_base import SessionCallback
+from flops_callbacks.integrations.hf import HFFlopsCallback
+from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from flops_callbacks.options import Options
 
 

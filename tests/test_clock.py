@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flops_callbacks.clock import CpuClock, CudaClock, NullClock, SyncClock, clock_for
+from flops_callbacks.timing.clock import CpuClock, CudaClock, NullClock, SyncClock, clock_for
 
 
 def test_clock_for_picks_the_device_clock() -> None:

@@ -19,10 +19,10 @@ import transformers
 from torch._dynamo.utils import counters
 
 from flops_callbacks import FlopsProfilerCallback, HFFlopsCallback
-from flops_callbacks.clock import CpuClock
-from flops_callbacks.module_timer import ModuleTimer
+from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.module_tree import has_compiled
-from flops_callbacks.tracer import Tracer
+from flops_callbacks.timing.clock import CpuClock
+from flops_callbacks.timing.module_timer import ModuleTimer
 
 WIDTH, BATCH, STEPS = 256, 128, 7  # a forward of ~2 ms: compute, not dynamo's guards, sets the times
 PROFILE_STEP = 2  # counting 2, module timing 3, clean 4 and 5

@@ -27,7 +27,7 @@ from flops_callbacks import (
     number_to_string,
     params_to_string,
 )
-from flops_callbacks.callback_base import deepspeed_callback_kwargs
+from flops_callbacks.integrations.callback_base import deepspeed_callback_kwargs
 
 B, IN, HID, OUT = 4, 8, 16, 3
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from flops_callbacks.distributed import gather_latencies
+from flops_callbacks.session.distributed import gather_latencies
 
 
 def test_a_single_process_gathers_its_own_latencies() -> None:

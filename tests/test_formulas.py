@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from flops_callbacks import FlopsProfiler, Profile, get_model_profile
-from flops_callbacks.registry import entry_for
+from flops_callbacks.counting.registry import entry_for
 
 
 class Call(nn.Module):

@@ -43,9 +43,9 @@ from transformers import (
 
 from flops_callbacks import FlopsProfiler
 from flops_callbacks import metrics as names
-from flops_callbacks.hf import HFFlopsCallback, parallel_sizes
+from flops_callbacks.integrations.hf import HFFlopsCallback, parallel_sizes
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.result import WindowSteps
+from flops_callbacks.session.result import WindowSteps
 from flops_callbacks.units import duration_to_string
 from tests.raising import RaiseInBackward
 from tests.sleepy import Sleepy, SleepySGD
@@ -892,7 +892,7 @@ def ddp_worker(directory: Path) -> None:
 
 
 def test_missing_transformers_says_what_to_install() -> None:
-    code = "import sys; sys.modules['transformers'] = None; import flops_callbacks.hf"
+    code = "import sys; sys.modules['transformers'] = None; import flops_callbacks.integrations.hf"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
     assert run.returncode != 0
     assert (

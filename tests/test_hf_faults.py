@@ -25,7 +25,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from flops_callbacks.hf import HFFlopsCallback
+from flops_callbacks.integrations.hf import HFFlopsCallback
 from tests.raising import RaiseInBackward
 
 PROFILE_STEP, CLEAN_STEPS = 1, 1

@@ -37,9 +37,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from flops_callbacks import metrics as names
-from flops_callbacks.lightning import FlopsProfilerCallback, parallel_sizes
+from flops_callbacks.integrations.lightning import FlopsProfilerCallback, parallel_sizes
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.result import WindowSteps
+from flops_callbacks.session.result import WindowSteps
 from flops_callbacks.units import duration_to_string, number_to_string
 from tests.sleepy import Sleepy, SleepySGD
 
@@ -895,7 +895,7 @@ def terminal_screen(args: list[str], columns: int = 200, rows: int = 300, timeou
 def test_the_report_printed_under_a_progress_bar_leaves_the_bar_lines_intact(
     tmp_path: Path, bar: str
 ) -> None:
-    from flops_callbacks.report import TITLE
+    from flops_callbacks.reporting.report import TITLE
 
     screen = terminal_screen([sys.executable, __file__, str(tmp_path), bar])
     text = "\n".join(screen)

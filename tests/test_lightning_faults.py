@@ -38,9 +38,9 @@ from torch.optim import optimizer as torch_optimizer
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from flops_callbacks.lightning import FlopsProfilerCallback
+from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from flops_callbacks.profile import Counts, Profile
-from flops_callbacks.result import WindowSteps
+from flops_callbacks.session.result import WindowSteps
 from tests.raising import RaiseInBackward
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3

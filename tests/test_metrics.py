@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 
 from flops_callbacks import metrics as names
-from flops_callbacks.metrics import phase_rates, window_metrics
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Peak
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
-from flops_callbacks.result import WindowResult, WindowSteps
+from flops_callbacks.session.result import WindowResult, WindowSteps, phase_rates, window_metrics
 
 
 def profile(fwd: int, bwd: int, recompute: int) -> Profile:

@@ -8,8 +8,8 @@ import torch.nn as nn
 from torch.nn.modules import module as torch_module
 from torch.utils.checkpoint import checkpoint
 
-from flops_callbacks.clock import CpuClock
-from flops_callbacks.module_timer import BACKWARD, FORWARD, ModuleTimer, ancestors
+from flops_callbacks.timing.clock import CpuClock
+from flops_callbacks.timing.module_timer import BACKWARD, FORWARD, ModuleTimer, ancestors
 from tests.sleepy import Sleepy
 
 

@@ -29,8 +29,8 @@ from transformers import BatchEncoding, Trainer, TrainerCallback, TrainingArgume
 
 from flops_callbacks import metrics as names
 from flops_callbacks import register_formula
-from flops_callbacks.hf import HFFlopsCallback
-from flops_callbacks.lightning import FlopsProfilerCallback
+from flops_callbacks.integrations.hf import HFFlopsCallback
+from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from tests.support import leftovers
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 4
@@ -311,7 +311,7 @@ def test_a_full_disk_at_the_window_end_is_said_once_and_the_metrics_are_logged(
     def full_disk(path: Any, text: str) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr("flops_callbacks.publish.write_text", full_disk)
+    monkeypatch.setattr("flops_callbacks.reporting.publish.write_text", full_disk)
     done = run(framework, tmp_path)
     assert done.steps == MAX_STEPS
     (warning,) = done.warnings
@@ -378,7 +378,7 @@ def test_a_failing_report_renderer_is_said_once_and_the_metrics_json_and_picture
     def broken(*args: Any, **kwargs: Any) -> str:
         raise KeyError("renderer")
 
-    monkeypatch.setattr("flops_callbacks.publish.render_profile", broken)
+    monkeypatch.setattr("flops_callbacks.reporting.publish.render_profile", broken)
     done = run(framework, tmp_path)
     assert done.steps == MAX_STEPS
     (warning,) = done.warnings
@@ -399,7 +399,7 @@ def test_a_failing_cross_rank_gather_is_said_once_and_this_ranks_latencies_are_r
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("gloo: connection reset")
 
-    monkeypatch.setattr("flops_callbacks.window_build.gather_latencies", broken)
+    monkeypatch.setattr("flops_callbacks.session.builder.gather_latencies", broken)
     done = run(framework, tmp_path)
     assert done.steps == MAX_STEPS
     (warning,) = done.warnings

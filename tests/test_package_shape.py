@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle between its modules, no module over about 450 lines."""
+"""The package's shape: layers as subpackages that import one way, no import cycle between modules
+(type-checking imports included), no module over about 450 lines, ``__all__`` in every module."""
 
 from __future__ import annotations
 
@@ -6,37 +7,41 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flops_callbacks"
+# Lowest first: a module may import its own layer and the layers before it. The base is the package's
+# top-level modules (plain data, units, options, the guard); the rest are its subpackages.
+LAYERS = ("base", "timing", "counting", "session", "reporting", "integrations")
 
 
-def module_imports(path: Path) -> set[str]:
-    """The package modules a module imports at run time: every import of ``flops_callbacks.*``, at any
-    level, except those only for type checking."""
-    tree = ast.parse(path.read_text())
-    typing_only: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            typing_only.update(id(inner) for inner in ast.walk(node))
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else "base"
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def module_imports(path: Path, known: set[str]) -> set[str]:
+    """The package modules a module imports, at any level, type-checking imports included."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("flops_callbacks"):
-            if node.module == "flops_callbacks":
-                found.update(f"flops_callbacks.{alias.name}" for alias in node.names)
-            else:
-                found.add(node.module)
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("flops_callbacks."))
-    modules = {f"flops_callbacks.{p.stem}" for p in PACKAGE.glob("*.py")}
-    return found & modules
+            found.update(a.name for a in node.names if a.name.startswith("flops_callbacks"))
+    return (found & known) - {"flops_callbacks"}
 
 
 def graph() -> dict[str, set[str]]:
-    return {
-        f"flops_callbacks.{path.stem}": module_imports(path)
-        for path in PACKAGE.glob("*.py")
-        if path.stem != "__init__"
-    }
+    known = modules()
+    names = set(known)
+    return {name: module_imports(path, names) for name, path in known.items() if name != "flops_callbacks"}
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -58,7 +63,18 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return next((c for m in sorted(edges) if (c := visit(m, []))), None)
 
 
-def test_no_module_imports_itself_through_others() -> None:
+def upward_imports(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a layer imports a layer above it."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    return sorted(
+        (module, imported)
+        for module, imports in edges.items()
+        for imported in imports
+        if rank[layer(imported)] > rank[layer(module)]
+    )
+
+
+def test_no_module_imports_itself_through_others_not_even_for_type_checking() -> None:
     assert find_cycle(graph()) is None
 
 
@@ -67,6 +83,32 @@ def test_the_cycle_check_sees_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def test_the_layers_are_the_subpackages_and_import_only_downward() -> None:
+    edges = graph()
+    assert {layer(m) for m in edges} == set(LAYERS)
+    assert upward_imports(edges) == []
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    edges = {"flops_callbacks.counting.engine": {"flops_callbacks.session.meter", "flops_callbacks.profile"}}
+    assert upward_imports(edges) == [("flops_callbacks.counting.engine", "flops_callbacks.session.meter")]
+
+
 def test_no_module_is_over_about_450_lines() -> None:
-    sizes = {path.name: len(path.read_text().splitlines()) for path in PACKAGE.glob("*.py")}
+    sizes = {
+        str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")
+    }
     assert max(sizes.values()) <= 460, {name: n for name, n in sizes.items() if n > 460}
+
+
+def test_every_module_says_what_it_exports() -> None:
+    missing = [
+        name
+        for name, path in modules().items()
+        if path.name != "__init__.py"
+        and not any(
+            isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+            for node in ast.parse(path.read_text()).body
+        )
+    ]
+    assert missing == []

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
-from flops_callbacks import hf, lightning
+from flops_callbacks.integrations import hf, lightning
 from flops_callbacks.options import Options
 from flops_callbacks.peaks import (
     BANDWIDTH_ENV_VAR,
@@ -32,7 +32,7 @@ from flops_callbacks.peaks import (
     table_bandwidth,
     table_peak,
 )
-from flops_callbacks.session import StepSession
+from flops_callbacks.session.step_session import StepSession
 
 # (what torch.cuda.get_device_name() returns on that device, our table's name for it)
 DEVICE_NAMES = [

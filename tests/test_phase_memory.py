@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from flops_callbacks.options import Options
-from flops_callbacks.phases import BACKWARD, FORWARD, OPTIMIZER_STEP
-from flops_callbacks.publish import json_data, report_text
-from flops_callbacks.session import StepSession
+from flops_callbacks.reporting.publish import json_data, report_text
+from flops_callbacks.session.step_session import StepSession
+from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP
 from tests.test_session import Outlet, run
 
 MIB = 2**20

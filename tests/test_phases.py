@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flops_callbacks.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
+from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
 
 
 class TickClock:

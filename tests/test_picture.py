@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flops_callbacks.picture import render_html
+from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.profile import Profile
+from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.roofline import as_data, module_rooflines
-from flops_callbacks.tracer import Tracer
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
 
 transformers = pytest.importorskip("transformers")
@@ -32,7 +32,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium binary on PATH (Debian: apt-get install -y chromium)"
 )
-TEMPLATE = files("flops_callbacks").joinpath("picture.html").read_text(encoding="utf-8")
+TEMPLATE = files("flops_callbacks.reporting").joinpath("picture.html").read_text(encoding="utf-8")
 RAMP = {  # the page's colour ramp (viridis), as RGB
     tuple(int(c[i : i + 2], 16) for i in (1, 3, 5))
     for c in re.findall(r'"(#[0-9a-f]{6})"', TEMPLATE.split("RAMP = [")[1].split("]")[0])

@@ -13,9 +13,9 @@ from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Peak
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
-from flops_callbacks.publish import json_data, markdown_block, publish, report_text, source_lines
-from flops_callbacks.result import WindowResult, WindowSteps
-from flops_callbacks.trace import ModuleSpan
+from flops_callbacks.reporting.publish import json_data, markdown_block, publish, report_text, source_lines
+from flops_callbacks.session.result import WindowResult, WindowSteps
+from flops_callbacks.timing.spans import ModuleSpan
 
 
 def window(skipped: tuple[int, ...] = ()) -> WindowResult:

@@ -26,10 +26,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from flops_callbacks import metrics as names
-from flops_callbacks.hf import HFFlopsCallback
-from flops_callbacks.lightning import FlopsProfilerCallback
-from flops_callbacks.shape_flops import BatchCounts
-from flops_callbacks.tracer import Tracer
+from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.integrations.hf import HFFlopsCallback
+from flops_callbacks.integrations.lightning import FlopsProfilerCallback
+from flops_callbacks.session.shape_flops import BatchCounts
 
 VOCAB, BATCH, SLEEP = 97, 4, 0.5  # the collator's sleep: most of a step, even on a busy machine
 PROFILE_STEP, CLEAN_STEPS, MAX_STEPS = 1, 3, 16

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from flops_callbacks import FlopsProfiler, OpKind, Profile, register_formula, register_op_kind
-from flops_callbacks.registry import entry_for
+from flops_callbacks.counting.registry import entry_for
 
 ROOT = Path(__file__).resolve().parents[1]
 aten = torch.ops.aten

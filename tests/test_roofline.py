@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from flops_callbacks.options import Options
-from flops_callbacks.publish import json_data, report_text
+from flops_callbacks.reporting.publish import json_data, report_text
 from flops_callbacks.roofline import COMPUTE, MEMORY, roofline
-from flops_callbacks.session import StepSession
+from flops_callbacks.session.step_session import StepSession
 from tests.test_session import Outlet, run
 
 N, F32 = 256, 4

@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
+from flops_callbacks.reporting.publish import publish
+from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
 from flops_callbacks.units import flops_to_string, number_to_string, params_to_string
 from tests.sleepy import Sleepy, SleepySGD
 
@@ -90,7 +91,9 @@ def no_profiler_left() -> bool:
 
 def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: Path) -> None:
     model = nn.Linear(IN, OUT)
-    session = StepSession(Options(profile_step=3, clean_steps=2, tokens_fn=lambda b: b.numel()), "test")
+    session = StepSession(
+        Options(profile_step=3, clean_steps=2, tokens_fn=lambda b: b.numel()), "test", publish=publish
+    )
     outlet = Outlet(tmp_path)
     session.train_start(0, max_steps=10)
     run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, 7), outlet, micro_batches=2)
@@ -144,7 +147,7 @@ def test_latencies_come_from_clean_steps_not_from_the_counting_step() -> None:
     the sleeps, the counting step's own phases would not."""
     model = Sleepy(fwd=0.1, bwd=0.1)
     optimizer = SleepySGD(model.parameters(), seconds=0.1)
-    session = StepSession(Options(profile_step=0, clean_steps=3), "test")
+    session = StepSession(Options(profile_step=0, clean_steps=3), "test", publish=publish)
     session.train_start(0)
     batch = torch.randn(B, 4)
     run(session, model, optimizer, range(0, 5), Outlet(), batch=batch)
@@ -161,7 +164,7 @@ def test_latencies_come_from_clean_steps_not_from_the_counting_step() -> None:
 def test_the_window_starts_at_the_first_step_at_or_after_profile_step() -> None:
     model = nn.Linear(IN, OUT)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = StepSession(Options(profile_step=3, clean_steps=1), "test")
+    session = StepSession(Options(profile_step=3, clean_steps=1), "test", publish=publish)
     session.train_start(0)
     for step in range(0, 12, 2):  # two optimizers: the global step advances by 2 per batch
         run(session, model, optimizer, range(step, step + 1), Outlet())
@@ -172,7 +175,7 @@ def test_the_window_starts_at_the_first_step_at_or_after_profile_step() -> None:
 def test_clean_steps_of_new_shapes_are_counted_on_steps_of_their_own_then_predicted_and_all_count() -> None:
     model = nn.Linear(IN, OUT)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = StepSession(Options(profile_step=0, clean_steps=2), "test")
+    session = StepSession(Options(profile_step=0, clean_steps=2), "test", publish=publish)
     session.train_start(0)
     outlet = Outlet()
     run(session, model, optimizer, range(0, 3), outlet, batch=torch.randn(B, IN))
@@ -196,7 +199,7 @@ def test_clean_steps_of_new_shapes_are_counted_on_steps_of_their_own_then_predic
 def test_a_run_that_ends_inside_the_window_publishes_what_it_had_and_says_so(tmp_path: Path) -> None:
     model = nn.Linear(IN, OUT)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = StepSession(Options(profile_step=1, clean_steps=3), "test")
+    session = StepSession(Options(profile_step=1, clean_steps=3), "test", publish=publish)
     with pytest.warns(UserWarning, match=r"window needs steps 1 \.\. 5.*latencies will rest on 1 clean step"):
         session.train_start(0, max_steps=4)
     outlet = Outlet(tmp_path)
@@ -211,7 +214,7 @@ def test_a_run_that_ends_inside_the_window_publishes_what_it_had_and_says_so(tmp
 
 def test_a_window_with_no_clean_step_says_its_latencies_are_inflated() -> None:
     model = nn.Linear(IN, OUT)
-    session = StepSession(Options(profile_step=0, clean_steps=3), "test")
+    session = StepSession(Options(profile_step=0, clean_steps=3), "test", publish=publish)
     with pytest.warns(UserWarning, match="rest on 0 clean step"):
         session.train_start(0, max_steps=1)
     outlet = Outlet()
@@ -224,20 +227,22 @@ def test_a_window_with_no_clean_step_says_its_latencies_are_inflated() -> None:
 
 def test_warnings_come_at_train_start_not_after_the_run() -> None:
     with pytest.warns(UserWarning, match=r"profile_step=10 is never reached: the run has 5 optimizer steps"):
-        StepSession(Options(profile_step=10), "test").train_start(0, max_steps=5)
+        StepSession(Options(profile_step=10), "test", publish=publish).train_start(0, max_steps=5)
     with pytest.warns(UserWarning, match="resumed at step 12, past profile_step=10: no profile runs"):
-        StepSession(Options(profile_step=10), "test").train_start(12)
+        StepSession(Options(profile_step=10), "test", publish=publish).train_start(12)
     with pytest.warns(UserWarning, match="step 10 was profiled before the checkpoint"):
-        StepSession(Options(profile_step=10), "test").train_start(12, profiled_before=True)
+        StepSession(Options(profile_step=10), "test", publish=publish).train_start(12, profiled_before=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        StepSession(Options(profile_step=2, clean_steps=1), "test").train_start(0, max_steps=6)
+        StepSession(Options(profile_step=2, clean_steps=1), "test", publish=publish).train_start(
+            0, max_steps=6
+        )
 
 
 def test_a_second_run_profiles_again() -> None:
     model = nn.Linear(IN, OUT)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = StepSession(Options(profile_step=0, clean_steps=0), "test")
+    session = StepSession(Options(profile_step=0, clean_steps=0), "test", publish=publish)
     for _ in range(2):
         session.train_start(0)
         outlet = Outlet()
@@ -251,7 +256,7 @@ def test_close_inside_any_window_step_leaves_nothing_and_the_next_run_counts_the
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = torch.randn(B, IN)
     for failing in range(3):  # the counting, the module-timing and a clean step
-        session = StepSession(Options(profile_step=0, clean_steps=1), "test")
+        session = StepSession(Options(profile_step=0, clean_steps=1), "test", publish=publish)
         session.train_start(0)
         run(session, model, optimizer, range(0, failing), Outlet(), batch=batch)
         session.step_start(failing, model)
@@ -260,7 +265,7 @@ def test_close_inside_any_window_step_leaves_nothing_and_the_next_run_counts_the
         session.close()  # an exception: the adapter closes the session
         assert no_profiler_left() and not out.grad_fn.metadata
         assert session.result is None and not session.window_open
-    session = StepSession(Options(profile_step=0, clean_steps=0), "test")
+    session = StepSession(Options(profile_step=0, clean_steps=0), "test", publish=publish)
     session.train_start(0)
     run(session, model, optimizer, range(0, 2), Outlet(), batch=batch)
     assert session.result is not None
@@ -270,7 +275,7 @@ def test_close_inside_any_window_step_leaves_nothing_and_the_next_run_counts_the
 def test_throughput_is_logged_after_the_window_at_logging_steps() -> None:
     model = nn.Linear(IN, OUT)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = StepSession(Options(profile_step=0, clean_steps=0, peak_flops=1e9), "test")
+    session = StepSession(Options(profile_step=0, clean_steps=0, peak_flops=1e9), "test", publish=publish)
     session.train_start(0)
     outlet = Outlet()
     batch = torch.randn(B, IN)
@@ -286,7 +291,7 @@ def test_throughput_is_logged_after_the_window_at_logging_steps() -> None:
 
 def test_parallel_sizes_scale_samples_per_second_by_the_data_parallel_size() -> None:
     model = nn.Linear(IN, OUT)
-    session = StepSession(Options(profile_step=0, clean_steps=1, throughput=False), "test")
+    session = StepSession(Options(profile_step=0, clean_steps=1, throughput=False), "test", publish=publish)
     session.train_start(0)
     parallel = ParallelSizes(world_size=4, data_parallel=4)
     batch = torch.randn(B, IN)
@@ -307,7 +312,7 @@ def test_with_activation_checkpointing_the_printed_logged_and_saved_rates_agree(
             return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
     model = Checkpointed()
-    session = StepSession(Options(profile_step=0, clean_steps=1, throughput=False), "test")
+    session = StepSession(Options(profile_step=0, clean_steps=1, throughput=False), "test", publish=publish)
     session.train_start(0)
     outlet = Outlet(tmp_path)
     run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, 3), outlet)
@@ -341,7 +346,9 @@ def test_an_moe_models_report_says_what_six_n_d_claims_with_all_and_active_param
     )  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(config).train()
     tokens = torch.randint(1, 256, (2, 16))
-    session = StepSession(Options(profile_step=0, clean_steps=0, tokens_fn=lambda b: b.numel()), "test")
+    session = StepSession(
+        Options(profile_step=0, clean_steps=0, tokens_fn=lambda b: b.numel()), "test", publish=publish
+    )
     session.train_start(0)
     outlet = Outlet()
     run(
@@ -376,7 +383,9 @@ def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path
     config = transformers.GPT2Config(n_layer=12, n_embd=32, n_head=2, vocab_size=128, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 128, (2, 16))
-    session = StepSession(Options(profile_step=0, clean_steps=1, tokens_fn=lambda b: b.numel()), "test")
+    session = StepSession(
+        Options(profile_step=0, clean_steps=1, tokens_fn=lambda b: b.numel()), "test", publish=publish
+    )
     session.train_start(0)
     outlet = Outlet(tmp_path)
     run(
@@ -393,7 +402,7 @@ def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path
 
 
 def test_a_warning_points_at_the_users_line_and_an_unreachable_step_is_said_once(tmp_path: Path) -> None:
-    session = StepSession(Options(profile_step=10), "test")
+    session = StepSession(Options(profile_step=10), "test", publish=publish)
     with pytest.warns(UserWarning, match="never reached") as said:
         session.train_start(0, max_steps=5)  # this line is the user's (outside the frameworks)
     assert said[0].filename == __file__

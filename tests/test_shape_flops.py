@@ -6,9 +6,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from flops_callbacks.batch import shape_signature
-from flops_callbacks.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.tracer import Tracer
+from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.session.batch import shape_signature
+from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:

@@ -29,8 +29,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from flops_callbacks import metrics as names
+from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.parallel import ParallelSizes, global_numel, sharded_params, stored_numel
-from flops_callbacks.tracer import Tracer
 from flops_callbacks.units import params_to_string
 
 WORKERS = Path(__file__).with_name("sharded_workers.py")
@@ -235,7 +235,7 @@ def test_lightning_fsdp_hybrid_shard_reader_counts_every_device_as_a_data_replic
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from flops_callbacks.lightning import parallel_sizes
+    from flops_callbacks.integrations.lightning import parallel_sizes
 
     environment = LightningEnvironment()
     environment.set_world_size(8)
@@ -259,7 +259,7 @@ def test_context_parallel_size_from_accelerate_parallelism_config_is_a_summary_r
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import TrainingArguments
 
-    from flops_callbacks.hf import parallel_sizes
+    from flops_callbacks.integrations.hf import parallel_sizes
 
     config = ParallelismConfig(dp_shard_size=2, tp_size=2, cp_size=2)
     args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], parallelism_config=config)

@@ -10,11 +10,12 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from flops_callbacks import metrics as names
-from flops_callbacks.batch import leading_batch_size, shape_signature
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
-from flops_callbacks.throughput import ThroughputMeter
+from flops_callbacks.reporting.publish import publish
+from flops_callbacks.session.batch import leading_batch_size, shape_signature
+from flops_callbacks.session.meter import ThroughputMeter
+from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
 
 IN, OUT = 6, 2
 
@@ -56,7 +57,7 @@ def window(model: nn.Module, sizes: list[int]) -> StepSession:
     then clean steps: new sizes are counted on steps of their own until predicted), dp = 2."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     options = Options(profile_step=0, clean_steps=1, peak_flops=1e6, throughput=False)
-    session = StepSession(options, "test")
+    session = StepSession(options, "test", publish=publish)
     session.train_start(0)
     for step, size in enumerate(sizes):
         session.step_start(step, model, lambda: TrainingContext(ParallelSizes(world_size=2, data_parallel=2)))

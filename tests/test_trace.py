@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flops_callbacks.trace import ModuleSpan, chrome_trace
+from flops_callbacks.reporting.chrome_trace import chrome_trace
+from flops_callbacks.timing.spans import ModuleSpan
 
 # One step of a model with a block called twice (a shared module) and a checkpointed block:
 # the forward, the recompute of the checkpointed block inside the backward, the backward.

@@ -13,11 +13,11 @@ from torch.nn.modules import module as module_globals
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import checkpoint
 
+from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.recording import CALLS, SLOTS, Context
+from flops_callbacks.counting.registry import OpCount
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.profile import Counts
-from flops_callbacks.recording import CALLS, SLOTS, Context
-from flops_callbacks.registry import OpCount
-from flops_callbacks.tracer import Tracer
 
 B, D_IN, D_HID, D_OUT = 4, 8, 16, 2
 

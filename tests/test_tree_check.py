@@ -14,9 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flops_callbacks import FlopsProfilerCallback
-from flops_callbacks.picture import render_html
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
-from flops_callbacks.tree_check import check_tree
+from flops_callbacks.reporting.picture import render_html
+from flops_callbacks.reporting.tree_check import check_tree
 
 MS = 1e-3
 

@@ -4,24 +4,25 @@ A measuring instrument must not perturb what it measures, so a profile is a shor
 each doing one job on its own clock:
 
 1. the counting step (the first optimizer step at or after ``profile_step``): the counting engine
-   (:class:`~flops_callbacks.tracer.Tracer`) counts every op per module, forward, backward and
+   (:class:`~flops_callbacks.counting.engine.Tracer`) counts every op per module, forward, backward and
    recompute. Its times feed no headline figure.
 2. the module-timing step: clock marks on module calls and their autograd nodes only
-   (:class:`~flops_callbacks.module_timer.ModuleTimer`), for the per-module latencies of the tree.
+   (:class:`~flops_callbacks.timing.module_timer.ModuleTimer`), for the per-module latencies of the tree.
 3. clean steps: only the phase marks at the framework's events, and one clock mark at each step's
    end (the wall step runs from the previous step's end to this one's; the wait for data from there
-   to the first forward). Each batch's flops come from :class:`~flops_callbacks.shape_flops.ShapeFlops`:
+   to the first forward). Each batch's flops come from
+   :class:`~flops_callbacks.session.shape_flops.ShapeFlops`:
    counted by a counting step, or predicted exactly from counted shapes, so steps of any shape count
    and none is instrumented. A step whose batch shapes are neither counted nor predictable yet
    becomes a *shape-counting* step (counted with no clock, not timed) and the window grows by one, at
    most ``MAX_SHAPE_COUNTS`` times. ``clean_steps`` fixes how many clean steps run; ``"auto"`` runs
    3 to 20, until the median iter latency is known within +-3%
-   (:func:`~flops_callbacks.window_steps.median_known`). Latencies are the clean steps' medians, rates
-   their summed flops (samples, tokens) over their summed times (:mod:`flops_callbacks.window_steps`).
+   (:func:`~flops_callbacks.session.window_steps.median_known`). Latencies are the clean steps' medians, rates
+   their summed flops (samples, tokens) over their summed times (:mod:`flops_callbacks.session.window_steps`).
 
 At the end of the window (or of a run that ends inside it) the result is published: report, JSON,
 picture and trace in the log directory, the metrics to the framework's loggers. After it, every
-logging step gets the ``throughput/*`` metrics (:mod:`flops_callbacks.throughput`), with the flops
+logging step gets the ``throughput/*`` metrics (:mod:`flops_callbacks.session.meter`), with the flops
 of the same table: nothing after the window is counted.
 
 An adapter maps its framework's events onto this object and hands it an :class:`Outlet`:
@@ -50,33 +51,24 @@ from __future__ import annotations
 import functools
 import gc
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from flops_callbacks import publish
-from flops_callbacks.batch import find_batch_size, shape_signature
-from flops_callbacks.clock import NullClock, clock_for, module_device
+from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.files import unwritable_reason
 from flops_callbacks.guard import Guard
-from flops_callbacks.module_timer import ModuleTimer
 from flops_callbacks.module_tree import has_compiled
 from flops_callbacks.options import Options
-from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import given_bandwidth, given_peak
-from flops_callbacks.phase_memory import phase_memory_for
-from flops_callbacks.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
-from flops_callbacks.profile import Profile
-from flops_callbacks.publish import Outlet
-from flops_callbacks.result import WindowResult
-from flops_callbacks.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.throughput import ThroughputMeter
-from flops_callbacks.tracer import Tracer
-from flops_callbacks.user_warning import warn
-from flops_callbacks.window_build import build_result
-from flops_callbacks.window_steps import (
+from flops_callbacks.session.adapter_api import Outlet, Publish, TrainingContext
+from flops_callbacks.session.batch import find_batch_size, shape_signature
+from flops_callbacks.session.builder import build_result
+from flops_callbacks.session.meter import ThroughputMeter
+from flops_callbacks.session.result import WindowResult
+from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.session.window_steps import (
     CLEAN,
     COUNTING,
     MODULE_TIMING,
@@ -85,6 +77,11 @@ from flops_callbacks.window_steps import (
     WindowStep,
     median_known,
 )
+from flops_callbacks.timing.clock import NullClock, clock_for, module_device
+from flops_callbacks.timing.module_timer import ModuleTimer
+from flops_callbacks.timing.phase_memory import phase_memory_for
+from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
+from flops_callbacks.user_warning import warn
 
 DROPPED = "the profile window is dropped and nothing of the profiler stays; this run goes on unprofiled"
 
@@ -114,16 +111,6 @@ MAX_SHAPE_COUNTS = 8  # shape-counting steps a window may add
 __all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Outlet", "TrainingContext", "StepSession"]
 
 
-@dataclass(frozen=True)
-class TrainingContext:
-    """What the adapter reads from its framework when a window starts."""
-
-    parallel: ParallelSizes = field(default_factory=ParallelSizes)
-    compute_dtype: str | None = None  # a flops_callbacks.peaks.DTYPES name: what the matmuls run in
-    # report rows about the counting step's batches (the HF Trainer's own flops estimate)
-    extra_lines: Callable[[list[Any], Profile], list[tuple[str, str]]] | None = None
-
-
 class StepSession:
     """The profile window and the throughput meter of one callback (module doc).
 
@@ -132,10 +119,15 @@ class StepSession:
     """
 
     def __init__(
-        self, options: Options, owner: str, tokens_fn: Callable[[Any], int | None] | None = None
+        self,
+        options: Options,
+        owner: str,
+        tokens_fn: Callable[[Any], int | None] | None = None,
+        publish: Publish | None = None,
     ) -> None:
         self.options = options
         self.owner = owner
+        self.publish = publish  # None: the result is kept (``self.result``), not published
         self.guard = Guard(owner)
         self._default_tokens_fn = tokens_fn
         self.given_peak = given_peak(options.peak_flops)
@@ -426,7 +418,8 @@ class StepSession:
 
     @_own_work("marking a phase")
     def phase_end(self) -> None:
-        """The framework says the running phase ended, not what comes next (:mod:`flops_callbacks.phases`)."""
+        """The framework says the running phase ended, not what comes next
+        (:mod:`flops_callbacks.timing.phases`)."""
         if self._step is not None:
             self._step.phases.end()
 
@@ -564,7 +557,8 @@ class StepSession:
         log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective
         if not outlet.is_logging_rank:
             return
-        publish.publish(self.result, self.options, log_dir, outlet, self.guard, skip=set(self._unwritable))
+        if self.publish is not None:
+            self.publish(self.result, self.options, log_dir, outlet, self.guard, skip=set(self._unwritable))
         if self.meter is not None:
             self.meter.start(self.result, model, self.flops)
             self._metering = True

@@ -3,8 +3,8 @@
 ``get_model_profile`` runs the model itself, so it need not report the counting pass's latencies
 (every op through Python: several times the true time on a model of small ops). After the counting
 pass it collects the counting's garbage, times the modules on one pass with clock marks only
-(:class:`~flops_callbacks.module_timer.ModuleTimer`), and the model on one more pass with nothing on.
-The callbacks do the same on separate training steps (:mod:`flops_callbacks.session`).
+(:class:`~flops_callbacks.timing.module_timer.ModuleTimer`), and the model on one more pass with nothing on.
+The callbacks do the same on separate training steps (:mod:`flops_callbacks.session.step_session`).
 
 Gradients the extra passes make are not left behind: each parameter's ``.grad`` is set aside before
 them and put back after, so the model holds what the counting pass left, as it did before.
@@ -19,9 +19,9 @@ from contextlib import contextmanager
 
 import torch
 
-from flops_callbacks.clock import clock_for, module_device
-from flops_callbacks.module_timer import ModuleTimer
 from flops_callbacks.profile import Profile
+from flops_callbacks.timing.clock import clock_for, module_device
+from flops_callbacks.timing.module_timer import ModuleTimer
 
 __all__ = ["CLEAN_PASS_SOURCE", "time_clean"]
 

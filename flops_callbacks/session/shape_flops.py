@@ -32,7 +32,7 @@ from fractions import Fraction
 from itertools import product
 from typing import Any, NamedTuple
 
-from flops_callbacks.batch import Signature
+from flops_callbacks.session.batch import Signature
 
 __all__ = ["BatchCounts", "ShapeFlops"]
 

@@ -10,7 +10,7 @@ Shared by both callbacks; an adapter calls, on the logging rank:
     meter.close()                          at the end of training, or on an exception
 
 Nothing is counted on these steps: a micro-batch's flops come from the window's table of shape
-signatures (:class:`~flops_callbacks.shape_flops.ShapeFlops`): counted there, or predicted exactly
+signatures (:class:`~flops_callbacks.session.shape_flops.ShapeFlops`): counted there, or predicted exactly
 from the shapes counted there, so batches of every padded length have their own flops and no step
 runs slower. A shape the table can neither give nor predict (a model whose counts are no polynomial
 of its shapes, a batch unlike any the window saw) gets no flops: an interval with one logs samples and
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from flops_callbacks import metrics as names
-from flops_callbacks.batch import shape_signature
-from flops_callbacks.clock import clock_for, module_device
-from flops_callbacks.result import WindowResult
-from flops_callbacks.shape_flops import ShapeFlops
+from flops_callbacks.session.batch import shape_signature
+from flops_callbacks.session.result import WindowResult
+from flops_callbacks.session.shape_flops import ShapeFlops
+from flops_callbacks.timing.clock import clock_for, module_device
 from flops_callbacks.user_warning import warn
 
 

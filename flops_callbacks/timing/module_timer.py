@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from flops_callbacks.clock import Clock, CpuClock
 from flops_callbacks.module_tree import ModuleTree, eager_compiled_code
 from flops_callbacks.profile import Profile
-from flops_callbacks.trace import ModuleSpan
+from flops_callbacks.timing.clock import Clock, CpuClock
+from flops_callbacks.timing.spans import ModuleSpan
 
 _current_autograd_node = torch._C._current_autograd_node
 FORWARD, BACKWARD, RECOMPUTE = "forward", "backward", "recompute"

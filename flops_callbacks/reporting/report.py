@@ -14,10 +14,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from flops_callbacks.metrics import PhaseRates, phase_rates
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.roofline import OVERHEAD_FRACTION, Roofline
+from flops_callbacks.session.result import PhaseRates, phase_rates
 from flops_callbacks.units import (
     bytes_to_string,
     duration_to_string,
@@ -155,7 +155,8 @@ def _own_rows(p: Profile) -> list[tuple[str, object]]:
         ]
     if p.recompute_flops:
         rows.append(("recompute flops per GPU", number_to_string(p.recompute_flops)))
-    if p.fwd_bytes:  # what the ops read and write, unfused and uncached (flops_callbacks.bytes_moved)
+    # what the ops read and write, unfused and uncached (flops_callbacks.counting.bytes_moved)
+    if p.fwd_bytes:
         passes = [("fwd", p.fwd_bytes), ("bwd", p.bwd_bytes), ("recompute", p.recompute_bytes)]
         shown = [(name, moved) for name, moved in passes if moved or name == "fwd"]
         label = " / ".join(name for name, _ in shown)

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 from flops_callbacks.options import CausalAttention, Options, check_flag
-from flops_callbacks.result import WindowResult
-from flops_callbacks.session import StepSession
+from flops_callbacks.reporting.publish import publish
+from flops_callbacks.session.result import WindowResult
+from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.user_warning import warn
 
 C = TypeVar("C", bound="SessionCallback")
@@ -82,7 +83,7 @@ def deepspeed_callback_kwargs(config: Mapping[str, Any]) -> dict[str, Any] | Non
 class SessionCallback:
     """Builds the :class:`StepSession` of a callback from its arguments (checked once, in
     :class:`~flops_callbacks.options.Options`). Arguments: see the README's table or
-    :class:`flops_callbacks.lightning.FlopsProfilerCallback`."""
+    :class:`flops_callbacks.integrations.lightning.FlopsProfilerCallback`."""
 
     # tokens per micro-batch when the user gives no tokens_fn (the HF Trainer's inputs: input_ids)
     default_tokens_fn: ClassVar[Callable[[Any], int | None] | None] = None
@@ -122,7 +123,9 @@ class SessionCallback:
             )
         except ValueError as error:  # said in the words of the class the user called
             raise ValueError(f"{type(self).__name__}: {error}") from None
-        self.session = StepSession(options, type(self).__name__, tokens_fn=type(self).default_tokens_fn)
+        self.session = StepSession(
+            options, type(self).__name__, tokens_fn=type(self).default_tokens_fn, publish=publish
+        )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A callback class's ``__init__`` is this one under the callback's own name, so that Python's

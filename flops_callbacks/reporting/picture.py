@@ -21,7 +21,7 @@ from importlib.resources import files
 from typing import Any
 
 from flops_callbacks.profile import Profile
-from flops_callbacks.tree_check import TreeCheck
+from flops_callbacks.reporting.tree_check import TreeCheck
 
 _SLOTS = re.compile(r"\{\{(title|summary|notes|data)\}\}")
 
@@ -60,7 +60,7 @@ def render_html(
             separators=(",", ":"),
         ).replace("<", "\\u003c"),
     }
-    template = files("flops_callbacks").joinpath("picture.html").read_text(encoding="utf-8")
+    template = files("flops_callbacks.reporting").joinpath("picture.html").read_text(encoding="utf-8")
     return _SLOTS.sub(lambda slot: slots[slot[1]], template)
 
 

@@ -8,14 +8,14 @@ removed by ``stop()``:
 * a ``TorchFunctionMode`` names the functional being run (``linear``, ``softmax``, ...) and tags
   every autograd node that functional creates with the module stack and its name;
 * a ``TorchDispatchMode`` sees every aten op, forward and backward, counts it with its entry in
-  :mod:`flops_callbacks.registry` and its bytes with :mod:`flops_callbacks.bytes_moved`, and
+  :mod:`flops_callbacks.counting.registry` and its bytes with :mod:`flops_callbacks.counting.bytes_moved`, and
   attributes it: forward ops to the current module stack, backward ops to the tag of
   ``torch._C._current_autograd_node()``; the tensors a forward's nodes save for the backward are
-  read as they are tagged (:mod:`flops_callbacks.saved_activations`).
+  read as they are tagged (:mod:`flops_callbacks.counting.saved_activations`).
 
 This module is the per-op hot path and the module stack; what it records is laid out in
-:mod:`flops_callbacks.recording`, the model's names and parameters are read by
-:mod:`flops_callbacks.module_tree`, and :mod:`flops_callbacks.profile_builder` makes the profile.
+:mod:`flops_callbacks.counting.recording`, the model's names and parameters are read by
+:mod:`flops_callbacks.module_tree`, and :mod:`flops_callbacks.counting.profile_builder` makes the profile.
 
 Why not ``torch.utils.module_tracker.ModuleTracker`` (FlopCounterMode's tracker): it finds a
 module's backward through grad hooks on the module's inputs, which never fire when the input needs
@@ -38,17 +38,17 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
-from flops_callbacks import elementwise_formulas, formulas  # noqa: F401  (the built-in entries)
-from flops_callbacks.bytes_moved import bytes_rule
-from flops_callbacks.clock import Clock, clock_for, module_device
-from flops_callbacks.functionals import READ, functional_name
+from flops_callbacks.counting import elementwise_formulas, formulas  # noqa: F401  (the built-in entries)
+from flops_callbacks.counting.bytes_moved import bytes_rule
+from flops_callbacks.counting.functionals import READ, functional_name
+from flops_callbacks.counting.profile_builder import build_profile, model_totals
+from flops_callbacks.counting.recording import BWD, CALLS, FWD, REC, Context, Recording
+from flops_callbacks.counting.registry import OpKind, entry_for
+from flops_callbacks.counting.saved_activations import SavedActivations
 from flops_callbacks.module_tree import ModuleTree, eager_compiled_code
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.profile import Counts, Profile
-from flops_callbacks.profile_builder import build_profile, model_totals
-from flops_callbacks.recording import BWD, CALLS, FWD, REC, Context, Recording
-from flops_callbacks.registry import OpKind, entry_for
-from flops_callbacks.saved_activations import SavedActivations
+from flops_callbacks.timing.clock import Clock, clock_for, module_device
 from flops_callbacks.user_warning import warn
 
 _TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()

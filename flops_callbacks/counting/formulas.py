@@ -1,7 +1,8 @@
 """Built-in formulas for the dense aten ops: matmuls, grouped (mixture-of-experts) matmuls,
 attention kernels, convolution backward and RNN kernels.
 
-Most dense ops are counted by torch's own ``flop_registry`` (through :mod:`flops_callbacks.registry`),
+Most dense ops are counted by torch's own ``flop_registry`` (through
+:mod:`flops_callbacks.counting.registry`),
 so our counts are FlopCounterMode's by construction. This module registers only what that registry
 lacks or gets wrong: the CPU SDPA kernel and RNN kernels (torch counts 0), grouped matmuls (torch
 has no formula), vector products, a grouped convolution's backward (torch overcounts it), and the
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flops_callbacks.registry import register_formula, torch_formula
+from flops_callbacks.counting.registry import register_formula, torch_formula
 
 aten = torch.ops.aten
 

@@ -3,7 +3,7 @@
 Switching from DeepSpeed 0.19.8 is one import: method names, arguments, return values, strings,
 ``started`` and the ``flops`` / ``macs`` / ``params`` attributes are DeepSpeed's, and a DeepSpeed
 engine passed as ``ds_engine`` gives the report DeepSpeed's engine rows. What differs is underneath:
-flops are measured per aten op (backward included) by :mod:`flops_callbacks.tracer`, nothing is
+flops are measured per aten op (backward included) by :mod:`flops_callbacks.counting.engine`, nothing is
 patched globally, and nothing is written onto the user's modules: ``get_module_flops(module)`` finds
 the module's record through a weak registry instead of a ``__flops__`` attribute, so a profile can
 never leave state on a model (DeepSpeed's attributes stay behind when a profiled step raises).
@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from flops_callbacks.clean_pass import CLEAN_PASS_SOURCE, time_clean
+from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.files import write_text
 from flops_callbacks.options import check_causal_attention, check_flag, check_report_args
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import Counts, ModuleProfile, Profile
-from flops_callbacks.report import RunContext, render_aggregated, render_profile
-from flops_callbacks.tracer import Tracer
+from flops_callbacks.reporting.report import RunContext, render_aggregated, render_profile
+from flops_callbacks.timing.clean_pass import CLEAN_PASS_SOURCE, time_clean
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
 
 COUNTING_PASS_SOURCE = (

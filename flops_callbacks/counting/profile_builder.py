@@ -1,4 +1,4 @@
-"""Turns a trace's :class:`~flops_callbacks.recording.Recording` into a :class:`Profile`.
+"""Turns a trace's :class:`~flops_callbacks.counting.recording.Recording` into a :class:`Profile`.
 
 Apart from the trace because it runs once per profile, not per op: the trace only adds to one
 context's sums and appends clock marks; here each context's sums are spread over the modules on
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from flops_callbacks.clock import Clock
+from flops_callbacks.counting.recording import Recording, Sums, as_counts, plus, total
 from flops_callbacks.module_tree import ModuleTree
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
-from flops_callbacks.recording import Recording, Sums, as_counts, plus, total
+from flops_callbacks.timing.clock import Clock
 
 
 def model_totals(recording: Recording, clock: Clock) -> tuple[Counts, float]:

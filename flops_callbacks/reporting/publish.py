@@ -11,40 +11,21 @@ import dataclasses
 import json
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from flops_callbacks import metrics as names
 from flops_callbacks.files import write_text
 from flops_callbacks.guard import Guard
-from flops_callbacks.metrics import window_rates
 from flops_callbacks.options import Options
-from flops_callbacks.phases import PHASES
-from flops_callbacks.picture import render_html
-from flops_callbacks.report import RunContext, render_profile, render_roofline
-from flops_callbacks.result import WindowResult
+from flops_callbacks.reporting.chrome_trace import chrome_trace
+from flops_callbacks.reporting.picture import render_html
+from flops_callbacks.reporting.report import RunContext, render_profile, render_roofline
+from flops_callbacks.reporting.tree_check import TreeCheck, check_tree
 from flops_callbacks.roofline import as_data
-from flops_callbacks.trace import chrome_trace
-from flops_callbacks.tree_check import TreeCheck, check_tree
+from flops_callbacks.session.adapter_api import Outlet
+from flops_callbacks.session.result import WindowResult, window_rates
+from flops_callbacks.timing.phases import PHASES
 from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string, percent
-
-
-class Outlet(Protocol):
-    """Where a framework's results go; the adapter implements it."""
-
-    is_logging_rank: bool
-
-    def log_dir(self) -> str | Path | None:
-        """The run's log directory (called on every rank: Lightning's broadcasts)."""
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Hand ``metrics`` to every logger of the run (logging rank only)."""
-
-    def console(self, text: str) -> None:
-        """Print ``text`` without breaking the framework's progress bar (logging rank only)."""
-
-    def log_report(self, text: str | None, html: str | None, step: int) -> None:
-        """Hand the report (TensorBoard's Text tab) and the picture (W&B HTML) to loggers that show them
-        (None: it could not be rendered)."""
 
 
 def _steps_text(steps: tuple[int, ...]) -> str:
@@ -336,7 +317,7 @@ def publish(
         )
     _write_all(files, guard)
     guard.user(outlet.log_metrics, metrics, result.published_at)
-    guard.user(outlet.log_report, full, html, result.published_at)
+    guard.user(outlet.log_report, None if full is None else markdown_block(full), html, result.published_at)
 
 
 def _write_all(files: list[tuple[Path, Callable[[], str]]], guard: Guard) -> None:

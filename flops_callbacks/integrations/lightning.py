@@ -1,6 +1,7 @@
 """Lightning adapter: ``FlopsProfilerCallback`` maps Trainer hooks onto a :class:`StepSession`.
 
-Everything measured lives in :mod:`flops_callbacks.session`; this module only knows which Lightning
+Everything measured lives in :mod:`flops_callbacks.session.step_session`; this module only knows which
+Lightning
 hook starts which phase, where the parallel sizes and the compute dtype are, and where the results go
 (``trainer.loggers``, the log directory and the progress bar's console).
 """
@@ -19,11 +20,10 @@ except ImportError as err:  # the core needs only torch; the Lightning callback 
         "(from a checkout of flops_callbacks: pip install '.[lightning]')"
     ) from err
 
-from flops_callbacks.callback_base import SessionCallback
+from flops_callbacks.integrations.callback_base import SessionCallback
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
-from flops_callbacks.publish import markdown_block as _markdown_block
-from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, TrainingContext
+from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, TrainingContext
 
 
 def parallel_sizes(trainer: pl.Trainer) -> ParallelSizes:
@@ -89,10 +89,10 @@ class _Outlet:
             logger.log_metrics(metrics, step=step)
             logger.save()
 
-    def log_report(self, text: str | None, html: str | None, step: int) -> None:
+    def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
         for logger in self.trainer.loggers:
-            if isinstance(logger, TensorBoardLogger) and text is not None:
-                logger.experiment.add_text("flops_profiler/report", _markdown_block(text), global_step=step)
+            if isinstance(logger, TensorBoardLogger) and markdown is not None:
+                logger.experiment.add_text("flops_profiler/report", markdown, global_step=step)
             elif isinstance(logger, WandbLogger) and html is not None:
                 import wandb
 
@@ -115,12 +115,13 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     ``accumulate_grad_batches`` micro-batches, automatic or manual optimization), the next one times
     the modules, and the clean steps time the phases with nothing else running (batches of new shapes
     are counted on steps of their own until their flops can be predicted)
-    (:mod:`flops_callbacks.session`). At the window's last step rank 0 prints the report through the
+    (:mod:`flops_callbacks.session.step_session`). At the window's last step rank 0 prints the report
+    through the
     progress bar (or writes it to ``output_file``), writes it with a JSON of the full profile as
     ``flops_profile_step{N}.txt/.json`` into ``trainer.log_dir``, and logs the ``flops_profiler/*``
     metrics (:mod:`flops_callbacks.metrics`) once, at that global step, to every logger. After the
     window, at every logging step (``global_step % log_every_n_steps == 0``), rank 0 logs the
-    ``throughput/*`` metrics of the interval since the previous one (:mod:`flops_callbacks.throughput`).
+    ``throughput/*`` metrics of the interval since the previous one (:mod:`flops_callbacks.session.meter`).
 
     Phases, on the device's synchronized clock, as Lightning 2.6 calls the hooks:
 
@@ -134,7 +135,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
 
     In manual optimization, ``on_after_backward`` and the end of each ``optimizer.step()`` end a phase,
     and the next event says what ran in between: a backward starting next means a forward ran (a GAN's
-    second model, a second chunk); otherwise the phase continues (:mod:`flops_callbacks.phases`).
+    second model, a second chunk); otherwise the phase continues (:mod:`flops_callbacks.timing.phases`).
 
     Args:
         profile_step: global step (optimizer steps done) at which the window starts.

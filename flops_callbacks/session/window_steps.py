@@ -1,7 +1,8 @@
 """The steps of a profile window and the figures made of its clean steps.
 
 Each window step keeps what it did: its micro-batches' shape signatures, samples, tokens, flops (from
-:class:`~flops_callbacks.shape_flops.ShapeFlops`), attention masks, phase marks, and the clock marks of
+:class:`~flops_callbacks.session.shape_flops.ShapeFlops`), attention masks, phase marks, and the clock
+marks of
 its wall step (from the previous step's end to its own). The clean steps' figures are:
 
 * rates (FLOPS, MFU, samples/s, tokens/s): the sum of the clean steps' flops (samples, tokens) over
@@ -23,9 +24,9 @@ from typing import Any
 
 import torch
 
-from flops_callbacks.batch import Signature
-from flops_callbacks.phases import StepPhases
-from flops_callbacks.shape_flops import BatchCounts
+from flops_callbacks.session.batch import Signature
+from flops_callbacks.session.shape_flops import BatchCounts
+from flops_callbacks.timing.phases import StepPhases
 
 __all__ = [
     "CLEAN",

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flops_callbacks.clock import Clock
-from flops_callbacks.phase_memory import PhaseMemory
+from flops_callbacks.timing.clock import Clock
+from flops_callbacks.timing.phase_memory import PhaseMemory
 
 FORWARD, BACKWARD, OPTIMIZER_STEP = "forward", "backward", "optimizer_step"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER_STEP)

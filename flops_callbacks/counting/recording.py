@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from flops_callbacks.counting.registry import OpCount
 from flops_callbacks.profile import Counts
-from flops_callbacks.registry import OpCount
 
 FWD, BWD, REC = 0, 1, 2  # phases: forward, backward, recompute inside the backward
 SLOTS = tuple(f.name for f in fields(Counts))

@@ -1,6 +1,7 @@
 """Hugging Face Trainer adapter: ``HFFlopsCallback`` maps Trainer events onto a :class:`StepSession`.
 
-Everything measured lives in :mod:`flops_callbacks.session`; this module only knows which Trainer event
+Everything measured lives in :mod:`flops_callbacks.session.step_session`; this module only knows which
+Trainer event
 (or call of the Trainer's, where it has no event) starts which phase, where the parallel sizes and
 the compute dtype are, and how the metrics reach the Trainer's reporting callbacks.
 """
@@ -26,13 +27,12 @@ except ImportError as err:  # the core needs only torch; the HF callback is an e
         "(from a checkout of flops_callbacks: pip install '.[hf]')"
     ) from err
 
-from flops_callbacks.callback_base import SessionCallback
+from flops_callbacks.integrations.callback_base import SessionCallback
 from flops_callbacks.metrics import FWD_FLOPS
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
 from flops_callbacks.profile import Profile
-from flops_callbacks.publish import markdown_block
-from flops_callbacks.session import BACKWARD, OPTIMIZER_STEP, TrainingContext
+from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, TrainingContext
 from flops_callbacks.units import number_to_string
 from flops_callbacks.user_warning import warn
 
@@ -167,12 +167,12 @@ class _Outlet:
             handler.callbacks = callbacks
             trainer.control.should_log = should_log
 
-    def log_report(self, text: str | None, html: str | None, step: int) -> None:
+    def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
         callbacks = self.trainer.callback_handler.callbacks if self.trainer is not None else []
         for callback in callbacks:
             writer = getattr(callback, "tb_writer", None)  # TensorBoardCallback, once training began
-            if isinstance(callback, TensorBoardCallback) and writer is not None and text is not None:
-                writer.add_text("flops_profiler/report", markdown_block(text), global_step=step)
+            if isinstance(callback, TensorBoardCallback) and writer is not None and markdown is not None:
+                writer.add_text("flops_profiler/report", markdown, global_step=step)
             wandb = getattr(callback, "_wandb", None)  # WandbCallback: the wandb module, once set up
             if isinstance(callback, WandbCallback) and getattr(wandb, "run", None) is not None and html:
                 wandb.log({"flops_profiler/profile": wandb.Html(html)}, commit=False)
@@ -188,14 +188,15 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     ``Trainer(..., callbacks=[HFFlopsCallback(profile_step=10)])``: the first optimizer step at or
     after ``state.global_step == profile_step`` is counted (all its ``gradient_accumulation_steps``
     micro-batches), the next one times the modules, and ``clean_steps`` more time the phases with
-    nothing else running (:mod:`flops_callbacks.session`). At the window's last step the world process
+    nothing else running (:mod:`flops_callbacks.session.step_session`). At the window's last step the
+    world process
     zero prints the report above the progress bar (or writes it to ``output_file``), writes it and a
     JSON of the full profile as ``flops_profile_step{N}.txt/.json`` into ``args.logging_dir``
     (``args.output_dir`` in transformers 5), and logs the ``flops_profiler/*`` metrics once through
     ``Trainer.log`` at that global step: they are in ``state.log_history`` and the Trainer's TensorBoard
     / W&B / MLflow callbacks write them as ``train/flops_profiler/*``. After the window, at every
     logging event of the run (``logging_steps`` or ``logging_strategy="epoch"``), the
-    ``throughput/*`` metrics of the interval since the previous one (:mod:`flops_callbacks.throughput`),
+    ``throughput/*`` metrics of the interval since the previous one (:mod:`flops_callbacks.session.meter`),
     evaluation left out from its first instruction to its last.
 
     The Trainer has no event that carries the batch, none between forward and backward, and none for
@@ -220,7 +221,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     For models the Trainer estimates flops for (``Trainer.floating_point_ops``: 6 x non-embedding
     params x tokens), the report prints that estimate beside the measured fwd + bwd flops.
 
-    Args: as :class:`flops_callbacks.lightning.FlopsProfilerCallback`.
+    Args: as :class:`flops_callbacks.integrations.lightning.FlopsProfilerCallback`.
     """
 
     default_tokens_fn = staticmethod(_input_ids_tokens)

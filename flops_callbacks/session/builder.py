@@ -1,6 +1,7 @@
-"""The window's steps -> one :class:`~flops_callbacks.result.WindowResult`, built once at the window's end.
+"""The window's steps -> one :class:`~flops_callbacks.session.result.WindowResult`, built once at the
+window's end.
 
-Apart from :mod:`flops_callbacks.session` (which decides what each step does) because this is the
+Apart from :mod:`flops_callbacks.session.step_session` (which decides what each step does) because this is the
 other half of the job: which steps stand for what, the slowest rank's times, the peak, and where each
 figure comes from, in words.
 """
@@ -8,21 +9,20 @@ figure comes from, in words.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from flops_callbacks.distributed import gather_latencies
-from flops_callbacks.estimate import estimate_rows
+from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.estimate import estimate_rows
 from flops_callbacks.guard import Guard
-from flops_callbacks.module_timer import ModuleTimer
 from flops_callbacks.parallel import sharded_params
 from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_peak
-from flops_callbacks.phases import PHASES
-from flops_callbacks.result import WindowResult, WindowSteps
-from flops_callbacks.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.tracer import Tracer
-from flops_callbacks.window_steps import (
+from flops_callbacks.session.adapter_api import TrainingContext
+from flops_callbacks.session.distributed import gather_latencies
+from flops_callbacks.session.result import WindowResult, WindowSteps
+from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.session.window_steps import (
     CLEAN,
     COUNTING,
     MODULE_TIMING,
@@ -31,9 +31,8 @@ from flops_callbacks.window_steps import (
     WindowStep,
     clean_figures,
 )
-
-if TYPE_CHECKING:
-    from flops_callbacks.session import TrainingContext
+from flops_callbacks.timing.module_timer import ModuleTimer
+from flops_callbacks.timing.phases import PHASES
 
 __all__ = ["build_result"]
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from flops_callbacks.recording import Context
+    from flops_callbacks.counting.recording import Context
 
 __all__ = ["SAVED_BY", "SavedActivations"]
 

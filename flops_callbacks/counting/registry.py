@@ -27,7 +27,8 @@ Share = Callable[[torch._ops.OpOverload, tuple, dict], float]
 
 
 class OpKind(str, Enum):
-    """How an op's arithmetic is classified. Bytes moved are apart (:mod:`flops_callbacks.bytes_moved`):
+    """How an op's arithmetic is classified. Bytes moved are apart
+    (:mod:`flops_callbacks.counting.bytes_moved`):
     a FREE copy, gather or creation moves bytes, a FREE view and a METADATA query none."""
 
     DENSE = "dense"  # multiply-accumulates (matmul, conv, attention): MACs = flops / 2

@@ -2,7 +2,7 @@
 
 Norms, softmax, pooling, interpolation, losses and accumulation follow DeepSpeed's per-element
 conventions (users compare with DeepSpeed); ops torch tags ``pointwise`` or ``reduction`` need no
-entry (:mod:`flops_callbacks.registry` counts them one flop per element). Routing ops of
+entry (:mod:`flops_callbacks.counting.registry` counts them one flop per element). Routing ops of
 mixture-of-experts layers (sort, top-k, histograms, accumulating index writes) are counted here
 too, so that no op that does arithmetic is left out of an MoE model's count:
 
@@ -21,8 +21,13 @@ from typing import Any
 
 import torch
 
-from flops_callbacks.formulas import present
-from flops_callbacks.registry import Formula, largest_tensor_numel, register_formula, register_op_kind
+from flops_callbacks.counting.formulas import present
+from flops_callbacks.counting.registry import (
+    Formula,
+    largest_tensor_numel,
+    register_formula,
+    register_op_kind,
+)
 
 aten = torch.ops.aten
 

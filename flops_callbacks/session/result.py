@@ -4,15 +4,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flops_callbacks.distributed import Latencies
-from flops_callbacks.metrics import window_metrics
+from flops_callbacks.metrics import (
+    BWD_BYTES,
+    BWD_FLOPS,
+    BWD_FLOPS_PER_SEC,
+    BWD_LATENCY,
+    DATA_LATENCY,
+    FLOPS_PER_SEC,
+    FWD_BYTES,
+    FWD_FLOPS,
+    FWD_FLOPS_PER_SEC,
+    FWD_LATENCY,
+    FWD_MACS,
+    HFU,
+    ITER_LATENCY,
+    MFU,
+    PADDING_FRACTION,
+    PARAMS,
+    REAL_TOKENS_PER_SEC,
+    RECOMPUTE_FLOPS,
+    SAMPLES_PER_SEC,
+    SAVED_ACTIVATION_BYTES,
+    STEP_LATENCY,
+    TOKENS_PER_SEC,
+    WALL_LATENCY,
+    WALL_SAMPLES_PER_SEC,
+    WALL_TOKENS_PER_SEC,
+)
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
 from flops_callbacks.roofline import Roofline, module_rooflines
-from flops_callbacks.shape_flops import BatchCounts
-from flops_callbacks.trace import ModuleSpan
-from flops_callbacks.window_steps import CleanFigures, Spread
+from flops_callbacks.session.distributed import Latencies
+from flops_callbacks.session.shape_flops import BatchCounts
+from flops_callbacks.session.window_steps import CleanFigures, Spread
+from flops_callbacks.timing.spans import ModuleSpan
 
 
 @dataclass(frozen=True)
@@ -77,6 +103,7 @@ class WindowResult:
     published_at: int = 0  # the global step at which the result was published and logged
     # the clean steps' sums and spreads (the slowest rank's); None: the single step of the latencies above
     clean: CleanFigures | None = None
+    _metrics: dict[str, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def step(self) -> int:
@@ -119,5 +146,86 @@ class WindowResult:
         )
 
     def metrics(self) -> dict[str, float]:
-        """The ``flops_profiler/*`` metrics (names in :mod:`flops_callbacks.metrics`)."""
-        return window_metrics(self)
+        """The ``flops_profiler/*`` metrics (names in :mod:`flops_callbacks.metrics`), computed once:
+        the report, the JSON, the picture and the loggers all read this dict."""
+        if self._metrics is None:
+            self._metrics = window_metrics(self)
+        return dict(self._metrics)
+
+
+def _per_sec(amount: float, seconds: float) -> float:
+    return amount / seconds if seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class PhaseRates:
+    """Achieved FLOPS of each phase (0 where a latency is 0): the one definition the report and the
+    metrics both use."""
+
+    fwd: float
+    bwd: float
+    fwd_bwd: float
+    iter: float
+
+
+def phase_rates(
+    profile: Profile | BatchCounts, fwd_latency: float, bwd_latency: float, step_latency: float
+) -> PhaseRates:
+    """The work the device did in each phase over its latency; recompute runs in the backward."""
+    bwd = profile.bwd_flops + profile.recompute_flops
+    return PhaseRates(
+        fwd=_per_sec(profile.fwd_flops, fwd_latency),
+        bwd=_per_sec(bwd, bwd_latency),
+        fwd_bwd=_per_sec(profile.fwd_flops + bwd, fwd_latency + bwd_latency),
+        iter=_per_sec(profile.fwd_flops + bwd, fwd_latency + bwd_latency + step_latency),
+    )
+
+
+def window_rates(step: WindowResult) -> PhaseRates:
+    """Each phase's FLOPS over the clean steps: their flops over their summed phase times."""
+    c = step.figures()
+    return phase_rates(c.counts, c.sums["fwd"], c.sums["bwd"], c.sums["step"])
+
+
+def window_metrics(step: WindowResult) -> dict[str, float]:
+    """The metrics dict of a profile window (``tokens_per_sec`` only when tokens are known)."""
+    p = step.profile
+    c = step.figures()
+    dp = step.parallel.data_parallel
+    seconds, wall = c.iter_seconds, c.sums["wall"]
+    rates = window_rates(step)
+    metrics = {
+        FWD_FLOPS: float(p.fwd_flops),
+        BWD_FLOPS: float(p.bwd_flops),
+        RECOMPUTE_FLOPS: float(p.recompute_flops),
+        FWD_MACS: float(p.fwd_macs),
+        FWD_BYTES: float(p.fwd_bytes),
+        BWD_BYTES: float(p.bwd_bytes),
+        SAVED_ACTIVATION_BYTES: float(p.saved_bytes),
+        PARAMS: float(p.params),
+        FWD_LATENCY: step.fwd_latency,
+        BWD_LATENCY: step.bwd_latency,
+        STEP_LATENCY: step.step_latency,
+        ITER_LATENCY: step.iter_latency,
+        FWD_FLOPS_PER_SEC: rates.fwd,
+        BWD_FLOPS_PER_SEC: rates.bwd,
+        FLOPS_PER_SEC: rates.iter,
+    }
+    if c.samples is not None:
+        metrics[SAMPLES_PER_SEC] = _per_sec(c.samples * dp, seconds)
+    if c.tokens is not None:
+        metrics[TOKENS_PER_SEC] = _per_sec(c.tokens * dp, seconds)
+    if wall > 0:
+        metrics[WALL_LATENCY] = c.spreads["wall"].median
+        metrics[DATA_LATENCY] = c.spreads["data"].median
+        if c.samples is not None:
+            metrics[WALL_SAMPLES_PER_SEC] = _per_sec(c.samples * dp, wall)
+        if c.tokens is not None:
+            metrics[WALL_TOKENS_PER_SEC] = _per_sec(c.tokens * dp, wall)
+    if c.positions:
+        metrics[PADDING_FRACTION] = 1 - (c.real_tokens or 0) / c.positions
+        metrics[REAL_TOKENS_PER_SEC] = _per_sec((c.real_tokens or 0) * dp, seconds)
+    if step.peak is not None:
+        metrics[MFU] = _per_sec(c.counts.model_flops, seconds) / step.peak.flops
+        metrics[HFU] = _per_sec(c.counts.hardware_flops, seconds) / step.peak.flops
+    return metrics

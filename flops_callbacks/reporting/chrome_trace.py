@@ -10,32 +10,11 @@ far more than the module timing it would show, and its files grow to hundreds of
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-Phase = Literal["forward", "backward", "recompute"]
-PHASES: tuple[Phase, ...] = ("forward", "backward", "recompute")  # also the order of the tracks
+from flops_callbacks.timing.spans import PHASES, ModuleSpan
 
 _PID = 1  # one process holds the tracks; its name says what they are
-
-
-@dataclass(frozen=True)
-class ModuleSpan:
-    """One call of one module in one phase; times in seconds from the start of the step."""
-
-    name: str  # the module's qualified name, "" for the model
-    phase: Phase
-    start: float
-    duration: float
-    depth: int  # 0 for the model, as in ModuleProfile
-
-    def __post_init__(self) -> None:
-        if self.phase not in PHASES:
-            raise ValueError(f"ModuleSpan phase must be one of {', '.join(PHASES)}; got {self.phase!r}")
-        if not self.duration >= 0:
-            raise ValueError(f"ModuleSpan duration must be >= 0 seconds; got {self.duration!r}")
-        if self.depth < 0:
-            raise ValueError(f"ModuleSpan depth must be >= 0; got {self.depth!r}")
 
 
 def chrome_trace(

@@ -1,0 +1,67 @@
+"""What an adapter hands the session: what it read of its framework (:class:`TrainingContext`), where
+the results go (:class:`Outlet`), and the publisher that fills the outlet (:class:`Publish`).
+
+The session knows none of them itself: an adapter hands it a context and an outlet at its events, and
+the callbacks' base hands it the publisher (:func:`flops_callbacks.reporting.publish.publish`) when it
+builds the session, so that the session layer never imports the reporting layer above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.profile import Profile
+
+if TYPE_CHECKING:  # the session layer's own types only
+    from flops_callbacks.guard import Guard
+    from flops_callbacks.options import Options
+    from flops_callbacks.session.result import WindowResult
+
+__all__ = ["Outlet", "Publish", "TrainingContext"]
+
+
+@dataclass(frozen=True)
+class TrainingContext:
+    """What the adapter reads from its framework when a window starts."""
+
+    parallel: ParallelSizes = field(default_factory=ParallelSizes)
+    compute_dtype: str | None = None  # a flops_callbacks.peaks.DTYPES name: what the matmuls run in
+    # report rows about the counting step's batches (the HF Trainer's own flops estimate)
+    extra_lines: Callable[[list[Any], Profile], list[tuple[str, str]]] | None = None
+
+
+class Outlet(Protocol):
+    """Where a framework's results go; the adapter implements it."""
+
+    is_logging_rank: bool
+
+    def log_dir(self) -> str | Path | None:
+        """The run's log directory (called on every rank: Lightning's broadcasts)."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Hand ``metrics`` to every logger of the run (logging rank only)."""
+
+    def console(self, text: str) -> None:
+        """Print ``text`` without breaking the framework's progress bar (logging rank only)."""
+
+    def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
+        """Hand the report as Markdown (TensorBoard's Text tab) and the picture (W&B HTML) to the loggers
+        that show them (None: it could not be rendered)."""
+
+
+class Publish(Protocol):
+    """Publishes a window's result on the logging rank (``skip``: destinations said unwritable)."""
+
+    def __call__(
+        self,
+        result: WindowResult,
+        options: Options,
+        log_dir: str | Path | None,
+        outlet: Outlet,
+        guard: Guard,
+        skip: Collection[str] = (),
+    ) -> None: ...

@@ -1,0 +1,1 @@
+"""Timing: synchronized clocks, the phases of an optimizer step, and per-module latencies."""

@@ -1,0 +1,34 @@
+"""A module call in time: the module timer's record of one span, which the Chrome trace draws.
+
+Plain data in the timing layer, so that the timer that makes spans and the reports that show them
+share one definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["PHASES", "ModuleSpan", "Phase"]
+
+Phase = Literal["forward", "backward", "recompute"]
+PHASES: tuple[Phase, ...] = ("forward", "backward", "recompute")  # also the order of the tracks
+
+
+@dataclass(frozen=True)
+class ModuleSpan:
+    """One call of one module in one phase; times in seconds from the start of the step."""
+
+    name: str  # the module's qualified name, "" for the model
+    phase: Phase
+    start: float
+    duration: float
+    depth: int  # 0 for the model, as in ModuleProfile
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"ModuleSpan phase must be one of {', '.join(PHASES)}; got {self.phase!r}")
+        if not self.duration >= 0:
+            raise ValueError(f"ModuleSpan duration must be >= 0 seconds; got {self.duration!r}")
+        if self.depth < 0:
+            raise ValueError(f"ModuleSpan depth must be >= 0; got {self.depth!r}")
