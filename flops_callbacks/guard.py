@@ -14,15 +14,17 @@ how it is said) lives in one place, and a new piece of own work cannot forget it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from flops_callbacks.user_warning import warn
 
-__all__ = ["Guard"]
+__all__ = ["F", "Guard", "guarded_event"]
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Guard:
@@ -79,3 +81,21 @@ class Guard:
         """A new run: its failures are said again."""
         self._said.clear()
         self._passing = None
+
+
+def guarded_event(what: str, kept: str, on_failure: str | None = None) -> Callable[[F], F]:
+    """A method of an object with a ``guard`` (a :class:`Guard`), run as the profiler's own work: a
+    failure is said with ``kept``, the object's method named ``on_failure`` cleans up, and the call
+    returns None."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            cleanup = getattr(self, on_failure) if on_failure is not None else None
+            with self.guard.own_work(what, kept, cleanup):
+                return method(self, *args, **kwargs)
+            return None
+
+        return guarded  # type: ignore[return-value]
+
+    return wrap

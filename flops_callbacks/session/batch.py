@@ -8,12 +8,23 @@ passes through untouched): the tensors are found in all of them, in a stable ord
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["Signature", "batch_tensors", "find_batch_size", "leading_batch_size", "shape_signature"]
+from flops_callbacks.guard import Guard
+from flops_callbacks.options import Options
+from flops_callbacks.user_warning import warn
+
+__all__ = [
+    "BatchReader",
+    "Signature",
+    "batch_tensors",
+    "find_batch_size",
+    "leading_batch_size",
+    "shape_signature",
+]
 
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 
@@ -79,3 +90,44 @@ def leading_batch_size(batch: Any) -> int:
 def shape_signature(batch: Any) -> Signature:
     """The shapes and dtypes of the tensors in ``batch``: micro-batches alike in them do the same flops."""
     return tuple((tuple(t.shape), t.dtype) for t in batch_tensors(batch))
+
+
+class BatchReader:
+    """Samples and tokens of a callback's micro-batches: the user's ``batch_size_fn`` / ``tokens_fn``
+    through the guard (their errors are theirs), else the leading dimension of the first tensor and the
+    adapter's ``default_tokens_fn``. A batch whose size cannot be found is said once per run."""
+
+    def __init__(
+        self,
+        options: Options,
+        owner: str,
+        guard: Guard,
+        default_tokens_fn: Callable[[Any], int | None] | None = None,
+    ) -> None:
+        self.options, self.owner, self.guard = options, owner, guard
+        self.default_tokens_fn = default_tokens_fn
+        self.said_no_size = False
+
+    def samples(self, batch: Any, say_unknown: bool = False) -> int | None:
+        """Samples in a micro-batch; None when it has no tensor with a leading dimension."""
+        if self.options.batch_size_fn is not None:
+            return int(self.guard.user(self.options.batch_size_fn, batch))
+        size = find_batch_size(batch)
+        if size is None and say_unknown and not self.said_no_size:
+            self.said_no_size = True
+            warn(
+                f"{self.owner}: cannot find the batch size of a {type(batch).__name__} batch (no tensor "
+                "with a leading dimension in it): samples/second is n/a. Pass batch_size_fn (and "
+                "tokens_fn) to say how many samples (tokens) a batch holds. Training goes on.",
+            )
+        return size
+
+    def tokens(self, batch: Any) -> int | None:
+        """Tokens in a micro-batch, or None when unknown."""
+        if self.options.tokens_fn is not None:
+            tokens = self.guard.user(self.options.tokens_fn, batch)
+        elif self.default_tokens_fn is not None:
+            tokens = self.default_tokens_fn(batch)
+        else:
+            return None
+        return None if tokens is None else int(tokens)

@@ -1,31 +1,16 @@
 """The step session below both callbacks: the profile window, then the continuous throughput meter.
 
-A measuring instrument must not perturb what it measures, so a profile is a short window of steps,
-each doing one job on its own clock:
+A profile is a short window of steps, each doing one job on its own clock: the counting step counts
+every op (:class:`~flops_callbacks.counting.engine.Tracer`; its times feed no figure), the
+module-timing step marks module calls only (:class:`~flops_callbacks.timing.module_timer.ModuleTimer`),
+and the clean steps only mark the phases at the framework's events and each step's end. Each batch's
+flops come from :class:`~flops_callbacks.session.shape_flops.ShapeFlops` (counted, or predicted
+exactly), so clean steps of any shape count; a shape that is neither becomes a shape-counting step
+(counted, not timed) at most ``MAX_SHAPE_COUNTS`` times. The figures are built by
+:mod:`flops_callbacks.session.builder` from :mod:`flops_callbacks.session.window_steps`; after the
+window, :mod:`flops_callbacks.session.meter` logs ``throughput/*`` with the same table.
 
-1. the counting step (the first optimizer step at or after ``profile_step``): the counting engine
-   (:class:`~flops_callbacks.counting.engine.Tracer`) counts every op per module, forward, backward and
-   recompute. Its times feed no headline figure.
-2. the module-timing step: clock marks on module calls and their autograd nodes only
-   (:class:`~flops_callbacks.timing.module_timer.ModuleTimer`), for the per-module latencies of the tree.
-3. clean steps: only the phase marks at the framework's events, and one clock mark at each step's
-   end (the wall step runs from the previous step's end to this one's; the wait for data from there
-   to the first forward). Each batch's flops come from
-   :class:`~flops_callbacks.session.shape_flops.ShapeFlops`:
-   counted by a counting step, or predicted exactly from counted shapes, so steps of any shape count
-   and none is instrumented. A step whose batch shapes are neither counted nor predictable yet
-   becomes a *shape-counting* step (counted with no clock, not timed) and the window grows by one, at
-   most ``MAX_SHAPE_COUNTS`` times. ``clean_steps`` fixes how many clean steps run; ``"auto"`` runs
-   3 to 20, until the median iter latency is known within +-3%
-   (:func:`~flops_callbacks.session.window_steps.median_known`). Latencies are the clean steps' medians, rates
-   their summed flops (samples, tokens) over their summed times (:mod:`flops_callbacks.session.window_steps`).
-
-At the end of the window (or of a run that ends inside it) the result is published: report, JSON,
-picture and trace in the log directory, the metrics to the framework's loggers. After it, every
-logging step gets the ``throughput/*`` metrics (:mod:`flops_callbacks.session.meter`), with the flops
-of the same table: nothing after the window is counted.
-
-An adapter maps its framework's events onto this object and hands it an :class:`Outlet`:
+An adapter maps its framework's events onto this object (:mod:`flops_callbacks.session.adapter_api`):
 
     train_start(global_step, max_steps=..)   at the start of a run (warnings come here, not at the end)
     step_start(global_step, model, context)  at the start of each optimizer step
@@ -36,37 +21,31 @@ An adapter maps its framework's events onto this object and hands it an :class:`
     train_end(global_step, outlet)           at the end of the run
     close()                                  on an exception: nothing of the profiler remains
 
-Nothing is installed outside a micro-batch of a window step: instruments start at
-:meth:`StepSession.micro_batch_start` and stop at :meth:`StepSession.micro_batch_end`, and
-:meth:`StepSession.close` removes whatever runs.
-
-Every event runs as the profiler's own work (:class:`~flops_callbacks.guard.Guard`): if it fails, the
-window is dropped as after a fault in the user's code, a warning says what failed, and the run goes on
-unprofiled. The user's functions (``batch_size_fn``, ``tokens_fn``) and the run's loggers are called
-through the guard, so their exceptions reach the training loop unchanged.
+Instruments run only inside a micro-batch of a window step. Every event runs as the profiler's own work
+(:mod:`flops_callbacks.guard`): a failure is said, the window dropped, and the run goes on unprofiled;
+the user's functions and loggers are called through the guard, so their exceptions pass unchanged.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from flops_callbacks.counting.engine import Tracer
-from flops_callbacks.files import unwritable_reason
-from flops_callbacks.guard import Guard
+from flops_callbacks.guard import F, Guard, guarded_event
 from flops_callbacks.module_tree import has_compiled
 from flops_callbacks.options import Options
 from flops_callbacks.peaks import given_bandwidth, given_peak
 from flops_callbacks.session.adapter_api import Outlet, Publish, TrainingContext
-from flops_callbacks.session.batch import find_batch_size, shape_signature
+from flops_callbacks.session.batch import BatchReader, shape_signature
 from flops_callbacks.session.builder import build_result
 from flops_callbacks.session.meter import ThroughputMeter
 from flops_callbacks.session.result import WindowResult
+from flops_callbacks.session.run_plan import CLEAN_MAX, CLEAN_MIN, RunPlan, unwritable_destinations
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_steps import (
     CLEAN,
@@ -85,27 +64,13 @@ from flops_callbacks.user_warning import warn
 
 DROPPED = "the profile window is dropped and nothing of the profiler stays; this run goes on unprofiled"
 
-F = TypeVar("F", bound=Callable[..., Any])
-
 
 def _own_work(what: str, abandon: bool = True) -> Callable[[F], F]:
-    """An event of the session run as the profiler's own work: a failure is said and (with
-    ``abandon``) the window dropped; the event then returns None (module doc)."""
-
-    def wrap(method: F) -> F:
-        @functools.wraps(method)
-        def guarded(self: StepSession, *args: Any, **kwargs: Any) -> Any:
-            on_failure = self._abandon if abandon else None
-            with self.guard.own_work(what, DROPPED if abandon else "training goes on", on_failure):
-                return method(self, *args, **kwargs)
-            return None
-
-        return guarded  # type: ignore[return-value]
-
-    return wrap
+    """An event of the session, run as the profiler's own work (with ``abandon``, a failure drops the
+    window for the rest of the run)."""
+    return guarded_event(what, DROPPED if abandon else "training goes on", "_abandon" if abandon else None)
 
 
-CLEAN_MIN, CLEAN_MAX = 3, 20  # clean_steps="auto"
 MAX_SHAPE_COUNTS = 8  # shape-counting steps a window may add
 
 __all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Outlet", "TrainingContext", "StepSession"]
@@ -129,11 +94,11 @@ class StepSession:
         self.owner = owner
         self.publish = publish  # None: the result is kept (``self.result``), not published
         self.guard = Guard(owner)
-        self._default_tokens_fn = tokens_fn
+        self.batches = BatchReader(options, owner, self.guard, tokens_fn)
         self.given_peak = given_peak(options.peak_flops)
         self.given_bandwidth = given_bandwidth(options.peak_bandwidth)
         self.meter = (
-            ThroughputMeter(lambda batch: self.samples_of(batch) or 0, self.tokens_of)
+            ThroughputMeter(lambda batch: self.batches.samples(batch) or 0, self.batches.tokens)
             if options.throughput
             else None
         )
@@ -151,7 +116,6 @@ class StepSession:
         self._resumed_past = False
         self._unreachable = False  # said at train start: profile_step is past the run's last step
         self._abandoned = False  # the profiler's own work failed in this run: it goes on unprofiled
-        self._said_no_size = False
         self._unwritable: dict[str, str] = {}  # "output_file" / "log_dir" -> why, said at train start
         self.enabled = True
 
@@ -164,25 +128,6 @@ class StepSession:
         """The profiler's own work failed: drop the window and stop metering for the rest of the run."""
         self._abandoned = True
         self.close()
-
-    # --- batches -------------------------------------------------------------------------------------
-
-    def samples_of(self, batch: Any) -> int | None:
-        """Samples in a micro-batch: the user's ``batch_size_fn`` (its errors are theirs), else the
-        leading dimension of its first tensor; None when it has none."""
-        if self.options.batch_size_fn is not None:
-            return int(self.guard.user(self.options.batch_size_fn, batch))
-        return find_batch_size(batch)
-
-    def tokens_of(self, batch: Any) -> int | None:
-        """Tokens in a micro-batch (the user's ``tokens_fn``, else the adapter's default), or None."""
-        if self.options.tokens_fn is not None:
-            tokens = self.guard.user(self.options.tokens_fn, batch)
-        elif self._default_tokens_fn is not None:
-            tokens = self._default_tokens_fn(batch)
-        else:
-            return None
-        return None if tokens is None else int(tokens)
 
     # --- the run -------------------------------------------------------------------------------------
 
@@ -217,60 +162,15 @@ class StepSession:
         self.result = None
         self.flops = ShapeFlops()
         self._metering = False
-        self._abandoned = self._said_no_size = False
+        self._abandoned = False
+        self.batches.said_no_size = False
         self._unwritable = {}
-        clean_steps = self.options.clean_steps
-        profile_step, length = (
-            self.options.profile_step,
-            2 + (CLEAN_MIN if clean_steps == "auto" else clean_steps),
-        )
-        first = global_step + -(-(profile_step - global_step) // steps_per_batch) * steps_per_batch
-        last = first + (length - 1) * steps_per_batch  # the window's last step starts here
-        self._resumed_past = global_step > profile_step
-        self._unreachable = max_steps is not None and max_steps <= first
+        plan = RunPlan.of(self.options, global_step, max_steps, steps_per_batch)
+        self._resumed_past, self._unreachable = plan.resumed_past, plan.unreachable
         if not self.enabled or not is_logging_rank:
             return
-        self._check_destinations(log_dir)
-        if self._resumed_past:
-            before = (
-                f"step {profile_step} was profiled before the checkpoint "
-                f"(flops_profile_step{profile_step}.txt in that run's log dir)"
-                if profiled_before
-                else f"past profile_step={profile_step}"
-            )
-            warn(
-                f"{self.owner}: resumed at step {global_step}, {before}: no profile runs in this run. "
-                "Set profile_step >= the step you resume from to profile again.",
-            )
-        elif self._unreachable:
-            warn(
-                f"{self.owner}: profile_step={profile_step} is never reached: the run has {max_steps} "
-                f"optimizer steps (0 .. {max_steps - 1}). Use a profile_step below {max_steps}.",
-            )
-        elif max_steps is not None and max_steps <= last:
-            clean = max(-(-(max_steps - first) // steps_per_batch) - 2, 0)
-            warn(
-                f"{self.owner}: the profile window needs steps {first} .. {last} "
-                f"(counting, module timing, clean_steps={clean_steps!r}); the run has "
-                f"{max_steps} steps: the latencies will rest on {clean} clean step(s).",
-            )
-
-    def _check_destinations(self, log_dir: str | Path | None) -> None:
-        """Say now which of the window's files could not be written; they are not tried at its end."""
-        output_file = self.options.output_file
-        places = {
-            "output_file": Path(output_file).parent if output_file is not None else None,
-            "log_dir": Path(log_dir) if log_dir is not None else None,
-        }
-        lost = {"output_file": "the report (printed instead)", "log_dir": "the files in the log dir"}
-        for place, folder in places.items():
-            reason = unwritable_reason(folder) if folder is not None else None
-            if reason is not None:
-                self._unwritable[place] = reason
-                warn(
-                    f"{self.owner}: cannot write {place} {folder}: {reason}. Not saved: {lost[place]}; "
-                    "the metrics are logged. Training goes on.",
-                )
+        self._unwritable = unwritable_destinations(self.owner, self.options.output_file, log_dir)
+        plan.warn(self.owner, profiled_before)
 
     @_own_work("ending the run")
     def train_end(self, global_step: int, outlet: Outlet) -> None:
@@ -357,11 +257,9 @@ class StepSession:
             return
         signature, later = shape_signature(batch), bool(step.signatures)
         step.signatures.append(signature)
-        samples = self.samples_of(batch)
-        if samples is None:
-            self._no_batch_size(batch)
+        samples = self.batches.samples(batch, say_unknown=True)
         step.samples = None if samples is None or step.samples is None else step.samples + samples
-        tokens = self.tokens_of(batch)
+        tokens = self.batches.tokens(batch)
         if tokens is not None:
             step.tokens = (step.tokens or 0) + tokens
         counts = self.flops.get(signature, later)
@@ -393,16 +291,6 @@ class StepSession:
         elif step.kind == MODULE_TIMING and self._timer is not None:
             self._timer.start()
         step.phases.start(FORWARD)
-
-    def _no_batch_size(self, batch: Any) -> None:
-        if self._said_no_size:
-            return
-        self._said_no_size = True
-        warn(
-            f"{self.owner}: cannot find the batch size of a {type(batch).__name__} batch (no tensor with a "
-            "leading dimension in it): samples/second is n/a. Pass batch_size_fn (and tokens_fn) to "
-            "say how many samples (tokens) a batch holds. Training goes on.",
-        )
 
     @_own_work("marking a phase")
     def phase(self, name: str) -> None:

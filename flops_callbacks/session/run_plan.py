@@ -1,0 +1,97 @@
+"""What a run's start says about its profile window: where the window falls in the run, the warnings due
+now rather than at the window's end (a profile_step the run never reaches, a window it cuts short, a run
+resumed past it), and the destinations that cannot be written.
+
+Apart from the step session because it is asked once per run and holds no state of the window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from flops_callbacks.files import unwritable_reason
+from flops_callbacks.options import Options
+from flops_callbacks.user_warning import warn
+
+__all__ = ["CLEAN_MAX", "CLEAN_MIN", "RunPlan", "unwritable_destinations"]
+
+CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Where the window falls in a run that starts at ``global_step`` (``max_steps``: its length, if
+    known; ``steps_per_batch``: global steps per optimizer step, several under Lightning's manual
+    optimization with several optimizers)."""
+
+    options: Options
+    global_step: int
+    max_steps: int | None
+    steps_per_batch: int
+    first: int  # the window's first step
+    last: int  # the step its last step starts at (with clean_steps="auto": at least)
+
+    @classmethod
+    def of(cls, options: Options, global_step: int, max_steps: int | None, steps_per_batch: int) -> RunPlan:
+        clean = CLEAN_MIN if options.clean_steps == "auto" else options.clean_steps
+        per = steps_per_batch
+        first = global_step + -(-(options.profile_step - global_step) // per) * per
+        return cls(options, global_step, max_steps, per, first, first + (2 + clean - 1) * per)
+
+    @property
+    def resumed_past(self) -> bool:
+        return self.global_step > self.options.profile_step
+
+    @property
+    def unreachable(self) -> bool:
+        return self.max_steps is not None and self.max_steps <= self.first
+
+    def warn(self, owner: str, profiled_before: bool) -> None:
+        """Say now if no profile can run in this run, or only a cut-short one."""
+        profile_step, max_steps = self.options.profile_step, self.max_steps
+        if self.resumed_past:
+            before = (
+                f"step {profile_step} was profiled before the checkpoint "
+                f"(flops_profile_step{profile_step}.txt in that run's log dir)"
+                if profiled_before
+                else f"past profile_step={profile_step}"
+            )
+            warn(
+                f"{owner}: resumed at step {self.global_step}, {before}: no profile runs in this run. "
+                "Set profile_step >= the step you resume from to profile again.",
+            )
+        elif self.unreachable and max_steps is not None:
+            warn(
+                f"{owner}: profile_step={profile_step} is never reached: the run has {max_steps} "
+                f"optimizer steps (0 .. {max_steps - 1}). Use a profile_step below {max_steps}.",
+            )
+        elif max_steps is not None and max_steps <= self.last:
+            clean = max(-(-(max_steps - self.first) // self.steps_per_batch) - 2, 0)
+            warn(
+                f"{owner}: the profile window needs steps {self.first} .. {self.last} "
+                f"(counting, module timing, clean_steps={self.options.clean_steps!r}); the run has "
+                f"{max_steps} steps: the latencies will rest on {clean} clean step(s).",
+            )
+
+
+def unwritable_destinations(
+    owner: str, output_file: str | Path | None, log_dir: str | Path | None
+) -> dict[str, str]:
+    """The window's destinations ("output_file", "log_dir") that cannot be written, each said now with
+    why; they are not tried at the window's end."""
+    places = {
+        "output_file": Path(output_file).parent if output_file is not None else None,
+        "log_dir": Path(log_dir) if log_dir is not None else None,
+    }
+    lost = {"output_file": "the report (printed instead)", "log_dir": "the files in the log dir"}
+    unwritable: dict[str, str] = {}
+    for place, folder in places.items():
+        reason = unwritable_reason(folder) if folder is not None else None
+        if reason is not None:
+            unwritable[place] = reason
+            warn(
+                f"{owner}: cannot write {place} {folder}: {reason}. Not saved: {lost[place]}; "
+                "the metrics are logged. Training goes on.",
+            )
+    return unwritable
