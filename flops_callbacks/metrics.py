@@ -14,6 +14,45 @@ fwd + bwd + step) sit beside the wall rates (over the whole wall step, the wait 
 
 from __future__ import annotations
 
+__all__ = [
+    "ALL",
+    "BWD_BYTES",
+    "BWD_FLOPS",
+    "BWD_FLOPS_PER_SEC",
+    "BWD_LATENCY",
+    "DATA_LATENCY",
+    "FLOPS_PER_SEC",
+    "FWD_BYTES",
+    "FWD_FLOPS",
+    "FWD_FLOPS_PER_SEC",
+    "FWD_LATENCY",
+    "FWD_MACS",
+    "HFU",
+    "ITER_LATENCY",
+    "MFU",
+    "PADDING",
+    "PADDING_FRACTION",
+    "PARAMS",
+    "PREFIX",
+    "REAL_TOKENS_PER_SEC",
+    "RECOMPUTE_FLOPS",
+    "SAMPLES_PER_SEC",
+    "SAVED_ACTIVATION_BYTES",
+    "STEP_LATENCY",
+    "THROUGHPUT",
+    "THROUGHPUT_FLOPS_PER_SEC",
+    "THROUGHPUT_MFU",
+    "THROUGHPUT_PREFIX",
+    "THROUGHPUT_SAMPLES_PER_SEC",
+    "THROUGHPUT_TOKENS_PER_SEC",
+    "TOKENS_PER_SEC",
+    "WALL",
+    "WALL_LATENCY",
+    "WALL_SAMPLES_PER_SEC",
+    "WALL_TOKENS_PER_SEC",
+    "WITH_PEAK",
+]
+
 PREFIX = "flops_profiler/"
 
 FWD_FLOPS = PREFIX + "fwd_flops"  # forward flops, measured

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import torch
 
 from flops_callbacks.parallel import stored_numel
+
+__all__ = ["eager_compiled_code", "has_compiled", "ModuleTree", "ancestors", "depth_of", "parent_in"]
 
 
 class ModuleTree:
@@ -138,3 +140,21 @@ def eager_compiled_code() -> contextlib.AbstractContextManager[None]:
     if "torch._dynamo" not in sys.modules:
         return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
+
+
+def ancestors(name: str) -> list[str]:
+    """``"a.b.c"`` -> ``["", "a", "a.b"]``: the names above a module, the model first."""
+    if not name:
+        return []
+    parts = name.split(".")
+    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def depth_of(name: str) -> int:
+    """0 for the model (``""``), 1 for its children, and so on."""
+    return name.count(".") + 1 if name else 0
+
+
+def parent_in(name: str, known: Container[str]) -> str:
+    """The nearest ancestor of ``name`` among ``known`` names (the model, ``""``, when none is)."""
+    return next((a for a in reversed(ancestors(name)) if a in known), "")

@@ -4,13 +4,22 @@ the argument and the values it accepts, at construction time."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-import torch
-
 from flops_callbacks.peaks import check_peak_bandwidth, check_peak_flops
+
+__all__ = [
+    "CAUSAL_ATTENTION",
+    "CausalAttention",
+    "check_callable",
+    "check_causal_attention",
+    "check_flag",
+    "check_int",
+    "check_report_args",
+    "Options",
+]
 
 CausalAttention = Literal["full", "half"]
 CAUSAL_ATTENTION: tuple[str, ...] = get_args(CausalAttention)
@@ -68,7 +77,6 @@ class Options:
     throughput: bool = True
     peak_flops: float | None = None
     peak_bandwidth: float | None = None  # bytes/s
-    ignore_modules: tuple[type, ...] = field(default=())
 
     def __post_init__(self) -> None:
         check_int("profile_step", self.profile_step, 0)
@@ -87,8 +95,5 @@ class Options:
         check_callable("tokens_fn", self.tokens_fn)
         if self.output_file is not None and not isinstance(self.output_file, (str, Path)):
             raise ValueError(f"output_file must be a path (str or Path) or None, got {self.output_file!r}")
-        if not all(isinstance(t, type) and issubclass(t, torch.nn.Module) for t in self.ignore_modules):
-            raise ValueError(f"ignore_modules must be module classes, got {self.ignore_modules!r}")
-        object.__setattr__(self, "ignore_modules", tuple(self.ignore_modules))
         check_peak_flops(self.peak_flops)
         check_peak_bandwidth(self.peak_bandwidth)

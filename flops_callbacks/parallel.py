@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = ["global_numel", "ParallelSizes", "sharded_params", "stored_numel"]
+
 
 @dataclass(frozen=True)
 class ParallelSizes:
@@ -34,14 +36,6 @@ class ParallelSizes:
     @property
     def model_parallel(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
-
-    def summary_lines(self) -> list[tuple[str, str]]:
-        """DeepSpeed's summary rows for these sizes, in its words and order."""
-        return [
-            ("world size", str(self.world_size)),
-            ("data parallel size", str(self.data_parallel)),
-            ("model parallel size", str(self.model_parallel)),
-        ]
 
     def factor_lines(self) -> list[tuple[str, str]]:
         """Rows DeepSpeed does not print: the factors of the model-parallel size, when it is not 1."""

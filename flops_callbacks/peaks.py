@@ -26,6 +26,38 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "Bandwidth",
+    "BANDWIDTH_ENV_VAR",
+    "bandwidth_from_env",
+    "BANDWIDTHS",
+    "BF16",
+    "check_peak_bandwidth",
+    "check_peak_flops",
+    "Chip",
+    "chip_for",
+    "CHIPS",
+    "device_name",
+    "DTYPES",
+    "ENV_VAR",
+    "FP16",
+    "FP32",
+    "fp32_matmul_dtype",
+    "FP8",
+    "GB",
+    "given_bandwidth",
+    "given_peak",
+    "parameters_dtype",
+    "Peak",
+    "peak_from_env",
+    "resolve_bandwidth",
+    "resolve_peak",
+    "T",
+    "table_bandwidth",
+    "table_peak",
+    "TF32",
+]
+
 FP32, TF32, BF16, FP16, FP8 = "fp32", "tf32", "bf16", "fp16", "fp8"
 DTYPES = (FP32, TF32, BF16, FP16, FP8)
 ENV_VAR = "FLOPS_CALLBACKS_PEAK_FLOPS"

@@ -13,12 +13,12 @@ the forward leaves for the backward (parameters excluded, each storage once). La
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
-from flops_callbacks.files import write_text
+from flops_callbacks.module_tree import parent_in
+
+__all__ = ["Counts", "Coverage", "ModuleProfile", "Profile", "UncountedOp"]
 
 
 @dataclass
@@ -82,10 +82,6 @@ class Coverage:
     counted_calls: int = 0
     free_calls: int = 0
     uncounted: list[UncountedOp] = field(default_factory=list)
-
-    @property
-    def uncounted_calls(self) -> int:
-        return sum(op.calls for op in self.uncounted)
 
 
 @dataclass
@@ -193,26 +189,21 @@ class Profile:
 
     def children(self, name: str) -> list[ModuleProfile]:
         """Modules whose nearest profiled ancestor is ``name``, in registration order."""
-        return [m for m in self.modules.values() if m.name and _parent(m.name, self.modules) == name]
+        modules = self.modules
+        cached = self.__dict__.get("_children")  # not a field: JSON and equality never see it
+        if cached is None or cached[0] is not modules:  # one pass, kept per modules dict
+            index: dict[str, list[ModuleProfile]] = {}
+            for m in modules.values():
+                if m.name:
+                    index.setdefault(parent_in(m.name, modules), []).append(m)
+            cached = self.__dict__["_children"] = (modules, index)
+        return list(cached[1].get(name, []))
 
     def to_dict(self) -> dict[str, Any]:
         """Everything, as JSON-ready plain data (derived totals included)."""
         totals = (*_COUNTED_TOTALS, "params", "trainable_params", "model_flops", "hardware_flops")
         return {**{name: getattr(self, name) for name in totals}, **asdict(self)}
 
-    def write_json(self, path: str | Path) -> Path:
-        """Write :meth:`to_dict` to ``path`` (parents created) and return the path."""
-        return write_text(path, json.dumps(self.to_dict(), indent=2))
-
 
 _SUMMED = tuple(f.name for f in fields(Counts))
 _COUNTED_TOTALS = tuple(name for name in _SUMMED if name != "calls")
-
-
-def _parent(name: str, modules: dict[str, ModuleProfile]) -> str:
-    parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        candidate = ".".join(parts[:i])
-        if candidate in modules:
-            return candidate
-    return ""

@@ -9,6 +9,17 @@ unscaled.
 
 from __future__ import annotations
 
+__all__ = [
+    "bytes_to_string",
+    "DEFAULT_PRECISION",
+    "duration_to_string",
+    "flops_to_string",
+    "macs_to_string",
+    "number_to_string",
+    "params_to_string",
+    "percent",
+]
+
 DEFAULT_PRECISION = 2
 
 # DeepSpeed's prefixes, largest first; "" is 1 (zero and numbers in [1, 1000) use it).

@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 import warnings
 
+__all__ = ["warn"]
+
 # Packages whose frames sit between the user's call and ours.
 _FRAMEWORKS = ("flops_callbacks", "transformers", "lightning", "pytorch_lightning", "accelerate", "torch")
 

@@ -465,7 +465,6 @@ def test_op_without_formula_is_listed_with_its_calls(tmp_path) -> None:
     [fft] = profile.coverage.uncounted
     assert (fft.op, fft.calls) == ("aten._fft_r2c", 3)
     assert fft.seconds > 0 and 0 < fft.time_share <= 1
-    assert profile.coverage.uncounted_calls == 3
 
     report_file = tmp_path / "report.txt"
     prof.print_model_profile(output_file=report_file)

@@ -8,8 +8,9 @@ import torch.nn as nn
 from torch.nn.modules import module as torch_module
 from torch.utils.checkpoint import checkpoint
 
+from flops_callbacks.module_tree import ancestors
 from flops_callbacks.timing.clock import CpuClock
-from flops_callbacks.timing.module_timer import BACKWARD, FORWARD, ModuleTimer, ancestors
+from flops_callbacks.timing.module_timer import BACKWARD, FORWARD, ModuleTimer
 from tests.sleepy import Sleepy
 
 

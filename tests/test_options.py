@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-from torch import nn
 
 from flops_callbacks.options import CAUSAL_ATTENTION, Options
 
@@ -18,7 +17,6 @@ def test_the_defaults_are_the_documented_ones() -> None:
     assert (o.detailed, o.print_profile, o.throughput, o.causal_attention) == (False, True, True, "full")
     assert (o.output_file, o.batch_size_fn, o.tokens_fn, o.peak_flops) == (None, None, None, None)
     assert o.peak_bandwidth is None
-    assert o.ignore_modules == ()
     assert CAUSAL_ATTENTION == ("full", "half")
 
 
@@ -39,8 +37,6 @@ def test_the_defaults_are_the_documented_ones() -> None:
         ({"batch_size_fn": 3}, "batch_size_fn must be a callable taking the batch, got 3"),
         ({"tokens_fn": "tokens"}, "tokens_fn must be a callable taking the batch, got 'tokens'"),
         ({"output_file": 3}, "output_file must be a path (str or Path) or None, got 3"),
-        ({"ignore_modules": ("Linear",)}, "ignore_modules must be module classes, got ('Linear',)"),
-        ({"ignore_modules": (int,)}, "ignore_modules must be module classes, got (<class 'int'>,)"),
         ({"peak_flops": 0}, "peak_flops must be the dense peak FLOPS of one device"),
         ({"peak_flops": "312e12"}, "peak_flops must be the dense peak FLOPS of one device"),
         (
@@ -62,7 +58,6 @@ def test_a_bad_value_is_refused_naming_the_argument_and_what_it_accepts(kwargs: 
 def test_good_values_are_kept_as_given() -> None:
     o = Options(profile_step=0, clean_steps=0, output_file=Path("r.txt"), peak_flops=989e12)
     assert (o.profile_step, o.clean_steps, o.output_file, o.peak_flops) == (0, 0, Path("r.txt"), 989e12)
-    assert Options(ignore_modules=[nn.Linear]).ignore_modules == (nn.Linear,)  # a list becomes a tuple
 
 
 def test_options_are_frozen() -> None:

@@ -29,6 +29,8 @@ from flops_callbacks.counting.registry import (
     register_op_kind,
 )
 
+__all__ = ["aten", "elementwise"]
+
 aten = torch.ops.aten
 
 

@@ -51,6 +51,8 @@ from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.timing.clock import Clock, clock_for, module_device
 from flops_callbacks.user_warning import warn
 
+__all__ = ["Tracer"]
+
 _TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()
 
 _current_autograd_node = torch._C._current_autograd_node

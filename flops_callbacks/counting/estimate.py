@@ -18,6 +18,8 @@ from typing import Any
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.units import number_to_string, params_to_string
 
+__all__ = ["active_params", "estimate_rows", "expert_modules", "Routing", "routing_of", "six_n_d"]
+
 # transformers' names for the routed experts per MoE layer and the experts each token goes to
 _NUM_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_top_k", "top_k")

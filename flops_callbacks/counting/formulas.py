@@ -19,6 +19,8 @@ import torch
 
 from flops_callbacks.counting.registry import register_formula, torch_formula
 
+__all__ = ["aten", "bound_arg", "causal_fraction", "grouped_mm_flops", "present"]
+
 aten = torch.ops.aten
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["functional_name", "READ"]
+
 READ = "<metadata read>"
 
 _ARITHMETIC_DUNDERS = frozenset({"add", "sub", "mul", "truediv", "matmul", "pow", "floordiv"})

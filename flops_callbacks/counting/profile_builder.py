@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 
 from flops_callbacks.counting.recording import Recording, Sums, as_counts, plus, total
-from flops_callbacks.module_tree import ModuleTree
+from flops_callbacks.module_tree import ModuleTree, depth_of
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
 from flops_callbacks.timing.clock import Clock
+
+__all__ = ["build_profile", "model_totals"]
 
 
 def model_totals(recording: Recording, clock: Clock) -> tuple[Counts, float]:
@@ -56,7 +58,7 @@ def build_profile(
             name=name,
             class_name=type(module).__name__,
             extra_repr=module.extra_repr(),  # its own settings (in_features=...), on its report line
-            depth=name.count(".") + 1 if name else 0,
+            depth=depth_of(name),
             params=params[name],
             trainable_params=trainable[name],
             fwd_latency=fwd_latency[name],

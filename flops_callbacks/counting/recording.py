@@ -13,6 +13,22 @@ from typing import Any
 from flops_callbacks.counting.registry import OpCount
 from flops_callbacks.profile import Counts
 
+__all__ = [
+    "as_counts",
+    "BWD",
+    "CALLS",
+    "Context",
+    "FWD",
+    "plus",
+    "REC",
+    "Recording",
+    "SAVED",
+    "SLOTS",
+    "Span",
+    "Sums",
+    "total",
+]
+
 FWD, BWD, REC = 0, 1, 2  # phases: forward, backward, recompute inside the backward
 SLOTS = tuple(f.name for f in fields(Counts))
 _FLOPS = tuple(SLOTS.index(f"{phase}_flops") for phase in ("fwd", "bwd", "recompute"))

@@ -19,6 +19,20 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.flop_counter import flop_registry as _torch_registry
 
+__all__ = [
+    "entry_for",
+    "Formula",
+    "FormulaEntry",
+    "largest_tensor_numel",
+    "OpCount",
+    "OpKind",
+    "register_formula",
+    "register_op_kind",
+    "registered",
+    "Share",
+    "torch_formula",
+]
+
 Formula = Callable[[tuple, dict, Any], int]
 """``formula(args, kwargs, out) -> flops``: the op's arguments as called, and its output."""
 

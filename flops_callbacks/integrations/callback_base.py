@@ -14,6 +14,8 @@ from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.user_warning import warn
 
+__all__ = ["C", "deepspeed_callback_kwargs", "Fn", "SessionCallback"]
+
 C = TypeVar("C", bound="SessionCallback")
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 

@@ -28,6 +28,17 @@ from flops_callbacks.reporting.report import RunContext, render_aggregated, rend
 from flops_callbacks.timing.clean_pass import CLEAN_PASS_SOURCE, time_clean
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
 
+__all__ = [
+    "check_model",
+    "COUNTING_PASS_SOURCE",
+    "FlopsProfiler",
+    "get_model_profile",
+    "get_module_duration",
+    "get_module_flops",
+    "get_module_macs",
+    "MODES",
+]
+
 COUNTING_PASS_SOURCE = (
     "the counting pass (instrumented: every op runs through Python, several times a clean pass on a "
     "model of small ops); clean times: get_model_profile(warm_up=...) or the Lightning / HF callbacks"

@@ -36,6 +36,8 @@ from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, Train
 from flops_callbacks.units import number_to_string
 from flops_callbacks.user_warning import warn
 
+__all__ = ["compute_dtype", "HFFlopsCallback", "parallel_sizes"]
+
 
 def _size(value: Any) -> int:
     """A parallel size as an int; 1 for anything unset, "auto" or not positive."""

@@ -25,6 +25,8 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
 from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, TrainingContext
 
+__all__ = ["compute_dtype", "FlopsProfilerCallback", "parallel_sizes"]
+
 
 def parallel_sizes(trainer: pl.Trainer) -> ParallelSizes:
     """How ``trainer``'s strategy splits the run; every size is 1 where that parallelism is not used.

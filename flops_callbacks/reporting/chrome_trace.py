@@ -14,6 +14,8 @@ from typing import Any
 
 from flops_callbacks.timing.spans import PHASES, ModuleSpan
 
+__all__ = ["chrome_trace"]
+
 _PID = 1  # one process holds the tracks; its name says what they are
 
 

@@ -23,6 +23,8 @@ from typing import Any
 from flops_callbacks.profile import Profile
 from flops_callbacks.reporting.tree_check import TreeCheck
 
+__all__ = ["render_html"]
+
 _SLOTS = re.compile(r"\{\{(title|summary|notes|data)\}\}")
 
 

@@ -27,6 +27,24 @@ from flops_callbacks.session.result import WindowResult, window_rates
 from flops_callbacks.timing.phases import PHASES
 from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string, percent
 
+__all__ = [
+    "json_data",
+    "markdown_block",
+    "picture",
+    "profile_json",
+    "publish",
+    "report_text",
+    "roofline_entries",
+    "roofline_text",
+    "roofs_text",
+    "run_rows",
+    "source_lines",
+    "spread_lines",
+    "timing_lines",
+    "tree_doubts",
+    "wall_lines",
+]
+
 
 def _steps_text(steps: tuple[int, ...]) -> str:
     return ", ".join(str(s) for s in steps)

@@ -28,6 +28,18 @@ from flops_callbacks.units import (
     percent,
 )
 
+__all__ = [
+    "NOTATIONS",
+    "render_aggregated",
+    "render_coverage",
+    "render_detailed",
+    "render_profile",
+    "render_roofline",
+    "render_summary",
+    "RunContext",
+    "TITLE",
+]
+
 TITLE = "flops_callbacks Flops Profiler"
 NOTATIONS = (
     "Notations:",
@@ -170,7 +182,6 @@ def _own_rows(p: Profile) -> list[tuple[str, object]]:
 def render_summary(
     profile: Profile,
     profile_step: int = 1,
-    context_lines: Sequence[tuple[str, str]] = (),
     timing_lines: Sequence[tuple[str, str]] = (),
     run: RunContext | None = None,
 ) -> str:
@@ -180,7 +191,7 @@ def render_summary(
     ``context_lines`` and ``timing_lines``.
     """
     run = run or RunContext()
-    rows = [*context_lines, *_deepspeed_rows(profile, run), *_own_rows(profile), *timing_lines]
+    rows = [*_deepspeed_rows(profile, run), *_own_rows(profile), *timing_lines]
     lines = [
         _rule(TITLE, 78),
         f"Profile Summary at step {profile_step}:",
@@ -355,14 +366,13 @@ def render_profile(
     module_depth: int = -1,
     top_modules: int = 1,
     detailed: bool = True,
-    context_lines: Sequence[tuple[str, str]] = (),
     timing_lines: Sequence[tuple[str, str]] = (),
     run: RunContext | None = None,
     roofline: str = "",
 ) -> str:
     """The whole report, as ``print_model_profile`` prints it: the aggregated profile always, the
     detailed tree if ``detailed`` (as DeepSpeed); ``roofline`` (:func:`render_roofline`) after the summary."""
-    parts = [render_summary(profile, profile_step, context_lines, timing_lines, run)]
+    parts = [render_summary(profile, profile_step, timing_lines, run)]
     if roofline:
         parts.append(roofline)
     parts.append(render_aggregated(profile, module_depth, top_modules))

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flops_callbacks.profile import ModuleProfile, Profile, _parent
+from flops_callbacks.module_tree import parent_in
+from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.units import duration_to_string
 
 __all__ = ["TreeCheck", "check_tree"]
@@ -39,7 +40,7 @@ def check_tree(profile: Profile, fwd_phase: float, bwd_phase: float, module_step
     children: dict[str, list[ModuleProfile]] = {name: [] for name in profile.modules}
     for name, m in profile.modules.items():  # once: Profile.children walks every module per call
         if name:
-            children[_parent(name, profile.modules)].append(m)
+            children[parent_in(name, profile.modules)].append(m)
     for kind, phase in (("fwd", fwd_phase), ("bwd", bwd_phase)):
         _check_root(profile, children, kind, phase, module_step, check)
         _check_parents(profile, children, kind, check)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["gather_latencies", "Latencies"]
+
 Latencies = tuple[float, float, float]  # (fwd, bwd, step) seconds
 
 

@@ -38,6 +38,8 @@ from flops_callbacks.session.shape_flops import ShapeFlops
 from flops_callbacks.timing.clock import clock_for, module_device
 from flops_callbacks.user_warning import warn
 
+__all__ = ["ThroughputMeter"]
+
 
 class ThroughputMeter:
     """Samples, tokens and known flops per logging interval after the profile window (module doc).
@@ -58,10 +60,6 @@ class ThroughputMeter:
         self._started = False
         self._later = False  # the next micro-batch is not its step's first
         self._warned_unknown = False
-
-    @property
-    def started(self) -> bool:
-        return self._started
 
     def start(self, result: WindowResult, model: torch.nn.Module, flops: ShapeFlops) -> None:
         """Take the window's flops table and sizes, and start the first interval now."""

@@ -40,6 +40,8 @@ from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_steps import CleanFigures, Spread
 from flops_callbacks.timing.spans import ModuleSpan
 
+__all__ = ["phase_rates", "PhaseRates", "window_metrics", "window_rates", "WindowResult", "WindowSteps"]
+
 
 @dataclass(frozen=True)
 class WindowSteps:

@@ -240,7 +240,6 @@ class StepSession:
         if kind == COUNTING:
             self._tracer = Tracer(
                 model,
-                ignore_types=self.options.ignore_modules,
                 causal_attention=self.options.causal_attention,
                 compiled=None if runs is None else has_compiled(runs.modules()),
             )
@@ -269,7 +268,6 @@ class StepSession:
             if step.kind == SHAPE_COUNTING:
                 self._counter = Tracer(
                     self._model,
-                    ignore_types=self.options.ignore_modules,
                     causal_attention=self.options.causal_attention,
                     clock=NullClock(),
                 )

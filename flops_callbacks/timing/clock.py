@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
+__all__ = ["Clock", "clock_for", "CpuClock", "CudaClock", "module_device", "NullClock", "SyncClock"]
+
 
 class Clock(Protocol):
     """Marks points in time on a device and measures between them."""

@@ -39,10 +39,12 @@ from typing import Any
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from flops_callbacks.module_tree import ModuleTree, eager_compiled_code
+from flops_callbacks.module_tree import ModuleTree, ancestors, depth_of, eager_compiled_code
 from flops_callbacks.profile import Profile
 from flops_callbacks.timing.clock import Clock, CpuClock
 from flops_callbacks.timing.spans import ModuleSpan
+
+__all__ = ["ancestors", "BACKWARD", "FORWARD", "hook_cost", "ModuleTimer", "ModuleTimes", "RECOMPUTE"]
 
 _current_autograd_node = torch._C._current_autograd_node
 FORWARD, BACKWARD, RECOMPUTE = "forward", "backward", "recompute"
@@ -78,14 +80,6 @@ def _grad_fns(value: Any) -> list[Any]:
         return [v.grad_fn for v in value if v.grad_fn is not None]  # no pytree walk (a few us a call)
     leaves = torch.utils._pytree.tree_leaves(value)
     return [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-
-
-def ancestors(name: str) -> list[str]:
-    """``"a.b.c"`` -> ``["", "a", "a.b"]``: the names above a module, the model first."""
-    if not name:
-        return []
-    parts = name.split(".")
-    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 class ModuleTimer:
@@ -246,7 +240,7 @@ class ModuleTimer:
             table = recompute if is_recompute else fwd
             table[name] = table.get(name, 0.0) + duration
             phase = RECOMPUTE if is_recompute else FORWARD
-            spans.append(ModuleSpan(name, phase, seconds(origin, start, started), duration, _depth(name)))
+            spans.append(ModuleSpan(name, phase, seconds(origin, start, started), duration, depth_of(name)))
         extent: dict[str, tuple[float, float]] = {}
         for name, start, end, started in self._node_spans:
             begin, duration = seconds(origin, start, started), seconds(start, end)
@@ -254,7 +248,7 @@ class ModuleTimer:
                 bwd[owner] = bwd.get(owner, 0.0) + duration
                 first, last = extent.get(owner, (begin, begin + duration))
                 extent[owner] = (min(first, begin), max(last, begin + duration))
-        spans += [ModuleSpan(name, BACKWARD, a, b - a, _depth(name)) for name, (a, b) in extent.items()]
+        spans += [ModuleSpan(name, BACKWARD, a, b - a, depth_of(name)) for name, (a, b) in extent.items()]
         spans.sort(key=lambda s: (s.start, -s.duration))
         _fill_containers(fwd)
         _fill_containers(recompute)
@@ -282,10 +276,6 @@ class ModuleTimer:
             if i in parent:
                 children[parent[i]] += durations[i]
         return durations
-
-
-def _depth(name: str) -> int:
-    return name.count(".") + 1 if name else 0
 
 
 def _fill_containers(table: dict[str, float]) -> None:

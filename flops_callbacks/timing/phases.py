@@ -15,6 +15,8 @@ from typing import Any
 from flops_callbacks.timing.clock import Clock
 from flops_callbacks.timing.phase_memory import PhaseMemory
 
+__all__ = ["BACKWARD", "check_phase", "FORWARD", "OPTIMIZER_STEP", "PHASES", "StepPhases"]
+
 FORWARD, BACKWARD, OPTIMIZER_STEP = "forward", "backward", "optimizer_step"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER_STEP)
 
