@@ -76,6 +76,10 @@ class Chip:
 
 
 # fp32 is the non-tensor (CUDA core / vector) rate: what an fp32 matmul gets when TF32 is off.
+# The H100 SXM datasheet's dense tensor rates (FP32 67, TF32 989, BF16/FP16 1,979, FP8 3,958 "with
+# sparsity" -> halved): the GH200 and the H200 SXM run the same GH100 die at the same clocks.
+_HOPPER_SXM = {FP32: 67 * T, TF32: 989 / 2 * T, BF16: 1979 / 2 * T, FP16: 1979 / 2 * T, FP8: 3958 / 2 * T}
+
 CHIPS: dict[str, Chip] = {
     # NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): SXM4 and PCIe,
     # 40 and 80 GB alike. TF32 156, BF16/FP16 312 dense (312 / 624 with sparsity). No fp8.
@@ -95,7 +99,7 @@ CHIPS: dict[str, Chip] = {
     "h100 sxm": Chip(
         "H100 SXM",
         "NVIDIA H100 datasheet",
-        {FP32: 67 * T, TF32: 989 / 2 * T, BF16: 1979 / 2 * T, FP16: 1979 / 2 * T, FP8: 3958 / 2 * T},
+        _HOPPER_SXM,
     ),
     # NVIDIA H100 PCIe datasheet: FP32 51, TF32 756, BF16/FP16 1,513, FP8 3,026 with sparsity -> halved.
     "h100 pcie": Chip(
@@ -114,13 +118,13 @@ CHIPS: dict[str, Chip] = {
     "gh200": Chip(
         "GH200",
         "NVIDIA GH200 datasheet",
-        {FP32: 67 * T, TF32: 989 / 2 * T, BF16: 1979 / 2 * T, FP16: 1979 / 2 * T, FP8: 3958 / 2 * T},
+        _HOPPER_SXM,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: as H100 SXM (same GH100 die).
     "h200 sxm": Chip(
         "H200 SXM",
         "NVIDIA H200 datasheet",
-        {FP32: 67 * T, TF32: 989 / 2 * T, BF16: 1979 / 2 * T, FP16: 1979 / 2 * T, FP8: 3958 / 2 * T},
+        _HOPPER_SXM,
     ),
     # NVIDIA H200 datasheet, H200 NVL column: FP32 60, TF32 835, BF16/FP16 1,671, FP8 3,341 with sparsity.
     "h200 nvl": Chip(

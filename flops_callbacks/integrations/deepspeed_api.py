@@ -21,6 +21,7 @@ import torch
 
 from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.files import write_text
+from flops_callbacks.module_tree import ModuleTree
 from flops_callbacks.options import check_causal_attention, check_flag, check_report_args
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import Counts, ModuleProfile, Profile
@@ -99,9 +100,8 @@ def get_module_duration(module: torch.nn.Module) -> float:
 
 def _profiled_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
     """(name in the profile, module) for every module of ``model``; ``torch.compile``'s ``_orig_mod``
-    level is not part of the names (as in the tracer)."""
-    for name, module in model.named_modules():
-        yield ".".join(part for part in name.split(".") if part != "_orig_mod"), module
+    level is not part of the names (the module tree's names, as the counting engine's)."""
+    yield from reversed(ModuleTree(model).paths)  # reversed: a shared module keeps its first name
 
 
 class FlopsProfiler:
