@@ -1,7 +1,7 @@
 """Set up ``.venv`` and run a job, with nothing but Python 3.10+: ``python3 tasks.py demo|test|bench``.
 
 demo   the main job: the Lightning example on CPU (profile at step 10, TensorBoard logs)
-test   ruff + the test suite (what CI runs)
+test   ruff, mypy and the test suite (what CI runs)
 wheel  build the wheel, install it with only torch into a fresh virtualenv, profile a small model
 bench  the overhead and timing benchmarks
 """
@@ -22,7 +22,7 @@ TORCH = os.environ.get("FLOPS_CALLBACKS_TORCH", "torch==2.13.0")
 
 JOBS = {
     "demo": [["examples/lightning/train.py"]],
-    "test": [["-m", "ruff", "check", "."], ["-m", "pytest", "-q"]],
+    "test": [["-m", "ruff", "check", "."], ["-m", "mypy"], ["-m", "pytest", "-q"]],
     "bench": [
         ["benchmarks/overhead.py"],
         ["benchmarks/lightning_overhead.py"],

@@ -304,7 +304,7 @@ def peak_from_env() -> float | None:
     if not raw:
         return None
     try:
-        value = float(raw)
+        value: float | str = float(raw)
     except ValueError:
         value = raw  # reported as given
     return check_peak_flops(value, ENV_VAR)
@@ -390,7 +390,7 @@ def bandwidth_from_env() -> float | None:
     if not raw:
         return None
     try:
-        value = float(raw)
+        value: float | str = float(raw)
     except ValueError:
         value = raw  # reported as given
     return check_peak_bandwidth(value, BANDWIDTH_ENV_VAR)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from types import FrameType
 
 __all__ = ["warn"]
 
@@ -19,7 +20,8 @@ def _outside_frameworks(module: str) -> bool:
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn(message)`` attributed to the nearest caller outside the frameworks."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and not _outside_frameworks(frame.f_globals.get("__name__", "")):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level + 1 if frame is not None else 2)

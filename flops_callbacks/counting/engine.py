@@ -30,7 +30,7 @@ import contextlib
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -190,7 +190,8 @@ class Tracer:
             return
         exit_stack, self._exit = self._exit, None
         try:
-            exit_stack.close()
+            if exit_stack is not None:
+                exit_stack.close()
         finally:
             for node in self._tagged:
                 node.metadata.pop(_TAG, None)
@@ -334,7 +335,7 @@ class Tracer:
             pending = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn]
         while pending:
             node = pending.pop()
-            metadata = node.metadata
+            metadata = cast(dict[str, Any], node.metadata)  # a dict (torch's stubs say a method)
             if _TAG in metadata:
                 continue
             metadata[_TAG] = ctx
@@ -360,7 +361,7 @@ class Tracer:
         if self._stack and self._stack[-1].recompute:
             phase, ctx = REC, self._ctx or self._context()
         elif node is not None:
-            phase, ctx = BWD, node.metadata.get(_TAG) or self._ctx or self._context()
+            phase, ctx = BWD, cast(dict, node.metadata).get(_TAG) or self._ctx or self._context()
         else:
             phase, ctx = FWD, self._ctx or self._context()
         timed = phase == BWD or kind is OpKind.UNCOUNTED

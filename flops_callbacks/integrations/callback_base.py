@@ -25,7 +25,7 @@ def _renamed(function: Fn, qualname: str) -> Fn:
     argument errors, 3.10 the function)."""
     code = function.__code__
     if hasattr(code, "co_qualname"):
-        code = code.replace(co_qualname=qualname)
+        code = code.replace(co_qualname=qualname)  # type: ignore[call-arg,unused-ignore]
     copy = types.FunctionType(
         code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
     )

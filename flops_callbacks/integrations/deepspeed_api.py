@@ -22,7 +22,7 @@ import torch
 from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.files import write_text
 from flops_callbacks.module_tree import ModuleTree
-from flops_callbacks.options import check_causal_attention, check_flag, check_report_args
+from flops_callbacks.options import CausalAttention, check_causal_attention, check_flag, check_report_args
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import Counts, ModuleProfile, Profile
 from flops_callbacks.reporting.report import RunContext, render_aggregated, render_profile
@@ -132,7 +132,7 @@ class FlopsProfiler:
         ds_engine: Any = None,
         recompute_fwd_factor: float = 0.0,
         *,
-        causal_attention: str = "full",
+        causal_attention: CausalAttention = "full",
     ) -> None:
         self.model = check_model(model)
         check_causal_attention(causal_attention)
@@ -333,7 +333,7 @@ def get_model_profile(
     *,
     backward: bool = False,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    causal_attention: str = "full",
+    causal_attention: CausalAttention = "full",
 ) -> tuple[int | str, int | str, int | str]:
     """Profile one call of ``model`` in eval mode and return ``(flops, macs, params)`` as DeepSpeed does
     (strings: ``('1.34 K', '670 MACs', '120')``); the caller's train/eval mode of every submodule is

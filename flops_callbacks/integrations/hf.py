@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any
 
 import torch
@@ -119,7 +120,7 @@ def _calling_trainer() -> transformers.Trainer | None:
     Callback events receive args, state, control and a few objects, never the Trainer itself, and
     the adapter needs it twice: to log through it and to see exceptions of its training step.
     """
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, transformers.Trainer):
@@ -175,7 +176,7 @@ class _Outlet:
             writer = getattr(callback, "tb_writer", None)  # TensorBoardCallback, once training began
             if isinstance(callback, TensorBoardCallback) and writer is not None and markdown is not None:
                 writer.add_text("flops_profiler/report", markdown, global_step=step)
-            wandb = getattr(callback, "_wandb", None)  # WandbCallback: the wandb module, once set up
+            wandb: Any = getattr(callback, "_wandb", None)  # WandbCallback: the wandb module, once set up
             if isinstance(callback, WandbCallback) and getattr(wandb, "run", None) is not None and html:
                 wandb.log({"flops_profiler/profile": wandb.Html(html)}, commit=False)
 
@@ -226,7 +227,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     Args: as :class:`flops_callbacks.integrations.lightning.FlopsProfilerCallback`.
     """
 
-    default_tokens_fn = staticmethod(_input_ids_tokens)
+    default_tokens_fn = staticmethod(_input_ids_tokens)  # type: ignore[assignment]
     _trainer: weakref.ref[transformers.Trainer] | None = None
     _wrapped: transformers.Trainer | None = None  # the Trainer whose training_step is wrapped
     _wrapper: Callable[..., Any] | None = None
@@ -345,7 +346,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
             return self._micro_batch(trainer, training_step, args, kwargs)
 
         self._wrapper, self._wrapped, self._shadowed = one_micro_batch, trainer, shadowed
-        trainer.training_step = one_micro_batch
+        trainer.training_step = one_micro_batch  # type: ignore[method-assign]
 
     def _micro_batch(
         self, trainer: transformers.Trainer, training_step: Callable[..., Any], args: tuple, kwargs: dict
@@ -362,7 +363,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         try:
             session.micro_batch_start(args[1] if len(args) > 1 else kwargs.get("inputs"))  # the inputs
             if session.window_open:
-                trainer.compute_loss = forward_then_backward
+                trainer.compute_loss = forward_then_backward  # type: ignore[method-assign]
             return training_step(*args, **kwargs)
         except BaseException:
             session.close()
@@ -372,7 +373,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
                 if shadowed is None:
                     del trainer.compute_loss
                 else:
-                    trainer.compute_loss = shadowed
+                    trainer.compute_loss = shadowed  # type: ignore[method-assign]
             session.micro_batch_end(pause=False)
 
     def _unwrap(self) -> None:
@@ -382,7 +383,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         if self._shadowed is None:
             del trainer.training_step
         else:
-            trainer.training_step = self._shadowed
+            trainer.training_step = self._shadowed  # type: ignore[method-assign]
 
 
 def _context(trainer: transformers.Trainer, args: Any, model: torch.nn.Module) -> TrainingContext:
@@ -398,7 +399,7 @@ def _estimate_lines(
     trainer: transformers.Trainer, batches: list[Any], profile: Profile
 ) -> list[tuple[str, str]]:
     """The Trainer's own flops estimate of the counting step's micro-batches beside the measured flops."""
-    estimate = sum(trainer.floating_point_ops(b) for b in batches if isinstance(b, Mapping))
+    estimate = sum(trainer.floating_point_ops(dict(b)) for b in batches if isinstance(b, Mapping))
     if not estimate:
         return []
     measured = profile.fwd_flops + profile.bwd_flops

@@ -101,8 +101,8 @@ class _Outlet:
                 logger.experiment.log({"flops_profiler/profile": wandb.Html(html)}, commit=False)
 
     def console(self, text: str) -> None:
-        bar = self.trainer.progress_bar_callback
-        if bar is not None and self.trainer.progress_bar_callback.is_enabled:
+        bar: Any = self.trainer.progress_bar_callback
+        if bar is not None and bar.is_enabled:
             bar.print(text)  # tqdm.write for TQDM, the Rich console for Rich: the bar stays intact
         else:
             print(text)
@@ -217,7 +217,8 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         if trainer.global_step == self._step_at_batch_start:
             return  # gradients are accumulating: the optimizer step has not run yet
         self._end_step()
-        every = trainer.log_every_n_steps
+        # a property the Trainer sets in its constructor, unknown to its annotations
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]
         logs = bool(every) and trainer.global_step % every == 0
         session.step_end(trainer.global_step, _Outlet(trainer), logs=logs)
         if session.result is not None and self._profiled_step is None:

@@ -29,7 +29,7 @@ def chrome_trace(
     for phase in used:
         meta.append(_meta("thread_name", tracks[phase], name=phase))
         meta.append(_meta("thread_sort_index", tracks[phase], sort_index=tracks[phase]))
-    calls = [
+    calls: list[dict[str, Any]] = [
         {
             "name": span.name or "(model)",
             "cat": span.phase,

@@ -313,8 +313,9 @@ def publish(
         html = picture(result)
     files: list[tuple[Path, Callable[[], str]]] = []
     to_file = options.output_file is not None and "output_file" not in skip
-    if to_file and full is not None:
-        files.append((Path(options.output_file), lambda: full + "\n"))
+    if to_file and full is not None and options.output_file is not None:
+        report = full + "\n"
+        files.append((Path(options.output_file), lambda: report))
     elif full is not None and (options.print_profile or options.output_file is not None):
         # an output_file said to be unwritable at the start: the report comes to the console instead
         with guard.own_work("printing the report", "the metrics are logged"):
@@ -342,7 +343,11 @@ def _write_all(files: list[tuple[Path, Callable[[], str]]], guard: Guard) -> Non
     """Write every file; the ones that fail are said in one warning (a full disk fails them all)."""
     failed: list[tuple[Path, Exception]] = []
     for path, text in files:
-        error = guard.attempt(lambda path=path, text=text: write_text(path, text()))
+
+        def write(path: Path = path, text: Callable[[], str] = text) -> None:
+            write_text(path, text())
+
+        error = guard.attempt(write)
         if error is not None:
             failed.append((path, error))
     if failed:

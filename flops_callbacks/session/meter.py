@@ -58,6 +58,9 @@ class ThroughputMeter:
         self.tokens_fn = tokens_fn
         self.flops = ShapeFlops()
         self._started = False
+        self._samples = 0
+        self._flops: float | None = 0.0
+        self._tokens: int | None = 0
         self._later = False  # the next micro-batch is not its step's first
         self._warned_unknown = False
 
@@ -138,11 +141,11 @@ class ThroughputMeter:
     def close(self) -> None:
         """Stop metering."""
         self._started = False
+        self._samples, self._flops, self._tokens = 0, 0.0, 0
 
     def _restart(self, now: float) -> None:
         self._start, self._paused = now, 0.0
-        self._samples, self._flops = 0, 0.0
-        self._tokens: int | None = 0
+        self._samples, self._flops, self._tokens = 0, 0.0, 0
 
     def _now(self) -> float:
         self._clock.synchronize()  # the device has done the work queued so far

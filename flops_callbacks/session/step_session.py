@@ -265,7 +265,7 @@ class StepSession:
         if step.kind in (None, CLEAN) and counts is None:
             shape_counts = sum(s.kind == SHAPE_COUNTING for s in self._steps)
             step.kind = SHAPE_COUNTING if shape_counts < MAX_SHAPE_COUNTS else SKIPPED
-            if step.kind == SHAPE_COUNTING:
+            if step.kind == SHAPE_COUNTING and self._model is not None:
                 self._counter = Tracer(
                     self._model,
                     causal_attention=self.options.causal_attention,

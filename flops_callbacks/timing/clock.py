@@ -107,8 +107,8 @@ def clock_for(device: torch.device | str) -> Clock:
 
 def module_device(module: torch.nn.Module) -> torch.device:
     """The device of a module's first parameter or buffer (CPU for a stateless module)."""
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
+    for parameter in module.parameters():
+        return parameter.device
+    for buffer in module.buffers():
+        return buffer.device
     return torch.device("cpu")

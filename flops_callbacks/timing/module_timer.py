@@ -42,12 +42,11 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from flops_callbacks.module_tree import ModuleTree, ancestors, depth_of, eager_compiled_code
 from flops_callbacks.profile import Profile
 from flops_callbacks.timing.clock import Clock, CpuClock
-from flops_callbacks.timing.spans import ModuleSpan
+from flops_callbacks.timing.spans import BACKWARD, FORWARD, RECOMPUTE, ModuleSpan, Phase
 
-__all__ = ["ancestors", "BACKWARD", "FORWARD", "hook_cost", "ModuleTimer", "ModuleTimes", "RECOMPUTE"]
+__all__ = ["BACKWARD", "FORWARD", "hook_cost", "ModuleTimer", "ModuleTimes", "RECOMPUTE"]
 
 _current_autograd_node = torch._C._current_autograd_node
-FORWARD, BACKWARD, RECOMPUTE = "forward", "backward", "recompute"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +238,7 @@ class ModuleTimer:
             name, start, started, _, _, is_recompute = span
             table = recompute if is_recompute else fwd
             table[name] = table.get(name, 0.0) + duration
-            phase = RECOMPUTE if is_recompute else FORWARD
+            phase: Phase = RECOMPUTE if is_recompute else FORWARD
             spans.append(ModuleSpan(name, phase, seconds(origin, start, started), duration, depth_of(name)))
         extent: dict[str, tuple[float, float]] = {}
         for name, start, end, started in self._node_spans:

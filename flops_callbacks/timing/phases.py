@@ -14,10 +14,10 @@ from typing import Any
 
 from flops_callbacks.timing.clock import Clock
 from flops_callbacks.timing.phase_memory import PhaseMemory
+from flops_callbacks.timing.spans import BACKWARD, FORWARD, OPTIMIZER_STEP
 
 __all__ = ["BACKWARD", "check_phase", "FORWARD", "OPTIMIZER_STEP", "PHASES", "StepPhases"]
 
-FORWARD, BACKWARD, OPTIMIZER_STEP = "forward", "backward", "optimizer_step"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER_STEP)
 
 

@@ -9,10 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["PHASES", "ModuleSpan", "Phase"]
+__all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "PHASES", "RECOMPUTE", "ModuleSpan", "Phase", "StepPhase"]
 
 Phase = Literal["forward", "backward", "recompute"]
 PHASES: tuple[Phase, ...] = ("forward", "backward", "recompute")  # also the order of the tracks
+StepPhase = Literal["forward", "backward", "optimizer_step"]  # the phases of an optimizer step
+
+# The one vocabulary of phase names: a module's passes (forward, backward, recompute inside the backward)
+# and an optimizer step's phases (forward, backward, optimizer step) share their first two.
+FORWARD: Phase = "forward"
+BACKWARD: Phase = "backward"
+RECOMPUTE: Phase = "recompute"
+OPTIMIZER_STEP: StepPhase = "optimizer_step"
 
 
 @dataclass(frozen=True)
