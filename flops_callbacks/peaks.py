@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,29 +286,39 @@ def parameters_dtype(model: torch.nn.Module) -> str | None:
     return {torch.bfloat16: BF16, torch.float16: FP16}.get(dtype)
 
 
-def check_peak_flops(value: Any, name: str = "peak_flops") -> float | None:
-    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise."""
+def _positive(value: Any, name: str, what: str, example: str) -> float | None:
+    """``value`` as a positive float, None for None; a ValueError naming ``name`` and ``what`` otherwise."""
     if value is None:
         return None
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not number or not 0 < value < float("inf"):
         raise ValueError(
-            f"{name} must be the dense peak FLOPS of one device, a positive number (e.g. 989e12), "
-            f"or None to look the device up; got {value!r}"
+            f"{name} must be {what}, a positive number (e.g. {example}), or None to look the device up; "
+            f"got {value!r}"
         )
     return float(value)
 
 
-def peak_from_env() -> float | None:
-    """The peak set by ``FLOPS_CALLBACKS_PEAK_FLOPS`` (FLOPS per device, e.g. ``989e12``), if any."""
-    raw = os.environ.get(ENV_VAR, "").strip()
+def _from_env(variable: str, check: Callable[[Any, str], float | None]) -> float | None:
+    """The number an environment variable sets, checked as its argument is (None when unset)."""
+    raw = os.environ.get(variable, "").strip()
     if not raw:
         return None
     try:
         value: float | str = float(raw)
     except ValueError:
         value = raw  # reported as given
-    return check_peak_flops(value, ENV_VAR)
+    return check(value, variable)
+
+
+def check_peak_flops(value: Any, name: str = "peak_flops") -> float | None:
+    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise."""
+    return _positive(value, name, "the dense peak FLOPS of one device", "989e12")
+
+
+def peak_from_env() -> float | None:
+    """The peak set by ``FLOPS_CALLBACKS_PEAK_FLOPS`` (FLOPS per device, e.g. ``989e12``), if any."""
+    return _from_env(ENV_VAR, check_peak_flops)
 
 
 @dataclass(frozen=True)
@@ -373,27 +384,12 @@ class Bandwidth:
 
 def check_peak_bandwidth(value: Any, name: str = "peak_bandwidth") -> float | None:
     """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise."""
-    if value is None:
-        return None
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not 0 < value < float("inf"):
-        raise ValueError(
-            f"{name} must be the peak memory bandwidth of one device in bytes/s, a positive number "
-            f"(e.g. 3.35e12), or None to look the device up; got {value!r}"
-        )
-    return float(value)
+    return _positive(value, name, "the peak memory bandwidth of one device in bytes/s", "3.35e12")
 
 
 def bandwidth_from_env() -> float | None:
     """The bandwidth set by ``FLOPS_CALLBACKS_PEAK_BANDWIDTH`` (bytes/s per device, e.g. ``3.35e12``)."""
-    raw = os.environ.get(BANDWIDTH_ENV_VAR, "").strip()
-    if not raw:
-        return None
-    try:
-        value: float | str = float(raw)
-    except ValueError:
-        value = raw  # reported as given
-    return check_peak_bandwidth(value, BANDWIDTH_ENV_VAR)
+    return _from_env(BANDWIDTH_ENV_VAR, check_peak_bandwidth)
 
 
 def table_bandwidth(name: str) -> Bandwidth | None:

@@ -3,6 +3,7 @@ the constructor from a DeepSpeed config's ``flops_profiler`` block, as DeepSpeed
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -17,6 +18,7 @@ from flops_callbacks.user_warning import warn
 __all__ = ["C", "deepspeed_callback_kwargs", "Fn", "SessionCallback"]
 
 C = TypeVar("C", bound="SessionCallback")
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))  # the callbacks' arguments
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 
 
@@ -107,22 +109,9 @@ class SessionCallback:
         peak_bandwidth: float | None = None,
     ) -> None:
         super().__init__()
+        arguments = {name: value for name, value in locals().items() if name in _OPTION_NAMES}
         try:
-            options = Options(
-                profile_step=profile_step,
-                clean_steps=clean_steps,
-                module_depth=module_depth,
-                top_modules=top_modules,
-                detailed=detailed,
-                print_profile=print_profile,
-                output_file=output_file,
-                batch_size_fn=batch_size_fn,
-                tokens_fn=tokens_fn,
-                causal_attention=causal_attention,
-                throughput=throughput,
-                peak_flops=peak_flops,
-                peak_bandwidth=peak_bandwidth,
-            )
+            options = Options(**arguments)
         except ValueError as error:  # said in the words of the class the user called
             raise ValueError(f"{type(self).__name__}: {error}") from None
         self.session = StepSession(
