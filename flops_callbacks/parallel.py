@@ -27,8 +27,9 @@ class ParallelSizes:
     ``context_parallel`` splits each sequence across devices (accelerate's ``cp_size x sp_size``).
     """
 
-    world_size: int = 1
-    data_parallel: int = 1
+    world_size: int = 1  # processes in the run
+    data_parallel: int = 1  # replicas that see different samples
+    # the factors of model_parallel: devices that share one copy of the model
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     context_parallel: int = 1

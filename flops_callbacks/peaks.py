@@ -77,121 +77,82 @@ class Chip:
 
 
 # fp32 is the non-tensor (CUDA core / vector) rate: what an fp32 matmul gets when TF32 is off.
+def _chip(
+    name: str, source: str, fp32: float, bf16: float, tf32: float | None = None, fp8: float | None = None
+) -> Chip:
+    """A chip from its dense rates in TFLOPS (bf16 and fp16 run at one rate on every chip listed; a chip
+    with no tf32 or fp8 figure has no such column)."""
+    rates = {FP32: fp32, TF32: tf32, BF16: bf16, FP16: bf16, FP8: fp8}
+    return Chip(name, source, {dtype: rate * T for dtype, rate in rates.items() if rate is not None})
+
+
 # The H100 SXM datasheet's dense tensor rates (FP32 67, TF32 989, BF16/FP16 1,979, FP8 3,958 "with
 # sparsity" -> halved): the GH200 and the H200 SXM run the same GH100 die at the same clocks.
-_HOPPER_SXM = {FP32: 67 * T, TF32: 989 / 2 * T, BF16: 1979 / 2 * T, FP16: 1979 / 2 * T, FP8: 3958 / 2 * T}
+_HOPPER_SXM = {"fp32": 67, "tf32": 989 / 2, "bf16": 1979 / 2, "fp8": 3958 / 2}
 
 CHIPS: dict[str, Chip] = {
     # NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): SXM4 and PCIe,
     # 40 and 80 GB alike. TF32 156, BF16/FP16 312 dense (312 / 624 with sparsity). No fp8.
-    "a100": Chip(
-        "A100", "NVIDIA A100 datasheet", {FP32: 19.5 * T, TF32: 156 * T, BF16: 312 * T, FP16: 312 * T}
-    ),
+    "a100": _chip("A100", "NVIDIA A100 datasheet", fp32=19.5, tf32=156, bf16=312),
     # NVIDIA A10 datasheet: TF32 62.5, BF16/FP16 125 dense (125 / 250 with sparsity).
-    "a10": Chip(
-        "A10", "NVIDIA A10 datasheet", {FP32: 31.2 * T, TF32: 62.5 * T, BF16: 125 * T, FP16: 125 * T}
-    ),
+    "a10": _chip("A10", "NVIDIA A10 datasheet", fp32=31.2, tf32=62.5, bf16=125),
     # A10G (AWS G5): NVIDIA publishes no datasheet. AWS/NVIDIA figures as tabulated in Baseten's "NVIDIA
     # A10 vs A10G": FP32 35, TF32 35, BF16/FP16 70 dense; = 80 SMs at 1.71 GHz at GA102's FP32-accumulate
     # tensor rate (half the A10's, whose 72 SMs run it at full rate).
-    "a10g": Chip("A10G", "AWS G5 A10G figures", {FP32: 35 * T, TF32: 35 * T, BF16: 70 * T, FP16: 70 * T}),
+    "a10g": _chip("A10G", "AWS G5 A10G figures", fp32=35, tf32=35, bf16=70),
     # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: FP32 67, TF32 989, BF16/FP16 1,979,
     # FP8 3,958 "with sparsity" -> halved.
-    "h100 sxm": Chip(
-        "H100 SXM",
-        "NVIDIA H100 datasheet",
-        _HOPPER_SXM,
-    ),
+    "h100 sxm": _chip("H100 SXM", "NVIDIA H100 datasheet", **_HOPPER_SXM),
     # NVIDIA H100 PCIe datasheet: FP32 51, TF32 756, BF16/FP16 1,513, FP8 3,026 with sparsity -> halved.
-    "h100 pcie": Chip(
-        "H100 PCIe",
-        "NVIDIA H100 PCIe datasheet",
-        {FP32: 51.2 * T, TF32: 756 / 2 * T, BF16: 1513 / 2 * T, FP16: 1513 / 2 * T, FP8: 3026 / 2 * T},
+    "h100 pcie": _chip(
+        "H100 PCIe", "NVIDIA H100 PCIe datasheet", fp32=51.2, tf32=756 / 2, bf16=1513 / 2, fp8=3026 / 2
     ),
     # NVIDIA H100 datasheet, H100 NVL column (one 94 GB card, not the NVLink pair): FP32 60, TF32 835,
     # BF16/FP16 1,671, FP8 3,341 with sparsity -> halved.
-    "h100 nvl": Chip(
-        "H100 NVL",
-        "NVIDIA H100 datasheet (NVL)",
-        {FP32: 60 * T, TF32: 835 / 2 * T, BF16: 1671 / 2 * T, FP16: 1671 / 2 * T, FP8: 3341 / 2 * T},
+    "h100 nvl": _chip(
+        "H100 NVL", "NVIDIA H100 datasheet (NVL)", fp32=60, tf32=835 / 2, bf16=1671 / 2, fp8=3341 / 2
     ),
     # NVIDIA GH200 Grace Hopper Superchip datasheet: the H100 SXM tensor rates (FP8 3,958 with sparsity).
-    "gh200": Chip(
-        "GH200",
-        "NVIDIA GH200 datasheet",
-        _HOPPER_SXM,
-    ),
+    "gh200": _chip("GH200", "NVIDIA GH200 datasheet", **_HOPPER_SXM),
     # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: as H100 SXM (same GH100 die).
-    "h200 sxm": Chip(
-        "H200 SXM",
-        "NVIDIA H200 datasheet",
-        _HOPPER_SXM,
-    ),
+    "h200 sxm": _chip("H200 SXM", "NVIDIA H200 datasheet", **_HOPPER_SXM),
     # NVIDIA H200 datasheet, H200 NVL column: FP32 60, TF32 835, BF16/FP16 1,671, FP8 3,341 with sparsity.
-    "h200 nvl": Chip(
-        "H200 NVL",
-        "NVIDIA H200 datasheet (NVL)",
-        {FP32: 60 * T, TF32: 835 / 2 * T, BF16: 1671 / 2 * T, FP16: 1671 / 2 * T, FP8: 3341 / 2 * T},
+    "h200 nvl": _chip(
+        "H200 NVL", "NVIDIA H200 datasheet (NVL)", fp32=60, tf32=835 / 2, bf16=1671 / 2, fp8=3341 / 2
     ),
     # NVIDIA HGX B200 specifications, "individual Blackwell GPU": FP32 75 TFLOPS; TF32 2.2, FP16/BF16 4.5,
     # FP8 9 PFLOPS with sparsity -> halved.
-    "b200": Chip(
-        "B200",
-        "NVIDIA HGX B200 specifications",
-        {FP32: 75 * T, TF32: 2200 / 2 * T, BF16: 4500 / 2 * T, FP16: 4500 / 2 * T, FP8: 9000 / 2 * T},
+    "b200": _chip(
+        "B200", "NVIDIA HGX B200 specifications", fp32=75, tf32=2200 / 2, bf16=4500 / 2, fp8=9000 / 2
     ),
     # NVIDIA GB200 NVL72 specifications, per Blackwell GPU: FP32 80 TFLOPS; TF32 2.5, FP16/BF16 5, FP8 10
     # PFLOPS with sparsity -> halved.
-    "gb200": Chip(
-        "GB200",
-        "NVIDIA GB200 NVL72 specifications",
-        {FP32: 80 * T, TF32: 2500 / 2 * T, BF16: 5000 / 2 * T, FP16: 5000 / 2 * T, FP8: 10000 / 2 * T},
+    "gb200": _chip(
+        "GB200", "NVIDIA GB200 NVL72 specifications", fp32=80, tf32=2500 / 2, bf16=5000 / 2, fp8=10000 / 2
     ),
     # NVIDIA L4 datasheet: FP32 30.3; TF32 120, BF16/FP16 242, FP8 485 with sparsity -> halved.
-    "l4": Chip(
-        "L4",
-        "NVIDIA L4 datasheet",
-        {FP32: 30.3 * T, TF32: 120 / 2 * T, BF16: 242 / 2 * T, FP16: 242 / 2 * T, FP8: 485 / 2 * T},
-    ),
+    "l4": _chip("L4", "NVIDIA L4 datasheet", fp32=30.3, tf32=120 / 2, bf16=242 / 2, fp8=485 / 2),
     # NVIDIA L40 datasheet: FP32 90.5; TF32 90.5, BF16/FP16 181.05, FP8 362 dense.
-    "l40": Chip(
-        "L40",
-        "NVIDIA L40 datasheet",
-        {FP32: 90.5 * T, TF32: 90.5 * T, BF16: 181.05 * T, FP16: 181.05 * T, FP8: 362 * T},
-    ),
+    "l40": _chip("L40", "NVIDIA L40 datasheet", fp32=90.5, tf32=90.5, bf16=181.05, fp8=362),
     # NVIDIA L40S datasheet (dense | sparse columns): FP32 91.6; TF32 183, BF16/FP16 362.05, FP8 733 dense.
-    "l40s": Chip(
-        "L40S",
-        "NVIDIA L40S datasheet",
-        {FP32: 91.6 * T, TF32: 183 * T, BF16: 362.05 * T, FP16: 362.05 * T, FP8: 733 * T},
-    ),
+    "l40s": _chip("L40S", "NVIDIA L40S datasheet", fp32=91.6, tf32=183, bf16=362.05, fp8=733),
     # NVIDIA Ada GPU architecture whitepaper v2.1, appendix (GeForce RTX 4090), dense, FP32 accumulate (what
     # training uses): FP32 82.6, TF32 82.6, BF16/FP16 165.2, FP8 330.3.
-    "rtx 4090": Chip(
-        "GeForce RTX 4090",
-        "NVIDIA Ada architecture whitepaper",
-        {FP32: 82.6 * T, TF32: 82.6 * T, BF16: 165.2 * T, FP16: 165.2 * T, FP8: 330.3 * T},
+    "rtx 4090": _chip(
+        "GeForce RTX 4090", "NVIDIA Ada architecture whitepaper", fp32=82.6, tf32=82.6, bf16=165.2, fp8=330.3
     ),
     # AMD Instinct MI300X datasheet (dense; sparsity listed apart): FP32 matrix 163.4, TF32 653.7,
     # FP16/BF16 1,307.4, FP8 2,614.9.
-    "mi300x": Chip(
-        "Instinct MI300X",
-        "AMD Instinct MI300X datasheet",
-        {FP32: 163.4 * T, TF32: 653.7 * T, BF16: 1307.4 * T, FP16: 1307.4 * T, FP8: 2614.9 * T},
+    "mi300x": _chip(
+        "Instinct MI300X", "AMD Instinct MI300X datasheet", fp32=163.4, tf32=653.7, bf16=1307.4, fp8=2614.9
     ),
     # AMD Instinct MI325X datasheet: the MI300X compute (same CDNA 3 die and clock), more HBM.
-    "mi325x": Chip(
-        "Instinct MI325X",
-        "AMD Instinct MI325X datasheet",
-        {FP32: 163.4 * T, TF32: 653.7 * T, BF16: 1307.4 * T, FP16: 1307.4 * T, FP8: 2614.9 * T},
+    "mi325x": _chip(
+        "Instinct MI325X", "AMD Instinct MI325X datasheet", fp32=163.4, tf32=653.7, bf16=1307.4, fp8=2614.9
     ),
     # AMD Instinct MI355X datasheet (dense): FP32 157.3, FP16/BF16 2,516.6 (2.5 PF), FP8 5,033.2 (5 PF).
     # CDNA 4 has no TF32 hardware: a tf32 request falls back to fp32 below.
-    "mi355x": Chip(
-        "Instinct MI355X",
-        "AMD Instinct MI355X datasheet",
-        {FP32: 157.3 * T, BF16: 2516.6 * T, FP16: 2516.6 * T, FP8: 5033.2 * T},
-    ),
+    "mi355x": _chip("Instinct MI355X", "AMD Instinct MI355X datasheet", fp32=157.3, bf16=2516.6, fp8=5033.2),
 }
 
 GB = 1e9  # GB/s, in bytes per second (decimal, as the datasheets count)
@@ -359,15 +320,19 @@ def table_peak(name: str, dtype: str) -> tuple[Peak | None, str]:
     return Peak(flops, f"{chip.name} {dtype} dense, {chip.source}"), ""
 
 
+def _name_or_why(device: torch.device, what: str, how: str) -> tuple[str | None, str]:
+    """The device's name for the tables, or None and why there is no table entry for it."""
+    name = device_name(device)
+    return name, "" if name is not None else f"no {what} for a {device.type} device: {how}"
+
+
 def resolve_peak(given: Peak | None, device: torch.device, dtype: str | None) -> tuple[Peak | None, str]:
     """The peak to use: the user's if given, else the table's for ``device`` at ``dtype``; or None and
     a sentence saying why there is none (no guessing)."""
-    if given is not None:
-        return given, ""
     how = f"pass peak_flops= or set {ENV_VAR}"
-    name = device_name(device)
-    if name is None:
-        return None, f"no peak FLOPS for a {device.type} device: {how}"
+    name, why = _name_or_why(device, "peak FLOPS", how)
+    if given is not None or name is None:
+        return given, "" if given is not None else why
     if dtype is None:
         return None, f"unknown compute dtype on {name!r}: {how}"
     peak, why = table_peak(name, dtype)
@@ -406,12 +371,10 @@ def table_bandwidth(name: str) -> Bandwidth | None:
 def resolve_bandwidth(given: Bandwidth | None, device: torch.device) -> tuple[Bandwidth | None, str]:
     """The bandwidth to use: the user's if given, else the table's for ``device``; or None and a
     sentence saying why there is none."""
-    if given is not None:
-        return given, ""
     how = f"pass peak_bandwidth= or set {BANDWIDTH_ENV_VAR}"
-    name = device_name(device)
-    if name is None:
-        return None, f"no peak bandwidth for a {device.type} device: {how}"
+    name, why = _name_or_why(device, "peak bandwidth", how)
+    if given is not None or name is None:
+        return given, "" if given is not None else why
     found = table_bandwidth(name)
     return found, "" if found is not None else f"device {name!r} is not in the bandwidth table: {how}"
 

@@ -14,7 +14,7 @@ the forward leaves for the backward (parameters excluded, each storage once). La
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 from flops_callbacks.module_tree import parent_in
 
@@ -26,27 +26,44 @@ class Counts:
     """Flops, MACs and bytes of one pass-split unit of work (a module, a functional, or code outside the
     model), and the bytes its forward saved for the backward."""
 
+    # floating-point operations, per pass
     fwd_flops: int = 0
     bwd_flops: int = 0
     recompute_flops: int = 0
+    # multiply-accumulates (matmul, conv, attention), per pass
     fwd_macs: int = 0
     bwd_macs: int = 0
     recompute_macs: int = 0
+    # bytes the ops read and write, per pass, and the activations saved for the backward
     fwd_bytes: int = 0
     bwd_bytes: int = 0
     recompute_bytes: int = 0
     saved_bytes: int = 0
-    calls: int = 0
+    calls: int = 0  # forward calls (of a module; of a functional that did flops)
+
+    model_flops = property(lambda self: model_flops(self), doc="Forward + backward (MFU's numerator).")
+    hardware_flops = property(lambda self: hardware_flops(self), doc="With recompute (HFU's numerator).")
+
+
+class PassFlops(Protocol):
+    """Anything with flops per pass: a :class:`Counts`, a profile, a batch's counts."""
 
     @property
-    def model_flops(self) -> int:
-        """Forward + backward: the work the model needs (MFU's numerator)."""
-        return self.fwd_flops + self.bwd_flops
-
+    def fwd_flops(self) -> int: ...
     @property
-    def hardware_flops(self) -> int:
-        """Forward + backward + recompute: the work the device did (HFU's numerator)."""
-        return self.fwd_flops + self.bwd_flops + self.recompute_flops
+    def bwd_flops(self) -> int: ...
+    @property
+    def recompute_flops(self) -> int: ...
+
+
+def model_flops(counts: PassFlops) -> int:
+    """Forward + backward: the work the model needs (MFU's numerator)."""
+    return counts.fwd_flops + counts.bwd_flops
+
+
+def hardware_flops(counts: PassFlops) -> int:
+    """Forward + backward + recompute: the work the device did (HFU's numerator)."""
+    return counts.fwd_flops + counts.bwd_flops + counts.recompute_flops
 
 
 @dataclass
@@ -56,12 +73,14 @@ class ModuleProfile(Counts):
     name: str = ""
     class_name: str = ""
     depth: int = 0
+    # parameters the module holds (its children's included), all and trainable
     params: int = 0
     trainable_params: int = 0
+    functionals: dict[str, Counts] = field(default_factory=dict)  # the module's work by functional
+    # seconds, from the module-timing step (or the counting pass, outside a window)
     fwd_latency: float = 0.0
     bwd_latency: float = 0.0
     recompute_latency: float = 0.0
-    functionals: dict[str, Counts] = field(default_factory=dict)
     extra_repr: str = ""  # the module's own settings (``in_features=8, ...``), shown on its report line
 
 

@@ -111,7 +111,7 @@ def check_window(
     clean = [batches[s] for s in steps["clean"]]
     assert len({b["input_ids"].shape for b in clean}) > 1  # the clean steps had other shapes
     # the flops of the clean steps' batches, as the engine counts each of them on its own
-    counted = BatchCounts()
+    counted = BatchCounts.zero()
     for batch in clean:
         counted = counted.plus(engine_counts(batch, hf))
     assert BatchCounts(**totals["counts"]) == counted  # predicted = counted, exactly

@@ -69,5 +69,5 @@ def test_dims_that_never_varied_or_stop_being_equal_are_not_predicted() -> None:
 def test_counts_that_are_no_polynomial_keep_being_counted() -> None:
     table = ShapeFlops()
     for length in (8, 9, 10, 11, 12, 13):  # padded internally to a multiple of 8: a step, no polynomial
-        table.record((((1, length), torch.int64),), BatchCounts(-(-length // 8) * 8, 0, 0, 0))
+        table.record((((1, length), torch.int64),), BatchCounts(-(-length // 8) * 8, 0, 0, 0, 0, 0))
     assert table.get((((1, 30), torch.int64),)) is None

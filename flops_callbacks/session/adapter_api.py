@@ -53,15 +53,6 @@ class Outlet(Protocol):
         that show them (None: it could not be rendered)."""
 
 
-class Publish(Protocol):
-    """Publishes a window's result on the logging rank (``skip``: destinations said unwritable)."""
-
-    def __call__(
-        self,
-        result: WindowResult,
-        options: Options,
-        log_dir: str | Path | None,
-        outlet: Outlet,
-        guard: Guard,
-        skip: Collection[str] = (),
-    ) -> None: ...
+# Publishes a window's result on the logging rank: (result, options, log dir, outlet, guard, destinations
+# said unwritable at the run's start): flops_callbacks.reporting.publish.publish.
+Publish = Callable[["WindowResult", "Options", "str | Path | None", Outlet, "Guard", Collection[str]], None]

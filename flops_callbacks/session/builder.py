@@ -22,15 +22,7 @@ from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.distributed import gather_latencies
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_steps import (
-    CLEAN,
-    COUNTING,
-    MODULE_TIMING,
-    SHAPE_COUNTING,
-    SKIPPED,
-    WindowStep,
-    clean_figures,
-)
+from flops_callbacks.session.window_steps import Kind, WindowStep, clean_figures
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.phases import PHASES
 
@@ -52,7 +44,7 @@ def _shapes(steps: list[WindowStep], flops: ShapeFlops) -> tuple[int, int, int]:
     those predicted."""
     seen: dict[Any, set[bool]] = {}
     for s in steps:
-        if s.kind in (COUNTING, SHAPE_COUNTING, CLEAN):
+        if s.kind in (Kind.COUNTING, Kind.SHAPE_COUNTING, Kind.CLEAN):
             for i, sig in enumerate(s.signatures):
                 seen.setdefault(sig, set()).add(i > 0)
     counted = sum(all((later, sig) in flops.counted for later in kinds) for sig, kinds in seen.items())
@@ -84,7 +76,7 @@ def build_result(
     counting = steps[0]
     profile = tracer.profile()
     spans: list[Any] = []
-    module_step = next((s for s in steps if s.kind == MODULE_TIMING and s.signatures), None)
+    module_step = next((s for s in steps if s.kind == Kind.MODULE_TIMING and s.signatures), None)
     same_shapes = module_step is not None and module_step.signatures == counting.signatures
     if module_step is not None and not same_shapes:  # another batch's latencies would mix two batches
         profile.modules = {
@@ -95,12 +87,12 @@ def build_result(
         times = timer.times()
         spans = times.spans
         profile = times.applied_to(profile)
-    clean = [s for s in steps if s.kind == CLEAN and s.counts is not None]
+    clean = [s for s in steps if s.kind == Kind.CLEAN and s.counts is not None]
     if clean:
         timed, source = clean, f"median of {len(clean)} clean step(s)"
-        counts = BatchCounts()
+        counts = BatchCounts.zero()
         for s in clean:
-            counts = counts.plus(s.counts or BatchCounts())
+            counts = counts.plus(s.counts or BatchCounts.zero())
     else:
         timed = [module_step or counting]
         source = (
@@ -131,9 +123,9 @@ def build_result(
             counting=counting.number,
             module_timing=module_step.number if module_step else None,
             clean=tuple(s.number for s in clean),
-            skipped=tuple(s.number for s in steps if s.kind in (CLEAN, SKIPPED) and s not in clean),
+            skipped=tuple(s.number for s in steps if s.kind in (Kind.CLEAN, Kind.SKIPPED) and s not in clean),
             latency_source=source,
-            shape_counting=tuple(s.number for s in steps if s.kind == SHAPE_COUNTING),
+            shape_counting=tuple(s.number for s in steps if s.kind == Kind.SHAPE_COUNTING),
             shapes=shapes,
             shapes_counted=counted,
             shapes_predicted=predicted,

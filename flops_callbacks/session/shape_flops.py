@@ -32,6 +32,7 @@ from fractions import Fraction
 from itertools import product
 from typing import Any, NamedTuple
 
+from flops_callbacks.profile import hardware_flops, model_flops
 from flops_callbacks.session.batch import Signature
 
 __all__ = ["BatchCounts", "ShapeFlops"]
@@ -39,15 +40,23 @@ __all__ = ["BatchCounts", "ShapeFlops"]
 MAX_DEGREE = 3  # per variable: attention is quadratic in L; cubic leaves room, more needs many points
 
 
-class BatchCounts(NamedTuple):
+# The flops and MACs fields of flops_callbacks.profile.Counts, per pass, as a tuple (the fit solves for
+# each slot).
+class _PassCounts(NamedTuple):
+    fwd_flops: int
+    bwd_flops: int
+    recompute_flops: int
+    fwd_macs: int
+    bwd_macs: int
+    recompute_macs: int
+
+
+class BatchCounts(_PassCounts):
     """What a micro-batch (or a sum of them) costs: the counts the window's rates are made of."""
 
-    fwd_flops: int = 0
-    bwd_flops: int = 0
-    recompute_flops: int = 0
-    fwd_macs: int = 0
-    bwd_macs: int = 0
-    recompute_macs: int = 0
+    @classmethod
+    def zero(cls) -> BatchCounts:
+        return cls(*(0 for _ in cls._fields))
 
     @classmethod
     def of(cls, counts: Any) -> BatchCounts:
@@ -60,13 +69,8 @@ class BatchCounts(NamedTuple):
     def minus(self, other: BatchCounts) -> BatchCounts:
         return BatchCounts(*(a - b for a, b in zip(self, other, strict=True)))
 
-    @property
-    def model_flops(self) -> int:
-        return self.fwd_flops + self.bwd_flops
-
-    @property
-    def hardware_flops(self) -> int:
-        return self.fwd_flops + self.bwd_flops + self.recompute_flops
+    model_flops = property(model_flops, doc="Forward + backward.")
+    hardware_flops = property(hardware_flops, doc="Forward + backward + recompute.")
 
 
 Key = tuple[bool, Signature]  # (a later micro-batch of its step, its shapes)

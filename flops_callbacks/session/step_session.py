@@ -47,15 +47,7 @@ from flops_callbacks.session.meter import ThroughputMeter
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.run_plan import CLEAN_MAX, CLEAN_MIN, RunPlan, unwritable_destinations
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_steps import (
-    CLEAN,
-    COUNTING,
-    MODULE_TIMING,
-    SHAPE_COUNTING,
-    SKIPPED,
-    WindowStep,
-    median_known,
-)
+from flops_callbacks.session.window_steps import Kind, WindowStep, median_known
 from flops_callbacks.timing.clock import NullClock, clock_for, module_device
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.phase_memory import phase_memory_for
@@ -229,7 +221,9 @@ class StepSession:
             self._context = context() if context is not None else TrainingContext()
             self._model = model
         n = len(self._steps)
-        kind = COUNTING if n == 0 else MODULE_TIMING if n == 1 else None  # None: its first batch decides
+        kind = (
+            Kind.COUNTING if n == 0 else Kind.MODULE_TIMING if n == 1 else None
+        )  # None: its first batch decides
         device = module_device(model)
         clock = self._steps[0].phases.clock if self._steps else clock_for(device)
         start_mark = self._steps[-1].end_mark if self._steps else None
@@ -237,13 +231,13 @@ class StepSession:
         step = WindowStep(kind, global_step, StepPhases(clock, memory), start_mark=start_mark)
         self._steps.append(step)
         self._step = step
-        if kind == COUNTING:
+        if kind == Kind.COUNTING:
             self._tracer = Tracer(
                 model,
                 causal_attention=self.options.causal_attention,
                 compiled=None if runs is None else has_compiled(runs.modules()),
             )
-        elif kind == MODULE_TIMING and self._timer is None:
+        elif kind == Kind.MODULE_TIMING and self._timer is None:
             self._timer = ModuleTimer(model, step.phases.clock)
 
     @_own_work("reading the batch")
@@ -262,31 +256,35 @@ class StepSession:
         if tokens is not None:
             step.tokens = (step.tokens or 0) + tokens
         counts = self.flops.get(signature, later)
-        if step.kind in (None, CLEAN) and counts is None:
-            shape_counts = sum(s.kind == SHAPE_COUNTING for s in self._steps)
-            step.kind = SHAPE_COUNTING if shape_counts < MAX_SHAPE_COUNTS else SKIPPED
-            if step.kind == SHAPE_COUNTING and self._model is not None:
+        if step.kind in (None, Kind.CLEAN) and counts is None:
+            shape_counts = sum(s.kind == Kind.SHAPE_COUNTING for s in self._steps)
+            step.kind = Kind.SHAPE_COUNTING if shape_counts < MAX_SHAPE_COUNTS else Kind.SKIPPED
+            if step.kind == Kind.SHAPE_COUNTING and self._model is not None:
                 self._counter = Tracer(
                     self._model,
                     causal_attention=self.options.causal_attention,
                     clock=NullClock(),
                 )
         elif step.kind is None:
-            step.kind = CLEAN
+            step.kind = Kind.CLEAN
         step.counts = None if counts is None or step.counts is None else step.counts.plus(counts)
-        if step.kind == CLEAN:
+        if step.kind == Kind.CLEAN:
             mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
             if isinstance(mask, torch.Tensor) and mask.dim() == 2:
                 step.masks.append(mask)  # read after the window: no synchronize in a timed step
-        if step.kind == COUNTING:
+        if step.kind == Kind.COUNTING:
             step.batches.append(batch)
         engine = (
-            self._tracer if step.kind == COUNTING else self._counter if step.kind == SHAPE_COUNTING else None
+            self._tracer
+            if step.kind == Kind.COUNTING
+            else self._counter
+            if step.kind == Kind.SHAPE_COUNTING
+            else None
         )
         if engine is not None:
             self._counting = (signature, later, _totals(engine))
             engine.start()
-        elif step.kind == MODULE_TIMING and self._timer is not None:
+        elif step.kind == Kind.MODULE_TIMING and self._timer is not None:
             self._timer.start()
         step.phases.start(FORWARD)
 
@@ -325,7 +323,9 @@ class StepSession:
     def _record_counted(self) -> None:
         """A counted micro-batch ended: its counts (the engine's totals since its start) go in the table."""
         counting, self._counting = self._counting, None
-        engine = self._tracer if self._step is not None and self._step.kind == COUNTING else self._counter
+        engine = (
+            self._tracer if self._step is not None and self._step.kind == Kind.COUNTING else self._counter
+        )
         if counting is None or engine is None:
             return
         signature, later, before = counting
@@ -354,7 +354,7 @@ class StepSession:
         step.end_mark = step.phases.clock.mark()
         self._counter = None
         self._step = None
-        if step.kind == COUNTING:
+        if step.kind == Kind.COUNTING:
             # the counting step leaves thousands of objects (tags, records, hooks' closures): collected
             # now, outside every clock, not in whichever module of a timed step a collection would hit
             gc.collect()
@@ -367,7 +367,7 @@ class StepSession:
     def _window_done(self) -> bool:
         """Whether the window has its clean steps (or has grown as long as it may)."""
         wanted = self.options.clean_steps
-        clean = [s for s in self._steps if s.kind == CLEAN]
+        clean = [s for s in self._steps if s.kind == Kind.CLEAN]
         most = CLEAN_MAX if wanted == "auto" else wanted
         if len(self._steps) < 2:
             return False
@@ -444,7 +444,7 @@ class StepSession:
         if not outlet.is_logging_rank:
             return
         if self.publish is not None:
-            self.publish(self.result, self.options, log_dir, outlet, self.guard, skip=set(self._unwritable))
+            self.publish(self.result, self.options, log_dir, outlet, self.guard, set(self._unwritable))
         if self.meter is not None:
             self.meter.start(self.result, model, self.flops)
             self._metering = True

@@ -29,11 +29,7 @@ from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.timing.phases import StepPhases
 
 __all__ = [
-    "CLEAN",
-    "COUNTING",
-    "MODULE_TIMING",
-    "SHAPE_COUNTING",
-    "SKIPPED",
+    "Kind",
     "LATENCIES",
     "CleanFigures",
     "Spread",
@@ -43,9 +39,15 @@ __all__ = [
 ]
 
 # what a window step is for
-COUNTING, MODULE_TIMING, CLEAN = "counting", "module timing", "clean"
-SHAPE_COUNTING = "shape counting"  # counted with no clock: its batch shapes' flops were not known yet
-SKIPPED = "skipped"  # timed, but its batch shapes' flops are unknown (no shape counting left)
+
+
+class Kind:
+    """The job of a window step (the names the report and JSON say)."""
+
+    COUNTING, MODULE_TIMING, CLEAN = "counting", "module timing", "clean"
+    SHAPE_COUNTING = "shape counting"  # counted with no clock: its batch shapes' flops were not known yet
+    SKIPPED = "skipped"  # timed, but its batch shapes' flops are unknown (no shape counting left)
+
 
 # the latencies of a clean step, in the order gathered across ranks
 LATENCIES = ("fwd", "bwd", "step", "iter", "data", "wall")
@@ -66,7 +68,7 @@ class WindowStep:
     batches: list[Any] = field(default_factory=list)  # the counting step's, for the Trainer's estimate
     samples: int | None = 0  # None when a micro-batch's size could not be found
     tokens: int | None = None
-    counts: BatchCounts | None = field(default_factory=BatchCounts)  # None: a micro-batch's are unknown
+    counts: BatchCounts | None = field(default_factory=BatchCounts.zero)  # None: a micro-batch's are unknown
     masks: list[torch.Tensor] = field(default_factory=list)  # attention masks (padding)
 
     def seconds(self) -> dict[str, float]:
