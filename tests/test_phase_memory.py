@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from flops_callbacks.options import Options
-from flops_callbacks.reporting.publish import json_data, report_text
+from flops_callbacks.reporting.publish import json_data, publish, report_text
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP
 from tests.test_session import Outlet, run
@@ -42,7 +42,9 @@ class Temporaries(nn.Module):
 
 def window(device: str, tmp_path: Path) -> StepSession:
     model = Temporaries().to(device)
-    session = StepSession(Options(profile_step=0, clean_steps=2, print_profile=False), "test")
+    session = StepSession(
+        Options(profile_step=0, clean_steps=2, print_profile=False), "test", publish=publish
+    )
     session.train_start(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     run(session, model, optimizer, range(0, 4), Outlet(tmp_path), torch.randn(4, 8, device=device))

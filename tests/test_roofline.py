@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from flops_callbacks.options import Options
-from flops_callbacks.reporting.publish import json_data, report_text
+from flops_callbacks.reporting.publish import json_data, publish, report_text
 from flops_callbacks.roofline import COMPUTE, MEMORY, roofline
 from flops_callbacks.session.step_session import StepSession
 from tests.test_session import Outlet, run
@@ -59,7 +59,9 @@ def test_a_large_matmul_is_compute_bound_and_a_large_elementwise_op_memory_bound
     monkeypatch.setenv("FLOPS_CALLBACKS_PEAK_BANDWIDTH", str(PEAK_BANDWIDTH))
     torch.manual_seed(0)
     model = MatmulThenScale()
-    session = StepSession(Options(profile_step=0, clean_steps=1, print_profile=False), "test")
+    session = StepSession(
+        Options(profile_step=0, clean_steps=1, print_profile=False), "test", publish=publish
+    )
     session.train_start(0)
     outlet = Outlet(tmp_path)
     x = torch.randn(N, N)
@@ -113,7 +115,9 @@ def test_without_a_peak_bandwidth_the_report_says_why_and_no_module_has_a_roofli
     monkeypatch.setenv("FLOPS_CALLBACKS_PEAK_FLOPS", str(PEAK_FLOPS))
     monkeypatch.delenv("FLOPS_CALLBACKS_PEAK_BANDWIDTH", raising=False)
     model = MatmulThenScale()
-    session = StepSession(Options(profile_step=0, clean_steps=1, print_profile=False), "test")
+    session = StepSession(
+        Options(profile_step=0, clean_steps=1, print_profile=False), "test", publish=publish
+    )
     session.train_start(0)
     run(
         session,
