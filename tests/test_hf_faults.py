@@ -10,9 +10,8 @@ fault counted. The model is a two-layer MLP in plain torch, so its MACs are work
 
 from __future__ import annotations
 
-import importlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +20,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from tests.raising import RaiseInBackward
+from tests.support import Fault, hooks_of, torch_namespaces, torch_state
 
 PROFILE_STEP, CLEAN_STEPS = 1, 1
 WINDOW = {"counting": PROFILE_STEP, "module timing": PROFILE_STEP + 1, "clean": PROFILE_STEP + 2}
@@ -36,26 +34,6 @@ IN, HIDDEN, OUT, BATCH = 8, 16, 4, 4
 
 class Boom(RuntimeError):
     pass
-
-
-@dataclass
-class Fault:
-    """Where and at which global step (the step being run) to raise ``error``; fires once."""
-
-    point: str | None = None
-    step: int = -1
-    error: BaseException = field(default_factory=lambda: Boom("injected"))
-    trainer: Trainer | None = None
-    fired: bool = False
-
-    def check(self, point: str, step: int | None = None) -> None:
-        if point != self.point or self.fired:
-            return
-        if step is None:
-            step = self.trainer.state.global_step if self.trainer is not None else -1
-        if step == self.step:
-            self.fired = True
-            raise self.error
 
 
 class Regressor(nn.Module):
@@ -159,7 +137,7 @@ def make_trainer(
         optimizers=(optimizer, FailingLR(optimizer, fault)),
     )
     trainer.fault, trainer.sgd = fault, optimizer
-    fault.trainer = trainer
+    fault.step_of = lambda: trainer.state.global_step
     return trainer
 
 
@@ -168,29 +146,6 @@ def callback(**kwargs: Any) -> HFFlopsCallback:
 
 
 # --- the state that must be the same after a fault as before it --------------------------------------
-
-
-def torch_state() -> dict[str, Any]:
-    """torch's global hook dicts (modules, optimizers) and both mode stacks."""
-    state: dict[str, Any] = {}
-    for namespace in (torch.nn.modules.module, importlib.import_module("torch.optim.optimizer")):
-        for name, value in vars(namespace).items():
-            if name.startswith("_global_") and isinstance(value, dict):
-                state[f"{namespace.__name__}.{name}"] = dict(value)
-    state["dispatch modes"] = list(_get_current_dispatch_mode_stack())
-    state["function modes"] = list(_get_current_function_mode_stack())
-    return state
-
-
-def torch_namespaces() -> dict[tuple[str, str], Any]:
-    return {(ns.__name__, key): value for ns in (torch, F, torch.Tensor) for key, value in vars(ns).items()}
-
-
-def hooks_of(obj: Any) -> dict[str, Any]:
-    """Every hook dict of a module or optimizer."""
-    return {
-        name: dict(value) for name, value in vars(obj).items() if "hook" in name and isinstance(value, dict)
-    }
 
 
 def attributes(trainer: FaultyTrainer) -> dict[str, set[str]]:

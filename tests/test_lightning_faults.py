@@ -33,15 +33,12 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer.states import TrainerStatus
 from torch import nn
-from torch.nn.modules import module as torch_module
-from torch.optim import optimizer as torch_optimizer
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.session.result import WindowSteps
 from tests.raising import RaiseInBackward
+from tests.support import Fault, hooks_of, torch_state
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3
 PROFILE_STEP, CLEAN = 1, 1
@@ -60,21 +57,6 @@ BWD_FLOPS = (
 
 
 # --- where to fail -----------------------------------------------------------------------------------
-
-
-class Fault:
-    """Raises ``error`` once, at ``point``, in the optimizer step that started at global step ``step``."""
-
-    def __init__(self, point: str | None = None, step: int = -1, error: BaseException | None = None) -> None:
-        self.point, self.step = point, step
-        self.error = error if error is not None else RuntimeError(f"injected in {point} at step {step}")
-        self.current: int | None = None  # the global step the running optimizer step started at
-        self.raised = False
-
-    def check(self, point: str) -> None:
-        if point == self.point and self.current == self.step and not self.raised:
-            self.raised = True
-            raise self.error
 
 
 class Probe(nn.Module):
@@ -226,24 +208,16 @@ def quiet_callback(**kwargs: Any) -> FlopsProfilerCallback:
 # --- the state that must come back -------------------------------------------------------------------
 
 
-def hook_dicts(obj: object) -> dict[str, dict]:
-    """Copies of an object's hook dicts (every dict attribute with "hook" in its name)."""
-    return {k: dict(v) for k, v in vars(obj).items() if "hook" in k and isinstance(v, dict)}
-
-
 def process_state(module: FaultyMLP) -> dict[str, Any]:
     """What the profiler could leave behind, in torch, on the module and on its optimizer."""
     return {
-        "global module hooks": hook_dicts(torch_module),
-        "global optimizer hooks": hook_dicts(torch_optimizer),
-        "dispatch modes": list(_get_current_dispatch_mode_stack()),
-        "function modes": list(_get_current_function_mode_stack()),
+        "torch": torch_state(),
         "grad mode": (torch.is_grad_enabled(), torch.is_inference_mode_enabled()),
         "namespaces": {ns.__name__: dict(vars(ns)) for ns in (torch, F, torch.Tensor)},
-        "module hooks": {name: hook_dicts(m) for name, m in module.named_modules()},
+        "module hooks": {name: hooks_of(m) for name, m in module.named_modules()},
         # Lightning adds attributes to the LightningModule itself; none may appear on its submodules
         "module attributes": {name: set(vars(m)) for name, m in module.named_modules() if name},
-        "optimizer hooks": hook_dicts(module.optimizer),
+        "optimizer hooks": hooks_of(module.optimizer),
         "optimizer step": (type(module.optimizer).step, "step" in vars(module.optimizer)),
     }
 

@@ -92,21 +92,22 @@ class SessionCallback:
     # tokens per micro-batch when the user gives no tokens_fn (the HF Trainer's inputs: input_ids)
     default_tokens_fn: ClassVar[Callable[[Any], int | None] | None] = None
 
+    # every default is the Options field's: the one place they are set
     def __init__(
         self,
-        profile_step: int = 10,
-        clean_steps: int | Literal["auto"] = "auto",
-        module_depth: int = -1,
-        top_modules: int = 1,
-        detailed: bool = False,
-        print_profile: bool = True,
-        output_file: str | Path | None = None,
-        batch_size_fn: Callable[[Any], int] | None = None,
-        tokens_fn: Callable[[Any], int] | None = None,
-        causal_attention: CausalAttention = "full",
-        throughput: bool = True,
-        peak_flops: float | None = None,
-        peak_bandwidth: float | None = None,
+        profile_step: int = Options.profile_step,
+        clean_steps: int | Literal["auto"] = Options.clean_steps,
+        module_depth: int = Options.module_depth,
+        top_modules: int = Options.top_modules,
+        detailed: bool = Options.detailed,
+        print_profile: bool = Options.print_profile,
+        output_file: str | Path | None = Options.output_file,
+        batch_size_fn: Callable[[Any], int] | None = Options.batch_size_fn,
+        tokens_fn: Callable[[Any], int | None] | None = Options.tokens_fn,
+        causal_attention: CausalAttention = Options.causal_attention,
+        throughput: bool = Options.throughput,
+        peak_flops: float | None = Options.peak_flops,
+        peak_bandwidth: float | None = Options.peak_bandwidth,
     ) -> None:
         super().__init__()
         arguments = {name: value for name, value in locals().items() if name in _OPTION_NAMES}
