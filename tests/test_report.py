@@ -11,7 +11,7 @@ import torch.nn as nn
 from flops_callbacks import FlopsProfiler
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import Profile
-from flops_callbacks.reporting.report import RunContext, render_profile
+from flops_callbacks.reporting.report import EngineRows, render_profile
 from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string, number_to_string
 
 B, IN, HID, OUT = 4, 8, 16, 3
@@ -77,7 +77,7 @@ def test_a_gpu_profile_has_no_device_row() -> None:
 
 
 def test_run_context_adds_deepspeeds_engine_rows_and_scales_of_model_by_mp_size() -> None:
-    run = RunContext(
+    run = EngineRows(
         parallel=ParallelSizes(world_size=8, data_parallel=4, tensor_parallel=2),
         batch_size=16,
         fwd_latency=0.002,

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from flops_callbacks.counting.engine import Tracer
-from flops_callbacks.counting.recording import CALLS, SLOTS, Context
+from flops_callbacks.counting.recording import CALLS, SLOTS, Site
 from flops_callbacks.counting.registry import OpCount
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.profile import Counts
@@ -166,7 +166,7 @@ def test_causal_half_counts_the_kept_part_of_causal_attention() -> None:
 
 def test_the_running_sums_are_laid_out_as_counts() -> None:
     assert tuple(f.name for f in fields(Counts)) == SLOTS
-    ctx = Context(("",), "linear")
+    ctx = Site(("",), "linear")
     ctx.add(1, "linear", OpCount(flops=10, macs=4, recompute_flops=3, recompute_macs=1), 0)
     ctx.sums_of("linear")[CALLS] += 1
     assert Counts(*ctx.sums["linear"]) == Counts(

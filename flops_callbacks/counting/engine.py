@@ -42,7 +42,7 @@ from flops_callbacks.counting import elementwise_formulas, formulas  # noqa: F40
 from flops_callbacks.counting.bytes_moved import bytes_rule
 from flops_callbacks.counting.functionals import READ, functional_name
 from flops_callbacks.counting.profile_builder import build_profile, model_totals
-from flops_callbacks.counting.recording import BWD, CALLS, FWD, REC, Context, Recording
+from flops_callbacks.counting.recording import BWD, CALLS, FWD, REC, Recording, Site
 from flops_callbacks.counting.registry import OpKind, entry_for
 from flops_callbacks.counting.saved_activations import SavedActivations
 from flops_callbacks.module_tree import ModuleTree, eager_compiled_code
@@ -147,7 +147,7 @@ class Tracer:
         self._stack: list[_Frame] = []
         self._here = self._rec.contexts.setdefault((), {})
         self._functional: str | None = None
-        self._ctx: Context | None = None
+        self._ctx: Site | None = None
         self._flops_in_call = False
         self._bwd_start: Any = None
         self._in_backward = False
@@ -292,17 +292,17 @@ class Tracer:
     def _close(self, frame: _Frame, end: Any) -> None:
         self._rec.module_spans.append((frame.name, frame.start, end, frame.recompute))
 
-    def _context(self) -> Context:
+    def _context(self) -> Site:
         """Where work goes now: the module stack and the functional being run (cached)."""
         if self._ctx is None:
             self._ctx = self._context_for(self._functional)
         return self._ctx
 
-    def _context_for(self, functional: str | None) -> Context:
+    def _context_for(self, functional: str | None) -> Site:
         ctx = self._here.get(functional)
         if ctx is None:
             names = self._stack[-1].key if self._stack else ()
-            ctx = self._here[functional] = Context(names, functional)
+            ctx = self._here[functional] = Site(names, functional)
         return ctx
 
     # --- functionals: naming and tagging autograd nodes --------------------------------------------
@@ -325,7 +325,7 @@ class Tracer:
             self._tag(out, ctx)
         return out
 
-    def _tag(self, out: Any, ctx: Context) -> None:
+    def _tag(self, out: Any, ctx: Site) -> None:
         """Mark the autograd nodes this call created (those not marked yet) with its context, and count
         what a forward's nodes save for the backward (a recompute's and a backward's are freed in it)."""
         forward = _current_autograd_node() is None and not (self._stack and self._stack[-1].recompute)

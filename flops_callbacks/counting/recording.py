@@ -17,7 +17,7 @@ __all__ = [
     "as_counts",
     "BWD",
     "CALLS",
-    "Context",
+    "Site",
     "FWD",
     "plus",
     "REC",
@@ -59,7 +59,7 @@ def as_counts(sums: Sums, **override: int) -> dict[str, int]:
     return {**dict(zip(SLOTS, sums, strict=True)), **override}
 
 
-class Context:
+class Site:
     """Where work goes: the modules on the stack (each once) and the functional being run.
 
     An op adds to its context only, one list update whatever the stack depth; the profile spreads
@@ -106,12 +106,12 @@ class Recording:
     """Everything counted and marked since a reset; turned into a profile by ``build_profile``."""
 
     module_calls: dict[str, int]  # forward calls of each profiled module (recomputes left out)
-    contexts: dict[tuple[str, ...], dict[str | None, Context]] = field(default_factory=dict)
+    contexts: dict[tuple[str, ...], dict[str | None, Site]] = field(default_factory=dict)
     counted_calls: int = 0  # op calls with a formula
     free_calls: int = 0  # op calls without arithmetic
     uncounted: dict[str, list[Span]] = field(default_factory=dict)  # each call of each op without a formula
     # (module name, start, end, recompute) of every module call
     module_spans: list[tuple[str, Any, Any, bool]] = field(default_factory=list)
     top_spans: list[Span] = field(default_factory=list)  # calls of the outermost module: the forward
-    bwd_op_spans: list[tuple[Context, Any, Any]] = field(default_factory=list)
+    bwd_op_spans: list[tuple[Site, Any, Any]] = field(default_factory=list)
     bwd_spans: list[Span] = field(default_factory=list)  # each backward pass, first op to its end

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from flops_callbacks.counting.recording import Context
+    from flops_callbacks.counting.recording import Site
 
 __all__ = ["SAVED_BY", "SavedActivations"]
 
@@ -63,7 +63,7 @@ class SavedActivations:
     def start(self, model: torch.nn.Module) -> None:
         self.param_ptrs = {_storage(p)[0] for p in model.parameters()} - {0}
 
-    def enter(self, args: tuple, ctx: Context) -> None:
+    def enter(self, args: tuple, ctx: Site) -> None:
         """A module is called: when it is the first one inside a new region of saved-tensor hooks (a
         checkpoint), count its tensor arguments, which the checkpoint holds for its recompute, for
         ``ctx``: where the checkpoint is called."""
@@ -76,7 +76,7 @@ class SavedActivations:
                 if isinstance(tensor, torch.Tensor):
                     self._count(tensor, ctx)
 
-    def watch(self, node: Any, ctx: Context) -> None:
+    def watch(self, node: Any, ctx: Site) -> None:
         """Count the tensors ``node`` saved (a node the forward created, tagged with ``ctx``). Never
         raises: what cannot be read (a tensor changed in place since: autograd raises in the backward)
         is not counted."""
@@ -92,7 +92,7 @@ class SavedActivations:
             except Exception:  # noqa: BLE001, S112  (freed, changed in place: autograd's to raise, not ours)
                 continue
 
-    def _count(self, tensor: torch.Tensor, ctx: Context) -> None:
+    def _count(self, tensor: torch.Tensor, ctx: Site) -> None:
         ptr, nbytes = _storage(tensor)
         if not nbytes or (ptr and (ptr in self.param_ptrs or ptr in self.seen)):
             return

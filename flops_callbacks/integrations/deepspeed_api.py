@@ -25,7 +25,7 @@ from flops_callbacks.module_tree import ModuleTree
 from flops_callbacks.options import CausalAttention, check_causal_attention, check_flag, check_report_args
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import Counts, ModuleProfile, Profile
-from flops_callbacks.reporting.report import RunContext, render_aggregated, render_profile
+from flops_callbacks.reporting.report import EngineRows, render_aggregated, render_profile
 from flops_callbacks.timing.clean_pass import CLEAN_PASS_SOURCE, time_clean
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
 
@@ -217,11 +217,11 @@ class FlopsProfiler:
         duration = self._totals()[1]
         return duration_to_string(duration) if as_string else duration
 
-    def _run_context(self) -> RunContext:
+    def _run_context(self) -> EngineRows:
         """DeepSpeed's engine rows, read from ``ds_engine`` as DeepSpeed reads them."""
         engine = self.ds_engine
         if not engine:
-            return RunContext(recompute_fwd_factor=self.recompute_fwd_factor)
+            return EngineRows(recompute_fwd_factor=self.recompute_fwd_factor)
         dp = engine.dp_world_size
         if dp is None:  # sequence parallelism folds data parallelism into its own group
             dp = engine.seq_dp_world_size
@@ -230,11 +230,11 @@ class FlopsProfiler:
         )
         batch_size = engine.train_micro_batch_size_per_gpu()
         if not engine.wall_clock_breakdown():
-            return RunContext(parallel, batch_size, recompute_fwd_factor=self.recompute_fwd_factor)
+            return EngineRows(parallel, batch_size, recompute_fwd_factor=self.recompute_fwd_factor)
         timers = engine.timers
         latencies = {key: timers(timer).elapsed(False) / 1000.0 for key, timer in _ENGINE_TIMERS.items()}
         iter_latency = sum(latencies.values())
-        return RunContext(
+        return EngineRows(
             parallel,
             batch_size,
             **latencies,

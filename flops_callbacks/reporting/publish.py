@@ -19,7 +19,7 @@ from flops_callbacks.guard import Guard
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.chrome_trace import chrome_trace
 from flops_callbacks.reporting.picture import render_html
-from flops_callbacks.reporting.report import RunContext, render_profile, render_roofline
+from flops_callbacks.reporting.report import EngineRows, render_profile, render_roofline
 from flops_callbacks.reporting.tree_check import TreeCheck, check_tree
 from flops_callbacks.roofline import as_data
 from flops_callbacks.session.adapter_api import Outlet
@@ -187,9 +187,9 @@ def _peak_memory_text(result: WindowResult) -> str:
     return " / ".join(bytes_to_string(result.peak_memory.get(phase, 0)) for phase in PHASES)
 
 
-def run_rows(result: WindowResult, metrics: dict[str, float]) -> RunContext:
+def run_rows(result: WindowResult, metrics: dict[str, float]) -> EngineRows:
     """DeepSpeed's engine rows of the summary, from the window: sizes, batch, phase latencies."""
-    return RunContext(
+    return EngineRows(
         parallel=result.parallel,
         batch_size=result.samples,
         model_params=result.sharded_model_params,

@@ -1,6 +1,6 @@
 """Text reports in DeepSpeed's layout: summary, aggregated profile per depth, detailed tree, coverage.
 
-Pure functions of a :class:`~flops_callbacks.profile.Profile` and a :class:`RunContext`: they return
+Pure functions of a :class:`~flops_callbacks.profile.Profile` and a :class:`EngineRows`: they return
 strings and print nothing. DeepSpeed users grep its report, so every row DeepSpeed prints comes first,
 with DeepSpeed's label, order and row format (labels say "per GPU" whatever the device; a ``device``
 row says when it is not one); our own rows (measured backward, recompute, callers' rows) follow.
@@ -36,7 +36,7 @@ __all__ = [
     "render_profile",
     "render_roofline",
     "render_summary",
-    "RunContext",
+    "EngineRows",
     "TITLE",
 ]
 
@@ -54,7 +54,7 @@ NOTATIONS = (
 
 
 @dataclass(frozen=True)
-class RunContext:
+class EngineRows:
     """What the report knows of the run beyond the profile: the rows DeepSpeed prints from its engine.
 
     ``parallel`` gives the world / data / model parallel size rows and scales the "of model" rows by
@@ -89,7 +89,7 @@ def _rate(flops_per_second: float, seconds: float) -> str:
     return flops_to_string(flops_per_second) if seconds > 0 else "n/a"
 
 
-def _deepspeed_rows(p: Profile, run: RunContext) -> list[tuple[str, object]]:
+def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
     """DeepSpeed's summary rows, in its order and words."""
     rows: list[tuple[str, object]] = []
     mp = run.parallel.model_parallel if run.parallel else 1
@@ -183,14 +183,14 @@ def render_summary(
     profile: Profile,
     profile_step: int = 1,
     timing_lines: Sequence[tuple[str, str]] = (),
-    run: RunContext | None = None,
+    run: EngineRows | None = None,
 ) -> str:
     """The summary block: ``context_lines`` first, DeepSpeed's rows, ours, then ``timing_lines``.
 
     Callers that give ``run`` leave its rows (sizes, batch size, "of model", step latencies) out of
     ``context_lines`` and ``timing_lines``.
     """
-    run = run or RunContext()
+    run = run or EngineRows()
     rows = [*_deepspeed_rows(profile, run), *_own_rows(profile), *timing_lines]
     lines = [
         _rule(TITLE, 78),
@@ -367,7 +367,7 @@ def render_profile(
     top_modules: int = 1,
     detailed: bool = True,
     timing_lines: Sequence[tuple[str, str]] = (),
-    run: RunContext | None = None,
+    run: EngineRows | None = None,
     roofline: str = "",
 ) -> str:
     """The whole report, as ``print_model_profile`` prints it: the aggregated profile always, the
