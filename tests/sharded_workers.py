@@ -1,4 +1,5 @@
-"""The processes of tests/test_sharded.py: each trains (or sets up) one sharded run on CPU with gloo
+"""The processes of tests/integrations/test_sharded.py: each trains (or sets up) one sharded run on CPU
+with gloo
 and writes what its callback saw to ``rank{N}.json``, which the test compares with an unsharded copy.
 
 Run as users launch these frameworks: ``python sharded_workers.py lightning-fsdp2 DIR`` (Lightning's

@@ -1,17 +1,22 @@
-"""Support shared by the tests: the snapshot of everything the profiler could leave behind, and the
-fault the fault suites inject."""
+"""Support shared by the tests: the snapshot of everything the profiler could leave behind, the fault
+the fault suites inject, and a step session driven as an adapter drives it."""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
 
 
 def hooks_of(obj: object) -> dict[str, dict]:
@@ -85,3 +90,58 @@ class Fault:
             self.fired = True
             assert self.error is not None
             raise self.error
+
+
+# --- a step session driven as an adapter drives it ---------------------------------------------------
+
+B, IN, OUT = 5, 6, 2
+
+
+class Outlet:
+    """Keeps what a session publishes: console text, logged metrics, and a real log dir."""
+
+    is_logging_rank = True
+
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = directory
+        self.printed: list[str] = []
+        self.logged: list[tuple[dict[str, float], int]] = []
+        self.reports: list[tuple[str, str, int]] = []
+
+    def log_dir(self) -> Path | None:
+        return self.directory
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.logged.append((dict(metrics), step))
+
+    def console(self, text: str) -> None:
+        self.printed.append(text)
+
+    def log_report(self, text: str, html: str, step: int) -> None:
+        self.reports.append((text, html, step))
+
+
+def run(
+    session: StepSession,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: range,
+    outlet: Outlet,
+    batch: torch.Tensor | None = None,
+    micro_batches: int = 1,
+    parallel: ParallelSizes | None = None,
+    loss_of: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda model, batch: model(batch).sum(),
+) -> None:
+    """Drive ``session`` as an adapter would, one optimizer step per global step in ``steps``."""
+    for step in steps:
+        session.step_start(step, model, lambda: TrainingContext(parallel or ParallelSizes()))
+        optimizer.zero_grad()
+        for _ in range(micro_batches):
+            session.micro_batch_start(torch.randn(B, IN) if batch is None else batch)
+            loss = loss_of(model, torch.randn(B, IN) if batch is None else batch)
+            session.phase(BACKWARD)
+            loss.backward()
+            session.micro_batch_end()
+        session.phase(OPTIMIZER_STEP)
+        optimizer.step()
+        session.step_end(step + 1, outlet, logs=True)

@@ -14,7 +14,7 @@ from flops_callbacks.options import Options
 from flops_callbacks.reporting.publish import json_data, publish, report_text
 from flops_callbacks.roofline import COMPUTE, MEMORY, roofline
 from flops_callbacks.session.step_session import StepSession
-from tests.test_session import Outlet, run
+from tests.support import Outlet, run
 
 N, F32 = 256, 4
 PEAK_FLOPS, PEAK_BANDWIDTH = 1e11, 1e10  # ridge at 10 flops per byte

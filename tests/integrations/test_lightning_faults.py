@@ -44,7 +44,7 @@ IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3
 PROFILE_STEP, CLEAN = 1, 1
 WINDOW_STEPS = {"counting": PROFILE_STEP, "module timing": PROFILE_STEP + 1, "clean": PROFILE_STEP + 2}
 WINDOW_END = PROFILE_STEP + 2 + CLEAN  # the global step after the window's last step
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # By hand, as in test_lightning.py: the probe does no arithmetic (its clone is a copy, its backward
 # hands the gradient on), the loss is outside the model.

@@ -13,7 +13,7 @@ from torch import nn
 from flops_callbacks import FlopsProfiler, OpKind, Profile, register_formula, register_op_kind
 from flops_callbacks.counting.registry import entry_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 aten = torch.ops.aten
 
 

@@ -33,7 +33,7 @@ from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.parallel import ParallelSizes, global_numel, sharded_params, stored_numel
 from flops_callbacks.units import params_to_string
 
-WORKERS = Path(__file__).with_name("sharded_workers.py")
+WORKERS = Path(__file__).parents[1] / "sharded_workers.py"
 DEEPSPEED_ENV = {"DS_ACCELERATOR": "cpu"}  # DeepSpeed's CPU accelerator, whatever else is installed
 
 

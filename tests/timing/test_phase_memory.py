@@ -13,7 +13,7 @@ from flops_callbacks.options import Options
 from flops_callbacks.reporting.publish import json_data, publish, report_text
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP
-from tests.test_session import Outlet, run
+from tests.support import Outlet, run
 
 MIB = 2**20
 FWD_TEMP, BWD_TEMP = 256 * MIB, 512 * MIB  # bytes of a temporary each pass allocates and frees

@@ -830,7 +830,7 @@ def test_ddp_two_processes_report_data_parallel_size_from_world_process_zero(tmp
         # the worker runs this file as __main__: the checkout on the path makes `tests` importable
         env={
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
         },
     )
     assert run.returncode == 0, run.stderr[-3000:]

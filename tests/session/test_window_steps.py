@@ -10,7 +10,7 @@ import torch.nn as nn
 from flops_callbacks.options import Options
 from flops_callbacks.session.step_session import CLEAN_MAX, CLEAN_MIN, StepSession
 from flops_callbacks.session.window_steps import median_interval, median_known
-from tests.test_session import B, Outlet, run
+from tests.support import B, Outlet, run
 
 
 def test_the_medians_interval_is_the_order_statistics_binomial_tables_give() -> None:

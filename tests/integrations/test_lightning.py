@@ -829,7 +829,7 @@ def test_with_two_optimizers_a_window_cut_short_by_max_steps_warns_at_train_star
 
 # --- the report under a real progress bar, in a terminal --------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_this_file(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

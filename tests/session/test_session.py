@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,61 +17,10 @@ from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.reporting.publish import publish
-from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
+from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.units import flops_to_string, number_to_string, params_to_string
 from tests.sleepy import Sleepy, SleepySGD
-
-B, IN, OUT = 5, 6, 2
-
-
-class Outlet:
-    """Keeps what a session publishes: console text, logged metrics, and a real log dir."""
-
-    is_logging_rank = True
-
-    def __init__(self, directory: Path | None = None) -> None:
-        self.directory = directory
-        self.printed: list[str] = []
-        self.logged: list[tuple[dict[str, float], int]] = []
-        self.reports: list[tuple[str, str, int]] = []
-
-    def log_dir(self) -> Path | None:
-        return self.directory
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self.logged.append((dict(metrics), step))
-
-    def console(self, text: str) -> None:
-        self.printed.append(text)
-
-    def log_report(self, text: str, html: str, step: int) -> None:
-        self.reports.append((text, html, step))
-
-
-def run(
-    session: StepSession,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    steps: range,
-    outlet: Outlet,
-    batch: torch.Tensor | None = None,
-    micro_batches: int = 1,
-    parallel: ParallelSizes | None = None,
-    loss_of: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda model, batch: model(batch).sum(),
-) -> None:
-    """Drive ``session`` as an adapter would, one optimizer step per global step in ``steps``."""
-    for step in steps:
-        session.step_start(step, model, lambda: TrainingContext(parallel or ParallelSizes()))
-        optimizer.zero_grad()
-        for _ in range(micro_batches):
-            session.micro_batch_start(torch.randn(B, IN) if batch is None else batch)
-            loss = loss_of(model, torch.randn(B, IN) if batch is None else batch)
-            session.phase(BACKWARD)
-            loss.backward()
-            session.micro_batch_end()
-        session.phase(OPTIMIZER_STEP)
-        optimizer.step()
-        session.step_end(step + 1, outlet, logs=True)
+from tests.support import IN, OUT, B, Outlet, run
 
 
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -725,7 +725,7 @@ print(json.dumps(seconds))
 def test_the_first_profile_of_a_fresh_process_times_no_lazy_import() -> None:
     """A forward of 0.1 s of sleep: torch imports ``torch._dynamo`` (about a second) on a mode's first
     call, which must not land in the first profile's timed forward."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
         [sys.executable, "-c", FIRST_PROFILE], capture_output=True, text=True, cwd=root, timeout=300,
         env={**os.environ, "PYTHONPATH": str(root)},
