@@ -145,3 +145,29 @@ def run(
         session.phase(OPTIMIZER_STEP)
         optimizer.step()
         session.step_end(step + 1, outlet, logs=True)
+
+
+# --- real Trainers, quiet: what the framework tests share ----------------------------------------------
+
+
+def lightning_settings(root: Path, max_steps: int, /, **overrides: Any) -> dict[str, Any]:
+    """``lightning.Trainer`` arguments for a short CPU run that writes and prints nothing of its own (no
+    logger, checkpoint, progress bar, model summary or sanity check), logging at every step."""
+    settings: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
+        default_root_dir=root,
+    )  # fmt: skip
+    return {**settings, **overrides}
+
+
+def hf_arguments(output_dir: Path, max_steps: int, batch: int, /, **overrides: Any) -> Any:
+    """``transformers.TrainingArguments`` for a short CPU run: no saving, no reporting backend, no
+    progress bar, logging at every step."""
+    from transformers import TrainingArguments
+
+    settings: dict[str, Any] = dict(
+        output_dir=str(output_dir), use_cpu=True, max_steps=max_steps, per_device_train_batch_size=batch,
+        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
+    )  # fmt: skip
+    return TrainingArguments(**{**settings, **overrides})

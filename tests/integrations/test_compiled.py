@@ -23,6 +23,7 @@ from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.module_tree import has_compiled
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.module_timer import ModuleTimer
+from tests.support import lightning_settings
 
 WIDTH, BATCH, STEPS = 256, 128, 7  # a forward of ~2 ms: compute, not dynamo's guards, sets the times
 PROFILE_STEP = 2  # counting 2, module timing 3, clean 4 and 5
@@ -160,16 +161,7 @@ def fit_compiled(root: Path, profiled: bool) -> tuple[FlopsProfilerCallback | No
     settings = {"profile_step": PROFILE_STEP, "clean_steps": 2, "print_profile": False}
     ours = FlopsProfilerCallback(**settings) if profiled else None
     times = StepTimes()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=STEPS,
-        callbacks=[times] + ([ours] if ours else []),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+    trainer = L.Trainer(callbacks=[times] + ([ours] if ours else []), **lightning_settings(root, STEPS))
     compiled = torch.compile(Regressor(), backend="eager")
     trainer.fit(compiled, torch.utils.data.DataLoader(data, batch_size=BATCH))
     return ours, times, compiled_graphs()

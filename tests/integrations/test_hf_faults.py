@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from tests.raising import RaiseInBackward
-from tests.support import Fault, hooks_of, torch_namespaces, torch_state
+from tests.support import Fault, hf_arguments, hooks_of, torch_namespaces, torch_state
 
 PROFILE_STEP, CLEAN_STEPS = 1, 1
 WINDOW = {"counting": PROFILE_STEP, "module timing": PROFILE_STEP + 1, "clean": PROFILE_STEP + 2}
@@ -125,10 +125,7 @@ def make_trainer(
 ) -> FaultyTrainer:
     model = Regressor(fault)
     optimizer = FailingSGD(model.parameters(), fault)
-    args = TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, max_steps=max_steps, per_device_train_batch_size=BATCH,
-        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
-    )  # fmt: skip
+    args = hf_arguments(tmp_path, max_steps, BATCH, seed=0)
     trainer = FaultyTrainer(
         model=model,
         args=args,

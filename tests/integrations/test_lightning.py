@@ -42,6 +42,7 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.session.result import WindowSteps
 from flops_callbacks.units import duration_to_string, number_to_string
 from tests.sleepy import Sleepy, SleepySGD
+from tests.support import lightning_settings
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3
 PARAMS = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT
@@ -143,20 +144,7 @@ def tokens(batch: tuple[torch.Tensor, torch.Tensor]) -> int:
 
 
 def trainer_settings(root: Path, **options: object) -> dict:
-    settings: dict = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=WINDOW_END + 1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        log_every_n_steps=1,
-        default_root_dir=root,
-    )
-    settings.update(options)
-    return settings
+    return lightning_settings(root, WINDOW_END + 1, **options)
 
 
 def fit(

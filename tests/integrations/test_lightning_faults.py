@@ -38,7 +38,7 @@ from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.session.result import WindowSteps
 from tests.raising import RaiseInBackward
-from tests.support import Fault, hooks_of, torch_state
+from tests.support import Fault, hooks_of, lightning_settings, torch_state
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3
 PROFILE_STEP, CLEAN = 1, 1
@@ -183,19 +183,7 @@ def fit(
     extra: list[L.Callback] | None = None,
     **options: Any,
 ) -> L.Trainer:
-    settings: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=WINDOW_END,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        log_every_n_steps=1,
-        default_root_dir=root,
-    )
-    settings.update(options)
+    settings = lightning_settings(root, WINDOW_END, **options)
     trainer = L.Trainer(callbacks=[callback, *(extra or [])], **settings)
     trainer.fit(module, train_dataloaders=loader())
     return trainer

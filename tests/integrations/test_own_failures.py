@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from transformers import BatchEncoding, Trainer, TrainerCallback, TrainingArguments
+from transformers import BatchEncoding, Trainer, TrainerCallback
 
 from flops_callbacks import metrics as names
 from flops_callbacks import register_formula
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback
-from tests.support import leftovers
+from tests.support import hf_arguments, leftovers, lightning_settings
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 4
 PROFILE_STEP, CLEAN = 1, 1
@@ -219,22 +219,14 @@ def run(
                 logger: Any = RaisingCSVLogger(log_dir, raising_logger)
             else:
                 logger = CSVLogger(log_dir) if log_dir.parent.is_dir() else False
-            trainer = L.Trainer(
-                accelerator="cpu", max_steps=MAX_STEPS, logger=logger, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-                default_root_dir=log_dir, callbacks=[callback],
-            )  # fmt: skip
+            trainer = L.Trainer(callbacks=[callback], **lightning_settings(log_dir, MAX_STEPS, logger=logger))
             loader = torch.utils.data.DataLoader(data(), batch_size=BATCH, collate_fn=collate(kind))
             trainer.fit(module, loader)
             steps = trainer.global_step
             metrics = _csv_rows(Path(logger.log_dir)) if logger else []
         else:
             callback = HFFlopsCallback(**options)
-            args = TrainingArguments(
-                output_dir=str(log_dir), use_cpu=True, max_steps=MAX_STEPS,
-                per_device_train_batch_size=BATCH, logging_steps=1, save_strategy="no", report_to=[],
-                disable_tqdm=True, remove_unused_columns=False,
-            )  # fmt: skip
+            args = hf_arguments(log_dir, MAX_STEPS, BATCH, remove_unused_columns=False)
             extra = [RaisingOnLog(raising_logger)] if raising_logger is not None else []
             trainer = BatchTrainer(
                 model=net, args=args, train_dataset=data(), data_collator=collate(kind),

@@ -17,6 +17,7 @@ from flops_callbacks import FlopsProfilerCallback
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.tree_check import check_tree
+from tests.support import lightning_settings
 
 MS = 1e-3
 
@@ -115,16 +116,7 @@ def test_a_pause_in_one_module_on_the_module_timing_step_is_flagged_in_report_an
     net.layers[2].pause_at = PROFILE_STEP + 1  # the module-timing step only
     data = torch.utils.data.TensorDataset(torch.randn(48, 16), torch.randn(48, 16))
     ours = FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=2, print_profile=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=PROFILE_STEP + 4,
-        callbacks=[ours],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = L.Trainer(callbacks=[ours], **lightning_settings(tmp_path, PROFILE_STEP + 4))
     trainer.fit(net, torch.utils.data.DataLoader(data, batch_size=8))
     result = ours.result
     assert result is not None and result.fwd_latency < PAUSE / 10  # the clean steps did not pause

@@ -30,6 +30,7 @@ from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from flops_callbacks.session.shape_flops import BatchCounts
+from tests.support import lightning_settings
 
 VOCAB, BATCH, SLEEP = 97, 4, 0.5  # the collator's sleep: most of a step, even on a busy machine
 PROFILE_STEP, CLEAN_STEPS, MAX_STEPS = 1, 3, 16
@@ -207,11 +208,8 @@ def test_lightning_trainer_padded_lm_with_a_slow_collator(tmp_path: Path) -> Non
     )
     csv_logger = CSVLogger(tmp_path, name="csv")
     tb_logger = TensorBoardLogger(tmp_path, name="tb")
-    trainer = L.Trainer(
-        max_steps=MAX_STEPS, accelerator="cpu", devices=1, logger=[csv_logger, tb_logger],
-        callbacks=[callback], log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path,
-    )  # fmt: skip
+    settings = lightning_settings(tmp_path, MAX_STEPS, logger=[csv_logger, tb_logger])
+    trainer = L.Trainer(callbacks=[callback], **settings)
     data = torch.utils.data.DataLoader(Sequences(), batch_size=BATCH, collate_fn=collator)
     trainer.fit(LitGPT2(), data)
     result = callback.result
