@@ -92,6 +92,18 @@ class Fault:
             raise self.error
 
 
+class FaultyLR(torch.optim.lr_scheduler.LambdaLR):
+    """A constant schedule whose step may raise (the fault matrices' "lr_scheduler.step")."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, fault: Fault) -> None:
+        self.fault = fault
+        super().__init__(optimizer, lambda step: 1.0)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.fault.check("lr_scheduler.step")
+        super().step(*args, **kwargs)
+
+
 # --- a step session driven as an adapter drives it ---------------------------------------------------
 
 B, IN, OUT = 5, 6, 2

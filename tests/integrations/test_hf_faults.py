@@ -24,7 +24,7 @@ from transformers import Trainer, TrainerCallback
 
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from tests.raising import RaiseInBackward
-from tests.support import Fault, hf_arguments, hooks_of, torch_namespaces, torch_state
+from tests.support import Fault, FaultyLR, hf_arguments, hooks_of, torch_namespaces, torch_state
 
 PROFILE_STEP, CLEAN_STEPS = 1, 1
 WINDOW = {"counting": PROFILE_STEP, "module timing": PROFILE_STEP + 1, "clean": PROFILE_STEP + 2}
@@ -91,16 +91,6 @@ class FailingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-class FailingLR(torch.optim.lr_scheduler.LambdaLR):
-    def __init__(self, optimizer: torch.optim.Optimizer, fault: Fault) -> None:
-        self.fault = fault
-        super().__init__(optimizer, lambda step: 1.0)
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        self.fault.check("lr_scheduler.step")
-        super().step(*args, **kwargs)
-
-
 class FailingCallback(TrainerCallback):
     """Another callback of the run, raising in one of its events (on_step_end sees the step + 1)."""
 
@@ -131,7 +121,7 @@ def make_trainer(
         args=args,
         train_dataset=Pairs(),
         callbacks=callbacks,
-        optimizers=(optimizer, FailingLR(optimizer, fault)),
+        optimizers=(optimizer, FaultyLR(optimizer, fault)),
     )
     trainer.fault, trainer.sgd = fault, optimizer
     fault.step_of = lambda: trainer.state.global_step

@@ -38,7 +38,7 @@ from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.session.result import WindowSteps
 from tests.raising import RaiseInBackward
-from tests.support import Fault, hooks_of, lightning_settings, torch_state
+from tests.support import Fault, FaultyLR, hooks_of, lightning_settings, torch_state
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3
 PROFILE_STEP, CLEAN = 1, 1
@@ -93,18 +93,6 @@ class FaultySGD(torch.optim.Optimizer):
                 if parameter.grad is not None:
                     parameter.add_(parameter.grad, alpha=-group["lr"])
         return loss
-
-
-class FaultyLR(torch.optim.lr_scheduler.LambdaLR):
-    """A constant schedule whose step may raise."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, fault: Fault) -> None:
-        self.fault = fault
-        super().__init__(optimizer, lambda step: 1.0)
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        self.fault.check("lr_scheduler.step")
-        super().step(*args, **kwargs)
 
 
 class FaultyMLP(L.LightningModule):
