@@ -345,7 +345,8 @@ def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path
     # 80 before the rows of bytes moved, saved and peak memory (issue 21), the wall step's split, its wall
     # rate, the latencies' spread and the batch shapes' row (issue 18)
     assert len(console) <= 88, len(console)
-    assert "Aggregated Profile" in outlet.printed[0] and "h.11" not in outlet.printed[0]
+    # the module tree is not on the default console (a doubt row may name the module it doubts)
+    assert "Aggregated Profile" in outlet.printed[0] and "h.11" not in "\n".join(console)
     assert len((tmp_path / "flops_profile_step0.txt").read_text().splitlines()) > 300  # the whole tree
 
 
