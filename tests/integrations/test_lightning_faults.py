@@ -422,7 +422,8 @@ def test_after_a_fault_in_the_optimizer_step_200_iterations_keep_their_speed_and
     seconds = iteration_seconds(model, optimizer, 200)
     growth = rss_bytes() - rss
     first, last = statistics.median(seconds[:50]), statistics.median(seconds[-50:])
-    assert last < 1.5 * first and first < 1.5 * before, (before, first, last)
+    # a hook left behind costs several times a 0.3-ms iteration; 3x leaves room for a busy 2-core machine
+    assert last < 3 * first and first < 3 * before, (before, first, last)
     assert growth < 50 * 2**20
     assert time.perf_counter() - started < 20
 
