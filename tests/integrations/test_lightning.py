@@ -585,7 +585,11 @@ def test_a_second_fit_with_the_same_callback_profiles_again(tmp_path: Path) -> N
 
 class StepClock(L.Callback):
     """After FlopsProfilerCallback in the list: when each step starts and ends, its samples, and the
-    module hooks (the model's and torch's global ones) during its optimizer step."""
+    module hooks (the model's and torch's global ones) during its optimizer step. Each step sleeps
+    `STEP_SLEEP` at its start, so a step's wall time is dominated by a known sleep, not by the machine's
+    noise (a bare step of this MLP is well under a millisecond, a log write about as long)."""
+
+    STEP_SLEEP = 0.005
 
     def __init__(self) -> None:
         self.started: dict[int, float] = {}
@@ -594,6 +598,7 @@ class StepClock(L.Callback):
         self.hooks: dict[int, int] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        time.sleep(self.STEP_SLEEP)
         self.started[trainer.global_step] = time.perf_counter()
         self.samples[trainer.global_step] = len(batch[0])
 
