@@ -16,7 +16,15 @@ import torch
 
 from flops_callbacks.parallel import stored_numel
 
-__all__ = ["eager_compiled_code", "has_compiled", "ModuleTree", "ancestors", "depth_of", "parent_in"]
+__all__ = [
+    "dynamo_compiled_anything",
+    "eager_compiled_code",
+    "has_compiled",
+    "ModuleTree",
+    "ancestors",
+    "depth_of",
+    "parent_in",
+]
 
 
 class ModuleTree:
@@ -106,6 +114,13 @@ def _module_paths(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         ]
         pending.extend(reversed(children))
     return paths
+
+
+def dynamo_compiled_anything() -> bool:
+    """Whether dynamo compiled any graph in this process (a compiled function that calls modules
+    leaves no mark on them; hooks put on them would then change what dynamo guards on)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils is not None and bool(utils.counters["stats"].get("unique_graphs"))
 
 
 def has_compiled(modules: Iterable[torch.nn.Module]) -> bool:

@@ -77,7 +77,7 @@ class ModuleProfile(Counts):
     params: int = 0
     trainable_params: int = 0
     functionals: dict[str, Counts] = field(default_factory=dict)  # the module's work by functional
-    # seconds, from the module-timing step (or the counting pass, outside a window)
+    # seconds, from the module-timing steps (or the counting pass, outside a window)
     fwd_latency: float = 0.0
     bwd_latency: float = 0.0
     recompute_latency: float = 0.0

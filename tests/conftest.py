@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from flops_callbacks.module_tree import dynamo_compiled_anything
 from tests.support import torch_state
 
 # no hub, no W&B servers: the tests build models from configs and log offline
@@ -25,3 +26,17 @@ def no_global_hook_or_mode_stays() -> Iterator[None]:
     before = torch_state()
     yield
     assert torch_state() == before, "a global hook or a mode stayed behind"
+
+
+@pytest.fixture(autouse=True)
+def nothing_compiled_stays() -> Iterator[None]:
+    """A test that compiled leaves dynamo as it found it: whether anything was compiled in the process
+    changes what the window measures (module_tree.dynamo_compiled_anything), so no test may depend on
+    which tests ran before it."""
+    yield
+    if dynamo_compiled_anything():
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()

@@ -52,14 +52,19 @@ def _steps_text(steps: tuple[int, ...]) -> str:
 
 def _module_source(result: WindowResult) -> str:
     s = result.steps
-    if s.module_timing is None:
+    if not s.module_timing:
         return "none"
+    steps = f"step{'s' if len(s.module_timing) > 1 else ''} {_steps_text(s.module_timing)}"
     if not s.module_shapes_match:
         return (
-            f"none: step {s.module_timing} had other batch shapes than step {s.counting} "
+            f"none: {steps} had other batch shapes than step {s.counting} "
             "(per-module FLOPS would mix two batches)"
         )
-    return f"step {s.module_timing} (module hooks, no counting)"
+    median = ", each module's median" if len(s.module_timing) > 1 else ""
+    cost, taken = result.hook_cost, ""
+    if cost is not None:
+        taken = f"; less {duration_to_string(cost.per_call)} a call for the hooks, {cost.source}"
+    return f"{steps} (module hooks, no counting{median}{taken})"
 
 
 def source_lines(result: WindowResult) -> list[tuple[str, str]]:
@@ -230,7 +235,7 @@ def roofs_text(result: WindowResult) -> str:
 
 def roofline_text(result: WindowResult) -> str:
     """The report's roofline section ("" unless both peaks and module latencies are known)."""
-    rooflines = result.rooflines() if result.steps.module_timing is not None else {}
+    rooflines = result.rooflines() if result.steps.module_timing else {}
     if not rooflines:
         return ""
     return render_roofline(result.profile, rooflines, roofs_text(result))
@@ -242,6 +247,7 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "step": result.step,
         "published_at_step": result.published_at,
         "steps": dataclasses.asdict(result.steps),
+        "hook_cost": None if result.hook_cost is None else dataclasses.asdict(result.hook_cost),
         "metrics": result.metrics(),
         "samples_per_device": result.samples,
         "micro_batches": result.micro_batches,
@@ -279,7 +285,7 @@ def profile_json(result: WindowResult) -> dict[str, Any]:
 
 def roofline_entries(result: WindowResult) -> dict[str, dict[str, dict[str, Any]]]:
     """Each module's rooflines as plain data, by name and pass (the JSON's and the picture's)."""
-    if result.steps.module_timing is None:
+    if not result.steps.module_timing:
         return {}  # the counting step's latencies are inflated by counting: no verdict on them
     return as_data(result.rooflines())
 
@@ -327,7 +333,7 @@ def publish(
         files.append((stem.with_suffix(".json"), lambda: json.dumps(json_data(result), indent=2)))
         if html is not None:
             files.append((stem.with_suffix(".html"), lambda: html))
-        process = f"flops_callbacks modules, step {result.steps.module_timing}"
+        process = f"flops_callbacks modules, step {result.steps.module_trace}"
         files.append(
             (
                 stem.with_suffix(".trace.json"),

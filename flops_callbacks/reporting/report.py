@@ -309,7 +309,7 @@ def render_roofline(
     lines = [
         _rule("Roofline per GPU", 86),
         roofs,
-        "Modules taking the most time (module-timing step), each pass against the roofline:",
+        "Modules taking the most time (module-timing steps), each pass against the roofline:",
         "bound = max(flops / peak FLOPS, bytes / peak bandwidth), the larger term the limiter, bound / "
         "latency the fraction of the roofline achieved.",
     ]

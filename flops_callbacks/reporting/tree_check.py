@@ -1,10 +1,10 @@
 """Whether the module tree's latencies can be believed: checked against the phases, said out loud.
 
-The tree's latencies come from one module-timing step; the phase latencies from the median of the
-clean steps. On a true tree the model's forward fits inside the forward phase and no module outlasts
-its parent. When one does not (a pause on the module-timing step: a collection, another process, a
-recompile; module calls made from outside their parent), the report and the picture say so, and where
-the excess lies, instead of drawing widths nobody should believe. One owner: the report and the
+The tree's latencies come from the module-timing steps (each module's median); the phase latencies from
+the median of the clean steps. On a true tree the model's forward fits inside the forward phase and no
+module outlasts its parent. When one does not (a pause on the module-timing step: a collection, another
+process, a recompile; module calls made from outside their parent), the report and the picture say so, and
+where the excess lies, instead of drawing widths nobody should believe. One owner: the report and the
 picture both read :func:`check_tree`.
 """
 
@@ -32,17 +32,19 @@ class TreeCheck:
     flagged: dict[str, str] = field(default_factory=dict)
 
 
-def check_tree(profile: Profile, fwd_phase: float, bwd_phase: float, module_step: int | None) -> TreeCheck:
+def check_tree(
+    profile: Profile, fwd_phase: float, bwd_phase: float, module_steps: tuple[int, ...]
+) -> TreeCheck:
     """The notes on ``profile``'s module latencies against the phases' (seconds, clean steps)."""
     check = TreeCheck()
-    if module_step is None:
+    if not module_steps:
         return check
     children: dict[str, list[ModuleProfile]] = {name: [] for name in profile.modules}
     for name, m in profile.modules.items():  # once: Profile.children walks every module per call
         if name:
             children[parent_in(name, profile.modules)].append(m)
     for kind, phase in (("fwd", fwd_phase), ("bwd", bwd_phase)):
-        _check_root(profile, children, kind, phase, module_step, check)
+        _check_root(profile, children, kind, phase, module_steps, check)
         _check_parents(profile, children, kind, check)
     return check
 
@@ -59,16 +61,16 @@ Children = dict[str, list[ModuleProfile]]
 
 
 def _check_root(
-    profile: Profile, children: Children, kind: str, phase: float, step: int, check: TreeCheck
+    profile: Profile, children: Children, kind: str, phase: float, steps: tuple[int, ...], check: TreeCheck
 ) -> None:
     root = _latency(profile.model, kind)
     if phase <= 0 or root <= phase * PHASE_SLACK + ABSOLUTE_SLACK:
         return
     words = _words(kind)
     note = (
-        f"module tree: the model's {words} on step {step} ({duration_to_string(root)}) is "
-        f"{root / phase:.1f}x the {words} phase ({duration_to_string(phase)}, clean steps): the step that "
-        f"timed the modules was slowed, so its {words} widths are not to be trusted"
+        f"module tree: the model's {words} on {_steps_words(steps)} ({duration_to_string(root)}) is "
+        f"{root / phase:.1f}x the {words} phase ({duration_to_string(phase)}, clean steps): the steps that "
+        f"timed the modules were slowed, so their {words} widths are not to be trusted"
     )
     culprit = _largest_own_time(profile, children, kind)
     if culprit is not None and culprit[1] >= 0.5 * (root - phase):
@@ -77,6 +79,13 @@ def _check_root(
         check.flagged.setdefault(name, f"{words}: {duration_to_string(own)} of its own, a slowed step")
     check.notes.append(note)
     check.flagged.setdefault("", f"{words} {root / phase:.1f}x the {words} phase")
+
+
+def _steps_words(steps: tuple[int, ...]) -> str:
+    """``"step 11"``, ``"steps 11, 12, 13 (median)"``."""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    return f"steps {', '.join(str(s) for s in steps)} (median)"
 
 
 def _largest_own_time(profile: Profile, children: Children, kind: str) -> tuple[str, float] | None:

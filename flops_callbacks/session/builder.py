@@ -9,6 +9,7 @@ figure comes from, in words.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any
 
 import torch
@@ -23,7 +24,8 @@ from flops_callbacks.session.distributed import gather_latencies
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_steps import Kind, WindowStep, clean_figures
-from flops_callbacks.timing.module_timer import ModuleTimer
+from flops_callbacks.timing.clock import CpuClock
+from flops_callbacks.timing.module_timer import HookCost, ModuleTimes, hook_cost, median_times
 from flops_callbacks.timing.phases import PHASES
 
 __all__ = ["build_result"]
@@ -59,10 +61,48 @@ def _peak_memory(steps: list[WindowStep]) -> dict[str, int] | None:
     return {phase: max(peaks.get(phase, 0) for peaks in recorded) for phase in PHASES}
 
 
+def _hook_cost(module_steps: list[WindowStep], clean: list[WindowStep]) -> HookCost | None:
+    """What one module call's timing hooks cost on the module-timing steps: measured in place where
+    clean steps of the same batch shapes marked their outermost module calls (the median of those calls
+    on the module-timing steps against theirs), else the probe's. CPU clocks only: a GPU's CUDA events
+    do not hold the hooks' host time unless the model is launch-bound."""
+    timers = [s.timer for s in module_steps if s.timer is not None]
+    if not timers or not isinstance(timers[0].clock, CpuClock):
+        return None
+    probe = hook_cost()
+    same = [s.outer for s in clean if s.signatures == module_steps[0].signatures and s.outer is not None]
+    if not same:
+        return probe.instead("no clean step of the same shapes marked the model's calls")
+    outer = [t.outer_calls() for t in timers]
+    calls = round(statistics.median(c for _, c in outer))
+    return probe.measured(
+        statistics.median(seconds for seconds, _ in outer),
+        statistics.median(o.seconds() for o in same),
+        calls,
+        f"the model's outer calls on the module-timing step(s) less on {len(same)} clean step(s), over "
+        f"{calls} calls inside",
+    )
+
+
+def _module_times(
+    module_steps: list[WindowStep], clean: list[WindowStep]
+) -> tuple[ModuleTimes, HookCost | None, int]:
+    """Each module's median latency over the module-timing steps, the hooks' cost taken out (its share
+    inside a call's own span fitted on each step), the cost of the step whose spans the timeline shows,
+    and that step."""
+    cost = _hook_cost(module_steps, clean)
+    each = []
+    for s in module_steps:
+        if s.timer is not None:
+            fitted = s.timer.fitted(cost) if cost is not None else None
+            each.append((s.number, fitted, s.timer.times(fitted)))
+    times = median_times([t for _, _, t in each])
+    return next((times, c, number) for number, c, t in each if t.spans is times.spans)
+
+
 def build_result(
     steps: list[WindowStep],
     tracer: Tracer,
-    timer: ModuleTimer | None,
     model: torch.nn.Module,
     context: TrainingContext,
     flops: ShapeFlops,
@@ -76,31 +116,36 @@ def build_result(
     counting = steps[0]
     profile = tracer.profile()
     spans: list[Any] = []
-    module_step = next((s for s in steps if s.kind == Kind.MODULE_TIMING and s.signatures), None)
-    same_shapes = module_step is not None and module_step.signatures == counting.signatures
-    if module_step is not None and not same_shapes:  # another batch's latencies would mix two batches
+    ran = [s for s in steps if s.kind == Kind.MODULE_TIMING and s.signatures and s.timer is not None]
+    module_steps = [s for s in ran if s.signatures == counting.signatures]
+    if ran and not module_steps:  # another batch's latencies would mix two batches
         profile.modules = {
             name: dataclasses.replace(m, fwd_latency=0.0, bwd_latency=0.0, recompute_latency=0.0)
             for name, m in profile.modules.items()
         }
-    elif timer is not None and module_step is not None:
-        times = timer.times()
+    clean = [s for s in steps if s.kind == Kind.CLEAN and s.counts is not None]
+    cost: HookCost | None = None
+    trace_step: int | None = None
+    if module_steps:
+        times, cost, trace_step = _module_times(module_steps, clean)
         spans = times.spans
         profile = times.applied_to(profile)
-    clean = [s for s in steps if s.kind == Kind.CLEAN and s.counts is not None]
     if clean:
         timed, source = clean, f"median of {len(clean)} clean step(s)"
         counts = BatchCounts.zero()
         for s in clean:
             counts = counts.plus(s.counts or BatchCounts.zero())
     else:
-        timed = [module_step or counting]
+        known = [s for s in ran if s.counts is not None]
+        timed = known or ran[:1] or [counting]
         source = (
-            f"the {timed[0].kind} step alone (no clean step ran: inflated by "
-            f"{'module hooks' if module_step else 'counting'})"
+            f"the {timed[0].kind} step{'s' if len(timed) > 1 else ''} alone (no clean step ran: inflated "
+            f"by {'module hooks' if ran else 'counting'})"
         )
-        known = timed[0].counts if timed[0] is module_step and timed[0].counts is not None else None
-        counts = known or BatchCounts.of(profile)
+        counts = BatchCounts.zero()
+        for s in known:
+            counts = counts.plus(s.counts or BatchCounts.zero())
+        counts = counts if known else BatchCounts.of(profile)
     local = clean_figures(timed, counts)
     device = torch.device(profile.device)
     rows = [local.gathered()]
@@ -121,7 +166,7 @@ def build_result(
         profile=profile,
         steps=WindowSteps(
             counting=counting.number,
-            module_timing=module_step.number if module_step else None,
+            module_timing=tuple(s.number for s in module_steps or ran),
             clean=tuple(s.number for s in clean),
             skipped=tuple(s.number for s in steps if s.kind in (Kind.CLEAN, Kind.SKIPPED) and s not in clean),
             latency_source=source,
@@ -129,7 +174,8 @@ def build_result(
             shapes=shapes,
             shapes_counted=counted,
             shapes_predicted=predicted,
-            module_shapes_match=same_shapes or module_step is None,
+            module_shapes_match=bool(module_steps) or not ran,
+            module_trace=trace_step,
         ),
         fwd_latency=spreads["fwd"].median,
         bwd_latency=spreads["bwd"].median,
@@ -150,4 +196,5 @@ def build_result(
         spans=spans,
         published_at=global_step,
         clean=figures,
+        hook_cost=cost,
     )

@@ -38,28 +38,39 @@ from flops_callbacks.roofline import Roofline, module_rooflines
 from flops_callbacks.session.distributed import Latencies
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_steps import CleanFigures, Spread
+from flops_callbacks.timing.module_timer import HookCost
 from flops_callbacks.timing.spans import ModuleSpan
 
-__all__ = ["phase_rates", "PhaseRates", "window_metrics", "window_rates", "WindowResult", "WindowSteps"]
+__all__ = [
+    "HookCost",
+    "phase_rates",
+    "PhaseRates",
+    "window_metrics",
+    "window_rates",
+    "WindowResult",
+    "WindowSteps",
+]
 
 
 @dataclass(frozen=True)
 class WindowSteps:
     """Which global step each figure comes from.
 
-    ``counting``: flops, MACs, params, coverage. ``module_timing``: the per-module latencies (None when
-    the run ended before it). ``clean``: the steps whose phase latencies were used (their median);
-    ``skipped``: clean steps left out because their batches had other shapes than the counting step's.
-    ``latency_source`` names where fwd / bwd / step latency come from in words.
+    ``counting``: flops, MACs, params, coverage. ``module_timing``: the per-module latencies (each
+    module's median over these steps; empty when the run ended before them); ``module_trace``: the one of
+    them whose spans the timeline shows. ``clean``: the steps whose phase latencies were used (their
+    median); ``skipped``: clean steps left out because their batches had other shapes than the counting
+    step's. ``latency_source`` names where fwd / bwd / step latency come from in words.
     ``shape_counting``: steps counted (not timed) because their batch shapes' flops were neither counted
     nor predictable yet. ``shapes``: distinct micro-batch shape signatures the window's counted and
     clean steps saw, and how their flops were obtained (counted, predicted from counted ones).
-    ``module_shapes_match``: whether the module-timing step's batches had the counting step's shapes
-    (else its per-module latencies are left out: with another batch's flops they would mix two batches).
+    ``module_shapes_match``: whether the module-timing steps' batches had the counting step's shapes
+    (else their per-module latencies are left out: with another batch's flops they would mix two
+    batches; a step with other shapes is left out of the median).
     """
 
     counting: int
-    module_timing: int | None
+    module_timing: tuple[int, ...]
     clean: tuple[int, ...]
     skipped: tuple[int, ...]
     latency_source: str
@@ -68,13 +79,14 @@ class WindowSteps:
     shapes_counted: int = 1
     shapes_predicted: int = 0
     module_shapes_match: bool = True
+    module_trace: int | None = None
 
 
 @dataclass
 class WindowResult:
     """A profiled window: the model's profile plus what the training loop around it did.
 
-    ``profile``'s per-module latencies are the module-timing step's; its ``fwd_latency`` and
+    ``profile``'s per-module latencies are the module-timing steps' medians; its ``fwd_latency`` and
     ``bwd_latency`` (like the fields below) are the phase latencies of the clean steps.
     """
 
@@ -98,13 +110,14 @@ class WindowResult:
     sharded_model_params: int | None = None
     # report rows an adapter adds about its framework (label, value), e.g. the HF Trainer's estimate
     extra_lines: list[tuple[str, str]] = field(default_factory=list)
-    spans: list[ModuleSpan] = field(default_factory=list)  # module calls of the module-timing step
+    spans: list[ModuleSpan] = field(default_factory=list)  # one module-timing step's (steps.module_trace)
     # peak device memory allocated in each phase (forward, backward, optimizer_step) over the clean
     # steps, in bytes; None where the device keeps no such counter (only CUDA does)
     peak_memory: dict[str, int] | None = None
     published_at: int = 0  # the global step at which the result was published and logged
     # the clean steps' sums and spreads (the slowest rank's); None: the single step of the latencies above
     clean: CleanFigures | None = None
+    hook_cost: HookCost | None = None  # what one module call's timing hooks cost, out of module latencies
     _metrics: dict[str, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -124,7 +137,7 @@ class WindowResult:
         return self.no_bandwidth_reason if self.bandwidth is None else ""
 
     def rooflines(self) -> dict[str, dict[str, Roofline]]:
-        """Each module's forward and backward roofline (module-timing step latencies), by module name;
+        """Each module's forward and backward roofline (module-timing steps' latencies), by module name;
         empty unless both peaks are known."""
         if self.peak is None or self.bandwidth is None:
             return {}

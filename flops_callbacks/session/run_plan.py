@@ -14,9 +14,11 @@ from flops_callbacks.files import unwritable_reason
 from flops_callbacks.options import Options
 from flops_callbacks.user_warning import warn
 
-__all__ = ["CLEAN_MAX", "CLEAN_MIN", "RunPlan", "unwritable_destinations"]
+__all__ = ["CLEAN_MAX", "CLEAN_MIN", "MODULE_TIMING_STEPS", "RunPlan", "unwritable_destinations"]
 
 CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
+MODULE_TIMING_STEPS = 1  # module-timing steps: each module's latency is its median over them (3: see README)
+BEFORE_CLEAN = 1 + MODULE_TIMING_STEPS  # the counting and module-timing steps
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class RunPlan:
         clean = CLEAN_MIN if options.clean_steps == "auto" else options.clean_steps
         per = steps_per_batch
         first = global_step + -(-(options.profile_step - global_step) // per) * per
-        return cls(options, global_step, max_steps, per, first, first + (2 + clean - 1) * per)
+        return cls(options, global_step, max_steps, per, first, first + (BEFORE_CLEAN + clean - 1) * per)
 
     @property
     def resumed_past(self) -> bool:
@@ -67,11 +69,12 @@ class RunPlan:
                 f"optimizer steps (0 .. {max_steps - 1}). Use a profile_step below {max_steps}.",
             )
         elif max_steps is not None and max_steps <= self.last:
-            clean = max(-(-(max_steps - self.first) // self.steps_per_batch) - 2, 0)
+            clean = max(-(-(max_steps - self.first) // self.steps_per_batch) - BEFORE_CLEAN, 0)
             warn(
                 f"{owner}: the profile window needs steps {self.first} .. {self.last} "
-                f"(counting, module timing, clean_steps={self.options.clean_steps!r}); the run has "
-                f"{max_steps} steps: the latencies will rest on {clean} clean step(s).",
+                f"(counting, {MODULE_TIMING_STEPS} x module timing, "
+                f"clean_steps={self.options.clean_steps!r}); the run has {max_steps} steps: "
+                f"the latencies will rest on {clean} clean step(s).",
             )
 
 

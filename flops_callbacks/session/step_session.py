@@ -1,14 +1,16 @@
 """The step session below both callbacks: the profile window, then the continuous throughput meter.
 
-A profile is a short window of steps, each doing one job on its own clock: the counting step counts
-every op (:class:`~flops_callbacks.counting.engine.Tracer`; its times feed no figure), the
-module-timing step marks module calls only (:class:`~flops_callbacks.timing.module_timer.ModuleTimer`),
-and the clean steps only mark the phases at the framework's events and each step's end. Each batch's
-flops come from :class:`~flops_callbacks.session.shape_flops.ShapeFlops` (counted, or predicted
-exactly), so clean steps of any shape count; a shape that is neither becomes a shape-counting step
-(counted, not timed) at most ``MAX_SHAPE_COUNTS`` times. The figures are built by
-:mod:`flops_callbacks.session.builder` from :mod:`flops_callbacks.session.window_steps`; after the
-window, :mod:`flops_callbacks.session.meter` logs ``throughput/*`` with the same table.
+A profile is a short window of steps, each doing one job on its own clock: the counting step counts every
+op (:class:`~flops_callbacks.counting.engine.Tracer`; its times feed no figure), the
+``MODULE_TIMING_STEPS`` module-timing steps mark module calls only (each module's latency is its median
+over them: :class:`~flops_callbacks.timing.module_timer.ModuleTimer`), and the clean steps mark the
+phases at the framework's events and each step's end, and the model's outermost calls in their forward
+(what the timer's hooks cost: :mod:`flops_callbacks.timing.outer_calls`). Each batch's flops come from
+:class:`~flops_callbacks.session.shape_flops.ShapeFlops` (counted, or predicted exactly), so clean steps
+of any shape count; a shape that is neither becomes a shape-counting step (counted, not timed) at most
+``MAX_SHAPE_COUNTS`` times. The figures are built by :mod:`flops_callbacks.session.builder` from
+:mod:`flops_callbacks.session.window_steps`; after the window, :mod:`flops_callbacks.session.meter` logs
+``throughput/*`` with the same table.
 
 An adapter maps its framework's events onto this object (:mod:`flops_callbacks.session.adapter_api`):
 
@@ -37,19 +39,20 @@ import torch
 
 from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.guard import F, Guard, guarded_event
-from flops_callbacks.module_tree import has_compiled
+from flops_callbacks.module_tree import dynamo_compiled_anything, has_compiled
 from flops_callbacks.options import Options
 from flops_callbacks.peaks import given_bandwidth, given_peak
+from flops_callbacks.session import run_plan
 from flops_callbacks.session.adapter_api import Outlet, Publish, TrainingContext
 from flops_callbacks.session.batch import BatchReader, shape_signature
 from flops_callbacks.session.builder import build_result
 from flops_callbacks.session.meter import ThroughputMeter
 from flops_callbacks.session.result import WindowResult
-from flops_callbacks.session.run_plan import CLEAN_MAX, CLEAN_MIN, RunPlan, unwritable_destinations
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_steps import Kind, WindowStep, median_known
-from flops_callbacks.timing.clock import NullClock, clock_for, module_device
+from flops_callbacks.timing.clock import CpuClock, NullClock, clock_for, module_device
 from flops_callbacks.timing.module_timer import ModuleTimer
+from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phase_memory import phase_memory_for
 from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
 from flops_callbacks.user_warning import warn
@@ -89,11 +92,8 @@ class StepSession:
         self.batches = BatchReader(options, owner, self.guard, tokens_fn)
         self.given_peak = given_peak(options.peak_flops)
         self.given_bandwidth = given_bandwidth(options.peak_bandwidth)
-        self.meter = (
-            ThroughputMeter(lambda batch: self.batches.samples(batch) or 0, self.batches.tokens)
-            if options.throughput
-            else None
-        )
+        meter = ThroughputMeter(lambda batch: self.batches.samples(batch) or 0, self.batches.tokens)
+        self.meter = meter if options.throughput else None
         self.result: WindowResult | None = None
         self.flops = ShapeFlops()  # flops per micro-batch shape: counted in the window, read after it
         self._steps: list[WindowStep] = []  # the window's steps so far
@@ -104,6 +104,9 @@ class StepSession:
         self._context = TrainingContext()
         self._tracer: Tracer | None = None
         self._timer: ModuleTimer | None = None
+        self._outer: OuterCalls | None = None  # a clean step's outermost calls, while marked
+        self._mark_outer = False  # whether clean steps mark them (a CPU clock, nothing compiled)
+        self._outermost: list[torch.nn.Module] = []  # the modules whose calls they are
         self._metering = False  # the meter's events are routed (after the window, on the logging rank)
         self._resumed_past = False
         self._unreachable = False  # said at train start: profile_step is past the run's last step
@@ -157,11 +160,11 @@ class StepSession:
         self._abandoned = False
         self.batches.said_no_size = False
         self._unwritable = {}
-        plan = RunPlan.of(self.options, global_step, max_steps, steps_per_batch)
+        plan = run_plan.RunPlan.of(self.options, global_step, max_steps, steps_per_batch)
         self._resumed_past, self._unreachable = plan.resumed_past, plan.unreachable
         if not self.enabled or not is_logging_rank:
             return
-        self._unwritable = unwritable_destinations(self.owner, self.options.output_file, log_dir)
+        self._unwritable = run_plan.unwritable_destinations(self.owner, self.options.output_file, log_dir)
         plan.warn(self.owner, profiled_before)
 
     @_own_work("ending the run")
@@ -195,6 +198,7 @@ class StepSession:
         finally:
             self._steps, self._step, self._model, self._counter, self._counting = [], None, None, None, None
             self._tracer = self._timer = None
+            self._outermost = []
             if self.meter is not None:
                 self.meter.close()
             self._metering = False
@@ -222,7 +226,7 @@ class StepSession:
             self._model = model
         n = len(self._steps)
         kind = (
-            Kind.COUNTING if n == 0 else Kind.MODULE_TIMING if n == 1 else None
+            Kind.COUNTING if n == 0 else Kind.MODULE_TIMING if n <= run_plan.MODULE_TIMING_STEPS else None
         )  # None: its first batch decides
         device = module_device(model)
         clock = self._steps[0].phases.clock if self._steps else clock_for(device)
@@ -232,13 +236,15 @@ class StepSession:
         self._steps.append(step)
         self._step = step
         if kind == Kind.COUNTING:
-            self._tracer = Tracer(
-                model,
-                causal_attention=self.options.causal_attention,
-                compiled=None if runs is None else has_compiled(runs.modules()),
+            compiled = None if runs is None else has_compiled(runs.modules())
+            self._tracer = Tracer(model, causal_attention=self.options.causal_attention, compiled=compiled)
+            # the clean steps mark the outermost module calls (what the module timer's hooks cost, in
+            # place) where a CPU clock times them and no hook can change what dynamo compiles
+            self._mark_outer = (
+                isinstance(clock, CpuClock) and not self._tracer.compiled and not dynamo_compiled_anything()
             )
-        elif kind == Kind.MODULE_TIMING and self._timer is None:
-            self._timer = ModuleTimer(model, step.phases.clock)
+        elif kind == Kind.MODULE_TIMING:
+            self._timer = step.timer = ModuleTimer(model, step.phases.clock)
 
     @_own_work("reading the batch")
     def micro_batch_start(self, batch: Any) -> None:
@@ -274,18 +280,15 @@ class StepSession:
                 step.masks.append(mask)  # read after the window: no synchronize in a timed step
         if step.kind == Kind.COUNTING:
             step.batches.append(batch)
-        engine = (
-            self._tracer
-            if step.kind == Kind.COUNTING
-            else self._counter
-            if step.kind == Kind.SHAPE_COUNTING
-            else None
-        )
+        engine = {Kind.COUNTING: self._tracer, Kind.SHAPE_COUNTING: self._counter}.get(step.kind)
         if engine is not None:
             self._counting = (signature, later, _totals(engine))
             engine.start()
         elif step.kind == Kind.MODULE_TIMING and self._timer is not None:
             self._timer.start()
+        elif step.kind == Kind.CLEAN and self._outermost:
+            self._outer = step.outer = step.outer or OuterCalls(self._outermost, step.phases.clock)
+            self._outer.start()
         step.phases.start(FORWARD)
 
     @_own_work("marking a phase")
@@ -295,9 +298,12 @@ class StepSession:
         if step is None:
             return
         if name == BACKWARD and self._timer is not None and self._timer.running:
-            self._timer.arm()  # before the mark: the walk is nobody's time
+            step.phases.stop()  # the walk is nobody's time, not the forward's
+            self._timer.arm()
         elif name != BACKWARD and self._timer is not None:
             self._timer.release()
+        if self._outer is not None:  # the outer calls are the forward's: no hook past it
+            self._outer.stop()
         step.phases.start(name)
 
     @_own_work("marking a phase")
@@ -323,9 +329,8 @@ class StepSession:
     def _record_counted(self) -> None:
         """A counted micro-batch ended: its counts (the engine's totals since its start) go in the table."""
         counting, self._counting = self._counting, None
-        engine = (
-            self._tracer if self._step is not None and self._step.kind == Kind.COUNTING else self._counter
-        )
+        counting_step = self._step is not None and self._step.kind == Kind.COUNTING
+        engine = self._tracer if counting_step else self._counter
         if counting is None or engine is None:
             return
         signature, later, before = counting
@@ -352,15 +357,14 @@ class StepSession:
             return
         step.phases.stop()
         step.end_mark = step.phases.clock.mark()
-        self._counter = None
+        if step.kind == Kind.MODULE_TIMING and self._mark_outer and self._timer is not None:
+            self._outermost = self._timer.outermost()
+        self._counter = self._timer = None
         self._step = None
         if step.kind == Kind.COUNTING:
             # the counting step leaves thousands of objects (tags, records, hooks' closures): collected
             # now, outside every clock, not in whichever module of a timed step a collection would hit
             gc.collect()
-            if self._model is not None:  # the module timer's hooks are calibrated here too, off the clock
-                self._timer = ModuleTimer(self._model, step.phases.clock)
-                self._timer.calibrate()
         if self._window_done():
             self._finish(global_step, outlet)
 
@@ -368,12 +372,12 @@ class StepSession:
         """Whether the window has its clean steps (or has grown as long as it may)."""
         wanted = self.options.clean_steps
         clean = [s for s in self._steps if s.kind == Kind.CLEAN]
-        most = CLEAN_MAX if wanted == "auto" else wanted
-        if len(self._steps) < 2:
+        most = run_plan.CLEAN_MAX if wanted == "auto" else wanted
+        if len(self._steps) < run_plan.BEFORE_CLEAN:
             return False
-        if len(clean) >= most or len(self._steps) - 2 >= most + 2 * MAX_SHAPE_COUNTS:
+        if len(clean) >= most or len(self._steps) - run_plan.BEFORE_CLEAN >= most + 2 * MAX_SHAPE_COUNTS:
             return True
-        if wanted != "auto" or len(clean) < CLEAN_MIN:
+        if wanted != "auto" or len(clean) < run_plan.CLEAN_MIN:
             return False
         return median_known([s.seconds()["iter"] for s in clean])  # reads the clock: a synchronize
 
@@ -411,6 +415,9 @@ class StepSession:
         finally:
             if self._timer is not None:
                 self._timer.stop()
+            if self._outer is not None:
+                self._outer.stop()
+                self._outer = None
 
     def _counting_failed(self) -> bool:
         """Whether a formula failed while counting (said here, and the window dropped)."""
@@ -425,20 +432,13 @@ class StepSession:
     def _finish(self, global_step: int, outlet: Outlet) -> None:
         """Build the result from the window's steps, publish it, and start the throughput meter."""
         steps, self._steps, self._step = self._steps, [], None
-        tracer, timer, self._tracer, self._timer, self._counter = self._tracer, self._timer, None, None, None
+        tracer, self._tracer, self._timer, self._counter, self._outermost = self._tracer, None, None, None, []
         model, self._model = self._model, None
         if tracer is None or model is None or not steps[0].signatures:
             return
+        peaks = (self.given_peak, self.given_bandwidth)
         self.result = build_result(
-            steps,
-            tracer,
-            timer,
-            model,
-            self._context,
-            self.flops,
-            global_step,
-            peaks=(self.given_peak, self.given_bandwidth),
-            guard=self.guard,
+            steps, tracer, model, self._context, self.flops, global_step, peaks=peaks, guard=self.guard
         )
         log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective
         if not outlet.is_logging_rank:

@@ -26,6 +26,8 @@ import torch
 
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.shape_flops import BatchCounts
+from flops_callbacks.timing.module_timer import ModuleTimer
+from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phases import StepPhases
 
 __all__ = [
@@ -70,6 +72,8 @@ class WindowStep:
     tokens: int | None = None
     counts: BatchCounts | None = field(default_factory=BatchCounts.zero)  # None: a micro-batch's are unknown
     masks: list[torch.Tensor] = field(default_factory=list)  # attention masks (padding)
+    timer: ModuleTimer | None = None  # a module-timing step's marks
+    outer: OuterCalls | None = None  # a clean step's outermost module calls (CPU: the hooks' cost)
 
     def seconds(self) -> dict[str, float]:
         """Seconds of each latency of this step (data and wall 0 without the previous step's end)."""

@@ -12,14 +12,16 @@ an op-bound model). This timer runs on its own step of the profile window with o
   accumulation of its parameters' gradients, not the autograd engine's scheduling between nodes.
 
 What the marks themselves cost is taken out: a module's forward span holds the hooks of every module
-called inside it (and torch's slower call path while global hooks exist), a few microseconds each,
-which on a model of small ops is from a third of the forward to more than all of it. On a CPU clock
-the cost of one call's hooks is calibrated on a one-op module when the timer first starts (a few ms,
-before any phase mark), and each mark is moved back by
-that cost times the calls started before it (:func:`hook_cost`); on a GPU the marks are CUDA events,
-and the hooks' host time hides behind the kernels unless the model is launch-bound. The garbage
-collector is off while the timer runs (and on again at :meth:`ModuleTimer.stop`): a collection, of the
-timer's own marks or of what earlier steps left, would land in whichever module happened to run.
+called inside it (and torch's slower call path while global hooks exist), 10-60 microseconds each on a
+CPU, which on a model of small ops is from a third of the forward to more than all of it. The cost of
+one call's hooks is given to :meth:`ModuleTimer.times`, which takes it out of each span once per call
+inside it (and the share of a call's own hooks that falls between its marks). It is best measured in
+place (:mod:`flops_callbacks.timing.outer_calls`: the outermost calls on clean steps against the same
+calls here, over the calls inside them); a synthetic probe (:func:`hook_cost`) reads about half of it
+(its hooks run hot in a tight loop) and serves where no such measure exists. On a GPU the marks are
+CUDA events, and the hooks' host time hides behind the kernels unless the model is launch-bound. The
+garbage collector is off while the timer runs (and on again at :meth:`ModuleTimer.stop`): a collection,
+of the timer's own marks or of what earlier steps left, would land in whichever module happened to run.
 
 Why not ``register_full_backward_hook``: it wraps a module's inputs and outputs in extra autograd
 nodes and never fires when no input needs a gradient (a first layer, frozen embeddings). Nothing is
@@ -32,8 +34,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +48,16 @@ from flops_callbacks.profile import Profile
 from flops_callbacks.timing.clock import Clock, CpuClock
 from flops_callbacks.timing.spans import BACKWARD, FORWARD, RECOMPUTE, ModuleSpan, Phase
 
-__all__ = ["BACKWARD", "FORWARD", "hook_cost", "ModuleTimer", "ModuleTimes", "RECOMPUTE"]
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "hook_cost",
+    "HookCost",
+    "median_times",
+    "ModuleTimer",
+    "ModuleTimes",
+    "RECOMPUTE",
+]
 
 _current_autograd_node = torch._C._current_autograd_node
 
@@ -72,6 +85,27 @@ class ModuleTimes:
         return dataclasses.replace(profile, modules=modules)
 
 
+def median_times(of: list[ModuleTimes]) -> ModuleTimes:
+    """Each module's median latency over several steps' times (a module a step never ran counts 0
+    there); the spans are those of the step whose model forward + backward is the median, so that the
+    timeline shows one real step."""
+    if len(of) == 1:
+        return of[0]
+
+    def median(tables: list[dict[str, float]]) -> dict[str, float]:
+        names = dict.fromkeys(name for table in tables for name in table)
+        return {name: statistics.median(t.get(name, 0.0) for t in tables) for name in names}
+
+    totals = [t.fwd.get("", 0.0) + t.bwd.get("", 0.0) for t in of]
+    middle = sorted(range(len(of)), key=totals.__getitem__)[len(of) // 2]
+    return ModuleTimes(
+        median([t.fwd for t in of]),
+        median([t.bwd for t in of]),
+        median([t.recompute for t in of]),
+        of[middle].spans,
+    )
+
+
 def _grad_fns(value: Any) -> list[Any]:
     if isinstance(value, torch.Tensor):
         return [value.grad_fn] if value.grad_fn is not None else []
@@ -84,11 +118,11 @@ def _grad_fns(value: Any) -> list[Any]:
 class ModuleTimer:
     """Marks module calls in the forward and their autograd nodes in the backward (module doc)."""
 
-    def __init__(self, model: torch.nn.Module, clock: Clock, calibrate: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, clock: Clock) -> None:
         self.clock = clock
-        self._names = ModuleTree(model).names  # the counting engine's names: one record per module
-        # seconds one call's hooks add around it; calibrated at the first start (CPU clock only)
-        self.hook_cost: float | None = None if calibrate and isinstance(clock, CpuClock) else 0.0
+        tree = ModuleTree(model)
+        self._names = tree.names  # the counting engine's names: one record per module
+        self._modules = tree.modules
         self._started = 0  # module calls started so far: the marks before which hooks ran
         # name, start mark, calls started at it, recompute, inputs
         self._stack: list[tuple[str, Any, int, bool, list[Any]]] = []
@@ -107,16 +141,33 @@ class ModuleTimer:
     def running(self) -> bool:
         return self._exit is not None
 
-    def calibrate(self) -> None:
-        """Measure the hooks' cost now (a few ms), if not done: the session does it between the counting
-        step and the module-timing step, outside every step's clock."""
-        if self.hook_cost is None:
-            self.hook_cost = hook_cost()
+    def _outermost_spans(self) -> list[tuple[Any, ...]]:
+        """The forward spans no other span holds (not recomputes), in call order."""
+        spans = sorted((s for s in self._fwd_spans if not s[5]), key=lambda s: s[2])
+        outer, reach = [], -1
+        for span in spans:
+            if span[2] > reach:  # opened after every earlier outer call had closed
+                outer.append(span)
+                reach = span[4]
+        return outer
+
+    def outermost(self) -> list[torch.nn.Module]:
+        """The modules whose calls no other module call held (the model's, or what the framework's step
+        calls directly): what :class:`~flops_callbacks.timing.outer_calls.OuterCalls` marks on clean steps."""
+        names = dict.fromkeys(span[0] for span in self._outermost_spans())
+        return [self._modules[name] for name in names]
+
+    def outer_calls(self) -> tuple[float, int]:
+        """Seconds in the outermost calls as marked (nothing taken out), and the module calls made inside
+        them: what :class:`~flops_callbacks.timing.outer_calls.OuterCalls` marks on a clean step, with
+        these hooks on (read after the step)."""
+        spans = self._outermost_spans()
+        seconds = sum(self.clock.seconds(start, end) for _, start, _, end, _, _ in spans)
+        return seconds, sum(ended - started for _, _, started, _, ended, _ in spans)
 
     def start(self) -> None:
         if self.running:
             return
-        self.calibrate()
         stack = contextlib.ExitStack()
         try:
             if gc.isenabled():
@@ -161,10 +212,10 @@ class ModuleTimer:
         self._stack.append((name, self.clock.mark(), self._started, recompute, inputs))
 
     def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        end = self.clock.mark()  # first: what this hook does next is not the module's time
         name = self._names.get(id(module))
         if name is None or not self._mine():
             return
-        end = self.clock.mark()
         while self._stack:  # children whose post hook did not run (an exception) close here too
             frame_name, start, started, recompute, inputs = self._stack.pop()
             self._fwd_spans.append((frame_name, start, started, end, self._started, recompute))
@@ -218,22 +269,17 @@ class ModuleTimer:
 
     # --- result ------------------------------------------------------------------------------------
 
-    def times(self) -> ModuleTimes:
-        """Latencies per module, the hooks' calibrated cost taken out (synchronizes once: call after
-        the step)."""
+    def times(self, cost: HookCost | None = None) -> ModuleTimes:
+        """Latencies per module, the hooks' ``cost`` taken out of each span (synchronizes once: call
+        after the step)."""
         self.clock.synchronize()
-        clock_seconds, cost = self.clock.seconds, self.hook_cost or 0.0
-
-        def seconds(start: Any, end: Any, calls: int = 0) -> float:
-            """From ``start`` to ``end`` less the hooks of ``calls`` module calls started between."""
-            return max(clock_seconds(start, end) - calls * cost, 0.0)
-
+        seconds = self._seconds(cost.per_call, cost.own) if cost is not None else self._seconds(0.0, 0.0)
         fwd: dict[str, float] = {}
         recompute: dict[str, float] = {}
         bwd: dict[str, float] = {}
         spans: list[ModuleSpan] = []
         origin = self._origin
-        durations = self._forward_durations(seconds)
+        durations, _, _ = self._forward_tree(seconds)
         for span, duration in zip(self._fwd_spans, durations, strict=True):
             name, start, started, _, _, is_recompute = span
             table = recompute if is_recompute else fwd
@@ -253,10 +299,47 @@ class ModuleTimer:
         _fill_containers(recompute)
         return ModuleTimes(fwd, bwd, recompute, spans)
 
-    def _forward_durations(self, seconds: Any) -> list[float]:
-        """Each forward span less its calls' hooks, and never less than its children's (a calibration
-        taken while another process ran may overstate the hooks' cost; a parent still holds its
-        children). Children are the spans whose first call falls inside their parent's calls."""
+    def fitted(self, cost: HookCost) -> HookCost:
+        """``cost`` with the share of a call's own hooks inside its span (``own``, the probe's share)
+        raised to what the outermost calls show in place: their children, less ``cost``, may not sum to
+        more than their parent (whose hooks' cost was measured on these very calls); what they exceed it
+        by, per child call, is hooks' time inside each child's span that the probe's share missed (on
+        the 24-layer MLP through Lightning, a leaf's span held 10-15 us of its own hooks against the
+        probe's 1-2 us). Never above ``per_call``: a call's own share is part of its cost."""
+        self.clock.synchronize()
+        seconds = self._seconds(cost.per_call, cost.own)
+        durations, parent, _ = self._forward_tree(seconds)
+        excess, children = 0.0, 0
+        for i, span in enumerate(self._fwd_spans):
+            if i in parent or span[5]:
+                continue  # only the outermost calls are anchored
+            mine = [c for c, p in parent.items() if p == i]
+            if mine:
+                _, start, started, end, ended, _ = span
+                excess += sum(durations[c] for c in mine) - seconds(start, end, ended - started, True)
+                children += len(mine)
+        if excess <= 0 or children == 0:
+            return cost
+        own = min(cost.own + excess / children, cost.per_call)
+        fit = f"own share {own * 1e6:.1f} us in place (the outer calls' children)"
+        detail = f"{cost.detail}; {fit}" if cost.detail else fit
+        return dataclasses.replace(cost, own=own, detail=detail)
+
+    def _seconds(self, per_call: float, own: float) -> Callable[..., float]:
+        clock_seconds = self.clock.seconds
+
+        def seconds(start: Any, end: Any, calls: int = 0, own_hooks: bool = False) -> float:
+            """From ``start`` to ``end`` less the hooks of ``calls`` module calls started between (and,
+            with ``own_hooks``, the part of a call's own hooks inside its span)."""
+            return max(clock_seconds(start, end) - calls * per_call - (own if own_hooks else 0.0), 0.0)
+
+        return seconds
+
+    def _forward_tree(self, seconds: Callable[..., float]) -> tuple[list[float], dict[int, int], list[float]]:
+        """Each forward span less its calls' hooks and never less than its children's (a cost that
+        another process inflated may overstate the hooks'; a parent still holds its children), each
+        span's parent, and its children's sum. Children are the spans whose first call falls inside
+        their parent's calls."""
         spans = self._fwd_spans
         order = sorted(range(len(spans)), key=lambda i: spans[i][2])  # by the call that opened them
         parent: dict[int, int] = {}
@@ -271,10 +354,10 @@ class ModuleTimer:
         children = [0.0] * len(spans)
         for i in reversed(order):  # children before their parents
             _, start, started, end, ended, _ = spans[i]
-            durations[i] = max(seconds(start, end, ended - started), children[i])
+            durations[i] = max(seconds(start, end, ended - started, own_hooks=True), children[i])
             if i in parent:
                 children[parent[i]] += durations[i]
-        return durations
+        return durations, parent, children
 
 
 def _fill_containers(table: dict[str, float]) -> None:
@@ -287,33 +370,82 @@ def _fill_containers(table: dict[str, float]) -> None:
             table[above] = table.get(above, 0.0) + table[name]
 
 
+# A cost measured in place is kept between the probe's (a floor: its hooks run hot in a tight loop) and
+# this many times it: HF's modules, called with keyword arguments through torch's slow call path, cost
+# 3-5x the probe's per call (GPT-2, hooks on and off in a plain loop); a pause on the timed step reads more.
+PROBE_CEILING = 8.0
+MIN_CALLS = 20  # fewer calls inside the outer ones: a step's noise outweighs their hooks, the probe stands
+
+
+@dataclasses.dataclass(frozen=True)
+class HookCost:
+    """What the timing hooks of one module call cost, in seconds: ``per_call`` in all (what it adds to
+    its caller's span), of which ``own`` lies inside the call's own span (between its two marks);
+    ``source`` says how it was found in a few words, ``detail`` in full."""
+
+    per_call: float
+    own: float
+    source: str
+    detail: str = ""
+
+    def instead(self, why: str) -> HookCost:
+        """This (probe's) cost, with why no in-place measure replaced it."""
+        return dataclasses.replace(self, detail=f"{self.detail}; not measured in place: {why}")
+
+    def measured(self, hooked: float, clean: float, calls: int, detail: str) -> HookCost:
+        """The cost measured in place: the outermost module calls with the timer's hooks on (seconds)
+        less the same calls on clean steps, over the ``calls`` made inside them (the outer calls' own
+        share, under a percent at ``MIN_CALLS``, is left in), kept between this (probe's) cost and
+        ``PROBE_CEILING`` times it; the share inside a call's own span is the probe's."""
+        if calls < MIN_CALLS:
+            return self.instead(f"{calls} module call(s) inside the model's, fewer than {MIN_CALLS}")
+        measured = (hooked - clean) / calls
+        per_call = min(max(measured, self.per_call), PROBE_CEILING * self.per_call)
+        source = "measured in place"
+        if per_call != measured:
+            bound = "the probe's" if per_call == self.per_call else f"{PROBE_CEILING:g}x the probe's"
+            source += f", kept to {bound}"
+            detail += f" ({measured * 1e6:.1f} us, kept to {bound}: {self.per_call * 1e6:.1f} us a call)"
+        share = self.own / self.per_call if self.per_call > 0 else 0.0
+        return HookCost(per_call, per_call * share, source, detail)
+
+
 class _Probe(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * 1.0  # one small op with an autograd node, as a real call makes
 
 
-def hook_cost(calls: int = 50, rounds: int = 15) -> float:
-    """Seconds one module call's timing hooks add to the span of the module that called it: a one-op
-    module called ``calls`` times with a timer's hooks on and off (its outputs kept, as a forward keeps
-    them), the fastest of ``rounds`` each (what another process takes from a round is not the hooks';
-    a few ms in all)."""
+def hook_cost(calls: int = 50, rounds: int = 15) -> HookCost:
+    """The hooks' cost from a probe: a one-op module called ``calls`` times with a timer's hooks on and
+    off (its outputs kept, as a forward keeps them), the fastest of ``rounds`` each, and its spans
+    against its plain calls (a few ms in all). About half what the hooks cost inside a real model
+    (module doc): the fallback when no in-place measure exists, and the share of a call's own hooks
+    that lies inside its span."""
     probe = _Probe()
     x = torch.zeros(4, requires_grad=True) * 1.0
-    timer = ModuleTimer(probe, CpuClock(), calibrate=False)
+    timer = ModuleTimer(probe, CpuClock())
 
-    def run() -> float:
+    def run(each: list[float]) -> float:
         outputs = []
         begin = time.perf_counter()
         for _ in range(calls):
+            mark = time.perf_counter()
             outputs.append(probe(x))
+            each.append(time.perf_counter() - mark)
         return time.perf_counter() - begin
 
-    plain, hooked = [], []
+    plain: list[float] = []
+    hooked: list[float] = []
+    plain_calls: list[float] = []
+    hooked_calls: list[float] = []  # (the spans are read from the timer instead)
     for _ in range(rounds):
-        plain.append(run())
+        plain.append(run(plain_calls))
         timer.start()
         try:
-            hooked.append(run())
+            hooked.append(run(hooked_calls))
         finally:
             timer.stop()
-    return max((min(hooked) - min(plain)) / calls, 0.0)
+    spans = [span.duration for span in timer.times().spans if span.phase == FORWARD]
+    per_call = max((min(hooked) - min(plain)) / calls, 0.0)
+    own = max(statistics.median(spans) - statistics.median(plain_calls), 0.0)
+    return HookCost(per_call, min(own, per_call), "probe", "a one-op module with the hooks on and off")

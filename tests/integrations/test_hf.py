@@ -54,7 +54,10 @@ from tests.sleepy import Sleepy, SleepySGD
 # at global step 5. Runs go one step past it unless a test is about where they end.
 PROFILE_STEP, CLEAN_STEPS = 2, 1
 WINDOW_END = PROFILE_STEP + 2 + CLEAN_STEPS
-STEPS = WindowSteps(PROFILE_STEP, PROFILE_STEP + 1, (PROFILE_STEP + 2,), (), "median of 1 clean step(s)")
+STEPS = WindowSteps(
+    PROFILE_STEP, (PROFILE_STEP + 1,), (PROFILE_STEP + 2,), (), "median of 1 clean step(s)",
+    module_trace=PROFILE_STEP + 1,
+)  # fmt: skip
 VOCAB, SEQ, BATCH = 97, 16, 4
 
 
@@ -350,7 +353,7 @@ def test_a_run_ending_inside_the_window_warns_at_train_start_and_publishes_at_tr
     result = callback.result
     assert (result.steps.counting, result.steps.module_timing, result.steps.clean) == (
         PROFILE_STEP,
-        PROFILE_STEP + 1,
+        (PROFILE_STEP + 1,),
         (),
     )
     assert result.steps.latency_source.startswith("the module timing step alone")
@@ -465,7 +468,7 @@ def test_forward_backward_and_optimizer_step_of_known_durations_are_reported_wit
         optimizers=(SleepySGD(model.parameters(), SLEEP), None), max_steps=5, per_device_train_batch_size=2,
     )  # fmt: skip
     result = callback.result
-    assert (result.steps.counting, result.steps.module_timing, result.steps.clean) == (1, 2, (3, 4))
+    assert (result.steps.counting, result.steps.module_timing, result.steps.clean) == (1, (2,), (3, 4))
     assert result.fwd_latency == pytest.approx(SLEEP, rel=0.15)
     assert result.bwd_latency == pytest.approx(SLEEP, rel=0.15)
     assert result.step_latency == pytest.approx(SLEEP, rel=0.15)

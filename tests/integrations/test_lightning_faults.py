@@ -251,7 +251,8 @@ def assert_a_clean_fit_counts_as_a_fresh_process(root: Path, fresh: dict[str, An
     result = callback.result
     assert result.steps == WindowSteps(
         counting=PROFILE_STEP,
-        module_timing=PROFILE_STEP + 1,
+        module_timing=(PROFILE_STEP + 1,),
+        module_trace=PROFILE_STEP + 1,
         clean=(PROFILE_STEP + 2,),
         skipped=(),
         latency_source="median of 1 clean step(s)",

@@ -23,7 +23,7 @@ def window(skipped: tuple[int, ...] = ()) -> WindowResult:
     profile = Profile(0.25, 0.5, "cpu", {"": root}, Counts(), Coverage())
     return WindowResult(
         profile=profile,
-        steps=WindowSteps(10, 11, (12, 14), skipped, "median of 2 clean step(s)"),
+        steps=WindowSteps(10, (11,), (12, 14), skipped, "median of 2 clean step(s)", module_trace=11),
         fwd_latency=0.25,
         bwd_latency=0.5,
         step_latency=0.25,
@@ -42,9 +42,9 @@ def test_the_json_holds_the_counts_the_sources_and_the_metrics() -> None:
     data = json.loads(json.dumps(json_data(window(skipped=(13,)))))  # as saved
     assert (data["step"], data["published_at_step"]) == (10, 15)
     assert data["steps"] == {
-        "counting": 10, "module_timing": 11, "clean": [12, 14], "skipped": [13],
+        "counting": 10, "module_timing": [11], "clean": [12, 14], "skipped": [13],
         "latency_source": "median of 2 clean step(s)", "shape_counting": [], "shapes": 1,
-        "shapes_counted": 1, "shapes_predicted": 0, "module_shapes_match": True,
+        "shapes_counted": 1, "shapes_predicted": 0, "module_shapes_match": True, "module_trace": 11,
     }  # fmt: skip
     # one step of the result's latencies stands for the clean steps: its spread is that step
     assert data["spread"]["iter"] == {"median": 1.0, "low": 1.0, "high": 1.0, "steps": 1}

@@ -20,7 +20,9 @@ def profile(fwd: int, bwd: int, recompute: int) -> Profile:
 
 
 def result(p: Profile, tokens: int | None = None, peak: Peak | None = None) -> WindowResult:
-    steps = WindowSteps(counting=10, module_timing=11, clean=(12, 13, 14), skipped=(), latency_source="clean")
+    steps = WindowSteps(
+        counting=10, module_timing=(11,), clean=(12, 13, 14), skipped=(), latency_source="clean"
+    )
     return WindowResult(
         profile=p,
         steps=steps,

@@ -18,6 +18,7 @@ from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.reporting.publish import publish
 from flops_callbacks.session.step_session import StepSession
+from flops_callbacks.timing.module_timer import MIN_CALLS
 from flops_callbacks.units import flops_to_string, number_to_string, params_to_string
 from tests.sleepy import Sleepy, SleepySGD
 from tests.support import IN, OUT, B, Outlet, run
@@ -47,7 +48,7 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
     run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, 7), outlet, micro_batches=2)
     r = session.result
     assert r is not None and no_profiler_left()
-    assert (r.steps.counting, r.steps.module_timing, r.steps.clean) == (3, 4, (5, 6))
+    assert (r.steps.counting, r.steps.module_timing, r.steps.clean) == (3, (4,), (5, 6))
     assert r.steps.latency_source == "median of 2 clean step(s)"
     assert r.published_at == 7
     fwd = 2 * B * IN * OUT
@@ -67,7 +68,7 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
     data = json.loads((tmp_path / "flops_profile_step3.json").read_text())
     assert data["steps"] == {
         "counting": 3,
-        "module_timing": 4,
+        "module_timing": [4],
         "clean": [5, 6],
         "skipped": [],
         "latency_source": "median of 2 clean step(s)",
@@ -76,7 +77,14 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
         "shapes_counted": 1,
         "shapes_predicted": 0,
         "module_shapes_match": True,
+        "module_trace": 4,
     }
+    # what the timing hooks of one module call cost, measured on a CPU clock and taken out
+    assert data["hook_cost"]["per_call"] > 0 and data["hook_cost"]["own"] <= data["hook_cost"]["per_call"]
+    # (the driver calls the model's two layers one by one: no call inside them to measure on)
+    assert data["hook_cost"]["source"] == "probe"
+    why = f"not measured in place: 0 module call(s) inside the model's, fewer than {MIN_CALLS}"
+    assert data["hook_cost"]["detail"].endswith(why)
     assert (data["samples_per_device"], data["micro_batches"], data["tokens_per_device"]) == (10, 2, 60)
     assert data["metrics"] == m
     assert "Detailed Profile" in (tmp_path / "flops_profile_step3.txt").read_text()  # the file has the tree
@@ -117,7 +125,7 @@ def test_the_window_starts_at_the_first_step_at_or_after_profile_step() -> None:
     for step in range(0, 12, 2):  # two optimizers: the global step advances by 2 per batch
         run(session, model, optimizer, range(step, step + 1), Outlet())
     r = session.result
-    assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (4, 6, (8,))
+    assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (4, (6,), (8,))
 
 
 def test_clean_steps_of_new_shapes_are_counted_on_steps_of_their_own_then_predicted_and_all_count() -> None:
@@ -155,7 +163,7 @@ def test_a_run_that_ends_inside_the_window_publishes_what_it_had_and_says_so(tmp
     assert session.result is None  # the window has not ended
     session.train_end(4, outlet)
     r = session.result
-    assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (1, 2, (3,))
+    assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (1, (2,), (3,))
     assert [step for _, step in outlet.logged] == [4]
     assert "median of 1 clean step(s): steps 3" in outlet.printed[0]
 

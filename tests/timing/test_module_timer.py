@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flops_callbacks.module_tree import ancestors
 from flops_callbacks.timing.clock import CpuClock
-from flops_callbacks.timing.module_timer import BACKWARD, FORWARD, ModuleTimer
+from flops_callbacks.timing.module_timer import BACKWARD, FORWARD, HookCost, ModuleTimer
 from tests.sleepy import Sleepy
 
 
@@ -122,14 +122,13 @@ def test_a_compiled_model_is_timed_eagerly_and_runs_its_compiled_graph_again_aft
 
 def test_the_hooks_cost_comes_off_each_call_inside_a_span_and_a_parent_keeps_its_children() -> None:
     model = Two()  # "" > first (2 tiny calls) and rest.0 (2 tiny calls): 6 calls inside the model's span
-    timer = ModuleTimer(model, CpuClock(), calibrate=False)
-    timer.hook_cost = 0.01  # say each call's hooks cost 10 ms (they cost microseconds)
+    timer = ModuleTimer(model, CpuClock())
     timer.start()
     try:
         model(torch.randn(2, 4))
     finally:
         timer.stop()
-    times = timer.times()
+    times = timer.times(HookCost(0.01, 0.0, "given"))  # say each call's hooks cost 10 ms (not us)
     assert times.fwd["first"] == pytest.approx(0.06 - 2 * 0.01, rel=0.15)
     assert times.fwd["rest.0"] == pytest.approx(0.1 - 2 * 0.01, rel=0.15)
     # 0.16 - 6 x 0.01 = 0.10 would be less than its children's 0.04 + 0.08: it keeps their sum
@@ -142,7 +141,7 @@ def test_the_hooks_cost_comes_off_each_call_inside_a_span_and_a_parent_keeps_its
 def test_the_collector_is_off_while_modules_are_timed_and_on_again_after() -> None:
     import gc
 
-    timer = ModuleTimer(Two(), CpuClock(), calibrate=False)
+    timer = ModuleTimer(Two(), CpuClock())
     assert gc.isenabled()
     timer.start()
     try:

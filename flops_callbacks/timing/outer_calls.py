@@ -1,0 +1,74 @@
+"""The model's outermost module calls, timed on clean steps with hooks on those few modules alone.
+
+The module timer's hooks cost 10-60 microseconds per module call on a CPU (more with keyword arguments),
+a third to more than all of a small-op model's forward, and that cost must come out of each module's
+span. A probe outside the model reads about half of it (its hooks run hot in a tight loop), and the
+forward phase of the module-timing step less a clean step's reads more than all of it (everything outside
+the model slows down too on that step: the loss, the framework's code). What the hooks add is measured
+where they act instead: the outermost module calls (those no other module call holds: the model's, or the
+few modules a ``training_step`` calls directly, as the module-timing step found them:
+:meth:`~flops_callbacks.timing.module_timer.ModuleTimer.outermost`) are marked in the clean steps'
+forward with a pre-hook and a hook on those modules only (a few microseconds a step: every other module
+keeps torch's fast call path), and the module-timing step's same calls, less these, over the module calls
+inside them, give the cost per call
+(:meth:`~flops_callbacks.timing.module_timer.ModuleTimer.outer_calls`).
+
+Hooks on a compiled model's modules would change what dynamo guards on (a recompile on the clean steps):
+the session does not mark a compiled model's calls, and the probe stands in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flops_callbacks.timing.clock import Clock
+
+__all__ = ["OuterCalls"]
+
+_current_autograd_node = torch._C._current_autograd_node
+
+
+class OuterCalls:
+    """Marks the outermost calls of ``modules`` (not recomputes)."""
+
+    def __init__(self, modules: list[torch.nn.Module], clock: Clock) -> None:
+        self.clock = clock
+        self._modules = modules
+        self._handles: list[Any] = []
+        self._open = 0  # calls entered and not left: only the outermost is marked
+        self._start: Any = None
+        self._spans: list[tuple[Any, Any]] = []
+
+    def start(self) -> None:
+        if self._handles:
+            return
+        for module in self._modules:
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook))
+            self._handles.append(module.register_forward_hook(self._post_hook, always_call=True))
+
+    def stop(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        self._open = 0
+
+    def seconds(self) -> float:
+        """Seconds in the outermost calls marked (read after the step: a CUDA clock synchronizes)."""
+        return sum(self.clock.seconds(a, b) for a, b in self._spans)
+
+    def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if _current_autograd_node() is not None:
+            return
+        self._open += 1
+        if self._open == 1:
+            self._start = self.clock.mark()
+
+    def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        end = self.clock.mark()
+        if _current_autograd_node() is not None or self._open == 0:
+            return
+        self._open -= 1
+        if self._open == 0:
+            self._spans.append((self._start, end))

@@ -1,0 +1,203 @@
+"""What the timing hooks cost, measured in place: the outermost calls on a clean pass against a timed
+one, the bounds the probe puts on it, and each module's median over several timed steps."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from flops_callbacks.timing.clock import CpuClock
+from flops_callbacks.timing.module_timer import (
+    FORWARD,
+    MIN_CALLS,
+    PROBE_CEILING,
+    HookCost,
+    ModuleTimer,
+    ModuleTimes,
+    hook_cost,
+    median_times,
+)
+from flops_callbacks.timing.outer_calls import OuterCalls
+from tests.sleepy import Sleepy
+from tests.support import hooks_of
+
+
+class Nested(nn.Module):
+    """Two children of known sleeps, each calling 2 tiny modules: 6 calls inside the model's call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Sleepy(fwd=0.03, bwd=0.0, tiny_ops=2)
+        self.b = Sleepy(fwd=0.05, bwd=0.0, tiny_ops=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_outer_calls_mark_only_the_outermost_call_and_leave_no_hook() -> None:
+    model = Nested()
+    before = [hooks_of(m) for m in model.modules()]
+    outer = OuterCalls([model, model.a], CpuClock())
+    outer.start()
+    try:
+        model(torch.randn(2, 4))  # "" holds a and b: one span, not three
+        model.a(torch.randn(2, 4))  # a child called on its own is an outer call too
+    finally:
+        outer.stop()
+    assert outer.seconds() == pytest.approx(0.08 + 0.03, rel=0.15)
+    assert [hooks_of(m) for m in model.modules()] == before
+    model(torch.randn(2, 4))
+    assert outer.seconds() == pytest.approx(0.11, rel=0.15)  # nothing marked once stopped
+
+
+def test_the_timer_reads_the_same_outer_calls_and_counts_the_calls_inside() -> None:
+    model = Nested()
+    timer = ModuleTimer(model, CpuClock())
+    timer.start()
+    try:
+        model(torch.randn(2, 4))
+    finally:
+        timer.stop()
+    seconds, calls = timer.outer_calls()
+    assert seconds == pytest.approx(0.08, rel=0.15)
+    assert calls == 6  # a, a.tiny.0, a.tiny.1, b, b.tiny.0, b.tiny.1
+    assert timer.outermost() == [model]
+
+
+class Step(nn.Module):
+    """A framework's step calling two children directly, as a ``training_step`` may: no call of the
+    root holds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Nested()
+        self.head = Sleepy(fwd=0.02, bwd=0.0, tiny_ops=1)
+
+
+def test_the_outermost_calls_are_those_the_step_made_directly() -> None:
+    step = Step()
+    timer = ModuleTimer(step, CpuClock())
+    timer.start()
+    try:
+        step.head(step.model(torch.randn(2, 4)))
+        step.head(torch.randn(2, 4))  # the same module called again: one entry, two outer calls
+    finally:
+        timer.stop()
+    assert timer.outermost() == [step.model, step.head]
+    seconds, calls = timer.outer_calls()
+    assert seconds == pytest.approx(0.08 + 2 * 0.02, rel=0.15)
+    assert calls == 6 + 2 * 1  # inside the model's call and each head call
+
+
+def test_a_cost_measured_in_place_is_the_difference_over_the_calls_inside() -> None:
+    probe = HookCost(per_call=10e-6, own=2e-6, source="probe")
+    # 6 ms more over 300 calls: 20 us a call, within [probe, ceiling]; the own share stays the probe's 1/5
+    cost = probe.measured(hooked=0.016, clean=0.010, calls=300, detail="outer calls")
+    assert (cost.per_call, cost.own) == (pytest.approx(20e-6), pytest.approx(4e-6))
+    assert (cost.source, cost.detail) == ("measured in place", "outer calls")
+
+
+def test_a_measured_cost_is_kept_between_the_probe_and_a_ceiling_and_says_so() -> None:
+    probe = HookCost(per_call=10e-6, own=2e-6, source="probe")
+    low = probe.measured(hooked=0.0101, clean=0.010, calls=100, detail="outer")  # 1 us a call: noise
+    assert low.per_call == pytest.approx(10e-6) and low.source == "measured in place, kept to the probe's"
+    assert "1.0 us, kept to the probe's" in low.detail
+    paused = probe.measured(hooked=0.310, clean=0.010, calls=30, detail="outer")  # a 0.3 s pause
+    assert paused.per_call == pytest.approx(PROBE_CEILING * 10e-6)
+    assert paused.source == f"measured in place, kept to {PROBE_CEILING:g}x the probe's"
+
+
+def test_too_few_calls_to_measure_on_leave_the_probes_cost_and_say_why() -> None:
+    probe = HookCost(per_call=10e-6, own=2e-6, source="probe", detail="a one-op module")
+    few = probe.measured(hooked=0.02, clean=0.01, calls=MIN_CALLS - 1, detail="outer")
+    assert (few.per_call, few.own, few.source) == (probe.per_call, probe.own, "probe")
+    why = f"not measured in place: {MIN_CALLS - 1} module call(s) inside the model's, fewer than {MIN_CALLS}"
+    assert few.detail == f"a one-op module; {why}"
+
+
+def test_the_probe_costs_more_than_nothing_and_its_own_share_is_part_of_it() -> None:
+    cost = hook_cost()
+    assert 0 < cost.per_call < 1e-3  # microseconds on any machine, not a millisecond
+    assert 0 <= cost.own <= cost.per_call
+
+
+def _times(fwd_root: float, fwd_a: float, start: float) -> ModuleTimes:
+    from flops_callbacks.timing.spans import ModuleSpan
+
+    return ModuleTimes(
+        fwd={"": fwd_root, "a": fwd_a},
+        bwd={"": 2 * fwd_root},
+        recompute={},
+        spans=[ModuleSpan("", FORWARD, start, fwd_root, 0)],
+    )
+
+
+def test_each_module_takes_its_median_over_the_steps_and_the_spans_of_the_median_step() -> None:
+    steps = [_times(0.010, 0.004, 1.0), _times(0.310, 0.304, 2.0), _times(0.012, 0.005, 3.0)]
+    times = median_times(steps)
+    assert times.fwd == {"": 0.012, "a": 0.005}  # the 0.3 s pause of the second step is left out
+    assert times.bwd == {"": 0.024}
+    assert [s.start for s in times.spans] == [3.0]  # the step whose total is the median
+    one = _times(0.01, 0.0, 0.0)
+    assert median_times([one]) is one
+
+
+def test_a_module_missing_from_a_step_counts_zero_there() -> None:
+    steps = [_times(0.01, 0.004, 0.0), _times(0.01, 0.004, 0.0), _times(0.01, 0.004, 0.0)]
+    steps[0].fwd["b"] = steps[1].fwd["b"] = 0.002
+    assert median_times(steps).fwd["b"] == 0.002
+    steps[1].fwd.pop("b")
+    assert median_times(steps).fwd["b"] == 0.0
+
+
+def test_the_timer_takes_the_measured_cost_off_each_call_inside_a_span() -> None:
+    model = Nested()
+    timer = ModuleTimer(model, CpuClock())
+    timer.start()
+    try:
+        begin = time.perf_counter()
+        model(torch.randn(2, 4))
+        total = time.perf_counter() - begin
+    finally:
+        timer.stop()
+    times = timer.times(HookCost(per_call=0.002, own=0.001, source="given"))
+    # the model: 6 calls inside (12 ms) and its own share (1 ms) off; a child: 2 calls and its own share
+    assert times.fwd[""] == pytest.approx(total - 0.013, abs=0.004)
+    assert times.fwd["a"] == pytest.approx(0.03 - 0.005, abs=0.004)
+
+
+class Gapped(Nested):
+    """Nested, with 3 ms of the parent's own work between its two children."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        time.sleep(0.003)
+        return self.b(x)
+
+
+def test_the_own_share_is_raised_until_the_outer_calls_children_fit_in_them() -> None:
+    model = Gapped()
+    timer = ModuleTimer(model, CpuClock())
+    timer.start()
+    try:
+        model(torch.randn(2, 4))
+    finally:
+        timer.stop()
+    # a 2-ms cost per call, none of it inside a call's own span: the model loses 6 calls' 12 ms, each
+    # child only its 2 calls' 4 ms, so the children exceed their parent by 2 x 2 ms less the 3-ms gap:
+    # 0.5 ms of each child's span is its own hooks' (the parent's measure is the anchor)
+    given = HookCost(per_call=0.002, own=0.0, source="given", detail="test")
+    fitted = timer.fitted(given)
+    assert fitted.own == pytest.approx(0.0005, abs=0.0003)
+    assert (fitted.per_call, fitted.source) == (given.per_call, given.source)
+    assert fitted.detail.startswith("test; own share") and "in place" in fitted.detail
+    times = timer.times(fitted)
+    assert times.fwd["a"] + times.fwd["b"] <= times.fwd[""] + 1e-6
+    # children that fit in their parent leave the share as it was; a dearer cost, a larger share
+    assert timer.fitted(HookCost(0.0, 0.0, "none")) == HookCost(0.0, 0.0, "none")
+    assert timer.fitted(HookCost(per_call=0.004, own=0.0, source="dear")).own == pytest.approx(
+        0.0025, abs=3e-4
+    )
