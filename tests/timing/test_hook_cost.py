@@ -170,11 +170,11 @@ def test_the_timer_takes_the_measured_cost_off_each_call_inside_a_span() -> None
 
 
 class Gapped(Nested):
-    """Nested, with 3 ms of the parent's own work between its two children."""
+    """Nested, with 10 ms of the parent's own work between its two children."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.a(x)
-        time.sleep(0.003)
+        time.sleep(0.01)
         return self.b(x)
 
 
@@ -186,18 +186,18 @@ def test_the_own_share_is_raised_until_the_outer_calls_children_fit_in_them() ->
         model(torch.randn(2, 4))
     finally:
         timer.stop()
-    # a 2-ms cost per call, none of it inside a call's own span: the model loses 6 calls' 12 ms, each
-    # child only its 2 calls' 4 ms, so the children exceed their parent by 2 x 2 ms less the 3-ms gap:
-    # 0.5 ms of each child's span is its own hooks' (the parent's measure is the anchor)
-    given = HookCost(per_call=0.002, own=0.0, source="given", detail="test")
+    # a 10-ms cost per call (milliseconds, so that the sleeps' jitter is small beside it), none of it
+    # inside a call's own span: the model loses its 6 calls' 60 ms, each child only its 2 calls' 20 ms,
+    # so the children exceed their parent by 2 x 10 ms less the 10-ms gap: 5 ms of each child's span
+    # is its own hooks' (the parent's measure is the anchor)
+    given = HookCost(per_call=0.01, own=0.0, source="given", detail="test")
     fitted = timer.fitted(given)
-    assert fitted.own == pytest.approx(0.0005, abs=0.0003)
+    assert fitted.own == pytest.approx(0.005, abs=0.002)
     assert (fitted.per_call, fitted.source) == (given.per_call, given.source)
     assert fitted.detail.startswith("test; own share") and "in place" in fitted.detail
     times = timer.times(fitted)
     assert times.fwd["a"] + times.fwd["b"] <= times.fwd[""] + 1e-6
     # children that fit in their parent leave the share as it was; a dearer cost, a larger share
     assert timer.fitted(HookCost(0.0, 0.0, "none")) == HookCost(0.0, 0.0, "none")
-    assert timer.fitted(HookCost(per_call=0.004, own=0.0, source="dear")).own == pytest.approx(
-        0.0025, abs=3e-4
-    )
+    dear = timer.fitted(HookCost(per_call=0.012, own=0.0, source="dear"))
+    assert dear.own == pytest.approx((2 * 0.012 - 0.01) / 2, abs=0.002)
