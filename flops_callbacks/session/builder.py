@@ -75,12 +75,14 @@ def _hook_cost(module_steps: list[WindowStep], clean: list[WindowStep]) -> HookC
         return probe.instead("no clean step of the same shapes marked the model's calls")
     outer = [t.outer_calls() for t in timers]
     calls = round(statistics.median(c for _, c in outer))
+    marked = [o.seconds() for o in same]
     return probe.measured(
         statistics.median(seconds for seconds, _ in outer),
-        statistics.median(o.seconds() for o in same),
+        statistics.median(marked),
         calls,
         f"the model's outer calls on the module-timing step(s) less on {len(same)} clean step(s), over "
         f"{calls} calls inside",
+        noise=max(marked) - min(marked),
     )
 
 

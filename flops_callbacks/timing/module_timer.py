@@ -392,13 +392,22 @@ class HookCost:
         """This (probe's) cost, with why no in-place measure replaced it."""
         return dataclasses.replace(self, detail=f"{self.detail}; not measured in place: {why}")
 
-    def measured(self, hooked: float, clean: float, calls: int, detail: str) -> HookCost:
+    def measured(self, hooked: float, clean: float, calls: int, detail: str, noise: float = 0.0) -> HookCost:
         """The cost measured in place: the outermost module calls with the timer's hooks on (seconds)
         less the same calls on clean steps, over the ``calls`` made inside them (the outer calls' own
         share, under a percent at ``MIN_CALLS``, is left in), kept between this (probe's) cost and
-        ``PROBE_CEILING`` times it; the share inside a call's own span is the probe's."""
+        ``PROBE_CEILING`` times it; the share inside a call's own span is the probe's. ``noise``: how
+        much the clean steps' same calls vary (seconds, highest less lowest); where the hooks' cost as
+        the probe reads it is less, the difference is the steps' noise more than the hooks' (a model of
+        large ops: a 30-ms GPT-2 forward varied 3 ms from step to step on two busy cores, its 30 calls'
+        hooks cost 0.6 ms) and the probe's cost stands: a few percent of such a model's time at most."""
         if calls < MIN_CALLS:
             return self.instead(f"{calls} module call(s) inside the model's, fewer than {MIN_CALLS}")
+        if calls * self.per_call < noise:
+            return self.instead(
+                f"the clean steps' outer calls vary by {noise * 1e3:.2f} ms, more than the hooks of "
+                f"{calls} calls cost by the probe ({calls * self.per_call * 1e3:.2f} ms)"
+            )
         measured = (hooked - clean) / calls
         per_call = min(max(measured, self.per_call), PROBE_CEILING * self.per_call)
         source = "measured in place"

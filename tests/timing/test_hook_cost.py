@@ -110,6 +110,20 @@ def test_a_measured_cost_is_kept_between_the_probe_and_a_ceiling_and_says_so() -
     assert paused.source == f"measured in place, kept to {PROBE_CEILING:g}x the probe's"
 
 
+def test_a_difference_within_the_clean_steps_noise_leaves_the_probes_cost_and_says_why() -> None:
+    probe = HookCost(per_call=10e-6, own=2e-6, source="probe", detail="a one-op module")
+    # 30 calls' hooks cost 0.3 ms by the probe; clean steps varying by 3 ms drown them (a large-op model)
+    noisy = probe.measured(hooked=0.034, clean=0.030, calls=30, detail="outer", noise=0.003)
+    assert (noisy.per_call, noisy.own, noisy.source) == (probe.per_call, probe.own, "probe")
+    assert noisy.detail == (
+        "a one-op module; not measured in place: the clean steps' outer calls vary by 3.00 ms, more than "
+        "the hooks of 30 calls cost by the probe (0.30 ms)"
+    )
+    # the same difference where the clean steps vary less than the hooks cost: measured
+    quiet = probe.measured(hooked=0.034, clean=0.030, calls=30, detail="outer", noise=0.0002)
+    assert quiet.source.startswith("measured in place") and quiet.per_call > probe.per_call
+
+
 def test_too_few_calls_to_measure_on_leave_the_probes_cost_and_say_why() -> None:
     probe = HookCost(per_call=10e-6, own=2e-6, source="probe", detail="a one-op module")
     few = probe.measured(hooked=0.02, clean=0.01, calls=MIN_CALLS - 1, detail="outer")
