@@ -4,7 +4,8 @@ the fault suites inject, and a step session driven as an adapter drives it."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,3 +184,16 @@ def hf_arguments(output_dir: Path, max_steps: int, batch: int, /, **overrides: A
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
     )  # fmt: skip
     return TrainingArguments(**{**settings, **overrides})
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread, for a speed comparison inside a test: with two threads on a 2-core machine,
+    another process on either core slows every op for as long as it runs (CI read a 1.9x "slowdown" of
+    the fastest of 50 iterations that way, with nothing of ours left on the model)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

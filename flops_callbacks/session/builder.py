@@ -70,9 +70,12 @@ def _hook_cost(module_steps: list[WindowStep], clean: list[WindowStep]) -> HookC
     if not timers or not isinstance(timers[0].clock, CpuClock):
         return None
     probe = hook_cost()
-    same = [s.outer for s in clean if s.signatures == module_steps[0].signatures and s.outer is not None]
+    marked_steps = [s for s in clean if s.outer is not None]
+    if not marked_steps:  # none ran, or compiled code in the process: hooks could change its guards
+        return probe.instead("no clean step marked the model's calls (none ran, or dynamo compiled code)")
+    same = [s.outer for s in marked_steps if s.signatures == module_steps[0].signatures and s.outer]
     if not same:
-        return probe.instead("no clean step of the same shapes marked the model's calls")
+        return probe.instead("no clean step had the module-timing step's batch shapes")
     outer = [t.outer_calls() for t in timers]
     calls = round(statistics.median(c for _, c in outer))
     marked = [o.seconds() for o in same]

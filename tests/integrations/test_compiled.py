@@ -189,6 +189,9 @@ def test_a_compiled_lightning_module_runs_eagerly_on_the_window_and_compiles_no_
     assert ours is not None and ours.result is not None
     assert set(ours.result.profile.modules) >= {"", "net", "net.blocks.3.linear"}  # no _orig_mod level
     assert_window_holds(ours.result, times.seconds)
+    # no hook on a compiled model's clean steps (it could change dynamo's guards): the probe's cost, said
+    cost = ours.result.hook_cost
+    assert cost is not None and cost.source == "probe" and "dynamo compiled code" in cost.detail
 
 
 # --- HF Trainer: TrainingArguments(torch_compile=True), compiled by accelerate --------------------------
