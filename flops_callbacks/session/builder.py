@@ -9,6 +9,7 @@ figure comes from, in words.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from typing import Any
 
@@ -59,6 +60,12 @@ def _peak_memory(steps: list[WindowStep]) -> dict[str, int] | None:
     if not recorded:
         return None
     return {phase: max(peaks.get(phase, 0) for peaks in recorded) for phase in PHASES}
+
+
+def _total(steps: list[WindowStep]) -> BatchCounts:
+    """The counts of ``steps`` summed (those whose counts are known)."""
+    known = (s.counts for s in steps if s.counts is not None)
+    return functools.reduce(BatchCounts.plus, known, BatchCounts.zero())
 
 
 def _hook_cost(module_steps: list[WindowStep], clean: list[WindowStep]) -> HookCost | None:
@@ -137,9 +144,7 @@ def build_result(
         profile = times.applied_to(profile)
     if clean:
         timed, source = clean, f"median of {len(clean)} clean step(s)"
-        counts = BatchCounts.zero()
-        for s in clean:
-            counts = counts.plus(s.counts or BatchCounts.zero())
+        counts = _total(clean)
     else:
         known = [s for s in ran if s.counts is not None]
         timed = known or ran[:1] or [counting]
@@ -147,10 +152,7 @@ def build_result(
             f"the {timed[0].kind} step{'s' if len(timed) > 1 else ''} alone (no clean step ran: inflated "
             f"by {'module hooks' if ran else 'counting'})"
         )
-        counts = BatchCounts.zero()
-        for s in known:
-            counts = counts.plus(s.counts or BatchCounts.zero())
-        counts = counts if known else BatchCounts.of(profile)
+        counts = _total(known) if known else BatchCounts.of(profile)
     local = clean_figures(timed, counts)
     device = torch.device(profile.device)
     rows = [local.gathered()]
