@@ -18,6 +18,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
+from flops_callbacks.timing.clock import CpuClock
+from flops_callbacks.timing.module_timer import ModuleTimer
 
 
 def hooks_of(obj: object) -> dict[str, dict]:
@@ -197,3 +199,14 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def forward_timed(model: nn.Module, x: torch.Tensor) -> ModuleTimer:
+    """A module timer (CPU clock) that marked one forward of ``model`` on ``x``, stopped."""
+    timer = ModuleTimer(model, CpuClock())
+    timer.start()
+    try:
+        model(x)
+    finally:
+        timer.stop()
+    return timer

@@ -22,7 +22,7 @@ from flops_callbacks.timing.module_timer import (
 )
 from flops_callbacks.timing.outer_calls import OuterCalls
 from tests.sleepy import Sleepy
-from tests.support import hooks_of
+from tests.support import forward_timed, hooks_of
 
 
 class Nested(nn.Module):
@@ -55,12 +55,7 @@ def test_outer_calls_mark_only_the_outermost_call_and_leave_no_hook() -> None:
 
 def test_the_timer_reads_the_same_outer_calls_and_counts_the_calls_inside() -> None:
     model = Nested()
-    timer = ModuleTimer(model, CpuClock())
-    timer.start()
-    try:
-        model(torch.randn(2, 4))
-    finally:
-        timer.stop()
+    timer = forward_timed(model, torch.randn(2, 4))
     seconds, calls = timer.outer_calls()
     assert seconds == pytest.approx(0.08, rel=0.15)
     assert calls == 6  # a, a.tiny.0, a.tiny.1, b, b.tiny.0, b.tiny.1
@@ -196,12 +191,7 @@ class Gapped(Nested):
 def test_the_own_share_is_raised_until_the_outer_calls_children_fit_in_them() -> None:
     model = Gapped()
     model(torch.randn(2, 4))  # first-call initialisations (after a compile test: dynamo's) off the clock
-    timer = ModuleTimer(model, CpuClock())
-    timer.start()
-    try:
-        model(torch.randn(2, 4))
-    finally:
-        timer.stop()
+    timer = forward_timed(model, torch.randn(2, 4))
     # a 10-ms cost per call (milliseconds, so that the sleeps' jitter is small beside it), none of it
     # inside a call's own span: the model loses its 6 calls' 60 ms, each child only its 2 calls' 20 ms,
     # so the children exceed their parent by 2 x 10 ms less the 10-ms gap: 5 ms of each child's span

@@ -12,6 +12,7 @@ from flops_callbacks.module_tree import ancestors
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.module_timer import BACKWARD, FORWARD, HookCost, ModuleTimer
 from tests.sleepy import Sleepy
+from tests.support import forward_timed
 
 
 class Two(nn.Module):
@@ -125,12 +126,7 @@ def test_a_compiled_model_is_timed_eagerly_and_runs_its_compiled_graph_again_aft
 
 def test_the_hooks_cost_comes_off_each_call_inside_a_span_and_a_parent_keeps_its_children() -> None:
     model = Two()  # "" > first (2 tiny calls) and rest.0 (2 tiny calls): 6 calls inside the model's span
-    timer = ModuleTimer(model, CpuClock())
-    timer.start()
-    try:
-        model(torch.randn(2, 4))
-    finally:
-        timer.stop()
+    timer = forward_timed(model, torch.randn(2, 4))
     times = timer.times(HookCost(0.01, 0.0, "given"))  # say each call's hooks cost 10 ms (not us)
     assert times.fwd["first"] == pytest.approx(0.06 - 2 * 0.01, rel=0.15)
     assert times.fwd["rest.0"] == pytest.approx(0.1 - 2 * 0.01, rel=0.15)
