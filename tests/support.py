@@ -3,11 +3,14 @@ the fault suites inject, and a step session driven as an adapter drives it."""
 
 from __future__ import annotations
 
+import gc
 import importlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import sys
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -188,17 +191,27 @@ def hf_arguments(output_dir: Path, max_steps: int, batch: int, /, **overrides: A
     return TrainingArguments(**{**settings, **overrides})
 
 
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """torch on one thread, for a speed comparison inside a test: with two threads on a 2-core machine,
-    another process on either core slows every op for as long as it runs (CI read a 1.9x "slowdown" of
-    the fastest of 50 iterations that way, with nothing of ours left on the model)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def python_calls(iteration: Callable[[], object]) -> Counter[tuple[str, str]]:
+    """The Python functions one call of ``iteration`` enters, by file and name, with how often: a hook,
+    mode or patch left behind adds its functions to every iteration, however fast the machine runs
+    (a count, not a time: CI once read a 1.9x "slowdown" with nothing of ours left, another process on
+    a core). The garbage collector is held off so that no finalizer lands in the count."""
+    calls: Counter[tuple[str, str]] = Counter()
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            calls[frame.f_code.co_filename, frame.f_code.co_qualname] += 1
+
+    collecting = gc.isenabled()
+    gc.disable()
+    sys.setprofile(profile)
     try:
-        yield
+        iteration()
     finally:
-        torch.set_num_threads(threads)
+        sys.setprofile(None)
+        if collecting:
+            gc.enable()
+    return calls
 
 
 def forward_timed(model: nn.Module, x: torch.Tensor) -> ModuleTimer:
