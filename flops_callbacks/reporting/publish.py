@@ -89,6 +89,21 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
     return lines
 
 
+def model_forward_lines(result: WindowResult) -> list[tuple[str, str]]:
+    """The model's own forward on the clean steps against the forward phase, which also holds the loss
+    and the framework's work: what DeepSpeed's fwd latency (the engine's forward call) compares with."""
+    seconds = result.model_forward
+    if seconds is None:
+        return []
+    steps = result.steps.model_forward
+    which = f"{'median of steps' if len(steps) > 1 else 'step'} {_steps_text(steps)}"
+    value = f"{duration_to_string(seconds)} ({which})"
+    if len(result.rank_latencies) > 1:  # the phases above are the slowest rank's
+        return [("the model's own forward, this rank (outermost module calls, clean steps)", value)]
+    share = f"{percent(seconds, result.fwd_latency)} of fwd latency (the rest: the loss, framework code)"
+    return [("the model's own forward (outermost module calls, clean steps)", f"{value}: {share}")]
+
+
 def spread_lines(result: WindowResult) -> list[tuple[str, str]]:
     """Each latency's median with its range over the clean steps (data and wall when timed)."""
     spreads = result.figures().spreads
@@ -158,7 +173,7 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
                 f"{metrics[names.REAL_TOKENS_PER_SEC]:.2f}",
             ),
         ]
-    lines += [*wall_lines(metrics), *spread_lines(result)]
+    lines += [*wall_lines(metrics), *spread_lines(result), *model_forward_lines(result)]
     if len(result.rank_latencies) > 1:
         iters = [sum(latencies) for latencies in result.rank_latencies]
         spread = f"{duration_to_string(min(iters))} .. {duration_to_string(max(iters))}"
@@ -183,7 +198,9 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
 
 def tree_doubts(result: WindowResult) -> TreeCheck:
     """What is wrong with the module tree's latencies against the clean steps' phases (if anything)."""
-    return check_tree(result.profile, result.fwd_latency, result.bwd_latency, result.steps.module_timing)
+    steps = result.steps
+    own = result.model_forward if steps.model_forward_shapes_match else None  # else other batches' forward
+    return check_tree(result.profile, result.fwd_latency, result.bwd_latency, steps.module_timing, own)
 
 
 def _peak_memory_text(result: WindowResult) -> str:
@@ -247,6 +264,7 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "step": result.step,
         "published_at_step": result.published_at,
         "steps": dataclasses.asdict(result.steps),
+        "model_forward": result.model_forward,  # seconds; steps: steps.model_forward
         "hook_cost": None if result.hook_cost is None else dataclasses.asdict(result.hook_cost),
         "metrics": result.metrics(),
         "samples_per_device": result.samples,
@@ -367,6 +385,11 @@ def picture(result: WindowResult) -> str:
     steps = result.steps
     summary = [
         ("fwd latency", duration_to_string(metrics[names.FWD_LATENCY])),
+        *(
+            [("the model's own forward (clean steps)", duration_to_string(result.model_forward))]
+            if result.model_forward is not None
+            else []
+        ),
         ("bwd latency", duration_to_string(metrics[names.BWD_LATENCY])),
         ("step latency", duration_to_string(metrics[names.STEP_LATENCY])),
         ("FLOPS per device", flops_to_string(metrics[names.FLOPS_PER_SEC])),

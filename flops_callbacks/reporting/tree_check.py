@@ -1,8 +1,9 @@
 """Whether the module tree's latencies can be believed: checked against the phases, said out loud.
 
 The tree's latencies come from the module-timing steps (each module's median); the phase latencies from
-the median of the clean steps. On a true tree the model's forward fits inside the forward phase and no
-module outlasts its parent. When one does not (a pause on the module-timing step: a collection, another
+the median of the clean steps. On a true tree the model's forward fits inside the forward phase (and
+matches the model's own forward, where the clean steps marked its outermost calls) and no module outlasts
+its parent. When one does not (a pause on the module-timing step: a collection, another
 process, a recompile; module calls made from outside their parent), the report and the picture say so, and
 where the excess lies, instead of drawing widths nobody should believe. One owner: the report and the
 picture both read :func:`check_tree`.
@@ -33,9 +34,15 @@ class TreeCheck:
 
 
 def check_tree(
-    profile: Profile, fwd_phase: float, bwd_phase: float, module_steps: tuple[int, ...]
+    profile: Profile,
+    fwd_phase: float,
+    bwd_phase: float,
+    module_steps: tuple[int, ...],
+    model_forward: float | None = None,
 ) -> TreeCheck:
-    """The notes on ``profile``'s module latencies against the phases' (seconds, clean steps)."""
+    """The notes on ``profile``'s module latencies against the phases' (seconds, clean steps); the
+    model's forward against ``model_forward`` instead where the clean steps marked it (the same calls
+    without the loss and the framework's work around them: a check both ways)."""
     check = TreeCheck()
     if not module_steps:
         return check
@@ -44,7 +51,11 @@ def check_tree(
         if name:
             children[parent_in(name, profile.modules)].append(m)
     for kind, phase in (("fwd", fwd_phase), ("bwd", bwd_phase)):
-        _check_root(profile, children, kind, phase, module_steps, check)
+        if kind == "fwd" and model_forward:
+            own = (model_forward, "the model's own forward")
+            _check_root(profile, children, kind, own, module_steps, check, both_ways=True)
+        else:
+            _check_root(profile, children, kind, (phase, f"the {_words(kind)} phase"), module_steps, check)
         _check_parents(profile, children, kind, check)
     return check
 
@@ -61,24 +72,37 @@ Children = dict[str, list[ModuleProfile]]
 
 
 def _check_root(
-    profile: Profile, children: Children, kind: str, phase: float, steps: tuple[int, ...], check: TreeCheck
+    profile: Profile,
+    children: Children,
+    kind: str,
+    reference: tuple[float, str],
+    steps: tuple[int, ...],
+    check: TreeCheck,
+    both_ways: bool = False,
 ) -> None:
-    root = _latency(profile.model, kind)
-    if phase <= 0 or root <= phase * PHASE_SLACK + ABSOLUTE_SLACK:
+    """The model's latency against ``reference`` (seconds, words): longer is a slowed module-timing step;
+    shorter (``both_ways``: the same calls, not a phase with more in it) a slowed clean step, or too much
+    taken out for the hooks."""
+    root, (seconds, against) = _latency(profile.model, kind), reference
+    low = seconds / PHASE_SLACK - ABSOLUTE_SLACK if both_ways else 0.0
+    if seconds <= 0 or low <= root <= seconds * PHASE_SLACK + ABSOLUTE_SLACK:
         return
-    words = _words(kind)
+    words, ratio = _words(kind), root / seconds
     note = (
         f"module tree: the model's {words} on {_steps_words(steps)} ({duration_to_string(root)}) is "
-        f"{root / phase:.1f}x the {words} phase ({duration_to_string(phase)}, clean steps): the steps that "
-        f"timed the modules were slowed, so their {words} widths are not to be trusted"
+        f"{ratio:.1f}x {against} ({duration_to_string(seconds)}, clean steps): "
     )
-    culprit = _largest_own_time(profile, children, kind)
-    if culprit is not None and culprit[1] >= 0.5 * (root - phase):
-        name, own = culprit
-        note += f"; most of the excess lies in {name} ({duration_to_string(own)} of its own)"
-        check.flagged.setdefault(name, f"{words}: {duration_to_string(own)} of its own, a slowed step")
+    if ratio < 1:
+        note += f"a slowed clean step, or too much taken out for the hooks: the {words} widths read short"
+    else:
+        note += f"the steps that timed the modules were slowed, so their {words} widths are not to be trusted"
+        culprit = _largest_own_time(profile, children, kind)
+        if culprit is not None and culprit[1] >= 0.5 * (root - seconds):
+            name, own = culprit
+            note += f"; most of the excess lies in {name} ({duration_to_string(own)} of its own)"
+            check.flagged.setdefault(name, f"{words}: {duration_to_string(own)} of its own, a slowed step")
     check.notes.append(note)
-    check.flagged.setdefault("", f"{words} {root / phase:.1f}x the {words} phase")
+    check.flagged.setdefault("", f"{words} {ratio:.1f}x {against}")
 
 
 def _steps_words(steps: tuple[int, ...]) -> str:

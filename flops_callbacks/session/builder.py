@@ -21,6 +21,7 @@ from flops_callbacks.guard import Guard
 from flops_callbacks.parallel import sharded_params
 from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_peak
 from flops_callbacks.session.adapter_api import TrainingContext
+from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.distributed import gather_latencies
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
@@ -96,6 +97,19 @@ def _hook_cost(module_steps: list[WindowStep], clean: list[WindowStep]) -> HookC
     )
 
 
+def _model_forward(
+    clean: list[WindowStep], shapes: list[Signature] | None
+) -> tuple[float | None, tuple[int, ...], bool]:
+    """The model's own forward (its outermost module calls: no loss, no framework code around them),
+    median over the clean steps that marked them; those steps; whether they all had the batch ``shapes``
+    (of the module-timing steps: only then is the tree's root to match it). ``None`` where none marked."""
+    marked = [s for s in clean if s.outer is not None and s.outer.calls()]
+    if not marked:
+        return None, (), False
+    seconds = statistics.median(s.outer.seconds() for s in marked if s.outer is not None)
+    return seconds, tuple(s.number for s in marked), all(s.signatures == shapes for s in marked)
+
+
 def _module_times(
     module_steps: list[WindowStep], clean: list[WindowStep]
 ) -> tuple[ModuleTimes, HookCost | None, int]:
@@ -169,6 +183,9 @@ def build_result(
     if counting.tokens:  # what "6 x params x tokens" claims (with active parameters, for an MoE)
         extra += estimate_rows(profile, counting.tokens, _model_config(model))
     shapes, counted, predicted = _shapes(steps, flops)
+    model_forward, forward_steps, forward_shapes_match = _model_forward(
+        clean, module_steps[0].signatures if module_steps else None
+    )
     return WindowResult(
         profile=profile,
         steps=WindowSteps(
@@ -183,6 +200,8 @@ def build_result(
             shapes_predicted=predicted,
             module_shapes_match=bool(module_steps) or not ran,
             module_trace=trace_step,
+            model_forward=forward_steps,
+            model_forward_shapes_match=forward_shapes_match,
         ),
         fwd_latency=spreads["fwd"].median,
         bwd_latency=spreads["bwd"].median,
@@ -204,4 +223,5 @@ def build_result(
         published_at=global_step,
         clean=figures,
         hook_cost=cost,
+        model_forward=model_forward,
     )

@@ -80,6 +80,8 @@ class WindowSteps:
     shapes_predicted: int = 0
     module_shapes_match: bool = True
     module_trace: int | None = None
+    model_forward: tuple[int, ...] = ()  # the clean steps that marked the model's own forward
+    model_forward_shapes_match: bool = False  # whether they had the module-timing steps' batch shapes
 
 
 @dataclass
@@ -118,6 +120,9 @@ class WindowResult:
     # the clean steps' sums and spreads (the slowest rank's); None: the single step of the latencies above
     clean: CleanFigures | None = None
     hook_cost: HookCost | None = None  # what one module call's timing hooks cost, out of module latencies
+    # the model's own forward on the clean steps (its outermost module calls, seconds, median; this
+    # rank's): the forward phase less the loss and the framework's work; None: not marked (see ``hook_cost``)
+    model_forward: float | None = None
     _metrics: dict[str, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -312,6 +312,8 @@ class StepSession:
         (:mod:`flops_callbacks.timing.phases`)."""
         if self._step is not None:
             self._step.phases.end()
+        if self._outer is not None:  # what follows may be a forward (a GAN's second model): marked again
+            self._outer.start()
 
     @_own_work("ending a micro-batch")
     def micro_batch_end(self, pause: bool = True) -> None:

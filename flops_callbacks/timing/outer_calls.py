@@ -54,6 +54,10 @@ class OuterCalls:
             handle.remove()
         self._open = 0
 
+    def calls(self) -> int:
+        """How many outermost calls were marked."""
+        return len(self._spans)
+
     def seconds(self) -> float:
         """Seconds in the outermost calls marked (read after the step: a CUDA clock synchronizes)."""
         return sum(self.clock.seconds(a, b) for a, b in self._spans)

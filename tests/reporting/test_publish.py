@@ -3,6 +3,7 @@ the report's rows are read from the metrics dict."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,7 +14,14 @@ from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Peak
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
-from flops_callbacks.reporting.publish import json_data, markdown_block, publish, report_text, source_lines
+from flops_callbacks.reporting.publish import (
+    json_data,
+    markdown_block,
+    publish,
+    report_text,
+    source_lines,
+    tree_doubts,
+)
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.timing.spans import ModuleSpan
 
@@ -45,6 +53,7 @@ def test_the_json_holds_the_counts_the_sources_and_the_metrics() -> None:
         "counting": 10, "module_timing": [11], "clean": [12, 14], "skipped": [13],
         "latency_source": "median of 2 clean step(s)", "shape_counting": [], "shapes": 1,
         "shapes_counted": 1, "shapes_predicted": 0, "module_shapes_match": True, "module_trace": 11,
+        "model_forward": [], "model_forward_shapes_match": False,
     }  # fmt: skip
     # one step of the result's latencies stands for the clean steps: its spread is that step
     assert data["spread"]["iter"] == {"median": 1.0, "low": 1.0, "high": 1.0, "steps": 1}
@@ -52,6 +61,7 @@ def test_the_json_holds_the_counts_the_sources_and_the_metrics() -> None:
     assert data["compute_dtype"] == "bf16"
     assert data["peak"] == {"flops": 1000.0, "source": "peak_flops argument"}
     assert data["metrics"][names.MFU] == 0.3  # (100 + 200) / 1.0 s / 1000
+    assert data["model_forward"] is None  # no clean step marked the model's calls
 
 
 def test_the_report_says_where_each_figure_came_from_and_the_dtype_and_peak() -> None:
@@ -119,3 +129,22 @@ def test_markdown_block_and_the_one_writer(tmp_path: Path) -> None:
     assert markdown_block("a\n  b") == "    a\n      b"
     path = write_text(tmp_path / "deep" / "er" / "f.txt", "x")
     assert path.read_text() == "x"
+
+
+def test_the_root_is_checked_against_the_models_own_forward_only_of_steps_with_the_same_shapes() -> None:
+    result = window()
+    result.profile.modules[""] = dataclasses.replace(result.profile.model, fwd_latency=0.2)  # in the phase
+    result.model_forward = 0.1  # the same calls on the clean steps: the root reads 2x them
+    result.steps = dataclasses.replace(result.steps, model_forward=(12, 14), model_forward_shapes_match=True)
+    assert [note.split(": ")[1] for note in tree_doubts(result).notes] == [
+        "the model's forward on step 11 (200 ms) is 2.0x the model's own forward (100 ms, clean steps)"
+    ]
+    rows = dict(
+        line.split(":  ", 1) for line in report_text(result, Options(), False).splitlines() if ":  " in line
+    )
+    assert rows["the model's own forward (outermost module calls, clean steps)"].strip() == (
+        "100 ms (median of steps 12, 14): 40% of fwd latency (the rest: the loss, framework code)"
+    )
+    # clean steps of other batch shapes: their forward is another batch's, no measure of the tree
+    result.steps = dataclasses.replace(result.steps, model_forward_shapes_match=False)
+    assert tree_doubts(result).notes == []

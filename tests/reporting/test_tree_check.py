@@ -68,6 +68,29 @@ def test_a_child_longer_than_its_parent_is_named_in_each_phase() -> None:
     assert check.flagged == {"a.x": "forward longer than its parent a"}
 
 
+def test_the_root_is_checked_both_ways_against_the_models_own_forward_where_clean_steps_marked_it() -> None:
+    # the forward phase (10 ms) also holds the loss and the framework's work; the model's own forward on
+    # the clean steps (6 ms) is the same calls with no timing hooks: 9 ms is 1.5x it, though inside the phase
+    def check(root: float) -> tuple[list[str], dict[str, str]]:
+        profile = hand_profile({"": (root, 15 * MS), "a": (MS, 6 * MS), "b": (MS, 6 * MS)})  # no culprit
+        c = check_tree(profile, fwd_phase=10 * MS, bwd_phase=20 * MS, module_steps=(3,), model_forward=6 * MS)
+        return c.notes, c.flagged
+
+    notes, flagged = check(9 * MS)
+    assert notes == [
+        "module tree: the model's forward on step 3 (9 ms) is 1.5x the model's own forward (6 ms, clean "
+        "steps): the steps that timed the modules were slowed, so their forward widths are not to be trusted"
+    ]
+    assert flagged == {"": "forward 1.5x the model's own forward"}
+    notes, flagged = check(4 * MS)  # shorter than the same calls without hooks: too much was taken out
+    assert notes == [
+        "module tree: the model's forward on step 3 (4 ms) is 0.7x the model's own forward (6 ms, clean "
+        "steps): a slowed clean step, or too much taken out for the hooks: the forward widths read short"
+    ]
+    assert check(6.5 * MS) == ([], {})  # within 1.1x (and 50 us)
+    assert check(5.5 * MS) == ([], {})
+
+
 def test_without_a_module_timing_step_there_is_nothing_to_doubt() -> None:
     profile = hand_profile({"": (30 * MS, 0.0), "a": (40 * MS, 0.0)})
     assert check_tree(profile, 10 * MS, 20 * MS, module_steps=()).notes == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from pathlib import Path
 
@@ -19,7 +20,13 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.reporting.publish import publish
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.timing.module_timer import MIN_CALLS
-from flops_callbacks.units import flops_to_string, number_to_string, params_to_string
+from flops_callbacks.units import (
+    duration_to_string,
+    flops_to_string,
+    number_to_string,
+    params_to_string,
+    percent,
+)
 from tests.sleepy import Sleepy, SleepySGD
 from tests.support import IN, OUT, B, Outlet, run
 
@@ -78,6 +85,8 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
         "shapes_predicted": 0,
         "module_shapes_match": True,
         "module_trace": 4,
+        "model_forward": [5, 6],  # the clean steps that marked the model's own forward
+        "model_forward_shapes_match": True,
     }
     # what the timing hooks of one module call cost, measured on a CPU clock and taken out
     assert data["hook_cost"]["per_call"] > 0 and data["hook_cost"]["own"] <= data["hook_cost"]["per_call"]
@@ -96,6 +105,39 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
     calls = [(e["name"], e["cat"]) for e in trace["traceEvents"] if e["ph"] == "X"]
     assert sorted(calls) == [("(model)", "backward")] + [("(model)", "forward")] * 2  # two micro-batches
     assert [step for *_, step in outlet.reports] == [7]
+
+
+def test_the_report_gives_the_models_own_forward_apart_from_the_loss_around_it(tmp_path: Path) -> None:
+    # a forward that sleeps 30 ms, and a loss that sleeps 20 ms outside the model: the forward phase
+    # holds both, the model's own forward (its outermost call, marked on the clean steps) only the first
+    model = Sleepy(fwd=0.03, bwd=0.0, tiny_ops=2)
+
+    def slow_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        out = model(batch)
+        time.sleep(0.02)
+        return out.sum()
+
+    session = StepSession(Options(profile_step=3, clean_steps=2), "test", publish=publish)
+    session.train_start(0, max_steps=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run(session, model, optimizer, range(0, 7), Outlet(tmp_path), torch.randn(B, 4), loss_of=slow_loss)
+    r = session.result
+    assert r is not None and r.model_forward is not None
+    assert (r.steps.clean, r.steps.model_forward) == ((5, 6), (5, 6))
+    assert 0.03 <= r.model_forward < 0.04  # the sleep, and a sleep's overshoot
+    assert r.fwd_latency >= 0.05 and r.fwd_latency - r.model_forward >= 0.02
+    data = json.loads((tmp_path / "flops_profile_step3.json").read_text())
+    assert data["model_forward"] == r.model_forward and data["steps"]["model_forward"] == [5, 6]
+    share = percent(data["model_forward"], data["metrics"][names.FWD_LATENCY])
+    row = next(
+        line
+        for line in (tmp_path / "flops_profile_step3.txt").read_text().splitlines()
+        if "own forward" in line
+    )
+    assert f"median of steps 5, 6): {share} of fwd latency" in row
+    assert f"{duration_to_string(data['model_forward'])} (" in row
+    page = (tmp_path / "flops_profile_step3.html").read_text()  # the picture's summary above the chart
+    assert "own forward (clean steps)" in page and duration_to_string(data["model_forward"]) in page
 
 
 def test_latencies_come_from_clean_steps_not_from_the_counting_step() -> None:
@@ -351,8 +393,8 @@ def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path
     # a module-timing step slowed by another process adds up to 4 lines saying so (tree_check)
     console = [line for line in console if not line.startswith("module latencies in doubt")]
     # 80 before the rows of bytes moved, saved and peak memory (issue 21), the wall step's split, its wall
-    # rate, the latencies' spread and the batch shapes' row (issue 18)
-    assert len(console) <= 88, len(console)
+    # rate, the latencies' spread and the batch shapes' row (issue 18), the model's own forward (issue 19)
+    assert len(console) <= 89, len(console)
     # the module tree is not on the default console (a doubt row may name the module it doubts)
     assert "Aggregated Profile" in outlet.printed[0] and "h.11" not in "\n".join(console)
     assert len((tmp_path / "flops_profile_step0.txt").read_text().splitlines()) > 300  # the whole tree
