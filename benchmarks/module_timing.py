@@ -8,6 +8,8 @@ The model the LightningModule wraps is the tree's root here. Three checks, each 
 * children / no-hook marks (the two Sequential models): the sum of the children's tree widths against
   ``perf_counter`` marks between the children of plain training-mode forwards after the run, no hook
   on, each child's median: a truth that owes nothing to the profiler. Goal [0.9, 1.1].
+* runs off / flagged (after only): how many runs' root / stopwatch fell outside [0.9, 1.1], how many of
+  those the report flagged ``module latencies in doubt``, and how many it flagged needlessly.
 * model's own forward / stopwatch (after only): the report's "the model's own forward" row (its outermost
   module calls, marked on the clean steps) against the same stopwatch. Goal [0.9, 1.1]. The root against
   it (root / own) is the check a user can make from the report alone.
@@ -130,7 +132,10 @@ def one_run(case: str) -> dict[str, float]:
     }
     own = getattr(result, "model_forward", None)  # the report's row (not in the "before" package)
     if own:
+        from flops_callbacks.reporting.publish import tree_doubts
+
         row["own"], row["root_own"] = own / stopwatch, root_fwd / own
+        row["doubted"] = float(bool(tree_doubts(result).notes))  # the report's "in doubt" row
     if isinstance(model, nn.Sequential):  # the children's widths against marks with no hooks at all
         tree = sum(result.profile.modules[f"model.{i}"].fwd_latency for i in range(len(model)))
         row["children"] = tree / plain_children(model, data[0]["x"])
@@ -203,17 +208,29 @@ def main() -> None:
         "| model | root / stopwatch, before | root / stopwatch, after | children / no-hook marks, before "
         "| children / no-hook marks, after | root / phase, before | root / phase, after "
         "| model's own forward / stopwatch, after | root / model's own forward, after "
+        "| after: runs off (root / stopwatch outside [0.9, 1.1]) / of them flagged / others flagged "
         "| after: root / stopwatch / phase ms |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for case in cases:
         cells = [_cell(rows[case][side], key) for key in ("truth", "children", "ratio") for side in SIDES]
         cells += [_cell(rows[case]["after"], key) for key in ("own", "root_own")]
+        cells.append(_flagged(rows[case]["after"]))
         after = rows[case]["after"]
         ms = " / ".join(
             f"{statistics.median(r[key] for r in after) * 1e3:.2f}" for key in ("root", "stopwatch", "phase")
         )
         print(f"| {CASES[case]} | {' | '.join(cells)} | {ms} |")
+
+
+def _flagged(runs: list[dict[str, float]]) -> str:
+    """How many runs' roots were off the stopwatch, how many of those the report flagged "in doubt", and
+    how many it flagged that were not off."""
+    off = [not 0.9 <= r["truth"] <= 1.1 for r in runs]
+    doubted = [bool(r.get("doubted")) for r in runs]
+    caught = sum(o and d for o, d in zip(off, doubted, strict=True))
+    needless = sum(d and not o for o, d in zip(off, doubted, strict=True))
+    return f"{sum(off)} / {caught} / {needless}"
 
 
 def _cell(runs: list[dict[str, float]], key: str) -> str:

@@ -95,7 +95,9 @@ def _check_root(
     if ratio < 1:
         note += f"a slowed clean step, or too much taken out for the hooks: the {words} widths read short"
     else:
-        note += f"the steps that timed the modules were slowed, so their {words} widths are not to be trusted"
+        hooks = ", or their hooks cost more than was taken out" if both_ways else ""
+        note += f"the steps that timed the modules were slowed{hooks}, so their {words} widths "
+        note += "are not to be trusted"
         culprit = _largest_own_time(profile, children, kind)
         if culprit is not None and culprit[1] >= 0.5 * (root - seconds):
             name, own = culprit

@@ -134,7 +134,7 @@ def test_the_report_gives_the_models_own_forward_apart_from_the_loss_around_it(t
         for line in (tmp_path / "flops_profile_step3.txt").read_text().splitlines()
         if "own forward" in line
     )
-    assert f"median of steps 5, 6): {share} of fwd latency" in row
+    assert f"(median of the 2 clean steps): {share} of fwd latency" in row
     assert f"{duration_to_string(data['model_forward'])} (" in row
     page = (tmp_path / "flops_profile_step3.html").read_text()  # the picture's summary above the chart
     assert "own forward (clean steps)" in page and duration_to_string(data["model_forward"]) in page
