@@ -214,6 +214,13 @@ def python_calls(iteration: Callable[[], object]) -> Counter[tuple[str, str]]:
     return calls
 
 
+def holds_sleep(measured: float, seconds: float) -> bool:
+    """Whether a span that holds a sleep of ``seconds`` (and a few tiny ops) measured it: not less (a sleep
+    does not end early), and under 1.5x (a busy machine wakes a sleeper late: CI read 70 ms for 50). The
+    wrong attributions these tests guard against are whole sleeps: none, or twice."""
+    return 0.98 * seconds <= measured < 1.5 * seconds
+
+
 def forward_timed(model: nn.Module, x: torch.Tensor) -> ModuleTimer:
     """A module timer (CPU clock) that marked one forward of ``model`` on ``x``, stopped."""
     timer = ModuleTimer(model, CpuClock())

@@ -56,7 +56,7 @@ PROFILE_STEP, CLEAN_STEPS = 2, 1
 WINDOW_END = PROFILE_STEP + 2 + CLEAN_STEPS
 STEPS = WindowSteps(
     PROFILE_STEP, (PROFILE_STEP + 1,), (PROFILE_STEP + 2,), (), "median of 1 clean step(s)",
-    module_trace=PROFILE_STEP + 1,
+    module_trace=PROFILE_STEP + 1, model_forward=(PROFILE_STEP + 2,), model_forward_shapes_match=True,
 )  # fmt: skip
 VOCAB, SEQ, BATCH = 97, 16, 4
 

@@ -254,6 +254,8 @@ def assert_a_clean_fit_counts_as_a_fresh_process(root: Path, fresh: dict[str, An
         clean=(PROFILE_STEP + 2,),
         skipped=(),
         latency_source="median of 1 clean step(s)",
+        model_forward=(PROFILE_STEP + 2,),  # the model's own forward, marked on the clean step
+        model_forward_shapes_match=True,
     )
     assert (result.profile.fwd_flops, result.profile.bwd_flops) == (FWD_FLOPS, BWD_FLOPS)
     assert json.loads(json.dumps(counts(result.profile))) == fresh
