@@ -90,7 +90,7 @@ def _check_root(
     words, ratio = _words(kind), root / seconds
     note = (
         f"module tree: the model's {words} on {_steps_words(steps)} ({duration_to_string(root)}) is "
-        f"{ratio:.1f}x {against} ({duration_to_string(seconds)}, clean steps): "
+        f"{ratio:.2f}x {against} ({duration_to_string(seconds)}, clean steps): "
     )
     if ratio < 1:
         note += f"a slowed clean step, or too much taken out for the hooks: the {words} widths read short"
@@ -104,7 +104,7 @@ def _check_root(
             note += f"; most of the excess lies in {name} ({duration_to_string(own)} of its own)"
             check.flagged.setdefault(name, f"{words}: {duration_to_string(own)} of its own, a slowed step")
     check.notes.append(note)
-    check.flagged.setdefault("", f"{words} {ratio:.1f}x {against}")
+    check.flagged.setdefault("", f"{words} {ratio:.2f}x {against}")
 
 
 def _steps_words(steps: tuple[int, ...]) -> str:

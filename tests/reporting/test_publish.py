@@ -144,7 +144,7 @@ def test_the_root_is_checked_against_the_models_own_forward_only_of_steps_with_t
     result.model_forward = 0.1  # the same calls on the clean steps: the root reads 2x them
     result.steps = dataclasses.replace(result.steps, model_forward=(12, 14), model_forward_shapes_match=True)
     assert [note.split(": ")[1] for note in tree_doubts(result).notes] == [
-        "the model's forward on step 11 (200 ms) is 2.0x the model's own forward (100 ms, clean steps)"
+        "the model's forward on step 11 (200 ms) is 2.00x the model's own forward (100 ms, clean steps)"
     ]
     assert own_forward_row(result) == (
         "100 ms (median of the 2 clean steps): 40% of fwd latency (the rest: the loss, framework code)"

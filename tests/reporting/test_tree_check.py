@@ -53,7 +53,7 @@ def test_a_model_three_times_its_forward_phase_names_the_module_holding_the_exce
     check = check_tree(profile, fwd_phase=10 * MS, bwd_phase=20 * MS, module_steps=(3, 4, 5))
     assert len(check.notes) == 1
     note = check.notes[0]
-    assert "the model's forward on steps 3, 4, 5 (median) (30 ms) is 3.0x the forward phase (10 ms" in note
+    assert "the model's forward on steps 3, 4, 5 (median) (30 ms) is 3.00x the forward phase (10 ms" in note
     assert "most of the excess lies in b (21 ms of its own)" in note
     assert set(check.flagged) == {"", "b"}
 
@@ -78,14 +78,14 @@ def test_the_root_is_checked_both_ways_against_the_models_own_forward_where_clea
 
     notes, flagged = check(9 * MS)
     assert notes == [
-        "module tree: the model's forward on step 3 (9 ms) is 1.5x the model's own forward (6 ms, clean "
+        "module tree: the model's forward on step 3 (9 ms) is 1.50x the model's own forward (6 ms, clean "
         "steps): the steps that timed the modules were slowed, or their hooks cost more than was taken out, "
         "so their forward widths are not to be trusted"
     ]
-    assert flagged == {"": "forward 1.5x the model's own forward"}
+    assert flagged == {"": "forward 1.50x the model's own forward"}
     notes, flagged = check(4 * MS)  # shorter than the same calls without hooks: too much was taken out
     assert notes == [
-        "module tree: the model's forward on step 3 (4 ms) is 0.7x the model's own forward (6 ms, clean "
+        "module tree: the model's forward on step 3 (4 ms) is 0.67x the model's own forward (6 ms, clean "
         "steps): a slowed clean step, or too much taken out for the hooks: the forward widths read short"
     ]
     assert check(6.5 * MS) == ([], {})  # within 1.1x (and 50 us)
@@ -190,6 +190,6 @@ def test_chromium_marks_the_doubtful_module_and_shows_the_note_above_the_chart(t
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     dom = done.stdout
-    assert "is 3.0x the forward phase" in dom
+    assert "is 3.00x the forward phase" in dom
     assert 'class="cell doubtful" data-name="b"' in dom
     assert 'class="cell" data-name="a"' in dom

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 import warnings
@@ -19,7 +20,7 @@ from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.reporting.publish import publish
 from flops_callbacks.session.step_session import StepSession
-from flops_callbacks.timing.module_timer import MIN_CALLS
+from flops_callbacks.timing.module_timer import COLLECTED, MIN_CALLS
 from flops_callbacks.units import (
     duration_to_string,
     flops_to_string,
@@ -138,6 +139,30 @@ def test_the_report_gives_the_models_own_forward_apart_from_the_loss_around_it(t
     assert f"{duration_to_string(data['model_forward'])} (" in row
     page = (tmp_path / "flops_profile_step3.html").read_text()  # the picture's summary above the chart
     assert "own forward (clean steps)" in page and duration_to_string(data["model_forward"]) in page
+
+
+def test_after_the_counting_step_only_the_young_generations_are_collected() -> None:
+    # a full collection costs a fifth of a second on a large heap and slows the next step, the one that
+    # times the modules (module_timer.COLLECTED); automatic collections are held off, so every collection
+    # seen is one somebody asked for
+    collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    model = nn.Linear(IN, OUT)
+    session = StepSession(Options(profile_step=1, clean_steps=1), "test", publish=publish)
+    session.train_start(0, max_steps=10)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10**9)
+    gc.callbacks.append(seen)
+    try:
+        run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, 4), Outlet())
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*thresholds)
+    assert session.result is not None and collections == [COLLECTED] == [1]
 
 
 def test_latencies_come_from_clean_steps_not_from_the_counting_step() -> None:
