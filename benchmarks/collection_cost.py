@@ -1,5 +1,5 @@
 """What collecting the counting step's garbage costs the steps after it: a full collection against one of
-the young generations (what the session does: ``module_timer.COLLECTED``), side by side in one run.
+the young generations (what the session does: ``flops_callbacks/timing/collector.py``), side by side.
 
 A plain training loop of the Lightning example's GPT (batch 8 x 128 tokens): in each cycle, 6 steps, one
 step counted by the real counting engine, the collection, then 4 steps whose forwards are timed against the

@@ -30,7 +30,6 @@ the user's functions and loggers are called through the guard, so their exceptio
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,8 @@ from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_steps import Kind, WindowStep, median_known
 from flops_callbacks.timing.clock import CpuClock, NullClock, clock_for, module_device
-from flops_callbacks.timing.module_timer import COLLECTED, ModuleTimer
+from flops_callbacks.timing.collector import collect_counting_garbage
+from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phase_memory import phase_memory_for
 from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
@@ -364,9 +364,7 @@ class StepSession:
         self._counter = self._timer = None
         self._step = None
         if step.kind == Kind.COUNTING:
-            # the counting step's young garbage, collected now, outside every clock (not a full
-            # collection: :data:`~flops_callbacks.timing.module_timer.COLLECTED`)
-            gc.collect(COLLECTED)
+            collect_counting_garbage()  # now, outside every clock
         if self._window_done():
             self._finish(global_step, outlet)
 

@@ -15,7 +15,6 @@ them and put back after, so the model holds what the counting pass left, as it d
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -24,7 +23,8 @@ import torch
 from flops_callbacks.module_tree import dynamo_compiled_anything, has_compiled
 from flops_callbacks.profile import Profile
 from flops_callbacks.timing.clock import CpuClock, clock_for, module_device
-from flops_callbacks.timing.module_timer import COLLECTED, ModuleTimer, hook_cost
+from flops_callbacks.timing.collector import collect_counting_garbage
+from flops_callbacks.timing.module_timer import ModuleTimer, hook_cost
 from flops_callbacks.timing.outer_calls import OuterCalls
 
 __all__ = ["CLEAN_PASS_SOURCE", "time_clean"]
@@ -35,7 +35,7 @@ CLEAN_PASS_SOURCE = "a clean pass after the counting pass (modules: a pass with 
 def time_clean(profile: Profile, model: torch.nn.Module, run: Callable[[], torch.Tensor | None]) -> Profile:
     """``profile`` with its latencies taken on clean passes of ``run`` (which returns the loss to
     back-propagate, or None for a forward only): modules on one pass, the model on the next."""
-    gc.collect(COLLECTED)  # the counting pass's young garbage: not in any timed pass
+    collect_counting_garbage()  # not in any timed pass
     clock = clock_for(module_device(model))
     timer = ModuleTimer(model, clock)
     # the hooks' cost, in place: the clean pass marks the model's outermost calls (CPU clocks; CUDA

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import statistics
 import threading
 import time
@@ -46,11 +45,11 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from flops_callbacks.module_tree import ModuleTree, ancestors, depth_of, eager_compiled_code
 from flops_callbacks.profile import Profile
 from flops_callbacks.timing.clock import Clock, CpuClock
+from flops_callbacks.timing.collector import collector_off
 from flops_callbacks.timing.spans import BACKWARD, FORWARD, RECOMPUTE, ModuleSpan, Phase
 
 __all__ = [
     "BACKWARD",
-    "COLLECTED",
     "FORWARD",
     "hook_cost",
     "HookCost",
@@ -61,13 +60,6 @@ __all__ = [
 ]
 
 _current_autograd_node = torch._C._current_autograd_node
-
-# The generations collected after a counting step or pass, before modules are timed: the young ones, which
-# hold its garbage. Not a full collection: on the Lightning example's heap one took 215-243 ms to find 40
-# objects, and the step after it ran its forward 12-16% slower (median of 12 cycles: caches and free lists
-# emptied), the very step that times the modules; a generation-1 collection costs neither. The collector
-# is off while modules are timed (:meth:`ModuleTimer.start`), so no collection lands in a module.
-COLLECTED = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,9 +170,7 @@ class ModuleTimer:
             return
         stack = contextlib.ExitStack()
         try:
-            if gc.isenabled():
-                gc.disable()
-                stack.callback(gc.enable)
+            stack.enter_context(collector_off())
             # a compiled graph has no module boundaries, and dynamo would recompile it for the hooks:
             # compiled modules are timed eagerly, as they are counted
             stack.enter_context(eager_compiled_code())

@@ -20,7 +20,8 @@ from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.reporting.publish import publish
 from flops_callbacks.session.step_session import StepSession
-from flops_callbacks.timing.module_timer import COLLECTED, MIN_CALLS
+from flops_callbacks.timing.collector import COLLECTED
+from flops_callbacks.timing.module_timer import MIN_CALLS
 from flops_callbacks.units import (
     duration_to_string,
     flops_to_string,
@@ -143,7 +144,7 @@ def test_the_report_gives_the_models_own_forward_apart_from_the_loss_around_it(t
 
 def test_after_the_counting_step_only_the_young_generations_are_collected() -> None:
     # a full collection costs a fifth of a second on a large heap and slows the next step, the one that
-    # times the modules (module_timer.COLLECTED); automatic collections are held off, so every collection
+    # times the modules (timing/collector.py); automatic collections are held off, so every collection
     # seen is one somebody asked for
     collections: list[int] = []
 
