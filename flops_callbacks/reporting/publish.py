@@ -202,7 +202,8 @@ def tree_doubts(result: WindowResult) -> TreeCheck:
     """What is wrong with the module tree's latencies against the clean steps' phases (if anything)."""
     steps = result.steps
     own = result.model_forward if steps.model_forward_shapes_match else None  # else other batches' forward
-    return check_tree(result.profile, result.fwd_latency, result.bwd_latency, steps.module_timing, own)
+    high = result.model_forward_high if own is not None else None
+    return check_tree(result.profile, result.fwd_latency, result.bwd_latency, steps.module_timing, own, high)
 
 
 def _peak_memory_text(result: WindowResult) -> str:
@@ -267,6 +268,7 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "published_at_step": result.published_at,
         "steps": dataclasses.asdict(result.steps),
         "model_forward": result.model_forward,  # seconds; steps: steps.model_forward
+        "model_forward_high": result.model_forward_high,  # the slowest of those steps'
         "hook_cost": None if result.hook_cost is None else dataclasses.asdict(result.hook_cost),
         "metrics": result.metrics(),
         "samples_per_device": result.samples,

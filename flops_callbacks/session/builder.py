@@ -99,15 +99,17 @@ def _hook_cost(module_steps: list[WindowStep], clean: list[WindowStep]) -> HookC
 
 def _model_forward(
     clean: list[WindowStep], shapes: list[Signature] | None
-) -> tuple[float | None, tuple[int, ...], bool]:
+) -> tuple[tuple[float, float] | None, tuple[int, ...], bool]:
     """The model's own forward (its outermost module calls: no loss, no framework code around them),
-    median over the clean steps that marked them; those steps; whether they all had the batch ``shapes``
-    (of the module-timing steps: only then is the tree's root to match it). ``None`` where none marked."""
+    median and highest over the clean steps that marked them; those steps; whether they all had the batch
+    ``shapes`` (of the module-timing steps: only then is the tree's root to match it). ``None`` where none
+    marked."""
     marked = [s for s in clean if s.outer is not None and s.outer.calls()]
     if not marked:
         return None, (), False
-    seconds = statistics.median(s.outer.seconds() for s in marked if s.outer is not None)
-    return seconds, tuple(s.number for s in marked), all(s.signatures == shapes for s in marked)
+    seconds = [s.outer.seconds() for s in marked if s.outer is not None]
+    steps = tuple(s.number for s in marked)
+    return (statistics.median(seconds), max(seconds)), steps, all(s.signatures == shapes for s in marked)
 
 
 def _module_times(
@@ -223,5 +225,6 @@ def build_result(
         published_at=global_step,
         clean=figures,
         hook_cost=cost,
-        model_forward=model_forward,
+        model_forward=model_forward[0] if model_forward else None,
+        model_forward_high=model_forward[1] if model_forward else None,
     )

@@ -123,6 +123,7 @@ class WindowResult:
     # the model's own forward on the clean steps (its outermost module calls, seconds, median; this
     # rank's): the forward phase less the loss and the framework's work; None: not marked (see ``hook_cost``)
     model_forward: float | None = None
+    model_forward_high: float | None = None  # the slowest of those clean steps' (what one step may read)
     _metrics: dict[str, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -61,7 +61,7 @@ def test_the_json_holds_the_counts_the_sources_and_the_metrics() -> None:
     assert data["compute_dtype"] == "bf16"
     assert data["peak"] == {"flops": 1000.0, "source": "peak_flops argument"}
     assert data["metrics"][names.MFU] == 0.3  # (100 + 200) / 1.0 s / 1000
-    assert data["model_forward"] is None  # no clean step marked the model's calls
+    assert data["model_forward"] is None and data["model_forward_high"] is None  # no clean step marked it
 
 
 def test_the_report_says_where_each_figure_came_from_and_the_dtype_and_peak() -> None:

@@ -92,6 +92,20 @@ def test_the_root_is_checked_both_ways_against_the_models_own_forward_where_clea
     assert check(5.5 * MS) == ([], {})
 
 
+def test_the_root_may_read_as_slow_as_the_slowest_clean_step_did_up_to_a_quarter_over_the_median() -> None:
+    # one module-timing step against the median of the clean steps: a root as slow as the slowest clean
+    # step's own forward is one step's noise, not a slowed step (up to 1.25x; 50 us of clock slack on top)
+    def flagged(root: float, high: float) -> bool:
+        profile = hand_profile({"": (root, 15 * MS), "a": (MS, 6 * MS)})
+        c = check_tree(profile, 10 * MS, 20 * MS, (3,), model_forward=6 * MS, model_forward_high=high)
+        return bool(c.notes)
+
+    assert not flagged(7.0 * MS, high=7.2 * MS)  # 1.17x the median, under the slowest clean step's 1.2x
+    assert flagged(7.0 * MS, high=6.3 * MS)  # the clean steps spread 5%: 1.1x holds
+    assert flagged(7.3 * MS, high=7.2 * MS)
+    assert not flagged(7.5 * MS, high=9 * MS) and flagged(7.6 * MS, high=9 * MS)  # capped at 1.25x
+
+
 def test_without_a_module_timing_step_there_is_nothing_to_doubt() -> None:
     profile = hand_profile({"": (30 * MS, 0.0), "a": (40 * MS, 0.0)})
     assert check_tree(profile, 10 * MS, 20 * MS, module_steps=()).notes == []

@@ -130,6 +130,7 @@ def test_the_report_gives_the_models_own_forward_apart_from_the_loss_around_it(t
     assert r.fwd_latency >= 0.05 and r.fwd_latency - r.model_forward >= 0.02
     data = json.loads((tmp_path / "flops_profile_step3.json").read_text())
     assert data["model_forward"] == r.model_forward and data["steps"]["model_forward"] == [5, 6]
+    assert data["model_forward_high"] == r.model_forward_high >= r.model_forward  # the slower of the two
     share = percent(data["model_forward"], data["metrics"][names.FWD_LATENCY])
     row = next(
         line
