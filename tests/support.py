@@ -3,7 +3,6 @@ the fault suites inject, and a step session driven as an adapter drives it."""
 
 from __future__ import annotations
 
-import gc
 import importlib
 import sys
 from collections import Counter
@@ -22,6 +21,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
 from flops_callbacks.timing.clock import CpuClock
+from flops_callbacks.timing.collector import collector_off
 from flops_callbacks.timing.module_timer import ModuleTimer
 
 
@@ -202,15 +202,12 @@ def python_calls(iteration: Callable[[], object]) -> Counter[tuple[str, str]]:
         if event == "call":
             calls[frame.f_code.co_filename, frame.f_code.co_qualname] += 1
 
-    collecting = gc.isenabled()
-    gc.disable()
-    sys.setprofile(profile)
-    try:
-        iteration()
-    finally:
-        sys.setprofile(None)
-        if collecting:
-            gc.enable()
+    with collector_off():
+        sys.setprofile(profile)
+        try:
+            iteration()
+        finally:
+            sys.setprofile(None)
     return calls
 
 
