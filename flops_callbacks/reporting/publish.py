@@ -96,9 +96,10 @@ def model_forward_lines(result: WindowResult) -> list[tuple[str, str]]:
     if seconds is None:
         return []
     steps = result.steps.model_forward
-    which = f"{'median of steps' if len(steps) > 1 else 'step'} {_steps_text(steps)}"
-    if steps == result.steps.clean:  # as usual: said once, in the latencies' own row
+    if steps == result.steps.clean:  # as usual: the steps are listed once, in the latencies' own row
         which = f"median of the {len(steps)} clean steps" if len(steps) > 1 else "the clean step"
+    else:
+        which = f"{'median of steps' if len(steps) > 1 else 'step'} {_steps_text(steps)}"
     value = f"{duration_to_string(seconds)} ({which})"
     if len(result.rank_latencies) > 1:  # the phases above are the slowest rank's
         return [("the model's own forward, this rank (outermost module calls, clean steps)", value)]
