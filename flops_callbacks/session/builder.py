@@ -28,6 +28,7 @@ from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_steps import Kind, WindowStep, clean_figures
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.module_timer import HookCost, ModuleTimes, hook_cost, median_times
+from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phases import PHASES
 
 __all__ = ["build_result"]
@@ -69,6 +70,13 @@ def _total(steps: list[WindowStep]) -> BatchCounts:
     return functools.reduce(BatchCounts.plus, known, BatchCounts.zero())
 
 
+def _own_forwards(clean: list[WindowStep]) -> list[tuple[WindowStep, OuterCalls]]:
+    """The clean steps that marked the model's outermost module calls and caught at least one, with their
+    marks: what both the hooks' in-place cost and the own-forward row read (a step that caught no call
+    would read 0 seconds)."""
+    return [(s, s.outer) for s in clean if s.outer is not None and s.outer.calls()]
+
+
 def _hook_cost(module_steps: list[WindowStep], clean: list[WindowStep]) -> HookCost | None:
     """What one module call's timing hooks cost on the module-timing steps: measured in place where
     clean steps of the same batch shapes marked their outermost module calls (the median of those calls
@@ -78,10 +86,10 @@ def _hook_cost(module_steps: list[WindowStep], clean: list[WindowStep]) -> HookC
     if not timers or not isinstance(timers[0].clock, CpuClock):
         return None
     probe = hook_cost()
-    marked_steps = [s for s in clean if s.outer is not None]
+    marked_steps = _own_forwards(clean)
     if not marked_steps:  # none ran, or compiled code in the process: hooks could change its guards
         return probe.instead("no clean step marked the model's calls (none ran, or dynamo compiled code)")
-    same = [s.outer for s in marked_steps if s.signatures == module_steps[0].signatures and s.outer]
+    same = [outer for s, outer in marked_steps if s.signatures == module_steps[0].signatures]
     if not same:
         return probe.instead("no clean step had the module-timing step's batch shapes")
     outer = [t.outer_calls() for t in timers]
@@ -104,12 +112,12 @@ def _model_forward(
     median and highest over the clean steps that marked them; those steps; whether they all had the batch
     ``shapes`` (of the module-timing steps: only then is the tree's root to match it). ``None`` where none
     marked."""
-    marked = [s for s in clean if s.outer is not None and s.outer.calls()]
+    marked = _own_forwards(clean)
     if not marked:
         return None, (), False
-    seconds = [s.outer.seconds() for s in marked if s.outer is not None]
-    steps = tuple(s.number for s in marked)
-    return (statistics.median(seconds), max(seconds)), steps, all(s.signatures == shapes for s in marked)
+    seconds = [outer.seconds() for _, outer in marked]
+    steps = tuple(s.number for s, _ in marked)
+    return (statistics.median(seconds), max(seconds)), steps, all(s.signatures == shapes for s, _ in marked)
 
 
 def _module_times(

@@ -1,0 +1,55 @@
+"""The window's result from its steps: which clean steps the model's own forward and the hooks' in-place
+cost are read from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from flops_callbacks.session import builder
+from flops_callbacks.session.window_steps import Kind, WindowStep
+from flops_callbacks.timing.clock import CpuClock
+from flops_callbacks.timing.module_timer import HookCost, ModuleTimer
+from flops_callbacks.timing.outer_calls import OuterCalls
+from flops_callbacks.timing.phases import StepPhases
+from tests.sleepy import Sleepy
+
+SIGNATURE = [(((2, 4), torch.float32),)]  # the same batch shapes on every step
+
+
+def marked_step(number: int, model: nn.Module, x: torch.Tensor, *, runs: bool) -> WindowStep:
+    """A clean step whose marks of the model's outermost calls saw one forward, or none."""
+    clock = CpuClock()
+    outer = OuterCalls([model], clock)
+    outer.start()
+    if runs:
+        model(x)
+    outer.stop()
+    return WindowStep(Kind.CLEAN, number, StepPhases(clock), signatures=SIGNATURE, outer=outer)
+
+
+def test_a_clean_step_that_caught_no_model_call_is_left_out_of_the_hook_cost_and_the_own_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a step whose marks caught no call reads 0 seconds: in the clean steps' median it would lower the
+    # clean side of the in-place cost (and raise the cost taken out of every module)
+    model, x = Sleepy(fwd=0.0, bwd=0.0, tiny_ops=30), torch.randn(2, 4)
+    timer = ModuleTimer(model, CpuClock())
+    timer.start()
+    model(x)
+    timer.stop()
+    module_step = WindowStep(Kind.MODULE_TIMING, 3, StepPhases(CpuClock()), signatures=SIGNATURE, timer=timer)
+    clean = [marked_step(4, model, x, runs=True), marked_step(5, model, x, runs=False)]
+    clean.append(marked_step(6, model, x, runs=True))
+    assert [s.outer.calls() for s in clean if s.outer is not None] == [1, 0, 1]
+    # a probe dear enough that no step's noise outweighs it: the in-place measure is always taken
+    probe = HookCost(per_call=1e-3, own=5e-4, source="probe")
+    monkeypatch.setattr(builder, "hook_cost", lambda: probe)
+    cost = builder._hook_cost([module_step], clean)
+    assert cost is not None and cost.source.startswith("measured in place")
+    assert "less on 2 clean step(s), over 30 calls inside" in cost.detail
+    forward, steps, shapes_match = builder._model_forward(clean, SIGNATURE)
+    ran = [s.outer.seconds() for s in clean if s.outer is not None and s.outer.calls()]
+    assert steps == (4, 6) and shapes_match
+    assert forward == (sum(ran) / 2, max(ran)) and min(ran) > 0
