@@ -42,6 +42,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +52,7 @@ SIDES = ("before", "after")
 BEFORE = "3519c06"  # the last commit before the per-module timing remedies (issue 19)
 CASES = {
     "mlp": "24 x (Linear(128,128)+ReLU), batch 32",
+    "mlp512": "24 x (Linear(128,128)+ReLU), batch 512",
     "residual": "100 x residual (LayerNorm, Linear(128,128), ReLU), batch 32",
     "gpt2": "GPT-2 4 x 128, seq 128, batch 8",
 }
@@ -68,11 +70,12 @@ class Residual(nn.Module):
 
 def build(case: str) -> tuple[nn.Module, Callable[[], dict[str, torch.Tensor]]]:
     torch.manual_seed(0)
-    if case == "mlp":
+    if case in ("mlp", "mlp512"):
         layers: list[nn.Module] = []
         for _ in range(24):
             layers += [nn.Linear(128, 128), nn.ReLU()]
-        return nn.Sequential(*layers), lambda: {"x": torch.randn(32, 128)}
+        batch = 512 if case == "mlp512" else 32
+        return nn.Sequential(*layers), lambda: {"x": torch.randn(batch, 128)}
     if case == "residual":
         return nn.Sequential(*[Residual() for _ in range(100)]), lambda: {"x": torch.randn(32, 128)}
     import transformers
@@ -120,9 +123,15 @@ def one_run(case: str) -> dict[str, float]:
         )
         lit = Module(model)
         trainer.fit(lit, torch.utils.data.DataLoader(data, batch_size=None))
-    result = ours.result
-    root_fwd = result.profile.modules["model"].fwd_latency
-    stopwatch = statistics.median(lit.stopwatch[step] for step in result.steps.clean)
+    return _row(ours.result, "model", model, lit.stopwatch, data)
+
+
+def _row(
+    result: Any, root: str, model: nn.Module, watch: dict[int, float], data: list[dict[str, torch.Tensor]]
+) -> dict[str, float]:
+    """The ratios of one run, from its window result, the tree's root name and the stopwatch."""
+    root_fwd = result.profile.modules[root].fwd_latency
+    stopwatch = statistics.median(watch[step] for step in result.steps.clean)
     row = {
         "root": root_fwd,
         "phase": result.fwd_latency,
@@ -135,11 +144,58 @@ def one_run(case: str) -> dict[str, float]:
         from flops_callbacks.reporting.publish import tree_doubts
 
         row["own"], row["root_own"] = own / stopwatch, root_fwd / own
-        row["doubted"] = float(bool(tree_doubts(result).notes))  # the report's "in doubt" row
-    if isinstance(model, nn.Sequential):  # the children's widths against marks with no hooks at all
-        tree = sum(result.profile.modules[f"model.{i}"].fwd_latency for i in range(len(model)))
-        row["children"] = tree / plain_children(model, data[0]["x"])
+        # the report's "in doubt" row, for the forward (a backward's note says nothing of the root's forward)
+        row["doubted"] = float(any("forward" in note for note in tree_doubts(result).notes))
+    net, prefix = (model.net, f"{root}.net") if isinstance(model, WithLoss) else (model, root)
+    if isinstance(net, nn.Sequential):  # the children's widths against marks with no hooks at all
+        tree = sum(result.profile.modules[f"{prefix}.{i}".lstrip(".")].fwd_latency for i in range(len(net)))
+        row["children"] = tree / plain_children(net, data[0]["x"])
     return row
+
+
+class WithLoss(nn.Module):
+    """The Sequential models with their loss inside, as Hugging Face models hold theirs: what the HF
+    Trainer calls."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.net(x).square().mean()}
+
+
+def one_hf_run(case: str) -> dict[str, float]:
+    """One HF Trainer run with the callback: the forward phase is ``compute_loss`` (the model's call,
+    loss inside), so the root should fill it."""
+    import transformers
+
+    from flops_callbacks import HFFlopsCallback
+
+    stopwatch: dict[int, float] = {}  # global step -> the model's call, no hook of ours
+
+    class Timed(transformers.Trainer):
+        def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False, **kw: object):
+            begin = time.perf_counter()
+            outputs = model(**inputs)
+            stopwatch[self.state.global_step] = time.perf_counter() - begin
+            return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
+
+    model, make = build(case)
+    model = WithLoss(model) if isinstance(model, nn.Sequential) else model
+    steps = 12
+    data = [make() for _ in range(steps)]
+    ours = HFFlopsCallback(profile_step=2, clean_steps=3, print_profile=False, throughput=False)
+    with tempfile.TemporaryDirectory() as root:
+        args = transformers.TrainingArguments(
+            output_dir=root, use_cpu=True, max_steps=steps, per_device_train_batch_size=1,
+            learning_rate=1e-4, save_strategy="no", report_to=[], disable_tqdm=True,
+            remove_unused_columns=False, logging_steps=1000,
+        )  # fmt: skip
+        trainer = Timed(model=model, args=args, train_dataset=data, data_collator=lambda items: items[0])
+        trainer.add_callback(ours)
+        trainer.train()
+    return _row(ours.result, "", model, stopwatch, data)
 
 
 def plain_children(model: nn.Sequential, x: torch.Tensor, passes: int = 21) -> float:
@@ -159,9 +215,9 @@ def plain_children(model: nn.Sequential, x: torch.Tensor, passes: int = 21) -> f
     return sum(statistics.median(times) for times in per_child)
 
 
-def run_side(case: str, package_root: Path, threads: int) -> dict[str, float]:
+def run_side(case: str, package_root: Path, threads: int, trainer: str) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(package_root)}
-    command = [sys.executable, __file__, "--worker", case, "--threads", str(threads)]
+    command = [sys.executable, __file__, "--worker", case, "--threads", str(threads), "--trainer", trainer]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{case} run failed:\n{done.stderr[-3000:]}")
@@ -184,13 +240,16 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--before", default=BEFORE, help="git ref of the 'before' package")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each run")
+    parser.add_argument(
+        "--trainer", choices=("lightning", "hf"), default="lightning", help="the Trainer each run fits with"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.worker:
         logging.disable(logging.WARNING)
         warnings.simplefilter("ignore")
-        print(json.dumps(one_run(args.worker)))
+        print(json.dumps((one_hf_run if args.trainer == "hf" else one_run)(args.worker)))
         return
     cases = args.cases.split(",")
     rows: dict[str, dict[str, list[dict[str, float]]]] = {c: {"before": [], "after": []} for c in cases}
@@ -198,11 +257,12 @@ def main() -> None:
         before_root = extract(args.before, Path(folder))
         for _ in range(args.repeats):
             for case in cases:
-                rows[case]["before"].append(run_side(case, before_root, args.threads))
-                rows[case]["after"].append(run_side(case, REPO, args.threads))
+                rows[case]["before"].append(run_side(case, before_root, args.threads, args.trainer))
+                rows[case]["after"].append(run_side(case, REPO, args.threads, args.trainer))
     print(
         f"Root forward (module-timing step) / forward phase (clean steps); median of {args.repeats} "
-        f"run(s) each, torch {torch.__version__}, {args.threads} thread(s); before = {args.before}\n"
+        f"run(s) each, {args.trainer} Trainer, torch {torch.__version__}, {args.threads} thread(s); "
+        f"before = {args.before}\n"
     )
     print(
         "| model | root / stopwatch, before | root / stopwatch, after | children / no-hook marks, before "
