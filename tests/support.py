@@ -3,6 +3,7 @@ the fault suites inject, and a step session driven as an adapter drives it."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from collections import Counter
@@ -19,6 +20,8 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.session.result import WindowSteps
+from flops_callbacks.session.run_plan import MODULE_TIMING_STEPS
 from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.collector import collector_off
@@ -113,6 +116,52 @@ class FaultyLR(torch.optim.lr_scheduler.LambdaLR):
 # --- a step session driven as an adapter drives it ---------------------------------------------------
 
 B, IN, OUT = 5, 6, 2
+
+
+# --- the window's layout, from the run plan: tests name steps through these, not through literals ----
+
+
+def module_steps(profile_step: int) -> tuple[int, ...]:
+    """The module-timing steps of a window counted at ``profile_step``: the steps right after it."""
+    return tuple(profile_step + 1 + i for i in range(MODULE_TIMING_STEPS))
+
+
+def first_clean(profile_step: int) -> int:
+    """The first clean step of a window counted at ``profile_step``."""
+    return profile_step + 1 + MODULE_TIMING_STEPS
+
+
+def window_end(profile_step: int, clean: int) -> int:
+    """The global step at which a window with ``clean`` clean steps has ended and published."""
+    return first_clean(profile_step) + clean
+
+
+def window_steps(profile_step: int, clean: int, **fields: Any) -> WindowSteps:
+    """The ``WindowSteps`` of a window whose every step had the counted shapes and marked the model's own
+    forward; ``module_trace`` is left None (which module-timing step is the median one depends on the
+    clock: compare with :func:`laid_out`)."""
+    cleans = tuple(range(first_clean(profile_step), window_end(profile_step, clean)))
+    settings: dict[str, Any] = dict(
+        counting=profile_step, module_timing=module_steps(profile_step), clean=cleans, skipped=(),
+        latency_source=f"median of {clean} clean step(s)", model_forward=cleans,
+        model_forward_shapes_match=True,
+    )  # fmt: skip
+    return WindowSteps(**{**settings, **fields})
+
+
+def module_source(profile_step: int) -> str:
+    """The start of the report's "module latencies from" value for a window counted at ``profile_step``."""
+    steps = module_steps(profile_step)
+    if len(steps) == 1:
+        return f"step {steps[0]} (module hooks, no counting"
+    return f"steps {', '.join(map(str, steps))} (module hooks, no counting, each module's median"
+
+
+def laid_out(steps: WindowSteps) -> WindowSteps:
+    """``steps`` with its ``module_trace`` checked (one of its module-timing steps) and then left None,
+    to compare with :func:`window_steps`."""
+    assert steps.module_trace in steps.module_timing, steps
+    return dataclasses.replace(steps, module_trace=None)
 
 
 class Outlet:

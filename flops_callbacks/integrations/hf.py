@@ -190,7 +190,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
 
     ``Trainer(..., callbacks=[HFFlopsCallback(profile_step=10)])``: the first optimizer step at or
     after ``state.global_step == profile_step`` is counted (all its ``gradient_accumulation_steps``
-    micro-batches), the next one times the modules, and ``clean_steps`` more time the phases with
+    micro-batches), the next three time the modules, and ``clean_steps`` more time the phases with
     nothing else running (:mod:`flops_callbacks.session.step_session`). At the window's last step the
     world process
     zero prints the report above the progress bar (or writes it to ``output_file``), writes it and a

@@ -114,7 +114,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
 
     ``Trainer(callbacks=[FlopsProfilerCallback(profile_step=10)])``: the first optimizer step at or
     after ``trainer.global_step == profile_step`` (DeepSpeed's convention) is counted (all its
-    ``accumulate_grad_batches`` micro-batches, automatic or manual optimization), the next one times
+    ``accumulate_grad_batches`` micro-batches, automatic or manual optimization), the next three time
     the modules, and the clean steps time the phases with nothing else running (batches of new shapes
     are counted on steps of their own until their flops can be predicted)
     (:mod:`flops_callbacks.session.step_session`). At the window's last step rank 0 prints the report

@@ -45,19 +45,17 @@ from flops_callbacks import FlopsProfiler
 from flops_callbacks import metrics as names
 from flops_callbacks.integrations.hf import HFFlopsCallback, parallel_sizes
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.session.result import WindowSteps
 from flops_callbacks.units import duration_to_string
 from tests.raising import RaiseInBackward
 from tests.sleepy import Sleepy, SleepySGD
+from tests.support import first_clean, laid_out, module_steps, window_end, window_steps
 
 # The window: counting step 2, module-timing step 3, one clean step 4; published when step 4 has ended,
 # at global step 5. Runs go one step past it unless a test is about where they end.
 PROFILE_STEP, CLEAN_STEPS = 2, 1
-WINDOW_END = PROFILE_STEP + 2 + CLEAN_STEPS
-STEPS = WindowSteps(
-    PROFILE_STEP, (PROFILE_STEP + 1,), (PROFILE_STEP + 2,), (), "median of 1 clean step(s)",
-    module_trace=PROFILE_STEP + 1, model_forward=(PROFILE_STEP + 2,), model_forward_shapes_match=True,
-)  # fmt: skip
+MODULE_STEPS, FIRST_CLEAN = module_steps(PROFILE_STEP), first_clean(PROFILE_STEP)
+WINDOW_END = window_end(PROFILE_STEP, CLEAN_STEPS)
+STEPS = window_steps(PROFILE_STEP, CLEAN_STEPS)
 VOCAB, SEQ, BATCH = 97, 16, 4
 
 
@@ -213,11 +211,11 @@ def test_metrics_reach_tensorboard_once_at_the_window_end_and_losses_are_unchang
     plain = train(tmp_path / "without", gpt2(), [])
 
     result = callback.result
-    assert (result.steps, result.step, result.published_at) == (STEPS, PROFILE_STEP, WINDOW_END)
+    assert (laid_out(result.steps), result.step, result.published_at) == (STEPS, PROFILE_STEP, WINDOW_END)
     saved = saved_profile(profiled)
     metrics = saved["metrics"]
     assert (saved["step"], saved["published_at_step"]) == (PROFILE_STEP, WINDOW_END)
-    assert saved["steps"]["clean"] == [PROFILE_STEP + 2]
+    assert saved["steps"]["clean"] == [FIRST_CLEAN]
     assert set(metrics) == set(names.ALL)  # tokens_per_sec too: input_ids are counted by default
     scalars = tensorboard_scalars(profiled.args.output_dir)
     for name in names.ALL:
@@ -271,7 +269,7 @@ def test_metrics_reach_tensorboard_once_at_the_window_end_and_losses_are_unchang
     assert "measured fwd + bwd flops vs Trainer's estimate:" in report
     assert f"{difference:+.1f}%" in report
     assert re.search(
-        rf"fwd / bwd / step latency from: +median of 1 clean step\(s\): steps {PROFILE_STEP + 2}", report
+        rf"fwd / bwd / step latency from: +median of 1 clean step\(s\): steps {FIRST_CLEAN}", report
     )
     # the meter's first interval after the window: the one step after it
     ((step, rate),) = logged(profiled, names.THROUGHPUT_SAMPLES_PER_SEC)
@@ -315,8 +313,9 @@ def test_gradient_accumulation_profiles_every_micro_batch_and_nothing_stays_betw
     trainer.train()
     result = callback.result
     assert (result.micro_batches, result.samples, result.tokens) == (2, 2 * BATCH, 2 * BATCH * SEQ)
-    # the Trainer's inputs of the window's 3 steps x 2 micro-batches, then of the metered last step
-    assert len(seen) == 2 * 4 and all({"input_ids", "labels"} <= set(inputs) for inputs in seen)
+    # the Trainer's inputs of the window's steps x 2 micro-batches, then of the metered last step
+    window = WINDOW_END - PROFILE_STEP
+    assert len(seen) == 2 * (window + 1) and all({"input_ids", "labels"} <= set(inputs) for inputs in seen)
     profile = result.profile
     assert profile.fwd_macs * 2 == 2 * dense_flops(trainer.model, backward=False)
     assert (profile.fwd_macs + profile.bwd_macs) * 2 == 2 * dense_flops(trainer.model, backward=True)
@@ -344,7 +343,7 @@ def test_a_run_ending_inside_the_window_warns_at_train_start_and_publishes_at_tr
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first_step = WarningsAtFirstStep(caught)
-        trainer = train(tmp_path, gpt2(), [first_step, callback], max_steps=PROFILE_STEP + 2)
+        trainer = train(tmp_path, gpt2(), [first_step, callback], max_steps=FIRST_CLEAN)
     (warning,) = [w for w in caught if "profile window" in str(w.message)]
     assert first_step.seen == [str(warning.message)]  # before the first step ran
     assert f"needs steps {PROFILE_STEP} .. {WINDOW_END - 1}" in str(warning.message)
@@ -353,16 +352,16 @@ def test_a_run_ending_inside_the_window_warns_at_train_start_and_publishes_at_tr
     result = callback.result
     assert (result.steps.counting, result.steps.module_timing, result.steps.clean) == (
         PROFILE_STEP,
-        (PROFILE_STEP + 1,),
+        MODULE_STEPS,
         (),
     )
-    assert result.steps.latency_source.startswith("the module timing step alone")
-    assert result.published_at == PROFILE_STEP + 2
-    assert [step for step, _ in logged(trainer, names.FWD_FLOPS)] == [PROFILE_STEP + 2]
+    assert result.steps.latency_source.startswith("the module timing step")
+    assert result.published_at == FIRST_CLEAN
+    assert [step for step, _ in logged(trainer, names.FWD_FLOPS)] == [FIRST_CLEAN]
     ((step, _),) = tensorboard_scalars(trainer.args.output_dir)["train/" + names.FWD_FLOPS]
-    assert step == PROFILE_STEP + 2
+    assert step == FIRST_CLEAN
     report = (Path(trainer.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
-    assert "the module timing step alone (no clean step ran" in report
+    assert "alone (no clean step ran" in report and result.steps.latency_source in report
     assert_nothing_left(trainer)
 
 
@@ -379,13 +378,13 @@ class StepClock(Probe):
 
 
 def test_throughput_is_logged_at_every_later_logging_step_over_every_steps_wall_time(tmp_path: Path) -> None:
-    # 22 sequences in batches of 4: the last step of each epoch (steps 5 and 11) has 2, a shape the window
+    # batches of 4 and a last one of 2 in each epoch, first just after the window: a shape the window
     # never saw and cannot predict from its one counted shape: the intervals holding it log no flops
-    peak, clock = 3e10, StepClock()
+    peak, clock, short, max_steps = 3e10, StepClock(), WINDOW_END + 1, WINDOW_END + 8
     callback = quiet(peak_flops=peak)
     trainer = make_trainer(
-        tmp_path, gpt2(), [callback, clock], datasets={"train_dataset": TokenDataset(22)},
-        max_steps=12, logging_steps=3,
+        tmp_path, gpt2(), [callback, clock], datasets={"train_dataset": TokenDataset(BATCH * short + 2)},
+        max_steps=max_steps, logging_steps=3,
     )  # fmt: skip
     clock.trainer = trainer
     with pytest.warns(UserWarning, match="neither counted nor can predict"):
@@ -398,8 +397,9 @@ def test_throughput_is_logged_at_every_later_logging_step_over_every_steps_wall_
     scalars = tensorboard_scalars(trainer.args.output_dir)
     samples_logged = scalars["train/" + names.THROUGHPUT_SAMPLES_PER_SEC]
     flops_logged = dict(scalars.get("train/" + names.THROUGHPUT_FLOPS_PER_SEC, []))
-    assert [step for step, _ in samples_logged] == [6, 9, 12]  # every logging step after the window (5)
-    sizes = {step: 2 if step in (5, 11) else BATCH for step in range(12)}
+    logging = list(range(3, max_steps + 1, 3))
+    assert [step for step, _ in samples_logged] == [s for s in logging if s > WINDOW_END]  # after the window
+    sizes = {step: 2 if step % (short + 1) == short else BATCH for step in range(max_steps)}
     flops = callback.result.profile.model_flops  # of a 4-sequence step
     previous = WINDOW_END
     for step, rate in samples_logged:
@@ -412,7 +412,7 @@ def test_throughput_is_logged_at_every_later_logging_step_over_every_steps_wall_
             assert rate == pytest.approx(samples / (clock.ended[step] - clock.ended[previous]), rel=0.2)
         previous = step
     # the loss is logged as without the callback, beside its own entries
-    assert [step for step, _ in losses(trainer)] == [3, 6, 9, 12]
+    assert [step for step, _ in losses(trainer)] == logging
 
 
 def profiled_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
@@ -465,10 +465,13 @@ def test_forward_backward_and_optimizer_step_of_known_durations_are_reported_wit
     callback = quiet(profile_step=1, clean_steps=2)
     trainer = train(
         tmp_path, model, [callback], report_to=(), datasets={"train_dataset": Pairs(10)},
-        optimizers=(SleepySGD(model.parameters(), SLEEP), None), max_steps=5, per_device_train_batch_size=2,
+        optimizers=(SleepySGD(model.parameters(), SLEEP), None), max_steps=window_end(1, 2),
+        per_device_train_batch_size=2,
     )  # fmt: skip
     result = callback.result
-    assert (result.steps.counting, result.steps.module_timing, result.steps.clean) == (1, (2,), (3, 4))
+    assert (result.steps.counting, result.steps.module_timing, result.steps.clean) == (
+        1, module_steps(1), tuple(range(first_clean(1), window_end(1, 2)))
+    )  # fmt: skip
     assert result.fwd_latency == pytest.approx(SLEEP, rel=0.15)
     assert result.bwd_latency == pytest.approx(SLEEP, rel=0.15)
     assert result.step_latency == pytest.approx(SLEEP, rel=0.15)
@@ -494,13 +497,13 @@ def test_evaluation_from_its_first_instruction_to_its_last_leaves_throughput_unc
     step_sleep = 0.05
     model = SleepyRegressor(step_sleep, 0.0, tiny_ops=2, eval_sleep=0.0)
     trainer = train(
-        tmp_path, model, [quiet(profile_step=1)], report_to=(), trainer_class=SlowToStartEvaluation,
+        tmp_path, model, [quiet(profile_step=0)], report_to=(), trainer_class=SlowToStartEvaluation,
         datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(8 * BATCH)}, max_steps=15,
         logging_steps=3, eval_strategy="steps", eval_steps=9, per_device_eval_batch_size=BATCH,
     )  # fmt: skip
     assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [9, 15]  # and at the end
     rates = dict(logged(trainer, names.THROUGHPUT_SAMPLES_PER_SEC))
-    assert sorted(rates) == [6, 9, 12, 15]  # the window ends at 4
+    assert sorted(rates) == [6, 9, 12, 15] and window_end(0, 1) < 6  # every logging step after the window
     assert BATCH / (step_sleep + 0.02) < rates[9] < BATCH / step_sleep  # a step's sleep and a little more
     without = [rates[step] for step in (6, 9, 15)]
     assert max(without) / min(without) < 1.1
@@ -562,7 +565,7 @@ def test_a_second_train_and_a_second_trainer_profile_again(tmp_path: Path) -> No
     assert [str(w.message) for w in caught if "HFFlopsCallback" in str(w.message)] == []
     assert first is not again and again is not second and first is not None
     for result in (first, again, second):
-        assert (result.steps, result.published_at) == (STEPS, WINDOW_END)
+        assert (laid_out(result.steps), result.published_at) == (STEPS, WINDOW_END)
         profile = result.profile
         assert (profile.fwd_flops, profile.bwd_flops, profile.fwd_macs) == (
             first.profile.fwd_flops,
@@ -743,7 +746,7 @@ def test_exception_in_the_counting_step_propagates_and_the_next_train_profiles(
     assert not list(Path(trainer.args.output_dir).glob("flops_profile_*"))
 
     trainer.train()  # the next run profiles its window as usual
-    assert callback.result is not None and callback.result.steps == STEPS
+    assert callback.result is not None and laid_out(callback.result.steps) == STEPS
     assert callback.result.profile.bwd_flops > 0
     assert_nothing_left(trainer)
 
@@ -765,7 +768,7 @@ def test_exception_after_the_backward_leaves_nothing_at_once(tmp_path: Path) -> 
         warnings.simplefilter("always")
         trainer.train()
     assert [str(w.message) for w in caught if "HFFlopsCallback" in str(w.message)] == []
-    assert callback.result is not None and callback.result.steps == STEPS
+    assert callback.result is not None and laid_out(callback.result.steps) == STEPS
     assert_nothing_left(trainer)
 
 

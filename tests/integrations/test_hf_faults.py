@@ -23,11 +23,25 @@ from transformers import Trainer, TrainerCallback
 
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from tests.raising import RaiseInBackward
-from tests.support import Fault, FaultyLR, hf_arguments, hooks_of, python_calls, torch_namespaces, torch_state
+from tests.support import (
+    Fault,
+    FaultyLR,
+    first_clean,
+    hf_arguments,
+    hooks_of,
+    python_calls,
+    torch_namespaces,
+    torch_state,
+    window_end,
+)
 
 PROFILE_STEP, CLEAN_STEPS = 1, 1
-WINDOW = {"counting": PROFILE_STEP, "module timing": PROFILE_STEP + 1, "clean": PROFILE_STEP + 2}
-MAX_STEPS = PROFILE_STEP + 2 + CLEAN_STEPS  # the window's last step is the run's last
+WINDOW = {
+    "counting": PROFILE_STEP,
+    "module timing": PROFILE_STEP + 1,  # the first of them
+    "clean": first_clean(PROFILE_STEP),
+}
+MAX_STEPS = window_end(PROFILE_STEP, CLEAN_STEPS)  # the window's last step is the run's last
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 4
 
 
@@ -320,7 +334,7 @@ def test_after_an_optimizer_fault_at_the_counting_step_iterations_run_as_before_
 # --- user functions and loggers that fail ---------------------------------------------------------------
 
 # the n-th micro-batch: 1 = the counting step's, 3 = the clean step's, 4 = the first metered one's
-CALLS = {"counting": 1, "clean": 3, "metered": 4}
+CALLS = {"counting": 1, "clean": first_clean(0) + 1, "metered": first_clean(0) + 2}  # the user fn's nth call
 
 
 @pytest.mark.parametrize("call", list(CALLS))

@@ -39,27 +39,26 @@ from torch.utils.checkpoint import checkpoint
 from flops_callbacks import metrics as names
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback, parallel_sizes
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.session.result import WindowSteps
 from flops_callbacks.units import duration_to_string, number_to_string
 from tests.sleepy import Sleepy, SleepySGD
-from tests.support import lightning_settings
+from tests.support import (
+    first_clean,
+    laid_out,
+    lightning_settings,
+    module_source,
+    module_steps,
+    window_end,
+    window_steps,
+)
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3
 PARAMS = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT
 PROFILE_STEP, CLEAN = 2, 1
-# The window: counting step 2, module-timing step 3, clean step 4; published when step 4 has ended,
-# at global step 5. Runs stop at 6 (one step past the window) unless a test says otherwise.
-WINDOW_END = PROFILE_STEP + 2 + CLEAN
-WINDOW = WindowSteps(
-    counting=PROFILE_STEP,
-    module_timing=(PROFILE_STEP + 1,),
-    module_trace=PROFILE_STEP + 1,
-    clean=(PROFILE_STEP + 2,),
-    skipped=(),
-    latency_source="median of 1 clean step(s)",
-    model_forward=(PROFILE_STEP + 2,),  # the model's own forward, marked on the clean step
-    model_forward_shapes_match=True,
-)
+# The window: counting step 2, the module-timing steps after it, one clean step; published when that
+# step has ended, at WINDOW_END. Runs stop one step past the window unless a test says otherwise.
+MODULE_STEPS, FIRST_CLEAN = module_steps(PROFILE_STEP), first_clean(PROFILE_STEP)
+WINDOW_END = window_end(PROFILE_STEP, CLEAN)
+WINDOW = window_steps(PROFILE_STEP, CLEAN)  # the model's own forward marked on the clean step
 OURS = "FlopsProfilerCallback"
 
 
@@ -271,7 +270,7 @@ def test_the_window_counts_then_times_modules_then_clean_steps_and_publishes_at_
     logged_run: dict,
 ) -> None:
     result = logged_run["callback"].result
-    assert result.steps == WINDOW
+    assert laid_out(result.steps) == WINDOW
     assert result.step == PROFILE_STEP
     assert result.published_at == WINDOW_END  # the run went on to WINDOW_END + 1
     assert logged_run["trainer"].global_step == WINDOW_END + 1
@@ -345,17 +344,18 @@ def test_report_is_printed_once_and_saved_whole_with_its_json_next_to_the_logs(l
     assert "module latencies from:" in stdout
     for label, value in [
         ("flops, MACs, params from", f"step {PROFILE_STEP} (counting step)"),
-        ("fwd / bwd / step latency from", f"median of 1 clean step(s): steps {PROFILE_STEP + 2}"),
+        ("fwd / bwd / step latency from", f"median of 1 clean step(s): steps {FIRST_CLEAN}"),
     ]:
         assert summary_value(report, label) == value
     # the MLP makes 2 calls inside its own: too few to measure the hooks' cost on, the probe's is taken out
     cost = duration_to_string(logged_run["callback"].result.hook_cost.per_call)
     assert summary_value(report, "module latencies from") == (
-        f"step {PROFILE_STEP + 1} (module hooks, no counting; less {cost} a call for the hooks, probe)"
+        f"{module_source(PROFILE_STEP)}; less {cost} a call for the hooks, probe)"
     )
     saved = json.loads((log_dir / f"flops_profile_step{PROFILE_STEP}.json").read_text())
     assert (saved["step"], saved["published_at_step"]) == (PROFILE_STEP, WINDOW_END)
-    assert saved["steps"] == json.loads(json.dumps(dataclasses.asdict(WINDOW)))
+    ran = logged_run["callback"].result.steps
+    assert laid_out(ran) == WINDOW and saved["steps"] == json.loads(json.dumps(dataclasses.asdict(ran)))
     assert (saved["steps"]["shapes"], saved["steps"]["shapes_counted"]) == (1, 1)
     assert saved["metrics"] == logged_run["callback"].result.metrics()
     assert saved["profile"]["modules"]["block.0"]["fwd_flops"] == 2 * BATCH * IN * HIDDEN
@@ -394,7 +394,7 @@ def test_accumulated_micro_batches_are_one_step(tmp_path: Path) -> None:
     assert values[names.BWD_FLOPS] == 2 * bwd_flops(BATCH) + PARAMS
     result = callback.result
     assert (result.samples, result.micro_batches) == (2 * BATCH, 2)
-    assert result.steps == WINDOW  # every window step had two micro-batches of the counted shapes
+    assert laid_out(result.steps) == WINDOW  # every window step had two micro-batches of the counted shapes
     assert values[names.SAMPLES_PER_SEC] == pytest.approx(2 * BATCH / values[names.ITER_LATENCY])
 
 
@@ -403,7 +403,7 @@ def test_manual_optimization(tmp_path: Path) -> None:
     fit(tmp_path, MLP(manual=True), callback)
     result = callback.result
     assert (result.profile.fwd_flops, result.profile.bwd_flops) == (fwd_flops(BATCH), bwd_flops(BATCH))
-    assert result.steps == WINDOW and result.micro_batches == 1
+    assert laid_out(result.steps) == WINDOW and result.micro_batches == 1
     assert min(result.fwd_latency, result.bwd_latency, result.step_latency) > 0
 
 
@@ -519,13 +519,13 @@ def test_a_run_ending_inside_the_window_warns_at_start_and_publishes_what_it_had
     tmp_path: Path,
 ) -> None:
     callback, logger = quiet_callback(), CSVLogger(tmp_path)
-    max_steps = PROFILE_STEP + 2  # counting and module timing only: no clean step
+    max_steps = FIRST_CLEAN  # counting and module timing only: no clean step
     _, at_start, ours = fit_watching_warnings(tmp_path, MLP(), callback, max_steps=max_steps, logger=logger)
     assert at_start == ours and len(ours) == 1
     assert f"the run has {max_steps} steps: the latencies will rest on 0 clean step(s)" in ours[0]
     result = callback.result
-    assert result.steps.module_timing == (PROFILE_STEP + 1,) and result.steps.clean == ()
-    assert result.steps.latency_source.startswith("the module timing step alone")
+    assert result.steps.module_timing == MODULE_STEPS and result.steps.clean == ()
+    assert result.steps.latency_source.startswith("the module timing step")
     assert result.published_at == max_steps  # at train end
     values = logged_once(csv_metrics(logger), step=max_steps)
     assert (values[names.FWD_FLOPS], values[names.BWD_FLOPS]) == (fwd_flops(BATCH), bwd_flops(BATCH))
@@ -534,11 +534,18 @@ def test_a_run_ending_inside_the_window_warns_at_start_and_publishes_what_it_had
 
 
 def test_a_step_with_new_batch_shapes_is_counted_on_its_own_not_timed(tmp_path: Path) -> None:
-    # 20 samples in batches of 3: the last batch of the epoch (step 6) has 2 samples
-    callback = quiet_callback(profile_step=4, clean_steps=3)
+    # 20 samples in batches of 3: the last batch of the epoch (step 6) has 2 samples, on the window's
+    # first clean step
+    profile_step = 6 - first_clean(0)
+    callback = quiet_callback(profile_step=profile_step, clean_steps=3)
     fit(tmp_path, MLP(), callback, loader(20), max_steps=9)
     steps = callback.result.steps
-    assert (steps.counting, steps.module_timing, steps.clean, steps.skipped) == (4, (5,), (7, 8), ())
+    assert (steps.counting, steps.module_timing, steps.clean, steps.skipped) == (
+        profile_step,
+        module_steps(profile_step),
+        (7, 8),
+        (),
+    )
     assert (steps.shape_counting, steps.shapes, steps.shapes_counted) == ((6,), 2, 2)
     assert steps.latency_source == "median of 2 clean step(s)"
     assert callback.result.published_at == 9
@@ -562,7 +569,7 @@ def test_resume_past_an_unprofiled_profile_step_warns_at_train_start(tmp_path: P
 def test_resume_after_the_profiled_window_warns_that_it_ran_before(tmp_path: Path) -> None:
     first = quiet_callback()
     trainer = fit(tmp_path, MLP(), first, max_steps=WINDOW_END)
-    assert first.result.steps == WINDOW
+    assert laid_out(first.result.steps) == WINDOW
     trainer.save_checkpoint(tmp_path / "end.ckpt")
     callback = quiet_callback()
     trainer, at_start, ours = fit_watching_warnings(
@@ -581,7 +588,7 @@ def test_a_second_fit_with_the_same_callback_profiles_again(tmp_path: Path) -> N
     second = callback.result
     assert second is not first
     for result in (first, second):
-        assert result.steps == WINDOW and result.published_at == WINDOW_END
+        assert laid_out(result.steps) == WINDOW and result.published_at == WINDOW_END
         assert (result.profile.fwd_flops, result.profile.bwd_flops) == (fwd_flops(BATCH), bwd_flops(BATCH))
     for trainer in (first_trainer, second_trainer):
         assert Path(trainer.log_dir, f"flops_profile_step{PROFILE_STEP}.json").is_file()
@@ -621,8 +628,9 @@ class StepClock(L.Callback):
 def test_throughput_is_logged_at_every_logging_step_after_the_window_over_every_steps_wall_time(
     tmp_path: Path,
 ) -> None:
-    # 20 samples in batches of 3: the last batch of each epoch (steps 6, 13, 20) has 2 samples, a shape
-    # the window never saw and cannot predict from one counted shape: those intervals log no flops
+    # batches of 3 and a last one of 2 in each epoch, first just after the window: a shape the window
+    # never saw and cannot predict from one counted shape: those intervals log no flops
+    short = WINDOW_END + 1
     peak, clock, logger = 1e9, StepClock(), CSVLogger(tmp_path)
     callback = quiet_callback(tokens_fn=tokens, peak_flops=peak)
     module = MLP()
@@ -632,21 +640,21 @@ def test_throughput_is_logged_at_every_logging_step_after_the_window_over_every_
             tmp_path,
             module,
             callback,
-            loader(20),
+            loader(3 * short + 2),
             callbacks=[clock],
             max_steps=23,
             log_every_n_steps=5,
             logger=logger,
         )
     assert len([w for w in warned if "neither counted" in str(w.message)]) == 1
-    assert [clock.samples[6], clock.samples[13]] == [2, 2]
+    assert [clock.samples[short], clock.samples[2 * short + 1]] == [2, 2]
     # module hooks only in the counting step and the module-timing step: nothing counts after the window
-    assert {step for step, hooks in clock.hooks.items() if hooks} == {PROFILE_STEP, PROFILE_STEP + 1}
+    assert {step for step, hooks in clock.hooks.items() if hooks} == {PROFILE_STEP, *MODULE_STEPS}
     assert_nothing_left(module, before_model, before_torch)
 
     rows = [row for row in csv_metrics(logger) if row.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
     logged = {int(row["step"]): {k: float(row[k]) for k in names.THROUGHPUT if row.get(k)} for row in rows}
-    assert sorted(logged) == [10, 15, 20]  # every logging step after the window (5 is its end)
+    assert sorted(logged) == [s for s in (5, 10, 15, 20) if s > WINDOW_END]  # every logging step after it
     flops = fwd_flops(3) + bwd_flops(3)
     previous = WINDOW_END  # the interval starts when the window's last step ends
     for step, values in sorted(logged.items()):
@@ -762,9 +770,10 @@ def test_forward_backward_and_optimizer_step_of_known_durations_are_reported_wit
     tmp_path: Path,
 ) -> None:
     callback = quiet_callback(profile_step=0, clean_steps=3)
-    fit(tmp_path, SleepyModule(SLEEP, SLEEP, SLEEP), callback, sleepy_loader(5), max_steps=5)
+    end = window_end(0, 3)
+    fit(tmp_path, SleepyModule(SLEEP, SLEEP, SLEEP), callback, sleepy_loader(end), max_steps=end)
     result = callback.result
-    assert result.steps.clean == (2, 3, 4)
+    assert result.steps.clean == tuple(range(first_clean(0), end))
     assert result.fwd_latency == pytest.approx(SLEEP, rel=0.15)
     assert result.bwd_latency == pytest.approx(SLEEP, rel=0.15)
     assert result.step_latency == pytest.approx(SLEEP, rel=0.15)
@@ -778,10 +787,11 @@ def test_a_gan_stepping_two_optimizers_in_one_step_gets_each_phase_within_15_per
     # forward and too much step; each phase's 0.2 s dwarfs the tiny ops' few ms
     generator, discriminator = (0.10, 0.06, 0.08), (0.10, 0.14, 0.12)
     callback = quiet_callback(profile_step=0, clean_steps=3)
-    # two optimizer steps per batch: the window's batches start at global steps 0, 2, 4, 6, 8
-    fit(tmp_path, SleepyGAN(generator, discriminator), callback, sleepy_loader(5), max_steps=10)
+    # two optimizer steps per batch: the window's batches start at global steps 0, 2, 4, ...
+    window = window_end(0, 3)
+    fit(tmp_path, SleepyGAN(generator, discriminator), callback, sleepy_loader(window), max_steps=2 * window)
     result = callback.result
-    assert result.steps.clean == (4, 6, 8)
+    assert result.steps.clean == tuple(2 * step for step in range(first_clean(0), window))
     expected = [g + d for g, d in zip(generator, discriminator, strict=True)]  # 0.2 s each
     assert result.fwd_latency == pytest.approx(expected[0], rel=0.15)
     assert result.bwd_latency == pytest.approx(expected[1], rel=0.15)
@@ -808,15 +818,18 @@ def test_with_two_optimizers_the_window_starts_at_the_first_step_at_or_after_pro
     # global_step advances by 2 per batch (0, 2, 4, ...): profile_step=3 is never a batch's first step
     callback, logger = quiet_callback(profile_step=3), CSVLogger(tmp_path)
     module = SleepyGAN((0, 0, 0), (0, 0, 0), tiny_ops=2)
+    end = 2 * window_end(2, 1)  # the window's batches: counting 2 (global step 4), then one clean
     _, _, ours = fit_watching_warnings(
-        tmp_path, module, callback, sleepy_loader(8), max_steps=10, logger=logger
+        tmp_path, module, callback, sleepy_loader(8), max_steps=end, logger=logger
     )
     assert ours == []
     result = callback.result
     steps = result.steps
-    assert (steps.counting, steps.module_timing, steps.clean, steps.skipped) == (4, (6,), (8,), ())
-    assert result.published_at == 10
-    values = logged_once(csv_metrics(logger), step=10)
+    assert (steps.counting, steps.module_timing, steps.clean, steps.skipped) == (
+        4, tuple(2 * s for s in module_steps(2)), (2 * first_clean(2),), ()
+    )  # fmt: skip
+    assert result.published_at == end
+    values = logged_once(csv_metrics(logger), step=end)
     assert values[names.FWD_FLOPS] == 2 * sleepy_fwd_flops(2, 2) == 256  # generator and discriminator
     assert values[names.BWD_FLOPS] == 2 * sleepy_bwd_flops(2, 2) == 416
 

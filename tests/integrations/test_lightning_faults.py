@@ -34,14 +34,28 @@ from torch import nn
 
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from flops_callbacks.profile import Counts, Profile
-from flops_callbacks.session.result import WindowSteps
 from tests.raising import RaiseInBackward
-from tests.support import Fault, FaultyLR, hooks_of, lightning_settings, python_calls, torch_state
+from tests.support import (
+    Fault,
+    FaultyLR,
+    first_clean,
+    hooks_of,
+    laid_out,
+    lightning_settings,
+    python_calls,
+    torch_state,
+    window_end,
+    window_steps,
+)
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3
 PROFILE_STEP, CLEAN = 1, 1
-WINDOW_STEPS = {"counting": PROFILE_STEP, "module timing": PROFILE_STEP + 1, "clean": PROFILE_STEP + 2}
-WINDOW_END = PROFILE_STEP + 2 + CLEAN  # the global step after the window's last step
+WINDOW_STEPS = {
+    "counting": PROFILE_STEP,
+    "module timing": PROFILE_STEP + 1,
+    "clean": first_clean(PROFILE_STEP),
+}
+WINDOW_END = window_end(PROFILE_STEP, CLEAN)  # the global step after the window's last step
 ROOT = Path(__file__).resolve().parents[2]
 
 # By hand, as in test_lightning.py: the probe does no arithmetic (its clone is a copy, its backward
@@ -247,16 +261,7 @@ def assert_a_clean_fit_counts_as_a_fresh_process(root: Path, fresh: dict[str, An
     callback = quiet_callback()
     fit(root, FaultyMLP(), callback)
     result = callback.result
-    assert result.steps == WindowSteps(
-        counting=PROFILE_STEP,
-        module_timing=(PROFILE_STEP + 1,),
-        module_trace=PROFILE_STEP + 1,
-        clean=(PROFILE_STEP + 2,),
-        skipped=(),
-        latency_source="median of 1 clean step(s)",
-        model_forward=(PROFILE_STEP + 2,),  # the model's own forward, marked on the clean step
-        model_forward_shapes_match=True,
-    )
+    assert laid_out(result.steps) == window_steps(PROFILE_STEP, CLEAN)
     assert (result.profile.fwd_flops, result.profile.bwd_flops) == (FWD_FLOPS, BWD_FLOPS)
     assert json.loads(json.dumps(counts(result.profile))) == fresh
 

@@ -31,11 +31,11 @@ from flops_callbacks import metrics as names
 from flops_callbacks import register_formula
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback
-from tests.support import hf_arguments, leftovers, lightning_settings
+from tests.support import hf_arguments, leftovers, lightning_settings, window_end
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 4
 PROFILE_STEP, CLEAN = 1, 1
-MAX_STEPS = PROFILE_STEP + 2 + CLEAN + 2  # the window, then two metered steps
+MAX_STEPS = window_end(PROFILE_STEP, CLEAN) + 2  # the window, then two metered steps
 FRAMEWORKS = ["lightning", "hf"]
 # by hand: Linear(8, 16) + ReLU + Linear(16, 4) on 4 samples (bias adds fused, ReLU one per element),
 # then the MSE loss in the model's forward (3 per element: subtract, square, mean)

@@ -30,7 +30,7 @@ from flops_callbacks.units import (
     percent,
 )
 from tests.sleepy import Sleepy, SleepySGD
-from tests.support import IN, OUT, B, Outlet, run
+from tests.support import IN, OUT, B, Outlet, first_clean, module_steps, run, window_end
 
 
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -53,13 +53,15 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
         Options(profile_step=3, clean_steps=2, tokens_fn=lambda b: b.numel()), "test", publish=publish
     )
     outlet = Outlet(tmp_path)
-    session.train_start(0, max_steps=10)
-    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, 7), outlet, micro_batches=2)
+    end = window_end(3, 2)
+    session.train_start(0, max_steps=end + 3)
+    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, end), outlet, micro_batches=2)
     r = session.result
     assert r is not None and no_profiler_left()
-    assert (r.steps.counting, r.steps.module_timing, r.steps.clean) == (3, (4,), (5, 6))
+    cleans = (first_clean(3), first_clean(3) + 1)
+    assert (r.steps.counting, r.steps.module_timing, r.steps.clean) == (3, module_steps(3), cleans)
     assert r.steps.latency_source == "median of 2 clean step(s)"
-    assert r.published_at == 7
+    assert r.published_at == end
     fwd = 2 * B * IN * OUT
     bwd = 2 * B * IN * OUT + B * OUT  # weight grad + bias grad (the input needs no grad)
     accumulate = IN * OUT + OUT  # the second micro-batch adds its gradients into .grad
@@ -72,13 +74,13 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
     assert m[names.FLOPS_PER_SEC] == pytest.approx((2 * (fwd + bwd) + accumulate) / m[names.ITER_LATENCY])
     assert set(m) == set(names.ALL)
     # logged once, at the window's end; printed once; saved with which step each figure came from
-    assert [step for _, step in outlet.logged] == [7] and outlet.logged[0][0] == m
+    assert [step for _, step in outlet.logged] == [end] and outlet.logged[0][0] == m
     assert len(outlet.printed) == 1 and "module latencies from" in outlet.printed[0]
     data = json.loads((tmp_path / "flops_profile_step3.json").read_text())
     assert data["steps"] == {
         "counting": 3,
-        "module_timing": [4],
-        "clean": [5, 6],
+        "module_timing": list(module_steps(3)),
+        "clean": list(cleans),
         "skipped": [],
         "latency_source": "median of 2 clean step(s)",
         "shape_counting": [],
@@ -86,8 +88,8 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
         "shapes_counted": 1,
         "shapes_predicted": 0,
         "module_shapes_match": True,
-        "module_trace": 4,
-        "model_forward": [5, 6],  # the clean steps that marked the model's own forward
+        "module_trace": r.steps.module_trace,
+        "model_forward": list(cleans),  # the clean steps that marked the model's own forward
         "model_forward_shapes_match": True,
     }
     # what the timing hooks of one module call cost, measured on a CPU clock and taken out
@@ -106,7 +108,7 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
     trace = json.loads((tmp_path / "flops_profile_step3.trace.json").read_text())
     calls = [(e["name"], e["cat"]) for e in trace["traceEvents"] if e["ph"] == "X"]
     assert sorted(calls) == [("(model)", "backward")] + [("(model)", "forward")] * 2  # two micro-batches
-    assert [step for *_, step in outlet.reports] == [7]
+    assert [step for *_, step in outlet.reports] == [end]
 
 
 def test_the_report_gives_the_models_own_forward_apart_from_the_loss_around_it(tmp_path: Path) -> None:
@@ -120,16 +122,18 @@ def test_the_report_gives_the_models_own_forward_apart_from_the_loss_around_it(t
         return out.sum()
 
     session = StepSession(Options(profile_step=3, clean_steps=2), "test", publish=publish)
-    session.train_start(0, max_steps=10)
+    session.train_start(0, max_steps=window_end(3, 2) + 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    run(session, model, optimizer, range(0, 7), Outlet(tmp_path), torch.randn(B, 4), loss_of=slow_loss)
+    steps = range(0, window_end(3, 2))
+    run(session, model, optimizer, steps, Outlet(tmp_path), torch.randn(B, 4), loss_of=slow_loss)
     r = session.result
     assert r is not None and r.model_forward is not None
-    assert (r.steps.clean, r.steps.model_forward) == ((5, 6), (5, 6))
+    cleans = (first_clean(3), first_clean(3) + 1)
+    assert (r.steps.clean, r.steps.model_forward) == (cleans, cleans)
     assert 0.03 <= r.model_forward < 0.04  # the sleep, and a sleep's overshoot
     assert r.fwd_latency >= 0.05 and r.fwd_latency - r.model_forward >= 0.02
     data = json.loads((tmp_path / "flops_profile_step3.json").read_text())
-    assert data["model_forward"] == r.model_forward and data["steps"]["model_forward"] == [5, 6]
+    assert data["model_forward"] == r.model_forward and data["steps"]["model_forward"] == list(cleans)
     assert data["model_forward_high"] == r.model_forward_high >= r.model_forward  # the slower of the two
     share = percent(data["model_forward"], data["metrics"][names.FWD_LATENCY])
     row = next(
@@ -155,12 +159,13 @@ def test_after_the_counting_step_only_the_young_generations_are_collected() -> N
 
     model = nn.Linear(IN, OUT)
     session = StepSession(Options(profile_step=1, clean_steps=1), "test", publish=publish)
-    session.train_start(0, max_steps=10)
+    session.train_start(0, max_steps=window_end(1, 1) + 3)
     thresholds = gc.get_threshold()
     gc.set_threshold(10**9)
     gc.callbacks.append(seen)
     try:
-        run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, 4), Outlet())
+        steps = range(0, window_end(1, 1))
+        run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), steps, Outlet())
     finally:
         gc.callbacks.remove(seen)
         gc.set_threshold(*thresholds)
@@ -175,7 +180,7 @@ def test_latencies_come_from_clean_steps_not_from_the_counting_step() -> None:
     session = StepSession(Options(profile_step=0, clean_steps=3), "test", publish=publish)
     session.train_start(0)
     batch = torch.randn(B, 4)
-    run(session, model, optimizer, range(0, 5), Outlet(), batch=batch)
+    run(session, model, optimizer, range(0, window_end(0, 3)), Outlet(), batch=batch)
     r = session.result
     assert r is not None
     assert r.fwd_latency == pytest.approx(0.1, rel=0.15)
@@ -191,10 +196,13 @@ def test_the_window_starts_at_the_first_step_at_or_after_profile_step() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     session = StepSession(Options(profile_step=3, clean_steps=1), "test", publish=publish)
     session.train_start(0)
-    for step in range(0, 12, 2):  # two optimizers: the global step advances by 2 per batch
+    for step in range(0, 2 * window_end(2, 1) + 2, 2):  # two optimizers: the global step goes up 2 a batch
         run(session, model, optimizer, range(step, step + 1), Outlet())
     r = session.result
-    assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (4, (6,), (8,))
+    doubled = tuple(2 * step for step in module_steps(2))  # the window's batches: counting the third
+    assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (
+        4, doubled, (2 * first_clean(2),)
+    )  # fmt: skip
 
 
 def test_clean_steps_of_new_shapes_are_counted_on_steps_of_their_own_then_predicted_and_all_count() -> None:
@@ -203,11 +211,18 @@ def test_clean_steps_of_new_shapes_are_counted_on_steps_of_their_own_then_predic
     session = StepSession(Options(profile_step=0, clean_steps=2), "test", publish=publish)
     session.train_start(0)
     outlet = Outlet()
-    run(session, model, optimizer, range(0, 3), outlet, batch=torch.randn(B, IN))
-    for step, size in ((3, B + 1), (4, B + 2), (5, B + 3)):  # new shapes: counted, counted, predicted
+    clean = first_clean(0)  # the first clean step, with the counted shapes
+    run(session, model, optimizer, range(0, clean + 1), outlet, batch=torch.randn(B, IN))
+    for step, size in (
+        (clean + 1, B + 1),
+        (clean + 2, B + 2),
+        (clean + 3, B + 3),
+    ):  # counted, counted, predicted
         run(session, model, optimizer, range(step, step + 1), outlet, batch=torch.randn(size, IN))
     r = session.result
-    assert r is not None and (r.steps.clean, r.steps.skipped, r.steps.shape_counting) == ((2, 5), (), (3, 4))
+    assert r is not None and (r.steps.clean, r.steps.skipped, r.steps.shape_counting) == (
+        (clean, clean + 3), (), (clean + 1, clean + 2)
+    )  # fmt: skip
     assert (r.steps.shapes, r.steps.shapes_counted, r.steps.shapes_predicted) == (4, 3, 1)
 
     def flops(size: int) -> int:  # forward, weight and bias gradients (the input needs no grad)
@@ -225,16 +240,21 @@ def test_a_run_that_ends_inside_the_window_publishes_what_it_had_and_says_so(tmp
     model = nn.Linear(IN, OUT)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     session = StepSession(Options(profile_step=1, clean_steps=3), "test", publish=publish)
-    with pytest.warns(UserWarning, match=r"window needs steps 1 \.\. 5.*latencies will rest on 1 clean step"):
-        session.train_start(0, max_steps=4)
+    end, last = first_clean(1) + 1, window_end(1, 3) - 1  # the run ends after one clean step
+    with pytest.warns(
+        UserWarning, match=rf"window needs steps 1 \.\. {last}.*latencies will rest on 1 clean step"
+    ):
+        session.train_start(0, max_steps=end)
     outlet = Outlet(tmp_path)
-    run(session, model, optimizer, range(0, 4), outlet)
+    run(session, model, optimizer, range(0, end), outlet)
     assert session.result is None  # the window has not ended
-    session.train_end(4, outlet)
+    session.train_end(end, outlet)
     r = session.result
-    assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (1, (2,), (3,))
-    assert [step for _, step in outlet.logged] == [4]
-    assert "median of 1 clean step(s): steps 3" in outlet.printed[0]
+    assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (
+        1, module_steps(1), (first_clean(1),)
+    )  # fmt: skip
+    assert [step for _, step in outlet.logged] == [end]
+    assert f"median of 1 clean step(s): steps {first_clean(1)}" in outlet.printed[0]
 
 
 def test_a_window_with_no_clean_step_says_its_latencies_are_inflated() -> None:
@@ -260,7 +280,7 @@ def test_warnings_come_at_train_start_not_after_the_run() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         StepSession(Options(profile_step=2, clean_steps=1), "test", publish=publish).train_start(
-            0, max_steps=6
+            0, max_steps=window_end(2, 1) + 1
         )
 
 
@@ -271,16 +291,16 @@ def test_a_second_run_profiles_again() -> None:
     for _ in range(2):
         session.train_start(0)
         outlet = Outlet()
-        run(session, model, optimizer, range(0, 3), outlet)
+        run(session, model, optimizer, range(0, window_end(0, 0) + 1), outlet)
         profiles = [step for metrics, step in outlet.logged if names.FWD_FLOPS in metrics]
-        assert session.result is not None and profiles == [2]
+        assert session.result is not None and profiles == [window_end(0, 0)]
 
 
 def test_close_inside_any_window_step_leaves_nothing_and_the_next_run_counts_the_same() -> None:
     model = nn.Linear(IN, OUT)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = torch.randn(B, IN)
-    for failing in range(3):  # the counting, the module-timing and a clean step
+    for failing in (0, *module_steps(0), first_clean(0)):  # the counting, each module-timing, a clean step
         session = StepSession(Options(profile_step=0, clean_steps=1), "test", publish=publish)
         session.train_start(0)
         run(session, model, optimizer, range(0, failing), Outlet(), batch=batch)
@@ -292,7 +312,7 @@ def test_close_inside_any_window_step_leaves_nothing_and_the_next_run_counts_the
         assert session.result is None and not session.window_open
     session = StepSession(Options(profile_step=0, clean_steps=0), "test", publish=publish)
     session.train_start(0)
-    run(session, model, optimizer, range(0, 2), Outlet(), batch=batch)
+    run(session, model, optimizer, range(0, window_end(0, 0)), Outlet(), batch=batch)
     assert session.result is not None
     assert session.result.profile.bwd_flops == 2 * B * IN * OUT + B * OUT
 
@@ -304,9 +324,10 @@ def test_throughput_is_logged_after_the_window_at_logging_steps() -> None:
     session.train_start(0)
     outlet = Outlet()
     batch = torch.randn(B, IN)
-    run(session, model, optimizer, range(0, 5), outlet, batch=batch)
+    end = window_end(0, 0)  # published there; metered from there
+    run(session, model, optimizer, range(0, end + 3), outlet, batch=batch)
     steps = [step for metrics, step in outlet.logged if names.THROUGHPUT_SAMPLES_PER_SEC in metrics]
-    assert steps == [3, 4, 5]  # published at 2; metered from there
+    assert steps == [end + 1, end + 2, end + 3]
     flops = 2 * B * IN * OUT + 2 * B * IN * OUT + B * OUT
     for metrics, _ in outlet.logged[1:]:
         assert metrics[names.THROUGHPUT_MFU] == pytest.approx(metrics[names.THROUGHPUT_FLOPS_PER_SEC] / 1e9)
@@ -321,7 +342,7 @@ def test_parallel_sizes_scale_samples_per_second_by_the_data_parallel_size() -> 
     parallel = ParallelSizes(world_size=4, data_parallel=4)
     batch = torch.randn(B, IN)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    run(session, model, optimizer, range(0, 3), Outlet(), batch, 1, parallel)
+    run(session, model, optimizer, range(0, window_end(0, 1)), Outlet(), batch, 1, parallel)
     r = session.result
     assert r is not None and r.parallel == parallel
     assert r.metrics()[names.SAMPLES_PER_SEC] == pytest.approx(B * 4 / r.iter_latency)
@@ -340,7 +361,7 @@ def test_with_activation_checkpointing_the_printed_logged_and_saved_rates_agree(
     session = StepSession(Options(profile_step=0, clean_steps=1, throughput=False), "test", publish=publish)
     session.train_start(0)
     outlet = Outlet(tmp_path)
-    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, 3), outlet)
+    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, window_end(0, 1)), outlet)
     r = session.result
     assert r is not None and r.profile.recompute_flops > 0
     logged = outlet.logged[0][0]
@@ -414,8 +435,9 @@ def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path
     session.train_start(0)
     outlet = Outlet(tmp_path)
     run(
-        session, model, torch.optim.SGD(model.parameters(), lr=0.0), range(0, 3), outlet, ids, loss_of=lm_loss
-    )
+        session, model, torch.optim.SGD(model.parameters(), lr=0.0), range(0, window_end(0, 1)), outlet, ids,
+        loss_of=lm_loss,
+    )  # fmt: skip
     console = outlet.printed[0].splitlines()
     # a module-timing step slowed by another process adds up to 4 lines saying so (tree_check)
     console = [line for line in console if not line.startswith("module latencies in doubt")]

@@ -11,7 +11,7 @@ from flops_callbacks.options import Options
 from flops_callbacks.session.run_plan import CLEAN_MAX, CLEAN_MIN
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.session.window_steps import median_interval, median_known
-from tests.support import B, Outlet, run
+from tests.support import B, Outlet, run, window_end
 
 
 def test_the_medians_interval_is_the_order_statistics_binomial_tables_give() -> None:
@@ -37,7 +37,7 @@ def test_auto_clean_steps_stop_when_the_median_is_known_or_at_20() -> None:
     session.train_start(0)
     outlet = Outlet()
     step = 0
-    while session.result is None and step < 2 + CLEAN_MAX:
+    while session.result is None and step < window_end(0, CLEAN_MAX):
         run(session, model, optimizer, range(step, step + 1), outlet, batch=torch.randn(B, 6))
         step += 1
     r = session.result
