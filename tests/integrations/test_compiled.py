@@ -5,6 +5,7 @@ root agrees with the forward phase."""
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from pathlib import Path
@@ -23,10 +24,11 @@ from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.module_tree import has_compiled
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.module_timer import ModuleTimer
-from tests.support import lightning_settings
+from tests.support import first_clean, lightning_settings, module_steps, window_end
 
-WIDTH, BATCH, STEPS = 256, 128, 7  # a forward of ~2 ms: compute, not dynamo's guards, sets the times
-PROFILE_STEP = 2  # counting 2, module timing 3, clean 4 and 5
+WIDTH, BATCH = 256, 128  # a forward of ~2 ms: compute, not dynamo's guards, sets the times
+PROFILE_STEP = 2  # counting 2, then the module-timing steps, then 2 clean steps
+STEPS = window_end(PROFILE_STEP, 2) + 1  # one step past the window
 EAGER_NOTE = "runs eagerly while the profiler is on"
 
 
@@ -168,8 +170,11 @@ def fit_compiled(root: Path, profiled: bool) -> tuple[FlopsProfilerCallback | No
 
 
 def assert_window_holds(result: Any, step_seconds: list[float]) -> None:
-    clean = [step_seconds[PROFILE_STEP + 2], step_seconds[PROFILE_STEP + 3]]
-    assert step_seconds[PROFILE_STEP + 1] <= 3 * max(clean)  # the module-timing step: no dearer than 3x
+    clean = [step_seconds[first_clean(PROFILE_STEP)], step_seconds[first_clean(PROFILE_STEP) + 1]]
+    # the module-timing steps: no dearer than 3x a clean one (their median: one step's hiccup on a shared
+    # machine, 50-100 ms here, is not the bug this guards against, which made every one 35x to 670x)
+    timing = statistics.median(step_seconds[step] for step in module_steps(PROFILE_STEP))
+    assert timing <= 3 * max(clean), step_seconds
     root = result.profile.modules[""].fwd_latency
     # an eager tree beside a compiled phase, on a shared machine: the same order, not equal (the bug this
     # guards against read 70x to 1,500x); how close they come is measured in benchmarks/

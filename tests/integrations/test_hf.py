@@ -50,8 +50,8 @@ from tests.raising import RaiseInBackward
 from tests.sleepy import Sleepy, SleepySGD
 from tests.support import first_clean, laid_out, module_steps, window_end, window_steps
 
-# The window: counting step 2, module-timing step 3, one clean step 4; published when step 4 has ended,
-# at global step 5. Runs go one step past it unless a test is about where they end.
+# The window: counting step 2, the module-timing steps, one clean step; published when that step has
+# ended, at WINDOW_END. Runs go one step past it unless a test is about where they end.
 PROFILE_STEP, CLEAN_STEPS = 2, 1
 MODULE_STEPS, FIRST_CLEAN = module_steps(PROFILE_STEP), first_clean(PROFILE_STEP)
 WINDOW_END = window_end(PROFILE_STEP, CLEAN_STEPS)

@@ -835,7 +835,7 @@ def test_with_two_optimizers_the_window_starts_at_the_first_step_at_or_after_pro
 
 
 def test_with_two_optimizers_a_window_cut_short_by_max_steps_warns_at_train_start(tmp_path: Path) -> None:
-    # batches start at 0, 2, 4, 6: counting at 4, module timing at 6, and the run ends at 8
+    # batches start at 0, 2, 4, 6: counting at 4, module timing from 6, and the run ends at 8
     callback = quiet_callback(profile_step=3)
     module = SleepyGAN((0, 0, 0), (0, 0, 0), tiny_ops=2)
     _, at_start, _ = fit_watching_warnings(tmp_path, module, callback, sleepy_loader(8), max_steps=8)

@@ -18,8 +18,7 @@ from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.tree_check import check_tree
 from flops_callbacks.session.result import WindowResult
-from flops_callbacks.session.run_plan import MODULE_TIMING_STEPS
-from tests.support import lightning_settings
+from tests.support import lightning_settings, module_steps, window_end
 
 MS = 1e-3
 
@@ -114,8 +113,8 @@ def test_without_a_module_timing_step_there_is_nothing_to_doubt() -> None:
 # --- a pause on the module-timing steps, in a real Lightning run ---------------------------------------
 
 PAUSE = 0.3
-PROFILE_STEP = 1  # counting 1, module timing 2 (MODULE_TIMING_STEPS of them), then 2 clean steps
-MODULE_STEPS = tuple(PROFILE_STEP + 1 + i for i in range(MODULE_TIMING_STEPS))
+PROFILE_STEP = 1  # counting 1, the module-timing steps, then 2 clean steps
+MODULE_STEPS = module_steps(PROFILE_STEP)
 
 
 class Pausing(nn.Module):
@@ -156,9 +155,7 @@ def profiled(tmp_path: Path, pause_at: tuple[int, ...]) -> tuple[WindowResult, s
     net.layers[2].pause_at = pause_at
     data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 16))
     ours = FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=2, print_profile=False)
-    trainer = L.Trainer(
-        callbacks=[ours], **lightning_settings(tmp_path, PROFILE_STEP + 3 + MODULE_TIMING_STEPS)
-    )
+    trainer = L.Trainer(callbacks=[ours], **lightning_settings(tmp_path, window_end(PROFILE_STEP, 2)))
     trainer.fit(net, torch.utils.data.DataLoader(data, batch_size=8))
     assert ours.result is not None and ours.result.steps.module_timing == MODULE_STEPS
     report = (tmp_path / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
