@@ -149,12 +149,14 @@ def window_steps(profile_step: int, clean: int, **fields: Any) -> WindowSteps:
     return WindowSteps(**{**settings, **fields})
 
 
-def module_source(profile_step: int) -> str:
-    """The start of the report's "module latencies from" value for a window counted at ``profile_step``."""
+def module_source(profile_step: int, trace: int | None) -> str:
+    """The start of the report's "module latencies from" value for a window counted at ``profile_step``
+    whose tree is step ``trace``'s."""
     steps = module_steps(profile_step)
     if len(steps) == 1:
         return f"step {steps[0]} (module hooks, no counting"
-    return f"steps {', '.join(map(str, steps))} (module hooks, no counting, each module's median"
+    listed = ", ".join(map(str, steps))
+    return f"steps {listed} (module hooks, no counting, the tree of step {trace}, their median"
 
 
 def laid_out(steps: WindowSteps) -> WindowSteps:

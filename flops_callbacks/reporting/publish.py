@@ -60,7 +60,7 @@ def _module_source(result: WindowResult) -> str:
             f"none: {steps} had other batch shapes than step {s.counting} "
             "(per-module FLOPS would mix two batches)"
         )
-    median = ", each module's median" if len(s.module_timing) > 1 else ""
+    median = f", the tree of step {s.module_trace}, their median" if len(s.module_timing) > 1 else ""
     cost, taken = result.hook_cost, ""
     if cost is not None:
         taken = f"; less {duration_to_string(cost.per_call)} a call for the hooks, {cost.source}"

@@ -27,7 +27,7 @@ from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_steps import Kind, WindowStep, clean_figures
 from flops_callbacks.timing.clock import CpuClock
-from flops_callbacks.timing.module_timer import HookCost, ModuleTimes, hook_cost, median_times
+from flops_callbacks.timing.module_timer import HookCost, ModuleTimes, hook_cost, median_step
 from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phases import PHASES
 
@@ -123,17 +123,16 @@ def _model_forward(
 def _module_times(
     module_steps: list[WindowStep], clean: list[WindowStep]
 ) -> tuple[ModuleTimes, HookCost | None, int]:
-    """Each module's median latency over the module-timing steps, the hooks' cost taken out (its share
-    inside a call's own span fitted on each step), the cost of the step whose spans the timeline shows,
-    and that step."""
+    """The module latencies of the median module-timing step (by the model's time), the hooks' cost taken
+    out (its share inside a call's own span fitted on each step), that step's cost, and that step."""
     cost = _hook_cost(module_steps, clean)
     each = []
     for s in module_steps:
         if s.timer is not None:
             fitted = s.timer.fitted(cost) if cost is not None else None
             each.append((s.number, fitted, s.timer.times(fitted)))
-    times = median_times([t for _, _, t in each])
-    return next((times, c, number) for number, c, t in each if t.spans is times.spans)
+    times = median_step([t for _, _, t in each])
+    return next((times, c, number) for number, c, t in each if t is times)
 
 
 def build_result(

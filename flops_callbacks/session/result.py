@@ -56,11 +56,12 @@ __all__ = [
 class WindowSteps:
     """Which global step each figure comes from.
 
-    ``counting``: flops, MACs, params, coverage. ``module_timing``: the per-module latencies (each
-    module's median over these steps; empty when the run ended before them); ``module_trace``: the one of
-    them whose spans the timeline shows. ``clean``: the steps whose phase latencies were used (their
-    median); ``skipped``: clean steps left out because their batches had other shapes than the counting
-    step's. ``latency_source`` names where fwd / bwd / step latency come from in words.
+    ``counting``: flops, MACs, params, coverage. ``module_timing``: the steps that timed the modules
+    (empty when the run ended before them); ``module_trace``: the one of them, the median by the model's
+    forward + backward, whose per-module latencies and spans are reported. ``clean``: the steps whose
+    phase latencies were used (their median); ``skipped``: clean steps left out because their batches
+    had other shapes than the counting step's. ``latency_source`` names where fwd / bwd / step latency
+    come from in words.
     ``shape_counting``: steps counted (not timed) because their batch shapes' flops were neither counted
     nor predictable yet. ``shapes``: distinct micro-batch shape signatures the window's counted and
     clean steps saw, and how their flops were obtained (counted, predicted from counted ones).

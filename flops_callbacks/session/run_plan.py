@@ -17,7 +17,7 @@ from flops_callbacks.user_warning import warn
 __all__ = ["CLEAN_MAX", "CLEAN_MIN", "MODULE_TIMING_STEPS", "RunPlan", "unwritable_destinations"]
 
 CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
-MODULE_TIMING_STEPS = 3  # each module's latency is its median over them: a pause in one step drops out
+MODULE_TIMING_STEPS = 3  # the tree is the median one's (by the model's time): a pause in one drops out
 BEFORE_CLEAN = 1 + MODULE_TIMING_STEPS  # the counting and module-timing steps
 
 

@@ -53,7 +53,7 @@ __all__ = [
     "FORWARD",
     "hook_cost",
     "HookCost",
-    "median_times",
+    "median_step",
     "ModuleTimer",
     "ModuleTimes",
     "RECOMPUTE",
@@ -85,25 +85,13 @@ class ModuleTimes:
         return dataclasses.replace(profile, modules=modules)
 
 
-def median_times(of: list[ModuleTimes]) -> ModuleTimes:
-    """Each module's median latency over several steps' times (a module a step never ran counts 0
-    there); the spans are those of the step whose model forward + backward is the median, so that the
-    timeline shows one real step."""
-    if len(of) == 1:
-        return of[0]
-
-    def median(tables: list[dict[str, float]]) -> dict[str, float]:
-        names = dict.fromkeys(name for table in tables for name in table)
-        return {name: statistics.median(t.get(name, 0.0) for t in tables) for name in names}
-
+def median_step(of: list[ModuleTimes]) -> ModuleTimes:
+    """The times of the step whose model forward + backward is the median of several steps': a pause in
+    another step drops out with that step, and the tree is one real step's, whose children fit in their
+    parents as they ran and whose spans the timeline shows (each module's own median would mix steps: a
+    parent from a fast one, its children from slow ones, wider than it)."""
     totals = [t.fwd.get("", 0.0) + t.bwd.get("", 0.0) for t in of]
-    middle = sorted(range(len(of)), key=totals.__getitem__)[len(of) // 2]
-    return ModuleTimes(
-        median([t.fwd for t in of]),
-        median([t.bwd for t in of]),
-        median([t.recompute for t in of]),
-        of[middle].spans,
-    )
+    return of[sorted(range(len(of)), key=totals.__getitem__)[len(of) // 2]]
 
 
 def _grad_fns(value: Any) -> list[Any]:

@@ -348,9 +348,10 @@ def test_report_is_printed_once_and_saved_whole_with_its_json_next_to_the_logs(l
     ]:
         assert summary_value(report, label) == value
     # the MLP makes 2 calls inside its own: too few to measure the hooks' cost on, the probe's is taken out
-    cost = duration_to_string(logged_run["callback"].result.hook_cost.per_call)
+    result = logged_run["callback"].result
+    cost = duration_to_string(result.hook_cost.per_call)
     assert summary_value(report, "module latencies from") == (
-        f"{module_source(PROFILE_STEP)}; less {cost} a call for the hooks, probe)"
+        f"{module_source(PROFILE_STEP, result.steps.module_trace)}; less {cost} a call for the hooks, probe)"
     )
     saved = json.loads((log_dir / f"flops_profile_step{PROFILE_STEP}.json").read_text())
     assert (saved["step"], saved["published_at_step"]) == (PROFILE_STEP, WINDOW_END)

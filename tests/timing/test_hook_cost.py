@@ -3,6 +3,7 @@ one, the bounds the probe puts on it, and each module's median over several time
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -18,7 +19,7 @@ from flops_callbacks.timing.module_timer import (
     ModuleTimer,
     ModuleTimes,
     hook_cost,
-    median_times,
+    median_step,
 )
 from flops_callbacks.timing.outer_calls import OuterCalls
 from tests.sleepy import Sleepy
@@ -144,22 +145,25 @@ def _times(fwd_root: float, fwd_a: float, start: float) -> ModuleTimes:
     )
 
 
-def test_each_module_takes_its_median_over_the_steps_and_the_spans_of_the_median_step() -> None:
+def test_the_tree_is_the_median_steps_whose_pause_drops_out_with_its_step() -> None:
     steps = [_times(0.010, 0.004, 1.0), _times(0.310, 0.304, 2.0), _times(0.012, 0.005, 3.0)]
-    times = median_times(steps)
+    times = median_step(steps)
+    assert times is steps[2]  # the model's forward + backward: 30, 930 and 36 ms; the median is 36
     assert times.fwd == {"": 0.012, "a": 0.005}  # the 0.3 s pause of the second step is left out
-    assert times.bwd == {"": 0.024}
-    assert [s.start for s in times.spans] == [3.0]  # the step whose total is the median
     one = _times(0.01, 0.0, 0.0)
-    assert median_times([one]) is one
+    assert median_step([one]) is one
 
 
-def test_a_module_missing_from_a_step_counts_zero_there() -> None:
-    steps = [_times(0.01, 0.004, 0.0), _times(0.01, 0.004, 0.0), _times(0.01, 0.004, 0.0)]
-    steps[0].fwd["b"] = steps[1].fwd["b"] = 0.002
-    assert median_times(steps).fwd["b"] == 0.002
-    steps[1].fwd.pop("b")
-    assert median_times(steps).fwd["b"] == 0.0
+def test_the_median_steps_children_fit_in_their_parent_where_each_modules_median_would_not() -> None:
+    # three consistent steps (a + b <= root in each): each module's own median would give a = 5, b = 6
+    # against a root of 10, children 1.1x wider than their parent
+    def tree(root: float, a: float, b: float) -> ModuleTimes:
+        return ModuleTimes({"": root, "a": a, "b": b}, {"": root}, {}, [])
+
+    steps = [tree(0.010, 0.007, 0.003), tree(0.010, 0.003, 0.007), tree(0.011, 0.005, 0.006)]
+    assert statistics.median(t.fwd["a"] for t in steps) + statistics.median(t.fwd["b"] for t in steps) > 0.010
+    times = median_step(steps)
+    assert times in steps and times.fwd["a"] + times.fwd["b"] <= times.fwd[""]
 
 
 def test_the_timer_takes_the_measured_cost_off_each_call_inside_a_span() -> None:
