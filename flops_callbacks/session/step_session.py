@@ -2,8 +2,8 @@
 
 A profile is a short window of steps, each doing one job on its own clock: the counting step counts every
 op (:class:`~flops_callbacks.counting.engine.Tracer`; its times feed no figure), the
-``MODULE_TIMING_STEPS`` module-timing steps mark module calls only (each module's latency is its median
-over them: :class:`~flops_callbacks.timing.module_timer.ModuleTimer`), and the clean steps mark the
+``MODULE_TIMING_STEPS`` module-timing steps mark module calls only (the tree is the median one's:
+:class:`~flops_callbacks.timing.module_timer.ModuleTimer`), and the clean steps mark the
 phases at the framework's events and each step's end, and the model's outermost calls in their forward
 (what the timer's hooks cost: :mod:`flops_callbacks.timing.outer_calls`). Each batch's flops come from
 :class:`~flops_callbacks.session.shape_flops.ShapeFlops` (counted, or predicted exactly), so clean steps
