@@ -333,8 +333,9 @@ def test_after_an_optimizer_fault_at_the_counting_step_iterations_run_as_before_
 
 # --- user functions and loggers that fail ---------------------------------------------------------------
 
-# the n-th micro-batch: 1 = the counting step's, 3 = the clean step's, 4 = the first metered one's
-CALLS = {"counting": 1, "clean": first_clean(0) + 1, "metered": first_clean(0) + 2}  # the user fn's nth call
+# the user function's n-th call, one per micro-batch: the counting step's, the clean step's (after the
+# module-timing steps'), the first metered one's
+CALLS = {"counting": 1, "clean": first_clean(0) + 1, "metered": first_clean(0) + 2}
 
 
 @pytest.mark.parametrize("call", list(CALLS))
