@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
+from flops_callbacks.integrations.one_call import OneCall
 from flops_callbacks.options import CausalAttention, Options, check_flag
 from flops_callbacks.reporting.publish import publish
 from flops_callbacks.session.result import WindowResult
@@ -125,6 +126,14 @@ class SessionCallback:
         super().__init_subclass__(**kwargs)
         if "__init__" not in vars(cls):
             cls.__init__ = _renamed(SessionCallback.__init__, f"{cls.__name__}.__init__")  # type: ignore[method-assign]
+
+    _training_step: OneCall | None = None  # the framework's training_step, wrapped for its next call
+
+    def _unwrap(self) -> None:
+        """Put back the wrapped ``training_step`` whose call never came (idempotent)."""
+        one_call, self._training_step = self._training_step, None
+        if one_call is not None:
+            one_call.remove()
 
     @property
     def result(self) -> WindowResult | None:

@@ -29,11 +29,12 @@ except ImportError as err:  # the core needs only torch; the HF callback is an e
     ) from err
 
 from flops_callbacks.integrations.callback_base import SessionCallback
+from flops_callbacks.integrations.one_call import OneCall
 from flops_callbacks.metrics import FWD_FLOPS
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
 from flops_callbacks.profile import Profile
-from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, TrainingContext
+from flops_callbacks.session.step_session import BACKWARD, FORWARD, OPTIMIZER_STEP, TrainingContext
 from flops_callbacks.units import number_to_string
 from flops_callbacks.user_warning import warn
 
@@ -205,7 +206,8 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     The Trainer has no event that carries the batch, none between forward and backward, and none for
     an exception, so for each micro-batch of a window step (and of metered steps) the adapter sets
     ``trainer.training_step`` to a wrapper, an instance attribute that removes itself when the call
-    starts; inside it, ``trainer.compute_loss`` likewise marks the end of the forward. Everything the
+    starts (:class:`~flops_callbacks.integrations.one_call.OneCall`); inside it, ``trainer.compute_loss``
+    likewise marks the start and the end of the forward. Everything the
     profiler runs lives inside that call and is removed in its ``finally``: an exception anywhere
     (forward, backward, clipping, ``optimizer.step()``, another callback) leaves nothing behind.
     ``batch_size_fn`` and ``tokens_fn`` receive the Trainer's ``inputs`` dict; without ``tokens_fn``,
@@ -214,7 +216,8 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
 
     Phases, on the device's synchronized clock:
 
-    * forward: the start of ``training_step`` to the end of ``compute_loss`` (the forward and the loss).
+    * forward: ``compute_loss`` (the forward and the loss). ``training_step``'s work before it
+      (``model.train()``, which walks every module, and the move of the inputs) is no phase's.
     * backward: from there to ``on_pre_optimizer_step``: ``accelerator.backward`` (with the gradient
       all-reduce), the Trainer's bookkeeping of the micro-batch, gradient clipping.
     * optimizer step: ``on_pre_optimizer_step`` -> ``on_optimizer_step``: ``optimizer.step()`` only.
@@ -229,9 +232,6 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
 
     default_tokens_fn = staticmethod(_input_ids_tokens)  # type: ignore[assignment]
     _trainer: weakref.ref[transformers.Trainer] | None = None
-    _wrapped: transformers.Trainer | None = None  # the Trainer whose training_step is wrapped
-    _wrapper: Callable[..., Any] | None = None
-    _shadowed: Callable[..., Any] | None = None  # a user's own instance-level training_step
 
     def _current_trainer(self) -> transformers.Trainer | None:
         return self._trainer() if self._trainer is not None else None
@@ -336,17 +336,10 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     def _wrap_next_micro_batch(self, trainer: transformers.Trainer) -> None:
         """Wrap ``trainer.training_step`` for one call when the session wants the micro-batch."""
         self._unwrap()
-        if not self.session.wants_batches:
-            return
-        training_step = trainer.training_step
-        shadowed = trainer.__dict__.get("training_step")  # a user's own instance-level training_step
-
-        def one_micro_batch(*args: Any, **kwargs: Any) -> Any:
-            self._unwrap()
-            return self._micro_batch(trainer, training_step, args, kwargs)
-
-        self._wrapper, self._wrapped, self._shadowed = one_micro_batch, trainer, shadowed
-        trainer.training_step = one_micro_batch  # type: ignore[method-assign]
+        if self.session.wants_batches:
+            self._training_step = OneCall(
+                trainer, "training_step", lambda step, a, kw: self._micro_batch(trainer, step, a, kw)
+            )
 
     def _micro_batch(
         self, trainer: transformers.Trainer, training_step: Callable[..., Any], args: tuple, kwargs: dict
@@ -356,6 +349,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         shadowed = trainer.__dict__.get("compute_loss")
 
         def forward_then_backward(*a: Any, **kw: Any) -> Any:
+            session.phase(FORWARD)  # model.train() and the move of the inputs before it are no phase's
             out = compute_loss(*a, **kw)
             session.phase(BACKWARD)
             return out
@@ -375,15 +369,6 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
                 else:
                     trainer.compute_loss = shadowed  # type: ignore[method-assign]
             session.micro_batch_end(pause=False)
-
-    def _unwrap(self) -> None:
-        trainer, wrapper, self._wrapped, self._wrapper = self._wrapped, self._wrapper, None, None
-        if trainer is None or trainer.__dict__.get("training_step") is not wrapper:
-            return
-        if self._shadowed is None:
-            del trainer.training_step
-        else:
-            trainer.training_step = self._shadowed  # type: ignore[method-assign]
 
 
 def _context(trainer: transformers.Trainer, args: Any, model: torch.nn.Module) -> TrainingContext:

@@ -8,6 +8,7 @@ hook starts which phase, where the parallel sizes and the compute dtype are, and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -21,9 +22,10 @@ except ImportError as err:  # the core needs only torch; the Lightning callback 
     ) from err
 
 from flops_callbacks.integrations.callback_base import SessionCallback
+from flops_callbacks.integrations.one_call import OneCall
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
-from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, TrainingContext
+from flops_callbacks.session.step_session import BACKWARD, FORWARD, OPTIMIZER_STEP, TrainingContext
 
 __all__ = ["compute_dtype", "FlopsProfilerCallback", "parallel_sizes"]
 
@@ -127,8 +129,9 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
 
     Phases, on the device's synchronized clock, as Lightning 2.6 calls the hooks:
 
-    * forward: ``on_train_batch_start`` -> ``on_before_backward``: ``training_step`` (forward and
-      loss) and, in automatic optimization, ``zero_grad``.
+    * forward: the strategy's ``training_step`` (the user's forward and loss, in the precision's
+      autocast), wrapped for one call (:class:`~flops_callbacks.integrations.one_call.OneCall`).
+      Lightning's work around it (the optimizer's closure, ``zero_grad``) is no phase's.
     * backward: ``on_before_backward`` -> ``on_before_optimizer_step`` (or the end of a micro-batch
       that only accumulates): the backward with its gradient all-reduce, ``on_after_backward``,
       GradScaler's unscale.
@@ -194,6 +197,17 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
                 hooks = [opt.register_step_post_hook(self._after_step) for opt in trainer.optimizers]
                 self._step_hooks = hooks
         session.micro_batch_start(batch)
+        self._unwrap()
+        if session.window_open:
+            self._training_step = OneCall(trainer.strategy, "training_step", self._user_code)
+
+    def _user_code(self, training_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The strategy's ``training_step``: the forward restarts at the user's code and the phases stop
+        when it returns; the optimizer's closure around it and ``zero_grad`` after it are no phase's."""
+        self.session.phase(FORWARD)
+        out = training_step(*args, **kwargs)
+        self.session.stop_timing()
+        return out
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.session.phase_end()
@@ -225,6 +239,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             self._profiled_step = session.result.step
 
     def _end_step(self) -> None:
+        self._unwrap()
         self._step_at_batch_start = None
         hooks, self._step_hooks = self._step_hooks, ()
         for handle in hooks:

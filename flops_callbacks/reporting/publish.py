@@ -103,7 +103,8 @@ def model_forward_lines(result: WindowResult) -> list[tuple[str, str]]:
     value = f"{duration_to_string(seconds)} ({which})"
     if len(result.rank_latencies) > 1:  # the phases above are the slowest rank's
         return [("the model's own forward, this rank (outermost module calls, clean steps)", value)]
-    share = f"{percent(seconds, result.fwd_latency)} of fwd latency (the rest: the loss, framework code)"
+    rest = "the rest: the loss, the training step's own code"
+    share = f"{percent(seconds, result.fwd_latency)} of fwd latency ({rest})"
     return [("the model's own forward (outermost module calls, clean steps)", f"{value}: {share}")]
 
 

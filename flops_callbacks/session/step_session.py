@@ -17,7 +17,8 @@ An adapter maps its framework's events onto this object (:mod:`flops_callbacks.s
     train_start(global_step, max_steps=..)   at the start of a run (warnings come here, not at the end)
     step_start(global_step, model, context)  at the start of each optimizer step
     micro_batch_start(batch)                 before each micro-batch's forward
-    phase(BACKWARD / OPTIMIZER_STEP / FORWARD), phase_end()   at the events between phases
+    phase(BACKWARD / OPTIMIZER_STEP / FORWARD), phase_end()   at the events between phases (FORWARD in
+                                             a running forward: the user's code starts; stop_timing(): ends)
     micro_batch_end(pause=..)                after each micro-batch
     step_end(global_step, outlet, logs=..)   when the optimizer step has ended
     train_end(global_step, outlet)           at the end of the run
@@ -293,9 +294,10 @@ class StepSession:
 
     @_own_work("marking a phase")
     def phase(self, name: str) -> None:
-        """The framework reached the start of phase ``name``."""
+        """The framework reached the start of phase ``name``; ``FORWARD`` while the forward runs: the user's
+        code starts here, and the framework's work since the micro-batch started is no phase's."""
         step = self._step
-        if step is None:
+        if step is None or (name == FORWARD and step.phases.restart(FORWARD)):
             return
         if name == BACKWARD and self._timer is not None and self._timer.running:
             step.phases.stop()  # the walk is nobody's time, not the forward's

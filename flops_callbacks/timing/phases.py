@@ -56,6 +56,14 @@ class StepPhases:
             self.memory.reset()  # the first phase since a stop
         self.current, self._since, self._ended = name, mark, None
 
+    def restart(self, name: str) -> bool:
+        """``name`` runs and really starts now (the user's code after the framework's own work): its span
+        starts again on a new mark. False when ``name`` is not the running phase."""
+        if name != self.current or self._ended is not None:
+            return False
+        self._since = self.clock.mark()
+        return True
+
     def end(self) -> None:
         """The running phase ended; what follows is decided by the next :meth:`start` or :meth:`stop`."""
         if self.current is None or self._ended is not None:

@@ -481,6 +481,31 @@ def test_forward_backward_and_optimizer_step_of_known_durations_are_reported_wit
     assert_nothing_left(trainer)
 
 
+class SlowToPrepareInputs(Trainer):
+    """The Trainer's own work in ``training_step`` before ``compute_loss`` (moving the inputs), made long."""
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        time.sleep(SLEEP)
+        return super()._prepare_inputs(inputs)
+
+
+def test_the_forward_is_compute_loss_and_the_trainers_work_before_it_is_the_steps_other(
+    tmp_path: Path,
+) -> None:
+    model = SleepyRegressor(SLEEP, SLEEP)
+    callback = quiet(profile_step=1, clean_steps=2)
+    trainer = train(
+        tmp_path, model, [callback], report_to=(), datasets={"train_dataset": Pairs(10)},
+        trainer_class=SlowToPrepareInputs, max_steps=window_end(1, 2), per_device_train_batch_size=2,
+    )  # fmt: skip
+    result = callback.result
+    assert result.fwd_latency == pytest.approx(SLEEP, rel=0.15)  # not two sleeps
+    spreads = result.figures().spreads
+    other = spreads["wall"].median - spreads["data"].median - result.iter_latency
+    assert other == pytest.approx(SLEEP, rel=0.15)  # the sleep, in the wall step's split
+    assert_nothing_left(trainer)
+
+
 class SlowToStartEvaluation(Trainer):
     """Evaluation that takes a while before its first batch (set-up a user's subclass might do)."""
 

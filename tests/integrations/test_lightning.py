@@ -783,6 +783,36 @@ def test_forward_backward_and_optimizer_step_of_known_durations_are_reported_wit
     assert (root.fwd_latency, root.bwd_latency) == pytest.approx((SLEEP, SLEEP), rel=0.15)
 
 
+class ZeroGradSleeps(SleepyModule):
+    """Lightning's ``zero_grad``, which runs between ``training_step`` and the backward, made long."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        time.sleep(SLEEP)
+        optimizer.zero_grad()
+
+
+class SlowBatchStart(L.Callback):
+    """After ours: Lightning's work between the batch's start and ``training_step``, made long."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        time.sleep(SLEEP)
+
+
+def test_the_forward_is_training_step_and_lightnings_work_around_it_is_the_steps_other(
+    tmp_path: Path,
+) -> None:
+    callback = quiet_callback(profile_step=0, clean_steps=3)
+    end = window_end(0, 3)
+    module = ZeroGradSleeps(SLEEP, SLEEP, SLEEP)
+    fit(tmp_path, module, callback, sleepy_loader(end), max_steps=end, callbacks=[SlowBatchStart()])
+    result = callback.result
+    assert result.fwd_latency == pytest.approx(SLEEP, rel=0.15)  # not 2 or 3 sleeps
+    assert (result.bwd_latency, result.step_latency) == pytest.approx((SLEEP, SLEEP), rel=0.15)
+    spreads = result.figures().spreads
+    other = spreads["wall"].median - spreads["data"].median - result.iter_latency
+    assert other == pytest.approx(2 * SLEEP, rel=0.15)  # the two sleeps, in the wall step's split
+
+
 def test_a_gan_stepping_two_optimizers_in_one_step_gets_each_phase_within_15_percent(tmp_path: Path) -> None:
     # unequal parts: the discriminator's forward timed as optimizer step would show as 0.1 s too little
     # forward and too much step; each phase's 0.2 s dwarfs the tiny ops' few ms

@@ -154,6 +154,8 @@ class Injector(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.fault.current = trainer.global_step
+        self.strategy = trainer.strategy  # where the one-call training_step wrapper is set, before this
+        self.fault.check("on_train_batch_start")
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self.fault.check("on_before_backward")
@@ -277,6 +279,7 @@ def sigint_handler() -> Iterator[None]:
 # --- the matrix ------------------------------------------------------------------------------------
 
 POINTS = [
+    ("on_train_batch_start", False),  # after ours: the strategy's training_step is wrapped, never called
     ("forward", False),
     ("training_step", False),
     ("on_before_backward", False),
@@ -304,6 +307,7 @@ def test_an_exception_in_a_window_step_reaches_the_caller_and_leaves_nothing(
     assert raised.value is fault.error and injector.seen is fault.error
     assert str(raised.value) == f"injected in {point} at step {WINDOW_STEPS[window_step]}"
     assert_same_state(before, process_state(module))
+    assert "training_step" not in vars(injector.strategy)
     assert not callback.session.window_open
     if window_step != "clean" or point != "on_train_batch_end":  # that one ends after the window
         assert callback.result is None

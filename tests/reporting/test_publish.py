@@ -147,7 +147,8 @@ def test_the_root_is_checked_against_the_models_own_forward_only_of_steps_with_t
         "the model's forward on step 11 (200 ms) is 2.00x the model's own forward (100 ms, clean steps)"
     ]
     assert own_forward_row(result) == (
-        "100 ms (median of the 2 clean steps): 40% of fwd latency (the rest: the loss, framework code)"
+        "100 ms (median of the 2 clean steps): 40% of fwd latency "
+        "(the rest: the loss, the training step's own code)"
     )
     result.steps = dataclasses.replace(result.steps, model_forward=(14,))  # one clean step marked it
     assert own_forward_row(result).startswith("100 ms (step 14): 40% of fwd latency")

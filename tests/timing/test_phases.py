@@ -75,3 +75,15 @@ def test_stop_between_micro_batches_leaves_the_gap_untimed() -> None:
 def test_an_unknown_phase_name_is_refused() -> None:
     with pytest.raises(ValueError, match="phase must be one of"):
         StepPhases(TickClock()).start("warmup")
+
+
+def test_a_restarted_forward_drops_the_frameworks_work_before_it_and_a_stop_the_work_after_it() -> None:
+    phases = StepPhases(TickClock())
+    phases.start(FORWARD)  # 0: the micro-batch starts (the step's first mark: the data wait ends here)
+    assert phases.restart(FORWARD)  # 1: the user's training_step starts: 0..1 is no phase's
+    phases.stop()  # 2: it returned; zero_grad runs
+    phases.start(BACKWARD)  # 3: 2..3 is no phase's
+    assert not phases.restart(FORWARD)  # a backward runs: nothing to restart
+    phases.start(OPTIMIZER_STEP)  # 4
+    phases.stop()  # 5
+    assert phases.seconds() == (1.0, 1.0, 1.0) and phases.first_mark == 0

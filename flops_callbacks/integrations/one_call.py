@@ -1,0 +1,41 @@
+"""A framework method wrapped for its next call only, where the framework has no event to mark.
+
+The wrapper is an instance attribute that removes itself as the call starts (and at :meth:`OneCall.remove`
+on any other exit), putting back what the instance held before (a user's own instance-level method), so
+nothing of it outlives the call, whatever the call raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["OneCall"]
+
+# around(original, args, kwargs): runs the call the framework made, with the profiler's marks around it
+Around = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+
+
+class OneCall:
+    """``owner.name`` wrapped by ``around`` for the next call."""
+
+    def __init__(self, owner: Any, name: str, around: Around) -> None:
+        self.owner, self.name = owner, name
+        original = getattr(owner, name)
+        self.shadowed = owner.__dict__.get(name)
+
+        def one_call(*args: Any, **kwargs: Any) -> Any:
+            self.remove()
+            return around(original, args, kwargs)
+
+        self.wrapper = one_call
+        setattr(owner, name, one_call)
+
+    def remove(self) -> None:
+        """Put back what ``owner.name`` was, unless the call already did (idempotent)."""
+        if self.owner.__dict__.get(self.name) is not self.wrapper:
+            return
+        if self.shadowed is None:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self.shadowed)
