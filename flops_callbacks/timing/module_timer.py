@@ -287,29 +287,40 @@ class ModuleTimer:
 
     def fitted(self, cost: HookCost) -> HookCost:
         """``cost`` with the share of a call's own hooks inside its span (``own``, the probe's share)
-        raised to what the outermost calls show in place: their children, less ``cost``, may not sum to
-        more than their parent (whose hooks' cost was measured on these very calls); what they exceed it
-        by, per child call, is hooks' time inside each child's span that the probe's share missed (on
-        the 24-layer MLP through Lightning, a leaf's span held 10-15 us of its own hooks against the
-        probe's 1-2 us). Never above ``per_call``: a call's own share is part of its cost."""
+        raised, by bisection, to the least that fits the outermost calls: their children may not sum to
+        more than their parent (whose hooks' cost was measured on these very calls: its own measure
+        stays). Every call inside loses the share, not only the children: under HF's one-child loss
+        wrapper, the excess divided by its one child took the whole cost off every leaf (40% short).
+        Never above ``per_call``: a call's own share is part of its cost."""
         self.clock.synchronize()
-        seconds = self._seconds(cost.per_call, cost.own)
-        durations, parent, _ = self._forward_tree(seconds)
-        excess, children = 0.0, 0
-        for i, span in enumerate(self._fwd_spans):
-            if i in parent or span[5]:
-                continue  # only the outermost calls are anchored
-            mine = [c for c, p in parent.items() if p == i]
-            if mine:
-                _, start, started, end, ended, _ = span
-                excess += sum(durations[c] for c in mine) - seconds(start, end, ended - started, True)
-                children += len(mine)
-        if excess <= 0 or children == 0:
+        anchors = self._seconds(cost.per_call, cost.own)  # the outer calls' own measure stays as it is
+
+        def excess(own: float) -> float:
+            return self._excess(self._seconds(cost.per_call, own), anchors)
+
+        if excess(cost.own) <= 0:
             return cost
-        own = min(cost.own + excess / children, cost.per_call)
-        fit = f"own share {own * 1e6:.1f} us in place (the outer calls' children)"
+        low, high = cost.own, cost.per_call
+        for _ in range(30 if excess(high) <= 0 else 0):  # to under a nanosecond
+            middle = (low + high) / 2
+            low, high = (middle, high) if excess(middle) > 0 else (low, middle)
+        fit = f"own share {high * 1e6:.1f} us in place (the outer calls' children)"
         detail = f"{cost.detail}; {fit}" if cost.detail else fit
-        return dataclasses.replace(cost, own=own, detail=detail)
+        return dataclasses.replace(cost, own=high, detail=detail)
+
+    def _excess(self, seconds: Callable[..., float], anchors: Callable[..., float]) -> float:
+        """How much the outermost calls' children (``seconds``) exceed their parents (``anchors``)."""
+        durations, parent, _ = self._forward_tree(seconds)
+        outer = {i: 0.0 for i, span in enumerate(self._fwd_spans) if i not in parent and not span[5]}
+        inside = {p for p in parent.values() if p in outer}  # only the outermost calls are anchored
+        for child, p in parent.items():
+            if p in inside:
+                outer[p] += durations[child]
+        excess = 0.0
+        for i in inside:
+            _, start, started, end, ended, _ = self._fwd_spans[i]
+            excess += outer[i] - anchors(start, end, ended - started, True)
+        return excess
 
     def _seconds(self, per_call: float, own: float) -> Callable[..., float]:
         clock_seconds = self.clock.seconds

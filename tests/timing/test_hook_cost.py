@@ -211,3 +211,69 @@ def test_the_own_share_is_raised_until_the_outer_calls_children_fit_in_them() ->
     assert timer.fitted(HookCost(0.0, 0.0, "none")) == HookCost(0.0, 0.0, "none")
     dear = timer.fitted(HookCost(per_call=0.012, own=0.0, source="dear"))
     assert dear.own == pytest.approx((2 * 0.012 - 0.01) / 2, abs=0.002)
+
+
+class HookedTime:
+    """A virtual clock on which every mark costs ``before`` + ``after`` (a timing hook's own work around
+    its clock read) and module bodies take what they add: a call's hooks cost 2 x (before + after), half
+    of it inside its own span (the pre hook's work after its mark, the post hook's before)."""
+
+    def __init__(self, before: float, after: float) -> None:
+        self.now, self.before, self.after = 0.0, before, after
+
+    def mark(self) -> float:
+        self.now += self.before
+        mark = self.now
+        self.now += self.after
+        return mark
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def synchronize(self) -> None:
+        pass
+
+
+class Body(nn.Module):
+    def __init__(self, clock: HookedTime, seconds: float) -> None:
+        super().__init__()
+        self.clock, self.body = clock, seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.clock.now += self.body
+        return x
+
+
+class LossInside(nn.Module):
+    """An HF-style model: one child (the network of 48 small leaves) and the loss around it."""
+
+    def __init__(self, clock: HookedTime) -> None:
+        super().__init__()
+        self.clock = clock
+        self.net = nn.Sequential(*[Body(clock, 10e-6) for _ in range(48)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        self.clock.now += 20e-6  # the loss
+        return out
+
+
+def test_under_a_one_child_wrapper_the_own_share_fits_every_call_inside_not_the_one_child() -> None:
+    clock = HookedTime(before=3e-6, after=2e-6)  # 10 us a call, 5 us of it inside its own span
+    model = LossInside(clock)
+    timer = ModuleTimer(model, clock)  # type: ignore[arg-type]
+    timer.start()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1))
+    finally:
+        timer.stop()
+    # the cost measured in place (10 us), the probe's share under-read (0): the 48 leaves (15 us spans)
+    # exceed the model's span less its 49 calls by 215 us; the excess is the leaves' own share, 48 of
+    # them (4.5 us each), not the one child's (which took the whole 10 us off each leaf: 5 us, half)
+    fitted = timer.fitted(HookCost(per_call=10e-6, own=0.0, source="given"))
+    assert fitted.own == pytest.approx(215e-6 / 48, rel=0.01)
+    times = timer.times(fitted)
+    leaves = sum(times.fwd[f"net.{i}"] for i in range(48))
+    assert leaves == pytest.approx(48 * 10e-6, rel=0.06)  # the leaves' true 480 us
+    assert leaves <= times.fwd["net"] + 1e-12 <= times.fwd[""] + 2e-12
