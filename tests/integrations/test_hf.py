@@ -458,29 +458,6 @@ class Pairs(torch.utils.data.Dataset):
         return {"x": self.x[i], "labels": self.y[i]}
 
 
-def test_forward_backward_and_optimizer_step_of_known_durations_are_reported_within_15_percent(
-    tmp_path: Path,
-) -> None:
-    model = SleepyRegressor(SLEEP, SLEEP)
-    callback = quiet(profile_step=1, clean_steps=2)
-    trainer = train(
-        tmp_path, model, [callback], report_to=(), datasets={"train_dataset": Pairs(10)},
-        optimizers=(SleepySGD(model.parameters(), SLEEP), None), max_steps=window_end(1, 2),
-        per_device_train_batch_size=2,
-    )  # fmt: skip
-    result = callback.result
-    assert (result.steps.counting, result.steps.module_timing, result.steps.clean) == (
-        1, module_steps(1), tuple(range(first_clean(1), window_end(1, 2)))
-    )  # fmt: skip
-    assert result.fwd_latency == pytest.approx(SLEEP, rel=0.15)
-    assert result.bwd_latency == pytest.approx(SLEEP, rel=0.15)
-    assert result.step_latency == pytest.approx(SLEEP, rel=0.15)
-    # the module-timing step: the model's forward, and its backward (the sleeping node's execution)
-    root = result.profile.modules[""]
-    assert (root.fwd_latency, root.bwd_latency) == pytest.approx((SLEEP, SLEEP), rel=0.15)
-    assert_nothing_left(trainer)
-
-
 class SlowToPrepareInputs(Trainer):
     """The Trainer's own work in ``training_step`` before ``compute_loss`` (moving the inputs), made long."""
 
@@ -489,20 +466,30 @@ class SlowToPrepareInputs(Trainer):
         return super()._prepare_inputs(inputs)
 
 
-def test_the_forward_is_compute_loss_and_the_trainers_work_before_it_is_the_steps_other(
+def test_forward_backward_and_optimizer_step_of_known_durations_are_reported_within_15_percent(
     tmp_path: Path,
 ) -> None:
     model = SleepyRegressor(SLEEP, SLEEP)
     callback = quiet(profile_step=1, clean_steps=2)
     trainer = train(
         tmp_path, model, [callback], report_to=(), datasets={"train_dataset": Pairs(10)},
-        trainer_class=SlowToPrepareInputs, max_steps=window_end(1, 2), per_device_train_batch_size=2,
+        optimizers=(SleepySGD(model.parameters(), SLEEP), None), max_steps=window_end(1, 2),
+        per_device_train_batch_size=2, trainer_class=SlowToPrepareInputs,
     )  # fmt: skip
     result = callback.result
-    assert result.fwd_latency == pytest.approx(SLEEP, rel=0.15)  # not two sleeps
+    assert (result.steps.counting, result.steps.module_timing, result.steps.clean) == (
+        1, module_steps(1), tuple(range(first_clean(1), window_end(1, 2)))
+    )  # fmt: skip
+    assert result.fwd_latency == pytest.approx(SLEEP, rel=0.15)  # compute_loss: not the inputs' sleep
+    assert result.bwd_latency == pytest.approx(SLEEP, rel=0.15)
+    assert result.step_latency == pytest.approx(SLEEP, rel=0.15)
+    # the Trainer's work before compute_loss is the wall step's other
     spreads = result.figures().spreads
     other = spreads["wall"].median - spreads["data"].median - result.iter_latency
-    assert other == pytest.approx(SLEEP, rel=0.15)  # the sleep, in the wall step's split
+    assert other == pytest.approx(SLEEP, rel=0.15)
+    # the module-timing step: the model's forward, and its backward (the sleeping node's execution)
+    root = result.profile.modules[""]
+    assert (root.fwd_latency, root.bwd_latency) == pytest.approx((SLEEP, SLEEP), rel=0.15)
     assert_nothing_left(trainer)
 
 
