@@ -27,7 +27,9 @@ from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_steps import Kind, WindowStep, clean_figures
 from flops_callbacks.timing.clock import CpuClock
-from flops_callbacks.timing.module_timer import HookCost, ModuleTimes, hook_cost, median_step
+from flops_callbacks.timing.hook_cost import HookCost
+from flops_callbacks.timing.hook_probe import hook_cost
+from flops_callbacks.timing.module_timer import ModuleTimes, median_step
 from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phases import PHASES
 

@@ -38,7 +38,7 @@ from flops_callbacks.roofline import Roofline, module_rooflines
 from flops_callbacks.session.distributed import Latencies
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_steps import CleanFigures, Spread
-from flops_callbacks.timing.module_timer import HookCost
+from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.spans import ModuleSpan
 
 __all__ = [

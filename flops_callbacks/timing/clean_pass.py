@@ -24,7 +24,8 @@ from flops_callbacks.module_tree import dynamo_compiled_anything, has_compiled
 from flops_callbacks.profile import Profile
 from flops_callbacks.timing.clock import CpuClock, clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
-from flops_callbacks.timing.module_timer import ModuleTimer, hook_cost
+from flops_callbacks.timing.hook_probe import hook_cost
+from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
 
 __all__ = ["CLEAN_PASS_SOURCE", "time_clean"]

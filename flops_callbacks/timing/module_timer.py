@@ -17,11 +17,12 @@ CPU, which on a model of small ops is from a third of the forward to more than a
 one call's hooks is given to :meth:`ModuleTimer.times`, which takes it out of each span once per call
 inside it (and the share of a call's own hooks that falls between its marks). It is best measured in
 place (:mod:`flops_callbacks.timing.outer_calls`: the outermost calls on clean steps against the same
-calls here, over the calls inside them); a synthetic probe (:func:`hook_cost`) reads about half of it
-(its hooks run hot in a tight loop) and serves where no such measure exists. On a GPU the marks are
-CUDA events, and the hooks' host time hides behind the kernels unless the model is launch-bound. The
-garbage collector is off while the timer runs (and on again at :meth:`ModuleTimer.stop`): a collection,
-of the timer's own marks or of what earlier steps left, would land in whichever module happened to run.
+calls here, over the calls inside them); a synthetic probe (:mod:`flops_callbacks.timing.hook_probe`)
+reads about half of it (its hooks run hot in a tight loop) and serves where no such measure exists. On
+a GPU the marks are CUDA events, and the hooks' host time hides behind the kernels unless the model is
+launch-bound. The garbage collector is off while the timer runs (and on again at
+:meth:`ModuleTimer.stop`): a collection, of the timer's own marks or of what earlier steps left, would
+land in whichever module happened to run.
 
 Why not ``register_full_backward_hook``: it wraps a module's inputs and outputs in extra autograd
 nodes and never fires when no input needs a gradient (a first layer, frozen embeddings). Nothing is
@@ -33,9 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import statistics
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,20 +43,12 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from flops_callbacks.module_tree import ModuleTree, ancestors, depth_of, eager_compiled_code
 from flops_callbacks.profile import Profile
-from flops_callbacks.timing.clock import Clock, CpuClock
+from flops_callbacks.timing.clock import Clock
 from flops_callbacks.timing.collector import collector_off
+from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.spans import BACKWARD, FORWARD, RECOMPUTE, ModuleSpan, Phase
 
-__all__ = [
-    "BACKWARD",
-    "FORWARD",
-    "hook_cost",
-    "HookCost",
-    "median_step",
-    "ModuleTimer",
-    "ModuleTimes",
-    "RECOMPUTE",
-]
+__all__ = ["BACKWARD", "FORWARD", "median_step", "ModuleTimer", "ModuleTimes", "RECOMPUTE"]
 
 _current_autograd_node = torch._C._current_autograd_node
 
@@ -365,93 +356,3 @@ def _fill_containers(table: dict[str, float]) -> None:
             if above in own:
                 break
             table[above] = table.get(above, 0.0) + table[name]
-
-
-# A cost measured in place is kept between the probe's (a floor: its hooks run hot in a tight loop) and
-# this many times it: HF's modules, called with keyword arguments through torch's slow call path, cost
-# 3-5x the probe's per call (GPT-2, hooks on and off in a plain loop); a pause on the timed step reads more.
-PROBE_CEILING = 8.0
-MIN_CALLS = 20  # fewer calls inside the outer ones: a step's noise outweighs their hooks, the probe stands
-
-
-@dataclasses.dataclass(frozen=True)
-class HookCost:
-    """What the timing hooks of one module call cost, in seconds: ``per_call`` in all (what it adds to
-    its caller's span), of which ``own`` lies inside the call's own span (between its two marks);
-    ``source`` says how it was found in a few words, ``detail`` in full."""
-
-    per_call: float
-    own: float
-    source: str
-    detail: str = ""
-
-    def instead(self, why: str) -> HookCost:
-        """This (probe's) cost, with why no in-place measure replaced it."""
-        return dataclasses.replace(self, detail=f"{self.detail}; not measured in place: {why}")
-
-    def measured(self, hooked: float, clean: float, calls: int, detail: str, noise: float = 0.0) -> HookCost:
-        """The cost measured in place: the outermost module calls with the timer's hooks on (seconds)
-        less the same calls on clean steps, over the ``calls`` made inside them (the outer calls' own
-        share, under a percent at ``MIN_CALLS``, is left in), kept between this (probe's) cost and
-        ``PROBE_CEILING`` times it; the share inside a call's own span is the probe's. ``noise``: how
-        much the clean steps' same calls vary (seconds, highest less lowest); where the hooks' cost as
-        the probe reads it is less, the difference is the steps' noise more than the hooks' (a model of
-        large ops: a 30-ms GPT-2 forward varied 3 ms from step to step on two busy cores, its 30 calls'
-        hooks cost 0.6 ms) and the probe's cost stands: a few percent of such a model's time at most."""
-        if calls < MIN_CALLS:
-            return self.instead(f"{calls} module call(s) inside the model's, fewer than {MIN_CALLS}")
-        if calls * self.per_call < noise:
-            return self.instead(
-                f"the clean steps' outer calls vary by {noise * 1e3:.2f} ms, more than the hooks of "
-                f"{calls} calls cost by the probe ({calls * self.per_call * 1e3:.2f} ms)"
-            )
-        measured = (hooked - clean) / calls
-        per_call = min(max(measured, self.per_call), PROBE_CEILING * self.per_call)
-        source = "measured in place"
-        if per_call != measured:
-            bound = "the probe's" if per_call == self.per_call else f"{PROBE_CEILING:g}x the probe's"
-            source += f", kept to {bound}"
-            detail += f" ({measured * 1e6:.1f} us, kept to {bound}: {self.per_call * 1e6:.1f} us a call)"
-        share = self.own / self.per_call if self.per_call > 0 else 0.0
-        return HookCost(per_call, per_call * share, source, detail)
-
-
-class _Probe(torch.nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * 1.0  # one small op with an autograd node, as a real call makes
-
-
-def hook_cost(calls: int = 50, rounds: int = 15) -> HookCost:
-    """The hooks' cost from a probe: a one-op module called ``calls`` times with a timer's hooks on and
-    off (its outputs kept, as a forward keeps them), the fastest of ``rounds`` each, and its spans
-    against its plain calls (a few ms in all). About half what the hooks cost inside a real model
-    (module doc): the fallback when no in-place measure exists, and the share of a call's own hooks
-    that lies inside its span."""
-    probe = _Probe()
-    x = torch.zeros(4, requires_grad=True) * 1.0
-    timer = ModuleTimer(probe, CpuClock())
-
-    def run(each: list[float]) -> float:
-        outputs = []
-        begin = time.perf_counter()
-        for _ in range(calls):
-            mark = time.perf_counter()
-            outputs.append(probe(x))
-            each.append(time.perf_counter() - mark)
-        return time.perf_counter() - begin
-
-    plain: list[float] = []
-    hooked: list[float] = []
-    plain_calls: list[float] = []
-    hooked_calls: list[float] = []  # (the spans are read from the timer instead)
-    for _ in range(rounds):
-        plain.append(run(plain_calls))
-        timer.start()
-        try:
-            hooked.append(run(hooked_calls))
-        finally:
-            timer.stop()
-    spans = [span.duration for span in timer.times().spans if span.phase == FORWARD]
-    per_call = max((min(hooked) - min(plain)) / calls, 0.0)
-    own = max(statistics.median(spans) - statistics.median(plain_calls), 0.0)
-    return HookCost(per_call, min(own, per_call), "probe", "a one-op module with the hooks on and off")

@@ -10,7 +10,8 @@ import torch.nn as nn
 from flops_callbacks.session import builder
 from flops_callbacks.session.window_steps import Kind, WindowStep
 from flops_callbacks.timing.clock import CpuClock
-from flops_callbacks.timing.module_timer import HookCost, ModuleTimer
+from flops_callbacks.timing.hook_cost import HookCost
+from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phases import StepPhases
 from tests.sleepy import Sleepy

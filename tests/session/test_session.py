@@ -21,7 +21,7 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.reporting.publish import publish
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.timing.collector import COLLECTED
-from flops_callbacks.timing.module_timer import MIN_CALLS
+from flops_callbacks.timing.hook_cost import MIN_CALLS
 from flops_callbacks.units import (
     duration_to_string,
     flops_to_string,

@@ -10,7 +10,8 @@ from torch.utils.checkpoint import checkpoint
 
 from flops_callbacks.module_tree import ancestors
 from flops_callbacks.timing.clock import CpuClock
-from flops_callbacks.timing.module_timer import BACKWARD, FORWARD, HookCost, ModuleTimer
+from flops_callbacks.timing.hook_cost import HookCost
+from flops_callbacks.timing.module_timer import BACKWARD, FORWARD, ModuleTimer
 from tests.sleepy import Sleepy
 from tests.support import forward_timed, holds_sleep
 
