@@ -1,11 +1,12 @@
 """The phases of one optimizer step (forward, backward, optimizer step) on a synchronized clock.
 
 Phases are contiguous: starting one ends the previous on the same clock mark, so ``fwd + bwd + step``
-is exactly the time the step's events cover. Where the framework says a phase *ended* but not what
-comes next (Lightning's ``on_after_backward``, the end of a manual ``optimizer.step()``), the time up
-to the next event is held open and given to the phase that event reveals: a backward starting next
-means a new forward ran (a GAN's second model, a second manual chunk); anything else continues the
-phase that ended.
+is exactly the time the step's events cover, less what the adapter leaves to no phase: the framework's
+work before the user's code (a forward :meth:`~StepPhases.restart` at it) and after it (a stop).
+Where the framework says a phase *ended* but not what comes next (Lightning's ``on_after_backward``,
+the end of a manual ``optimizer.step()``), the time up to the next event is held open and given to the
+phase that event reveals: a backward starting next means a new forward ran (a GAN's second model, a
+second manual chunk); anything else continues the phase that ended.
 """
 
 from __future__ import annotations
