@@ -366,11 +366,18 @@ def test_a_run_ending_inside_the_window_warns_at_train_start_and_publishes_at_tr
 
 
 class StepClock(Probe):
-    """After HFFlopsCallback in the list: when each step ends, by the global step after it."""
+    """After HFFlopsCallback in the list: when each step ends, by the global step after it. Each step
+    sleeps ``STEP_SLEEP`` first, so that an interval's time is not the few milliseconds of the tiny
+    model's steps, where a log write or a hiccup of the machine is a fifth of it (a flake once)."""
+
+    STEP_SLEEP = 0.01
 
     def __init__(self) -> None:
         super().__init__()
         self.ended: dict[int, float] = {}
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        time.sleep(self.STEP_SLEEP)
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         super().on_step_end(args, state, control, **kwargs)
