@@ -345,29 +345,25 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         self, trainer: transformers.Trainer, training_step: Callable[..., Any], args: tuple, kwargs: dict
     ) -> Any:
         session = self.session
-        compute_loss = trainer.compute_loss
-        shadowed = trainer.__dict__.get("compute_loss")
 
-        def forward_then_backward(*a: Any, **kw: Any) -> Any:
+        def forward_then_backward(compute_loss: Callable[..., Any], a: tuple, kw: dict) -> Any:
             session.phase(FORWARD)  # model.train() and the move of the inputs before it are no phase's
             out = compute_loss(*a, **kw)
             session.phase(BACKWARD)
             return out
 
+        marked: OneCall | None = None  # compute_loss, wrapped for the whole training_step
         try:
             session.micro_batch_start(args[1] if len(args) > 1 else kwargs.get("inputs"))  # the inputs
             if session.window_open:
-                trainer.compute_loss = forward_then_backward  # type: ignore[method-assign]
+                marked = OneCall(trainer, "compute_loss", forward_then_backward, once=False)
             return training_step(*args, **kwargs)
         except BaseException:
             session.close()
             raise
         finally:
-            if trainer.__dict__.get("compute_loss") is forward_then_backward:
-                if shadowed is None:
-                    del trainer.compute_loss
-                else:
-                    trainer.compute_loss = shadowed  # type: ignore[method-assign]
+            if marked is not None:
+                marked.remove()
             session.micro_batch_end(pause=False)
 
 

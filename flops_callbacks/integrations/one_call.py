@@ -2,7 +2,8 @@
 
 The wrapper is an instance attribute that removes itself as the call starts (and at :meth:`OneCall.remove`
 on any other exit), putting back what the instance held before (a user's own instance-level method), so
-nothing of it outlives the call, whatever the call raises.
+nothing of it outlives the call, whatever the call raises. With ``once=False`` it wraps every call until
+:meth:`OneCall.remove` (a scope the caller closes in its ``finally``).
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ Around = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 
 
 class OneCall:
-    """``owner.name`` wrapped by ``around`` for the next call."""
+    """``owner.name`` wrapped by ``around`` for the next call (every call until removed: ``once=False``)."""
 
-    def __init__(self, owner: Any, name: str, around: Around) -> None:
+    def __init__(self, owner: Any, name: str, around: Around, once: bool = True) -> None:
         self.owner, self.name = owner, name
         original = getattr(owner, name)
         self.shadowed = owner.__dict__.get(name)
 
         def one_call(*args: Any, **kwargs: Any) -> Any:
-            self.remove()
+            if once:
+                self.remove()
             return around(original, args, kwargs)
 
         self.wrapper = one_call
