@@ -57,8 +57,7 @@ class Marks:
             self.steps[-1][name] = time.perf_counter()
 
     def begin(self) -> None:
-        self.steps.append({})
-        self.mark("start")
+        self.steps.append({})  # a new step: its marks follow
 
     def phases(self, keep: Callable[[int], bool]) -> dict[str, float]:
         """Median (fwd, bwd, step) seconds over the steps whose index ``keep`` accepts."""
