@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import signal
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -26,6 +29,27 @@ from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepS
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.collector import collector_off
 from flops_callbacks.timing.module_timer import ModuleTimer
+
+
+def run_bounded(
+    args: list[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``args`` in a session of its own; past ``timeout`` seconds kill its whole process group (the
+    processes it launched too) and fail: a hang fails the test instead of stalling the suite."""
+    process = subprocess.Popen(
+        args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        raise AssertionError(f"hung: killed after {timeout} s: {' '.join(args)}\n{err[-3000:]}") from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(args, process.returncode, out, err)
 
 
 def hooks_of(obj: object) -> dict[str, dict]:

@@ -25,7 +25,13 @@ from flops_callbacks.roofline import as_data
 from flops_callbacks.session.adapter_api import Outlet
 from flops_callbacks.session.result import WindowResult, window_rates
 from flops_callbacks.timing.phases import PHASES
-from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string, percent
+from flops_callbacks.units import (
+    bytes_to_string,
+    duration_to_string,
+    flops_to_string,
+    number_to_string,
+    percent,
+)
 
 __all__ = [
     "json_data",
@@ -37,6 +43,7 @@ __all__ = [
     "roofline_entries",
     "roofline_text",
     "roofs_text",
+    "rank_count_lines",
     "run_rows",
     "source_lines",
     "spread_lines",
@@ -182,6 +189,7 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
         iters = [sum(latencies) for latencies in result.rank_latencies]
         spread = f"{duration_to_string(min(iters))} .. {duration_to_string(max(iters))}"
         lines.append((f"iter latency over {len(iters)} ranks, min .. max (slowest shown)", spread))
+        lines += rank_count_lines(result)
     if result.micro_batches > 1:
         lines.append(("micro-batches per step", str(result.micro_batches)))
     lines.append(("compute dtype (picks the peak)", result.compute_dtype or "unknown"))
@@ -198,6 +206,22 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
         ]
     doubts = [("module latencies in doubt", note) for note in tree_doubts(result).notes]
     return lines + source_lines(result) + doubts + result.extra_lines
+
+
+def rank_count_lines(result: WindowResult) -> list[tuple[str, str]]:
+    """Over several ranks, the counting step's work per GPU (their mean, printed above) and its range."""
+    world = len(result.rank_counts)
+    lines = []
+    for name, label in (("fwd_flops", "fwd flops"), ("bwd_flops", "bwd flops")):
+        low_high = result.rank_range(name)
+        if low_high is not None:
+            lines.append(
+                (
+                    f"{label} per GPU = the {world} ranks' mean; min .. max",
+                    f"{number_to_string(low_high[0])} .. {number_to_string(low_high[1])}",
+                )
+            )
+    return lines
 
 
 def tree_doubts(result: WindowResult) -> TreeCheck:
@@ -240,6 +264,7 @@ def report_text(result: WindowResult, options: Options, detailed: bool) -> str:
         timing_lines=timing_lines(result, metrics),
         run=run_rows(result, metrics),
         roofline=roofline_text(result),
+        summary=result.per_gpu_profile(),
     )
 
 
@@ -280,6 +305,7 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "peak": dataclasses.asdict(result.peak) if result.peak else {"none": result.no_peak_reason},
         "parallel": dataclasses.asdict(result.parallel),
         "rank_latencies": result.rank_latencies,  # (fwd, bwd, step) seconds, by rank
+        "rank_counts": result.rank_counts,  # each rank's counting-step totals: per GPU is their mean
         "peak_memory_allocated": result.peak_memory,  # bytes per phase, clean steps; None off CUDA
         "bandwidth": dataclasses.asdict(result.bandwidth)
         if result.bandwidth

@@ -66,7 +66,7 @@ class EngineRows:
     """
 
     parallel: ParallelSizes | None = None
-    batch_size: int | None = None  # per GPU
+    batch_size: int | float | None = None  # per GPU
     model_params: int | None = None
     fwd_latency: float | None = None
     bwd_latency: float | None = None
@@ -369,10 +369,13 @@ def render_profile(
     timing_lines: Sequence[tuple[str, str]] = (),
     run: EngineRows | None = None,
     roofline: str = "",
+    summary: Profile | None = None,
 ) -> str:
     """The whole report, as ``print_model_profile`` prints it: the aggregated profile always, the
-    detailed tree if ``detailed`` (as DeepSpeed); ``roofline`` (:func:`render_roofline`) after the summary."""
-    parts = [render_summary(profile, profile_step, timing_lines, run)]
+    detailed tree if ``detailed`` (as DeepSpeed); ``roofline`` (:func:`render_roofline`) after the summary.
+    ``summary``: the profile whose totals the summary prints (per GPU over several ranks), if not
+    ``profile``'s."""
+    parts = [render_summary(summary or profile, profile_step, timing_lines, run)]
     if roofline:
         parts.append(roofline)
     parts.append(render_aggregated(profile, module_depth, top_modules))

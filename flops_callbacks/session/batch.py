@@ -122,6 +122,10 @@ class BatchReader:
             )
         return size
 
+    def samples_or_zero(self, batch: Any) -> int:
+        """Samples in a micro-batch, 0 when unknown (the meter's count)."""
+        return self.samples(batch) or 0
+
     def tokens(self, batch: Any) -> int | None:
         """Tokens in a micro-batch, or None when unknown."""
         if self.options.tokens_fn is not None:

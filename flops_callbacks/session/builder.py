@@ -2,8 +2,9 @@
 window's end.
 
 Apart from :mod:`flops_callbacks.session.step_session` (which decides what each step does) because this is the
-other half of the job: which steps stand for what, the slowest rank's times, the peak, and where each
-figure comes from, in words.
+other half of the job: which steps stand for what, what a rank tells the others (:class:`RankRow`), the
+job's figures of every rank's (the slowest rank's times, the ranks' mean work per device), the peak, and
+where each figure comes from, in words.
 """
 
 from __future__ import annotations
@@ -11,21 +12,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.counting.estimate import estimate_rows
-from flops_callbacks.guard import Guard
 from flops_callbacks.parallel import sharded_params
 from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_peak
+from flops_callbacks.profile import Profile
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
-from flops_callbacks.session.distributed import gather_latencies
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_steps import Kind, WindowStep, clean_figures
+from flops_callbacks.session.window_steps import CleanFigures, Kind, WindowStep, clean_figures
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.hook_probe import hook_cost
@@ -33,7 +34,7 @@ from flops_callbacks.timing.module_timer import ModuleTimes, median_step
 from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phases import PHASES
 
-__all__ = ["build_result"]
+__all__ = ["COUNTED", "LocalWindow", "RankRow", "build_result", "job_figures", "local_window", "mean"]
 
 
 def _model_config(model: torch.nn.Module) -> Any:
@@ -137,22 +138,67 @@ def _module_times(
     return next((times, c, number) for number, c, t in each if t is times)
 
 
-def build_result(
-    steps: list[WindowStep],
-    tracer: Tracer,
-    model: torch.nn.Module,
-    context: TrainingContext,
-    flops: ShapeFlops,
-    global_step: int,
-    *,
-    peaks: tuple[Peak | None, Bandwidth | None],
-    guard: Guard,
-) -> WindowResult:
-    """The result of a window's steps (every rank joins the gather of the clean steps' times); ``peaks``:
-    the user's peak FLOPS and bandwidth, if given; ``guard`` runs the gather as the profiler's own work."""
+COUNTED = (
+    "fwd_flops",
+    "bwd_flops",
+    "recompute_flops",
+    "fwd_macs",
+    "bwd_macs",
+    "recompute_macs",
+    "fwd_bytes",
+    "bwd_bytes",
+    "recompute_bytes",
+    "saved_bytes",
+)  # the counting step's totals the job sums
+
+
+class RankRow(NamedTuple):
+    """What one rank tells the others at the window's end: its clean steps' times and work, and its
+    counting step's totals (by :data:`COUNTED`) and samples and tokens."""
+
+    times: tuple[float, ...]  # CleanFigures.gathered()
+    counts: BatchCounts  # of the clean steps
+    samples: int | float | None
+    tokens: int | float | None
+    real_tokens: int | float | None
+    positions: int | float | None
+    counted: tuple[int, ...]  # the counting step's totals
+    counted_samples: int | None
+    counted_tokens: int | None
+
+
+@dataclasses.dataclass
+class LocalWindow:
+    """This rank's part of the window, before the ranks exchange their rows."""
+
+    profile: Profile
+    ran: list[WindowStep]  # the module-timing steps that ran
+    module_steps: list[WindowStep]  # those of them with the counting step's batch shapes
+    clean: list[WindowStep]
+    figures: CleanFigures  # this rank's
+    source: str  # where the latencies come from, in words
+    counting: WindowStep
+
+    def row(self) -> RankRow:
+        f, c = self.figures, self.counting
+        counted = tuple(getattr(self.profile, name) for name in COUNTED)
+        return RankRow(
+            f.gathered(),
+            f.counts,
+            f.samples,
+            f.tokens,
+            f.real_tokens,
+            f.positions,
+            counted,
+            c.samples,
+            c.tokens,
+        )
+
+
+def local_window(steps: list[WindowStep], tracer: Tracer) -> LocalWindow:
+    """This rank's profile and clean-step figures (module latencies are added in :func:`build_result`)."""
     counting = steps[0]
     profile = tracer.profile()
-    spans: list[Any] = []
     ran = [s for s in steps if s.kind == Kind.MODULE_TIMING and s.signatures and s.timer is not None]
     module_steps = [s for s in ran if s.signatures == counting.signatures]
     if ran and not module_steps:  # another batch's latencies would mix two batches
@@ -161,12 +207,6 @@ def build_result(
             for name, m in profile.modules.items()
         }
     clean = [s for s in steps if s.kind == Kind.CLEAN and s.counts is not None]
-    cost: HookCost | None = None
-    trace_step: int | None = None
-    if module_steps:
-        times, cost, trace_step = _module_times(module_steps, clean)
-        spans = times.spans
-        profile = times.applied_to(profile)
     if clean:
         timed, source = clean, f"median of {len(clean)} clean step(s)"
         counts = _total(clean)
@@ -178,13 +218,67 @@ def build_result(
             f"by {'module hooks' if ran else 'counting'})"
         )
         counts = _total(known) if known else BatchCounts.of(profile)
-    local = clean_figures(timed, counts)
-    device = torch.device(profile.device)
-    rows = [local.gathered()]
-    with guard.own_work("gathering every rank's latencies", "this rank's latencies are reported"):
-        rows = gather_latencies(local.gathered(), device)
-    figures = local.from_gathered(max(rows, key=lambda row: row[0] + row[1] + row[2]))  # fwd+bwd+step sums
+    return LocalWindow(profile, ran, module_steps, clean, clean_figures(timed, counts), source, counting)
+
+
+def mean(values: Sequence[int | float | None]) -> int | float | None:
+    """The ranks' mean (None when a rank's is unknown): an int when exact, as a per-GPU figure is."""
+    if any(v is None for v in values):
+        return None
+    total = sum(v or 0 for v in values)
+    return total // len(values) if total % len(values) == 0 else total / len(values)
+
+
+def job_figures(local: CleanFigures, rows: Sequence[RankRow]) -> CleanFigures:
+    """The job's clean-step figures: the slowest rank's times (its fwd + bwd + step sums), and per
+    device the ranks' mean work, samples and tokens (every rank's own batches)."""
+    slowest = max(rows, key=lambda row: row.times[0] + row.times[1] + row.times[2])
+    figures = local.from_gathered(slowest.times)
+    if len(rows) == 1:
+        return figures
+    counts = BatchCounts(
+        *(round(sum(r.counts[i] for r in rows) / len(rows)) for i in range(len(BatchCounts._fields)))
+    )
+    return dataclasses.replace(
+        figures,
+        counts=counts,
+        samples=mean([r.samples for r in rows]),
+        tokens=mean([r.tokens for r in rows]),
+        real_tokens=mean([r.real_tokens for r in rows]),
+        positions=mean([r.positions for r in rows]),
+    )
+
+
+def build_result(
+    steps: list[WindowStep],
+    local: LocalWindow,
+    rows: Sequence[RankRow],
+    model: torch.nn.Module,
+    context: TrainingContext,
+    flops: ShapeFlops,
+    global_step: int,
+    *,
+    peaks: tuple[Peak | None, Bandwidth | None],
+) -> WindowResult:
+    """The job's result of a window: this rank's profile and module times, every rank's ``rows`` (by
+    rank); ``peaks``: the user's peak FLOPS and bandwidth, if given."""
+    counting, profile, ran, module_steps, clean = (
+        local.counting,
+        local.profile,
+        local.ran,
+        local.module_steps,
+        local.clean,
+    )
+    spans: list[Any] = []
+    cost: HookCost | None = None
+    trace_step: int | None = None
+    if module_steps:
+        times, cost, trace_step = _module_times(module_steps, clean)
+        spans = times.spans
+        profile = times.applied_to(profile)
+    figures = job_figures(local.figures, rows)
     spreads = figures.spreads
+    device = torch.device(profile.device)
     peak, no_peak_reason = resolve_peak(peaks[0], device, context.compute_dtype)
     bandwidth, no_bandwidth_reason = resolve_bandwidth(peaks[1], device)
     profile = dataclasses.replace(
@@ -204,7 +298,7 @@ def build_result(
             module_timing=tuple(s.number for s in module_steps or ran),
             clean=tuple(s.number for s in clean),
             skipped=tuple(s.number for s in steps if s.kind in (Kind.CLEAN, Kind.SKIPPED) and s not in clean),
-            latency_source=source,
+            latency_source=local.source,
             shape_counting=tuple(s.number for s in steps if s.kind == Kind.SHAPE_COUNTING),
             shapes=shapes,
             shapes_counted=counted,
@@ -217,8 +311,8 @@ def build_result(
         fwd_latency=spreads["fwd"].median,
         bwd_latency=spreads["bwd"].median,
         step_latency=spreads["step"].median,
-        samples=counting.samples,
-        tokens=counting.tokens,
+        samples=mean([r.counted_samples for r in rows]),
+        tokens=mean([r.counted_tokens for r in rows]),
         micro_batches=len(counting.signatures),
         parallel=context.parallel,
         compute_dtype=context.compute_dtype,
@@ -227,7 +321,8 @@ def build_result(
         bandwidth=bandwidth,
         no_bandwidth_reason=no_bandwidth_reason,
         peak_memory=_peak_memory(clean),
-        rank_latencies=[(row[5], row[8], row[11]) for row in rows],  # (fwd, bwd, step) medians, by rank
+        rank_latencies=[(r.times[5], r.times[8], r.times[11]) for r in rows],  # (fwd, bwd, step) medians
+        rank_counts=[dict(zip(COUNTED, r.counted, strict=True)) for r in rows],
         sharded_model_params=sharded_params(model),
         extra_lines=extra,
         spans=spans,

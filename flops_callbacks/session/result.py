@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from flops_callbacks.metrics import (
     BWD_BYTES,
@@ -35,14 +37,16 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
 from flops_callbacks.roofline import Roofline, module_rooflines
-from flops_callbacks.session.distributed import Latencies
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_steps import CleanFigures, Spread
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.spans import ModuleSpan
 
+Latencies = tuple[float, float, float]  # (fwd, bwd, step) seconds
+
 __all__ = [
     "HookCost",
+    "Latencies",
     "phase_rates",
     "PhaseRates",
     "window_metrics",
@@ -98,8 +102,9 @@ class WindowResult:
     fwd_latency: float
     bwd_latency: float
     step_latency: float
-    samples: int | None  # per device, per optimizer step (all its micro-batches); None: not found
-    tokens: int | None
+    # per device (the ranks' mean), per optimizer step (all its micro-batches); None: not found
+    samples: int | float | None
+    tokens: int | float | None
     micro_batches: int
     parallel: ParallelSizes = field(default_factory=ParallelSizes)
     compute_dtype: str | None = None
@@ -109,6 +114,8 @@ class WindowResult:
     no_bandwidth_reason: str = ""
     # every rank's (fwd, bwd, step) latencies, by rank; the latencies above are the slowest rank's
     rank_latencies: list[Latencies] = field(default_factory=list)
+    # every rank's counting-step totals (fwd_flops, ..., saved_bytes), by rank: per GPU is their mean
+    rank_counts: list[dict[str, int]] = field(default_factory=list)
     # parameters of the whole model when they are sharded (FSDP2/TP DTensors, ZeRO-3): global sizes
     sharded_model_params: int | None = None
     # report rows an adapter adds about its framework (label, value), e.g. the HF Trainer's estimate
@@ -142,6 +149,23 @@ class WindowResult:
         if self.peak is None:
             return self.no_peak_reason
         return self.no_bandwidth_reason if self.bandwidth is None else ""
+
+    def per_gpu_profile(self) -> Profile:
+        """The profile whose totals are per GPU: the ranks' mean counting-step work (this rank's module
+        tree below them; with one rank, the profile itself)."""
+        if len(self.rank_counts) < 2:
+            return self.profile
+        world = len(self.rank_counts)
+        means = {name: round(sum(c[name] for c in self.rank_counts) / world) for name in self.rank_counts[0]}
+        root = dataclasses.replace(self.profile.model, **cast(dict[str, Any], means))
+        return dataclasses.replace(self.profile, modules={**self.profile.modules, "": root})
+
+    def rank_range(self, name: str) -> tuple[int, int] | None:
+        """The least and most of a counted total over the ranks (None with one rank)."""
+        if len(self.rank_counts) < 2:
+            return None
+        values = [c[name] for c in self.rank_counts]
+        return min(values), max(values)
 
     def rooflines(self) -> dict[str, dict[str, Roofline]]:
         """Each module's forward and backward roofline (module-timing steps' latencies), by module name;
@@ -211,7 +235,7 @@ def window_rates(step: WindowResult) -> PhaseRates:
 
 def window_metrics(step: WindowResult) -> dict[str, float]:
     """The metrics dict of a profile window (``tokens_per_sec`` only when tokens are known)."""
-    p = step.profile
+    p = step.per_gpu_profile()
     c = step.figures()
     dp = step.parallel.data_parallel
     seconds, wall = c.iter_seconds, c.sums["wall"]

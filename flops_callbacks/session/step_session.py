@@ -24,6 +24,11 @@ An adapter maps its framework's events onto this object (:mod:`flops_callbacks.s
     train_end(global_step, outlet)           at the end of the run
     close()                                  on an exception: nothing of the profiler remains
 
+With several processes, every decision that shapes the window is agreed by all ranks at points they reach
+in lock step (:mod:`flops_callbacks.session.window_plan`, the only collectives:
+:mod:`flops_callbacks.session.ranks`): the same kind of step on the same global step, the same last step,
+and the job's figures exchanged there; after the window, ``throughput/*`` is summed at each logging step.
+
 Instruments run only inside a micro-batch of a window step. Every event runs as the profiler's own work
 (:mod:`flops_callbacks.guard`): a failure is said, the window dropped, and the run goes on unprofiled;
 the user's functions and loggers are called through the guard, so their exceptions pass unchanged.
@@ -44,12 +49,14 @@ from flops_callbacks.options import Options
 from flops_callbacks.peaks import given_bandwidth, given_peak
 from flops_callbacks.session import run_plan
 from flops_callbacks.session.adapter_api import Outlet, Publish, TrainingContext
-from flops_callbacks.session.batch import BatchReader, shape_signature
-from flops_callbacks.session.builder import build_result
-from flops_callbacks.session.meter import ThroughputMeter
+from flops_callbacks.session.batch import BatchReader, Signature, shape_signature
+from flops_callbacks.session.builder import RankRow, build_result, local_window
+from flops_callbacks.session.meter import Interval, ThroughputMeter, throughput_metrics
+from flops_callbacks.session.ranks import RankFailure, Ranks
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_steps import Kind, WindowStep, median_known
+from flops_callbacks.session.window_plan import Decision, WindowPlan, Wish
+from flops_callbacks.session.window_steps import Kind, WindowStep
 from flops_callbacks.timing.clock import CpuClock, NullClock, clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
 from flops_callbacks.timing.module_timer import ModuleTimer
@@ -67,8 +74,6 @@ def _own_work(what: str, abandon: bool = True) -> Callable[[F], F]:
     return guarded_event(what, DROPPED if abandon else "training goes on", "_abandon" if abandon else None)
 
 
-MAX_SHAPE_COUNTS = 8  # shape-counting steps a window may add
-
 __all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Outlet", "TrainingContext", "StepSession"]
 
 
@@ -76,7 +81,8 @@ class StepSession:
     """The profile window and the throughput meter of one callback (module doc).
 
     ``owner`` names the callback in messages; ``tokens_fn`` defaults to the options' (an adapter may
-    pass a smarter default, e.g. the HF Trainer's ``input_ids``).
+    pass a smarter default, e.g. the HF Trainer's ``input_ids``). Pickles (``ddp_spawn``): it holds no
+    lambda, and its process group is made again at the run's start.
     """
 
     def __init__(
@@ -93,11 +99,14 @@ class StepSession:
         self.batches = BatchReader(options, owner, self.guard, tokens_fn)
         self.given_peak = given_peak(options.peak_flops)
         self.given_bandwidth = given_bandwidth(options.peak_bandwidth)
-        meter = ThroughputMeter(lambda batch: self.batches.samples(batch) or 0, self.batches.tokens)
-        self.meter = meter if options.throughput else None
+        self.meter = (
+            ThroughputMeter(self.batches.samples_or_zero, self.batches.tokens) if options.throughput else None
+        )
+        self.ranks = Ranks()
+        self.plan = WindowPlan(options, self.ranks)
         self.result: WindowResult | None = None
         self.flops = ShapeFlops()  # flops per micro-batch shape: counted in the window, read after it
-        self._steps: list[WindowStep] = []  # the window's steps so far
+        self._steps: list[WindowStep] = []  # the window's steps so far (this rank's record of them)
         self._step: WindowStep | None = None  # the window step in progress
         self._counter: Tracer | None = None  # a shape-counting step's engine (no clock)
         self._counting: tuple[Any, bool, BatchCounts] | None = None  # (signature, later, counts before)
@@ -108,10 +117,13 @@ class StepSession:
         self._outer: OuterCalls | None = None  # a clean step's outermost calls, while marked
         self._mark_outer = False  # whether clean steps mark them (a CPU clock, nothing compiled)
         self._outermost: list[torch.nn.Module] = []  # the modules whose calls they are
-        self._metering = False  # the meter's events are routed (after the window, on the logging rank)
+        self._metering = False  # the meter's events are routed (after the window, on every rank)
+        self._meter_ok = False  # this rank's meter runs (else it joins the exchanges with nothing)
+        self._window_ran = False  # this run's window ended (published or dropped): no other starts
         self._resumed_past = False
         self._unreachable = False  # said at train start: profile_step is past the run's last step
         self._abandoned = False  # the profiler's own work failed in this run: it goes on unprofiled
+        self._logging_rank = True
         self._unwritable: dict[str, str] = {}  # "output_file" / "log_dir" -> why, said at train start
         self.enabled = True
 
@@ -121,21 +133,26 @@ class StepSession:
         self.enabled, self.meter = False, None
 
     def _abandon(self) -> None:
-        """The profiler's own work failed: drop the window and stop metering for the rest of the run."""
+        """The profiler's own work failed: drop what runs. An open window is dropped on every rank at its
+        next vote (this rank wishes it); metering stops on every rank at the next exchange (this rank
+        keeps joining them, with nothing)."""
         self._abandoned = True
+        self.plan.failed = self.plan.open
+        metering = self._metering and self.ranks.several
         self.close()
+        self._metering, self._meter_ok = metering, False
 
     # --- the run -------------------------------------------------------------------------------------
 
     @property
     def window_open(self) -> bool:
-        """Between the counting step's start and the window's end."""
+        """Between the counting step's start and the window's end (this rank's instruments)."""
         return bool(self._steps)
 
     @property
     def wants_batches(self) -> bool:
         """Whether the micro-batches of the next step matter (a window step, or the meter runs)."""
-        return self._step is not None or self._metering
+        return self._step is not None or self._metering or self.plan.open
 
     @_own_work("checking the run at its start")
     def train_start(
@@ -148,35 +165,40 @@ class StepSession:
         steps_per_batch: int = 1,
         log_dir: str | Path | None = None,
     ) -> None:
-        """A run starts: forget an earlier run's window, and warn now (on the logging rank) if no
-        profile can run in this one, or only a cut-short one. ``steps_per_batch``: global steps each
-        optimizer step of the window takes (Lightning's manual optimization with several optimizers).
-        ``log_dir``: where the window's files will go, checked now so that an unwritable one is said
-        before the run rather than at the window's end."""
+        """A run starts (on every rank): forget an earlier run's window, make the ranks' process group,
+        and warn now (on the logging rank) if no profile can run in this one, or only a cut-short one.
+        ``steps_per_batch``: global steps each optimizer step of the window takes (Lightning's manual
+        optimization with several optimizers). ``log_dir``: where the window's files will go, checked
+        now so that an unwritable one is said before the run rather than at the window's end."""
         self.close()
         self.guard.forget()
+        self.plan.reset()
         self.result = None
         self.flops = ShapeFlops()
-        self._metering = False
-        self._abandoned = False
+        self._metering = self._window_ran = self._abandoned = False
+        self._logging_rank = is_logging_rank
         self.batches.said_no_size = False
         self._unwritable = {}
         plan = run_plan.RunPlan.of(self.options, global_step, max_steps, steps_per_batch)
         self._resumed_past, self._unreachable = plan.resumed_past, plan.unreachable
-        if not self.enabled or not is_logging_rank:
+        if not self.enabled:
+            return
+        with self.guard.own_work("making the profiler's process group", DROPPED, self._abandon):
+            self.ranks.setup()
+        if not is_logging_rank:
             return
         self._unwritable = run_plan.unwritable_destinations(self.owner, self.options.output_file, log_dir)
         plan.warn(self.owner, profiled_before)
 
     @_own_work("ending the run")
     def train_end(self, global_step: int, outlet: Outlet) -> None:
-        """The run ended: publish a window it cut short, or say that none ran."""
+        """The run ended (on every rank): publish a window it cut short, or say that none ran."""
         self._stop_instruments()
         self._step = None
         if self._metering and self.meter is not None:
             self.meter.close()
         self._metering = False
-        if self._steps:
+        if self.plan.open:
             self._finish(global_step, outlet)
         elif self.result is None and self._should_have_run() and outlet.is_logging_rank:
             warn(
@@ -192,8 +214,8 @@ class StepSession:
 
     @_own_work("cleaning up", abandon=False)
     def close(self) -> None:
-        """Stop everything that runs and drop the window (an exception ended the run): no hook, mode
-        or tag of the profiler remains. Safe to call at any time, any number of times."""
+        """Stop everything that runs and drop this rank's window (an exception ended the run): no hook,
+        mode or tag of the profiler remains. Safe to call at any time, any number of times."""
         try:
             self._stop_instruments(record=False)
         finally:
@@ -204,9 +226,18 @@ class StepSession:
                 self.meter.close()
             self._metering = False
 
+    def _drop(self, decision: Decision) -> None:
+        """Every rank agreed to drop the window: said once, by the logging rank, unless this rank's own
+        failure was said already."""
+        self.plan.reset()
+        self._window_ran = True
+        if self._logging_rank and not self._abandoned:
+            warn(f"{self.owner}: {decision.why}; {DROPPED} on every rank. Training goes on.")
+        self._abandoned = True
+        self.close()
+
     # --- steps ---------------------------------------------------------------------------------------
 
-    @_own_work("starting a step")
     def step_start(
         self,
         global_step: int,
@@ -216,19 +247,30 @@ class StepSession:
     ) -> None:
         """An optimizer step starts (before its first micro-batch). ``runs``: what the framework calls,
         when it is a wrapper of ``model`` (the HF Trainer's compiled model): a compile is seen there."""
-        if self._metering and self.meter is not None:
+        if self._metering:
             self._model = model
             return
-        if not self._steps:
-            late = self.result is not None or self._resumed_past or not self.enabled or self._abandoned
+        if not self.plan.open:
+            late = self._window_ran or self._resumed_past or not self.enabled
             if late or global_step < self.options.profile_step:
                 return
+            self.plan.failed = self._abandoned  # a rank that failed before the window votes to drop it
+        kind = self.plan.start_step()  # on every rank alike: the window's steps are the same everywhere
+        if not self.plan.failed:
+            self._begin_step(kind, global_step, model, context, runs)
+
+    @_own_work("starting a step")
+    def _begin_step(
+        self,
+        kind: str | None,
+        global_step: int,
+        model: torch.nn.Module,
+        context: Callable[[], TrainingContext] | None,
+        runs: torch.nn.Module | None,
+    ) -> None:
+        if not self._steps:
             self._context = context() if context is not None else TrainingContext()
             self._model = model
-        n = len(self._steps)
-        kind = (
-            Kind.COUNTING if n == 0 else Kind.MODULE_TIMING if n <= run_plan.MODULE_TIMING_STEPS else None
-        )  # None: its first batch decides
         device = module_device(model)
         clock = self._steps[0].phases.clock if self._steps else clock_for(device)
         start_mark = self._steps[-1].end_mark if self._steps else None
@@ -247,33 +289,54 @@ class StepSession:
         elif kind == Kind.MODULE_TIMING:
             self._timer = step.timer = ModuleTimer(model, step.phases.clock)
 
-    @_own_work("reading the batch")
     def micro_batch_start(self, batch: Any) -> None:
-        """Before a micro-batch's forward: its samples, tokens and flops, and this step's instrument."""
-        step = self._step
-        if step is None:
-            if self._metering and self.meter is not None and self._model is not None:
-                self.meter.begin_micro_batch(batch)
+        """Before a micro-batch's forward: its samples, tokens and flops; the step's kind, agreed by every
+        rank while its batches decide it; and this step's instrument."""
+        if not self.plan.open:
+            if self._metering:
+                self._meter_batch(batch)
             return
+        known = self._read_batch(batch) if self._step is not None else None
+        if self.plan.batch_decides:
+            unknown = known is not None and known[2] is None
+            decision = self.plan.vote(Wish(drop=self.plan.failed, new_shape=unknown))
+            if decision.drop:
+                self._drop(decision)
+                return
+            self.plan.batch_kind(decision.new_shape)
+        if known is not None and self._step is not None:
+            self._begin_micro_batch(batch, *known)
+
+    @_own_work("reading the batch")
+    def _meter_batch(self, batch: Any) -> None:
+        if self.meter is not None and self._model is not None:
+            self.meter.begin_micro_batch(batch)
+
+    @_own_work("reading the batch")
+    def _read_batch(self, batch: Any) -> tuple[Signature, bool, BatchCounts | None]:
+        """The micro-batch's signature, whether it is a later one of its step, and its counts if known."""
+        step = self._step
+        assert step is not None
         signature, later = shape_signature(batch), bool(step.signatures)
+        return signature, later, self.flops.get(signature, later)
+
+    @_own_work("reading the batch")
+    def _begin_micro_batch(
+        self, batch: Any, signature: Signature, later: bool, counts: BatchCounts | None
+    ) -> None:
+        step = self._step
+        assert step is not None
         step.signatures.append(signature)
         samples = self.batches.samples(batch, say_unknown=True)
         step.samples = None if samples is None or step.samples is None else step.samples + samples
         tokens = self.batches.tokens(batch)
         if tokens is not None:
             step.tokens = (step.tokens or 0) + tokens
-        counts = self.flops.get(signature, later)
-        if step.kind in (None, Kind.CLEAN) and counts is None:
-            shape_counts = sum(s.kind == Kind.SHAPE_COUNTING for s in self._steps)
-            step.kind = Kind.SHAPE_COUNTING if shape_counts < MAX_SHAPE_COUNTS else Kind.SKIPPED
-            if step.kind == Kind.SHAPE_COUNTING and self._model is not None:
-                self._counter = Tracer(
-                    self._model,
-                    causal_attention=self.options.causal_attention,
-                    clock=NullClock(),
-                )
-        elif step.kind is None:
-            step.kind = Kind.CLEAN
+        if step.kind != self.plan.kind and self.plan.kind == Kind.SHAPE_COUNTING and self._model is not None:
+            self._counter = Tracer(
+                self._model, causal_attention=self.options.causal_attention, clock=NullClock()
+            )
+        step.kind = self.plan.kind
         step.counts = None if counts is None or step.counts is None else step.counts.plus(counts)
         if step.kind == Kind.CLEAN:
             mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
@@ -281,7 +344,7 @@ class StepSession:
                 step.masks.append(mask)  # read after the window: no synchronize in a timed step
         if step.kind == Kind.COUNTING:
             step.batches.append(batch)
-        engine = {Kind.COUNTING: self._tracer, Kind.SHAPE_COUNTING: self._counter}.get(step.kind)
+        engine = {Kind.COUNTING: self._tracer, Kind.SHAPE_COUNTING: self._counter}.get(step.kind or "")
         if engine is not None:
             self._counting = (signature, later, _totals(engine))
             engine.start()
@@ -346,19 +409,34 @@ class StepSession:
         if self._step is not None:
             self._step.phases.stop()
 
-    @_own_work("ending a step")
     def step_end(self, global_step: int, outlet: Outlet, logs: bool = False) -> None:
-        """The optimizer step ended; ``logs`` says whether this is a logging step of the run."""
-        step = self._step
-        if step is None:
-            if self._metering and self.meter is not None:
-                self.meter.end_step()
+        """The optimizer step ended (on every rank); ``logs`` says whether this is a logging step."""
+        if not self.plan.open:
+            if self._metering:
+                self._meter_step_end()
                 if logs:
                     self.log_throughput(global_step, outlet)
             return
+        done = bool(self._end_window_step()) if self._step is not None else False
+        decision = self.plan.vote(Wish(drop=self.plan.failed, done=done))
+        if decision.drop:
+            self._drop(decision)
+        elif decision.done or self.plan.capped():
+            self._finish(global_step, outlet)
+
+    @_own_work("ending a step")
+    def _meter_step_end(self) -> None:
+        if self.meter is not None:
+            self.meter.end_step()
+
+    @_own_work("ending a step")
+    def _end_window_step(self) -> bool:
+        """This rank's window step ended: its instruments stop; whether it has the clean steps it wants."""
+        step = self._step
+        assert step is not None
         self._stop_instruments()
         if self._counting_failed():
-            return
+            return False
         step.phases.stop()
         step.end_mark = step.phases.clock.mark()
         if step.kind == Kind.MODULE_TIMING and self._mark_outer and self._timer is not None:
@@ -367,31 +445,37 @@ class StepSession:
         self._step = None
         if step.kind == Kind.COUNTING:
             collect_counting_garbage()  # now, outside every clock
-        if self._window_done():
-            self._finish(global_step, outlet)
-
-    def _window_done(self) -> bool:
-        """Whether the window has its clean steps (or has grown as long as it may)."""
-        wanted = self.options.clean_steps
         clean = [s for s in self._steps if s.kind == Kind.CLEAN]
-        most = run_plan.CLEAN_MAX if wanted == "auto" else wanted
-        if len(self._steps) < run_plan.BEFORE_CLEAN:
+        if self.options.clean_steps != "auto" or len(clean) < run_plan.CLEAN_MIN:
             return False
-        if len(clean) >= most or len(self._steps) - run_plan.BEFORE_CLEAN >= most + 2 * MAX_SHAPE_COUNTS:
-            return True
-        if wanted != "auto" or len(clean) < run_plan.CLEAN_MIN:
-            return False
-        return median_known([s.seconds()["iter"] for s in clean])  # reads the clock: a synchronize
+        return self.plan.done_here([s.seconds()["iter"] for s in clean])  # reads the clock: a synchronize
 
     # --- throughput ----------------------------------------------------------------------------------
 
-    @_own_work("logging throughput")
     def log_throughput(self, global_step: int, outlet: Outlet) -> None:
-        """Log the ``throughput/*`` metrics of the interval since the last call (a logging event)."""
-        if self._metering and self.meter is not None:
-            metrics = self.meter.metrics()
-            if metrics:
-                self.guard.user(outlet.log_metrics, metrics, global_step)
+        """Log the job's ``throughput/*`` of the interval since the last call (a logging event, which
+        every rank reaches): each rank's interval is exchanged and summed."""
+        if not self._metering or self.meter is None:
+            return
+        mine = self._interval()
+        try:
+            intervals = self.ranks.exchange(mine)
+        except RankFailure as failure:
+            intervals = [None]
+            self.guard.fail("exchanging throughput across ranks", failure, "throughput/* stops")
+        if any(i is None for i in intervals):  # a rank's meter failed (said there) or the exchange did
+            self._metering = False
+            self.meter.close()
+            return
+        if outlet.is_logging_rank:
+            with self.guard.own_work("logging throughput", "throughput/* goes on"):
+                metrics = throughput_metrics(intervals, self.meter.data_parallel, self.meter.peak)
+                if metrics:
+                    self.guard.user(outlet.log_metrics, metrics, global_step)
+
+    @_own_work("measuring throughput")
+    def _interval(self) -> Interval | None:
+        return self.meter.interval() if self.meter is not None and self._meter_ok else None
 
     @_own_work("pausing throughput")
     def pause_throughput(self) -> None:
@@ -432,24 +516,46 @@ class StepSession:
         return True
 
     def _finish(self, global_step: int, outlet: Outlet) -> None:
-        """Build the result from the window's steps, publish it, and start the throughput meter."""
+        """The window's agreed end (every rank): exchange each rank's figures, build the job's result,
+        publish it on the logging rank, and start the throughput meter on every rank."""
         steps, self._steps, self._step = self._steps, [], None
         tracer, self._tracer, self._timer, self._counter, self._outermost = self._tracer, None, None, None, []
         model, self._model = self._model, None
-        if tracer is None or model is None or not steps[0].signatures:
+        self.plan.reset()
+        self._window_ran = True
+        local = None
+        if tracer is not None and model is not None and steps and steps[0].signatures:
+            with self.guard.own_work("building the profile", DROPPED, self._abandon):
+                local = local_window(steps, tracer)
+        mine: RankRow | str = local.row() if local is not None else "failed" if self._abandoned else "empty"
+        try:
+            rows = self.ranks.exchange(mine)
+        except RankFailure as failure:
+            return self._drop(
+                Decision(True, False, False, f"exchanging every rank's figures failed ({failure})")
+            )
+        if any(row == "failed" for row in rows):
+            failed = rows.index("failed")
+            return self._drop(Decision(True, False, False, f"rank {failed}'s profile failed"))
+        if local is None or model is None or any(isinstance(row, str) for row in rows):
+            return  # a window with no micro-batch: nothing to say (as on every rank)
+        with self.guard.own_work("asking the log dir", "the files in the log dir are not written"):
+            log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective
+        with self.guard.own_work("building the profile", "no profile is published"):
+            peaks = (self.given_peak, self.given_bandwidth)
+            self.result = build_result(
+                steps, local, rows, model, self._context, self.flops, global_step, peaks=peaks
+            )
+        self._metering, self._meter_ok = self.meter is not None, self.result is not None
+        if self.result is None:
             return
-        peaks = (self.given_peak, self.given_bandwidth)
-        self.result = build_result(
-            steps, tracer, model, self._context, self.flops, global_step, peaks=peaks, guard=self.guard
-        )
-        log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective
-        if not outlet.is_logging_rank:
-            return
-        if self.publish is not None:
+        if outlet.is_logging_rank and self.publish is not None:
             self.publish(self.result, self.options, log_dir, outlet, self.guard, set(self._unwritable))
         if self.meter is not None:
-            self.meter.start(self.result, model, self.flops)
-            self._metering = True
+            with self.guard.own_work("starting throughput", "throughput/* is not logged"):
+                self._meter_ok = False
+                self.meter.start(self.result, model, self.flops)
+                self._meter_ok = True
 
 
 def _totals(engine: Tracer) -> BatchCounts:

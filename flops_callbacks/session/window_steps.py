@@ -98,13 +98,15 @@ class Spread:
 
 @dataclass(frozen=True)
 class CleanFigures:
-    """What the clean steps did, summed (for rates) and spread (for latencies); the slowest rank's."""
+    """What the clean steps did, summed (for rates) and spread (for latencies): the slowest rank's times,
+    the ranks' mean work per device."""
 
     counts: BatchCounts
-    samples: int | None
-    tokens: int | None
-    real_tokens: int | None  # token positions that are not padding (attention masks), when known
-    positions: int | None  # token positions the attention masks cover
+    # per device: over several ranks, their mean (an int when exact)
+    samples: int | float | None
+    tokens: int | float | None
+    real_tokens: int | float | None  # token positions that are not padding (attention masks), when known
+    positions: int | float | None  # token positions the attention masks cover
     sums: dict[str, float]  # seconds of each of SUMS over the clean steps
     spreads: dict[str, Spread]  # each of LATENCIES
     iters: tuple[float, ...] = ()  # each step's fwd + bwd + step seconds, in order (this rank's)
@@ -122,7 +124,7 @@ class CleanFigures:
         return tuple(row)
 
     def from_gathered(self, row: tuple[float, ...]) -> CleanFigures:
-        """These figures with another rank's times (its counts are this rank's: ranks share shapes)."""
+        """These figures with another rank's times (the work stays this one's)."""
         sums = dict(zip(SUMS, row[: len(SUMS)], strict=True))
         rest = row[len(SUMS) :]
         steps = next(iter(self.spreads.values())).steps

@@ -385,20 +385,21 @@ def test_a_failing_report_renderer_is_said_once_and_the_metrics_json_and_picture
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_a_failing_cross_rank_gather_is_said_once_and_this_ranks_latencies_are_reported(
+def test_a_failing_exchange_between_ranks_drops_the_window_with_one_warning_and_training_goes_on(
     tmp_path: Path, framework: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("gloo: connection reset")
+    from flops_callbacks.session.ranks import RankFailure, Ranks
 
-    monkeypatch.setattr("flops_callbacks.session.builder.gather_latencies", broken)
+    def broken(self: Ranks, mine: Any) -> list[Any]:
+        raise RankFailure("RuntimeError: gloo: connection reset")
+
+    monkeypatch.setattr(Ranks, "exchange", broken)
     done = run(framework, tmp_path)
     assert done.steps == MAX_STEPS
     (warning,) = done.warnings
-    assert "gathering every rank's latencies failed (RuntimeError: gloo: connection reset)" in warning
-    assert "this rank's latencies are reported" in warning
-    (iter_latency,) = logged(done, names.ITER_LATENCY)
-    assert iter_latency > 0 and logged(done, names.FWD_FLOPS) == [FWD_FLOPS]
+    assert "the ranks' vote failed (RuntimeError: gloo: connection reset)" in warning
+    assert "the profile window is dropped" in warning and "on every rank" in warning
+    assert logged(done, names.FWD_FLOPS) == [] and logged(done, names.ITER_LATENCY) == []
 
 
 # --- the user's exceptions on the same paths -----------------------------------------------------------

@@ -1,0 +1,81 @@
+"""The profiler's only collectives: what every rank of a multi-process run tells the others.
+
+A window shaped by each rank alone ends on different steps when ranks see other batch shapes, and a
+profiler collective then meets a framework's (a hang under Lightning, a gloo mismatch under the HF
+Trainer). So every collective of the package goes through :class:`Ranks`, on a gloo process group of
+its own (created once per run, at its start, by every rank: it never queues behind the training's NCCL
+work and never pairs with a framework's collective) with a timeout on every wait. The callers reach it
+only at points every rank reaches in lock step (:mod:`flops_callbacks.session.window_plan`).
+
+Why ``all_gather_object`` and not a tensor all-reduce: the rows are a few small tuples per window step
+(Python ints stay exact past 2**53 flops), and every rank then decides from the same list.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+
+__all__ = ["RANK_TIMEOUT", "RankFailure", "Ranks"]
+
+RANK_TIMEOUT = 300.0  # seconds a profiler collective may wait for the slowest rank
+
+
+class RankFailure(RuntimeError):
+    """A profiler collective failed or timed out: the window is dropped on every rank."""
+
+
+class Ranks:
+    """This process's place among the run's ranks and the profiler's own process group (module doc).
+
+    Without torch.distributed, or with one process, :meth:`exchange` returns ``[mine]`` and costs nothing.
+    Pickles without its group (Lightning's ``ddp_spawn`` pickles the callbacks): :meth:`setup` makes it.
+    """
+
+    def __init__(self, timeout: float = RANK_TIMEOUT) -> None:
+        self.timeout = timeout
+        self._group: Any = None
+        self._default: Any = None  # the default group the profiler's was made beside
+        self.world = 1
+        self.rank = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"timeout": self.timeout}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["timeout"])  # type: ignore[misc]
+
+    def setup(self) -> None:
+        """At a run's start, on every rank: the profiler's process group (once per default group)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            self._group, self._default, self.world, self.rank = None, None, 1, 0
+            return
+        default = dist.group.WORLD
+        if self._group is None or self._default is not default:
+            self._group = None
+            self._default = default
+            self.world, self.rank = dist.get_world_size(), dist.get_rank()
+            timeout = datetime.timedelta(seconds=self.timeout)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+
+    @property
+    def several(self) -> bool:
+        return self.world > 1
+
+    def exchange(self, mine: Any) -> list[Any]:
+        """Every rank's ``mine``, by rank (every rank must call this at the same point); raises
+        :class:`RankFailure` when a rank does not answer within the timeout or the group fails."""
+        if self.world < 2:
+            return [mine]
+        if self._group is None:
+            raise RankFailure("the profiler's process group could not be made at the run's start")
+        every: list[Any] = [None] * self.world
+        try:
+            torch.distributed.all_gather_object(every, mine, group=self._group)
+        except Exception as error:  # gloo raises RuntimeError (timeouts, closed peers) and others
+            self._group = None  # never waited on again in this run
+            raise RankFailure(f"{type(error).__name__}: {error}") from error
+        return every

@@ -1,0 +1,119 @@
+"""The one owner of what shapes the profile window, agreed by every rank.
+
+Each decision that shapes the window (a step's kind, the window's end, dropping it after a failure) is
+taken here, from every rank's wish, at points every rank reaches in lock step: each micro-batch of a
+step whose batches decide its kind, and each window step's end. So every rank runs the same kind of
+step on the same global step (a rank counting a new batch shape would slow the others' "clean" step
+through the gradient all-reduce), and the window ends on the same step everywhere, where the figures
+are exchanged. A rank whose own work failed keeps voting, for a drop, until every rank has dropped.
+
+Why a vote at the micro-batch and not only at the step's end: a step's kind depends on its batches'
+shapes, which no rank knows before they arrive.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from flops_callbacks.options import Options
+from flops_callbacks.session import run_plan
+from flops_callbacks.session.ranks import RankFailure, Ranks
+from flops_callbacks.session.window_steps import Kind, median_known
+
+__all__ = ["Decision", "MAX_SHAPE_COUNTS", "WindowPlan", "Wish"]
+
+MAX_SHAPE_COUNTS = 8  # shape-counting steps a window may add
+
+
+class Wish(NamedTuple):
+    """What one rank wants at a vote."""
+
+    drop: bool = False  # its own work failed: drop the window
+    new_shape: bool = False  # its micro-batch's flops are neither counted nor predictable
+    done: bool = False  # the window has what it needs here (``clean_steps="auto"``'s median)
+
+
+class Decision(NamedTuple):
+    """What every rank does after a vote; ``why`` says a drop's cause in words ("" for none)."""
+
+    drop: bool
+    new_shape: bool  # some rank's micro-batch is new: the step counts it
+    done: bool
+    why: str = ""
+
+
+class WindowPlan:
+    """The window's agreed state: its steps' kinds so far, whether it is open, and whether this rank
+    failed in it (then it wishes a drop at the next vote)."""
+
+    def __init__(self, options: Options, ranks: Ranks) -> None:
+        self.options = options
+        self.ranks = ranks
+        self.kinds: list[str | None] = []  # the agreed kind of each window step (None: not yet)
+        self.open = False
+        self.failed = False
+
+    def reset(self) -> None:
+        self.kinds, self.open, self.failed = [], False, False
+
+    def start_step(self) -> str | None:
+        """A window step starts: its kind by its place (counting, module timing), or None when its
+        batches decide (a clean step, or a shape-counting or skipped one)."""
+        self.open = True
+        n = len(self.kinds)
+        kind = Kind.COUNTING if n == 0 else Kind.MODULE_TIMING if n <= run_plan.MODULE_TIMING_STEPS else None
+        self.kinds.append(kind)
+        return kind
+
+    @property
+    def kind(self) -> str | None:
+        return self.kinds[-1] if self.kinds else None
+
+    @property
+    def batch_decides(self) -> bool:
+        """Whether the current step's micro-batches vote on its kind (every rank answers the same)."""
+        return self.open and bool(self.kinds) and self.kind in (None, Kind.CLEAN)
+
+    def vote(self, wish: Wish) -> Decision:
+        """Every rank's wishes, agreed: a drop if any rank wants one (or a rank does not answer), a
+        count if any rank's batch is new, the end only when every rank is done."""
+        try:
+            wishes = self.ranks.exchange(wish)
+        except RankFailure as failure:
+            return Decision(True, False, False, f"the ranks' vote failed ({failure})")
+        failed = [rank for rank, w in enumerate(wishes) if w is None or w.drop]
+        if failed:
+            why = f"rank {failed[0]}'s profiler failed" if self.ranks.several else "the profiler failed"
+            return Decision(True, False, False, why)
+        return Decision(False, any(w.new_shape for w in wishes), all(w.done for w in wishes))
+
+    def batch_kind(self, new_shape: bool) -> str:
+        """The current step's agreed kind after a micro-batch's vote said whether some rank's batch is
+        new: a shape-counting step while those are left, else skipped; else clean."""
+        if new_shape:
+            shape_counts = sum(k == Kind.SHAPE_COUNTING for k in self.kinds[:-1])
+            kind = Kind.SHAPE_COUNTING if shape_counts < MAX_SHAPE_COUNTS else Kind.SKIPPED
+        else:
+            kind = self.kind or Kind.CLEAN
+        self.kinds[-1] = kind
+        return kind
+
+    def done_here(self, clean_iters: list[float]) -> bool:
+        """This rank's wish at a step's end: ``clean_iters`` (its clean steps' iter seconds) meet
+        ``clean_steps``, or ``"auto"``'s median is known."""
+        wanted = self.options.clean_steps
+        if len(self.kinds) < run_plan.BEFORE_CLEAN:
+            return False
+        if wanted != "auto":
+            return len(clean_iters) >= wanted
+        return len(clean_iters) >= run_plan.CLEAN_MIN and median_known(clean_iters)
+
+    def capped(self) -> bool:
+        """Whether the window has grown as long as it may (agreed kinds: the same on every rank)."""
+        wanted = self.options.clean_steps
+        most = run_plan.CLEAN_MAX if wanted == "auto" else wanted
+        clean = sum(k == Kind.CLEAN for k in self.kinds)
+        after = len(self.kinds) - run_plan.BEFORE_CLEAN
+        return len(self.kinds) >= run_plan.BEFORE_CLEAN and (
+            clean >= most or after >= most + 2 * MAX_SHAPE_COUNTS
+        )
