@@ -83,7 +83,7 @@ def test_get_model_profile_times_the_model_on_a_clean_pass_and_modules_on_a_mark
 
 
 def test_get_model_profile_with_backward_leaves_no_gradient_of_its_own() -> None:
-    """None of its three passes' gradients stays (the caller's own: tests/integrations/test_deepspeed_api.py)."""
+    """None of its passes' gradients stays (the caller's own: tests/integrations/test_deepspeed_api.py)."""
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), torch.randn(3, 4)
     get_model_profile(model, args=[x], warm_up=0, backward=True, print_profile=False)
