@@ -21,9 +21,9 @@ from tests.support import holds_sleep, leftovers
 
 FWD, BWD, STEP = 0.03, 0.02, 0.01  # seconds slept by the forward, the backward, the optimizer step
 BATCH = 3
-PROFILE_STEP, CLEAN = 2, 2
+PROFILE_STEP, CLEAN = 2, 3  # three clean steps: a median one hiccup cannot move
 WINDOW = dict(profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False)
-STEPS = 10  # the window ends at step 2 + 1 counting + 3 module timing + 2 clean = 8; two steps after
+STEPS = 11  # the window ends at step 2 + 1 counting + 3 module timing + 3 clean = 9; two steps after
 
 
 class SleepyNet(nn.Module):
@@ -83,12 +83,12 @@ def test_plain_loop_measures_each_phases_sleep_and_logs_the_window_then_throughp
     assert_sleeps_measured(prof.metrics)
     assert prof.result.samples == BATCH
     assert prof.result.profile.model.class_name == "SleepyNet"  # the user's model is the root
-    # the window's metrics once, at the step it ended (8), then throughput/* at every later step
+    # the window's metrics once, at the step it ended (9), then throughput/* at every later step
     window = [(step, m) for step, m in logged if names.FWD_LATENCY in m]
-    assert [step for step, _ in window] == [8] and window[0][1] == prof.metrics
+    assert [step for step, _ in window] == [9] and window[0][1] == prof.metrics
     after = [step for step, m in logged if "throughput/samples_per_sec" in m]
-    assert after == [9, 10]
-    rate = next(m for step, m in logged if step == 10)["throughput/samples_per_sec"]
+    assert after == [10, 11]
+    rate = next(m for step, m in logged if step == 11)["throughput/samples_per_sec"]
     assert BATCH / (1.5 * (FWD + BWD + STEP)) < rate < BATCH / (FWD + BWD + STEP)
 
 
@@ -180,8 +180,8 @@ def test_fabric_loop_logs_through_log_dict_and_profiles_the_users_model(tmp_path
     assert prof.result.parallel.world_size == 1 and prof.result.compute_dtype is not None
     assert_sleeps_measured(prof.metrics)
     found = scalars(tmp_path)
-    assert found[names.FWD_LATENCY] == [(8, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
-    assert [step for step, _ in found["throughput/samples_per_sec"]] == [9, 10]
+    assert found[names.FWD_LATENCY] == [(9, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
+    assert [step for step, _ in found["throughput/samples_per_sec"]] == [10, 11]
     assert (Path(fabric.logger.log_dir) / "flops_profile_step2.json").is_file()
 
 
@@ -213,5 +213,5 @@ def test_accelerate_loop_logs_through_accelerator_log_with_its_dtype_and_sizes(t
     assert ("accelerate distributed type", "NO") in result.extra_lines
     assert_sleeps_measured(prof.metrics)
     found = scalars(tmp_path)
-    assert found[names.FWD_LATENCY] == [(8, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
-    assert [step for step, _ in found["throughput/samples_per_sec"]] == [9, 10]
+    assert found[names.FWD_LATENCY] == [(9, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
+    assert [step for step, _ in found["throughput/samples_per_sec"]] == [10, 11]
