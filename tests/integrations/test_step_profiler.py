@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from flops_callbacks import StepProfiler
 from flops_callbacks import metrics as names
 from tests.sleepy import Sleepy, SleepySGD
-from tests.support import holds_sleep, leftovers
+from tests.support import leftovers
 
 FWD, BWD, STEP = 0.03, 0.02, 0.01  # seconds slept by the forward, the backward, the optimizer step
 BATCH = 3
@@ -31,7 +31,7 @@ class SleepyNet(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = Sleepy(FWD, BWD)
+        self.body = Sleepy(FWD, BWD, tiny_ops=4)  # few ops: bf16 autocast casts each one
         self.head = nn.Linear(4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,10 +43,12 @@ def batches(n: int) -> list[torch.Tensor]:
 
 
 def assert_sleeps_measured(metrics: dict[str, float]) -> None:
-    assert holds_sleep(metrics[names.FWD_LATENCY], FWD), metrics[names.FWD_LATENCY]
-    assert holds_sleep(metrics[names.BWD_LATENCY], BWD), metrics[names.BWD_LATENCY]
-    assert holds_sleep(metrics[names.STEP_LATENCY], STEP), metrics[names.STEP_LATENCY]
-    assert holds_sleep(metrics[names.ITER_LATENCY], FWD + BWD + STEP), metrics[names.ITER_LATENCY]
+    """Each phase holds its own sleep: never less (a sleep does not end early). One-sided, as a loaded
+    machine wakes sleepers late, and enough: phases are contiguous, so a boundary in the wrong place
+    moves a whole sleep out of one phase, which then reads less than its sleep."""
+    for key, sleep in ((names.FWD_LATENCY, FWD), (names.BWD_LATENCY, BWD), (names.STEP_LATENCY, STEP)):
+        assert metrics[key] >= 0.98 * sleep, (key, metrics[key])
+    assert 0.98 * (FWD + BWD + STEP) <= metrics[names.ITER_LATENCY] < 3 * (FWD + BWD + STEP)
 
 
 def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
