@@ -29,12 +29,14 @@ from flops_callbacks.units import (
 if TYPE_CHECKING:
     from flops_callbacks.integrations.hf import HFFlopsCallback
     from flops_callbacks.integrations.lightning import FlopsProfilerCallback
+    from flops_callbacks.integrations.step_profiler import StepProfiler
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "FlopsProfilerCallback": "flops_callbacks.integrations.lightning",
     "HFFlopsCallback": "flops_callbacks.integrations.hf",
+    "StepProfiler": "flops_callbacks.integrations.step_profiler",
 }
 
 
@@ -68,4 +70,5 @@ __all__ = [
     "params_to_string",
     "register_formula",
     "register_op_kind",
+    "StepProfiler",
 ]

@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
+import torch
+
 from flops_callbacks.integrations.one_call import OneCall
 from flops_callbacks.options import CausalAttention, Options, check_flag
 from flops_callbacks.reporting.publish import publish
@@ -16,7 +18,7 @@ from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.user_warning import warn
 
-__all__ = ["C", "deepspeed_callback_kwargs", "Fn", "SessionCallback"]
+__all__ = ["build_session", "C", "deepspeed_callback_kwargs", "Fn", "input_ids_tokens", "SessionCallback"]
 
 C = TypeVar("C", bound="SessionCallback")
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))  # the callbacks' arguments
@@ -35,6 +37,29 @@ def _renamed(function: Fn, qualname: str) -> Fn:
     copy.__kwdefaults__, copy.__annotations__ = function.__kwdefaults__, function.__annotations__
     copy.__doc__, copy.__module__, copy.__qualname__ = function.__doc__, function.__module__, qualname
     return copy  # type: ignore[return-value]
+
+
+def input_ids_tokens(batch: Any) -> int | None:
+    """``input_ids.numel()`` when the batch holds input_ids (the HF Trainer's own token count), else None:
+    the default ``tokens_fn`` of the doors whose batches are model inputs (HF Trainer, StepProfiler)."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None  # a dict or a BatchEncoding
+    return int(ids.numel()) if isinstance(ids, torch.Tensor) else None
+
+
+def build_session(
+    owner: str, arguments: Mapping[str, Any], tokens_fn: Callable[[Any], int | None] | None = None
+) -> StepSession:
+    """The session of a door (a callback, :class:`~flops_callbacks.StepProfiler`) from the user's option
+    arguments, checked once, in :class:`~flops_callbacks.options.Options`, and said in the words of
+    ``owner``, the class the user called."""
+    unknown = sorted(set(arguments) - _OPTION_NAMES)
+    if unknown:
+        raise ValueError(f"{owner}: unknown argument(s) {unknown}; the options are {sorted(_OPTION_NAMES)}")
+    try:
+        options = Options(**arguments)
+    except ValueError as error:
+        raise ValueError(f"{owner}: {error}") from None
+    return StepSession(options, owner, tokens_fn=tokens_fn, publish=publish)
 
 
 # The flops_profiler block of a DeepSpeed config: its keys and DeepSpeed's defaults.
@@ -112,13 +137,7 @@ class SessionCallback:
     ) -> None:
         super().__init__()
         arguments = {name: value for name, value in locals().items() if name in _OPTION_NAMES}
-        try:
-            options = Options(**arguments)
-        except ValueError as error:  # said in the words of the class the user called
-            raise ValueError(f"{type(self).__name__}: {error}") from None
-        self.session = StepSession(
-            options, type(self).__name__, tokens_fn=type(self).default_tokens_fn, publish=publish
-        )
+        self.session = build_session(type(self).__name__, arguments, type(self).default_tokens_fn)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A callback class's ``__init__`` is this one under the callback's own name, so that Python's

@@ -26,7 +26,7 @@ from flops_callbacks.options import CausalAttention, check_causal_attention, che
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import Counts, ModuleProfile, Profile
 from flops_callbacks.reporting.report import EngineRows, render_aggregated, render_profile
-from flops_callbacks.timing.clean_pass import CLEAN_PASS_SOURCE, time_clean
+from flops_callbacks.timing.clean_pass import CLEAN_PASS_SOURCE, grads_set_aside, time_clean
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
 
 __all__ = [
@@ -37,12 +37,14 @@ __all__ = [
     "get_module_duration",
     "get_module_flops",
     "get_module_macs",
+    "ModelProfileResult",
     "MODES",
 ]
 
 COUNTING_PASS_SOURCE = (
     "the counting pass (instrumented: every op runs through Python, several times a clean pass on a "
-    "model of small ops); clean times: get_model_profile(warm_up=...) or the Lightning / HF callbacks"
+    "model of small ops); clean times of training steps: StepProfiler (any loop) or the Lightning / HF "
+    "callbacks"
 )
 
 # DeepSpeed's engine timer names (deepspeed.utils.timer); their elapsed() is in milliseconds.
@@ -90,7 +92,9 @@ def get_module_macs(module: torch.nn.Module) -> int:
 
 def get_module_duration(module: torch.nn.Module) -> float:
     """Forward seconds of ``module`` in its profiler's current profile; for a module that was never
-    called itself (a ``ModuleList``), the sum of its children's, as DeepSpeed."""
+    called itself (a ``ModuleList``), the sum of its children's, as DeepSpeed. Under
+    :class:`FlopsProfiler` these are times of the counting pass (inflated: see
+    :meth:`FlopsProfiler.get_total_duration`); :class:`~flops_callbacks.StepProfiler` gives clean ones."""
     record = _record(module, "get_module_duration")
     duration = record.fwd_latency if record else 0.0
     if duration == 0:
@@ -213,7 +217,10 @@ class FlopsProfiler:
         return params_to_string(params) if as_string else params
 
     def get_total_duration(self, as_string: bool = False) -> float | str:
-        """Forward latency of the model in seconds."""
+        """Forward latency of the model in seconds, timed on the counting pass itself: every op runs
+        through Python there, so on a model of small ops it reads several times the training forward.
+        Clean latencies of training steps: :class:`~flops_callbacks.StepProfiler` (any loop) or the
+        callbacks."""
         duration = self._totals()[1]
         return duration_to_string(duration) if as_string else duration
 
@@ -270,6 +277,7 @@ class FlopsProfiler:
         top_modules: int,
         detailed: bool,
         output_file: str | Path | None,
+        extra_lines: Sequence[tuple[str, str]] = (),
     ) -> str:
         self.flops, self.macs, self.params = profile.fwd_flops, profile.fwd_macs, profile.params
         text = render_profile(
@@ -278,7 +286,7 @@ class FlopsProfiler:
             module_depth=module_depth,
             top_modules=top_modules,
             detailed=detailed,
-            timing_lines=[("latencies from", latency_source)],
+            timing_lines=[("latencies from", latency_source), *extra_lines],
             run=self._run_context(),
         )
         _emit(text, output_file)
@@ -314,6 +322,18 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 
 MODES = ("forward", "generate")
+# the mode get_model_profile profiles and times in, as its report and its return say
+EVAL_MODE_NOTE = (
+    "eval (model.eval(), as DeepSpeed's get_model_profile: dropout off, batch norm on its running "
+    "stats; a training forward differs: StepProfiler times training steps)"
+)
+
+
+class ModelProfileResult(tuple[int | str, int | str, int | str]):
+    """``(flops, macs, params)`` as DeepSpeed returns them (it unpacks as that 3-tuple), and ``mode``:
+    the train/eval mode the model was profiled and timed in ("eval")."""
+
+    mode: str = "eval"
 
 
 def get_model_profile(
@@ -334,10 +354,12 @@ def get_model_profile(
     backward: bool = False,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     causal_attention: CausalAttention = "full",
-) -> tuple[int | str, int | str, int | str]:
+) -> ModelProfileResult:
     """Profile one call of ``model`` in eval mode and return ``(flops, macs, params)`` as DeepSpeed does
-    (strings: ``('1.34 K', '670 MACs', '120')``); the caller's train/eval mode of every submodule is
-    restored afterwards, also when the model raises.
+    (strings: ``('1.34 K', '670 MACs', '120')``; the result's ``mode`` and the report say "eval").
+    Nothing of the call stays: the caller's train/eval mode of every submodule and every ``.grad`` (the
+    parameters' and those of input tensors that require one) are as they were, bitwise, also when the
+    model raises.
 
     ``mode`` is "forward" (``model(*args, **kwargs)``), "generate", or the name of any method of the
     model. With ``backward=True`` a step is profiled: the output is reduced to a loss by ``loss_fn``
@@ -372,7 +394,9 @@ def get_model_profile(
         return None
 
     prof = FlopsProfiler(model, causal_attention=causal_attention)
-    with _eval_mode(model):
+    inputs = torch.utils._pytree.tree_leaves((call_args, call_kwargs))
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+    with _eval_mode(model), grads_set_aside([*model.parameters(), *leaves]):
         for _ in range(warm_up):
             with torch.no_grad():
                 run(*call_args, **call_kwargs)
@@ -386,7 +410,7 @@ def get_model_profile(
             profile = time_clean(prof.get_profile(), model, run_once)
             if print_profile:
                 args = (warm_up, module_depth, top_modules, detailed, output_file)
-                prof._print(profile, CLEAN_PASS_SOURCE, *args)
+                prof._print(profile, CLEAN_PASS_SOURCE, *args, [("model mode", EVAL_MODE_NOTE)])
         finally:
             prof.end_profile()
     if backward:
@@ -394,8 +418,10 @@ def get_model_profile(
     else:
         flops, macs = profile.fwd_flops, profile.fwd_macs
     if as_string:
-        return number_to_string(flops), macs_to_string(macs), params_to_string(profile.params)
-    return flops, macs, profile.params
+        return ModelProfileResult(
+            (number_to_string(flops), macs_to_string(macs), params_to_string(profile.params))
+        )
+    return ModelProfileResult((flops, macs, profile.params))
 
 
 def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:

@@ -28,91 +28,16 @@ except ImportError as err:  # the core needs only torch; the HF callback is an e
         "(from a checkout of flops_callbacks: pip install '.[hf]')"
     ) from err
 
-from flops_callbacks.integrations.callback_base import SessionCallback
+from flops_callbacks.integrations.accelerate_state import compute_dtype, parallel_sizes
+from flops_callbacks.integrations.callback_base import SessionCallback, input_ids_tokens
 from flops_callbacks.integrations.one_call import OneCall
 from flops_callbacks.metrics import FWD_FLOPS
-from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
 from flops_callbacks.profile import Profile
 from flops_callbacks.session.step_session import BACKWARD, FORWARD, OPTIMIZER_STEP, TrainingContext
 from flops_callbacks.units import number_to_string
 from flops_callbacks.user_warning import warn
 
 __all__ = ["compute_dtype", "HFFlopsCallback", "parallel_sizes"]
-
-
-def _size(value: Any) -> int:
-    """A parallel size as an int; 1 for anything unset, "auto" or not positive."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
-
-
-def _field(config: Any, name: str) -> Any:
-    """``config.name`` or ``config[name]`` (configs arrive as objects or as dicts), None if absent."""
-    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
-
-
-def parallel_sizes(args: Any, model: Any = None, accelerator_state: Any = None) -> ParallelSizes:
-    """How the run is split, read from every place transformers and accelerate keep it; 1 where unused.
-
-    World size from ``args.world_size``; data, tensor and context parallel sizes from accelerate's
-    ``ParallelismConfig`` (``dp_replicate x dp_shard``, ``tp``, ``cp x sp``: sequence parallelism
-    splits each sequence across ranks as context parallelism does); tensor parallelism also from
-    the DeepSpeed plugin (``tensor_parallel.autotp_size``), accelerate's torch TP plugin, the Megatron
-    plugin (with its pipeline size) and the model (``tp_size``, ``config.distributed_config``).
-    Without a ``ParallelismConfig`` the data-parallel size is the world over the model-parallel size.
-    """
-    state = accelerator_state
-    config = getattr(args, "parallelism_config", None) or getattr(state, "parallelism_config", None)
-    distributed = _field(getattr(model, "config", None), "distributed_config")
-    megatron = getattr(state, "megatron_lm_plugin", None)
-    tensor_parallel = max(
-        _size(_field(config, "tp_size")),
-        _size(_field(distributed, "tp_size")),
-        _size(getattr(model, "tp_size", None)),
-        _size(getattr(getattr(state, "torch_tp_plugin", None), "tp_size", None)),
-        _size(getattr(megatron, "tp_degree", None)),
-        _deepspeed_autotp_size(state),
-    )
-    pipeline_parallel = max(
-        _size(_field(distributed, "pp_size")),
-        _size(getattr(megatron, "pp_degree", None)),
-    )
-    context_parallel = _size(_field(config, "cp_size")) * _size(_field(config, "sp_size"))
-    world = _size(getattr(args, "world_size", 1))
-    if config is None:
-        data_parallel = max(world // (tensor_parallel * pipeline_parallel * context_parallel), 1)
-    else:
-        data_parallel = _size(_field(config, "dp_replicate_size")) * _size(_field(config, "dp_shard_size"))
-    return ParallelSizes(
-        world_size=world,
-        data_parallel=data_parallel,
-        tensor_parallel=tensor_parallel,
-        pipeline_parallel=pipeline_parallel,
-        context_parallel=context_parallel,
-    )
-
-
-def _deepspeed_autotp_size(accelerator_state: Any) -> int:
-    """DeepSpeed's AutoTP size (``tensor_parallel.autotp_size`` of the config), over all its plugins."""
-    plugins = getattr(accelerator_state, "deepspeed_plugins", None) or {}
-    if not isinstance(plugins, dict):
-        plugins = {"default": plugins}
-    configs = (getattr(plugin, "deepspeed_config", None) for plugin in plugins.values())
-    return max((_size(_field(_field(c, "tensor_parallel"), "autotp_size")) for c in configs), default=1)
-
-
-def compute_dtype(args: Any, model: torch.nn.Module, accelerator: Any = None) -> str | None:
-    """What the matmuls run in: fp8 under accelerate's fp8 mixed precision, bf16 / fp16 with
-    ``args.bf16`` / ``args.fp16``, else the model's parameter dtype (a model loaded in bf16 trains in
-    bf16; fp32 is tf32 when torch allows it, as ``args.tf32`` sets it)."""
-    mixed = str(getattr(accelerator, "mixed_precision", "no"))
-    if mixed == "fp8":
-        return FP8
-    if getattr(args, "bf16", False) or mixed == "bf16":
-        return BF16
-    if getattr(args, "fp16", False) or mixed == "fp16":
-        return FP16
-    return parameters_dtype(model)
 
 
 def _calling_trainer() -> transformers.Trainer | None:
@@ -128,12 +53,6 @@ def _calling_trainer() -> transformers.Trainer | None:
             return candidate
         frame = frame.f_back
     return None
-
-
-def _input_ids_tokens(batch: Any) -> int | None:
-    """``input_ids.numel()`` when the inputs hold input_ids (the Trainer's own token count), else None."""
-    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None  # a dict or a BatchEncoding
-    return int(ids.numel()) if isinstance(ids, torch.Tensor) else None
 
 
 class _Outlet:
@@ -230,7 +149,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     Args: as :class:`flops_callbacks.integrations.lightning.FlopsProfilerCallback`.
     """
 
-    default_tokens_fn = staticmethod(_input_ids_tokens)  # type: ignore[assignment]
+    default_tokens_fn = staticmethod(input_ids_tokens)  # type: ignore[assignment]
     _trainer: weakref.ref[transformers.Trainer] | None = None
 
     def _current_trainer(self) -> transformers.Trainer | None:

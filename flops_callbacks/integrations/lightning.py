@@ -23,58 +23,27 @@ except ImportError as err:  # the core needs only torch; the Lightning callback 
 
 from flops_callbacks.integrations.callback_base import SessionCallback
 from flops_callbacks.integrations.one_call import OneCall
+from flops_callbacks.integrations.strategy_state import precision_dtype, strategy_sizes
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
 from flops_callbacks.session.step_session import BACKWARD, FORWARD, OPTIMIZER_STEP, TrainingContext
 
 __all__ = ["compute_dtype", "FlopsProfilerCallback", "parallel_sizes"]
 
 
 def parallel_sizes(trainer: pl.Trainer) -> ParallelSizes:
-    """How ``trainer``'s strategy splits the run; every size is 1 where that parallelism is not used.
-
-    Data parallel from the sampler (DDP, FSDP, FSDP2 under ``ModelParallelStrategy``), tensor parallel
-    from ``ModelParallelStrategy``'s mesh, and under DeepSpeed the engine's own sizes: data parallel,
-    tensor (``mp_world_size``), pipeline (``num_stages``) and Ulysses sequence parallel
-    (``sequence_parallel_size``, context parallel here). Lightning 2.6 has no context parallelism
-    of its own: its ``ModelParallelStrategy`` mesh is data x tensor only.
-    """
+    """How ``trainer``'s strategy splits the run (:func:`~flops_callbacks.integrations.strategy_state.
+    strategy_sizes`): the sampler's replicas, ``ModelParallelStrategy``'s mesh, DeepSpeed's engine."""
     strategy = trainer.strategy
-    sampler_kwargs = trainer.distributed_sampler_kwargs or {}
-    data_parallel = int(sampler_kwargs.get("num_replicas", 1))
-    tensor_parallel = pipeline_parallel = context_parallel = 1
-    if isinstance(strategy, ModelParallelStrategy):
-        mesh = strategy.device_mesh
-        if "tensor_parallel" in (mesh.mesh_dim_names or ()):
-            tensor_parallel = mesh["tensor_parallel"].size()
-    elif isinstance(strategy, DeepSpeedStrategy):
-        engine = strategy.model  # the DeepSpeedEngine (a PipelineEngine under pipeline parallelism)
-        data_parallel = int(getattr(engine, "dp_world_size", data_parallel))
-        tensor_parallel = int(getattr(engine, "mp_world_size", 1))
-        pipeline_parallel = int(getattr(engine, "num_stages", 1))
-        context_parallel = int(getattr(engine, "sequence_parallel_size", 1))
-    return ParallelSizes(
-        world_size=trainer.world_size,
-        data_parallel=data_parallel,
-        tensor_parallel=tensor_parallel,
-        pipeline_parallel=pipeline_parallel,
-        context_parallel=context_parallel,
-    )
+    mesh = strategy.device_mesh if isinstance(strategy, ModelParallelStrategy) else None
+    # the DeepSpeedEngine (a PipelineEngine under pipeline parallelism)
+    engine = strategy.model if isinstance(strategy, DeepSpeedStrategy) else None
+    return strategy_sizes(trainer.world_size, trainer.distributed_sampler_kwargs, mesh, engine)
 
 
 def compute_dtype(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
-    """What the matmuls run in, from the precision plugin: ``bf16-*`` -> bf16, ``16-*`` -> fp16,
-    Transformer Engine -> fp8, ``32-true`` -> the parameters' dtype (tf32 when torch allows it)."""
-    precision = str(trainer.precision)
-    if precision.startswith("transformer-engine"):
-        return FP8
-    if precision.startswith("bf16"):
-        return BF16
-    if precision.startswith("16"):
-        return FP16
-    if precision.startswith("32"):
-        return parameters_dtype(pl_module)
-    return None  # 64-true: the peak table has no fp64 column
+    """What the matmuls run in, from the precision plugin (:func:`~flops_callbacks.integrations.
+    strategy_state.precision_dtype`)."""
+    return precision_dtype(str(trainer.precision), pl_module)
 
 
 class _Outlet:

@@ -9,13 +9,14 @@ spans (:mod:`flops_callbacks.timing.outer_calls`).
 The callbacks do the same on separate training steps (:mod:`flops_callbacks.session.step_session`).
 
 Gradients the extra passes make are not left behind: each parameter's ``.grad`` is set aside before
-them and put back after, so the model holds what the counting pass left, as it did before.
+them and put back after (:func:`grads_set_aside`, which ``get_model_profile`` also holds around its
+counting pass: the caller's gradients come back bitwise as they were).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -28,7 +29,7 @@ from flops_callbacks.timing.hook_probe import hook_cost
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
 
-__all__ = ["CLEAN_PASS_SOURCE", "time_clean"]
+__all__ = ["CLEAN_PASS_SOURCE", "grads_set_aside", "time_clean"]
 
 CLEAN_PASS_SOURCE = "a clean pass after the counting pass (modules: a pass with clock marks only)"
 
@@ -43,7 +44,7 @@ def time_clean(profile: Profile, model: torch.nn.Module, run: Callable[[], torch
     # events do not hold the hooks' host time; hooks on compiled modules would make dynamo recompile)
     compiled = has_compiled(model.modules()) or dynamo_compiled_anything()
     marks_outer = isinstance(clock, CpuClock) and not compiled
-    with _grads_set_aside(model):
+    with grads_set_aside(model.parameters()):
         timer.start()
         try:
             loss = run()
@@ -79,8 +80,10 @@ def time_clean(profile: Profile, model: torch.nn.Module, run: Callable[[], torch
 
 
 @contextmanager
-def _grads_set_aside(model: torch.nn.Module) -> Iterator[None]:
-    params = list(dict.fromkeys(model.parameters()))
+def grads_set_aside(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Each tensor's ``.grad`` set to None for the body and the very same object put back after it,
+    whatever the body raised: gradients the body makes are dropped, the caller's stay bitwise."""
+    params = list(dict.fromkeys(tensors))
     kept = [p.grad for p in params]
     try:
         for p in params:

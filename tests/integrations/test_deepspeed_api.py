@@ -304,7 +304,7 @@ def test_get_model_profile_forward_and_training_step(capsys: pytest.CaptureFixtu
     )
     assert flops == FWD + BWD
     assert capsys.readouterr().out == ""
-    assert all(p.grad is not None for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())  # its backward's gradients are not left
 
 
 def test_get_model_profile_mode_runs_a_named_method() -> None:
@@ -733,3 +733,46 @@ def test_the_first_profile_of_a_fresh_process_times_no_lazy_import() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     first, second = json.loads(run.stdout.strip().splitlines()[-1])
     assert first <= 1.1 * second, (first, second)
+
+
+# --- get_model_profile does no harm ------------------------------------------------------------------
+
+
+def test_get_model_profile_with_backward_leaves_every_grad_bitwise_and_says_its_mode() -> None:
+    """Between a user's backward and optimizer.step(): the gradients the step will apply are the
+    user's, bitwise (the very tensors), and a parameter without one still has none."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4), nn.Linear(4, 4))
+    model.train()
+    x = torch.randn(5, 8)
+    model[0](x).sum().backward()  # only the first layer has gradients
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    copies = {name: None if g is None else g.clone() for name, g in grads.items()}
+    result = get_model_profile(model, args=[x], backward=True, print_profile=False, as_string=False)
+    for name, p in model.named_parameters():
+        assert p.grad is grads[name], name
+        if copies[name] is None:
+            assert p.grad is None, name
+        else:
+            assert torch.equal(p.grad, copies[name]) and p.grad.view(torch.int32).equal(
+                copies[name].view(torch.int32)
+            ), name
+    assert model.training and all(m.training for m in model.modules())
+    flops, macs, params = result
+    assert result.mode == "eval" and params == sum(p.numel() for p in model.parameters())
+
+
+def test_get_model_profile_report_says_the_mode_and_the_counting_pass_points_to_step_profiler(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = nn.Linear(4, 4)
+    get_model_profile(model, args=[torch.randn(2, 4)], print_profile=True)
+    assert "eval (model.eval(), as DeepSpeed's get_model_profile" in capsys.readouterr().out
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    model(torch.randn(2, 4))
+    prof.stop_profile()
+    text = prof.print_model_profile(output_file=None) or ""
+    prof.end_profile()
+    assert "the counting pass" in text and "StepProfiler" in text
+    assert "StepProfiler" in (FlopsProfiler.get_total_duration.__doc__ or "")

@@ -62,7 +62,7 @@ def test_flops_profiler_in_a_plain_loop_says_its_latencies_are_the_counting_pass
     prof.end_profile()
     source = rows(text)["latencies from"]
     assert source.startswith("the counting pass (instrumented")
-    assert "get_model_profile(warm_up=...) or the Lightning / HF callbacks" in source
+    assert "StepProfiler (any loop) or the Lightning / HF callbacks" in source
 
 
 def test_get_model_profile_times_the_model_on_a_clean_pass_and_modules_on_a_marks_only_pass(
@@ -82,18 +82,9 @@ def test_get_model_profile_times_the_model_on_a_clean_pass_and_modules_on_a_mark
     assert SLEEPS[2] <= seconds(latency[1]) < 0.2  # the module pass's sleep, not 0.3 s nor 0.05 s
 
 
-def test_get_model_profile_with_backward_leaves_the_counting_passs_gradients_only() -> None:
+def test_get_model_profile_with_backward_leaves_no_gradient_of_its_own() -> None:
+    """None of its passes' gradients stays (the caller's own: tests/integrations/test_deepspeed_api.py)."""
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), torch.randn(3, 4)
-    expected = [p.grad for p in _one_backward(model, x).parameters()]
     get_model_profile(model, args=[x], warm_up=0, backward=True, print_profile=False)
-    for param, grad in zip(model.parameters(), expected, strict=True):
-        torch.testing.assert_close(param.grad, grad)  # one backward's worth, not three
-
-
-def _one_backward(model: nn.Module, x: torch.Tensor) -> nn.Module:
-    import copy
-
-    twin = copy.deepcopy(model)
-    twin(x).sum().backward()
-    return twin
+    assert all(param.grad is None for param in model.parameters())

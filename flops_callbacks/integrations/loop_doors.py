@@ -1,0 +1,190 @@
+"""What :class:`~flops_callbacks.StepProfiler` reads of the loop it runs in: a plain PyTorch loop, an
+accelerate loop (``accelerator=``) or a Lightning Fabric loop (``fabric=``).
+
+Each door gives the same four things: the user's model (what ``accelerator.prepare``, ``fabric.setup``
+and DDP hand back, unwrapped: the profile's root is the model the user wrote), the run's sizes and
+compute dtype (:class:`~flops_callbacks.session.adapter_api.TrainingContext`), where the results go (an
+:class:`~flops_callbacks.session.adapter_api.Outlet`) and the object whose ``backward`` the loop calls,
+if it is a framework's (marked for the window's steps: the backward's exact start). accelerate and
+Lightning are imported only by their own door.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flops_callbacks.integrations.accelerate_state import compute_dtype, parallel_sizes
+from flops_callbacks.integrations.strategy_state import precision_dtype, strategy_sizes
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.peaks import parameters_dtype
+from flops_callbacks.session.adapter_api import Outlet, TrainingContext
+
+__all__ = ["accelerate_door", "Door", "fabric_door", "LogFn", "plain_door", "unwrapped"]
+
+LogFn = Callable[[dict[str, float], int], None]  # the user's log(metrics, step)
+
+
+@dataclass
+class Door:
+    """The loop as the profiler sees it (module doc)."""
+
+    model: torch.nn.Module  # the user's model: the profile's root
+    runs: torch.nn.Module  # what the loop calls (a wrapper of ``model``, or ``model``)
+    context: Callable[[], TrainingContext]
+    outlet: Outlet
+    backward_owner: Any = None  # the accelerator or Fabric, whose ``backward(loss)`` the loop calls
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` without DDP / DataParallel / FSDP(1) wrappers (``.module``): the user's model."""
+    wrappers: tuple[type, ...] = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrappers += (FullyShardedDataParallel,)
+    except ImportError:  # a torch built without distributed
+        pass
+    while isinstance(model, wrappers):
+        inner = model.module
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model = inner
+    return model
+
+
+def _logging_rank() -> bool:
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not distributed or torch.distributed.get_rank() == 0
+
+
+class _LoopOutlet:
+    """The plain loop's outlet: the user's ``log`` function, ``log_dir`` and the console (rank 0)."""
+
+    def __init__(self, log: LogFn | None, log_dir: str | Path | None, is_logging_rank: bool) -> None:
+        self.log, self._log_dir, self.is_logging_rank = log, log_dir, is_logging_rank
+
+    def log_dir(self) -> str | Path | None:
+        return self._log_dir
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.log is not None:
+            self.log(dict(metrics), step)
+
+    def console(self, text: str) -> None:
+        print(text)
+
+    def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
+        """A plain loop has no logger the profiler knows: the report is printed and in the files."""
+
+
+def plain_door(model: torch.nn.Module, log: LogFn | None, log_dir: str | Path | None) -> Door:
+    """A plain PyTorch loop: one process, or DDP / FSDP under ``torch.distributed`` (sizes from it)."""
+
+    def context() -> TrainingContext:
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        world = torch.distributed.get_world_size() if distributed else 1
+        sizes = ParallelSizes(world_size=world, data_parallel=world)
+        return TrainingContext(sizes, parameters_dtype(user))
+
+    user = unwrapped(model)
+    return Door(user, model, context, _LoopOutlet(log, log_dir, _logging_rank()))
+
+
+class _AccelerateOutlet(_LoopOutlet):
+    """Metrics through ``accelerator.log`` (every tracker: TensorBoard, W&B, MLflow, ...); the report as
+    TensorBoard text and a W&B HTML panel where those trackers run."""
+
+    def __init__(self, accelerator: Any, log: LogFn | None, log_dir: str | Path | None) -> None:
+        super().__init__(log, log_dir, bool(accelerator.is_main_process))
+        self.accelerator = accelerator
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        super().log_metrics(metrics, step)
+        self.accelerator.log(dict(metrics), step=step)
+
+    def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "tensorboard" and markdown is not None:
+                tracker.writer.add_text("flops_profiler/report", markdown, global_step=step)
+            elif tracker.name == "wandb" and html is not None:
+                import wandb
+
+                tracker.run.log({"flops_profiler/profile": wandb.Html(html)}, commit=False)
+
+
+def accelerate_door(
+    accelerator: Any, model: torch.nn.Module, log: LogFn | None, log_dir: str | Path | None
+) -> Door:
+    """An accelerate loop: sizes and the distributed type from ``accelerator.state``, the compute dtype
+    from its mixed precision, metrics through ``accelerator.log``, files in its logging dir."""
+    user = unwrapped(accelerator.unwrap_model(model))
+
+    def context() -> TrainingContext:
+        state = accelerator.state
+        sizes = parallel_sizes(accelerator, user, state, world_size=accelerator.num_processes)
+        kind = str(accelerator.distributed_type).split(".")[-1]
+        return TrainingContext(
+            sizes,
+            compute_dtype(None, user, accelerator),
+            lambda _b, _p: [("accelerate distributed type", kind)],
+        )
+
+    directory = log_dir if log_dir is not None else accelerator.logging_dir
+    return Door(user, model, context, _AccelerateOutlet(accelerator, log, directory), accelerator)
+
+
+class _FabricOutlet(_LoopOutlet):
+    """Metrics through ``fabric.log_dict`` (every Fabric logger, saved after); the report as TensorBoard
+    text where a TensorBoard logger runs."""
+
+    def __init__(self, fabric: Any, log: LogFn | None, log_dir: str | Path | None) -> None:
+        super().__init__(log, log_dir, bool(fabric.is_global_zero))
+        self.fabric = fabric
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        super().log_metrics(metrics, step)
+        self.fabric.log_dict(dict(metrics), step=step)
+        for logger in self.fabric.loggers:
+            logger.save()
+
+    def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
+        from lightning.fabric.loggers import TensorBoardLogger
+
+        for logger in self.fabric.loggers:
+            if isinstance(logger, TensorBoardLogger) and markdown is not None:
+                logger.experiment.add_text("flops_profiler/report", markdown, global_step=step)
+
+
+def fabric_door(fabric: Any, model: torch.nn.Module, log: LogFn | None, log_dir: str | Path | None) -> Door:
+    """A Fabric loop: sizes from its strategy, the compute dtype from its precision, metrics through
+    ``fabric.log_dict``, files in its first logger's log dir."""
+    try:
+        from lightning.fabric.strategies import DeepSpeedStrategy, ModelParallelStrategy
+        from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled
+    except ImportError as err:
+        raise ImportError("StepProfiler(fabric=...) needs Lightning: pip install lightning") from err
+    wrapper, _ = _unwrap_compiled(model)
+    inner = wrapper._forward_module if isinstance(wrapper, _FabricModule) else wrapper
+    user = unwrapped(wrapper.module if isinstance(wrapper, _FabricModule) else wrapper)
+
+    def context() -> TrainingContext:
+        strategy = fabric.strategy
+        mesh = strategy.device_mesh if isinstance(strategy, ModelParallelStrategy) else None
+        engine = inner if isinstance(strategy, DeepSpeedStrategy) else None
+        sampler = getattr(strategy, "distributed_sampler_kwargs", None)  # None on one device
+        sizes = strategy_sizes(fabric.world_size, sampler, mesh, engine)
+        precision = str(getattr(strategy.precision, "precision", "32-true"))
+        kind = type(strategy).__name__
+        return TrainingContext(
+            sizes, precision_dtype(precision, user), lambda _b, _p: [("Fabric strategy", kind)]
+        )
+
+    directory = log_dir
+    if directory is None and fabric.loggers:
+        directory = getattr(fabric.logger, "log_dir", None)
+    return Door(user, model, context, _FabricOutlet(fabric, log, directory), fabric)

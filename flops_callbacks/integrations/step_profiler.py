@@ -1,0 +1,304 @@
+"""``StepProfiler``: the profile window and the throughput meter for a training loop of one's own
+(plain PyTorch, accelerate, Lightning Fabric), the third door onto the callbacks' session.
+
+The loop wraps each iteration (one micro-batch) in ``with prof.step(batch):`` and writes nothing else;
+the profiler finds the phases itself, with hooks that live only inside that block:
+
+* forward: from the block's start, and again when the model is called after a backward or an
+  optimizer step (a second micro-batch or model in the same block);
+* backward: where the loop calls ``accelerator.backward`` / ``fabric.backward`` (that call of the
+  framework object is marked, :class:`~flops_callbacks.integrations.one_call.OneCall`), else where
+  autograd first reaches the model's output (a hook on each output tensor: a loss computed outside the
+  model has its few backward ops in the forward; ``prof.mark("backward")`` where that matters);
+* optimizer step: the optimizer's ``step`` (torch's global optimizer step pre- and post-hooks), up to
+  the block's end (``zero_grad``, an LR scheduler).
+
+An iteration whose block ran no optimizer ``step`` is a micro-batch of the step that ends at the next
+one (gradient accumulation). Why hooks on the output tensors and not autograd's saved-tensor hooks:
+those make ``torch.func`` inside a model raise and replace autograd's in-place check
+(:mod:`flops_callbacks.counting.saved_activations`). Why not a hook on the output's node: the module
+timer arms its node hooks when the backward starts, and a node's pre-hooks may not grow while
+autograd runs them; a tensor's hooks are another list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from flops_callbacks.integrations.callback_base import build_session, input_ids_tokens
+from flops_callbacks.integrations.loop_doors import Door, LogFn, accelerate_door, fabric_door, plain_door
+from flops_callbacks.integrations.one_call import OneCall
+from flops_callbacks.options import check_int
+from flops_callbacks.session.result import WindowResult
+from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, check_phase
+
+__all__ = ["StepProfiler"]
+
+_ENDED = "ended"  # an optimizer step ended; what runs next is said by the next event
+
+
+class StepProfiler:
+    """Profiles a short window of optimizer steps of any training loop, as the callbacks do.
+
+    ::
+
+        prof = StepProfiler(model, profile_step=10, log=fn)   # or accelerator=acc, or fabric=fab
+        for batch in loader:
+            with prof.step(batch):
+                loss = model(**batch).loss
+                loss.backward()          # or accelerator.backward(loss) / fabric.backward(loss)
+                optimizer.step(); optimizer.zero_grad()
+        prof.close()
+
+    The window (counting step, module-timing steps, clean steps), the report, the files and the
+    ``flops_profiler/*`` metrics are the callbacks' (:mod:`flops_callbacks.session.step_session`); after
+    it, every ``log_every_n_steps`` optimizer steps, ``throughput/*``. Metrics go to ``log(metrics,
+    step)`` and to ``accelerator.log`` / ``fabric.log_dict``, on the logging rank only.
+
+    Args:
+        model: the model the loop calls, as the loop holds it (``accelerator.prepare``'s, ``fabric.setup``'s
+            and DDP's wrappers are seen through: the profile's root is the model inside).
+        accelerator: the loop's ``accelerate.Accelerator``: sizes, distributed type, mixed precision,
+            trackers and logging dir from it.
+        fabric: the loop's ``lightning.Fabric``: sizes and precision from its strategy, its loggers.
+        log: called as ``log(metrics, step)`` with the window's metrics and ``throughput/*`` after it.
+        log_dir: where the report, JSON, picture and trace go (default: the accelerator's logging dir or
+            Fabric's logger's log dir; none for a plain loop).
+        log_every_n_steps: optimizer steps between ``throughput/*`` logs after the window.
+        max_steps: optimizer steps the loop will run, if known (a window it cannot reach is said at once).
+        **options: the callbacks' arguments, with the same meanings (:class:`~flops_callbacks.options.
+            Options`; the README's table): ``profile_step``, ``clean_steps``, ``peak_flops``, ``output_file``,
+            ``tokens_fn`` (default: ``input_ids.numel()`` of a dict batch), ...
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        accelerator: Any = None,
+        fabric: Any = None,
+        log: LogFn | None = None,
+        log_dir: str | Path | None = None,
+        log_every_n_steps: int = 50,
+        max_steps: int | None = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"StepProfiler: model must be a torch.nn.Module, got {type(model).__name__}")
+        if accelerator is not None and fabric is not None:
+            raise ValueError("StepProfiler: give accelerator or fabric, not both")
+        if log is not None and not callable(log):
+            raise ValueError(f"StepProfiler: log must be a callable taking (metrics, step), got {log!r}")
+        if log_dir is not None and not isinstance(log_dir, (str, Path)):
+            raise ValueError(f"StepProfiler: log_dir must be a path (str or Path) or None, got {log_dir!r}")
+        try:
+            check_int("log_every_n_steps", log_every_n_steps, 1)
+            if max_steps is not None:
+                check_int("max_steps", max_steps, 0)
+        except ValueError as error:
+            raise ValueError(f"StepProfiler: {error}") from None
+        self.session = build_session(type(self).__name__, options, input_ids_tokens)
+        if accelerator is not None:
+            self.door: Door = accelerate_door(accelerator, model, log, log_dir)
+        elif fabric is not None:
+            self.door = fabric_door(fabric, model, log, log_dir)
+        else:
+            self.door = plain_door(model, log, log_dir)
+        self.log_every_n_steps, self.max_steps = log_every_n_steps, max_steps
+        self.global_step = 0  # optimizer steps done (DeepSpeed's profile_step counts these)
+        self._running = False  # the run started (train_start), and close() has not ended it
+        self._in_step = False  # an optimizer step has started: its micro-batches so far ran no step()
+        self._iteration: _Iteration | None = None
+
+    # --- results -------------------------------------------------------------------------------------
+
+    @property
+    def result(self) -> WindowResult | None:
+        """The profiled window, once published (None before)."""
+        return self.session.result
+
+    @property
+    def metrics(self) -> dict[str, float] | None:
+        """The window's ``flops_profiler/*`` metrics, as logged (None before the window ends)."""
+        result = self.session.result
+        return None if result is None else result.metrics()
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def step(self, batch: Any = None, optimizer_step: bool | None = None) -> _Iteration:
+        """One iteration of the loop (one micro-batch) as a ``with`` block. ``optimizer_step`` says
+        whether it ends an optimizer step, for loops whose optimizer is no ``torch.optim.Optimizer``
+        (default: whether an optimizer's ``step`` ran in it)."""
+        if optimizer_step is not None and not isinstance(optimizer_step, bool):
+            raise ValueError(f"optimizer_step must be True, False or None, got {optimizer_step!r}")
+        return _Iteration(self, batch, optimizer_step)
+
+    def mark(self, phase: str) -> None:
+        """Say where a phase starts, inside ``prof.step``, for a loop whose phases the hooks cannot
+        see: "backward" (a loss computed outside the model), "optimizer_step", or "forward" (the
+        model's work starts here: what ran before it in the block is no phase's)."""
+        check_phase(phase)
+        if self._iteration is not None:
+            self._iteration.enter_phase(phase, explicit=True)
+
+    def pause(self) -> None:
+        """Evaluation (or anything else that is not training) starts: its time is not throughput."""
+        self.session.pause_throughput()
+
+    def resume(self) -> None:
+        self.session.resume_throughput()
+
+    def close(self) -> None:
+        """The loop ended: publish a window it cut short (or say that none ran); nothing stays."""
+        if self._iteration is not None:
+            self._iteration.remove_hooks()
+        if self._running:
+            self._running = False
+            self.session.train_end(self.global_step, self.door.outlet)
+        self.session.close()
+
+    def __enter__(self) -> StepProfiler:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if error is None:
+            self.close()
+        else:  # the loop raised: drop the window, leave nothing, let the exception pass
+            self._running = False
+            if self._iteration is not None:
+                self._iteration.remove_hooks()
+            self.session.close()
+
+    # --- what an iteration reports -------------------------------------------------------------------
+
+    def _begin(self, batch: Any) -> None:
+        session = self.session
+        if not self._running:
+            self._running = True
+            outlet = self.door.outlet
+            session.train_start(
+                self.global_step,
+                max_steps=self.max_steps,
+                is_logging_rank=outlet.is_logging_rank,
+                log_dir=outlet.log_dir(),
+            )
+        if not self._in_step:
+            self._in_step = True
+            session.step_start(self.global_step, self.door.model, self.door.context, runs=self.door.runs)
+        session.micro_batch_start(batch)
+
+    def _end(self, stepped: bool) -> None:
+        session = self.session
+        session.micro_batch_end(pause=True)  # what runs until the next block is not part of the step
+        if stepped:
+            self._in_step = False
+            self.global_step += 1
+            logs = self.global_step % self.log_every_n_steps == 0
+            session.step_end(self.global_step, self.door.outlet, logs=logs)
+
+    def _abandon_iteration(self) -> None:
+        """The block raised: the window is dropped (the run may go on: the next step starts afresh)."""
+        self._in_step = False
+        self.session.close()
+
+
+class _Iteration:
+    """One ``with prof.step(batch)`` block: the hooks it needs, installed at its start, removed at its
+    end whatever happens (module doc)."""
+
+    def __init__(self, profiler: StepProfiler, batch: Any, optimizer_step: bool | None) -> None:
+        self.profiler, self.batch, self.optimizer_step = profiler, batch, optimizer_step
+        self.stepped = False
+        self.phase: str = FORWARD
+        self._handles: list[Any] = []
+        self._backward: OneCall | None = None
+
+    def __enter__(self) -> _Iteration:
+        profiler = self.profiler
+        if profiler._iteration is not None:
+            raise RuntimeError("StepProfiler.step: a block is already open (blocks do not nest)")
+        try:
+            profiler._begin(self.batch)  # a user's batch_size_fn or tokens_fn may raise here
+            profiler._iteration = self
+            self._handles.append(register_optimizer_step_post_hook(self._step_ended))
+            if profiler.session.window_open:  # a step of the window: its phases are marked
+                self._handles.append(register_optimizer_step_pre_hook(self._step_starts))
+                model = profiler.door.model
+                self._handles.append(model.register_forward_pre_hook(self._model_called))
+                self._handles.append(model.register_forward_hook(self._model_returned))
+                owner = profiler.door.backward_owner
+                if owner is not None:
+                    self._backward = OneCall(owner, "backward", self._framework_backward, once=False)
+        except BaseException:
+            self.remove_hooks()
+            profiler._abandon_iteration()
+            raise
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.remove_hooks()
+        if error is not None:
+            self.profiler._abandon_iteration()
+            return  # the exception passes unchanged
+        stepped = self.stepped if self.optimizer_step is None else self.optimizer_step
+        self.profiler._end(stepped)
+
+    def remove_hooks(self) -> None:
+        """Remove every hook of this block (idempotent)."""
+        if self.profiler._iteration is self:
+            self.profiler._iteration = None
+        handles, self._handles = self._handles, []
+        backward, self._backward = self._backward, None
+        try:
+            for handle in handles:
+                handle.remove()
+        finally:
+            if backward is not None:
+                backward.remove()
+
+    # --- phases --------------------------------------------------------------------------------------
+
+    def enter_phase(self, phase: str, explicit: bool = False) -> None:
+        """Phase ``phase`` starts (once: a second sign of the running phase is no new start)."""
+        if phase == self.phase and not (explicit and phase == FORWARD):
+            return
+        self.phase = phase
+        self.profiler.session.phase(phase)
+
+    def _model_called(self, module: torch.nn.Module, args: Any) -> None:
+        if self.phase in (BACKWARD, _ENDED):  # a new forward after a backward or an optimizer step
+            self.enter_phase(FORWARD)
+
+    def _model_returned(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for leaf in torch.utils._pytree.tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+                self._handles.append(leaf.register_hook(self._reached_output))
+
+    def _reached_output(self, grad: torch.Tensor) -> None:
+        if self.phase == FORWARD:
+            self.enter_phase(BACKWARD)
+
+    def _framework_backward(self, backward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self.enter_phase(BACKWARD)
+        return backward(*args, **kwargs)
+
+    def _step_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.enter_phase(OPTIMIZER_STEP)
+
+    def _step_ended(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.stepped = True
+        if self.phase == OPTIMIZER_STEP:
+            self.phase = _ENDED
+            self.profiler.session.phase_end()

@@ -1,0 +1,219 @@
+"""StepProfiler in real loops on CPU: a plain PyTorch loop, a Lightning Fabric loop and an accelerate
+loop, each written as the README shows (one ``with prof.step(batch):`` line). Latencies against known
+sleeps (tests/sleepy.py: a forward sleeping 30 ms, a backward 20 ms, an optimizer step 10 ms), metrics
+read back from TensorBoard files written through ``fabric.log_dict`` and ``accelerator.log``, flops of
+two accumulated micro-batches against torch's FlopCounterMode, and nothing left behind on any exit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from flops_callbacks import StepProfiler
+from flops_callbacks import metrics as names
+from tests.sleepy import Sleepy, SleepySGD
+from tests.support import leftovers
+
+FWD, BWD, STEP = 0.03, 0.02, 0.01  # seconds slept by the forward, the backward, the optimizer step
+BATCH = 3
+PROFILE_STEP, CLEAN = 2, 3  # three clean steps: a median one hiccup cannot move
+WINDOW = dict(profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False)
+STEPS = 11  # the window ends at step 2 + 1 counting + 3 module timing + 3 clean = 9; two steps after
+
+
+class SleepyNet(nn.Module):
+    """The user's model: a sleepy block and a head (the tree's root is this class)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Sleepy(FWD, BWD, tiny_ops=4)  # few ops: bf16 autocast casts each one
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def batches(n: int) -> list[torch.Tensor]:
+    return [torch.randn(BATCH, 4) for _ in range(n)]
+
+
+def assert_sleeps_measured(metrics: dict[str, float]) -> None:
+    """Each phase holds its own sleep: never less (a sleep does not end early). One-sided, as a loaded
+    machine wakes sleepers late, and enough: phases are contiguous, so a boundary in the wrong place
+    moves a whole sleep out of one phase, which then reads less than its sleep."""
+    for key, sleep in ((names.FWD_LATENCY, FWD), (names.BWD_LATENCY, BWD), (names.STEP_LATENCY, STEP)):
+        assert metrics[key] >= 0.98 * sleep, (key, metrics[key])
+    assert 0.98 * (FWD + BWD + STEP) <= metrics[names.ITER_LATENCY] < 3 * (FWD + BWD + STEP)
+
+
+def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the TensorBoard event files under ``log_dir``: tag -> [(step, value)]."""
+    found: dict[str, list[tuple[int, float]]] = {}
+    for events in sorted(log_dir.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            found.setdefault(tag, []).extend((e.step, e.value) for e in accumulator.Scalars(tag))
+    return found
+
+
+# --- a plain loop ------------------------------------------------------------------------------------
+
+
+def test_plain_loop_measures_each_phases_sleep_and_logs_the_window_then_throughput() -> None:
+    torch.manual_seed(0)
+    model = SleepyNet()
+    optimizer = SleepySGD(model.parameters(), STEP)
+    logged: list[tuple[int, dict[str, float]]] = []
+    before = leftovers(model, optimizer)
+    prof = StepProfiler(model, log=lambda m, s: logged.append((s, m)), log_every_n_steps=1, **WINDOW)
+    assert prof.metrics is None and prof.result is None
+    for x in batches(STEPS):
+        with prof.step(x):
+            loss = model(x).sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    prof.close()
+    assert leftovers(model, optimizer) == before
+    assert prof.metrics is not None and prof.result is not None
+    assert_sleeps_measured(prof.metrics)
+    assert prof.result.samples == BATCH
+    assert prof.result.profile.model.class_name == "SleepyNet"  # the user's model is the root
+    # the window's metrics once, at the step it ended (9), then throughput/* at every later step
+    window = [(step, m) for step, m in logged if names.FWD_LATENCY in m]
+    assert [step for step, _ in window] == [9] and window[0][1] == prof.metrics
+    after = [step for step, m in logged if "throughput/samples_per_sec" in m]
+    assert after == [10, 11]
+    rate = next(m for step, m in logged if step == 11)["throughput/samples_per_sec"]
+    assert BATCH / (1.5 * (FWD + BWD + STEP)) < rate < BATCH / (FWD + BWD + STEP)
+
+
+def test_two_micro_batches_per_optimizer_step_report_the_flops_of_both() -> None:
+    """Gradient accumulation: the block without an optimizer step is a micro-batch of the next step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 4, bias=False))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = batches(2 * STEPS)
+    xs = [torch.randn(BATCH, 8) for _ in xs]
+    prof = StepProfiler(model, **WINDOW)
+    for i, x in enumerate(xs):
+        with prof.step(x):
+            model(x).sum().backward()
+            if i % 2 == 1:
+                optimizer.step()
+                optimizer.zero_grad()
+    prof.close()
+    result = prof.result
+    assert result is not None and result.micro_batches == 2 and result.samples == 2 * BATCH
+    with FlopCounterMode(display=False) as reference:
+        for x in xs[:2]:
+            model(x).sum().backward()
+    # by hand: forward 2 x 3 x (8 x 16 + 16 x 4) MACs per micro-batch = 1152 flops; backward: the
+    # first layer's weight gradient only (its input needs none), the second's input and weight
+    assert 2 * result.profile.fwd_macs == 2 * 1152 == 2 * 2 * BATCH * (8 * 16 + 16 * 4)
+    bwd_by_hand = 2 * 2 * BATCH * (8 * 16 + 2 * 16 * 4)
+    assert 2 * (result.profile.fwd_macs + result.profile.bwd_macs) == reference.get_total_flops()
+    assert 2 * result.profile.bwd_macs == bwd_by_hand
+    model.zero_grad()
+
+
+def test_an_exception_in_a_block_passes_unchanged_and_leaves_nothing() -> None:
+    torch.manual_seed(0)
+    model = SleepyNet()
+    optimizer = SleepySGD(model.parameters(), 0.0)
+    before = leftovers(model, optimizer)
+    boom = RuntimeError("the user's own error")
+    with pytest.raises(RuntimeError) as raised, StepProfiler(model, **WINDOW) as prof:
+        for i, x in enumerate(batches(STEPS)):
+            with prof.step(x):
+                loss = model(x).sum()
+                if i == PROFILE_STEP + 1:  # inside the module-timing step's forward
+                    raise boom
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert raised.value is boom
+    assert leftovers(model, optimizer) == before
+    assert prof.result is None
+
+
+def test_bad_arguments_are_said_at_construction_naming_the_argument() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="StepProfiler: profile_step must be an int >= 0"):
+        StepProfiler(model, profile_step=-1)
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['profile_steps'\]"):
+        StepProfiler(model, profile_steps=3)
+    with pytest.raises(ValueError, match="log_every_n_steps must be an int >= 1"):
+        StepProfiler(model, log_every_n_steps=0)
+    with pytest.raises(ValueError, match="accelerator or fabric, not both"):
+        StepProfiler(model, accelerator=object(), fabric=object())
+
+
+# --- Fabric ------------------------------------------------------------------------------------------
+
+
+def test_fabric_loop_logs_through_log_dict_and_profiles_the_users_model(tmp_path: Path) -> None:
+    from lightning.fabric import Fabric
+    from lightning.fabric.loggers import TensorBoardLogger
+
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=TensorBoardLogger(tmp_path, name="run"))
+    user_model = SleepyNet()
+    model, optimizer = fabric.setup(user_model, SleepySGD(user_model.parameters(), STEP))
+    before = leftovers(user_model)
+    prof = StepProfiler(model, fabric=fabric, log_every_n_steps=1, **WINDOW)
+    for x in batches(STEPS):
+        with prof.step(x):
+            loss = model(x).sum()
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    prof.close()
+    fabric.logger.finalize("success")
+    assert "backward" not in vars(fabric) and leftovers(user_model) == before
+    assert prof.metrics is not None and prof.result is not None
+    assert prof.result.profile.model.class_name == "SleepyNet"  # not _FabricModule
+    assert prof.result.parallel.world_size == 1 and prof.result.compute_dtype is not None
+    assert_sleeps_measured(prof.metrics)
+    found = scalars(tmp_path)
+    assert found[names.FWD_LATENCY] == [(9, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
+    assert [step for step, _ in found["throughput/samples_per_sec"]] == [10, 11]
+    assert (Path(fabric.logger.log_dir) / "flops_profile_step2.json").is_file()
+
+
+# --- accelerate --------------------------------------------------------------------------------------
+
+
+def test_accelerate_loop_logs_through_accelerator_log_with_its_dtype_and_sizes(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", log_with="tensorboard", project_dir=tmp_path)
+    accelerator.init_trackers("run")
+    user_model = SleepyNet()
+    model, optimizer = accelerator.prepare(user_model, SleepySGD(user_model.parameters(), STEP))
+    prof = StepProfiler(model, accelerator=accelerator, log_every_n_steps=1, **WINDOW)
+    for x in batches(STEPS):
+        with prof.step(x):
+            loss = model(x).float().sum()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    prof.close()
+    accelerator.end_training()
+    assert "backward" not in vars(accelerator)
+    result = prof.result
+    assert result is not None and prof.metrics is not None
+    assert result.profile.model.class_name == "SleepyNet"
+    assert result.compute_dtype == "bf16" and result.parallel.world_size == 1
+    assert ("accelerate distributed type", "NO") in result.extra_lines
+    assert_sleeps_measured(prof.metrics)
+    found = scalars(tmp_path)
+    assert found[names.FWD_LATENCY] == [(9, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
+    assert [step for step, _ in found["throughput/samples_per_sec"]] == [10, 11]
