@@ -23,6 +23,7 @@ from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_pe
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.distributed import gather_latencies
+from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_steps import Kind, WindowStep, clean_figures
@@ -167,9 +168,11 @@ def build_result(
         times, cost, trace_step = _module_times(module_steps, clean)
         spans = times.spans
         profile = times.applied_to(profile)
+    sources: FlopsSources | None = None
     if clean:
         timed, source = clean, f"median of {len(clean)} clean step(s)"
-        counts = _total(clean)
+        each, sources = clean_step_flops(steps, clean, flops)  # counted, predicted, or estimated
+        counts = functools.reduce(BatchCounts.plus, each, BatchCounts.zero())
     else:
         known = [s for s in ran if s.counts is not None]
         timed = known or ran[:1] or [counting]
@@ -236,4 +239,6 @@ def build_result(
         hook_cost=cost,
         model_forward=model_forward[0] if model_forward else None,
         model_forward_high=model_forward[1] if model_forward else None,
+        flops_sources=sources,
+        counting_iter=counting.seconds()["iter"],
     )

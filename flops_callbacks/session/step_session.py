@@ -93,7 +93,12 @@ class StepSession:
         self.batches = BatchReader(options, owner, self.guard, tokens_fn)
         self.given_peak = given_peak(options.peak_flops)
         self.given_bandwidth = given_bandwidth(options.peak_bandwidth)
-        meter = ThroughputMeter(lambda batch: self.batches.samples(batch) or 0, self.batches.tokens)
+        meter = ThroughputMeter(
+            lambda batch: self.batches.samples(batch) or 0,
+            self.batches.tokens,
+            audit=options.flops_audit,
+            causal_attention=options.causal_attention,
+        )
         self.meter = meter if options.throughput else None
         self.result: WindowResult | None = None
         self.flops = ShapeFlops()  # flops per micro-batch shape: counted in the window, read after it
@@ -263,8 +268,17 @@ class StepSession:
         if tokens is not None:
             step.tokens = (step.tokens or 0) + tokens
         counts = self.flops.get(signature, later)
-        if step.kind in (None, Kind.CLEAN) and counts is None:
-            shape_counts = sum(s.kind == Kind.SHAPE_COUNTING for s in self._steps)
+        # issue 32: the table says what it cannot vouch for (a shape outside the verified range, the
+        # content check, every other step once the flops depend on content): counted, not timed
+        before = self._steps[-2].kind if len(self._steps) > 1 else None
+        count = self.flops.needs_count(
+            signature,
+            later,
+            first=step.kind is None,
+            counted_last=before in (Kind.COUNTING, Kind.SHAPE_COUNTING),
+        )
+        shape_counts = sum(s.kind == Kind.SHAPE_COUNTING for s in self._steps)
+        if step.kind in (None, Kind.CLEAN) and count and (counts is None or shape_counts < MAX_SHAPE_COUNTS):
             step.kind = Kind.SHAPE_COUNTING if shape_counts < MAX_SHAPE_COUNTS else Kind.SKIPPED
             if step.kind == Kind.SHAPE_COUNTING and self._model is not None:
                 self._counter = Tracer(
@@ -323,6 +337,8 @@ class StepSession:
         until the next micro-batch, such as a validation run, is not part of the step)."""
         step = self._step
         if step is None:
+            if self._metering and self.meter is not None:
+                self.meter.end_micro_batch()  # issue 32: an audited micro-batch's count ends here
             return
         self._stop_instruments()
         if self._counting_failed():
@@ -338,7 +354,8 @@ class StepSession:
         if counting is None or engine is None:
             return
         signature, later, before = counting
-        self.flops.record(signature, _totals(engine).minus(before), later)
+        number = self._step.number if self._step is not None else None
+        self.flops.record(signature, _totals(engine).minus(before), later, step=number)
 
     @_own_work("marking a phase")
     def stop_timing(self) -> None:
