@@ -8,7 +8,12 @@ attention: ``B*L*L*d``), so once a few shapes are counted the others follow exac
 instrumented. Nothing is assumed: the polynomial's coefficients are solved exactly (``Fraction``)
 from counted points and the fit is trusted only when it reproduces at least one more counted point
 (a model whose counts are not such a polynomial, e.g. one that pads internally to a multiple of 8,
-fails the check and its shapes keep being counted). Why not a replay under ``FakeTensorMode`` /
+fails the check and its shapes keep being counted). A model's counts are such a polynomial only between
+the branches of its code (more layers above a length, local attention above a length), so a prediction
+is made only inside the range of the counted points that verified it: a shape outside is counted
+first, and the points on each side of a branch fit apart. Work that depends on the values (padding-free
+layers, MoE routing) is found by a second count of a known shape (``needs_count``, ``content``).
+Why not a replay under ``FakeTensorMode`` /
 ``meta``: the training step (forward, loss, backward) belongs to the framework and the user's code
 and cannot be re-run after it, and a replay of only ``model(batch)`` would miss the loss and the
 backward that the counting engine sees.

@@ -3,14 +3,12 @@
 A profile is a short window of steps, each doing one job on its own clock: the counting step counts every
 op (:class:`~flops_callbacks.counting.engine.Tracer`; its times feed no figure), the
 ``MODULE_TIMING_STEPS`` module-timing steps mark module calls only (the tree is the median one's:
-:class:`~flops_callbacks.timing.module_timer.ModuleTimer`), and the clean steps mark the
-phases at the framework's events and each step's end, and the model's outermost calls in their forward
-(what the timer's hooks cost: :mod:`flops_callbacks.timing.outer_calls`). Each batch's flops come from
-:class:`~flops_callbacks.session.shape_flops.ShapeFlops` (counted, or predicted exactly), so clean steps
-of any shape count; a shape that is neither becomes a shape-counting step (counted, not timed) at most
-``MAX_SHAPE_COUNTS`` times. The figures are built by :mod:`flops_callbacks.session.builder` from
-:mod:`flops_callbacks.session.window_steps`; after the window, :mod:`flops_callbacks.session.meter` logs
-``throughput/*`` with the same table.
+:class:`~flops_callbacks.timing.module_timer.ModuleTimer`), the clean steps mark the phases at the
+framework's events, each step's end and the model's outermost calls (:mod:`.outer_calls`). Each
+batch's flops come from :class:`~flops_callbacks.session.shape_flops.ShapeFlops`; what it cannot vouch
+for (``needs_count``: a new shape, the content check) is a shape-counting step (counted, not timed), at
+most ``MAX_SHAPE_COUNTS`` times. :mod:`.builder` builds the figures from :mod:`.window_steps`; after the
+window, :mod:`flops_callbacks.session.meter` logs ``throughput/*`` with the same table.
 
 An adapter maps its framework's events onto this object (:mod:`flops_callbacks.session.adapter_api`):
 
@@ -93,12 +91,8 @@ class StepSession:
         self.batches = BatchReader(options, owner, self.guard, tokens_fn)
         self.given_peak = given_peak(options.peak_flops)
         self.given_bandwidth = given_bandwidth(options.peak_bandwidth)
-        meter = ThroughputMeter(
-            lambda batch: self.batches.samples(batch) or 0,
-            self.batches.tokens,
-            audit=options.flops_audit,
-            causal_attention=options.causal_attention,
-        )
+        samples = lambda batch: self.batches.samples(batch) or 0  # noqa: E731
+        meter = ThroughputMeter(samples, self.batches.tokens, options.flops_audit, options.causal_attention)
         self.meter = meter if options.throughput else None
         self.result: WindowResult | None = None
         self.flops = ShapeFlops()  # flops per micro-batch shape: counted in the window, read after it
@@ -268,23 +262,14 @@ class StepSession:
         if tokens is not None:
             step.tokens = (step.tokens or 0) + tokens
         counts = self.flops.get(signature, later)
-        # issue 32: the table says what it cannot vouch for (a shape outside the verified range, the
-        # content check, every other step once the flops depend on content): counted, not timed
-        before = self._steps[-2].kind if len(self._steps) > 1 else None
-        count = self.flops.needs_count(
-            signature,
-            later,
-            first=step.kind is None,
-            counted_last=before in (Kind.COUNTING, Kind.SHAPE_COUNTING),
-        )
+        last = len(self._steps) > 1 and self._steps[-2].kind in (Kind.COUNTING, Kind.SHAPE_COUNTING)
+        count = self.flops.needs_count(signature, later, step.kind is None, last)  # issue 32: table's say
         shape_counts = sum(s.kind == Kind.SHAPE_COUNTING for s in self._steps)
         if step.kind in (None, Kind.CLEAN) and count and (counts is None or shape_counts < MAX_SHAPE_COUNTS):
             step.kind = Kind.SHAPE_COUNTING if shape_counts < MAX_SHAPE_COUNTS else Kind.SKIPPED
             if step.kind == Kind.SHAPE_COUNTING and self._model is not None:
                 self._counter = Tracer(
-                    self._model,
-                    causal_attention=self.options.causal_attention,
-                    clock=NullClock(),
+                    self._model, causal_attention=self.options.causal_attention, clock=NullClock()
                 )
         elif step.kind is None:
             step.kind = Kind.CLEAN
@@ -354,8 +339,8 @@ class StepSession:
         if counting is None or engine is None:
             return
         signature, later, before = counting
-        number = self._step.number if self._step is not None else None
-        self.flops.record(signature, _totals(engine).minus(before), later, step=number)
+        step = self._step.number if self._step is not None else None
+        self.flops.record(signature, _totals(engine).minus(before), later, step)
 
     @_own_work("marking a phase")
     def stop_timing(self) -> None:
