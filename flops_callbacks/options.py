@@ -77,6 +77,9 @@ class Options:
     throughput: bool = True
     peak_flops: float | None = None
     peak_bandwidth: float | None = None  # bytes/s
+    # after the window, count one step in a while and compare with the shape table: every N steps, or
+    # "auto" (as often as keeps the counting's cost <= 1% of the run's time), or 0 (never)
+    flops_audit: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         check_int("profile_step", self.profile_step, 0)
@@ -87,6 +90,12 @@ class Options:
                 raise ValueError(
                     f"clean_steps must be 'auto' or an int >= 0, got {self.clean_steps!r}"
                 ) from None
+        if self.flops_audit != "auto" and (
+            isinstance(self.flops_audit, bool)
+            or not isinstance(self.flops_audit, int)
+            or self.flops_audit < 0
+        ):
+            raise ValueError(f"flops_audit must be 'auto' or an int >= 0, got {self.flops_audit!r}")
         check_report_args(self.module_depth, self.top_modules)
         for name in ("detailed", "print_profile", "throughput"):
             check_flag(name, getattr(self, name))

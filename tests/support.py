@@ -150,9 +150,14 @@ def module_steps(profile_step: int) -> tuple[int, ...]:
     return tuple(profile_step + 1 + i for i in range(MODULE_TIMING_STEPS))
 
 
-def first_clean(profile_step: int) -> int:
-    """The first clean step of a window counted at ``profile_step``."""
+def check_step(profile_step: int) -> int:
+    """The step after the module-timing steps, counted again to check the shape table (issue 32)."""
     return profile_step + 1 + MODULE_TIMING_STEPS
+
+
+def first_clean(profile_step: int) -> int:
+    """The first clean step of a window counted at ``profile_step`` (every batch of one shape)."""
+    return check_step(profile_step) + 1
 
 
 def window_end(profile_step: int, clean: int) -> int:
@@ -168,7 +173,7 @@ def window_steps(profile_step: int, clean: int, **fields: Any) -> WindowSteps:
     settings: dict[str, Any] = dict(
         counting=profile_step, module_timing=module_steps(profile_step), clean=cleans, skipped=(),
         latency_source=f"median of {clean} clean step(s)", model_forward=cleans,
-        model_forward_shapes_match=True,
+        model_forward_shapes_match=True, shape_counting=(check_step(profile_step),),
     )  # fmt: skip
     return WindowSteps(**{**settings, **fields})
 

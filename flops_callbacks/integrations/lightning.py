@@ -131,6 +131,9 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         peak_bandwidth: peak memory bandwidth of one device in bytes/s, for the per-module roofline.
             Default: the ``FLOPS_CALLBACKS_PEAK_BANDWIDTH`` environment variable, else the table of
             :mod:`flops_callbacks.peaks` for the GPU.
+        flops_audit: after the window, count one step every ``flops_audit`` steps and compare it with
+            the shape table (a mismatch is said once and ``throughput/*`` follows the count); "auto":
+            as often as keeps the counting's cost within 1% of the run's time; 0: never.
     """
 
     _step_at_batch_start: int | None = None  # the global step of the optimizer step in progress

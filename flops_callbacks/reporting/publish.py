@@ -76,7 +76,7 @@ def _module_source(result: WindowResult) -> str:
 
 def source_lines(result: WindowResult) -> list[tuple[str, str]]:
     """Which step each figure comes from, in the report's words."""
-    s = result.steps
+    s, sources = result.steps, result.flops_sources
     lines = [
         ("flops, MACs, params from", f"step {s.counting} (counting step)"),
         ("module latencies from", _module_source(result)),
@@ -86,11 +86,24 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
         ),
         (
             "rates from: the same steps' summed flops (samples, tokens) / summed times",
-            f"{s.shapes} batch shape(s): flops of {s.shapes_counted} counted, {s.shapes_predicted} predicted",
+            f"{s.shapes} batch shape(s): flops of {s.shapes_counted} counted, {s.shapes_predicted} predicted"
+            + (f"; clean steps' flops {sources.summary()}" if sources is not None else ""),
         ),
     ]
-    if s.shape_counting:
-        lines.append(("steps counted for new batch shapes (not timed)", _steps_text(s.shape_counting)))
+    if sources is not None and sources.content:
+        lines.append(("flops depend on the batch's content", sources.content))
+        if sources.spread is not None:
+            median, low, high = sources.spread
+            lines.append(
+                (
+                    f"model flops per sample of the {len(sources.counted_steps)} counted step(s): "
+                    "median (min .. max)",
+                    f"{flops_to_string(median)} ({flops_to_string(low)} .. {flops_to_string(high)})",
+                )
+            )
+    shown = tuple(n for n in s.shape_counting if sources is None or n != sources.check_step)  # said above
+    if shown:
+        lines.append(("steps counted, not timed (new batch shapes, checks)", _steps_text(shown)))
     if s.skipped:
         lines.append(("clean steps left out (batch shapes not countable)", _steps_text(s.skipped)))
     return lines
@@ -297,6 +310,8 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "model_forward": result.model_forward,  # seconds; steps: steps.model_forward
         "model_forward_high": result.model_forward_high,  # the slowest of those steps'
         "hook_cost": None if result.hook_cost is None else dataclasses.asdict(result.hook_cost),
+        # per clean step: counted / predicted / estimated; uncertainty: a bound on the total's error
+        "flops_sources": None if result.flops_sources is None else dataclasses.asdict(result.flops_sources),
         "metrics": result.metrics(),
         "samples_per_device": result.samples,
         "micro_batches": result.micro_batches,

@@ -24,6 +24,7 @@ from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_pe
 from flops_callbacks.profile import Profile
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
+from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_steps import CleanFigures, Kind, WindowStep, clean_figures
@@ -165,6 +166,7 @@ class RankRow(NamedTuple):
     counted: tuple[int, ...]  # the counting step's totals
     counted_samples: int | None
     counted_tokens: int | None
+    counting_iter: float  # the counting step's fwd + bwd + step seconds (what a count costs)
 
 
 @dataclasses.dataclass
@@ -178,6 +180,7 @@ class LocalWindow:
     figures: CleanFigures  # this rank's
     source: str  # where the latencies come from, in words
     counting: WindowStep
+    sources: FlopsSources | None  # where each clean step's flops come from (this rank's)
 
     def row(self) -> RankRow:
         f, c = self.figures, self.counting
@@ -192,10 +195,11 @@ class LocalWindow:
             counted,
             c.samples,
             c.tokens,
+            c.seconds()["iter"],
         )
 
 
-def local_window(steps: list[WindowStep], tracer: Tracer) -> LocalWindow:
+def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> LocalWindow:
     """This rank's profile and clean-step figures (module latencies are added in :func:`build_result`)."""
     counting = steps[0]
     profile = tracer.profile()
@@ -207,9 +211,11 @@ def local_window(steps: list[WindowStep], tracer: Tracer) -> LocalWindow:
             for name, m in profile.modules.items()
         }
     clean = [s for s in steps if s.kind == Kind.CLEAN and s.counts is not None]
+    sources: FlopsSources | None = None
     if clean:
         timed, source = clean, f"median of {len(clean)} clean step(s)"
-        counts = _total(clean)
+        each, sources = clean_step_flops(steps, clean, flops)  # counted, predicted, or estimated
+        counts = functools.reduce(BatchCounts.plus, each, BatchCounts.zero())
     else:
         known = [s for s in ran if s.counts is not None]
         timed = known or ran[:1] or [counting]
@@ -218,7 +224,8 @@ def local_window(steps: list[WindowStep], tracer: Tracer) -> LocalWindow:
             f"by {'module hooks' if ran else 'counting'})"
         )
         counts = _total(known) if known else BatchCounts.of(profile)
-    return LocalWindow(profile, ran, module_steps, clean, clean_figures(timed, counts), source, counting)
+    figures = clean_figures(timed, counts)
+    return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources)
 
 
 def mean(values: Sequence[int | float | None]) -> int | float | None:
@@ -331,4 +338,6 @@ def build_result(
         hook_cost=cost,
         model_forward=model_forward[0] if model_forward else None,
         model_forward_high=model_forward[1] if model_forward else None,
+        flops_sources=local.sources,
+        counting_iter=max(r.counting_iter for r in rows),  # audits fall on the same steps on every rank
     )

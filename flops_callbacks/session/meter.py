@@ -1,47 +1,72 @@
 """Continuous throughput after the profile window: samples, tokens, FLOPS and MFU per logging interval.
 
-Shared by every door, through the step session, on every rank:
+Shared by both callbacks; an adapter calls, on the logging rank:
 
     meter.start(result, model, flops)      when the profile window has ended
     meter.begin_micro_batch(batch)         before each later micro-batch's forward
     meter.end_step()                       when its optimizer step has ended
-    meter.interval()                       at a logging step: this rank's interval, and a new one
+    metrics = meter.metrics()              at a logging step
     meter.pause() / meter.resume()         around evaluation
     meter.close()                          at the end of training, or on an exception
 
 and :func:`throughput_metrics` makes the job's ``throughput/*`` of every rank's interval (the session
 exchanges them at the logging step, which every rank reaches).
 
-Nothing is counted on these steps: a micro-batch's flops come from the window's table of shape
-signatures (:class:`~flops_callbacks.session.shape_flops.ShapeFlops`): counted there, or predicted exactly
-from the shapes counted there, so batches of every padded length have their own flops and no step
-runs slower. A shape the table can neither give nor predict (a model whose counts are no polynomial
-of its shapes, a batch unlike any the window saw) gets no flops: an interval with one logs samples and
-tokens per second, not flops, and a warning says so once.
+A micro-batch's flops come from the window's table of shape signatures
+(:class:`~flops_callbacks.session.shape_flops.ShapeFlops`): counted there, or predicted exactly inside
+the range the shapes counted there verified, so batches of every padded length have their own flops
+and no step runs slower. One step in a while is *audited* (``flops_audit``): counted, its time and work
+left out of its interval (as evaluation is), and compared with the table; a mismatch (work that depends
+on the content, a mode the model switched to, a drift of MoE routing) is said once with its ratio, and
+from then on that shape reads the count and the others the table times its ratio. ``"auto"`` audits
+as rarely as keeps the counting within ``AUDIT_COST`` of the run's time: the window's counting step
+against its clean steps tells what a count costs. A shape the table can neither give nor predict (a
+model whose counts are no polynomial of its shapes, a batch outside what the window saw) gets no flops
+until an audit counts it: an interval with one logs samples and tokens per second, not flops, and a
+warning says so once.
 
 Time is the wall time between logging steps, read after one device synchronize per logging interval
 (and one at each pause and resume), every step of the interval included, the slowest rank's; flops are
 model flops (fwd + bwd, recompute excluded) per device: the ranks' mean, as
 ``flops_profiler/flops_per_sec``; samples and tokens are the job's: the ranks' mean times the
-data-parallel size (every rank's own batches, summed over the replicas).
+data-parallel size (every rank's own batches, summed over the replicas). Audits fall on the same steps on
+every rank (the window's agreed figures set their rhythm).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
 from flops_callbacks import metrics as names
-from flops_callbacks.session.batch import shape_signature
+from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.options import CausalAttention
+from flops_callbacks.session.batch import Signature, shape_signature
 from flops_callbacks.session.result import WindowResult
-from flops_callbacks.session.shape_flops import ShapeFlops
-from flops_callbacks.timing.clock import clock_for, module_device
+from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.timing.clock import NullClock, clock_for, module_device
+from flops_callbacks.timing.collector import collect_counting_garbage
 from flops_callbacks.user_warning import warn
 
-__all__ = ["Interval", "ThroughputMeter", "throughput_metrics"]
+__all__ = ["AUDIT_COST", "Interval", "ThroughputMeter", "audit_every", "throughput_metrics"]
+
+AUDIT_COST = 0.01  # flops_audit="auto": the audits' share of the run's time, at most
+MIN_AUDIT_EVERY = 10  # steps between audits, at the least (a count that costs nothing is still an event)
+
+
+def audit_every(audit: int | Literal["auto"], step_seconds: float, count_seconds: float | None) -> int | None:
+    """Steps between audits (None: never): ``audit`` itself, or for "auto" as many as make a counted
+    step's extra time (``count_seconds`` less ``step_seconds``) ``AUDIT_COST`` of theirs."""
+    if audit != "auto":
+        return audit or None
+    if step_seconds <= 0 or count_seconds is None:
+        return None  # no clean step timed: nothing to weigh the cost against
+    extra = max(count_seconds - step_seconds, 0.0)
+    return max(math.ceil(extra / (AUDIT_COST * step_seconds)), MIN_AUDIT_EVERY)
 
 
 class Interval(NamedTuple):
@@ -91,9 +116,18 @@ class ThroughputMeter:
         self,
         batch_size_fn: Callable[[Any], int],
         tokens_fn: Callable[[Any], int | None] | None = None,
+        audit: int | Literal["auto"] = "auto",
+        causal_attention: CausalAttention = "full",
     ) -> None:
         self.batch_size_fn = batch_size_fn
         self.tokens_fn = tokens_fn
+        self.audit, self.causal_attention = audit, causal_attention
+        self.every: int | None = None  # steps between audits (None: never)
+        self._until: int | None = None  # steps until the next audit
+        self._tracer: Tracer | None = None  # the audited step's engine
+        self._counting: tuple[Signature, bool, BatchCounts] | None = None  # the micro-batch counted now
+        self._said_mismatch = False
+        self._unknown: list[bool] = []  # micro-batches of the counted step whose flops await its count
         self.flops = ShapeFlops()
         self.data_parallel = 1
         self.peak: float | None = None
@@ -110,6 +144,9 @@ class ThroughputMeter:
         self.data_parallel = result.parallel.data_parallel
         self.peak = result.peak.flops if result.peak is not None else None
         self._clock = clock_for(module_device(model))
+        self._model = model
+        self.every = audit_every(self.audit, result.iter_latency, result.counting_iter)
+        self._until = self.every
         self._started = True
         self._later = False
         self._paused_at: float | None = None
@@ -118,14 +155,24 @@ class ThroughputMeter:
     def begin_micro_batch(self, batch: Any) -> None:
         """Add a micro-batch's samples, tokens and flops (None for the interval when they are unknown)."""
         later, self._later = self._later, True
-        if not self._started or self._paused_at is not None:
+        if not self._started:
+            return
+        signature = shape_signature(batch)
+        if not later and self._paused_at is None:
+            self._audit_due(self.flops.current(signature, later) is None)
+        if self._tracer is not None:  # an audited step: counted
+            self._counting = (signature, later, _totals(self._tracer))
+            self._tracer.start()
+        if self._paused_at is not None:
             return
         self._samples += int(self.batch_size_fn(batch))
         if self._tokens is not None:
             tokens = self.tokens_fn(batch) if self.tokens_fn is not None else None
             self._tokens = None if tokens is None else self._tokens + int(tokens)
-        counts = self.flops.get(shape_signature(batch), later)
-        if counts is None:
+        counts = self.flops.current(signature, later)
+        if counts is None and self._tracer is not None:
+            self._unknown.append(later)  # counted now: its flops are added at its end
+        elif counts is None:
             self._flops = None
             if not self._warned_unknown:
                 self._warned_unknown = True
@@ -135,11 +182,61 @@ class ThroughputMeter:
                     "not flops.",
                 )
         elif self._flops is not None:
+            self._flops += counts
+
+    def _audit_due(self, unknown: bool) -> None:
+        """At a step's first micro-batch: start an audit when one is due (out of the interval, as an
+        evaluation is), or count a shape the table cannot give yet (outside the verified range: rare,
+        as each count widens it), in the interval."""
+        if self._until is None:
+            return
+        self._until -= 1
+        if self._until > 0 and not unknown:
+            return
+        if not unknown:
+            self.pause()  # the audited step's time and work are no interval's
+        self._tracer = Tracer(self._model, causal_attention=self.causal_attention, clock=NullClock())
+
+    def end_micro_batch(self) -> None:
+        """After a micro-batch: an audited one's count is compared with the table (a mismatch said once)."""
+        tracer, counting, self._counting = self._tracer, self._counting, None
+        if tracer is None or counting is None or not tracer.running:
+            return
+        tracer.stop()
+        if tracer.failure is not None:
+            what, error = tracer.failure
+            self._until = self.every = None
+            warn(f"flops_callbacks: counting an audited step failed ({what}: {error!r}); no more audits.")
+            return
+        signature, later, before = counting
+        counts = _totals(tracer).minus(before)
+        if self._unknown and self._flops is not None:
+            self._unknown.pop()
             self._flops += counts.model_flops
+        ratio = self.flops.audit(signature, later, counts)
+        if ratio is not None and not self._said_mismatch:
+            self._said_mismatch = True
+            warn(
+                f"flops_callbacks: a step counted after the window did {ratio:.4f}x the flops the shape "
+                f"table gave for its shapes ({[shape for shape, _ in signature]}): the model's flops depend "
+                "on more than the shapes (the batch's content, a mode it keeps); throughput/* follows the "
+                "counted value from now on.",
+            )
 
     def end_step(self) -> None:
-        """After an optimizer step: the next micro-batch is a step's first."""
+        """After an optimizer step: the next micro-batch is a step's first; an audit ends here."""
         self._later = False
+        if self._tracer is not None:
+            self._stop_audit()
+            collect_counting_garbage()
+            self._until = self.every
+            self._unknown = []
+            self.resume()
+
+    def _stop_audit(self) -> None:
+        tracer, self._tracer, self._counting = self._tracer, None, None
+        if tracer is not None and tracer.running:
+            tracer.stop()
 
     def interval(self) -> Interval:
         """This rank's interval since the last call (or the start), and a new interval from now."""
@@ -172,7 +269,8 @@ class ThroughputMeter:
             self._paused_at = None
 
     def close(self) -> None:
-        """Stop metering."""
+        """Stop metering (an audit in progress stops: nothing of it remains)."""
+        self._stop_audit()
         self._started = False
         self._samples, self._flops, self._tokens = 0, 0.0, 0
 
@@ -183,3 +281,8 @@ class ThroughputMeter:
     def _now(self) -> float:
         self._clock.synchronize()  # the device has done the work queued so far
         return time.perf_counter()
+
+
+def _totals(engine: Tracer) -> BatchCounts:
+    """The model's counts an engine has seen so far."""
+    return BatchCounts.of(engine.totals()[0])

@@ -37,6 +37,7 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
 from flops_callbacks.roofline import Roofline, module_rooflines
+from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_steps import CleanFigures, Spread
 from flops_callbacks.timing.hook_cost import HookCost
@@ -132,6 +133,9 @@ class WindowResult:
     # rank's): the forward phase less the loss and the framework's work; None: not marked (see ``hook_cost``)
     model_forward: float | None = None
     model_forward_high: float | None = None  # the slowest of those clean steps' (what one step may read)
+    # where each clean step's flops come from (counted, predicted, estimated) and how sure the total is
+    flops_sources: FlopsSources | None = None
+    counting_iter: float | None = None  # the counting step's fwd + bwd + step seconds (what counting costs)
     _metrics: dict[str, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -18,7 +18,9 @@ __all__ = ["CLEAN_MAX", "CLEAN_MIN", "MODULE_TIMING_STEPS", "RunPlan", "unwritab
 
 CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
 MODULE_TIMING_STEPS = 3  # the tree is the median one's (by the model's time): a pause in one drops out
-BEFORE_CLEAN = 1 + MODULE_TIMING_STEPS  # the counting and module-timing steps
+# the counting and module-timing steps, and the step after them that counts a known shape again to check
+# the shape table (issue 32: work that depends on the batch's content is found there)
+BEFORE_CLEAN = 2 + MODULE_TIMING_STEPS
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class RunPlan:
             clean = max(-(-(max_steps - self.first) // self.steps_per_batch) - BEFORE_CLEAN, 0)
             warn(
                 f"{owner}: the profile window needs steps {self.first} .. {self.last} "
-                f"(counting, {MODULE_TIMING_STEPS} x module timing, "
+                f"(counting, {MODULE_TIMING_STEPS} x module timing, a check, "
                 f"clean_steps={self.options.clean_steps!r}); the run has {max_steps} steps: "
                 f"the latencies will rest on {clean} clean step(s).",
             )

@@ -8,7 +8,12 @@ attention: ``B*L*L*d``), so once a few shapes are counted the others follow exac
 instrumented. Nothing is assumed: the polynomial's coefficients are solved exactly (``Fraction``)
 from counted points and the fit is trusted only when it reproduces at least one more counted point
 (a model whose counts are not such a polynomial, e.g. one that pads internally to a multiple of 8,
-fails the check and its shapes keep being counted). Why not a replay under ``FakeTensorMode`` /
+fails the check and its shapes keep being counted). A model's counts are such a polynomial only between
+the branches of its code (more layers above a length, local attention above a length), so a prediction
+is made only inside the range of the counted points that verified it: a shape outside is counted
+first, and the points on each side of a branch fit apart. Work that depends on the values (padding-free
+layers, MoE routing) is found by a second count of a known shape (``needs_count``, ``content``).
+Why not a replay under ``FakeTensorMode`` /
 ``meta``: the training step (forward, loss, backward) belongs to the framework and the user's code
 and cannot be re-run after it, and a replay of only ``model(batch)`` would miss the loss and the
 backward that the counting engine sees.
@@ -34,8 +39,9 @@ from typing import Any, NamedTuple
 
 from flops_callbacks.profile import hardware_flops, model_flops
 from flops_callbacks.session.batch import Signature
+from flops_callbacks.user_warning import warn
 
-__all__ = ["BatchCounts", "ShapeFlops"]
+__all__ = ["BatchCounts", "ContentFinding", "ShapeFlops"]
 
 MAX_DEGREE = 3  # per variable: attention is quadratic in L; cubic leaves room, more needs many points
 
@@ -85,7 +91,8 @@ def _dims(key: Key) -> tuple[int, ...]:
 
 
 class _Fit:
-    """A verified polynomial of one family: which dims are variables and each count's coefficients."""
+    """A verified polynomial of one family: which dims are variables, each count's coefficients, and the
+    range (lowest .. highest) of each variable over the points that verified it."""
 
     def __init__(
         self,
@@ -93,17 +100,22 @@ class _Fit:
         groups: list[list[int]],
         exponents: list[tuple[int, ...]],
         coefficients: list[list[Fraction]],
+        ranges: list[tuple[int, int]],
     ) -> None:
         self.constants, self.groups = constants, groups
-        self.exponents, self.coefficients = exponents, coefficients
+        self.exponents, self.coefficients, self.ranges = exponents, coefficients, ranges
 
     def predict(self, dims: tuple[int, ...]) -> BatchCounts | None:
+        """The counts at ``dims``; None outside the verified range (a longer sequence, a larger batch than
+        any counted one may cross a branch of the model's code: it is counted first)."""
         if any(dims[p] != v for p, v in self.constants.items()):
             return None  # a dim that never varied among the counted points: no variable for it
         values = []
-        for group in self.groups:
+        for group, (low, high) in zip(self.groups, self.ranges, strict=True):
             if any(dims[p] != dims[group[0]] for p in group):
                 return None  # dims that were always equal are not: another kind of batch
+            if not low <= dims[group[0]] <= high:
+                return None
             values.append(dims[group[0]])
         row = _monomials(values, self.exponents)
         counts = []
@@ -172,28 +184,131 @@ def _fit(points: list[tuple[tuple[int, ...], BatchCounts]]) -> _Fit | None:
         rows = [_monomials([dims[g[0]] for g in groups], exponents) for dims, _ in points]
         solved = _solve(rows, [list(counts) for _, counts in points])
         if solved is not None:
-            return _Fit(constants, groups, exponents, solved)
+            values = [[dims[g[0]] for dims, _ in points] for g in groups]
+            return _Fit(constants, groups, exponents, solved, [(min(v), max(v)) for v in values])
     return None
 
 
+def _groups(everything: list[tuple[int, ...]]) -> list[list[int]]:
+    """The variables of a set of dims tuples: the positions that vary, those always equal to each other
+    as one."""
+    first = everything[0]
+    groups: list[list[int]] = []
+    for p in range(len(first)):
+        if all(dims[p] == first[p] for dims in everything):
+            continue
+        group = next((g for g in groups if all(dims[p] == dims[g[0]] for dims in everything)), None)
+        if group is None:
+            groups.append([p])
+        else:
+            group.append(p)
+    return groups
+
+
+def _along_one(points: list[tuple[int, BatchCounts]], value: int) -> BatchCounts | None:
+    """A prediction at ``value`` from counted points that differ in one variable only: the smallest run
+    of neighbouring points around ``value`` (at most a cubic's five) whose fit a spare point verifies.
+    Runs, not all points, so that a branch of the model's code (other work above a length) splits the
+    points into ranges, each fitted on its own."""
+    ordered = sorted(points)
+    below = [i for i, (v, _) in enumerate(ordered) if v < value]
+    above = [i for i, (v, _) in enumerate(ordered) if v > value]
+    if not below or not above:
+        return None  # outside every counted range: counted first
+    low, high = below[-1], above[0]
+    for size in range(3, MAX_DEGREE + 3):
+        for start in range(max(0, high - size + 1), min(low, len(ordered) - size) + 1):
+            fit = _fit([((v,), c) for v, c in ordered[start : start + size]])
+            counts = fit.predict((value,)) if fit is not None else None
+            if counts is not None:
+                return counts
+    return None
+
+
+def _predict(points: list[tuple[tuple[int, ...], BatchCounts]], dims: tuple[int, ...]) -> BatchCounts | None:
+    """The counts at ``dims`` from a family's counted points, only inside a verified range: along one
+    variable with the others as counted (:func:`_along_one`), else by one fit of them all."""
+    groups = _groups([d for d, _ in points] + [dims])
+    values = [[d[g[0]] for g in groups] for d, _ in points]
+    want = [dims[g[0]] for g in groups]
+    for k in range(len(groups)):
+        line = [
+            (v[k], c)
+            for v, (_, c) in zip(values, points, strict=True)
+            if all(v[j] == want[j] for j in range(len(groups)) if j != k)
+        ]
+        counts = _along_one(line, want[k])
+        if counts is not None:
+            return counts
+    fit = _fit(points) if len(groups) > 1 else None
+    return fit.predict(dims) if fit is not None else None
+
+
+class ContentFinding(NamedTuple):
+    """A batch counted again did other work than the table said for its shapes: the model's flops depend
+    on the batch's content (or on a mode it keeps), not on its shapes alone."""
+
+    signature: Signature
+    later: bool
+    said: BatchCounts  # what the table held (counted before, or predicted)
+    counted: BatchCounts
+    how: str  # "counted" or "predicted": where ``said`` came from
+
+    def ratios(self) -> dict[str, float]:
+        """counted / said for each pass that did flops (fwd, bwd, recompute)."""
+        passes = {"fwd": (self.said.fwd_flops, self.counted.fwd_flops)}
+        passes |= {"bwd": (self.said.bwd_flops, self.counted.bwd_flops)}
+        passes |= {"recompute": (self.said.recompute_flops, self.counted.recompute_flops)}
+        return {name: new / old for name, (old, new) in passes.items() if old > 0}
+
+    def text(self) -> str:
+        ratios = ", ".join(f"{name} {ratio:.3f}x" for name, ratio in self.ratios().items())
+        shapes = [shape for shape, _ in self.signature]
+        return f"a batch of shapes {shapes} did {ratios} the flops {self.how} for its shapes before"
+
+
 class ShapeFlops:
-    """The flops of each micro-batch shape signature: counted, or predicted by a verified fit (module
-    doc). Lookups are memoized: after the first, a signature costs a dict lookup."""
+    """The flops of each micro-batch shape signature: counted, or predicted inside a verified range
+    (module doc), and what the window learns by counting a known shape again. Lookups are memoized: after
+    the first, a signature costs a dict lookup."""
 
     def __init__(self) -> None:
-        self.counted: dict[Key, BatchCounts] = {}
+        self.counted: dict[Key, BatchCounts] = {}  # the latest count of each signature
+        self.by_step: dict[int, tuple[BatchCounts, int]] = {}  # window step -> counts, micro-batches counted
+        self.checked: Key | None = None  # the first count compared with what the table held
+        self.checked_step: int | None = None  # its window step
+        self.content: ContentFinding | None = None  # the first count that differed from it
         self._known: dict[Key, BatchCounts | None] = {}  # lookups so far (None: unpredictable)
-        self._fits: dict[tuple, _Fit | None] = {}
+        self.audited: dict[Key, BatchCounts] = {}  # after the window: the latest count of each signature
+        self.correction = 1.0  # after the window: the latest count over the table's value, for the rest
 
-    def record(self, signature: Signature, counts: BatchCounts, later: bool = False) -> None:
-        """A counted micro-batch: its counts become a point of its family's fit."""
+    def record(
+        self, signature: Signature, counts: BatchCounts, later: bool = False, step: int | None = None
+    ) -> None:
+        """A counted micro-batch (of window step ``step``): its counts become a point of its family; a
+        signature the table could already give is compared with it (the content check)."""
         key = (later, signature)
+        said = self.get(signature, later)
+        if said is not None:
+            if self.checked is None:
+                self.checked, self.checked_step = key, step
+            if said != counts and self.content is None:
+                how = "counted" if key in self.counted else "predicted"
+                self.content = ContentFinding(signature, later, said, counts, how)
+                warn(
+                    f"flops_callbacks: the model's flops depend on the batch's content, not on its shapes "
+                    f"alone: {self.content.text()}. The window counts every other step and the timed "
+                    "steps' flops are estimated from their counted neighbours (the report says how sure).",
+                )
         self.counted[key] = counts
-        self._fits.pop(_family(key), None)
-        self._known = {s: c for s, c in self._known.items() if c is not None}  # unknowns may fit now
+        if step is not None:
+            total, n = self.by_step.get(step, (BatchCounts.zero(), 0))
+            self.by_step[step] = (total.plus(counts), n + 1)
+        self._known = {}
 
     def get(self, signature: Signature, later: bool = False) -> BatchCounts | None:
-        """The counts of a micro-batch with this signature, or None when neither counted nor predictable."""
+        """The counts of a micro-batch with this signature, or None when neither counted nor predictable
+        inside the range its family's counted points verified."""
         key = (later, signature)
         try:
             return self._known[key]
@@ -202,11 +317,8 @@ class ShapeFlops:
         counts = self.counted.get(key)
         if counts is None:
             family = _family(key)
-            if family not in self._fits:
-                points = [(_dims(s), c) for s, c in self.counted.items() if _family(s) == family]
-                self._fits[family] = _fit(points)
-            fit = self._fits[family]
-            counts = fit.predict(_dims(key)) if fit is not None else None
+            points = [(_dims(s), c) for s, c in self.counted.items() if _family(s) == family]
+            counts = _predict(points, _dims(key)) if points else None
         self._known[key] = counts
         return counts
 
@@ -215,3 +327,41 @@ class ShapeFlops:
         if (later, signature) in self.counted:
             return "counted"
         return "predicted" if self.get(signature, later) is not None else "unknown"
+
+    def needs_count(self, signature: Signature, later: bool, first: bool, counted_last: bool) -> bool:
+        """Whether a window step's micro-batch must be counted rather than timed (``first``: the step's
+        first micro-batch, where the step's kind is chosen; ``counted_last``: the window step before was
+        counted). Counted: a signature neither counted nor predictable inside a verified range; at a
+        step's first micro-batch, a known one until one count has checked the table (a second batch of a
+        counted shape, or one predicted), and, once the flops were found to depend on the content, every
+        other step (the timed ones between take their flops from these: :mod:`.flops_sources`)."""
+        if self.get(signature, later) is None:
+            return True
+        if not first:
+            return False
+        return self.checked is None or (self.content is not None and not counted_last)
+
+    def audit(self, signature: Signature, later: bool, counts: BatchCounts) -> float | None:
+        """A micro-batch counted after the window (:mod:`.meter`): from now on its signature reads this
+        count and every other the table's value times the latest count's ratio to it (the table follows
+        the counted value). Returns counted / what was read before, where they differ."""
+        key = (later, signature)
+        before = self.current(signature, later)
+        table = self.get(signature, later)
+        if table is None:
+            self.record(signature, counts, later)  # a new shape: a point of its family from now on
+        elif table.model_flops:
+            self.correction = counts.model_flops / table.model_flops
+        self.audited[key] = counts
+        if before is None or before == counts.model_flops:
+            return None
+        return counts.model_flops / before
+
+    def current(self, signature: Signature, later: bool = False) -> float | None:
+        """The model flops (fwd + bwd) the meter reads for a signature: its latest audited count, else
+        the table's value times the latest audit's correction; None when unknown."""
+        audited = self.audited.get((later, signature))
+        if audited is not None:
+            return float(audited.model_flops)
+        counts = self.get(signature, later)
+        return None if counts is None else counts.model_flops * self.correction

@@ -3,14 +3,12 @@
 A profile is a short window of steps, each doing one job on its own clock: the counting step counts every
 op (:class:`~flops_callbacks.counting.engine.Tracer`; its times feed no figure), the
 ``MODULE_TIMING_STEPS`` module-timing steps mark module calls only (the tree is the median one's:
-:class:`~flops_callbacks.timing.module_timer.ModuleTimer`), and the clean steps mark the
-phases at the framework's events and each step's end, and the model's outermost calls in their forward
-(what the timer's hooks cost: :mod:`flops_callbacks.timing.outer_calls`). Each batch's flops come from
-:class:`~flops_callbacks.session.shape_flops.ShapeFlops` (counted, or predicted exactly), so clean steps
-of any shape count; a shape that is neither becomes a shape-counting step (counted, not timed) at most
-``MAX_SHAPE_COUNTS`` times. The figures are built by :mod:`flops_callbacks.session.builder` from
-:mod:`flops_callbacks.session.window_steps`; after the window, :mod:`flops_callbacks.session.meter` logs
-``throughput/*`` with the same table.
+:class:`~flops_callbacks.timing.module_timer.ModuleTimer`), the clean steps mark the phases at the
+framework's events, each step's end and the model's outermost calls (:mod:`.outer_calls`). Each
+batch's flops come from :class:`~flops_callbacks.session.shape_flops.ShapeFlops`; what it cannot vouch
+for (``needs_count``: a new shape, the content check) is a shape-counting step (counted, not timed), at
+most ``MAX_SHAPE_COUNTS`` times. :mod:`.builder` builds the figures from :mod:`.window_steps`; after the
+window, :mod:`flops_callbacks.session.meter` logs ``throughput/*`` with the same table.
 
 An adapter maps its framework's events onto this object (:mod:`flops_callbacks.session.adapter_api`):
 
@@ -36,31 +34,29 @@ the user's functions and loggers are called through the guard, so their exceptio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.guard import F, Guard, guarded_event
-from flops_callbacks.module_tree import dynamo_compiled_anything, has_compiled
 from flops_callbacks.options import Options
 from flops_callbacks.peaks import given_bandwidth, given_peak
 from flops_callbacks.session import run_plan
 from flops_callbacks.session.adapter_api import Outlet, Publish, TrainingContext
 from flops_callbacks.session.batch import BatchReader, Signature, shape_signature
 from flops_callbacks.session.builder import RankRow, build_result, local_window
-from flops_callbacks.session.meter import Interval, ThroughputMeter, throughput_metrics
+from flops_callbacks.session.instruments import Instruments
+from flops_callbacks.session.job_meter import JobMeter
+from flops_callbacks.session.meter import ThroughputMeter
 from flops_callbacks.session.ranks import RankFailure, Ranks
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_plan import Decision, WindowPlan, Wish
 from flops_callbacks.session.window_steps import Kind, WindowStep
-from flops_callbacks.timing.clock import CpuClock, NullClock, clock_for, module_device
+from flops_callbacks.timing.clock import clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
-from flops_callbacks.timing.module_timer import ModuleTimer
-from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phase_memory import phase_memory_for
 from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
 from flops_callbacks.user_warning import warn
@@ -99,26 +95,20 @@ class StepSession:
         self.batches = BatchReader(options, owner, self.guard, tokens_fn)
         self.given_peak = given_peak(options.peak_flops)
         self.given_bandwidth = given_bandwidth(options.peak_bandwidth)
-        self.meter = (
-            ThroughputMeter(self.batches.samples_or_zero, self.batches.tokens) if options.throughput else None
+        meter = ThroughputMeter(
+            self.batches.samples_or_zero, self.batches.tokens, options.flops_audit, options.causal_attention
         )
+        self.meter = meter if options.throughput else None
         self.ranks = Ranks()
+        self.job_meter = JobMeter(self.meter, self.ranks, self.guard)
         self.plan = WindowPlan(options, self.ranks)
         self.result: WindowResult | None = None
         self.flops = ShapeFlops()  # flops per micro-batch shape: counted in the window, read after it
         self._steps: list[WindowStep] = []  # the window's steps so far (this rank's record of them)
         self._step: WindowStep | None = None  # the window step in progress
-        self._counter: Tracer | None = None  # a shape-counting step's engine (no clock)
-        self._counting: tuple[Any, bool, BatchCounts] | None = None  # (signature, later, counts before)
+        self.instruments = Instruments(options)
         self._model: torch.nn.Module | None = None
         self._context = TrainingContext()
-        self._tracer: Tracer | None = None
-        self._timer: ModuleTimer | None = None
-        self._outer: OuterCalls | None = None  # a clean step's outermost calls, while marked
-        self._mark_outer = False  # whether clean steps mark them (a CPU clock, nothing compiled)
-        self._outermost: list[torch.nn.Module] = []  # the modules whose calls they are
-        self._metering = False  # the meter's events are routed (after the window, on every rank)
-        self._meter_ok = False  # this rank's meter runs (else it joins the exchanges with nothing)
         self._window_ran = False  # this run's window ended (published or dropped): no other starts
         self._resumed_past = False
         self._unreachable = False  # said at train start: profile_step is past the run's last step
@@ -131,6 +121,7 @@ class StepSession:
         """Profile nothing and meter nothing (a DeepSpeed config with ``enabled: false``)."""
         self.close()
         self.enabled, self.meter = False, None
+        self.job_meter.meter = None
 
     def _abandon(self) -> None:
         """The profiler's own work failed: drop what runs. An open window is dropped on every rank at its
@@ -138,9 +129,8 @@ class StepSession:
         keeps joining them, with nothing)."""
         self._abandoned = True
         self.plan.failed = self.plan.open
-        metering = self._metering and self.ranks.several
-        self.close()
-        self._metering, self._meter_ok = metering, False
+        self.job_meter.fail()
+        self.close(meter=False)
 
     # --- the run -------------------------------------------------------------------------------------
 
@@ -152,7 +142,7 @@ class StepSession:
     @property
     def wants_batches(self) -> bool:
         """Whether the micro-batches of the next step matter (a window step, or the meter runs)."""
-        return self._step is not None or self._metering or self.plan.open
+        return self._step is not None or self.job_meter.running or self.plan.open
 
     @_own_work("checking the run at its start")
     def train_start(
@@ -175,7 +165,7 @@ class StepSession:
         self.plan.reset()
         self.result = None
         self.flops = ShapeFlops()
-        self._metering = self._window_ran = self._abandoned = False
+        self._window_ran = self._abandoned = False
         self._logging_rank = is_logging_rank
         self.batches.said_no_size = False
         self._unwritable = {}
@@ -195,9 +185,7 @@ class StepSession:
         """The run ended (on every rank): publish a window it cut short, or say that none ran."""
         self._stop_instruments()
         self._step = None
-        if self._metering and self.meter is not None:
-            self.meter.close()
-        self._metering = False
+        self.job_meter.close()
         if self.plan.open:
             self._finish(global_step, outlet)
         elif self.result is None and self._should_have_run() and outlet.is_logging_rank:
@@ -213,18 +201,16 @@ class StepSession:
         return self.enabled and not (self._resumed_past or self._unreachable or self._abandoned)
 
     @_own_work("cleaning up", abandon=False)
-    def close(self) -> None:
+    def close(self, meter: bool = True) -> None:
         """Stop everything that runs and drop this rank's window (an exception ended the run): no hook,
         mode or tag of the profiler remains. Safe to call at any time, any number of times."""
         try:
-            self._stop_instruments(record=False)
+            self.instruments.stop()
         finally:
-            self._steps, self._step, self._model, self._counter, self._counting = [], None, None, None, None
-            self._tracer = self._timer = None
-            self._outermost = []
-            if self.meter is not None:
-                self.meter.close()
-            self._metering = False
+            self._steps, self._step, self._model = [], None, None
+            self.instruments.drop()
+            if meter:
+                self.job_meter.close()
 
     def _drop(self, decision: Decision) -> None:
         """Every rank agreed to drop the window: said once, by the logging rank, unless this rank's own
@@ -247,7 +233,7 @@ class StepSession:
     ) -> None:
         """An optimizer step starts (before its first micro-batch). ``runs``: what the framework calls,
         when it is a wrapper of ``model`` (the HF Trainer's compiled model): a compile is seen there."""
-        if self._metering:
+        if self.job_meter.running:
             self._model = model
             return
         if not self.plan.open:
@@ -278,47 +264,42 @@ class StepSession:
         step = WindowStep(kind, global_step, StepPhases(clock, memory), start_mark=start_mark)
         self._steps.append(step)
         self._step = step
-        if kind == Kind.COUNTING:
-            compiled = None if runs is None else has_compiled(runs.modules())
-            self._tracer = Tracer(model, causal_attention=self.options.causal_attention, compiled=compiled)
-            # the clean steps mark the outermost module calls (what the module timer's hooks cost, in
-            # place) where a CPU clock times them and no hook can change what dynamo compiles
-            self._mark_outer = (
-                isinstance(clock, CpuClock) and not self._tracer.compiled and not dynamo_compiled_anything()
-            )
-        elif kind == Kind.MODULE_TIMING:
-            self._timer = step.timer = ModuleTimer(model, step.phases.clock)
+        self.instruments.for_step(step, model, runs)
 
     def micro_batch_start(self, batch: Any) -> None:
         """Before a micro-batch's forward: its samples, tokens and flops; the step's kind, agreed by every
         rank while its batches decide it; and this step's instrument."""
         if not self.plan.open:
-            if self._metering:
+            if self.job_meter.running:
                 self._meter_batch(batch)
             return
-        known = self._read_batch(batch) if self._step is not None else None
+        read = self._read_batch(batch) if self._step is not None else None
         if self.plan.batch_decides:
-            unknown = known is not None and known[2] is None
-            decision = self.plan.vote(Wish(drop=self.plan.failed, new_shape=unknown))
+            unknown = read is not None and read[2] is None
+            check = read is not None and read[3] and not unknown  # the table asks for a count (issue 32)
+            decision = self.plan.vote(Wish(drop=self.plan.failed, new_shape=unknown, check=check))
             if decision.drop:
                 self._drop(decision)
                 return
-            self.plan.batch_kind(decision.new_shape)
-        if known is not None and self._step is not None:
-            self._begin_micro_batch(batch, *known)
+            self.plan.batch_kind(decision.new_shape, decision.check)
+        if read is not None and self._step is not None:
+            self._begin_micro_batch(batch, *read[:3])
 
     @_own_work("reading the batch")
     def _meter_batch(self, batch: Any) -> None:
-        if self.meter is not None and self._model is not None:
-            self.meter.begin_micro_batch(batch)
+        self.job_meter.micro_batch_start(batch)
 
     @_own_work("reading the batch")
-    def _read_batch(self, batch: Any) -> tuple[Signature, bool, BatchCounts | None]:
-        """The micro-batch's signature, whether it is a later one of its step, and its counts if known."""
+    def _read_batch(self, batch: Any) -> tuple[Signature, bool, BatchCounts | None, bool]:
+        """The micro-batch's signature, whether it is a later one of its step, its counts if known, and
+        whether the shape table wants it counted (:meth:`ShapeFlops.needs_count`)."""
         step = self._step
         assert step is not None
         signature, later = shape_signature(batch), bool(step.signatures)
-        return signature, later, self.flops.get(signature, later)
+        kinds = self.plan.kinds
+        counted_last = len(kinds) > 1 and kinds[-2] in (Kind.COUNTING, Kind.SHAPE_COUNTING)
+        wants = self.flops.needs_count(signature, later, self.plan.kind is None, counted_last)
+        return signature, later, self.flops.get(signature, later), wants
 
     @_own_work("reading the batch")
     def _begin_micro_batch(
@@ -326,33 +307,12 @@ class StepSession:
     ) -> None:
         step = self._step
         assert step is not None
-        step.signatures.append(signature)
-        samples = self.batches.samples(batch, say_unknown=True)
-        step.samples = None if samples is None or step.samples is None else step.samples + samples
-        tokens = self.batches.tokens(batch)
-        if tokens is not None:
-            step.tokens = (step.tokens or 0) + tokens
         if step.kind != self.plan.kind and self.plan.kind == Kind.SHAPE_COUNTING and self._model is not None:
-            self._counter = Tracer(
-                self._model, causal_attention=self.options.causal_attention, clock=NullClock()
-            )
+            self.instruments.shape_counting(self._model)
         step.kind = self.plan.kind
-        step.counts = None if counts is None or step.counts is None else step.counts.plus(counts)
-        if step.kind == Kind.CLEAN:
-            mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-                step.masks.append(mask)  # read after the window: no synchronize in a timed step
-        if step.kind == Kind.COUNTING:
-            step.batches.append(batch)
-        engine = {Kind.COUNTING: self._tracer, Kind.SHAPE_COUNTING: self._counter}.get(step.kind or "")
-        if engine is not None:
-            self._counting = (signature, later, _totals(engine))
-            engine.start()
-        elif step.kind == Kind.MODULE_TIMING and self._timer is not None:
-            self._timer.start()
-        elif step.kind == Kind.CLEAN and self._outermost:
-            self._outer = step.outer = step.outer or OuterCalls(self._outermost, step.phases.clock)
-            self._outer.start()
+        samples, tokens = self.batches.samples(batch, say_unknown=True), self.batches.tokens(batch)
+        step.add(batch, signature, samples, tokens, counts)
+        self.instruments.start(step, signature, later)
         step.phases.start(FORWARD)
 
     @_own_work("marking a phase")
@@ -362,13 +322,7 @@ class StepSession:
         step = self._step
         if step is None or (name == FORWARD and step.phases.restart(FORWARD)):
             return
-        if name == BACKWARD and self._timer is not None and self._timer.running:
-            step.phases.stop()  # the walk is nobody's time, not the forward's
-            self._timer.arm()
-        elif name != BACKWARD and self._timer is not None:
-            self._timer.release()
-        if self._outer is not None:  # the outer calls are the forward's: no hook past it
-            self._outer.stop()
+        self.instruments.phase(step, name)
         step.phases.start(name)
 
     @_own_work("marking a phase")
@@ -377,8 +331,7 @@ class StepSession:
         (:mod:`flops_callbacks.timing.phases`)."""
         if self._step is not None:
             self._step.phases.end()
-        if self._outer is not None:  # what follows may be a forward (a GAN's second model): marked again
-            self._outer.start()
+        self.instruments.phase_end()
 
     @_own_work("ending a micro-batch")
     def micro_batch_end(self, pause: bool = True) -> None:
@@ -386,22 +339,13 @@ class StepSession:
         until the next micro-batch, such as a validation run, is not part of the step)."""
         step = self._step
         if step is None:
+            self.job_meter.micro_batch_end()
             return
         self._stop_instruments()
         if self._counting_failed():
             return
         if pause:
             step.phases.stop()
-
-    def _record_counted(self) -> None:
-        """A counted micro-batch ended: its counts (the engine's totals since its start) go in the table."""
-        counting, self._counting = self._counting, None
-        counting_step = self._step is not None and self._step.kind == Kind.COUNTING
-        engine = self._tracer if counting_step else self._counter
-        if counting is None or engine is None:
-            return
-        signature, later, before = counting
-        self.flops.record(signature, _totals(engine).minus(before), later)
 
     @_own_work("marking a phase")
     def stop_timing(self) -> None:
@@ -412,7 +356,7 @@ class StepSession:
     def step_end(self, global_step: int, outlet: Outlet, logs: bool = False) -> None:
         """The optimizer step ended (on every rank); ``logs`` says whether this is a logging step."""
         if not self.plan.open:
-            if self._metering:
+            if self.job_meter.running:
                 self._meter_step_end()
                 if logs:
                     self.log_throughput(global_step, outlet)
@@ -426,8 +370,7 @@ class StepSession:
 
     @_own_work("ending a step")
     def _meter_step_end(self) -> None:
-        if self.meter is not None:
-            self.meter.end_step()
+        self.job_meter.step_end()
 
     @_own_work("ending a step")
     def _end_window_step(self) -> bool:
@@ -439,9 +382,7 @@ class StepSession:
             return False
         step.phases.stop()
         step.end_mark = step.phases.clock.mark()
-        if step.kind == Kind.MODULE_TIMING and self._mark_outer and self._timer is not None:
-            self._outermost = self._timer.outermost()
-        self._counter = self._timer = None
+        self.instruments.step_ended(step)
         self._step = None
         if step.kind == Kind.COUNTING:
             collect_counting_garbage()  # now, outside every clock
@@ -454,63 +395,30 @@ class StepSession:
 
     def log_throughput(self, global_step: int, outlet: Outlet) -> None:
         """Log the job's ``throughput/*`` of the interval since the last call (a logging event, which
-        every rank reaches): each rank's interval is exchanged and summed."""
-        if not self._metering or self.meter is None:
-            return
-        mine = self._interval()
-        try:
-            intervals = self.ranks.exchange(mine)
-        except RankFailure as failure:
-            intervals = [None]
-            self.guard.fail("exchanging throughput across ranks", failure, "throughput/* stops")
-        if any(i is None for i in intervals):  # a rank's meter failed (said there) or the exchange did
-            self._metering = False
-            self.meter.close()
-            return
-        if outlet.is_logging_rank:
-            with self.guard.own_work("logging throughput", "throughput/* goes on"):
-                metrics = throughput_metrics(intervals, self.meter.data_parallel, self.meter.peak)
-                if metrics:
-                    self.guard.user(outlet.log_metrics, metrics, global_step)
-
-    @_own_work("measuring throughput")
-    def _interval(self) -> Interval | None:
-        return self.meter.interval() if self.meter is not None and self._meter_ok else None
+        every rank reaches: :class:`~flops_callbacks.session.job_meter.JobMeter`)."""
+        self.job_meter.log(global_step, outlet)
 
     @_own_work("pausing throughput")
     def pause_throughput(self) -> None:
         """Evaluation starts: its time is not training throughput."""
-        if self.meter is not None:
-            self.meter.pause()
+        self.job_meter.pause()
 
     @_own_work("resuming throughput")
     def resume_throughput(self) -> None:
-        if self.meter is not None:
-            self.meter.resume()
+        self.job_meter.resume()
 
     # --- the window's end ----------------------------------------------------------------------------
 
-    def _stop_instruments(self, record: bool = True) -> None:
-        """Stop what runs; ``record`` keeps a counted micro-batch's counts (not after an exception)."""
-        try:
-            for engine in (self._tracer, self._counter):
-                if engine is not None and engine.running:
-                    engine.stop()
-                    if record:
-                        self._record_counted()
-        finally:
-            if self._timer is not None:
-                self._timer.stop()
-            if self._outer is not None:
-                self._outer.stop()
-                self._outer = None
+    def _stop_instruments(self) -> None:
+        """Stop what runs; a counted micro-batch's counts go in the table."""
+        self.instruments.stop(self.flops, self._step)
 
     def _counting_failed(self) -> bool:
         """Whether a formula failed while counting (said here, and the window dropped)."""
-        engine = next((e for e in (self._tracer, self._counter) if e is not None and e.failure), None)
-        if engine is None or engine.failure is None:
+        failure = self.instruments.failure()
+        if failure is None:
             return False
-        (what, error), engine.failure = engine.failure, None
+        what, error = failure
         self.guard.fail(what, error, DROPPED)
         self._abandon()
         return True
@@ -519,24 +427,24 @@ class StepSession:
         """The window's agreed end (every rank): exchange each rank's figures, build the job's result,
         publish it on the logging rank, and start the throughput meter on every rank."""
         steps, self._steps, self._step = self._steps, [], None
-        tracer, self._tracer, self._timer, self._counter, self._outermost = self._tracer, None, None, None, []
+        tracer = self.instruments.drop()
         model, self._model = self._model, None
         self.plan.reset()
         self._window_ran = True
         local = None
         if tracer is not None and model is not None and steps and steps[0].signatures:
             with self.guard.own_work("building the profile", DROPPED, self._abandon):
-                local = local_window(steps, tracer)
+                local = local_window(steps, tracer, self.flops)
         mine: RankRow | str = local.row() if local is not None else "failed" if self._abandoned else "empty"
         try:
             rows = self.ranks.exchange(mine)
         except RankFailure as failure:
             return self._drop(
-                Decision(True, False, False, f"exchanging every rank's figures failed ({failure})")
+                Decision(True, False, False, False, f"exchanging every rank's figures failed ({failure})")
             )
         if any(row == "failed" for row in rows):
             failed = rows.index("failed")
-            return self._drop(Decision(True, False, False, f"rank {failed}'s profile failed"))
+            return self._drop(Decision(True, False, False, False, f"rank {failed}'s profile failed"))
         if local is None or model is None or any(isinstance(row, str) for row in rows):
             return  # a window with no micro-batch: nothing to say (as on every rank)
         with self.guard.own_work("asking the log dir", "the files in the log dir are not written"):
@@ -546,18 +454,6 @@ class StepSession:
             self.result = build_result(
                 steps, local, rows, model, self._context, self.flops, global_step, peaks=peaks
             )
-        self._metering, self._meter_ok = self.meter is not None, self.result is not None
-        if self.result is None:
-            return
-        if outlet.is_logging_rank and self.publish is not None:
+        if self.result is not None and outlet.is_logging_rank and self.publish is not None:
             self.publish(self.result, self.options, log_dir, outlet, self.guard, set(self._unwritable))
-        if self.meter is not None:
-            with self.guard.own_work("starting throughput", "throughput/* is not logged"):
-                self._meter_ok = False
-                self.meter.start(self.result, model, self.flops)
-                self._meter_ok = True
-
-
-def _totals(engine: Tracer) -> BatchCounts:
-    """The model's counts an engine has seen so far."""
-    return BatchCounts.of(engine.totals()[0])
+        self.job_meter.start(self.result, model, self.flops)

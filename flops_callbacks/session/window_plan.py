@@ -30,6 +30,7 @@ class Wish(NamedTuple):
 
     drop: bool = False  # its own work failed: drop the window
     new_shape: bool = False  # its micro-batch's flops are neither counted nor predictable
+    check: bool = False  # its shape table asks for a count of a known shape (ShapeFlops.needs_count)
     done: bool = False  # the window has what it needs here (``clean_steps="auto"``'s median)
 
 
@@ -38,6 +39,7 @@ class Decision(NamedTuple):
 
     drop: bool
     new_shape: bool  # some rank's micro-batch is new: the step counts it
+    check: bool  # some rank's table asks for a count
     done: bool
     why: str = ""
 
@@ -80,19 +82,23 @@ class WindowPlan:
         try:
             wishes = self.ranks.exchange(wish)
         except RankFailure as failure:
-            return Decision(True, False, False, f"the ranks' vote failed ({failure})")
+            return Decision(True, False, False, False, f"the ranks' vote failed ({failure})")
         failed = [rank for rank, w in enumerate(wishes) if w is None or w.drop]
         if failed:
             why = f"rank {failed[0]}'s profiler failed" if self.ranks.several else "the profiler failed"
-            return Decision(True, False, False, why)
-        return Decision(False, any(w.new_shape for w in wishes), all(w.done for w in wishes))
+            return Decision(True, False, False, False, why)
+        new, check = any(w.new_shape for w in wishes), any(w.check for w in wishes)
+        return Decision(False, new, check, all(w.done for w in wishes))
 
-    def batch_kind(self, new_shape: bool) -> str:
+    def batch_kind(self, new_shape: bool, check: bool = False) -> str:
         """The current step's agreed kind after a micro-batch's vote said whether some rank's batch is
-        new: a shape-counting step while those are left, else skipped; else clean."""
+        new (a shape-counting step while those are left, else skipped) or its table asks for a count (a
+        shape-counting step while those are left, else it stays clean); else clean."""
+        left = sum(k == Kind.SHAPE_COUNTING for k in self.kinds[:-1]) < MAX_SHAPE_COUNTS
         if new_shape:
-            shape_counts = sum(k == Kind.SHAPE_COUNTING for k in self.kinds[:-1])
-            kind = Kind.SHAPE_COUNTING if shape_counts < MAX_SHAPE_COUNTS else Kind.SKIPPED
+            kind = Kind.SHAPE_COUNTING if left else Kind.SKIPPED
+        elif check and left:
+            kind = Kind.SHAPE_COUNTING
         else:
             kind = self.kind or Kind.CLEAN
         self.kinds[-1] = kind

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -74,6 +75,27 @@ class WindowStep:
     masks: list[torch.Tensor] = field(default_factory=list)  # attention masks (padding)
     timer: ModuleTimer | None = None  # a module-timing step's marks
     outer: OuterCalls | None = None  # a clean step's outermost module calls (CPU: the hooks' cost)
+
+    def add(
+        self,
+        batch: Any,
+        signature: Signature,
+        samples: int | None,
+        tokens: int | None,
+        counts: BatchCounts | None,
+    ) -> None:
+        """A micro-batch of this step (its kind decided): what it holds, its samples, tokens and flops."""
+        self.signatures.append(signature)
+        self.samples = None if samples is None or self.samples is None else self.samples + samples
+        if tokens is not None:
+            self.tokens = (self.tokens or 0) + tokens
+        self.counts = None if counts is None or self.counts is None else self.counts.plus(counts)
+        if self.kind == Kind.CLEAN:
+            mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                self.masks.append(mask)  # read after the window: no synchronize in a timed step
+        if self.kind == Kind.COUNTING:
+            self.batches.append(batch)
 
     def seconds(self) -> dict[str, float]:
         """Seconds of each latency of this step (data and wall 0 without the previous step's end)."""

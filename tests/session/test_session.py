@@ -30,7 +30,7 @@ from flops_callbacks.units import (
     percent,
 )
 from tests.sleepy import Sleepy, SleepySGD
-from tests.support import IN, OUT, B, Outlet, first_clean, module_steps, run, window_end
+from tests.support import IN, OUT, B, Outlet, check_step, first_clean, module_steps, run, window_end
 
 
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,7 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
         "clean": list(cleans),
         "skipped": [],
         "latency_source": "median of 2 clean step(s)",
-        "shape_counting": [],
+        "shape_counting": [check_step(3)],  # a second batch of the counted shape, counted: the table holds
         "shapes": 1,  # one shape, as the steps' first micro-batch and as a later one: both counted
         "shapes_counted": 1,
         "shapes_predicted": 0,
@@ -214,14 +214,14 @@ def test_clean_steps_of_new_shapes_are_counted_on_steps_of_their_own_then_predic
     clean = first_clean(0)  # the first clean step, with the counted shapes
     run(session, model, optimizer, range(0, clean + 1), outlet, batch=torch.randn(B, IN))
     for step, size in (
-        (clean + 1, B + 1),
-        (clean + 2, B + 2),
-        (clean + 3, B + 3),
-    ):  # counted, counted, predicted
+        (clean + 1, B + 3),  # outside the counted sizes: counted before any prediction
+        (clean + 2, B + 1),  # inside B .. B + 3, but two points verify no line: counted
+        (clean + 3, B + 2),  # the line through three points, verified: predicted
+    ):
         run(session, model, optimizer, range(step, step + 1), outlet, batch=torch.randn(size, IN))
     r = session.result
     assert r is not None and (r.steps.clean, r.steps.skipped, r.steps.shape_counting) == (
-        (clean, clean + 3), (), (clean + 1, clean + 2)
+        (clean, clean + 3), (), (check_step(0), clean + 1, clean + 2)
     )  # fmt: skip
     assert (r.steps.shapes, r.steps.shapes_counted, r.steps.shapes_predicted) == (4, 3, 1)
 
@@ -229,10 +229,11 @@ def test_clean_steps_of_new_shapes_are_counted_on_steps_of_their_own_then_predic
         return 2 * size * IN * OUT + 2 * size * IN * OUT + size * OUT
 
     figures = r.figures()
-    assert figures.counts.model_flops == flops(B) + flops(B + 3)  # the two clean steps' own batches
+    assert figures.counts.model_flops == flops(B) + flops(B + 2)  # the two clean steps' own batches
     m = r.metrics()
-    assert m[names.FLOPS_PER_SEC] == pytest.approx((flops(B) + flops(B + 3)) / figures.iter_seconds)
-    assert m[names.SAMPLES_PER_SEC] == pytest.approx((B + B + 3) / figures.iter_seconds)
+    assert m[names.FLOPS_PER_SEC] == pytest.approx((flops(B) + flops(B + 2)) / figures.iter_seconds)
+    assert m[names.SAMPLES_PER_SEC] == pytest.approx((B + B + 2) / figures.iter_seconds)
+    assert r.flops_sources is not None and r.flops_sources.sources == ("counted", "predicted")
     assert figures.spreads["iter"].steps == 2
 
 

@@ -1,0 +1,131 @@
+"""Where each clean step's flops come from, and how sure the window's total is.
+
+A clean step is timed, not counted: its flops are the shape table's
+(:class:`~flops_callbacks.session.shape_flops.ShapeFlops`), *counted* for its shapes or *predicted*
+inside a range that counted points verified, and exact as long as a second count of a known shape
+matched the table. Where a second count differed (the model's work depends on the batch's content:
+padding-free layers on ``h[attention_mask]``, MoE routing with capacity, a mode the model keeps),
+the table is stale for every batch, so the window counts every other step and a clean step's flops
+are *estimated* from its counted neighbours (the nearest counted step before and after it, per
+sample). How sure: the largest error of that estimate on the counted steps themselves (each one
+estimated from its own neighbours, itself left out), over the estimated share of the total.
+
+Apart from the builder because it is one question with its own answer (per step, plus a total's
+bound), read by the report and the JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.session.window_steps import Kind, WindowStep
+
+__all__ = ["COUNTED", "ESTIMATED", "PREDICTED", "FlopsSources", "clean_step_flops"]
+
+COUNTED, PREDICTED, ESTIMATED = "counted", "predicted", "estimated"
+
+
+@dataclass(frozen=True)
+class FlopsSources:
+    """How the clean steps' flops were obtained, for the report and the JSON.
+
+    ``sources``: per clean step, in order: "counted" (its shapes were counted), "predicted" (inside the
+    verified range) or "estimated" (from counted neighbours). ``uncertainty``: a bound on the relative
+    error of the clean steps' total model flops (0: exact). ``checked``: whether a second count checked
+    the table. ``content``: the finding that the flops depend on the batch's content ("" if none), with
+    ``counted_steps`` and the spread of their model flops per sample (median, lowest, highest).
+    """
+
+    sources: tuple[str, ...]
+    uncertainty: float
+    checked: bool
+    check_step: int | None = None  # the step whose count checked the table
+    content: str = ""
+    counted_steps: tuple[int, ...] = ()
+    spread: tuple[float, float, float] | None = None
+
+    def summary(self) -> str:
+        """One line: what is exact, what is estimated, and how sure."""
+        kinds = {k: self.sources.count(k) for k in (COUNTED, PREDICTED, ESTIMATED) if k in self.sources}
+        parts = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+        if self.uncertainty == 0:
+            check = (
+                "a second count matched the table" if self.checked else "no second count checked the table"
+            )
+            return f"exact ({parts}; {check})"
+        return f"within +-{self.uncertainty:.1%} ({parts} from counted neighbours)"
+
+
+def _per_sample(step: WindowStep, counts: BatchCounts) -> float:
+    return counts.model_flops / step.samples if step.samples else float(counts.model_flops)
+
+
+def _neighbours(number: int, counted: list[int]) -> list[int]:
+    """The nearest counted step before ``number`` and the nearest after it (those there are)."""
+    before = [n for n in counted if n < number]
+    after = [n for n in counted if n > number]
+    return before[-1:] + after[:1]
+
+
+def _estimate(step: WindowStep, around: list[tuple[WindowStep, BatchCounts]]) -> BatchCounts:
+    """The mean of the neighbours' counts, each scaled to this step's samples."""
+    scaled = []
+    for other, counts in around:
+        factor = step.samples / other.samples if step.samples and other.samples else 1.0
+        scaled.append([v * factor for v in counts])
+    return BatchCounts(*(round(sum(col) / len(col)) for col in zip(*scaled, strict=True)))
+
+
+def clean_step_flops(
+    steps: list[WindowStep], clean: list[WindowStep], table: ShapeFlops
+) -> tuple[list[BatchCounts], FlopsSources]:
+    """Each clean step's counts and where they come from (module doc)."""
+    finding = table.content
+    if finding is None:
+        sources = [
+            COUNTED
+            if all(table.source(sig, i > 0) == COUNTED for i, sig in enumerate(s.signatures))
+            else PREDICTED
+            for s in clean
+        ]
+        return [s.counts or BatchCounts.zero() for s in clean], FlopsSources(
+            tuple(sources), 0.0, table.checked is not None, table.checked_step
+        )
+    by_number = {s.number: s for s in steps if s.kind in (Kind.COUNTING, Kind.SHAPE_COUNTING)}
+    counted = sorted(
+        n
+        for n, (_, micro) in table.by_step.items()
+        if n in by_number and micro == len(by_number[n].signatures)
+    )
+    totals = {n: table.by_step[n][0] for n in counted}
+    estimates = []
+    for s in clean:
+        around = [(by_number[n], totals[n]) for n in _neighbours(s.number, counted)]
+        estimates.append(_estimate(s, around) if around else s.counts or BatchCounts.zero())
+    errors = []
+    for n in counted:  # each counted step estimated from its own neighbours, itself left out
+        others = [m for m in counted if m != n]
+        around = [(by_number[m], totals[m]) for m in _neighbours(n, others)]
+        if around and totals[n].model_flops:
+            guess = _estimate(by_number[n], around)
+            errors.append(abs(guess.model_flops / totals[n].model_flops - 1))
+    per_sample = sorted(_per_sample(by_number[n], totals[n]) for n in counted)
+    spread = (per_sample[len(per_sample) // 2], per_sample[0], per_sample[-1]) if per_sample else None
+    if errors:
+        error = max(errors)
+    elif spread is not None and spread[0]:
+        error = (spread[2] - spread[1]) / spread[0]
+    else:
+        error = 1.0
+    total = sum(c.model_flops for c in estimates)
+    uncertainty = error if total else 0.0
+    return estimates, FlopsSources(
+        (ESTIMATED,) * len(clean),
+        max(uncertainty, 1e-9),  # estimated: never said to be exact
+        True,
+        table.checked_step,
+        finding.text(),
+        tuple(counted),
+        spread,
+    )

@@ -1,0 +1,133 @@
+"""The instruments of the window's steps, started and stopped as one unit: the counting engine (the
+counting step's, kept for its profile; a shape-counting step's, with no clock), the module timer, and the
+clean steps' marks of the model's outermost calls (what the timer's hooks cost, in place).
+
+Apart from the step session (which decides what each step does and when) so that one object owns what
+runs inside a micro-batch and its teardown on every exit path: the session stops them in one call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.module_tree import dynamo_compiled_anything, has_compiled
+from flops_callbacks.options import Options
+from flops_callbacks.session.batch import Signature
+from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.session.window_steps import Kind, WindowStep
+from flops_callbacks.timing.clock import CpuClock, NullClock
+from flops_callbacks.timing.module_timer import ModuleTimer
+from flops_callbacks.timing.outer_calls import OuterCalls
+from flops_callbacks.timing.phases import BACKWARD
+
+__all__ = ["Instruments", "totals"]
+
+
+def totals(engine: Tracer) -> BatchCounts:
+    """The model's counts an engine has seen so far."""
+    return BatchCounts.of(engine.totals()[0])
+
+
+class Instruments:
+    """What runs on the window's steps (module doc); one per session."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.tracer: Tracer | None = None  # the counting step's engine: its profile at the window's end
+        self.counter: Tracer | None = None  # a shape-counting step's engine (no clock)
+        self.timer: ModuleTimer | None = None
+        self.outer: OuterCalls | None = None  # a clean step's outermost calls, while marked
+        self.outermost: list[torch.nn.Module] = []  # the modules whose calls they are
+        self.mark_outer = False  # whether clean steps mark them (a CPU clock, nothing compiled)
+        self._counting: tuple[Signature, bool, BatchCounts] | None = None  # (signature, later, before)
+
+    def for_step(self, step: WindowStep, model: torch.nn.Module, runs: torch.nn.Module | None) -> None:
+        """A window step starts: the counting step's engine, or a module-timing step's timer."""
+        if step.kind == Kind.COUNTING:
+            compiled = None if runs is None else has_compiled(runs.modules())
+            self.tracer = Tracer(model, causal_attention=self.options.causal_attention, compiled=compiled)
+            # the clean steps mark the outermost module calls (what the module timer's hooks cost, in
+            # place) where a CPU clock times them and no hook can change what dynamo compiles
+            self.mark_outer = (
+                isinstance(step.phases.clock, CpuClock)
+                and not self.tracer.compiled
+                and not dynamo_compiled_anything()
+            )
+        elif step.kind == Kind.MODULE_TIMING:
+            self.timer = step.timer = ModuleTimer(model, step.phases.clock)
+
+    def shape_counting(self, model: torch.nn.Module) -> None:
+        """The step became a shape-counting one: an engine of its own, with no clock."""
+        self.counter = Tracer(model, causal_attention=self.options.causal_attention, clock=NullClock())
+
+    def start(self, step: WindowStep, signature: Signature, later: bool) -> None:
+        """A micro-batch of ``step`` starts: its kind's instrument."""
+        engine = {Kind.COUNTING: self.tracer, Kind.SHAPE_COUNTING: self.counter}.get(step.kind or "")
+        if engine is not None:
+            self._counting = (signature, later, totals(engine))
+            engine.start()
+        elif step.kind == Kind.MODULE_TIMING and self.timer is not None:
+            self.timer.start()
+        elif step.kind == Kind.CLEAN and self.outermost:
+            self.outer = step.outer = step.outer or OuterCalls(self.outermost, step.phases.clock)
+            self.outer.start()
+
+    def phase(self, step: WindowStep, name: str) -> None:
+        """A phase starts: the timer walks to the backward's hooks (nobody's time), the outer calls stop."""
+        if name == BACKWARD and self.timer is not None and self.timer.running:
+            step.phases.stop()  # the walk is nobody's time, not the forward's
+            self.timer.arm()
+        elif name != BACKWARD and self.timer is not None:
+            self.timer.release()
+        if self.outer is not None:  # the outer calls are the forward's: no hook past it
+            self.outer.stop()
+
+    def phase_end(self) -> None:
+        if self.outer is not None:  # what follows may be a forward (a GAN's second model): marked again
+            self.outer.start()
+
+    def stop(self, flops: ShapeFlops | None = None, step: WindowStep | None = None) -> None:
+        """Stop what runs; with ``flops`` a counted micro-batch's counts go in the table (not after an
+        exception)."""
+        try:
+            for engine in (self.tracer, self.counter):
+                if engine is not None and engine.running:
+                    engine.stop()
+                    if flops is not None:
+                        self._record(engine, flops, step)
+        finally:
+            if self.timer is not None:
+                self.timer.stop()
+            if self.outer is not None:
+                self.outer.stop()
+                self.outer = None
+
+    def _record(self, engine: Tracer, flops: ShapeFlops, step: WindowStep | None) -> None:
+        counting, self._counting = self._counting, None
+        if counting is not None:
+            signature, later, before = counting
+            flops.record(signature, totals(engine).minus(before), later, step.number if step else None)
+
+    def failure(self) -> tuple[str, BaseException] | None:
+        """A formula's failure while counting, taken (once)."""
+        engine = next((e for e in (self.tracer, self.counter) if e is not None and e.failure), None)
+        if engine is None or engine.failure is None:
+            return None
+        failure, engine.failure = engine.failure, None
+        return failure
+
+    def step_ended(self, step: WindowStep) -> None:
+        """A window step ended: a module-timing step names the outermost modules clean steps mark."""
+        if step.kind == Kind.MODULE_TIMING and self.mark_outer and self.timer is not None:
+            self.outermost = self.timer.outermost()
+        self.counter = self.timer = None
+
+    def drop(self) -> Any:
+        """Forget every instrument (stopped already); returns the counting step's engine."""
+        tracer = self.tracer
+        self.tracer = self.counter = self.timer = self.outer = None
+        self.outermost, self._counting = [], None
+        return tracer

@@ -1,0 +1,94 @@
+"""The throughput meter after the window, on every rank: this rank's :class:`ThroughputMeter`, and the
+exchange of every rank's interval at the logging steps, which every rank reaches, for the job's
+``throughput/*``.
+
+Apart from the step session so that the rule of a multi-process meter lives in one place: a rank whose
+meter failed keeps joining the exchanges with nothing, and at the next one every rank stops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flops_callbacks.guard import Guard
+from flops_callbacks.session.adapter_api import Outlet
+from flops_callbacks.session.meter import ThroughputMeter, throughput_metrics
+from flops_callbacks.session.ranks import RankFailure, Ranks
+from flops_callbacks.session.result import WindowResult
+from flops_callbacks.session.shape_flops import ShapeFlops
+
+__all__ = ["JobMeter"]
+
+
+class JobMeter:
+    """Routes the session's events after the window to this rank's meter (None: ``throughput=False``)."""
+
+    def __init__(self, meter: ThroughputMeter | None, ranks: Ranks, guard: Guard) -> None:
+        self.meter, self.ranks, self.guard = meter, ranks, guard
+        self.running = False  # the events are routed (every rank, from the window's agreed end)
+        self.ok = False  # this rank's meter runs (else it joins the exchanges with nothing)
+
+    def start(self, result: WindowResult | None, model: torch.nn.Module, flops: ShapeFlops) -> None:
+        """The window ended on every rank: meter from now (``result`` None: this rank's build failed)."""
+        self.running, self.ok = self.meter is not None, False
+        if self.meter is None or result is None:
+            return
+        with self.guard.own_work("starting throughput", "throughput/* is not logged"):
+            self.meter.start(result, model, flops)
+            self.ok = True
+
+    def fail(self) -> None:
+        """This rank's own work failed: its meter stops; with other ranks it joins their exchanges."""
+        running = self.running and self.ranks.several
+        self.close()
+        self.running = running
+
+    def close(self) -> None:
+        if self.meter is not None:
+            self.meter.close()
+        self.running = self.ok = False
+
+    def micro_batch_start(self, batch: Any) -> None:
+        if self.meter is not None and self.ok:
+            self.meter.begin_micro_batch(batch)
+
+    def micro_batch_end(self) -> None:
+        if self.meter is not None and self.ok:
+            self.meter.end_micro_batch()  # an audited micro-batch's count ends here
+
+    def step_end(self) -> None:
+        if self.meter is not None and self.ok:
+            self.meter.end_step()
+
+    def pause(self) -> None:
+        if self.meter is not None:
+            self.meter.pause()
+
+    def resume(self) -> None:
+        if self.meter is not None:
+            self.meter.resume()
+
+    def log(self, global_step: int, outlet: Outlet) -> None:
+        """Every rank's interval since the last call, exchanged; the job's ``throughput/*`` logged on the
+        logging rank. A rank that has nothing to give (its meter failed) stops every rank's meter."""
+        if not self.running or self.meter is None:
+            return
+        mine = None
+        if self.ok:
+            with self.guard.own_work("measuring throughput", "throughput/* stops"):
+                mine = self.meter.interval()
+        try:
+            intervals = self.ranks.exchange(mine)
+        except RankFailure as failure:
+            intervals = [None]
+            self.guard.fail("exchanging throughput across ranks", failure, "throughput/* stops")
+        if any(i is None for i in intervals):  # a rank's meter failed (said there) or the exchange did
+            self.close()
+            return
+        if outlet.is_logging_rank:
+            with self.guard.own_work("logging throughput", "throughput/* goes on"):
+                metrics = throughput_metrics(intervals, self.meter.data_parallel, self.meter.peak)
+                if metrics:
+                    self.guard.user(outlet.log_metrics, metrics, global_step)
