@@ -133,7 +133,8 @@ def train(
     session = StepSession(
         Options(profile_step=0, clean_steps=clean_steps, flops_audit=0), "test", publish=publish
     )
-    session.meter = ThroughputMeter(leading_batch_size)  # audits: a shape outside the range is counted
+    # audits: a shape outside the range is counted
+    session.meter = session.job_meter.meter = ThroughputMeter(leading_batch_size)
     session.train_start(0)
     truths: dict[int, int] = {}
     metered: list[tuple[int, int]] = []
@@ -143,7 +144,7 @@ def train(
         true = truth(model, batch)
         truths[step] = true
         session.step_start(step, model)
-        before = session.meter._flops if session._metering else None
+        before = session.meter._flops if session.job_meter.running else None
         optimizer.zero_grad(set_to_none=True)
         session.micro_batch_start(batch)
         loss = model(*batch)
@@ -152,7 +153,8 @@ def train(
         session.micro_batch_end()
         session.phase(OPTIMIZER_STEP)
         optimizer.step()
-        audited = session._metering and session.meter._paused_at is not None  # an audit: out of the interval
+        # an audit: out of the interval
+        audited = session.job_meter.running and session.meter._paused_at is not None
         if before is not None and session.meter._flops is not None and not audited:
             metered.append((int(session.meter._flops - before), true))
         session.step_end(step + 1, Quiet())
