@@ -22,7 +22,7 @@ from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from tests.support import lightning_settings, window_end
 
 IN, WIDTH, OUT, BATCH = 8, 32, 4, 4
-PAUSE, SLOWER = 0.01, 0.15  # seconds
+PAUSE, SLOWER = 0.025, 0.15  # seconds
 PROFILE_STEP, CLEAN = 1, 6
 PEAK = 1e11  # a peak FLOPS given, so that the files hold MFU
 # forward flops of a batch by hand: each Linear one addmm (2 x batch x in x out), each ReLU one per element
@@ -70,7 +70,14 @@ def profiled_run(root: Path, slow: float, batch: int = BATCH) -> Path:
         profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False, peak_flops=PEAK
     )
     trainer = L.Trainer(callbacks=[callback], **lightning_settings(root, steps))
-    trainer.fit(Net(slow), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=batch))
+    # one thread: on a busy machine, two threads of tiny ops wait for each other and the forward's
+    # time becomes the machine's load, not the model's
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer.fit(Net(slow), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=batch))
+    finally:
+        torch.set_num_threads(threads)
     path = root / f"flops_profile_step{PROFILE_STEP}.json"
     assert path.is_file()
     return path

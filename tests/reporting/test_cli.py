@@ -29,10 +29,14 @@ def run(*args: str, entry: str = "module", timeout: float = 120) -> subprocess.C
     """The command line in a process of its own (its whole group killed if it outlives ``timeout``):
     ``python -m flops_callbacks``, or the console script's entry point as its wrapper calls it."""
     if entry == "module":
-        command = [sys.executable, "-m", "flops_callbacks", *args]
-    else:  # what pip's console-script wrapper does: sys.exit(main()), with the arguments in sys.argv
-        call = f"import sys; from pkgutil import resolve_name; sys.exit(resolve_name({entry!r})())"
-        command = [sys.executable, "-c", call, *args]
+        return in_group([sys.executable, "-m", "flops_callbacks", *args], timeout)
+    # what pip's console-script wrapper does: sys.exit(main()), with the arguments in sys.argv
+    call = f"import sys; from pkgutil import resolve_name; sys.exit(resolve_name({entry!r})())"
+    return in_group([sys.executable, "-c", call, *args], timeout)
+
+
+def in_group(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``command`` run from the repository, its process group killed if it outlives ``timeout``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -140,7 +144,9 @@ def test_gate_json_says_each_check(runs: dict[str, Path]) -> None:
     assert check["relative"] > 0.1
 
 
-def test_gate_exits_2_on_bad_input_and_names_it(runs: dict[str, Path], tmp_path: Path) -> None:
+def test_gate_exits_2_on_a_file_that_is_not_a_profile_and_names_it(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
     broken, foreign = tmp_path / "broken.json", tmp_path / "foreign.json"
     broken.write_text(runs["A"].read_text()[:500])
     foreign.write_text(json.dumps({"eval_loss": 0.4}))
@@ -152,15 +158,32 @@ def test_gate_exits_2_on_bad_input_and_names_it(runs: dict[str, Path], tmp_path:
             str(tmp_path / "missing.json"),
             a,
             "fwd_latency:+10%",
-        ): f"{tmp_path / 'missing.json'}: cannot be read",
-        (a, a, "fwd_lat:+10%"): f"--fail-on fwd_lat:+10%: {a} has no figure 'fwd_lat' (it has: fwd_flops,",
-        (a, a, "fwd_latency:10%"): "--fail-on 'fwd_latency:10%': expected FIGURE:+N%",
-        (a, a, "fwd_latency:+ten%"): "--fail-on 'fwd_latency:+ten%': expected FIGURE:+N%",
+        ): f"{tmp_path / 'missing.json'}: cannot be read (No such file or directory)",
     }
     for (base, new, rule), message in cases.items():
         done = run("gate", base, new, "--fail-on", rule)
         assert (done.returncode, done.stdout) == (2, ""), (rule, done.stdout)
         assert done.stderr.startswith(f"flops-callbacks gate: error: {message}"), done.stderr
+
+
+def test_gate_exits_2_on_an_unknown_figure_or_a_bad_rule_and_names_it(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    a = str(runs["A"])
+    cases = {
+        "fwd_lat:+10%": f"--fail-on fwd_lat:+10%: {a} has no figure 'fwd_lat' (it has: fwd_flops, bwd_flops,",
+        "tokens_per_sec:-5%": f"--fail-on tokens_per_sec:-5%: {a} has no figure 'tokens_per_sec' (it has: ",
+        "fwd_latency:10%": "--fail-on 'fwd_latency:10%': expected FIGURE:+N%",
+        "fwd_latency:+ten%": "--fail-on 'fwd_latency:+ten%': expected FIGURE:+N%",
+        "fwd_latency+10%": "--fail-on 'fwd_latency+10%': expected FIGURE:+N%",
+    }
+    for rule, message in cases.items():
+        assert main(["gate", a, a, "--fail-on", rule]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"flops-callbacks gate: error: {message}"), err
+    # the prefix may be given: any metric of the dict, by its logged name too
+    assert main(["gate", a, a, "--fail-on", "flops_profiler/samples_per_sec:-5%"]) == 0
+    assert capsys.readouterr().out.startswith("ok: samples_per_sec: ")
 
 
 def test_the_console_script_runs_main_and_imports_no_framework(runs: dict[str, Path]) -> None:
@@ -175,10 +198,8 @@ def test_the_console_script_runs_main_and_imports_no_framework(runs: dict[str, P
         "frameworks = ('lightning', 'pytorch_lightning', 'transformers', 'accelerate', 'deepspeed'); "
         "print(sorted(m for m in frameworks if m in sys.modules))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", check, "diff", str(runs["A"]), str(runs["B"])],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = in_group([sys.executable, "-c", check, "diff", str(runs["A"]), str(runs["B"])], timeout=120)
+    assert "Modules by the change of their own time" in done.stdout
     assert done.stdout.splitlines()[-1] == "[]"
 
 
