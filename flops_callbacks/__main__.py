@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flops_callbacks.reporting.cli import main
 
-__all__: list[str] = []
+__all__ = ["main"]
 
 if __name__ == "__main__":
     raise SystemExit(main())
