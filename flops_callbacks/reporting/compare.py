@@ -306,8 +306,8 @@ def figure_text(f: Figure, value: float | None = None) -> str:
         return duration_to_string(v)
     if name.endswith("flops_per_sec"):
         return flops_to_string(v)
-    if name in ("mfu", "hfu", "padding_fraction"):
-        return f"{100 * v:.2f}%"
+    if name in ("mfu", "hfu", "padding_fraction"):  # as the report writes them; a tiny one, readable
+        return f"{100 * v:.2f}%" if v == 0 or abs(v) >= 1e-4 else f"{100 * v:.3g}%"
     if name.endswith("_bytes"):
         return bytes_to_string(v)
     if name.endswith("_macs"):
