@@ -31,6 +31,7 @@ from flops_callbacks.reporting.compare import (
     figure_text,
     gate,
     module_changes,
+    own_seconds,
     percent_text,
     range_text,
     work_note,
@@ -275,7 +276,7 @@ def _diff_json(
 
 
 def _diff_html(a: SavedProfile, b: SavedProfile, note: str | None, figures: list[Change]) -> str:
-    """B's picture, each module coloured by its latency's change against A's same-named module."""
+    """B's picture, each module coloured by the change of its own time against A's same-named module."""
     shown = ("fwd_latency", "bwd_latency", "step_latency", "iter_latency", "flops_per_sec", "mfu")
     summary = [("A (compared against)", a.source), ("B (drawn)", b.source)]
     summary += [
@@ -283,8 +284,14 @@ def _diff_html(a: SavedProfile, b: SavedProfile, note: str | None, figures: list
         for c in figures
         if c.name in shown
     ]
+    own = own_seconds(a.result.profile)
     base = {
-        name: {"fwd": m.fwd_latency, "bwd": m.bwd_latency}
+        name: {
+            "fwd": m.fwd_latency,
+            "bwd": m.bwd_latency,
+            "own_fwd": own[name]["fwd"],
+            "own_bwd": own[name]["bwd"],
+        }
         for name, m in a.result.profile.modules.items()
         if name in b.result.profile.modules
     }

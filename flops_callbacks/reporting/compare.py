@@ -41,6 +41,7 @@ __all__ = [
     "gate",
     "is_noise",
     "module_changes",
+    "own_seconds",
     "percent_text",
     "range_text",
     "short",
@@ -187,17 +188,32 @@ class ModuleChange:
         return abs(self.delta_seconds), moved(self.flops), moved(self.bytes)
 
 
-def _own(profile: Profile) -> dict[str, tuple[str, float, int, int]]:
-    """Each module's class and own time, flops and bytes (its totals less its children's)."""
+PASSES = ("fwd", "bwd", "recompute")
+
+
+def own_seconds(profile: Profile) -> dict[str, dict[str, float]]:
+    """Each module's own latency in each pass: its latency less its children's (never below 0: the
+    children's hooks may overlap their parent's by a little)."""
     own = {}
     for name, m in profile.modules.items():
         kids = profile.children(name)
-        seconds = m.fwd_latency + m.bwd_latency + m.recompute_latency
-        seconds -= sum(k.fwd_latency + k.bwd_latency + k.recompute_latency for k in kids)
+        own[name] = {
+            p: max(getattr(m, f"{p}_latency") - sum(getattr(k, f"{p}_latency") for k in kids), 0.0)
+            for p in PASSES
+        }
+    return own
+
+
+def _own(profile: Profile) -> dict[str, tuple[str, float, int, int]]:
+    """Each module's class and own time, flops and bytes (its totals less its children's)."""
+    own, times = {}, own_seconds(profile)
+    for name, m in profile.modules.items():
+        kids = profile.children(name)
+        seconds = sum(times[name].values())
         flops = m.hardware_flops - sum(k.hardware_flops for k in kids)
         moved = m.fwd_bytes + m.bwd_bytes + m.recompute_bytes
         moved -= sum(k.fwd_bytes + k.bwd_bytes + k.recompute_bytes for k in kids)
-        own[name] = (m.class_name, max(seconds, 0.0), flops, moved)
+        own[name] = (m.class_name, seconds, flops, moved)
     return own
 
 

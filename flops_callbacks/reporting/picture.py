@@ -44,10 +44,11 @@ def render_html(
     the :class:`~flops_callbacks.roofline.Roofline` fields as ``modules``) draws the roofline chart;
     without it the chart's place says ``no_roofline``. What ``doubts`` found wrong with the module
     latencies is said above the chart and on the modules concerned. ``against`` (a diff: ``label`` and
-    ``note`` of the run compared against, and ``modules``: its forward and backward latency by module
-    name, as ``{"fwd": s, "bwd": s}``) colours each module by its latency's change against that run
-    instead of its achieved FLOPS; the ``note`` (why the runs are not comparable, if they are not) is
-    said above the chart.
+    ``note`` of the run compared against, and ``modules``: its forward and backward latency and own
+    latency by module name, as ``{"fwd": s, "bwd": s, "own_fwd": s, "own_bwd": s}``) colours each
+    module by the change of its own time (children's left out) against that run instead of its
+    achieved FLOPS, so that a slowed module stands out and not its parents; the ``note`` (why the runs
+    are not comparable, if they are not) is said above the chart.
     """
     doubts = doubts or TreeCheck()
     notes = ([against["note"]] if against and against.get("note") else []) + list(doubts.notes)

@@ -213,17 +213,33 @@ def test_colours_only_when_asked_or_on_a_terminal(
     assert ANSI not in capsys.readouterr().out
 
 
-def test_diff_picture_draws_b_with_a_latencies_to_colour_by(runs: dict[str, Path], tmp_path: Path) -> None:
+def own_fwd(modules: dict[str, dict]) -> dict[str, float]:
+    """Each module's forward latency less its children's, from the JSON's module entries by name."""
+
+    def children(name: str) -> list[str]:
+        return [n for n in modules if n and n.rpartition(".")[0] == name]
+
+    return {
+        n: max(m["fwd_latency"] - sum(modules[c]["fwd_latency"] for c in children(n)), 0.0)
+        for n, m in modules.items()
+    }
+
+
+def test_diff_picture_draws_b_with_a_own_times_to_colour_by(runs: dict[str, Path], tmp_path: Path) -> None:
     page = tmp_path / "diff.html"
-    done = run("diff", str(runs["A"]), str(runs["B"]), "--html", str(page))
-    assert done.returncode == 0
+    assert main(["diff", str(runs["A"]), str(runs["B"]), "--html", str(page), "--json"]) == 0
     html = page.read_text()
     data = json.loads(re.search(r'<script type="application/json" id="profile-data">(.*?)</script>', html)[1])
     a, b = (json.loads(runs[n].read_text())["profile"]["modules"] for n in ("A", "B"))
     assert [m["name"] for m in data["modules"]][:1] == [""] and {m["name"] for m in data["modules"]} == set(b)
     assert data["against"]["label"] == "A" and data["against"]["note"] == ""
-    assert data["against"]["modules"] == {
-        n: {"fwd": m["fwd_latency"], "bwd": m["bwd_latency"]} for n, m in a.items()
-    }
-    drawn = {m["name"]: m["fwd_latency"] for m in data["modules"]}
-    assert drawn["slow"] / a["slow"]["fwd_latency"] > 5  # the module the page paints the reddest
+    base = data["against"]["modules"]
+    assert set(base) == set(a) and set(base["slow"]) == {"fwd", "bwd", "own_fwd", "own_bwd"}
+    own_a, own_b = own_fwd(a), own_fwd(b)
+    for name, m in a.items():
+        assert (base[name]["fwd"], base[name]["bwd"]) == (m["fwd_latency"], m["bwd_latency"])
+        assert base[name]["own_fwd"] == pytest.approx(own_a[name], abs=1e-12)
+    # the module whose own time changed most, the one the page paints in the full red
+    changes = {name: own_b[name] - own_a[name] for name in a}
+    assert max(changes, key=lambda n: abs(changes[n])) == "slow"
+    assert 0.66 * SLOWER <= changes["slow"] <= 2 * SLOWER
