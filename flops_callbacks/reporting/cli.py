@@ -109,7 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     gate_.set_defaults(run=_gate)
 
     for sub in (show, diff, gate_):
-        sub.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+        sub.add_argument(
+            "--color", choices=("auto", "always", "never"), default="auto",
+            help="colours: on a terminal without NO_COLOR set (auto, the default), always or never",
+        )  # fmt: skip
     return parser
 
 

@@ -1,5 +1,5 @@
-"""Publishing a window's result: the report text, the JSON, the picture, the trace, and the one writer
-of files.
+"""Publishing a window's result: the report text, the JSON (its layout, written and read back, is
+:mod:`~flops_callbacks.reporting.profile_file`'s), the picture, the trace, and the one writer of files.
 
 Every number shown comes from the metrics dict (:func:`flops_callbacks.metrics.window_metrics`),
 computed once: the printed, the logged and the saved figures are the same by construction.
