@@ -4,6 +4,7 @@ a file that is not a profile, or of another schema version, is refused with its 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 
 from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.peaks import Bandwidth
 from flops_callbacks.reporting.profile_file import (
     SCHEMA,
     SCHEMA_VERSION,
@@ -94,3 +97,25 @@ def test_an_unknown_schema_version_or_a_missing_key_is_refused(runs: dict[str, P
         match=r"^cut.json: a profile of schema version 1, but malformed: missing key 'spread'$",
     ):
         from_json(without, "cut.json")
+
+
+def test_what_a_cpu_run_leaves_empty_round_trips_too(runs: dict[str, Path]) -> None:
+    """The fields a single-process CPU run leaves empty, as a sharded GPU run or the HF adapter fills them:
+    written, read back, written again, the same; the report and picture rendered from either, the same."""
+    full = dataclasses.replace(
+        load(runs["A"]).result,
+        parallel=ParallelSizes(world_size=4, data_parallel=2, tensor_parallel=2),
+        rank_latencies=[(0.01, 0.02, 0.003), (0.011, 0.021, 0.004)],
+        sharded_model_params=5064,
+        peak_memory={"forward": 1 << 20, "backward": 3 << 20, "optimizer_step": 2 << 20},
+        bandwidth=Bandwidth(1e10, "peak_bandwidth argument"),
+        extra_lines=[("flops by the HF Trainer's estimate (6 x params x tokens)", "1.2 M")],
+        compute_dtype="bf16",
+    )
+    written = json.loads(json.dumps(json_data(full)))
+    assert written["profile"]["modules"]["slow.linear"]["roofline"]["fwd"]["limiter"] in ("compute", "memory")
+    again = from_json(written).result
+    assert json.loads(json.dumps(json_data(again))) == written
+    assert report_text(again, Options(), detailed=True) == report_text(full, Options(), detailed=True)
+    assert "flops by the HF Trainer's estimate (6 x params x tokens):" in report_text(again, Options(), False)
+    assert picture(again) == picture(full)
