@@ -222,6 +222,10 @@ def _diff_text(
     lines = [paint("flops_callbacks diff", BOLD), _run_line("A", a), _run_line("B", b)]
     if note:
         lines += ["", paint(f"NOTE: {note}.", RED)]
+    for label, saved in (("A", a), ("B", b)):
+        if not saved.result.steps.module_timing:
+            why = "the run ended before its module-timing steps: its module times are the counting step's"
+            lines += ["", paint(f"NOTE: {label} timed no module ({why}, slowed by counting).", RED)]
     lines += [
         "",
         "Headline figures: each latency's median (min .. max over the clean steps), each rate over the "
@@ -252,6 +256,10 @@ def _diff_json(
         "b": b.source,
         "same_work": note is None,
         "work_note": note,
+        "module_times_measured": {
+            "a": bool(a.result.steps.module_timing),
+            "b": bool(b.result.steps.module_timing),
+        },
         "figures": [
             {
                 "name": c.name,

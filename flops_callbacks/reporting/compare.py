@@ -188,7 +188,7 @@ class ModuleChange:
         return abs(self.delta_seconds), moved(self.flops), moved(self.bytes)
 
 
-PASSES = ("fwd", "bwd", "recompute")
+_PASSES = ("fwd", "bwd", "recompute")
 
 
 def own_seconds(profile: Profile) -> dict[str, dict[str, float]]:
@@ -199,7 +199,7 @@ def own_seconds(profile: Profile) -> dict[str, dict[str, float]]:
         kids = profile.children(name)
         own[name] = {
             p: max(getattr(m, f"{p}_latency") - sum(getattr(k, f"{p}_latency") for k in kids), 0.0)
-            for p in PASSES
+            for p in _PASSES
         }
     return own
 

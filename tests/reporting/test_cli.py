@@ -95,6 +95,7 @@ def test_diff_names_the_slowed_module_first_by_its_own_time(runs: dict[str, Path
     data = json.loads(run("diff", str(runs["A"]), str(runs["B"]), "--json").stdout)
     slow = data["modules"][0]
     assert (slow["name"], slow["noise"], data["same_work"]) == ("slow", False, True)
+    assert data["module_times_measured"] == {"a": True, "b": True}
     assert 0.66 * SLOWER <= slow["delta_seconds"] <= 2 * SLOWER
     assert slow["own_flops"] == [256, 256] and slow["own_bytes"] == [2560, 2560]
     figures = {f["name"]: f for f in data["figures"]}
