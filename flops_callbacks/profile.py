@@ -223,6 +223,35 @@ class Profile:
         totals = (*_COUNTED_TOTALS, "params", "trainable_params", "model_flops", "hardware_flops")
         return {**{name: getattr(self, name) for name in totals}, **asdict(self)}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        """The profile :meth:`to_dict` wrote (its derived totals, and keys other writers add to a module
+        entry such as ``roofline``, are left: they are computed from the fields)."""
+
+        def counts(entry: dict[str, Any], kind: type[Counts] = Counts) -> Any:
+            known = {f.name for f in fields(kind)}
+            return kind(**{k: v for k, v in entry.items() if k in known})
+
+        modules = {}
+        for name, entry in data["modules"].items():
+            module = counts(entry, ModuleProfile)
+            module.functionals = {f: counts(c) for f, c in entry["functionals"].items()}
+            modules[name] = module
+        coverage = data["coverage"]
+        return cls(
+            fwd_latency=data["fwd_latency"],
+            bwd_latency=data["bwd_latency"],
+            device=data["device"],
+            modules=modules,
+            outside_model=counts(data["outside_model"]),
+            coverage=Coverage(
+                counted_calls=coverage["counted_calls"],
+                free_calls=coverage["free_calls"],
+                uncounted=[UncountedOp(**u) for u in coverage["uncounted"]],
+            ),
+            causal_attention=data["causal_attention"],
+        )
+
 
 _SUMMED = tuple(f.name for f in fields(Counts))
 _COUNTED_TOTALS = tuple(name for name in _SUMMED if name != "calls")

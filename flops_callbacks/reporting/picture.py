@@ -36,15 +36,22 @@ def render_html(
     roofline: Mapping[str, Any] | None = None,
     no_roofline: str = "",
     doubts: TreeCheck | None = None,
+    against: Mapping[str, Any] | None = None,
 ) -> str:
     """The page for ``profile``, with ``summary`` rows (label, value) shown above the chart.
 
     ``roofline`` (``peak_flops``, ``peak_bandwidth``, their ``*_source`` and per module name and pass
     the :class:`~flops_callbacks.roofline.Roofline` fields as ``modules``) draws the roofline chart;
     without it the chart's place says ``no_roofline``. What ``doubts`` found wrong with the module
-    latencies is said above the chart and on the modules concerned.
+    latencies is said above the chart and on the modules concerned. ``against`` (a diff: ``label`` and
+    ``note`` of the run compared against, and ``modules``: its forward and backward latency and own
+    latency by module name, as ``{"fwd": s, "bwd": s, "own_fwd": s, "own_bwd": s}``) colours each
+    module by the change of its own time (children's left out) against that run instead of its
+    achieved FLOPS, so that a slowed module stands out and not its parents; the ``note`` (why the runs
+    are not comparable, if they are not) is said above the chart.
     """
     doubts = doubts or TreeCheck()
+    notes = ([against["note"]] if against and against.get("note") else []) + list(doubts.notes)
     rows = "".join(
         f"<div><dt>{html.escape(label)}</dt><dd>{html.escape(value)}</dd></div>" for label, value in summary
     )
@@ -52,13 +59,18 @@ def render_html(
         "title": html.escape(title),
         "summary": f'<dl class="summary">{rows}</dl>' if rows else "",
         "notes": (
-            '<ul class="doubts">' + "".join(f"<li>{html.escape(n)}</li>" for n in doubts.notes) + "</ul>"
-            if doubts.notes
+            '<ul class="doubts">' + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>"
+            if notes
             else ""
         ),
         # "<" escaped so that no string in the data can close the script element holding it
         "data": json.dumps(
-            {"modules": _tree(profile, doubts.flagged), "roofline": roofline, "no_roofline": no_roofline},
+            {
+                "modules": _tree(profile, doubts.flagged),
+                "roofline": roofline,
+                "no_roofline": no_roofline,
+                "against": against,
+            },
             separators=(",", ":"),
         ).replace("<", "\\u003c"),
     }

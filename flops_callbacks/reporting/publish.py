@@ -1,5 +1,5 @@
-"""Publishing a window's result: the report text, the JSON, the picture, the trace, and the one writer
-of files.
+"""Publishing a window's result: the report text, the JSON (its layout, written and read back, is
+:mod:`~flops_callbacks.reporting.profile_file`'s), the picture, the trace, and the one writer of files.
 
 Every number shown comes from the metrics dict (:func:`flops_callbacks.metrics.window_metrics`),
 computed once: the printed, the logged and the saved figures are the same by construction.
@@ -7,11 +7,9 @@ computed once: the printed, the logged and the saved figures are the same by con
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
 
 from flops_callbacks import metrics as names
 from flops_callbacks.files import write_text
@@ -19,9 +17,9 @@ from flops_callbacks.guard import Guard
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.chrome_trace import chrome_trace
 from flops_callbacks.reporting.picture import render_html
+from flops_callbacks.reporting.profile_file import json_data, roofline_entries
 from flops_callbacks.reporting.report import EngineRows, render_profile, render_roofline
 from flops_callbacks.reporting.tree_check import TreeCheck, check_tree
-from flops_callbacks.roofline import as_data
 from flops_callbacks.session.adapter_api import Outlet
 from flops_callbacks.session.result import WindowResult, window_rates
 from flops_callbacks.timing.phases import PHASES
@@ -34,13 +32,10 @@ from flops_callbacks.units import (
 )
 
 __all__ = [
-    "json_data",
     "markdown_block",
     "picture",
-    "profile_json",
     "publish",
     "report_text",
-    "roofline_entries",
     "roofline_text",
     "roofs_text",
     "rank_count_lines",
@@ -299,60 +294,6 @@ def roofline_text(result: WindowResult) -> str:
     if not rooflines:
         return ""
     return render_roofline(result.profile, rooflines, roofs_text(result))
-
-
-def json_data(result: WindowResult) -> dict[str, Any]:
-    """Everything of a window as JSON-ready data: metrics, where each came from, and the full profile."""
-    return {
-        "step": result.step,
-        "published_at_step": result.published_at,
-        "steps": dataclasses.asdict(result.steps),
-        "model_forward": result.model_forward,  # seconds; steps: steps.model_forward
-        "model_forward_high": result.model_forward_high,  # the slowest of those steps'
-        "hook_cost": None if result.hook_cost is None else dataclasses.asdict(result.hook_cost),
-        # per clean step: counted / predicted / estimated; uncertainty: a bound on the total's error
-        "flops_sources": None if result.flops_sources is None else dataclasses.asdict(result.flops_sources),
-        "metrics": result.metrics(),
-        "samples_per_device": result.samples,
-        "micro_batches": result.micro_batches,
-        "tokens_per_device": result.tokens,
-        "compute_dtype": result.compute_dtype,
-        "peak": dataclasses.asdict(result.peak) if result.peak else {"none": result.no_peak_reason},
-        "parallel": dataclasses.asdict(result.parallel),
-        "rank_latencies": result.rank_latencies,  # (fwd, bwd, step) seconds, by rank
-        "rank_counts": result.rank_counts,  # each rank's counting-step totals: per GPU is their mean
-        "peak_memory_allocated": result.peak_memory,  # bytes per phase, clean steps; None off CUDA
-        "bandwidth": dataclasses.asdict(result.bandwidth)
-        if result.bandwidth
-        else {"none": result.no_bandwidth_reason},
-        # each latency over the clean steps: median, min, max, steps (the slowest rank's)
-        "spread": {name: dataclasses.asdict(s) for name, s in result.figures().spreads.items()},
-        "clean_totals": {  # what the rates are made of: sums over the clean steps
-            "seconds": result.figures().sums,
-            "counts": result.figures().counts._asdict(),
-            "samples": result.figures().samples,
-            "tokens": result.figures().tokens,
-            "real_tokens": result.figures().real_tokens,
-            "token_positions": result.figures().positions,
-            "iter_seconds_per_step": result.figures().iters,  # this rank's, in step order
-        },
-        "profile": profile_json(result),
-    }
-
-
-def profile_json(result: WindowResult) -> dict[str, Any]:
-    """The profile's JSON, each module entry with its forward and backward roofline where known."""
-    data = result.profile.to_dict()
-    for name, phases in roofline_entries(result).items():
-        data["modules"][name]["roofline"] = phases
-    return data
-
-
-def roofline_entries(result: WindowResult) -> dict[str, dict[str, dict[str, Any]]]:
-    """Each module's rooflines as plain data, by name and pass (the JSON's and the picture's)."""
-    if not result.steps.module_timing:
-        return {}  # the counting step's latencies are inflated by counting: no verdict on them
-    return as_data(result.rooflines())
 
 
 def markdown_block(text: str) -> str:

@@ -22,6 +22,7 @@ import torch
 
 from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.profile import Profile
+from flops_callbacks.reporting.cli import main
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.roofline import as_data, module_rooflines
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
@@ -326,3 +327,40 @@ def test_without_peaks_the_page_says_why_there_is_no_roofline(profile: Profile) 
     html = render_html(profile, no_roofline="no peak bandwidth for a cpu device")
     data = embedded_data(html)
     assert data["roofline"] is None and data["no_roofline"] == "no peak bandwidth for a cpu device"
+
+
+# --- the picture of a diff ----------------------------------------------------------------------------
+
+SLOWER_RED, SAME_GREY = (0x67, 0x00, 0x1F), (0xF7, 0xF7, 0xF7)  # the ends and middle of the page's DIVERGING
+
+
+@pytest.fixture
+def diff_page(runs: dict[str, Path], tmp_path: Path) -> Path:
+    """``flops-callbacks diff A B --html``: B (tests/reporting/conftest.py: A with ``slow`` slowed)."""
+    page = tmp_path / "diff.html"
+    assert main(["diff", str(runs["A"]), str(runs["B"]), "--html", str(page)]) == 0
+    return page
+
+
+@needs_chromium
+def test_the_diff_page_paints_the_slowed_module_red_and_its_parents_grey(
+    diff_page: Path, tmp_path: Path
+) -> None:
+    dom = chromium("--dump-dom", diff_page.as_uri(), tmp=tmp_path).stdout
+    assert 'data-rendered="7"' in dom  # the script ran to its end: the model and its 6 modules
+
+    def colour(name: str) -> tuple[int, ...]:
+        style = re.search(f'data-name="{re.escape(name)}" style="([^"]*)"', dom)[1]
+        return tuple(
+            int(c) for c in re.search(r"background-color: rgb\((\d+), (\d+), (\d+)\)", style).groups()
+        )
+
+    # the largest change of own time takes the full colour; the model's own time did not change
+    assert colour("slow") == SLOWER_RED
+    assert colour("") != SLOWER_RED and colour("slow.linear") != SLOWER_RED
+    assert '<span id="legend-title">own forward time against A</span>' in dom
+    png = tmp_path / "diff.png"
+    chromium(f"--screenshot={png}", diff_page.as_uri(), tmp=tmp_path)
+    width, height, rows = read_png(png)
+    pixels = [tuple(row[i : i + 3]) for row in rows for i in range(0, len(row), 3)]
+    assert pixels.count(SLOWER_RED) > 0.01 * width * height  # slow's bar: most of a row of the chart

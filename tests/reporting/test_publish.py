@@ -14,8 +14,8 @@ from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Peak
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
+from flops_callbacks.reporting.profile_file import json_data
 from flops_callbacks.reporting.publish import (
-    json_data,
     markdown_block,
     publish,
     report_text,

@@ -1,0 +1,345 @@
+"""Two saved profiles compared: the headline figures with their ranges, the modules by their own time,
+and the gate's rules. Pure functions of :class:`~flops_callbacks.reporting.profile_file.SavedProfile`;
+the command line (:mod:`~flops_callbacks.reporting.cli`) prints and draws what they return.
+
+What counts as noise, in one place (:func:`is_noise`): a latency's range is its min .. max over the
+clean steps (the JSON's ``spread``); a rate's is the same steps' range turned into a rate (the rate
+if every step had taken the fastest or the slowest step's time); a count (flops, bytes, params) is
+exact and has none. A change is noise when it lies inside both runs' ranges: each run's median falls
+within the other's range. A module's own time has no range of its own (its latency is the median of
+the module-timing steps), so its change is noise when it is within the phases' wobble in both runs:
+the range of fwd latency plus that of bwd latency.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from flops_callbacks import metrics as names
+from flops_callbacks.profile import Profile
+from flops_callbacks.reporting.profile_file import SavedProfile
+from flops_callbacks.units import (
+    bytes_to_string,
+    duration_to_string,
+    flops_to_string,
+    macs_to_string,
+    number_to_string,
+    params_to_string,
+)
+
+__all__ = [
+    "Change",
+    "Figure",
+    "ModuleChange",
+    "Rule",
+    "Verdict",
+    "changes",
+    "figure_text",
+    "figures",
+    "gate",
+    "is_noise",
+    "module_changes",
+    "own_seconds",
+    "percent_text",
+    "range_text",
+    "short",
+    "work_note",
+]
+
+# the metric whose range over the clean steps gives a figure's range, and whether the figure is a rate
+# over it (its range inverted); the JSON's "spread" keys
+_RANGE_OF: dict[str, tuple[str, bool]] = {
+    names.FWD_LATENCY: ("fwd", False),
+    names.BWD_LATENCY: ("bwd", False),
+    names.STEP_LATENCY: ("step", False),
+    names.ITER_LATENCY: ("iter", False),
+    names.DATA_LATENCY: ("data", False),
+    names.WALL_LATENCY: ("wall", False),
+    names.FWD_FLOPS_PER_SEC: ("fwd", True),
+    names.BWD_FLOPS_PER_SEC: ("bwd", True),
+    **{name: ("iter", True) for name in (names.FLOPS_PER_SEC, names.SAMPLES_PER_SEC, names.TOKENS_PER_SEC)},
+    **{name: ("iter", True) for name in (names.REAL_TOKENS_PER_SEC, names.MFU, names.HFU)},
+    names.WALL_SAMPLES_PER_SEC: ("wall", True),
+    names.WALL_TOKENS_PER_SEC: ("wall", True),
+}
+# the figures in the report's order; any other metric of a file follows them
+ORDER = (*names.ALL, *names.PADDING, *names.WITH_PEAK)
+
+
+def short(name: str) -> str:
+    """A metric's name as the command line takes it: without ``flops_profiler/``."""
+    return name.removeprefix(names.PREFIX)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One metric of a run as logged, with its range (its own value at both ends when exact)."""
+
+    name: str  # without the prefix
+    value: float
+    low: float
+    high: float
+
+
+def figures(saved: SavedProfile) -> dict[str, Figure]:
+    """Every metric of ``saved`` with its range, by name without the prefix, in the report's order."""
+    spreads = saved.result.figures().spreads
+    ordered = [n for n in ORDER if n in saved.metrics] + [n for n in saved.metrics if n not in ORDER]
+    found = {}
+    for name in ordered:
+        value = saved.metrics[name]
+        low = high = value
+        if name in _RANGE_OF and _RANGE_OF[name][0] in spreads:
+            s = spreads[_RANGE_OF[name][0]]
+            if not _RANGE_OF[name][1]:
+                low, high = s.low, s.high
+            elif s.low > 0 and s.high > 0:  # a rate: fastest step -> highest rate
+                low, high = value * s.median / s.high, value * s.median / s.low
+        found[short(name)] = Figure(short(name), value, min(low, value), max(high, value))
+    return found
+
+
+def is_noise(a: Figure, b: Figure) -> bool:
+    """Whether the change from ``a`` to ``b`` lies inside both runs' ranges."""
+    return a.low <= b.value <= a.high and b.low <= a.value <= b.high
+
+
+def _relative(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    return (b - a) / abs(a) if a else math.copysign(math.inf, b - a)
+
+
+@dataclass(frozen=True)
+class Change:
+    """A figure from run A to run B."""
+
+    a: Figure
+    b: Figure
+
+    @property
+    def name(self) -> str:
+        return self.a.name
+
+    @property
+    def relative(self) -> float:
+        """(B - A) / A; infinite when A is 0 and B is not."""
+        return _relative(self.a.value, self.b.value)
+
+    @property
+    def noise(self) -> bool:
+        return is_noise(self.a, self.b)
+
+    @property
+    def direction(self) -> int:
+        """+1 when B is better, -1 when worse, 0 when equal or neither (a count: more work is not worse)."""
+        if self.a.value == self.b.value:
+            return 0
+        up = 1 if self.b.value > self.a.value else -1
+        if self.name.endswith("_latency"):
+            return -up
+        return up if f"{names.PREFIX}{self.name}" in _RANGE_OF else 0
+
+
+def changes(a: SavedProfile, b: SavedProfile) -> list[Change]:
+    """Every figure both runs have, A's order."""
+    fa, fb = figures(a), figures(b)
+    return [Change(fa[n], fb[n]) for n in fa if n in fb]
+
+
+def work_note(a: SavedProfile, b: SavedProfile) -> str | None:
+    """What says the runs did different work (another model or batch), so that their times are not
+    comparable; None when their flops per step are the same."""
+    pa, pb = a.result.profile, b.result.profile
+    if (pa.fwd_flops, pa.bwd_flops, pa.recompute_flops) == (pb.fwd_flops, pb.bwd_flops, pb.recompute_flops):
+        return None
+    flops = f"{number_to_string(pa.hardware_flops)} -> {number_to_string(pb.hardware_flops)}"
+    params = f"params {params_to_string(pa.params)} -> {params_to_string(pb.params)}"
+    samples = f"samples per device {a.result.samples} -> {b.result.samples}"
+    return (
+        f"the runs did different work: fwd+bwd+recompute flops per step {flops} "
+        f"({percent_text(_relative(pa.hardware_flops, pb.hardware_flops))}; {params}, {samples}): "
+        "another model or another batch, so their times are not comparable"
+    )
+
+
+@dataclass(frozen=True)
+class ModuleChange:
+    """A module's own work from run A to run B: its time, flops and bytes less its children's
+    (``None``: the module is not in that run)."""
+
+    name: str
+    class_name: str
+    seconds: tuple[float | None, float | None]  # own fwd + bwd + recompute latency
+    flops: tuple[int | None, int | None]  # own fwd + bwd + recompute flops
+    bytes: tuple[int | None, int | None]  # own fwd + bwd + recompute bytes moved
+    noise: bool
+
+    @property
+    def delta_seconds(self) -> float:
+        return (self.seconds[1] or 0.0) - (self.seconds[0] or 0.0)
+
+    def sort_key(self) -> tuple[float, float, float]:
+        def moved(pair: tuple[int | None, int | None]) -> float:
+            return abs((pair[1] or 0) - (pair[0] or 0))
+
+        return abs(self.delta_seconds), moved(self.flops), moved(self.bytes)
+
+
+_PASSES = ("fwd", "bwd", "recompute")
+
+
+def own_seconds(profile: Profile) -> dict[str, dict[str, float]]:
+    """Each module's own latency in each pass: its latency less its children's (never below 0: the
+    children's hooks may overlap their parent's by a little)."""
+    own = {}
+    for name, m in profile.modules.items():
+        kids = profile.children(name)
+        own[name] = {
+            p: max(getattr(m, f"{p}_latency") - sum(getattr(k, f"{p}_latency") for k in kids), 0.0)
+            for p in _PASSES
+        }
+    return own
+
+
+def _own(profile: Profile) -> dict[str, tuple[str, float, int, int]]:
+    """Each module's class and own time, flops and bytes (its totals less its children's)."""
+    own, times = {}, own_seconds(profile)
+    for name, m in profile.modules.items():
+        kids = profile.children(name)
+        seconds = sum(times[name].values())
+        flops = m.hardware_flops - sum(k.hardware_flops for k in kids)
+        moved = m.fwd_bytes + m.bwd_bytes + m.recompute_bytes
+        moved -= sum(k.fwd_bytes + k.bwd_bytes + k.recompute_bytes for k in kids)
+        own[name] = (m.class_name, seconds, flops, moved)
+    return own
+
+
+def _wobble(saved: SavedProfile) -> float:
+    spreads = saved.result.figures().spreads
+    return sum(spreads[p].high - spreads[p].low for p in ("fwd", "bwd") if p in spreads)
+
+
+def module_changes(a: SavedProfile, b: SavedProfile) -> list[ModuleChange]:
+    """Every module of either run whose own time, flops or bytes changed, largest change of own time
+    first (then of flops, then of bytes)."""
+    own_a, own_b = _own(a.result.profile), _own(b.result.profile)
+    wobble = min(_wobble(a), _wobble(b))
+    found = []
+    for name in [*own_b, *(n for n in own_a if n not in own_b)]:
+        ea, eb = own_a.get(name), own_b.get(name)
+        seconds = (ea[1] if ea else None, eb[1] if eb else None)
+        flops = (ea[2] if ea else None, eb[2] if eb else None)
+        moved = (ea[3] if ea else None, eb[3] if eb else None)
+        if ea and eb and (ea[1], ea[2], ea[3]) == (eb[1], eb[2], eb[3]):
+            continue
+        same_work = flops[0] == flops[1] and moved[0] == moved[1]
+        delta = abs((seconds[1] or 0.0) - (seconds[0] or 0.0))
+        class_name = (eb or ea or ("", 0.0, 0, 0))[0]
+        found.append(ModuleChange(name, class_name, seconds, flops, moved, same_work and delta <= wobble))
+    return sorted(found, key=ModuleChange.sort_key, reverse=True)
+
+
+# --- the gate ---------------------------------------------------------------------------------------
+
+_RULE = re.compile(r"^([A-Za-z0-9_/]+):([+-])(\d+(?:\.\d*)?|\.\d+)%$")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``figure:+N%`` fails when the figure grows by more than N percent, ``figure:-N%`` when it falls
+    by more (and, either way, by more than the runs' noise)."""
+
+    figure: str  # without the prefix
+    limit: float  # signed fraction: +0.10, -0.05
+
+    @classmethod
+    def parse(cls, text: str) -> Rule:
+        """The rule ``text`` says; ValueError naming it and the syntax."""
+        found = _RULE.match(text.strip())
+        if found is None:
+            raise ValueError(
+                f"--fail-on {text!r}: expected FIGURE:+N% (worse when it grows, e.g. fwd_latency:+10%) "
+                "or FIGURE:-N% (worse when it falls, e.g. mfu:-5%)"
+            )
+        sign = 1 if found[2] == "+" else -1
+        return cls(short(found[1]), sign * float(found[3]) / 100)
+
+    def __str__(self) -> str:
+        return f"{self.figure}:{'+' if self.limit >= 0 else '-'}{100 * abs(self.limit):g}%"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A rule applied: whether it failed, and why, in one line."""
+
+    rule: Rule
+    change: Change
+    failed: bool
+    reason: str
+
+
+def gate(base: SavedProfile, new: SavedProfile, rules: list[Rule]) -> list[Verdict]:
+    """Each rule applied to ``new`` against ``base``; ValueError naming a figure a file does not have."""
+    fa, fb = figures(base), figures(new)
+    verdicts = []
+    for rule in rules:
+        for saved, found in ((base, fa), (new, fb)):
+            if rule.figure not in found:
+                known = ", ".join(found)
+                raise ValueError(
+                    f"--fail-on {rule}: {saved.source} has no figure {rule.figure!r} (it has: {known})"
+                )
+        change = Change(fa[rule.figure], fb[rule.figure])
+        sign = 1 if rule.limit >= 0 else -1
+        worse_by = sign * change.relative  # > 0: moved the way the rule calls worse
+        over = worse_by > abs(rule.limit)
+        failed = over and not change.noise
+        moved = f"{figure_text(change.a)} -> {figure_text(change.b)} ({percent_text(change.relative)})"
+        if failed:
+            ranges = f"A {range_text(change.a)}, B {range_text(change.b)}"
+            reason = (
+                f"{rule.figure} got worse: {moved}, beyond {rule} and outside both runs' ranges ({ranges})"
+            )
+        elif over:
+            reason = f"{rule.figure}: {moved}, beyond {rule} but inside both runs' ranges (noise)"
+        else:
+            reason = f"{rule.figure}: {moved}, within {rule}"
+        verdicts.append(Verdict(rule, change, failed, reason))
+    return verdicts
+
+
+# --- how figures read: the report's number formats --------------------------------------------------
+
+
+def figure_text(f: Figure, value: float | None = None) -> str:
+    """``value`` (the figure's own by default) as the report writes a figure of its kind."""
+    v = f.value if value is None else value
+    name = f.name
+    if name.endswith("_latency"):
+        return duration_to_string(v)
+    if name.endswith("flops_per_sec"):
+        return flops_to_string(v)
+    if name in ("mfu", "hfu", "padding_fraction"):  # as the report writes them; a tiny one, readable
+        return f"{100 * v:.2f}%" if v == 0 or abs(v) >= 1e-4 else f"{100 * v:.3g}%"
+    if name.endswith("_bytes"):
+        return bytes_to_string(v)
+    if name.endswith("_macs"):
+        return macs_to_string(v)
+    if name == "params":
+        return params_to_string(v)
+    if name.endswith("_flops"):
+        return number_to_string(v)
+    return f"{v:.2f}"
+
+
+def range_text(f: Figure) -> str:
+    """The figure's range over the clean steps, ``low .. high``."""
+    return f"{figure_text(f, f.low)} .. {figure_text(f, f.high)}"
+
+
+def percent_text(relative: float) -> str:
+    """A relative change as ``+12.3%``."""
+    return f"{100 * relative:+.1f}%" if math.isfinite(relative) else ("+inf%" if relative > 0 else "-inf%")

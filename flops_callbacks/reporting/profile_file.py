@@ -1,0 +1,207 @@
+"""The window's JSON file: its layout, written with a schema name and version, and read back.
+
+One module owns the layout both ways: :func:`json_data` is what ``flops_profile_step{N}.json`` holds
+(:mod:`~flops_callbacks.reporting.publish` writes it), :func:`load` turns such a file back into the
+:class:`~flops_callbacks.session.result.WindowResult` it was made from, so that a saved run is shown,
+diffed and gated through the same renderers and the same metrics as a live one (the command line,
+:mod:`~flops_callbacks.reporting.cli`). What is not read back: the module spans (the Chrome trace
+file holds them). Why JSON and not pickle: the file is read by other tools and years later, and a
+pickle ties it to this package's classes; the version says which layout a reader has in hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flops_callbacks import metrics as names
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.peaks import Bandwidth, Peak
+from flops_callbacks.profile import Profile
+from flops_callbacks.roofline import as_data
+from flops_callbacks.session.flops_sources import FlopsSources
+from flops_callbacks.session.result import WindowResult, WindowSteps
+from flops_callbacks.session.shape_flops import BatchCounts
+from flops_callbacks.session.window_steps import CleanFigures, Spread
+from flops_callbacks.timing.hook_cost import HookCost
+
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "ProfileFileError",
+    "SavedProfile",
+    "from_json",
+    "json_data",
+    "load",
+    "profile_json",
+    "roofline_entries",
+]
+
+SCHEMA = "flops_callbacks.profile"  # the "schema" key of every profile file: what tells it from other JSON
+SCHEMA_VERSION = 1  # raised when a key is renamed or removed, or changes meaning (a new key: not needed)
+
+
+class ProfileFileError(ValueError):
+    """A file that is not a profile this version can read; the message names the file and why."""
+
+
+@dataclass(frozen=True)
+class SavedProfile:
+    """A profile file read back: the window's result, and its metrics as they were logged."""
+
+    source: str  # the file's path, as given
+    result: WindowResult
+    metrics: dict[str, float]
+
+
+def json_data(result: WindowResult) -> dict[str, Any]:
+    """Everything of a window as JSON-ready data: metrics, where each came from, and the full profile."""
+    figures = result.figures()
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "step": result.step,
+        "published_at_step": result.published_at,
+        "steps": dataclasses.asdict(result.steps),
+        "model_forward": result.model_forward,  # seconds; steps: steps.model_forward
+        "model_forward_high": result.model_forward_high,  # the slowest of those steps'
+        "hook_cost": None if result.hook_cost is None else dataclasses.asdict(result.hook_cost),
+        "metrics": result.metrics(),
+        "samples_per_device": result.samples,
+        "micro_batches": result.micro_batches,
+        "tokens_per_device": result.tokens,
+        "compute_dtype": result.compute_dtype,
+        "peak": dataclasses.asdict(result.peak) if result.peak else {"none": result.no_peak_reason},
+        "parallel": dataclasses.asdict(result.parallel),
+        "sharded_model_params": result.sharded_model_params,  # global parameters when sharded, else None
+        "rank_latencies": result.rank_latencies,  # (fwd, bwd, step) seconds, by rank
+        "rank_counts": result.rank_counts,  # each rank's counting-step totals: per GPU is their mean
+        # per clean step: counted / predicted / estimated; uncertainty: a bound on the total's error
+        "flops_sources": None if result.flops_sources is None else dataclasses.asdict(result.flops_sources),
+        "counting_iter": result.counting_iter,  # the counting step's fwd + bwd + step seconds
+        "peak_memory_allocated": result.peak_memory,  # bytes per phase, clean steps; None off CUDA
+        "bandwidth": dataclasses.asdict(result.bandwidth)
+        if result.bandwidth
+        else {"none": result.no_bandwidth_reason},
+        # each latency over the clean steps: median, min, max, steps (the slowest rank's)
+        "spread": {name: dataclasses.asdict(s) for name, s in figures.spreads.items()},
+        "clean_totals": {  # what the rates are made of: sums over the clean steps
+            "seconds": figures.sums,
+            "counts": figures.counts._asdict(),
+            "samples": figures.samples,
+            "tokens": figures.tokens,
+            "real_tokens": figures.real_tokens,
+            "token_positions": figures.positions,
+            "iter_seconds_per_step": figures.iters,  # this rank's, in step order
+        },
+        "extra_lines": result.extra_lines,  # the report rows the framework's adapter added
+        "profile": profile_json(result),
+    }
+
+
+def profile_json(result: WindowResult) -> dict[str, Any]:
+    """The profile's JSON, each module entry with its forward and backward roofline where known."""
+    data = result.profile.to_dict()
+    for name, phases in roofline_entries(result).items():
+        data["modules"][name]["roofline"] = phases
+    return data
+
+
+def roofline_entries(result: WindowResult) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each module's rooflines as plain data, by name and pass (the JSON's and the picture's)."""
+    if not result.steps.module_timing:
+        return {}  # the counting step's latencies are inflated by counting: no verdict on them
+    return as_data(result.rooflines())
+
+
+def load(path: str | Path) -> SavedProfile:
+    """The profile file at ``path``; :class:`ProfileFileError` naming it when it cannot be read, is not
+    JSON, is not a profile, or has a schema version this package does not know."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ProfileFileError(f"{source}: cannot be read ({error.strerror or error})") from None
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ProfileFileError(f"{source}: not a profile: not valid JSON ({error})") from None
+    return from_json(data, source)
+
+
+def from_json(data: Any, source: str = "<data>") -> SavedProfile:
+    """The profile that :func:`json_data` wrote, as read from JSON (``source`` names it in errors)."""
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ProfileFileError(
+            f'{source}: not a flops_callbacks profile (no "schema": "{SCHEMA}" key; the profile '
+            "is the flops_profile_step{N}.json a profiled run writes into its log folder)"
+        )
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        newer = isinstance(version, int) and version > SCHEMA_VERSION
+        why = "written by a newer flops_callbacks: upgrade to read it" if newer else "unknown"
+        raise ProfileFileError(
+            f"{source}: profile schema version {version!r} is {why} (this flops_callbacks reads "
+            f"version {SCHEMA_VERSION})"
+        )
+    try:
+        metrics = {str(k): float(v) for k, v in data["metrics"].items()}
+        return SavedProfile(source, _result(data, metrics), metrics)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        what = f"missing key {error}" if isinstance(error, KeyError) else str(error)
+        raise ProfileFileError(
+            f"{source}: a profile of schema version {SCHEMA_VERSION}, but malformed: {what}"
+        ) from None
+
+
+def _tuples(entry: dict[str, Any]) -> dict[str, Any]:
+    """JSON's lists back to the tuples the dataclasses hold."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()}
+
+
+def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
+    peak, bandwidth, totals = data["peak"], data["bandwidth"], data["clean_totals"]
+    clean = CleanFigures(
+        counts=BatchCounts(**totals["counts"]),
+        samples=totals["samples"],
+        tokens=totals["tokens"],
+        real_tokens=totals["real_tokens"],
+        positions=totals["token_positions"],
+        sums=dict(totals["seconds"]),
+        spreads={name: Spread(**s) for name, s in data["spread"].items()},
+        iters=tuple(totals["iter_seconds_per_step"]),
+    )
+    return WindowResult(
+        profile=Profile.from_dict(data["profile"]),
+        steps=WindowSteps(**_tuples(data["steps"])),
+        # the phase latencies are the metrics' (window_metrics writes them as they are)
+        fwd_latency=metrics[names.FWD_LATENCY],
+        bwd_latency=metrics[names.BWD_LATENCY],
+        step_latency=metrics[names.STEP_LATENCY],
+        samples=data["samples_per_device"],
+        tokens=data["tokens_per_device"],
+        micro_batches=data["micro_batches"],
+        parallel=ParallelSizes(**data["parallel"]),
+        compute_dtype=data["compute_dtype"],
+        peak=None if "none" in peak else Peak(**peak),
+        no_peak_reason=peak.get("none", ""),
+        bandwidth=None if "none" in bandwidth else Bandwidth(**bandwidth),
+        no_bandwidth_reason=bandwidth.get("none", ""),
+        rank_latencies=[tuple(r) for r in data["rank_latencies"]],
+        rank_counts=list(data.get("rank_counts", [])),
+        flops_sources=None
+        if data.get("flops_sources") is None
+        else FlopsSources(**_tuples(data["flops_sources"])),
+        counting_iter=data.get("counting_iter"),
+        sharded_model_params=data["sharded_model_params"],
+        extra_lines=[(label, value) for label, value in data["extra_lines"]],
+        peak_memory=data["peak_memory_allocated"],
+        published_at=data["published_at_step"],
+        clean=clean,
+        hook_cost=None if data["hook_cost"] is None else HookCost(**data["hook_cost"]),
+        model_forward=data["model_forward"],
+        model_forward_high=data["model_forward_high"],
+    )

@@ -1,0 +1,121 @@
+"""The profile file read back: a real run's JSON loads into the result it was written from (written
+again, it is the same JSON; rendered again, the same report and picture as the run's own files), and
+a file that is not a profile, or of another schema version, is refused with its name and the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from flops_callbacks import metrics as names
+from flops_callbacks.options import Options
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.peaks import Bandwidth
+from flops_callbacks.reporting.profile_file import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    ProfileFileError,
+    from_json,
+    json_data,
+    load,
+)
+from flops_callbacks.reporting.publish import picture, report_text
+from tests.reporting.conftest import CLEAN, FWD_FLOPS, PAUSE, PEAK, PROFILE_STEP
+
+
+def test_a_real_runs_file_loads_back_into_the_result_it_was_written_from(runs: dict[str, Path]) -> None:
+    path = runs["A"]
+    written = json.loads(path.read_text())
+    assert (
+        (written["schema"], written["schema_version"])
+        == (SCHEMA, SCHEMA_VERSION)
+        == ("flops_callbacks.profile", 1)
+    )
+    saved = load(path)
+    assert saved.source == str(path)
+    assert json.loads(json.dumps(json_data(saved.result))) == written  # every key, every value
+    assert saved.metrics == written["metrics"]
+    assert saved.result.metrics() == saved.metrics  # recomputed from what was read: the same figures
+    assert saved.metrics[names.FWD_FLOPS] == FWD_FLOPS == 19712  # by hand (tests/reporting/conftest.py)
+    assert saved.result.peak is not None and saved.result.peak.flops == PEAK
+    spread = saved.result.figures().spreads["fwd"]
+    assert spread.steps == CLEAN and 2 * PAUSE <= spread.low <= spread.median <= spread.high
+    slow = saved.result.profile.modules["slow"]
+    assert (slow.class_name, slow.fwd_flops, slow.fwd_latency >= PAUSE) == (
+        "Pause",
+        2 * 4 * 32 * 32 + 4 * 32,
+        True,
+    )
+
+
+def test_the_report_and_picture_rendered_from_the_file_are_the_runs_own(runs: dict[str, Path]) -> None:
+    saved = load(runs["A"])
+    stem = runs["A"].with_suffix("")
+    assert report_text(saved.result, Options(), detailed=True) + "\n" == stem.with_suffix(".txt").read_text()
+    assert picture(saved.result) == stem.with_suffix(".html").read_text()
+    assert f"Profile Summary at step {PROFILE_STEP}:" in stem.with_suffix(".txt").read_text()
+
+
+def test_a_file_that_is_not_a_profile_is_refused_with_its_name_and_why(
+    tmp_path: Path, runs: dict[str, Path]
+) -> None:
+    text = runs["A"].read_text()
+    cases = {
+        "missing.json": None,
+        "truncated.json": text[: len(text) // 2],
+        "foreign.json": json.dumps({"loss": 0.5, "metrics": {}}),
+        "list.json": "[1, 2]",
+        "trace.json": runs["A"].with_suffix(".trace.json").read_text(),  # the run's other JSON
+    }
+    for name, content in cases.items():
+        if content is not None:
+            (tmp_path / name).write_text(content)
+    reasons = {}
+    for name in cases:
+        with pytest.raises(ProfileFileError) as raised:
+            load(tmp_path / name)
+        assert str(raised.value).startswith(f"{tmp_path / name}: ")
+        reasons[name] = str(raised.value).removeprefix(f"{tmp_path / name}: ")
+    assert reasons["missing.json"] == "cannot be read (No such file or directory)"
+    assert reasons["truncated.json"].startswith("not a profile: not valid JSON (")
+    not_ours = f'not a flops_callbacks profile (no "schema": "{SCHEMA}" key;'
+    assert all(reasons[n].startswith(not_ours) for n in ("foreign.json", "list.json", "trace.json"))
+
+
+def test_an_unknown_schema_version_or_a_missing_key_is_refused(runs: dict[str, Path]) -> None:
+    data = json.loads(runs["A"].read_text())
+    with pytest.raises(ProfileFileError, match=r"^new.json: profile schema version 2 is written by a newer "):
+        from_json({**data, "schema_version": 2}, "new.json")
+    with pytest.raises(ProfileFileError, match=r"^odd.json: profile schema version 'x' is unknown \(this "):
+        from_json({**data, "schema_version": "x"}, "odd.json")
+    without = {k: v for k, v in data.items() if k != "spread"}
+    with pytest.raises(
+        ProfileFileError,
+        match=r"^cut.json: a profile of schema version 1, but malformed: missing key 'spread'$",
+    ):
+        from_json(without, "cut.json")
+
+
+def test_what_a_cpu_run_leaves_empty_round_trips_too(runs: dict[str, Path]) -> None:
+    """The fields a single-process CPU run leaves empty, as a sharded GPU run or the HF adapter fills them:
+    written, read back, written again, the same; the report and picture rendered from either, the same."""
+    full = dataclasses.replace(
+        load(runs["A"]).result,
+        parallel=ParallelSizes(world_size=4, data_parallel=2, tensor_parallel=2),
+        rank_latencies=[(0.01, 0.02, 0.003), (0.011, 0.021, 0.004)],
+        sharded_model_params=5064,
+        peak_memory={"forward": 1 << 20, "backward": 3 << 20, "optimizer_step": 2 << 20},
+        bandwidth=Bandwidth(1e10, "peak_bandwidth argument"),
+        extra_lines=[("flops by the HF Trainer's estimate (6 x params x tokens)", "1.2 M")],
+        compute_dtype="bf16",
+    )
+    written = json.loads(json.dumps(json_data(full)))
+    assert written["profile"]["modules"]["slow.linear"]["roofline"]["fwd"]["limiter"] in ("compute", "memory")
+    again = from_json(written).result
+    assert json.loads(json.dumps(json_data(again))) == written
+    assert report_text(again, Options(), detailed=True) == report_text(full, Options(), detailed=True)
+    assert "flops by the HF Trainer's estimate (6 x params x tokens):" in report_text(again, Options(), False)
+    assert picture(again) == picture(full)
