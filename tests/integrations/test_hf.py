@@ -385,8 +385,8 @@ class StepClock(Probe):
 
 
 def test_throughput_is_logged_at_every_later_logging_step_over_every_steps_wall_time(tmp_path: Path) -> None:
-    # batches of 4 and a last one of 2 in each epoch, first just after the window: a shape the window
-    # never saw and cannot predict from its one counted shape: the intervals holding it log no flops
+    # batches of 4 and a last one of 2 in each epoch, first just after the window: a shape outside what
+    # the window verified is counted when it first arrives (in its interval): every interval logs flops
     peak, clock, short, max_steps = 3e10, StepClock(), WINDOW_END + 1, WINDOW_END + 8
     callback = quiet(peak_flops=peak)
     trainer = make_trainer(
@@ -394,8 +394,10 @@ def test_throughput_is_logged_at_every_later_logging_step_over_every_steps_wall_
         max_steps=max_steps, logging_steps=3,
     )  # fmt: skip
     clock.trainer = trainer
-    with pytest.warns(UserWarning, match="neither counted nor can predict"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.train()
+    assert not [w for w in caught if "neither counted" in str(w.message)]
 
     # nothing installed at any optimizer step after the window, nothing left
     assert {key: left for key, left in clock.left.items() if left} == {}
@@ -412,9 +414,9 @@ def test_throughput_is_logged_at_every_later_logging_step_over_every_steps_wall_
     for step, rate in samples_logged:
         interval = range(previous, step)
         samples = sum(sizes[s] for s in interval)
-        assert (step in flops_logged) == all(sizes[s] == BATCH for s in interval)
-        if step in flops_logged:
-            assert flops_logged[step] / rate == pytest.approx(flops / BATCH, rel=1e-5)
+        assert step in flops_logged
+        # per sample as a 4-sequence step's (the loss's normalisation apart: a few flops in a million)
+        assert flops_logged[step] / rate == pytest.approx(flops / BATCH, rel=1e-3)
         if previous > WINDOW_END:  # as in the Lightning test: both clocks include one log write
             assert rate == pytest.approx(samples / (clock.ended[step] - clock.ended[previous]), rel=0.2)
         previous = step
@@ -512,34 +514,35 @@ def test_evaluation_from_its_first_instruction_to_its_last_leaves_throughput_unc
     tmp_path: Path,
 ) -> None:
     # training steps of 0.05 s; an evaluation of 0.1 s set-up + 8 batches x 0.05 s runs after step 9's
-    # log, inside the interval logged at 12: three times the interval itself if it were counted
+    # log, inside the interval logged at 12: three times the interval itself if it were counted; the
+    # window ends at 6
     step_sleep = 0.05
     model = SleepyRegressor(step_sleep, 0.0, tiny_ops=2, eval_sleep=0.0)
     trainer = train(
         tmp_path, model, [quiet(profile_step=0)], report_to=(), trainer_class=SlowToStartEvaluation,
-        datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(8 * BATCH)}, max_steps=15,
+        datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(8 * BATCH)}, max_steps=18,
         logging_steps=3, eval_strategy="steps", eval_steps=9, per_device_eval_batch_size=BATCH,
     )  # fmt: skip
-    assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [9, 15]  # and at the end
+    assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [9, 18]
     rates = dict(logged(trainer, names.THROUGHPUT_SAMPLES_PER_SEC))
-    assert sorted(rates) == [6, 9, 12, 15] and window_end(0, 1) < 6  # every logging step after the window
+    assert sorted(rates) == [9, 12, 15, 18] and window_end(0, 1) == 6  # every logging step after the window
     assert BATCH / (step_sleep + 0.02) < rates[9] < BATCH / step_sleep  # a step's sleep and a little more
-    without = [rates[step] for step in (6, 9, 15)]
+    without = [rates[step] for step in (9, 15, 18)]  # (the evaluation at 18 runs after its log)
     assert max(without) / min(without) < 1.1
     assert rates[12] == pytest.approx(sum(without) / 3, rel=0.10)
 
 
 def test_epoch_logging_logs_throughput_at_every_epoch_end_after_the_window(tmp_path: Path) -> None:
-    # 16 sequences in batches of 4: epochs end at steps 4, 8 and 12; the window ends at 5
+    # 16 sequences in batches of 4: epochs end at steps 4, 8, 12 and 16; the window ends at 8
     callback = quiet()
     trainer = train(
         tmp_path, gpt2(), [callback], report_to=(), datasets={"train_dataset": TokenDataset(16)},
-        max_steps=-1, num_train_epochs=3, logging_strategy="epoch",
+        max_steps=-1, num_train_epochs=4, logging_strategy="epoch",
     )  # fmt: skip
-    assert [step for step, _ in losses(trainer)] == [4, 8, 12]
-    assert [step for step, _ in logged(trainer, names.FWD_FLOPS)] == [WINDOW_END]
+    assert [step for step, _ in losses(trainer)] == [4, 8, 12, 16]
+    assert [step for step, _ in logged(trainer, names.FWD_FLOPS)] == [WINDOW_END] == [8]
     rates = logged(trainer, names.THROUGHPUT_SAMPLES_PER_SEC)
-    assert [step for step, _ in rates] == [8, 12]
+    assert [step for step, _ in rates] == [12, 16]
     flops_per_sample = callback.result.profile.model_flops / BATCH
     for (_, rate), (_, tokens), (_, flops) in zip(
         rates,
