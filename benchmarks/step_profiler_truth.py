@@ -1,102 +1,138 @@
 """StepProfiler's window against the loop's own clock: a plain, a Fabric and an accelerate loop, written
-as the README shows, each also marking ``time.perf_counter()`` before the forward, the backward, the
-optimizer step and after ``zero_grad``. The window's median fwd / bwd / step latency, iter latency and
-samples/s are divided by the medians of the loop's marks on the steps outside the window. Goal: fwd /
-bwd / step within [0.85, 1.15], iter and samples/s within [0.9, 1.1]. Model: a tiny GPT-2 from a
-config (examples/plain/train.py), CPU.
+as the README shows, each also marking ``time.perf_counter()`` where the phases are defined to start and
+end: before the forward (the block's first line), before the backward call (``loss.backward()`` /
+``fabric.backward(loss)`` / ``accelerator.backward(loss)``), before ``optimizer.step()``, and after
+``zero_grad`` (the block's last line).
 
-    python benchmarks/step_profiler_truth.py [--steps 30] [--profile-step 3]
+The three loops run side by side in one process, one step of each in turn, so a load that comes and goes
+on a shared machine falls on all three alike. Two comparisons per loop, each window figure divided by the
+loop's own:
+
+* **outside**: the medians of the loop's marks on the steps the window does not touch (from step 2 on),
+  samples/s as their samples over their summed iter time. Goal: fwd / bwd / step within [0.85, 1.15],
+  iter and samples/s within [0.9, 1.1].
+* **same steps**: the loop's marks on the window's own clean steps (their median): where the phase
+  boundaries fall, with no drift of the machine's load between the window and the other steps.
+
+Model: GPT-2 4 x 128 (vocabulary 8192, so that AdamW's step takes milliseconds), seq 128, AdamW, CPU,
+one torch thread.
+
+    python benchmarks/step_profiler_truth.py [--steps 45] [--profile-step 5] [--batch-size 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
+import tempfile
 import time
 import warnings
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "plain"))
-from train import synthetic_batches, tiny_gpt2  # noqa: E402
+from flops_callbacks import StepProfiler
+from flops_callbacks import metrics as names
 
-from flops_callbacks import StepProfiler  # noqa: E402
-from flops_callbacks import metrics as names  # noqa: E402
+VOCAB, CONTEXT = 8192, 128
+DOORS = ("plain", "fabric", "accelerate")
+KEYS = (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY, names.ITER_LATENCY)
+
+# one step's marks: (fwd, bwd, step, iter) seconds
+Marks = tuple[float, float, float, float]
 
 
-def loop(
-    door: str, steps: int, profile_step: int, batch_size: int, root: str
-) -> tuple[dict[str, float], list]:
-    """One run; the window's metrics and the loop's own marks per step (global step, 4 marks)."""
+def gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    model = tiny_gpt2()
+    config = GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=128, n_layer=4, n_head=4)
+    return GPT2LMHeadModel(config)
+
+
+def loop(door: str, steps: int, profile_step: int, batch_size: int, root: str, out: dict) -> Iterator[None]:
+    """One loop, a step per ``next``; at its end ``out`` holds the profiler and the loop's marks by step."""
+    model: Any = gpt2()
     optimizer: Any = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    backward: Any = lambda loss: loss.backward()  # noqa: E731
     extra: dict[str, Any] = {}
+    fabric: Any = None
+    accelerator: Any = None
     if door == "fabric":
         from lightning.fabric import Fabric
 
         fabric = Fabric(accelerator="cpu", devices=1)
         model, optimizer = fabric.setup(model, optimizer)
-        backward, extra = fabric.backward, {"fabric": fabric}
+        extra = {"fabric": fabric}
     elif door == "accelerate":
         from accelerate import Accelerator
 
         accelerator = Accelerator(cpu=True, project_dir=root)
         model, optimizer = accelerator.prepare(model, optimizer)
-        backward, extra = accelerator.backward, {"accelerator": accelerator}
+        extra = {"accelerator": accelerator}
     prof = StepProfiler(model, profile_step=profile_step, print_profile=False, **extra)
-    marks = []
-    for step, batch in enumerate(synthetic_batches(steps, batch_size)):
+    generator = torch.Generator().manual_seed(0)
+    marks: dict[int, Marks] = {}
+    for step in range(steps):
+        ids = torch.randint(0, VOCAB, (batch_size, CONTEXT), generator=generator)
+        batch = {"input_ids": ids, "labels": ids}
         with prof.step(batch):
             t0 = time.perf_counter()
             loss = model(**batch).loss
             t1 = time.perf_counter()
-            backward(loss)
+            if fabric is not None:
+                fabric.backward(loss)
+            elif accelerator is not None:
+                accelerator.backward(loss)
+            else:
+                loss.backward()
             t2 = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad()
             t3 = time.perf_counter()
-        marks.append((step, t0, t1, t2, t3))
+        marks[step] = (t1 - t0, t2 - t1, t3 - t2, t3 - t0)
+        yield
     prof.close()
-    assert prof.metrics is not None and prof.result is not None
-    window = {prof.result.step, *range(prof.result.step, prof.result.published_at + 1)}
-    return prof.metrics, [m for m in marks if m[0] not in window and m[0] >= 2]
+    out.update(prof=prof, marks=marks)
+
+
+def medians(marks: list[Marks]) -> list[float]:
+    return [statistics.median(m[i] for m in marks) for i in range(4)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--profile-step", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=45)
+    parser.add_argument("--profile-step", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=4)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    print("| loop | fwd | bwd | step | iter | samples/s | window iter ms | loop iter ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for door in ("plain", "fabric", "accelerate"):
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as root:
-            metrics, marks = loop(door, args.steps, args.profile_step, args.batch_size, root)
-        fwd = statistics.median(m[2] - m[1] for m in marks)  # t1 - t0
-        bwd = statistics.median(m[3] - m[2] for m in marks)
-        step = statistics.median(m[4] - m[3] for m in marks)
-        iters = statistics.median(m[4] - m[1] for m in marks)
-        ratios = [
-            metrics[names.FWD_LATENCY] / fwd,
-            metrics[names.BWD_LATENCY] / bwd,
-            metrics[names.STEP_LATENCY] / step,
-            metrics[names.ITER_LATENCY] / iters,
-            metrics[names.SAMPLES_PER_SEC] / (args.batch_size / iters),
-        ]
+    runs: dict[str, dict] = {door: {} for door in DOORS}
+    with tempfile.TemporaryDirectory() as root:
+        loops = [loop(d, args.steps, args.profile_step, args.batch_size, root, runs[d]) for d in DOORS]
+        for _ in range(args.steps + 1):  # one step of each loop in turn; the last next() closes them
+            for each in loops:
+                next(each, None)
+    print("| loop | fwd | bwd | step | iter | samples/s | same steps: fwd | bwd | step | iter "
+          "| window fwd / bwd / step ms | clean steps |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    for door in DOORS:
+        prof, marks = runs[door]["prof"], runs[door]["marks"]
+        metrics, result = prof.metrics, prof.result
+        assert metrics is not None and result is not None, f"{door}: no window"
+        window = range(result.steps.counting, result.published_at + 1)
+        outside = [m for s, m in marks.items() if s not in window and s >= 2]
+        same = [marks[s] for s in result.steps.clean]
+        reported = [metrics[key] for key in KEYS]
+        rate = args.batch_size * len(outside) / sum(m[3] for m in outside)
+        ratios = [r / t for r, t in zip(reported, medians(outside), strict=True)]
+        ratios.append(metrics[names.SAMPLES_PER_SEC] / rate)
+        ratios += [r / t for r, t in zip(reported, medians(same), strict=True)]
         cells = " | ".join(f"{r:.3f}" for r in ratios)
-        print(f"| {door} | {cells} | {1e3 * metrics[names.ITER_LATENCY]:.1f} | {1e3 * iters:.1f} |")
+        ms = " / ".join(f"{1e3 * r:.1f}" for r in reported[:3])
+        print(f"| {door} | {cells} | {ms} | {len(result.steps.clean)} |")
 
 
 if __name__ == "__main__":

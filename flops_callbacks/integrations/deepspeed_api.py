@@ -24,7 +24,7 @@ from flops_callbacks.files import write_text
 from flops_callbacks.module_tree import ModuleTree
 from flops_callbacks.options import CausalAttention, check_causal_attention, check_flag, check_report_args
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.profile import Counts, ModuleProfile, Profile
+from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.reporting.report import EngineRows, render_aggregated, render_profile
 from flops_callbacks.timing.clean_pass import CLEAN_PASS_SOURCE, grads_set_aside, time_clean
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
@@ -194,22 +194,20 @@ class FlopsProfiler:
 
     def get_profile(self) -> Profile:
         """The structured result: totals, every module, per-functional breakdown and coverage."""
-        if self._tracer is None:
-            raise RuntimeError("no profile: call start_profile() and run the model first")
-        return self._tracer.profile()
+        return self._traced().profile()
 
-    def _totals(self) -> tuple[Counts, float]:
+    def _traced(self) -> Tracer:
         if self._tracer is None:
             raise RuntimeError("no profile: call start_profile() and run the model first")
-        return self._tracer.totals()
+        return self._tracer
 
     def get_total_flops(self, as_string: bool = False) -> int | str:
         """Forward flops of the model (DeepSpeed's meaning); backward is in :meth:`get_profile`."""
-        flops = self._totals()[0].fwd_flops
+        flops = self._traced().totals()[0].fwd_flops
         return number_to_string(flops) if as_string else flops
 
     def get_total_macs(self, as_string: bool = False) -> int | str:
-        macs = self._totals()[0].fwd_macs
+        macs = self._traced().totals()[0].fwd_macs
         return macs_to_string(macs) if as_string else macs
 
     def get_total_params(self, as_string: bool = False) -> int | str:
@@ -221,7 +219,7 @@ class FlopsProfiler:
         through Python there, so on a model of small ops it reads several times the training forward.
         Clean latencies of training steps: :class:`~flops_callbacks.StepProfiler` (any loop) or the
         callbacks."""
-        duration = self._totals()[1]
+        duration = self._traced().totals()[1]
         return duration_to_string(duration) if as_string else duration
 
     def _run_context(self) -> EngineRows:
@@ -289,7 +287,10 @@ class FlopsProfiler:
             timing_lines=[("latencies from", latency_source), *extra_lines],
             run=self._run_context(),
         )
-        _emit(text, output_file)
+        if output_file:  # DeepSpeed treats "" as stdout too
+            write_text(output_file, text + "\n")
+        else:
+            print(text)
         return text
 
     def print_model_aggregated_profile(self, module_depth: int = -1, top_modules: int = 1) -> str | None:
@@ -300,13 +301,6 @@ class FlopsProfiler:
         text = render_aggregated(self.get_profile(), module_depth=module_depth, top_modules=top_modules)
         print(text)
         return text
-
-
-def _emit(text: str, output_file: str | Path | None) -> None:
-    if not output_file:  # DeepSpeed treats "" as stdout too
-        print(text)
-    else:
-        write_text(output_file, text + "\n")
 
 
 @contextmanager
@@ -417,11 +411,10 @@ def get_model_profile(
         flops, macs = profile.hardware_flops, profile.fwd_macs + profile.bwd_macs + profile.recompute_macs
     else:
         flops, macs = profile.fwd_flops, profile.fwd_macs
+    values: tuple[int | str, int | str, int | str] = (flops, macs, profile.params)
     if as_string:
-        return ModelProfileResult(
-            (number_to_string(flops), macs_to_string(macs), params_to_string(profile.params))
-        )
-    return ModelProfileResult((flops, macs, profile.params))
+        values = (number_to_string(flops), macs_to_string(macs), params_to_string(profile.params))
+    return ModelProfileResult(values)
 
 
 def _loss(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:

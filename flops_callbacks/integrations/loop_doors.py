@@ -1,12 +1,15 @@
 """What :class:`~flops_callbacks.StepProfiler` reads of the loop it runs in: a plain PyTorch loop, an
 accelerate loop (``accelerator=``) or a Lightning Fabric loop (``fabric=``).
 
-Each door gives the same four things: the user's model (what ``accelerator.prepare``, ``fabric.setup``
+Each door gives the same things: the user's model (what ``accelerator.prepare``, ``fabric.setup``
 and DDP hand back, unwrapped: the profile's root is the model the user wrote), the run's sizes and
 compute dtype (:class:`~flops_callbacks.session.adapter_api.TrainingContext`), where the results go (an
-:class:`~flops_callbacks.session.adapter_api.Outlet`) and the object whose ``backward`` the loop calls,
-if it is a framework's (marked for the window's steps: the backward's exact start). accelerate and
-Lightning are imported only by their own door.
+:class:`~flops_callbacks.session.adapter_api.Outlet`), and the framework's own calls the loop makes: the
+object whose ``backward`` it calls (the backward's exact start) and the methods its optimizer wrapper's
+``step`` runs through (the optimizer step's start: the wrapper's work before the inner optimizer's
+``step``, where torch's optimizer hooks fire, is the step's, and a step the wrapper ran without the inner
+``step``, such as one a gradient scaler skipped, still ends the optimizer step). accelerate and Lightning
+are imported only by their own door.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from flops_callbacks.integrations.accelerate_state import compute_dtype, paralle
 from flops_callbacks.integrations.strategy_state import precision_dtype, strategy_sizes
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import parameters_dtype
-from flops_callbacks.session.adapter_api import Outlet, TrainingContext
+from flops_callbacks.session.adapter_api import TrainingContext
 
 __all__ = ["accelerate_door", "Door", "fabric_door", "LogFn", "plain_door", "unwrapped"]
 
@@ -36,8 +39,12 @@ class Door:
     model: torch.nn.Module  # the user's model: the profile's root
     runs: torch.nn.Module  # what the loop calls (a wrapper of ``model``, or ``model``)
     context: Callable[[], TrainingContext]
-    outlet: Outlet
+    outlet: _LoopOutlet
     backward_owner: Any = None  # the accelerator or Fabric, whose ``backward(loss)`` the loop calls
+    # (owner, method) pairs the framework's optimizer step runs through (module doc), asked at each block
+    step_calls: Callable[[], list[tuple[Any, str]]] = list
+    # whether such a call was an optimizer step (accelerate's is not while it accumulates gradients)
+    stepped: Callable[[], bool] = lambda: True
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -63,10 +70,20 @@ def _logging_rank() -> bool:
 
 
 class _LoopOutlet:
-    """The plain loop's outlet: the user's ``log`` function, ``log_dir`` and the console (rank 0)."""
+    """The plain loop's outlet: the user's ``log`` function, ``log_dir`` and the console (rank 0).
 
-    def __init__(self, log: LogFn | None, log_dir: str | Path | None, is_logging_rank: bool) -> None:
-        self.log, self._log_dir, self.is_logging_rank = log, log_dir, is_logging_rank
+    Which rank logs is read at each run's start (:meth:`at_run_start`), not at construction: a loop
+    may build its profiler before it starts the process group (``init_process_group``, ``fabric.launch``).
+    """
+
+    def __init__(
+        self, log: LogFn | None, log_dir: str | Path | None, logging_rank: Callable[[], bool]
+    ) -> None:
+        self.log, self._log_dir, self._logging_rank = log, log_dir, logging_rank
+        self.is_logging_rank = True
+
+    def at_run_start(self) -> None:
+        self.is_logging_rank = self._logging_rank()
 
     def log_dir(self) -> str | Path | None:
         return self._log_dir
@@ -92,7 +109,7 @@ def plain_door(model: torch.nn.Module, log: LogFn | None, log_dir: str | Path | 
         return TrainingContext(sizes, parameters_dtype(user))
 
     user = unwrapped(model)
-    return Door(user, model, context, _LoopOutlet(log, log_dir, _logging_rank()))
+    return Door(user, model, context, _LoopOutlet(log, log_dir, _logging_rank))
 
 
 class _AccelerateOutlet(_LoopOutlet):
@@ -100,7 +117,7 @@ class _AccelerateOutlet(_LoopOutlet):
     TensorBoard text and a W&B HTML panel where those trackers run."""
 
     def __init__(self, accelerator: Any, log: LogFn | None, log_dir: str | Path | None) -> None:
-        super().__init__(log, log_dir, bool(accelerator.is_main_process))
+        super().__init__(log, log_dir, lambda: bool(accelerator.is_main_process))
         self.accelerator = accelerator
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -134,8 +151,16 @@ def accelerate_door(
             lambda _b, _p: [("accelerate distributed type", kind)],
         )
 
+    def step_calls() -> list[tuple[Any, str]]:
+        # accelerate keeps the optimizers it prepared only here (no public list): an AcceleratedOptimizer's
+        # step runs its own checks before the inner optimizer's step, or skips that under accumulation
+        return [(optimizer, "step") for optimizer in getattr(accelerator, "_optimizers", ())]
+
     directory = log_dir if log_dir is not None else accelerator.logging_dir
-    return Door(user, model, context, _AccelerateOutlet(accelerator, log, directory), accelerator)
+    outlet = _AccelerateOutlet(accelerator, log, directory)
+    return Door(
+        user, model, context, outlet, accelerator, step_calls, lambda: bool(accelerator.sync_gradients)
+    )
 
 
 class _FabricOutlet(_LoopOutlet):
@@ -143,7 +168,7 @@ class _FabricOutlet(_LoopOutlet):
     text where a TensorBoard logger runs."""
 
     def __init__(self, fabric: Any, log: LogFn | None, log_dir: str | Path | None) -> None:
-        super().__init__(log, log_dir, bool(fabric.is_global_zero))
+        super().__init__(log, log_dir, lambda: bool(fabric.is_global_zero))
         self.fabric = fabric
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -187,4 +212,6 @@ def fabric_door(fabric: Any, model: torch.nn.Module, log: LogFn | None, log_dir:
     directory = log_dir
     if directory is None and fabric.loggers:
         directory = getattr(fabric.logger, "log_dir", None)
-    return Door(user, model, context, _FabricOutlet(fabric, log, directory), fabric)
+    # every optimizer step of a Fabric loop runs through its strategy (``_FabricOptimizer.step``)
+    step_calls = lambda: [(fabric.strategy, "optimizer_step")]  # noqa: E731
+    return Door(user, model, context, _FabricOutlet(fabric, log, directory), fabric, step_calls)

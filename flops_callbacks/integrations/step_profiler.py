@@ -10,8 +10,10 @@ the profiler finds the phases itself, with hooks that live only inside that bloc
   framework object is marked, :class:`~flops_callbacks.integrations.one_call.OneCall`), else where
   autograd first reaches the model's output (a hook on each output tensor: a loss computed outside the
   model has its few backward ops in the forward; ``prof.mark("backward")`` where that matters);
-* optimizer step: the optimizer's ``step`` (torch's global optimizer step pre- and post-hooks), up to
-  the block's end (``zero_grad``, an LR scheduler).
+* optimizer step: the optimizer's ``step`` (torch's global optimizer step pre- and post-hooks), or the
+  framework's wrapper of it where the loop calls that (``AcceleratedOptimizer.step``, Fabric's strategy's
+  ``optimizer_step``: their work before the inner ``step`` is the step's), up to the block's end
+  (``zero_grad``, an LR scheduler).
 
 An iteration whose block ran no optimizer ``step`` is a micro-batch of the step that ends at the next
 one (gradient accumulation). Why hooks on the output tensors and not autograd's saved-tensor hooks:
@@ -184,6 +186,7 @@ class StepProfiler:
         if not self._running:
             self._running = True
             outlet = self.door.outlet
+            outlet.at_run_start()
             session.train_start(
                 self.global_step,
                 max_steps=self.max_steps,
@@ -219,7 +222,8 @@ class _Iteration:
         self.stepped = False
         self.phase: str = FORWARD
         self._handles: list[Any] = []
-        self._backward: OneCall | None = None
+        self._calls: list[OneCall] = []  # the framework's backward and optimizer step, marked
+        self._marks = False  # a step of the window: its phases are marked
 
     def __enter__(self) -> _Iteration:
         profiler = self.profiler
@@ -228,15 +232,20 @@ class _Iteration:
         try:
             profiler._begin(self.batch)  # a user's batch_size_fn or tokens_fn may raise here
             profiler._iteration = self
+            door = profiler.door
             self._handles.append(register_optimizer_step_post_hook(self._step_ended))
-            if profiler.session.window_open:  # a step of the window: its phases are marked
+            for owner, name in door.step_calls():  # also outside the window: they say a step ended
+                self._calls.append(OneCall(owner, name, self._framework_step, once=False))
+            self._marks = profiler.session.window_open
+            if self._marks:
                 self._handles.append(register_optimizer_step_pre_hook(self._step_starts))
-                model = profiler.door.model
-                self._handles.append(model.register_forward_pre_hook(self._model_called))
-                self._handles.append(model.register_forward_hook(self._model_returned))
-                owner = profiler.door.backward_owner
-                if owner is not None:
-                    self._backward = OneCall(owner, "backward", self._framework_backward, once=False)
+                self._handles.append(door.model.register_forward_pre_hook(self._model_called))
+                self._handles.append(door.model.register_forward_hook(self._model_returned))
+                if door.backward_owner is not None:
+                    self._calls.append(
+                        OneCall(door.backward_owner, "backward", self._framework_backward, once=False)
+                    )
+                profiler.session.phase(FORWARD)  # the loop's own code starts now, past these hooks
         except BaseException:
             self.remove_hooks()
             profiler._abandon_iteration()
@@ -258,13 +267,13 @@ class _Iteration:
         if self.profiler._iteration is self:
             self.profiler._iteration = None
         handles, self._handles = self._handles, []
-        backward, self._backward = self._backward, None
+        calls, self._calls = self._calls, []
         try:
             for handle in handles:
                 handle.remove()
         finally:
-            if backward is not None:
-                backward.remove()
+            for call in calls:  # never raises: puts an attribute back
+                call.remove()
 
     # --- phases --------------------------------------------------------------------------------------
 
@@ -293,6 +302,16 @@ class _Iteration:
     def _framework_backward(self, backward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self.enter_phase(BACKWARD)
         return backward(*args, **kwargs)
+
+    def _framework_step(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The framework's optimizer step (module doc): the step starts at its call, and ends with it
+        when the framework says it stepped, whether or not the inner optimizer's ``step`` ran."""
+        if self._marks:
+            self.enter_phase(OPTIMIZER_STEP)
+        out = step(*args, **kwargs)
+        if self.profiler.door.stepped():
+            self._step_ended(None, args, kwargs)
+        return out
 
     def _step_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.enter_phase(OPTIMIZER_STEP)

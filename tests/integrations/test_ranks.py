@@ -2,8 +2,10 @@
 
 Real multi-process runs on CPU (gloo) of data-parallel fine-tuning with a pad-to-longest collator, each
 rank reading sequences of its own lengths (tests/rank_workers.py), launched as users launch them:
-Lightning's own launcher (``ddp``), ``ddp_spawn``, ``torchrun`` and ``accelerate launch``. Every run is
-bounded: a hang kills its whole process group and fails the test.
+Lightning's own launcher (``ddp``), ``ddp_spawn``, ``torchrun`` and ``accelerate launch``; and loops of
+one's own with ``StepProfiler`` (tests/loop_workers.py): plain DDP under ``torchrun``, accelerate under
+``accelerate launch``, Fabric starting its two processes. Every run is bounded: a hang kills its whole
+process group and fails the test.
 
 The truth is outside the profiler's run: each rank's batches, as its collator made them, counted again
 here by the counting engine on a fresh model (the convention of the logged counts, elementwise work
@@ -24,10 +26,12 @@ import torch
 
 from flops_callbacks import metrics as names
 from flops_callbacks.counting.engine import Tracer
+from tests.loop_workers import LOOP_STEPS
 from tests.rank_workers import LOG_EVERY, MAX_STEPS, PROFILE_STEP, gpt2
 from tests.support import run_bounded
 
 WORKERS = Path(__file__).parents[1] / "rank_workers.py"
+LOOPS = Path(__file__).parents[1] / "loop_workers.py"
 ROOT = Path(__file__).parents[2]
 TIMEOUT = 300  # seconds: the same runs take 15-40 s without the callback on 2 cores
 
@@ -37,22 +41,32 @@ def launch(directory: Path, framework: str, data: str, clean: str, launcher: str
     """Run the workers as ``launcher`` starts them; every rank's saved view, by rank."""
     args = [framework, data, clean, str(directory), "ddp_spawn" if launcher == "ddp_spawn" else "ddp",
             str(processes)] + ([] if fail_rank is None else [str(fail_rank)])  # fmt: skip
+    own = launcher in ("ddp", "ddp_spawn")  # Lightning starts the other processes itself
+    command = launched(WORKERS, args, None if own else launcher, processes)
+    return run_ranks(directory, command, MAX_STEPS, processes)
+
+
+def launched(script: Path, args: list[str], launcher: str | None, processes: int = 2) -> list[str]:
+    """The command that runs ``script`` under ``launcher`` (None: the script starts its processes)."""
     python = sys.executable
-    if launcher in ("ddp", "ddp_spawn"):  # Lightning starts the other processes itself
-        command = [python, str(WORKERS), *args]
-    elif launcher == "torchrun":
-        command = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-                   str(WORKERS), *args]  # fmt: skip
-    else:
-        command = [python, "-m", "accelerate.commands.launch", "--multi_gpu",
-                   f"--num_processes={processes}", "--num_machines=1", "--mixed_precision=no",
-                   "--dynamo_backend=no", "--main_process_port=0", str(WORKERS), *args]  # fmt: skip
+    if launcher is None:
+        return [python, str(script), *args]
+    if launcher == "torchrun":
+        return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+                str(script), *args]  # fmt: skip
+    return [python, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={processes}",
+            "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", "--main_process_port=0",
+            str(script), *args]  # fmt: skip
+
+
+def run_ranks(directory: Path, command: list[str], steps: int, processes: int = 2) -> list[dict[str, Any]]:
+    """Run ``command`` bounded; every rank's saved view, by rank, each having trained ``steps`` steps."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = run_bounded(command, timeout=TIMEOUT, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     ranks = [json.loads((directory / f"rank{r}.json").read_text()) for r in range(processes)]
-    for r, seen in enumerate(ranks):  # every rank trained to the end, as without the callback
-        assert seen["rank"] == r and seen["global_step"] == MAX_STEPS
+    for r, seen in enumerate(ranks):  # every rank trained to the end, as without the profiler
+        assert seen["rank"] == r and seen["global_step"] == steps
     ranks[0]["stderr"] = done.stderr
     return ranks
 
@@ -206,3 +220,47 @@ def test_hf_trainer_a_profiler_failure_on_rank_1_only_drops_the_window_on_every_
     assert stderr.count("rank 1's profiler failed") == 1
     assert not tensorboard_series(tmp_path, names.FWD_FLOPS)
     assert not tensorboard_series(tmp_path, names.THROUGHPUT_SAMPLES_PER_SEC)
+
+
+# --- loops of one's own with StepProfiler ----------------------------------------------------------------
+
+
+def tensorboard_scalars(directory: Path, name: str) -> dict[int, float]:
+    """Scalar ``name`` from every TensorBoard event file under ``directory``: step -> value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found: dict[int, float] = {}
+    for events in directory.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        if name in accumulator.Tags()["scalars"]:
+            found |= {e.step: e.value for e in accumulator.Scalars(name)}
+    return found
+
+
+def loop_run(directory: Path, loop: str, launcher: str | None) -> tuple[dict[str, float], list[list]]:
+    """A 2-process loop (tests/loop_workers.py): one window whose figures are the job's; the metrics and
+    what each rank's ``log`` received (rank 0 only: the window at its end, step 9, throughput at 10)."""
+    ranks = run_ranks(directory, launched(LOOPS, [loop, str(directory)], launcher), LOOP_STEPS)
+    metrics = check_one_window_and_the_jobs_figures(ranks)
+    assert ranks[0]["published_at"] == 9
+    logged = [json.loads((directory / f"rank{r}.logged.json").read_text()) for r in range(2)]
+    assert [step for step, _ in logged[0]] == [9, 10] and logged[1] == []
+    assert logged[0][0][1] == metrics and names.THROUGHPUT_TOKENS_PER_SEC in logged[0][1][1]
+    return metrics, logged
+
+
+def test_plain_ddp_loop_under_torchrun_one_window_and_the_jobs_figures(tmp_path: Path) -> None:
+    loop_run(tmp_path, "plain", "torchrun")
+
+
+def test_accelerate_loop_under_accelerate_launch_logs_the_jobs_figures_to_tensorboard(tmp_path: Path) -> None:
+    metrics, _ = loop_run(tmp_path, "accelerate", "accelerate")
+    assert tensorboard_scalars(tmp_path, names.FWD_FLOPS) == {9: pytest.approx(metrics[names.FWD_FLOPS])}
+    assert list(tensorboard_scalars(tmp_path, names.THROUGHPUT_TOKENS_PER_SEC)) == [10]
+
+
+def test_fabric_loop_with_two_processes_logs_the_jobs_figures_to_tensorboard(tmp_path: Path) -> None:
+    metrics, _ = loop_run(tmp_path, "fabric", None)
+    assert tensorboard_scalars(tmp_path, names.FWD_FLOPS) == {9: pytest.approx(metrics[names.FWD_FLOPS])}
+    assert list(tensorboard_scalars(tmp_path, names.THROUGHPUT_TOKENS_PER_SEC)) == [10]

@@ -6,7 +6,9 @@ two accumulated micro-batches against torch's FlopCounterMode, and nothing left 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -185,6 +187,40 @@ def test_fabric_loop_logs_through_log_dict_and_profiles_the_users_model(tmp_path
     assert found[names.FWD_LATENCY] == [(9, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
     assert [step for step, _ in found["throughput/samples_per_sec"]] == [10, 11]
     assert (Path(fabric.logger.log_dir) / "flops_profile_step2.json").is_file()
+
+
+def test_fabric_step_starts_at_the_strategys_call_and_a_skipped_inner_step_still_ends_it() -> None:
+    """The precision plugin's work before the inner ``step`` is the step's; a step it skipped (as a
+    gradient scaler skips one with inf gradients) still ends the optimizer step."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins import Precision
+
+    class SkipsEveryOther(Precision):
+        """Checks the gradients for STEP seconds, then skips the inner step every other call."""
+
+        calls = 0
+
+        def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+            time.sleep(STEP)
+            self.calls += 1
+            return None if self.calls % 2 else optimizer.step(**kwargs)
+
+    torch.manual_seed(0)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=SkipsEveryOther())
+    user_model = SleepyNet()
+    model, optimizer = fabric.setup(user_model, torch.optim.SGD(user_model.parameters(), lr=0.1))
+    prof = StepProfiler(model, fabric=fabric, **WINDOW)
+    for x in batches(STEPS):
+        with prof.step(x):
+            loss = model(x).sum()
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    prof.close()
+    assert "optimizer_step" not in vars(fabric.strategy)
+    assert prof.result is not None and prof.metrics is not None
+    assert prof.global_step == STEPS and prof.result.published_at == 9  # skipped steps are steps
+    assert_sleeps_measured(prof.metrics)  # the plugin's sleep is in the step, not in the backward
 
 
 # --- accelerate --------------------------------------------------------------------------------------
