@@ -31,6 +31,7 @@ PROFILE_STEP = 2
 MAX_STEPS = 40  # auto's window ends by step 26 with no shape counting: throughput after it
 LOG_EVERY = 5  # throughput/* after the window at every 5th step
 VOCAB, MAX_LEN, BATCH = 61, 48, 2
+COLLATE_SLEEP = 0.015  # each batch's wait: a step's time is not the few ms a log write or a hiccup takes
 TIMEOUT = timedelta(seconds=60)  # the training's own process group: bounds a collective a rank misses
 
 
@@ -74,13 +75,14 @@ class Sequences(torch.utils.data.Dataset):
 
 class PadToLongest:
     """The collator: input_ids and attention_mask padded to the batch's longest, labels -100 there; it
-    keeps the shape and tokens of every batch it made, in order."""
+    keeps the shape and tokens of every batch it made, in order (after a known wait, as slow input)."""
 
     def __init__(self, data: str) -> None:
         self.data = data
         self.made: list[dict[str, Any]] = []
 
     def __call__(self, items: list[list[int]]) -> dict[str, torch.Tensor]:
+        time.sleep(COLLATE_SLEEP)
         longest = max(len(s) for s in items)
         ids = torch.zeros(len(items), longest, dtype=torch.long)
         mask = torch.zeros(len(items), longest, dtype=torch.long)
@@ -120,6 +122,7 @@ def save(
             "clean_iter_seconds": result.figures().iter_seconds,
             "clean_tokens": result.figures().tokens,
             "world": result.parallel.world_size,
+            "sources": None if result.flops_sources is None else str(result.flops_sources),
         }  # fmt: skip
     (directory / f"rank{rank()}.json").write_text(json.dumps(seen))
 

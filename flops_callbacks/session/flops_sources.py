@@ -77,6 +77,13 @@ def _estimate(step: WindowStep, around: list[tuple[WindowStep, BatchCounts]]) ->
     return BatchCounts(*(round(sum(col) / len(col)) for col in zip(*scaled, strict=True)))
 
 
+def _corrected(said: BatchCounts, ratios: list[float]) -> BatchCounts:
+    """What the table says of a step's shapes, times the neighbours' mean count / table ratio: the
+    shapes' work (lengths differ) with the content's share of it measured next door."""
+    factor = sum(ratios) / len(ratios)
+    return BatchCounts(*(round(v * factor) for v in said))
+
+
 def clean_step_flops(
     steps: list[WindowStep], clean: list[WindowStep], table: ShapeFlops
 ) -> tuple[list[BatchCounts], FlopsSources]:
@@ -95,25 +102,50 @@ def clean_step_flops(
     by_number = {s.number: s for s in steps if s.kind in (Kind.COUNTING, Kind.SHAPE_COUNTING)}
     counted = sorted(
         n
-        for n, (_, micro) in table.by_step.items()
+        for n, (_, micro, _) in table.by_step.items()
         if n in by_number and micro == len(by_number[n].signatures)
     )
     totals = {n: table.by_step[n][0] for n in counted}
+    saids = {n: table.by_step[n][2] for n in counted}
+    ratios = {
+        n: totals[n].model_flops / said.model_flops
+        for n, said in saids.items()
+        if said is not None and said.model_flops
+    }
+
+    def by_samples(number: int, step: WindowStep, others: list[int]) -> BatchCounts | None:
+        around = [(by_number[m], totals[m]) for m in _neighbours(number, others)]
+        return _estimate(step, around) if around else None
+
+    def by_table(number: int, said: BatchCounts | None, others: list[int]) -> BatchCounts | None:
+        near = [ratios[m] for m in _neighbours(number, [m for m in others if m in ratios])]
+        return _corrected(said, near) if said is not None and near else None
+
+    def guess(
+        number: int, step: WindowStep, said: BatchCounts | None, others: list[int]
+    ) -> BatchCounts | None:
+        """Neighbours of the same shapes: their work per sample (other content: padding-free, routing, a
+        mode); of other shapes: the table's work for this step's shapes times their count / table ratio
+        (the lengths' work from the table, the content's share measured next door)."""
+        near = _neighbours(number, others)
+        if all(by_number[m].signatures == step.signatures for m in near):
+            return by_samples(number, step, others)
+        return by_table(number, said, others) or by_samples(number, step, others)
+
+    errors_used = []  # each counted step guessed from its neighbours, itself left out
+    for n in counted:
+        truth = totals[n].model_flops
+        left_out = guess(n, by_number[n], saids[n], [m for m in counted if m != n])
+        if truth:
+            errors_used.append(abs(left_out.model_flops / truth - 1) if left_out is not None else 1.0)
     estimates = []
     for s in clean:
-        around = [(by_number[n], totals[n]) for n in _neighbours(s.number, counted)]
-        estimates.append(_estimate(s, around) if around else s.counts or BatchCounts.zero())
-    errors = []
-    for n in counted:  # each counted step estimated from its own neighbours, itself left out
-        others = [m for m in counted if m != n]
-        around = [(by_number[m], totals[m]) for m in _neighbours(n, others)]
-        if around and totals[n].model_flops:
-            guess = _estimate(by_number[n], around)
-            errors.append(abs(guess.model_flops / totals[n].model_flops - 1))
+        estimate = guess(s.number, s, s.counts, counted)
+        estimates.append(estimate if estimate is not None else s.counts or BatchCounts.zero())
     per_sample = sorted(_per_sample(by_number[n], totals[n]) for n in counted)
     spread = (per_sample[len(per_sample) // 2], per_sample[0], per_sample[-1]) if per_sample else None
-    if errors:
-        error = max(errors)
+    if errors_used:
+        error = max(errors_used)
     elif spread is not None and spread[0]:
         error = (spread[2] - spread[1]) / spread[0]
     else:

@@ -124,6 +124,7 @@ class ThroughputMeter:
         self.audit, self.causal_attention = audit, causal_attention
         self.every: int | None = None  # steps between audits (None: never)
         self._until: int | None = None  # steps until the next audit
+        self._scheduled = False  # the step counted now is an audit (not a shape's count on arrival)
         self._tracer: Tracer | None = None  # the audited step's engine
         self._counting: tuple[Signature, bool, BatchCounts] | None = None  # the micro-batch counted now
         self._said_mismatch = False
@@ -191,9 +192,10 @@ class ThroughputMeter:
         if self._until is None:
             return
         self._until -= 1
-        if self._until > 0 and not unknown:
+        self._scheduled = self._until <= 0  # (a shape's count on arrival keeps the rhythm every rank shares)
+        if not self._scheduled and not unknown:
             return
-        if not unknown:
+        if self._scheduled:
             self.pause()  # the audited step's time and work are no interval's
         self._tracer = Tracer(self._model, causal_attention=self.causal_attention, clock=NullClock())
 
@@ -229,7 +231,8 @@ class ThroughputMeter:
         if self._tracer is not None:
             self._stop_audit()
             collect_counting_garbage()
-            self._until = self.every
+            if self._scheduled:
+                self._until = self.every
             self._unknown = []
             self.resume()
 

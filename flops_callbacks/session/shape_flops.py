@@ -274,7 +274,9 @@ class ShapeFlops:
 
     def __init__(self) -> None:
         self.counted: dict[Key, BatchCounts] = {}  # the latest count of each signature
-        self.by_step: dict[int, tuple[BatchCounts, int]] = {}  # window step -> counts, micro-batches counted
+        # window step -> its counts, micro-batches counted, and what the table said of them before (None:
+        # a shape it could not give)
+        self.by_step: dict[int, tuple[BatchCounts, int, BatchCounts | None]] = {}
         self.checked: Key | None = None  # the first count compared with what the table held
         self.checked_step: int | None = None  # its window step
         self.content: ContentFinding | None = None  # the first count that differed from it
@@ -302,8 +304,9 @@ class ShapeFlops:
                 )
         self.counted[key] = counts
         if step is not None:
-            total, n = self.by_step.get(step, (BatchCounts.zero(), 0))
-            self.by_step[step] = (total.plus(counts), n + 1)
+            total, n, before = self.by_step.get(step, (BatchCounts.zero(), 0, BatchCounts.zero()))
+            table = None if said is None or before is None else before.plus(said)
+            self.by_step[step] = (total.plus(counts), n + 1, table)
         self._known = {}
 
     def get(self, signature: Signature, later: bool = False) -> BatchCounts | None:
