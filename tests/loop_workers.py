@@ -35,10 +35,12 @@ from tests.rank_workers import (  # noqa: E402
     rank,
     save,
 )
+from tests.support import window_end  # noqa: E402
 
 CLEAN = 3
-LOOP_STEPS = 10  # the window ends at step 2 + 1 counting + 3 module timing + 3 clean = 9
-LOOP_LOG_EVERY = 5  # throughput/* at step 10, after the window
+LOOP_END = window_end(PROFILE_STEP, CLEAN)  # counting, module timing, the check, three clean steps
+LOOP_STEPS = LOOP_END + 1
+LOOP_LOG_EVERY = LOOP_STEPS  # throughput/* at the step after the window
 
 
 def train(loop: str, directory: Path) -> None:

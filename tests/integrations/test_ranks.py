@@ -26,7 +26,7 @@ import torch
 
 from flops_callbacks import metrics as names
 from flops_callbacks.counting.engine import Tracer
-from tests.loop_workers import LOOP_STEPS
+from tests.loop_workers import LOOP_END, LOOP_STEPS
 from tests.rank_workers import LOG_EVERY, MAX_STEPS, PROFILE_STEP, gpt2
 from tests.support import run_bounded
 
@@ -240,12 +240,12 @@ def tensorboard_scalars(directory: Path, name: str) -> dict[int, float]:
 
 def loop_run(directory: Path, loop: str, launcher: str | None) -> tuple[dict[str, float], list[list]]:
     """A 2-process loop (tests/loop_workers.py): one window whose figures are the job's; the metrics and
-    what each rank's ``log`` received (rank 0 only: the window at its end, step 9, throughput at 10)."""
+    what each rank's ``log`` received (rank 0 only: the window at its end, throughput at the next step)."""
     ranks = run_ranks(directory, launched(LOOPS, [loop, str(directory)], launcher), LOOP_STEPS)
     metrics = check_one_window_and_the_jobs_figures(ranks)
-    assert ranks[0]["published_at"] == 9
+    assert ranks[0]["published_at"] == LOOP_END
     logged = [json.loads((directory / f"rank{r}.logged.json").read_text()) for r in range(2)]
-    assert [step for step, _ in logged[0]] == [9, 10] and logged[1] == []
+    assert [step for step, _ in logged[0]] == [LOOP_END, LOOP_STEPS] and logged[1] == []
     assert logged[0][0][1] == metrics and names.THROUGHPUT_TOKENS_PER_SEC in logged[0][1][1]
     return metrics, logged
 
@@ -256,11 +256,13 @@ def test_plain_ddp_loop_under_torchrun_one_window_and_the_jobs_figures(tmp_path:
 
 def test_accelerate_loop_under_accelerate_launch_logs_the_jobs_figures_to_tensorboard(tmp_path: Path) -> None:
     metrics, _ = loop_run(tmp_path, "accelerate", "accelerate")
-    assert tensorboard_scalars(tmp_path, names.FWD_FLOPS) == {9: pytest.approx(metrics[names.FWD_FLOPS])}
-    assert list(tensorboard_scalars(tmp_path, names.THROUGHPUT_TOKENS_PER_SEC)) == [10]
+    fwd = metrics[names.FWD_FLOPS]
+    assert tensorboard_scalars(tmp_path, names.FWD_FLOPS) == {LOOP_END: pytest.approx(fwd)}
+    assert list(tensorboard_scalars(tmp_path, names.THROUGHPUT_TOKENS_PER_SEC)) == [LOOP_STEPS]
 
 
 def test_fabric_loop_with_two_processes_logs_the_jobs_figures_to_tensorboard(tmp_path: Path) -> None:
     metrics, _ = loop_run(tmp_path, "fabric", None)
-    assert tensorboard_scalars(tmp_path, names.FWD_FLOPS) == {9: pytest.approx(metrics[names.FWD_FLOPS])}
-    assert list(tensorboard_scalars(tmp_path, names.THROUGHPUT_TOKENS_PER_SEC)) == [10]
+    fwd = metrics[names.FWD_FLOPS]
+    assert tensorboard_scalars(tmp_path, names.FWD_FLOPS) == {LOOP_END: pytest.approx(fwd)}
+    assert list(tensorboard_scalars(tmp_path, names.THROUGHPUT_TOKENS_PER_SEC)) == [LOOP_STEPS]

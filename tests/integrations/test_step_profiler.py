@@ -19,13 +19,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from flops_callbacks import StepProfiler
 from flops_callbacks import metrics as names
 from tests.sleepy import Sleepy, SleepySGD
-from tests.support import leftovers
+from tests.support import leftovers, window_end
 
 FWD, BWD, STEP = 0.03, 0.02, 0.01  # seconds slept by the forward, the backward, the optimizer step
 BATCH = 3
 PROFILE_STEP, CLEAN = 2, 3  # three clean steps: a median one hiccup cannot move
 WINDOW = dict(profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False)
-STEPS = 11  # the window ends at step 2 + 1 counting + 3 module timing + 3 clean = 9; two steps after
+END = window_end(PROFILE_STEP, CLEAN)  # counting, module timing, the check, three clean steps
+STEPS = END + 2  # two steps after
 
 
 class SleepyNet(nn.Module):
@@ -87,12 +88,12 @@ def test_plain_loop_measures_each_phases_sleep_and_logs_the_window_then_throughp
     assert_sleeps_measured(prof.metrics)
     assert prof.result.samples == BATCH
     assert prof.result.profile.model.class_name == "SleepyNet"  # the user's model is the root
-    # the window's metrics once, at the step it ended (9), then throughput/* at every later step
+    # the window's metrics once, at the step it ended, then throughput/* at every later step
     window = [(step, m) for step, m in logged if names.FWD_LATENCY in m]
-    assert [step for step, _ in window] == [9] and window[0][1] == prof.metrics
+    assert [step for step, _ in window] == [END] and window[0][1] == prof.metrics
     after = [step for step, m in logged if "throughput/samples_per_sec" in m]
-    assert after == [10, 11]
-    rate = next(m for step, m in logged if step == 11)["throughput/samples_per_sec"]
+    assert after == [END + 1, END + 2]
+    rate = next(m for step, m in logged if step == END + 2)["throughput/samples_per_sec"]
     assert BATCH / (1.5 * (FWD + BWD + STEP)) < rate < BATCH / (FWD + BWD + STEP)
 
 
@@ -184,8 +185,8 @@ def test_fabric_loop_logs_through_log_dict_and_profiles_the_users_model(tmp_path
     assert prof.result.parallel.world_size == 1 and prof.result.compute_dtype is not None
     assert_sleeps_measured(prof.metrics)
     found = scalars(tmp_path)
-    assert found[names.FWD_LATENCY] == [(9, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
-    assert [step for step, _ in found["throughput/samples_per_sec"]] == [10, 11]
+    assert found[names.FWD_LATENCY] == [(END, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
+    assert [step for step, _ in found["throughput/samples_per_sec"]] == [END + 1, END + 2]
     assert (Path(fabric.logger.log_dir) / "flops_profile_step2.json").is_file()
 
 
@@ -219,7 +220,7 @@ def test_fabric_step_starts_at_the_strategys_call_and_a_skipped_inner_step_still
     prof.close()
     assert "optimizer_step" not in vars(fabric.strategy)
     assert prof.result is not None and prof.metrics is not None
-    assert prof.global_step == STEPS and prof.result.published_at == 9  # skipped steps are steps
+    assert prof.global_step == STEPS and prof.result.published_at == END  # skipped steps are steps
     assert_sleeps_measured(prof.metrics)  # the plugin's sleep is in the step, not in the backward
 
 
@@ -251,5 +252,5 @@ def test_accelerate_loop_logs_through_accelerator_log_with_its_dtype_and_sizes(t
     assert ("accelerate distributed type", "NO") in result.extra_lines
     assert_sleeps_measured(prof.metrics)
     found = scalars(tmp_path)
-    assert found[names.FWD_LATENCY] == [(9, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
-    assert [step for step, _ in found["throughput/samples_per_sec"]] == [10, 11]
+    assert found[names.FWD_LATENCY] == [(END, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
+    assert [step for step, _ in found["throughput/samples_per_sec"]] == [END + 1, END + 2]
