@@ -410,17 +410,24 @@ def test_an_moe_models_report_says_what_six_n_d_claims_with_all_and_active_param
     r = session.result
     assert r is not None
     rows = dict(r.extra_lines)
-    params = r.profile.params
+    params = r.profile.params - 256 * 64  # the token table (vocab x hidden) does no arithmetic
     experts = sum(m.params for m in r.profile.modules.values() if m.name.endswith("experts"))
     active = params - experts + experts * 2 // 4  # top-2 of 4 experts
     claimed = 6 * params * 32  # 2 x 16 tokens
     ratio = r.profile.model_flops / claimed
     expected = f"{number_to_string(claimed)}flops (measured fwd+bwd flops: {ratio:.2f}x this)"
-    assert rows["6 x params x tokens"] == expected
+    assert rows["6 x non-embedding params x tokens"] == expected
     assert rows["experts per token"] == "2 of 4"
-    assert rows["active params per token"] == params_to_string(active)
-    assert rows["6 x active params x tokens"].startswith(number_to_string(6 * active * 32) + "flops")
-    assert "6 x params x tokens" in outlet.printed[0]
+    assert rows["active non-embedding params per token"] == params_to_string(active)
+    assert rows["6 x active non-embedding params x tokens"].startswith(
+        number_to_string(6 * active * 32) + "flops"
+    )
+    # PaLM's attention term from the config and the batch: 12 x L x H x Q x T a token, T = 16
+    attention = 12 * 2 * 4 * 16 * 16 * 32
+    assert rows["PaLM attention term, 12 x L x H x Q x T x tokens"].startswith(number_to_string(attention))
+    palm = rows["PaLM model flops, 6 x active non-embedding params x tokens + attention term"]
+    assert palm.startswith(number_to_string(6 * active * 32 + attention) + "flops")
+    assert "6 x non-embedding params x tokens" in outlet.printed[0]
 
 
 def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path: Path) -> None:
