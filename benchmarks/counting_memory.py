@@ -30,16 +30,12 @@ import argparse
 import ctypes
 import gc
 import statistics
-import sys
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package of this checkout
-
-from flops_callbacks.counting.engine import Tracer  # noqa: E402
+from flops_callbacks.counting.engine import Tracer
 
 __all__ = ["main", "peak_meter", "step_peaks"]
 
