@@ -151,52 +151,55 @@ def estimate_rows(
     samples: int | None = None,
 ) -> list[tuple[str, str]]:
     """Report rows: what "6 x non-embedding params x tokens" claims for the step and, where the config
-    and the batch give L, H, Q and T, PaLM's model flops with attention; each with the measured
-    fwd+bwd flops as a multiple of it. For a mixture of experts, the same with the active parameters
-    per token. ``model``: to find its embedding tables (without it, none are left out)."""
+    and the batch give L, H, Q and T, PaLM's model flops with attention; each with the numbers it is
+    made of and the measured fwd+bwd flops as a multiple of it. For a mixture of experts, the same with
+    the active parameters per token. ``model``: to find its embedding tables (without it, none are
+    left out)."""
     if tokens <= 0:
         raise ValueError(f"tokens must be a positive number of tokens in the profiled step, got {tokens!r}")
     measured = profile.model_flops
     tables = embedding_params(model) if model is not None else 0
     params = profile.params - tables
-    rows = [
-        (
-            "non-embedding params",
-            f"{params_to_string(params)} (embedding tables left out: {params_to_string(tables)})",
-        ),
-        _estimate_row("6 x non-embedding params x tokens", six_n_d(params, tokens), measured),
-    ]
+    claimed = six_n_d(params, tokens)
+    made_of = (
+        f"6 x {params_to_string(params)} x {tokens}, embedding tables left out: {params_to_string(tables)}"
+    )
+    rows = [_estimate_row("6 x non-embedding params x tokens", claimed, made_of, measured)]
+    n = "non-embedding params"
     routing = routing_of(config) if config is not None else None
     experts = expert_modules(profile)
     if routing is not None and experts:
         params = active_params(params, sum(m.params for m in experts), routing)
+        claimed, n = six_n_d(params, tokens), "active non-embedding params"
         rows = [
             ("experts per token", f"{routing.experts_per_token} of {routing.num_experts}"),
             ("active non-embedding params per token", params_to_string(params)),
             *rows,
-            _estimate_row("6 x active non-embedding params x tokens", six_n_d(params, tokens), measured),
+            _estimate_row(
+                f"6 x {n} x tokens", claimed, f"6 x {params_to_string(params)} x {tokens}", measured
+            ),
         ]
     attention = attention_of(config)
     if attention is None or not samples or samples < 0 or tokens % samples:
         return rows
     seq_len = tokens // samples
     term = palm_attention_flops(attention, seq_len, tokens)
-    n = "active non-embedding params" if routing is not None and experts else "non-embedding params"
+    sizes = f"L={attention.layers}, H={attention.heads}, Q={attention.head_dim}, T={seq_len}"
     return [
         *rows,
-        (
-            "PaLM attention term, 12 x L x H x Q x T x tokens",
-            f"{number_to_string(term)}flops (L={attention.layers} layers, H={attention.heads} heads, "
-            f"Q={attention.head_dim} head dim, T={seq_len} tokens a sequence)",
-        ),
         _estimate_row(
-            f"PaLM model flops, 6 x {n} x tokens + attention term", six_n_d(params, tokens) + term, measured
+            f"6 x {n} x tokens + 12 x L x H x Q x T x tokens (PaLM)",
+            claimed + term,
+            f"{number_to_string(claimed)}flops + {number_to_string(term)}flops of attention, {sizes}",
+            measured,
         ),
     ]
 
 
-def _estimate_row(label: str, claimed: int, measured: int) -> tuple[str, str]:
+def _estimate_row(label: str, claimed: int, made_of: str, measured: int) -> tuple[str, str]:
+    """``claimed`` flops, what they are made of, and the measured flops as a multiple of them."""
+    ratio = measured / claimed
     return (
         label,
-        f"{number_to_string(claimed)}flops (measured fwd+bwd flops: {measured / claimed:.2f}x this)",
+        f"{number_to_string(claimed)}flops = {made_of} (measured fwd+bwd flops: {ratio:.2f}x this)",
     )

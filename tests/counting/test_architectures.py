@@ -431,14 +431,13 @@ def test_moe_estimate_rows_give_six_n_d_and_the_active_params_from_the_config(na
     assert estimate_rows(profile, tokens, config, model=model) == [
         ("experts per token", f"{k} of {experts}"),
         ("active non-embedding params per token", params_to_string(active)),
-        ("non-embedding params",
-         f"{params_to_string(params)} (embedding tables left out: {params_to_string(table)})"),
         ("6 x non-embedding params x tokens",
-         f"{number_to_string(6 * params * tokens)}flops (measured fwd+bwd flops: "
+         f"{number_to_string(6 * params * tokens)}flops = 6 x {params_to_string(params)} x {tokens}, "
+         f"embedding tables left out: {params_to_string(table)} (measured fwd+bwd flops: "
          f"{measured / (6 * params * tokens):.2f}x this)"),
         ("6 x active non-embedding params x tokens",
-         f"{number_to_string(6 * active * tokens)}flops (measured fwd+bwd flops: "
-         f"{measured / (6 * active * tokens):.2f}x this)"),
+         f"{number_to_string(6 * active * tokens)}flops = 6 x {params_to_string(active)} x {tokens} "
+         f"(measured fwd+bwd flops: {measured / (6 * active * tokens):.2f}x this)"),
     ]  # fmt: skip
     # the rule with all parameters overstates an MoE's work; with the active ones it comes closer
     assert measured < 6 * params * tokens
@@ -449,10 +448,11 @@ def test_estimate_rows_of_a_dense_model_and_bad_token_counts() -> None:
     _, profile = truth_and_profile("lenet-5")
     assert routing_of(transformers.GPT2Config()) is None
     # no model given: no embedding table is known, none left out; no samples: no sequence length
-    [(_, params), (label, value)] = estimate_rows(profile, 8, transformers.GPT2Config())
-    assert params == f"{params_to_string(profile.params)} (embedding tables left out: 0)"
+    [(label, value)] = estimate_rows(profile, 8, transformers.GPT2Config())
     assert label == "6 x non-embedding params x tokens"
-    assert value.startswith(number_to_string(6 * profile.params * 8) + "flops")
+    params = params_to_string(profile.params)
+    assert value.startswith(f"{number_to_string(6 * profile.params * 8)}flops = 6 x {params} x 8, embedding ")
+    assert "tables left out: 0 (measured" in value
     with pytest.raises(ValueError, match="tokens must be a positive number"):
         estimate_rows(profile, 0)
 

@@ -69,23 +69,19 @@ def test_the_6nd_row_is_six_times_the_non_embedding_params_times_tokens(make: An
     assert embedding_params(model) == tables
     rows = dict(estimate_rows(profile, TOKENS, config, model=model, samples=BATCH))
     measured = profile.model_flops
-    assert rows["non-embedding params"] == (
-        f"{params_to_string(params)} (embedding tables left out: {params_to_string(tables)})"
-    )
+    six_nd = 6 * params * TOKENS
     assert rows["6 x non-embedding params x tokens"] == (
-        f"{number_to_string(6 * params * TOKENS)}flops (measured fwd+bwd flops: "
-        f"{measured / (6 * params * TOKENS):.2f}x this)"
+        f"{number_to_string(six_nd)}flops = 6 x {params_to_string(params)} x {TOKENS}, embedding tables left "
+        f"out: {params_to_string(tables)} (measured fwd+bwd flops: {measured / six_nd:.2f}x this)"
     )
     assert attention_of(config) == Attention(LAYERS, HEADS, D // HEADS)
     attention = 12 * LAYERS * HEADS * (D // HEADS) * SEQ * TOKENS  # PaLM: 12 L H Q T a token
-    assert rows["PaLM attention term, 12 x L x H x Q x T x tokens"] == (
-        f"{number_to_string(attention)}flops (L={LAYERS} layers, H={HEADS} heads, Q={D // HEADS} head dim, "
-        f"T={SEQ} tokens a sequence)"
-    )
-    palm = 6 * params * TOKENS + attention
-    label = "PaLM model flops, 6 x non-embedding params x tokens + attention term"
-    assert (
-        rows[label] == f"{number_to_string(palm)}flops (measured fwd+bwd flops: {measured / palm:.2f}x this)"
+    palm = six_nd + attention
+    assert rows["6 x non-embedding params x tokens + 12 x L x H x Q x T x tokens (PaLM)"] == (
+        f"{number_to_string(palm)}flops = {number_to_string(six_nd)}flops + "
+        f"{number_to_string(attention)}flops of attention, L={LAYERS}, H={HEADS}, Q={D // HEADS}, T={SEQ} "
+        f"(measured fwd+bwd flops: "
+        f"{measured / palm:.2f}x this)"
     )
     # Every matmul of the step is in 6N + attention (the weights' 2 forward + 4 backward flops per
     # token, QK^T and AV over the whole T x T matrix, as we count attention by default); what is
@@ -100,9 +96,9 @@ def test_no_attention_term_without_the_sizes_or_one_sequence_length() -> None:
     config, _, _ = llama()
     model, profile = counted(config)
     labels = [label for label, _ in estimate_rows(profile, TOKENS, config, model=model)]
-    assert labels == ["non-embedding params", "6 x non-embedding params x tokens"]  # samples unknown
+    assert labels == ["6 x non-embedding params x tokens"]  # samples unknown: no T
     labels = [label for label, _ in estimate_rows(profile, TOKENS - 1, config, model=model, samples=BATCH)]
-    assert len(labels) == 2  # sequences of two lengths: no one T
+    assert labels == ["6 x non-embedding params x tokens"]  # sequences of two lengths: no one T
     assert attention_of(transformers.T5Config()) is None  # encoder-decoder: not PaLM's one stack
     assert attention_of(transformers.GPT2Config(n_embd=100, n_head=3)) is None  # no whole head dim
     assert attention_of(transformers.GPT2Config()) == Attention(12, 12, 64)
