@@ -1,6 +1,6 @@
 """The comparison benchmark keeps running: ``benchmarks/compare.py --quick`` exits 0 and its tables show
 our matmul/conv/attention counts equal to the aten reference, forward and forward + backward, on
-every model of the subset (the other tools' columns say "not installed" when they are absent).; and the
+every model of the subset (the other tools' columns say "not installed" when they are absent); and the
 window the benchmarks leave out of their unprofiled tables is the run plan's, step for step."""
 
 from __future__ import annotations
