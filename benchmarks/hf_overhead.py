@@ -22,6 +22,7 @@ import warnings
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from window_plan import window_steps
 
 from flops_callbacks import HFFlopsCallback
 
@@ -98,12 +99,12 @@ def main() -> None:
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
 
-    profiler = HFFlopsCallback(profile_step=PROFILE_STEP, print_profile=False)
+    profiler = HFFlopsCallback(profile_step=PROFILE_STEP, clean_steps=0, print_profile=False)
     alternator = Alternator(profiler)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = alternator.trainer = make_trainer(tmp, alternator)
-        # the profiled step, once, with the callback attached throughout
-        trainer.args.max_steps = PROFILE_STEP + 1
+        # the profiled step, once, with the callback attached throughout its whole window
+        trainer.args.max_steps = window_steps(PROFILE_STEP).stop
         trainer.add_callback(profiler)
         trainer.train()
         profiled_step = alternator.step_seconds[PROFILE_STEP]

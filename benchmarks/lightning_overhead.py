@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "lightning"))
 from train import GPT, SyntheticTokens  # noqa: E402
+from window_plan import window_steps  # noqa: E402
 
 from flops_callbacks import FlopsProfilerCallback  # noqa: E402
 
@@ -121,16 +122,17 @@ def main() -> None:
                 if isinstance(callback, HookTimedCallback):
                     hook_seconds.append(callback.idle_seconds / (args.steps - 1))
 
+    window = window_steps(args.profile_step)  # clean_steps=0: the counting and module-timing steps
+
     def kept(timer: StepTimer, clock: str) -> list[float]:
         times = timer.step_times(clock)
-        window = range(args.profile_step, args.profile_step + 2)  # the counting and module-timing steps
         return [t for step, t in enumerate(times) if step >= args.warmup and step not in window]
 
     print(f"torch {torch.__version__}, lightning {L.__version__}, 1 torch thread, batch {args.batch_size}")
     print(f"{args.repeats} runs per configuration x {args.steps} steps, alternating; left out: the first")
-    window = f"{args.profile_step}-{args.profile_step + 1}"
     print(
-        f"{args.warmup} steps of every run and the counting and module-timing steps (global steps {window})"
+        f"{args.warmup} steps of every run and the counting and module-timing steps (global steps "
+        f"{window.start}-{window.stop - 1})"
     )
     print()
     print("| clock | callback | median step (ms) | ratio to without (median over rounds) | goal |")

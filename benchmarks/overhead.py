@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+from window_plan import window_steps
 
 from flops_callbacks import FlopsProfiler
 
@@ -355,8 +356,9 @@ def unprofiled_steps(
                     callbacks = configurations[name]()
                     times[name].append(lightning_run(callbacks, steps, batch_size, flops_per_batch, root))
 
+    window = window_steps(profile_step)  # ours (clean_steps=0): the counting and module-timing steps
+
     def kept(step_times: list[float]) -> list[float]:
-        window = range(profile_step, profile_step + 2)  # ours: the counting and module-timing steps
         return [t for step, t in enumerate(step_times) if step >= warmup and step not in window]
 
     rows = []
@@ -481,12 +483,12 @@ def main() -> None:
             plain = timings.median("CPU", "plain")
             cost = "-" if seconds is None else f"{1e6 * (seconds - plain) / calls:.1f}"
             print(f"| {label}, {pass_name} | {cost} |")
+    window = window_steps(args.profile_step)
     print()
     print(
         f"Unprofiled steps: lightning.Trainer, example GPT, batch 2, CPU; {args.runs} runs per configuration "
         f"x {args.steps} steps, alternating; left out: the first {args.warmup} steps of every run and the "
-        f"counting and module-timing steps of our window (global steps {args.profile_step}, "
-        f"{args.profile_step + 1})"
+        f"counting and module-timing steps of our window (global steps {window.start}-{window.stop - 1})"
     )
     print()
     print(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from window_plan import window_steps
 
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.publish import picture
@@ -63,7 +64,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     session = StepSession(Options(profile_step=1, clean_steps=1, tokens_fn=lambda b: b.numel()), "screenshot")
     session.train_start(0)
-    for step in range(4):  # step 0 warms up; 1 counts, 2 times modules, 3 is clean
+    for step in range(window_steps(1, 1).stop):  # step 0 warms up; then the window, as the run plan lays it
         session.step_start(step, model)
         session.micro_batch_start(ids)
         loss = model(ids, labels=ids).loss

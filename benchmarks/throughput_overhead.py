@@ -31,6 +31,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "lightning"))
 from train import GPT, SyntheticTokens, count_tokens  # noqa: E402
+from window_plan import window_steps  # noqa: E402
 
 from flops_callbacks import FlopsProfilerCallback  # noqa: E402
 
@@ -79,15 +80,15 @@ def run(config: str, args: argparse.Namespace, root: str, flops_per_batch: float
     callbacks: list[L.Callback] = [timer]
     spent: dict[str, list[float]] = {}
     if config == "flops_callbacks throughput":
-        callback = FlopsProfilerCallback(  # clean_steps=0: the window is the counting and module-timing step
+        callback = FlopsProfilerCallback(  # clean_steps=0: the window is the counting and module-timing steps
             profile_step=args.profile_step, clean_steps=0, print_profile=False, tokens_fn=count_tokens
         )
-        spent = time_hooks(callback, args.profile_step + 2)
+        spent = time_hooks(callback, window_steps(args.profile_step).stop)
         callbacks.append(callback)
     elif config == "Lightning ThroughputMonitor":
         module.flops_per_batch = flops_per_batch  # ThroughputMonitor needs the flops by hand
         callback = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0], length_fn=count_tokens)
-        spent = time_hooks(callback, args.profile_step + 2)
+        spent = time_hooks(callback, window_steps(args.profile_step).stop)
         callbacks.append(callback)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -112,11 +113,12 @@ def run(config: str, args: argparse.Namespace, root: str, flops_per_batch: float
 
 def measured_flops_per_batch(args: argparse.Namespace, root: str) -> float:
     """Model flops of one batch, from a profiled run (what ThroughputMonitor is then given)."""
-    callback = FlopsProfilerCallback(profile_step=1, print_profile=False)
+    callback = FlopsProfilerCallback(profile_step=1, clean_steps=0, print_profile=False)
+    steps = window_steps(1).stop  # the whole window, which publishes as the run ends
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
         accelerator="cpu",
-        max_steps=2,
+        max_steps=steps,
         callbacks=[callback],
         logger=False,
         enable_progress_bar=False,
@@ -124,7 +126,9 @@ def measured_flops_per_batch(args: argparse.Namespace, root: str) -> float:
         enable_model_summary=False,
         default_root_dir=root,
     )
-    data = torch.utils.data.DataLoader(SyntheticTokens(args.batch_size * 3), batch_size=args.batch_size)
+    data = torch.utils.data.DataLoader(
+        SyntheticTokens(args.batch_size * (steps + 1)), batch_size=args.batch_size
+    )
     trainer.fit(GPT(), train_dataloaders=data)
     return float(callback.result.profile.model_flops)
 
@@ -154,7 +158,7 @@ def main() -> None:
                 timers[config].append(timer)
                 in_hooks[config].append(seconds)
 
-    first = args.profile_step + 2 + args.warmup  # steps before are the profile window and its warm-up
+    first = window_steps(args.profile_step).stop + args.warmup  # after the profile window and a warm-up
 
     def kept(timer: StepTimer, clock: str) -> list[float]:
         return timer.step_times(clock)[first:]

@@ -1,12 +1,15 @@
 """The comparison benchmark keeps running: ``benchmarks/compare.py --quick`` exits 0 and its tables show
 our matmul/conv/attention counts equal to the aten reference, forward and forward + backward, on
-every model of the subset (the other tools' columns say "not installed" when they are absent)."""
+every model of the subset (the other tools' columns say "not installed" when they are absent); and the
+window the benchmarks leave out of their unprofiled tables is the run plan's, step for step."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.support import first_clean, module_steps, window_end
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLES = ("### Forward", "### Forward + backward (one training step)")
@@ -45,3 +48,14 @@ def test_compare_quick_runs_and_our_dense_counts_are_exact() -> None:
         ]
         assert all(row[ours] == "1 (exact)" for row in rows), (title, rows)
         assert all(float(row[1]) > 0 for row in rows)  # the reference counted something
+
+
+def test_the_benchmarks_window_is_the_run_plans_counting_module_timing_and_clean_steps() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from window_plan import window_steps
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    # counting at 10, three module-timing steps, no clean step: 10-13; the first step after it is 14
+    assert window_steps(10) == range(10, 14) == range(10, window_end(10, 0))
+    assert list(window_steps(1, 2)) == [1, *module_steps(1), first_clean(1), first_clean(1) + 1]

@@ -6,7 +6,9 @@ removed by ``stop()``:
 * two global module hooks (they check the thread; the modes are thread-local) keep the stack of the
   profiled model's modules being run and time each call, passing over other modules;
 * a ``TorchFunctionMode`` names the functional being run (``linear``, ``softmax``, ...) and tags
-  every autograd node that functional creates with the module stack and its name;
+  every autograd node that functional creates with the module stack and its name
+  (:mod:`flops_callbacks.counting.node_tags`, which holds no node: under activation checkpointing the
+  recompute's nodes hold the recomputed activations, freed as soon as the backward has read them);
 * a ``TorchDispatchMode`` sees every aten op, forward and backward, counts it with its entry in
   :mod:`flops_callbacks.counting.registry` and its bytes with :mod:`flops_callbacks.counting.bytes_moved`, and
   attributes it: forward ops to the current module stack, backward ops to the tag of
@@ -36,11 +38,11 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_leaves
 
 from flops_callbacks.counting import elementwise_formulas, formulas  # noqa: F401  (the built-in entries)
 from flops_callbacks.counting.bytes_moved import bytes_rule
 from flops_callbacks.counting.functionals import READ, functional_name
+from flops_callbacks.counting.node_tags import TAG, NodeTags
 from flops_callbacks.counting.profile_builder import build_profile, model_totals
 from flops_callbacks.counting.recording import BWD, CALLS, FWD, REC, Recording, Site
 from flops_callbacks.counting.registry import OpKind, entry_for
@@ -52,8 +54,6 @@ from flops_callbacks.timing.clock import Clock, clock_for, module_device
 from flops_callbacks.user_warning import warn
 
 __all__ = ["Tracer"]
-
-_TAG = "flops_callbacks.context"  # key in autograd Node.metadata, removed on stop()
 
 _current_autograd_node = torch._C._current_autograd_node
 
@@ -127,7 +127,7 @@ class Tracer:
         self._thread: int | None = None
         self._exit: contextlib.ExitStack | None = None
         self._dispatch = _DispatchMode(self)
-        self._tagged: list[Any] = []
+        self._tags = NodeTags()
         # A formula that raised (what was being counted, the error): counting stops there, the op's
         # result is handed on, and the owner says it (flops_callbacks.guard): never the user's forward.
         self.failure: tuple[str, Exception] | None = None
@@ -182,7 +182,6 @@ class Tracer:
         self._exit = stack
         self._saved.start(self.model)
         self._thread = threading.get_ident()
-        self._tagged = []
 
     def stop(self) -> None:
         """Remove every hook, mode and tag; counts are kept for :meth:`profile`."""
@@ -193,9 +192,8 @@ class Tracer:
             if exit_stack is not None:
                 exit_stack.close()
         finally:
-            for node in self._tagged:
-                node.metadata.pop(_TAG, None)
-            self._tagged = []
+            self._tags.clear()
+            self._saved.stop()
             self._stack.clear()
             self._stack_changed()
             self._in_backward = False  # a backward that raised never reached its end callback
@@ -326,23 +324,10 @@ class Tracer:
         return out
 
     def _tag(self, out: Any, ctx: Site) -> None:
-        """Mark the autograd nodes this call created (those not marked yet) with its context, and count
-        what a forward's nodes save for the backward (a recompute's and a backward's are freed in it)."""
+        """Tag the autograd nodes this call created with its context, and count what a forward's nodes
+        save for the backward (a recompute's and a backward's are freed in it)."""
         forward = _current_autograd_node() is None and not (self._stack and self._stack[-1].recompute)
-        if isinstance(out, torch.Tensor):
-            pending = [out.grad_fn] if out.grad_fn is not None else []
-        else:
-            pending = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn]
-        while pending:
-            node = pending.pop()
-            metadata = cast(dict[str, Any], node.metadata)  # a dict (torch's stubs say a method)
-            if _TAG in metadata:
-                continue
-            metadata[_TAG] = ctx
-            self._tagged.append(node)
-            if forward:
-                self._saved.watch(node, ctx)
-            pending.extend(n for n, _ in node.next_functions if n is not None)
+        self._tags.tag(out, ctx, self._saved.watch if forward else None)
 
     # --- ops: the hot path ---------------------------------------------------------------------------
 
@@ -361,7 +346,7 @@ class Tracer:
         if self._stack and self._stack[-1].recompute:
             phase, ctx = REC, self._ctx or self._context()
         elif node is not None:
-            phase, ctx = BWD, cast(dict, node.metadata).get(_TAG) or self._ctx or self._context()
+            phase, ctx = BWD, cast(dict, node.metadata).get(TAG) or self._ctx or self._context()
         else:
             phase, ctx = FWD, self._ctx or self._context()
         timed = phase == BWD or kind is OpKind.UNCOUNTED

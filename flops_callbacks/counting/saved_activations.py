@@ -17,6 +17,8 @@ where the checkpoint is called.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +44,14 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
         return 0, 0
 
 
+def _weakly(hook: Any) -> Callable[[], Any]:
+    """A weak reference to ``hook``; a strong one for the rare callable that takes none."""
+    try:
+        return weakref.ref(hook)
+    except TypeError:
+        return lambda: hook
+
+
 def _saved_names(node: Any) -> tuple[str, ...]:
     """``_saved_<x>`` for each ``_raw_saved_<x>`` of the node's type (``saved_tensors`` for a custom
     Function's), found once per type."""
@@ -58,19 +68,25 @@ class SavedActivations:
     def __init__(self) -> None:
         self.param_ptrs: set[int] = set()  # storages of the model's parameters: never activations
         self.seen: set[int] = set()  # storages counted since the last backward (addresses are reused)
-        self.region: Any = None  # the pack hook of the saved-tensor hooks region last entered
+        # the pack hook of the saved-tensor hooks region last entered, weakly: a checkpoint's hook holds
+        # its frame (the region's inputs and recomputed tensors), which must go when the region goes
+        self.region: Callable[[], Any] | None = None
 
     def start(self, model: torch.nn.Module) -> None:
         self.param_ptrs = {_storage(p)[0] for p in model.parameters()} - {0}
+
+    def stop(self) -> None:
+        """Forget the region last entered."""
+        self.region = None
 
     def enter(self, args: tuple, ctx: Site) -> None:
         """A module is called: when it is the first one inside a new region of saved-tensor hooks (a
         checkpoint), count its tensor arguments, which the checkpoint holds for its recompute, for
         ``ctx``: where the checkpoint is called."""
         top = _top_hooks(True)
-        if top is None or top[0] is self.region:
+        if top is None or (self.region is not None and top[0] is self.region()):
             return
-        self.region = top[0]
+        self.region = _weakly(top[0])
         for arg in args:
             for tensor in arg if isinstance(arg, (tuple, list)) else (arg,):
                 if isinstance(tensor, torch.Tensor):

@@ -293,7 +293,9 @@ def build_result(
     )
     extra = context.extra_lines(counting.batches, profile) if context.extra_lines is not None else []
     if counting.tokens:  # what "6 x params x tokens" claims (with active parameters, for an MoE)
-        extra += estimate_rows(profile, counting.tokens, _model_config(model))
+        extra += estimate_rows(
+            profile, counting.tokens, _model_config(model), model=model, samples=counting.samples
+        )
     shapes, counted, predicted = _shapes(steps, flops)
     model_forward, forward_steps, forward_shapes_match = _model_forward(
         clean, module_steps[0].signatures if module_steps else None

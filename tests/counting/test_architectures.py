@@ -419,32 +419,40 @@ def test_moe_estimate_rows_give_six_n_d_and_the_active_params_from_the_config(na
         config.hidden_size,
     )
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    table = config.vocab_size * hidden  # the token table (the LM head is not tied: it multiplies)
+    assert model.get_input_embeddings().weight.numel() == table
+    params = total - table
     # each expert: gate and up (2 x inter x hidden) and down (hidden x inter); a token skips E - k
-    active = total - layers * (experts - k) * 3 * hidden * inter
+    active = params - layers * (experts - k) * 3 * hidden * inter
     assert routing_of(config) == Routing(experts, k)
     assert profile.params == total
     tokens = 2 * 16
     measured = profile.model_flops
-    assert estimate_rows(profile, tokens, config) == [
+    assert estimate_rows(profile, tokens, config, model=model) == [
         ("experts per token", f"{k} of {experts}"),
-        ("active params per token", params_to_string(active)),
-        ("6 x params x tokens", f"{number_to_string(6 * total * tokens)}flops (measured fwd+bwd flops: "
-         f"{measured / (6 * total * tokens):.2f}x this)"),
-        ("6 x active params x tokens",
-         f"{number_to_string(6 * active * tokens)}flops (measured fwd+bwd flops: "
-         f"{measured / (6 * active * tokens):.2f}x this)"),
+        ("active non-embedding params per token", params_to_string(active)),
+        ("6 x non-embedding params x tokens",
+         f"{number_to_string(6 * params * tokens)}flops = 6 x {params_to_string(params)} x {tokens}, "
+         f"embedding tables left out: {params_to_string(table)} (measured fwd+bwd flops: "
+         f"{measured / (6 * params * tokens):.2f}x this)"),
+        ("6 x active non-embedding params x tokens",
+         f"{number_to_string(6 * active * tokens)}flops = 6 x {params_to_string(active)} x {tokens} "
+         f"(measured fwd+bwd flops: {measured / (6 * active * tokens):.2f}x this)"),
     ]  # fmt: skip
     # the rule with all parameters overstates an MoE's work; with the active ones it comes closer
-    assert measured < 6 * total * tokens
-    assert abs(measured - 6 * active * tokens) < abs(measured - 6 * total * tokens)
+    assert measured < 6 * params * tokens
+    assert abs(measured - 6 * active * tokens) < abs(measured - 6 * params * tokens)
 
 
 def test_estimate_rows_of_a_dense_model_and_bad_token_counts() -> None:
     _, profile = truth_and_profile("lenet-5")
     assert routing_of(transformers.GPT2Config()) is None
+    # no model given: no embedding table is known, none left out; no samples: no sequence length
     [(label, value)] = estimate_rows(profile, 8, transformers.GPT2Config())
-    assert label == "6 x params x tokens"
-    assert value.startswith(number_to_string(6 * profile.params * 8) + "flops")
+    assert label == "6 x non-embedding params x tokens"
+    params = params_to_string(profile.params)
+    assert value.startswith(f"{number_to_string(6 * profile.params * 8)}flops = 6 x {params} x 8, embedding ")
+    assert "tables left out: 0 (measured" in value
     with pytest.raises(ValueError, match="tokens must be a positive number"):
         estimate_rows(profile, 0)
 

@@ -4,6 +4,7 @@ totals equal to the profile's, and the running sums laid out as Counts. Counts a
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import fields
 
 import pytest
@@ -120,6 +121,28 @@ def test_recompute_under_activation_checkpointing_is_apart() -> None:
     assert 2 * profile.recompute_macs == UP
     assert 2 * profile.bwd_macs == 2 * (UP + DOWN)
     assert profile.modules["mlp.up"].recompute_macs * 2 == UP
+
+
+def test_the_tracer_holds_no_activation_a_graph_frees_and_its_recompute_is_freed_too() -> None:
+    torch.manual_seed(0)
+    model = Mlp()
+    activations: list[weakref.ref[torch.Tensor]] = []  # each ReLU output: saved by its node for the backward
+    handle = model.act.register_forward_hook(lambda m, args, out: activations.append(weakref.ref(out)))
+    tracer = Tracer(model)
+    tracer.start()
+    try:
+        out = model(torch.randn(B, D_IN, requires_grad=True))
+        assert activations[0]() is not None  # the graph holds it
+        del out  # the graph goes: so does what its nodes saved, while the tracer still runs
+        assert activations[0]() is None
+        # checkpointed: the recompute's nodes hold the recomputed ReLU output; torch drops them once the
+        # backward has read it, and the tracer must not keep them to the end
+        checkpoint(model, torch.randn(B, D_IN, requires_grad=True), use_reentrant=False).sum().backward()
+        assert len(activations) == 3 and all(ref() is None for ref in activations)
+    finally:
+        tracer.stop()
+        handle.remove()
+    assert 2 * tracer.profile().recompute_macs == UP  # the recompute ran (up and its ReLU), and was counted
 
 
 def test_ignored_types_count_towards_their_parent() -> None:
