@@ -75,7 +75,8 @@ class WindowSteps:
     batches; a step with other shapes is left out of the median).
     ``first``: the window's first step (None: ``counting``, as in files written before re-profiling); a
     re-profile window (``profile_every``) counted and timed no module itself: its ``counting``,
-    ``module_timing`` and ``module_trace`` are earlier steps, of the window it reuses.
+    ``module_timing`` and ``module_trace`` are earlier steps, of the window it reuses; its ``first`` step
+    is a lead-in (untouched: its end is where the first clean step's wall and data time start).
     """
 
     counting: int

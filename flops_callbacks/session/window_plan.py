@@ -13,8 +13,9 @@ shapes, which no rank knows before they arrive.
 With ``profile_every=N`` a window ends by naming the next one's start: the first step of the grid
 ``profile_step + k*N`` after its last step (:meth:`WindowPlan.ended`), from the agreed steps and the
 options alone, so every rank opens it on the same global step. Such a *re-profile* window has no
-counting and no module-timing step (the previous window's counts and module tree are reused): each of
-its steps is decided by its batches, clean unless a shape is new (or the table asks for a count).
+counting and no module-timing step (the previous window's counts and module tree are reused): a lead-in
+step, run as it is (its end is where the first clean step's wall and data time start), then steps
+decided by their batches, clean unless a shape is new (or the table asks for a count).
 """
 
 from __future__ import annotations
@@ -85,17 +86,19 @@ class WindowPlan:
 
     @property
     def before_clean(self) -> int:
-        """Window steps before the first clean one: counting, module timing and the check, or none."""
-        return 0 if self.reprofile else run_plan.BEFORE_CLEAN
+        """Window steps before the first clean one: counting, module timing and the check, or the lead-in."""
+        return 1 if self.reprofile else run_plan.BEFORE_CLEAN
 
     def start_step(self) -> str | None:
         """A window step starts: its kind by its place (counting, module timing), or None when its
-        batches decide (a clean step, or a shape-counting or skipped one; every step of a re-profile)."""
+        batches decide (a clean step, or a shape-counting or skipped one)."""
         self.open = True
         n = len(self.kinds)
         kind = Kind.COUNTING if n == 0 else Kind.MODULE_TIMING if n <= run_plan.MODULE_TIMING_STEPS else None
-        self.kinds.append(None if self.reprofile else kind)
-        return self.kinds[-1]
+        if self.reprofile:
+            kind = Kind.LEAD_IN if n == 0 else None
+        self.kinds.append(kind)
+        return kind
 
     @property
     def kind(self) -> str | None:
