@@ -213,6 +213,31 @@ def test_a_step_profiler_loop_re_profiles_and_logs_each_window(tmp_path: Path) -
         assert load(tmp_path / f"flops_profile_step{start}.json").result.step == start
 
 
+def test_two_ddp_ranks_with_skewed_batch_lengths_re_profile_on_the_same_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rank 1's long batches need shape counts rank 0's do not: the votes keep the windows in lock step
+    from tests.integrations.test_ranks import csv_series, launch
+    from tests.rank_workers import MAX_STEPS
+    from tests.rank_workers import PROFILE_STEP as FIRST
+
+    monkeypatch.setenv("FLOPS_PROFILE_EVERY", "15")
+    ranks = launch(tmp_path, "lightning", "skewed", "3", "ddp")  # bounded; every rank reached MAX_STEPS
+    last = ranks[0]
+    assert last["first"] == FIRST + 2 * 15 and last["steps"]["counting"] == FIRST  # 32: the last window's
+    agreed = ("counting", "clean", "shape_counting")  # (the module-timing steps are each rank's tree's)
+    for other in ranks[1:]:
+        assert (other["first"], other["published_at"], other["metrics"]) == (
+            last["first"],
+            last["published_at"],
+            last["metrics"],
+        )
+        assert [other["steps"][k] for k in agreed] == [last["steps"][k] for k in agreed]
+    windows = csv_series(tmp_path, names.FWD_FLOPS)
+    assert len(windows) == 3 and max(windows) == last["published_at"] <= MAX_STEPS
+    assert len(set(windows.values())) == 1  # the first window's per-GPU counts, reused
+
+
 # --- the plan and the option, alone --------------------------------------------------------------
 
 
