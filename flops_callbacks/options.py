@@ -61,7 +61,10 @@ class Options:
 
     The window starts at the first optimizer step at or after ``profile_step``: that step counts, the
     next times modules, and ``clean_steps`` more time the phases with nothing else on the clock
-    (``"auto"``: 3 to 20, until the median iter latency is known within +-3%).
+    (``"auto"``: 3 to 20, until the median iter latency is known within +-3%). With ``profile_every=N``,
+    after the first window, another starts every ``N`` steps (at ``profile_step + k*N``, the first such
+    step after the previous window): its clean steps only, the first window's counts and module tree
+    reused (:mod:`flops_callbacks.session.window_plan`).
     """
 
     profile_step: int = 10
@@ -80,6 +83,7 @@ class Options:
     # after the window, count one step in a while and compare with the shape table: every N steps, or
     # "auto" (as often as keeps the counting's cost <= 1% of the run's time), or 0 (never)
     flops_audit: int | Literal["auto"] = "auto"
+    profile_every: int | None = None  # after the first window, re-profile every N steps (None: never)
 
     def __post_init__(self) -> None:
         check_int("profile_step", self.profile_step, 0)
@@ -96,6 +100,9 @@ class Options:
             or self.flops_audit < 0
         ):
             raise ValueError(f"flops_audit must be 'auto' or an int >= 0, got {self.flops_audit!r}")
+        every = self.profile_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"profile_every must be an int >= 1 or None, got {every!r}")
         check_report_args(self.module_depth, self.top_modules)
         for name in ("detailed", "print_profile", "throughput"):
             check_flag(name, getattr(self, name))

@@ -118,6 +118,7 @@ def save(
                       "shape_counting": list(result.steps.shape_counting),
                       "module_timing": list(result.steps.module_timing)},
             "published_at": result.published_at,
+            "first": result.step,
             "clean_counts": result.figures().counts._asdict(),
             "clean_iter_seconds": result.figures().iter_seconds,
             "clean_tokens": result.figures().tokens,
@@ -176,9 +177,11 @@ def lightning(data: str, clean: Any, directory: Path, strategy: str, processes: 
     from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 
     collator = PadToLongest(data)
+    every = os.environ.get("FLOPS_PROFILE_EVERY")  # test_profile_every: re-profile windows across ranks
     callback = FlopsProfilerCallback(
-        profile_step=PROFILE_STEP, clean_steps=clean, tokens_fn=tokens, print_profile=False, peak_flops=1e12
-    )
+        profile_step=PROFILE_STEP, clean_steps=clean, tokens_fn=tokens, print_profile=False, peak_flops=1e12,
+        profile_every=int(every) if every else None,
+    )  # fmt: skip
     start_method = {"ddp_spawn": "spawn"}.get(strategy, "popen")
     trainer = L.Trainer(
         accelerator="cpu",

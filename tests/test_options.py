@@ -16,7 +16,7 @@ def test_the_defaults_are_the_documented_ones() -> None:
     assert (o.profile_step, o.clean_steps, o.module_depth, o.top_modules) == (10, "auto", -1, 1)
     assert (o.detailed, o.print_profile, o.throughput, o.causal_attention) == (False, True, True, "full")
     assert (o.output_file, o.batch_size_fn, o.tokens_fn, o.peak_flops) == (None, None, None, None)
-    assert o.peak_bandwidth is None
+    assert o.peak_bandwidth is None and o.profile_every is None
     assert CAUSAL_ATTENTION == ("full", "half")
 
 
@@ -48,6 +48,8 @@ def test_the_defaults_are_the_documented_ones() -> None:
             "peak_bandwidth must be the peak memory bandwidth of one device in bytes/s",
         ),
         ({"peak_bandwidth": float("inf")}, "peak_bandwidth must be the peak memory bandwidth"),
+        ({"profile_every": 0}, "profile_every must be an int >= 1 or None, got 0"),
+        ({"profile_every": 20.0}, "profile_every must be an int >= 1 or None, got 20.0"),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_argument_and_what_it_accepts(kwargs: dict, message: str) -> None:

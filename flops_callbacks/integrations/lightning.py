@@ -134,6 +134,9 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         flops_audit: after the window, count one step every ``flops_audit`` steps and compare it with
             the shape table (a mismatch is said once and ``throughput/*`` follows the count); "auto":
             as often as keeps the counting's cost within 1% of the run's time; 0: never.
+        profile_every: after the first window, another window every ``profile_every`` steps (its clean
+            steps only: the first window's counts and module tree are reused), each published at its end
+            as ``flops_profile_step{N}.*`` and logged at its step; None: the first window only.
     """
 
     _step_at_batch_start: int | None = None  # the global step of the optimizer step in progress

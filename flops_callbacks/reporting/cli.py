@@ -147,7 +147,8 @@ def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
 
 def _run_line(label: str, saved: SavedProfile) -> str:
     r = saved.result
-    steps = f"counting step {r.step}, {len(r.steps.clean)} clean step(s)"
+    window = f"window at step {r.step}, counts of " if r.steps.reused else ""
+    steps = f"{window}counting step {r.steps.counting}, {len(r.steps.clean)} clean step(s)"
     return f"{label}: {saved.source} ({steps}, {r.profile.device})"
 
 

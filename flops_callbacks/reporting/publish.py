@@ -66,14 +66,19 @@ def _module_source(result: WindowResult) -> str:
     cost, taken = result.hook_cost, ""
     if cost is not None:
         taken = f"; less {duration_to_string(cost.per_call)} a call for the hooks, {cost.source}"
-    return f"{steps} (module hooks, no counting{median}{taken})"
+    reused = f"; reused: this window (step {result.step}) timed no module" if s.reused else ""
+    return f"{steps} (module hooks, no counting{median}{taken}){reused}"
 
 
 def source_lines(result: WindowResult) -> list[tuple[str, str]]:
     """Which step each figure comes from, in the report's words."""
     s, sources = result.steps, result.flops_sources
     lines = [
-        ("flops, MACs, params from", f"step {s.counting} (counting step)"),
+        (
+            "flops, MACs, params from",
+            f"step {s.counting} (counting step"
+            + (f"; reused: this window (step {result.step}) counted no module)" if s.reused else ")"),
+        ),
         ("module latencies from", _module_source(result)),
         (
             "fwd / bwd / step latency from",

@@ -35,7 +35,17 @@ from flops_callbacks.timing.module_timer import ModuleTimes, median_step
 from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phases import PHASES
 
-__all__ = ["COUNTED", "LocalWindow", "RankRow", "build_result", "job_figures", "local_window", "mean"]
+__all__ = [
+    "COUNTED",
+    "LocalWindow",
+    "RankRow",
+    "build_result",
+    "clean_peak_memory",
+    "job_figures",
+    "local_window",
+    "mean",
+    "window_shapes",
+]
 
 
 def _model_config(model: torch.nn.Module) -> Any:
@@ -47,7 +57,7 @@ def _model_config(model: torch.nn.Module) -> Any:
     return None
 
 
-def _shapes(steps: list[WindowStep], flops: ShapeFlops) -> tuple[int, int, int]:
+def window_shapes(steps: list[WindowStep], flops: ShapeFlops) -> tuple[int, int, int]:
     """Distinct micro-batch shape signatures of the counted and clean steps: all of them, those whose
     flops were counted (as every micro-batch of theirs appeared: a step's first, or a later one), and
     those predicted."""
@@ -60,7 +70,7 @@ def _shapes(steps: list[WindowStep], flops: ShapeFlops) -> tuple[int, int, int]:
     return len(seen), counted, len(seen) - counted
 
 
-def _peak_memory(steps: list[WindowStep]) -> dict[str, int] | None:
+def clean_peak_memory(steps: list[WindowStep]) -> dict[str, int] | None:
     """The largest peak allocated bytes of each phase over the clean steps (None off CUDA)."""
     recorded = [s.phases.memory.peaks for s in steps if s.phases.memory is not None]
     if not recorded:
@@ -164,8 +174,8 @@ class RankRow(NamedTuple):
     real_tokens: int | float | None
     positions: int | float | None
     counted: tuple[int, ...]  # the counting step's totals
-    counted_samples: int | None
-    counted_tokens: int | None
+    counted_samples: int | float | None
+    counted_tokens: int | float | None
     counting_iter: float  # the counting step's fwd + bwd + step seconds (what a count costs)
 
 
@@ -296,13 +306,14 @@ def build_result(
         extra += estimate_rows(
             profile, counting.tokens, _model_config(model), model=model, samples=counting.samples
         )
-    shapes, counted, predicted = _shapes(steps, flops)
+    shapes, counted, predicted = window_shapes(steps, flops)
     model_forward, forward_steps, forward_shapes_match = _model_forward(
         clean, module_steps[0].signatures if module_steps else None
     )
     return WindowResult(
         profile=profile,
         steps=WindowSteps(
+            first=counting.number,
             counting=counting.number,
             module_timing=tuple(s.number for s in module_steps or ran),
             clean=tuple(s.number for s in clean),
@@ -329,7 +340,7 @@ def build_result(
         no_peak_reason=no_peak_reason,
         bandwidth=bandwidth,
         no_bandwidth_reason=no_bandwidth_reason,
-        peak_memory=_peak_memory(clean),
+        peak_memory=clean_peak_memory(clean),
         rank_latencies=[(r.times[5], r.times[8], r.times[11]) for r in rows],  # (fwd, bwd, step) medians
         rank_counts=[dict(zip(COUNTED, r.counted, strict=True)) for r in rows],
         sharded_model_params=sharded_params(model),

@@ -30,8 +30,13 @@ class JobMeter:
         self.running = False  # the events are routed (every rank, from the window's agreed end)
         self.ok = False  # this rank's meter runs (else it joins the exchanges with nothing)
 
-    def start(self, result: WindowResult | None, model: torch.nn.Module, flops: ShapeFlops) -> None:
-        """The window ended on every rank: meter from now (``result`` None: this rank's build failed)."""
+    def start(
+        self, result: WindowResult | None, model: torch.nn.Module, flops: ShapeFlops, again: bool = False
+    ) -> None:
+        """The window ended on every rank: meter from now (``result`` None: this rank's build failed);
+        ``again``: a re-profile window ended: the interval it paused goes on, its time left out."""
+        if again:
+            return self.resume()
         self.running, self.ok = self.meter is not None, False
         if self.meter is None or result is None:
             return

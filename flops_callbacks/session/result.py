@@ -73,6 +73,10 @@ class WindowSteps:
     ``module_shapes_match``: whether the module-timing steps' batches had the counting step's shapes
     (else their per-module latencies are left out: with another batch's flops they would mix two
     batches; a step with other shapes is left out of the median).
+    ``first``: the window's first step (None: ``counting``, as in files written before re-profiling); a
+    re-profile window (``profile_every``) counted and timed no module itself: its ``counting``,
+    ``module_timing`` and ``module_trace`` are earlier steps, of the window it reuses; its ``first`` step
+    is a lead-in (untouched: its end is where the first clean step's wall and data time start).
     """
 
     counting: int
@@ -88,6 +92,12 @@ class WindowSteps:
     module_trace: int | None = None
     model_forward: tuple[int, ...] = ()  # the clean steps that marked the model's own forward
     model_forward_shapes_match: bool = False  # whether they had the module-timing steps' batch shapes
+    first: int | None = None
+
+    @property
+    def reused(self) -> bool:
+        """Whether the counts and module tree come from an earlier window (a re-profile window's)."""
+        return self.first is not None and self.first > self.counting
 
 
 @dataclass
@@ -140,8 +150,9 @@ class WindowResult:
 
     @property
     def step(self) -> int:
-        """The counting step (``profile_step``, or the first step after it that ran)."""
-        return self.steps.counting
+        """The window's first step: its counting step (``profile_step``, or the first step after it that
+        ran), or a re-profile window's first (its files are ``flops_profile_step{step}.*``)."""
+        return self.steps.counting if self.steps.first is None else self.steps.first
 
     @property
     def iter_latency(self) -> float:

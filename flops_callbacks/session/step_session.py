@@ -8,7 +8,8 @@ framework's events, each step's end and the model's outermost calls (:mod:`.oute
 batch's flops come from :class:`~flops_callbacks.session.shape_flops.ShapeFlops`; what it cannot vouch
 for (``needs_count``: a new shape, the content check) is a shape-counting step (counted, not timed), at
 most ``MAX_SHAPE_COUNTS`` times. :mod:`.builder` builds the figures from :mod:`.window_steps`; after the
-window, :mod:`flops_callbacks.session.meter` logs ``throughput/*`` with the same table.
+window, :mod:`flops_callbacks.session.meter` logs ``throughput/*`` with the same table, paused while a
+re-profile window (``profile_every``: :mod:`.window_plan`, :mod:`.reprofile`) times clean steps.
 
 An adapter maps its framework's events onto this object (:mod:`flops_callbacks.session.adapter_api`):
 
@@ -46,11 +47,12 @@ from flops_callbacks.peaks import given_bandwidth, given_peak
 from flops_callbacks.session import run_plan
 from flops_callbacks.session.adapter_api import Outlet, Publish, TrainingContext
 from flops_callbacks.session.batch import BatchReader, Signature, shape_signature
-from flops_callbacks.session.builder import RankRow, build_result, local_window
+from flops_callbacks.session.builder import RankRow
 from flops_callbacks.session.instruments import Instruments
 from flops_callbacks.session.job_meter import JobMeter
 from flops_callbacks.session.meter import ThroughputMeter
 from flops_callbacks.session.ranks import RankFailure, Ranks
+from flops_callbacks.session.reprofile import local_part, window_result
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_plan import Decision, WindowPlan, Wish
@@ -162,7 +164,7 @@ class StepSession:
         now so that an unwritable one is said before the run rather than at the window's end."""
         self.close()
         self.guard.forget()
-        self.plan.reset()
+        self.plan.reset(run=True)
         self.result = None
         self.flops = ShapeFlops()
         self._window_ran = self._abandoned = False
@@ -214,8 +216,8 @@ class StepSession:
 
     def _drop(self, decision: Decision) -> None:
         """Every rank agreed to drop the window: said once, by the logging rank, unless this rank's own
-        failure was said already."""
-        self.plan.reset()
+        failure was said already. No other window starts in this run."""
+        self.plan.reset(run=True)
         self._window_ran = True
         if self._logging_rank and not self._abandoned:
             warn(f"{self.owner}: {decision.why}; {DROPPED} on every rank. Training goes on.")
@@ -233,13 +235,10 @@ class StepSession:
     ) -> None:
         """An optimizer step starts (before its first micro-batch). ``runs``: what the framework calls,
         when it is a wrapper of ``model`` (the HF Trainer's compiled model): a compile is seen there."""
-        if self.job_meter.running:
-            self._model = model
-            return
         if not self.plan.open:
             late = self._window_ran or self._resumed_past or not self.enabled
-            if late or global_step < self.options.profile_step:
-                return
+            if (late or global_step < self.options.profile_step) and not self.plan.due(global_step):
+                return  # no window starts: the first at profile_step, then one each profile_every steps
             self.plan.failed = self._abandoned  # a rank that failed before the window votes to drop it
         kind = self.plan.start_step()  # on every rank alike: the window's steps are the same everywhere
         if not self.plan.failed:
@@ -257,6 +256,7 @@ class StepSession:
         if not self._steps:
             self._context = context() if context is not None else TrainingContext()
             self._model = model
+            self.job_meter.pause()  # in a re-profile window (module doc); resumed at its end
         device = module_device(model)
         clock = self._steps[0].phases.clock if self._steps else clock_for(device)
         start_mark = self._steps[-1].end_mark if self._steps else None
@@ -405,7 +405,8 @@ class StepSession:
 
     @_own_work("resuming throughput")
     def resume_throughput(self) -> None:
-        self.job_meter.resume()
+        if not self.plan.open:  # a re-profile window's time is not metered: resumed at its end
+            self.job_meter.resume()
 
     # --- the window's end ----------------------------------------------------------------------------
 
@@ -425,35 +426,34 @@ class StepSession:
 
     def _finish(self, global_step: int, outlet: Outlet) -> None:
         """The window's agreed end (every rank): exchange each rank's figures, build the job's result,
-        publish it on the logging rank, and start the throughput meter on every rank."""
+        publish it on the logging rank, and start (or resume) the throughput meter on every rank."""
         steps, self._steps, self._step = self._steps, [], None
         tracer = self.instruments.drop()
         model, self._model = self._model, None
+        reprofile, base = self.plan.reprofile, self.result
         self.plan.reset()
+        self.plan.ended(steps[-1].number if steps else global_step)  # agreed: the steps are every rank's
         self._window_ran = True
         local = None
-        if tracer is not None and model is not None and steps and steps[0].signatures:
+        if model is not None:
             with self.guard.own_work("building the profile", DROPPED, self._abandon):
-                local = local_window(steps, tracer, self.flops)
+                local = local_part(steps, self.flops, tracer, base if reprofile else None)
         mine: RankRow | str = local.row() if local is not None else "failed" if self._abandoned else "empty"
         try:
             rows = self.ranks.exchange(mine)
         except RankFailure as failure:
-            return self._drop(
-                Decision(True, False, False, False, f"exchanging every rank's figures failed ({failure})")
-            )
+            return self._drop(Decision.dropped(f"exchanging every rank's figures failed ({failure})"))
         if any(row == "failed" for row in rows):
-            failed = rows.index("failed")
-            return self._drop(Decision(True, False, False, False, f"rank {failed}'s profile failed"))
+            return self._drop(Decision.dropped(f"rank {rows.index('failed')}'s profile failed"))
         if local is None or model is None or any(isinstance(row, str) for row in rows):
-            return  # a window with no micro-batch: nothing to say (as on every rank)
+            return self.job_meter.resume() if reprofile else None  # no micro-batch: nothing to say
         with self.guard.own_work("asking the log dir", "the files in the log dir are not written"):
             log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective
+        built = None
         with self.guard.own_work("building the profile", "no profile is published"):
             peaks = (self.given_peak, self.given_bandwidth)
-            self.result = build_result(
-                steps, local, rows, model, self._context, self.flops, global_step, peaks=peaks
-            )
-        if self.result is not None and outlet.is_logging_rank and self.publish is not None:
-            self.publish(self.result, self.options, log_dir, outlet, self.guard, set(self._unwritable))
-        self.job_meter.start(self.result, model, self.flops)
+            built = window_result(local, steps, rows, model, self._context, self.flops, global_step, peaks)
+        self.result = built or self.result  # a failed re-profile keeps the last result to build on
+        if built is not None and outlet.is_logging_rank and self.publish is not None:
+            self.publish(built, self.options, log_dir, outlet, self.guard, set(self._unwritable))
+        self.job_meter.start(self.result, model, self.flops, again=reprofile)

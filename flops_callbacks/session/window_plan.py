@@ -9,6 +9,13 @@ are exchanged. A rank whose own work failed keeps voting, for a drop, until ever
 
 Why a vote at the micro-batch and not only at the step's end: a step's kind depends on its batches'
 shapes, which no rank knows before they arrive.
+
+With ``profile_every=N`` a window ends by naming the next one's start: the first step of the grid
+``profile_step + k*N`` after its last step (:meth:`WindowPlan.ended`), from the agreed steps and the
+options alone, so every rank opens it on the same global step. Such a *re-profile* window has no
+counting and no module-timing step (the previous window's counts and module tree are reused): a lead-in
+step, run as it is (its end is where the first clean step's wall and data time start), then steps
+decided by their batches, clean unless a shape is new (or the table asks for a count).
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ class Decision(NamedTuple):
     done: bool
     why: str = ""
 
+    @classmethod
+    def dropped(cls, why: str) -> Decision:
+        return cls(True, False, False, False, why)
+
 
 class WindowPlan:
     """The window's agreed state: its steps' kinds so far, whether it is open, and whether this rank
@@ -54,9 +65,29 @@ class WindowPlan:
         self.kinds: list[str | None] = []  # the agreed kind of each window step (None: not yet)
         self.open = False
         self.failed = False
+        self.reprofile = False  # the open window reuses the previous one's profile (module doc)
+        self.next_window: int | None = None  # where the next re-profile window starts (None: none)
 
-    def reset(self) -> None:
-        self.kinds, self.open, self.failed = [], False, False
+    def reset(self, run: bool = False) -> None:
+        """The window ended (or was dropped); with ``run`` no other window starts in this run."""
+        self.kinds, self.open, self.failed, self.reprofile = [], False, False, False
+        if run:
+            self.next_window = None
+
+    def ended(self, last_step: int) -> None:
+        """The window whose last step started at ``last_step`` ended (agreed): the next one's start."""
+        every, first = self.options.profile_every, self.options.profile_step
+        self.next_window = None if every is None else first + every * ((last_step - first) // every + 1)
+
+    def due(self, global_step: int) -> bool:
+        """Whether a re-profile window starts at this step (the same on every rank: module doc)."""
+        self.reprofile = self.next_window is not None and global_step >= self.next_window
+        return self.reprofile
+
+    @property
+    def before_clean(self) -> int:
+        """Window steps before the first clean one: counting, module timing and the check, or the lead-in."""
+        return 1 if self.reprofile else run_plan.BEFORE_CLEAN
 
     def start_step(self) -> str | None:
         """A window step starts: its kind by its place (counting, module timing), or None when its
@@ -64,6 +95,8 @@ class WindowPlan:
         self.open = True
         n = len(self.kinds)
         kind = Kind.COUNTING if n == 0 else Kind.MODULE_TIMING if n <= run_plan.MODULE_TIMING_STEPS else None
+        if self.reprofile:
+            kind = Kind.LEAD_IN if n == 0 else None
         self.kinds.append(kind)
         return kind
 
@@ -82,11 +115,11 @@ class WindowPlan:
         try:
             wishes = self.ranks.exchange(wish)
         except RankFailure as failure:
-            return Decision(True, False, False, False, f"the ranks' vote failed ({failure})")
+            return Decision.dropped(f"the ranks' vote failed ({failure})")
         failed = [rank for rank, w in enumerate(wishes) if w is None or w.drop]
         if failed:
             why = f"rank {failed[0]}'s profiler failed" if self.ranks.several else "the profiler failed"
-            return Decision(True, False, False, False, why)
+            return Decision.dropped(why)
         new, check = any(w.new_shape for w in wishes), any(w.check for w in wishes)
         return Decision(False, new, check, all(w.done for w in wishes))
 
@@ -108,7 +141,7 @@ class WindowPlan:
         """This rank's wish at a step's end: ``clean_iters`` (its clean steps' iter seconds) meet
         ``clean_steps``, or ``"auto"``'s median is known."""
         wanted = self.options.clean_steps
-        if len(self.kinds) < run_plan.BEFORE_CLEAN:
+        if len(self.kinds) < self.before_clean:
             return False
         if wanted != "auto":
             return len(clean_iters) >= wanted
@@ -119,7 +152,7 @@ class WindowPlan:
         wanted = self.options.clean_steps
         most = run_plan.CLEAN_MAX if wanted == "auto" else wanted
         clean = sum(k == Kind.CLEAN for k in self.kinds)
-        after = len(self.kinds) - run_plan.BEFORE_CLEAN
-        return len(self.kinds) >= run_plan.BEFORE_CLEAN and (
+        after = len(self.kinds) - self.before_clean
+        return len(self.kinds) >= self.before_clean and (
             clean >= most or after >= most + 2 * MAX_SHAPE_COUNTS
         )

@@ -50,6 +50,7 @@ class Kind:
     COUNTING, MODULE_TIMING, CLEAN = "counting", "module timing", "clean"
     SHAPE_COUNTING = "shape counting"  # counted with no clock: its batch shapes' flops were not known yet
     SKIPPED = "skipped"  # timed, but its batch shapes' flops are unknown (no shape counting left)
+    LEAD_IN = "lead-in"  # a re-profile window's first: its end is where the first clean step's wall starts
 
 
 # the latencies of a clean step, in the order gathered across ranks

@@ -91,6 +91,7 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
         "module_trace": r.steps.module_trace,
         "model_forward": list(cleans),  # the clean steps that marked the model's own forward
         "model_forward_shapes_match": True,
+        "first": 3,  # the window's first step: its counting step (a re-profile window's: its lead-in)
     }
     # what the timing hooks of one module call cost, measured on a CPU clock and taken out
     assert data["hook_cost"]["per_call"] > 0 and data["hook_cost"]["own"] <= data["hook_cost"]["per_call"]
