@@ -23,7 +23,8 @@ from flops_callbacks.reporting.report import EngineRows, render_profile, render_
 from flops_callbacks.reporting.tree_check import TreeCheck, check_tree
 from flops_callbacks.roofline import as_data
 from flops_callbacks.session.adapter_api import Outlet
-from flops_callbacks.session.result import WindowResult, window_rates
+from flops_callbacks.session.result import WindowResult
+from flops_callbacks.session.window_steps import StepWork
 from flops_callbacks.timing.phases import PHASES
 from flops_callbacks.units import (
     bytes_to_string,
@@ -85,7 +86,7 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
             s.latency_source + (f": steps {_steps_text(s.clean)}" if s.clean else ""),
         ),
         (
-            "rates from: the same steps' summed flops (samples, tokens) / summed times",
+            "rates from: the median step's flops (samples, tokens) / the median latencies",
             f"{s.shapes} batch shape(s): flops of {s.shapes_counted} counted, {s.shapes_predicted} predicted",
         ),
     ]
@@ -116,20 +117,29 @@ def model_forward_lines(result: WindowResult) -> list[tuple[str, str]]:
 
 
 def spread_lines(result: WindowResult) -> list[tuple[str, str]]:
-    """Each latency's median with its range over the clean steps (data and wall when timed)."""
+    """Each latency's median with its range over the clean steps (data and wall when timed), and the
+    range of each step's fwd + bwd + step: where a slow step shows (the iter latency is the medians' sum)."""
     spreads = result.figures().spreads
     steps = spreads["iter"].steps
-    lines = []
-    for group in (("fwd", "bwd", "step"), ("iter", "data", "wall")):
-        shown = [n for n in group if not (n in ("data", "wall") and spreads[n].high == 0)]
+
+    def spread(names: list[str]) -> tuple[str, str]:
         values = [
             f"{duration_to_string(spreads[n].median)} "
             f"({duration_to_string(spreads[n].low)} .. {duration_to_string(spreads[n].high)})"
-            for n in shown
+            for n in names
         ]
-        lines.append(
-            (f"{' / '.join(shown)} latency over {steps} step(s): median (min .. max)", " / ".join(values))
-        )
+        return f"{' / '.join(names)} latency over {steps} step(s): median (min .. max)", " / ".join(values)
+
+    each = spreads["iter"]
+    lines = [
+        spread(["fwd", "bwd", "step"]),
+        (
+            f"fwd+bwd+step of each of the {steps} step(s): min .. max",
+            f"{duration_to_string(each.low)} .. {duration_to_string(each.high)}",
+        ),
+    ]
+    if spreads["wall"].high > 0:
+        lines.append(spread(["data", "wall"]))
     return lines
 
 
@@ -151,7 +161,7 @@ def wall_lines(metrics: dict[str, float]) -> list[tuple[str, str]]:
         rate += f" (tokens/second: {metrics[names.WALL_TOKENS_PER_SEC]:.2f})"
     lines = [
         ("wall step (previous step's end -> its end), median", f"{duration_to_string(wall)} = {split}"),
-        ("samples/second over the wall step (above: compute rate, fwd+bwd+step)", rate),
+        ("samples/second over the wall steps (their samples / their summed wall time)", rate),
     ]
     if wall > 0 and parts["data"] >= 0.3 * wall:
         lines.append(
@@ -168,11 +178,16 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     lines = result.parallel.factor_lines()
     if result.samples is None:
         lines.append(("samples/second", "n/a: the batch size was not found (pass batch_size_fn)"))
-    if names.TOKENS_PER_SEC in metrics:
-        label = "tokens/second (all data-parallel replicas)"
-        if names.PADDING_FRACTION in metrics:
-            label = "tokens/second (positions processed, padding included; all replicas)"
-        lines.append((label, f"{metrics[names.TOKENS_PER_SEC]:.2f}"))
+    each = result.figures().median()
+    if names.TOKENS_PER_SEC in metrics and each.tokens is not None:
+        padded = " (positions processed, padding included)" if names.PADDING_FRACTION in metrics else ""
+        lines += [
+            ("tokens per step per GPU" + padded, _count(each.tokens)),
+            (
+                "tokens/second = tokens per step per GPU * dp_size / iter latency",
+                f"{metrics[names.TOKENS_PER_SEC]:.2f}",
+            ),
+        ]
     if names.PADDING_FRACTION in metrics:
         lines += [
             (
@@ -180,7 +195,7 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
                 f"{100 * metrics[names.PADDING_FRACTION]:.1f}%",
             ),
             (
-                "real tokens/second (padding excluded; all replicas)",
+                "real tokens/second (padding excluded: a median step's real tokens * dp_size / iter latency)",
                 f"{metrics[names.REAL_TOKENS_PER_SEC]:.2f}",
             ),
         ]
@@ -190,8 +205,6 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
         spread = f"{duration_to_string(min(iters))} .. {duration_to_string(max(iters))}"
         lines.append((f"iter latency over {len(iters)} ranks, min .. max (slowest shown)", spread))
         lines += rank_count_lines(result)
-    if result.micro_batches > 1:
-        lines.append(("micro-batches per step", str(result.micro_batches)))
     lines.append(("compute dtype (picks the peak)", result.compute_dtype or "unknown"))
     lines.append(("peak memory allocated fwd / bwd / step (clean steps)", _peak_memory_text(result)))
     if result.peak is not None and result.bandwidth is None:  # without a peak, the MFU row says why
@@ -201,8 +214,11 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     else:
         lines += [
             (f"peak FLOPS per device ({result.peak.source})", flops_to_string(result.peak.flops)),
-            ("MFU = (fwd+bwd flops) / iter latency / peak", f"{100 * metrics[names.MFU]:.2f}%"),
-            ("HFU = (fwd+bwd+recompute flops) / iter latency / peak", f"{100 * metrics[names.HFU]:.2f}%"),
+            ("MFU = FLOPS per GPU / peak (model flops: fwd+bwd)", f"{100 * metrics[names.MFU]:.2f}%"),
+            (
+                "HFU = hardware FLOPS per GPU / peak (fwd+bwd+recompute)",
+                f"{100 * metrics[names.HFU]:.2f}%",
+            ),
         ]
     doubts = [("module latencies in doubt", note) for note in tree_doubts(result).notes]
     return lines + source_lines(result) + doubts + result.extra_lines
@@ -238,17 +254,25 @@ def _peak_memory_text(result: WindowResult) -> str:
     return " / ".join(bytes_to_string(result.peak_memory.get(phase, 0)) for phase in PHASES)
 
 
+def _count(n: int | float) -> str:
+    return f"{n:g}" if isinstance(n, float) else str(n)
+
+
 def run_rows(result: WindowResult, metrics: dict[str, float]) -> EngineRows:
-    """DeepSpeed's engine rows of the summary, from the window: sizes, batch, phase latencies."""
+    """DeepSpeed's engine rows of the summary, from the window: sizes, the micro-batch, phase latencies,
+    and the median clean step's flops and samples that the rates divide."""
+    each = result.figures().median()
     return EngineRows(
         parallel=result.parallel,
-        batch_size=result.samples,
+        batch_size=result.micro_batch_size,
         model_params=result.sharded_model_params,
         fwd_latency=metrics[names.FWD_LATENCY],
         bwd_latency=metrics[names.BWD_LATENCY],
         step_latency=metrics[names.STEP_LATENCY],
         samples_per_second=metrics.get(names.SAMPLES_PER_SEC),
-        rates=window_rates(result),
+        step_counts=each.counts,
+        micro_batches=result.micro_batches,
+        samples_per_step=each.samples,
     )
 
 
@@ -298,6 +322,7 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "model_forward_high": result.model_forward_high,  # the slowest of those steps'
         "hook_cost": None if result.hook_cost is None else dataclasses.asdict(result.hook_cost),
         "metrics": result.metrics(),
+        "clean_steps": len(result.steps.clean),  # the latencies' steps (0: a cut window's, inflated)
         "samples_per_device": result.samples,
         "micro_batches": result.micro_batches,
         "tokens_per_device": result.tokens,
@@ -312,16 +337,20 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         else {"none": result.no_bandwidth_reason},
         # each latency over the clean steps: median, min, max, steps (the slowest rank's)
         "spread": {name: dataclasses.asdict(s) for name, s in result.figures().spreads.items()},
-        "clean_totals": {  # what the rates are made of: sums over the clean steps
-            "seconds": result.figures().sums,
-            "counts": result.figures().counts._asdict(),
-            "samples": result.figures().samples,
-            "tokens": result.figures().tokens,
-            "real_tokens": result.figures().real_tokens,
-            "token_positions": result.figures().positions,
-            "iter_seconds_per_step": result.figures().iters,  # this rank's, in step order
-        },
+        "clean_totals": _work_json(result.figures().total())  # sums over the clean steps: the wall rates'
+        | {"seconds": result.figures().sums, "iter_seconds_per_step": result.figures().iters},  # this rank's
+        "clean_median_step": _work_json(result.figures().median()),  # what the rates divide
         "profile": profile_json(result),
+    }
+
+
+def _work_json(work: StepWork) -> dict[str, Any]:
+    return {
+        "counts": work.counts._asdict(),
+        "samples": work.samples,
+        "tokens": work.tokens,
+        "real_tokens": work.real_tokens,
+        "token_positions": work.positions,
     }
 
 

@@ -10,7 +10,6 @@ where each figure comes from, in words.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -26,7 +25,7 @@ from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_steps import CleanFigures, Kind, WindowStep, clean_figures
+from flops_callbacks.session.window_steps import CleanFigures, Kind, StepWork, WindowStep, clean_figures
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.hook_probe import hook_cost
@@ -65,12 +64,6 @@ def _peak_memory(steps: list[WindowStep]) -> dict[str, int] | None:
     if not recorded:
         return None
     return {phase: max(peaks.get(phase, 0) for peaks in recorded) for phase in PHASES}
-
-
-def _total(steps: list[WindowStep]) -> BatchCounts:
-    """The counts of ``steps`` summed (those whose counts are known)."""
-    known = (s.counts for s in steps if s.counts is not None)
-    return functools.reduce(BatchCounts.plus, known, BatchCounts.zero())
 
 
 def _own_forwards(clean: list[WindowStep]) -> list[tuple[WindowStep, OuterCalls]]:
@@ -153,15 +146,11 @@ COUNTED = (
 
 
 class RankRow(NamedTuple):
-    """What one rank tells the others at the window's end: its clean steps' times and work, and its
-    counting step's totals (by :data:`COUNTED`) and samples and tokens."""
+    """What one rank tells the others at the window's end: its clean steps' times and each one's work,
+    and its counting step's totals (by :data:`COUNTED`) and samples and tokens."""
 
     times: tuple[float, ...]  # CleanFigures.gathered()
-    counts: BatchCounts  # of the clean steps
-    samples: int | float | None
-    tokens: int | float | None
-    real_tokens: int | float | None
-    positions: int | float | None
+    work: tuple[StepWork, ...]  # of each clean step, in order
     counted: tuple[int, ...]  # the counting step's totals
     counted_samples: int | None
     counted_tokens: int | None
@@ -182,17 +171,7 @@ class LocalWindow:
     def row(self) -> RankRow:
         f, c = self.figures, self.counting
         counted = tuple(getattr(self.profile, name) for name in COUNTED)
-        return RankRow(
-            f.gathered(),
-            f.counts,
-            f.samples,
-            f.tokens,
-            f.real_tokens,
-            f.positions,
-            counted,
-            c.samples,
-            c.tokens,
-        )
+        return RankRow(f.gathered(), f.work, counted, c.samples, c.tokens)
 
 
 def local_window(steps: list[WindowStep], tracer: Tracer) -> LocalWindow:
@@ -207,9 +186,9 @@ def local_window(steps: list[WindowStep], tracer: Tracer) -> LocalWindow:
             for name, m in profile.modules.items()
         }
     clean = [s for s in steps if s.kind == Kind.CLEAN and s.counts is not None]
+    counts: BatchCounts | None = None  # each timed step's own
     if clean:
         timed, source = clean, f"median of {len(clean)} clean step(s)"
-        counts = _total(clean)
     else:
         known = [s for s in ran if s.counts is not None]
         timed = known or ran[:1] or [counting]
@@ -217,7 +196,7 @@ def local_window(steps: list[WindowStep], tracer: Tracer) -> LocalWindow:
             f"the {timed[0].kind} step{'s' if len(timed) > 1 else ''} alone (no clean step ran: inflated "
             f"by {'module hooks' if ran else 'counting'})"
         )
-        counts = _total(known) if known else BatchCounts.of(profile)
+        counts = None if known else BatchCounts.of(profile)
     return LocalWindow(profile, ran, module_steps, clean, clean_figures(timed, counts), source, counting)
 
 
@@ -229,24 +208,24 @@ def mean(values: Sequence[int | float | None]) -> int | float | None:
     return total // len(values) if total % len(values) == 0 else total / len(values)
 
 
+def _mean(values: list[Any]) -> Any:
+    return mean(values)
+
+
 def job_figures(local: CleanFigures, rows: Sequence[RankRow]) -> CleanFigures:
-    """The job's clean-step figures: the slowest rank's times (its fwd + bwd + step sums), and per
-    device the ranks' mean work, samples and tokens (every rank's own batches)."""
-    slowest = max(rows, key=lambda row: row.times[0] + row.times[1] + row.times[2])
+    """The job's clean-step figures: the slowest rank's times (the largest iter latency, its fwd + bwd +
+    step medians), and per device the ranks' mean work, samples and tokens, step by step (every rank's
+    own batches; ranks that timed different numbers of steps: the mean of their median steps)."""
+    slowest = max(rows, key=lambda row: sum(CleanFigures.phase_medians(row.times)))
     figures = local.from_gathered(slowest.times)
     if len(rows) == 1:
         return figures
-    counts = BatchCounts(
-        *(round(sum(r.counts[i] for r in rows) / len(rows)) for i in range(len(BatchCounts._fields)))
-    )
-    return dataclasses.replace(
-        figures,
-        counts=counts,
-        samples=mean([r.samples for r in rows]),
-        tokens=mean([r.tokens for r in rows]),
-        real_tokens=mean([r.real_tokens for r in rows]),
-        positions=mean([r.positions for r in rows]),
-    )
+    if len({len(r.work) for r in rows}) == 1:
+        work = tuple(StepWork.combined(step, _mean) for step in zip(*(r.work for r in rows), strict=True))
+    else:
+        medians = [dataclasses.replace(local, work=r.work).median() for r in rows]
+        work = (StepWork.combined(medians, _mean),)
+    return dataclasses.replace(figures, work=work)
 
 
 def build_result(
@@ -321,7 +300,7 @@ def build_result(
         bandwidth=bandwidth,
         no_bandwidth_reason=no_bandwidth_reason,
         peak_memory=_peak_memory(clean),
-        rank_latencies=[(r.times[5], r.times[8], r.times[11]) for r in rows],  # (fwd, bwd, step) medians
+        rank_latencies=[CleanFigures.phase_medians(r.times) for r in rows],
         rank_counts=[dict(zip(COUNTED, r.counted, strict=True)) for r in rows],
         sharded_model_params=sharded_params(model),
         extra_lines=extra,

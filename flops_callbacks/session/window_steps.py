@@ -5,9 +5,12 @@ Each window step keeps what it did: its micro-batches' shape signatures, samples
 marks of
 its wall step (from the previous step's end to its own). The clean steps' figures are:
 
-* rates (FLOPS, MFU, samples/s, tokens/s): the sum of the clean steps' flops (samples, tokens) over
-  the sum of their times, so that steps of every shape weigh by their work, not by their number;
 * latencies: the median over the clean steps, with its range (min .. max) and the number of steps;
+* work per step (flops, samples, tokens): the median over the clean steps, each step with its own
+  exact flops whatever its batch shapes (:class:`StepWork`); the rates (FLOPS, MFU, samples/s,
+  tokens/s) are these medians over the median latencies, so one slow step moves none of them (a sum of
+  flops over a sum of times would carry all of a hiccup's time); the range shows the slow step;
+* wall rates: the clean steps' samples (tokens) over the sum of their wall times: what the wall did;
 * ``median_known``: whether the median iter latency is known within a tolerance, for
   ``clean_steps="auto"``.
 
@@ -19,8 +22,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,6 +39,7 @@ __all__ = [
     "LATENCIES",
     "CleanFigures",
     "Spread",
+    "StepWork",
     "WindowStep",
     "clean_figures",
     "median_known",
@@ -55,6 +60,39 @@ class Kind:
 LATENCIES = ("fwd", "bwd", "step", "iter", "data", "wall")
 SUMS = ("fwd", "bwd", "step", "data", "wall")
 CONFIDENCE = 0.90  # of the median's interval for clean_steps="auto"
+
+
+class StepWork(NamedTuple):
+    """What one timed step did per device (over several ranks: their mean): its flops and MACs, samples,
+    tokens, and the token positions its attention masks cover and those that are not padding (None:
+    unknown)."""
+
+    counts: BatchCounts
+    samples: int | float | None
+    tokens: int | float | None
+    real_tokens: int | float | None = None
+    positions: int | float | None = None
+
+    @classmethod
+    def combined(cls, work: Sequence[StepWork], how: Any) -> StepWork:
+        """Each field of ``work`` combined by ``how`` (a list of values -> one; None if one is None);
+        counts field by field, rounded to whole flops."""
+        fields: list[Any] = [
+            BatchCounts(*(round(how([w.counts[i] for w in work])) for i in range(len(BatchCounts._fields))))
+        ]
+        for i in range(1, len(cls._fields)):
+            values = [w[i] for w in work]
+            fields.append(None if any(v is None for v in values) else how(values))
+        return cls(*fields)
+
+
+def _sum(values: list[Any]) -> Any:
+    return sum(values)
+
+
+def _median(values: list[Any]) -> Any:
+    middle = statistics.median(values)
+    return int(middle) if middle == int(middle) else middle  # a whole median stays an int
 
 
 @dataclass
@@ -85,6 +123,13 @@ class WindowStep:
         data = clock.seconds(self.start_mark, first) if known else 0.0
         return {"fwd": fwd, "bwd": bwd, "step": opt, "iter": fwd + bwd + opt, "data": data, "wall": wall}
 
+    def work(self, counts: BatchCounts | None = None) -> StepWork:
+        """What this step did; ``counts``: its flops when its own are not known (the profile's)."""
+        real = sum(int(m.sum()) for m in self.masks) if self.masks else None
+        positions = sum(m.numel() for m in self.masks) if self.masks else None
+        own = counts if counts is not None else self.counts or BatchCounts.zero()
+        return StepWork(own, self.samples, self.tokens, real, positions)
+
 
 @dataclass(frozen=True)
 class Spread:
@@ -98,18 +143,41 @@ class Spread:
 
 @dataclass(frozen=True)
 class CleanFigures:
-    """What the clean steps did, summed (for rates) and spread (for latencies): the slowest rank's times,
-    the ranks' mean work per device."""
+    """What the clean steps did: each step's work, the sums and spreads of their times (the slowest rank's
+    times, the ranks' mean work per device)."""
 
-    counts: BatchCounts
-    # per device: over several ranks, their mean (an int when exact)
-    samples: int | float | None
-    tokens: int | float | None
-    real_tokens: int | float | None  # token positions that are not padding (attention masks), when known
-    positions: int | float | None  # token positions the attention masks cover
+    work: tuple[StepWork, ...]  # each step's, in order (over several ranks: step by step, their mean)
     sums: dict[str, float]  # seconds of each of SUMS over the clean steps
     spreads: dict[str, Spread]  # each of LATENCIES
     iters: tuple[float, ...] = ()  # each step's fwd + bwd + step seconds, in order (this rank's)
+
+    def total(self) -> StepWork:
+        """The steps' work summed: what the wall rates divide by the summed wall time."""
+        return StepWork.combined(self.work, _sum)
+
+    def median(self) -> StepWork:
+        """The median step's work, field by field: what the rates divide by the median latencies."""
+        return StepWork.combined(self.work, _median)
+
+    @property
+    def counts(self) -> BatchCounts:
+        return self.total().counts
+
+    @property
+    def samples(self) -> int | float | None:
+        return self.total().samples
+
+    @property
+    def tokens(self) -> int | float | None:
+        return self.total().tokens
+
+    @property
+    def real_tokens(self) -> int | float | None:
+        return self.total().real_tokens
+
+    @property
+    def positions(self) -> int | float | None:
+        return self.total().positions
 
     @property
     def iter_seconds(self) -> float:
@@ -123,6 +191,12 @@ class CleanFigures:
             row += [s.median, s.low, s.high]
         return tuple(row)
 
+    @staticmethod
+    def phase_medians(row: tuple[float, ...]) -> tuple[float, float, float]:
+        """The (fwd, bwd, step) medians of a :meth:`gathered` row: their sum is that rank's iter latency."""
+        at = len(SUMS)
+        return row[at], row[at + 3], row[at + 6]
+
     def from_gathered(self, row: tuple[float, ...]) -> CleanFigures:
         """These figures with another rank's times (the work stays this one's)."""
         sums = dict(zip(SUMS, row[: len(SUMS)], strict=True))
@@ -135,24 +209,16 @@ class CleanFigures:
         return replace(self, sums=sums, spreads=spreads)
 
 
-def clean_figures(steps: list[WindowStep], counts: BatchCounts) -> CleanFigures:
-    """The figures of ``steps`` (the clean steps, or the one step that stands for them) whose flops sum
-    to ``counts``."""
+def clean_figures(steps: list[WindowStep], counts: BatchCounts | None = None) -> CleanFigures:
+    """The figures of ``steps`` (the clean steps, or the one step that stands for them); ``counts``: the
+    flops of the one step that stands for them when its own are not known (the profile's)."""
     per_step = [s.seconds() for s in steps]
     spreads = {}
     for name in LATENCIES:
         values = [t[name] for t in per_step]
         spreads[name] = Spread(statistics.median(values), min(values), max(values), len(values))
-    masks = [m for s in steps for m in s.masks]
-    real = sum(int(m.sum()) for m in masks) if masks else None
-    positions = sum(m.numel() for m in masks) if masks else None
-    tokens = [s.tokens for s in steps]
     return CleanFigures(
-        counts=counts,
-        samples=None if any(s.samples is None for s in steps) else sum(s.samples or 0 for s in steps),
-        tokens=None if any(t is None for t in tokens) else sum(t or 0 for t in tokens),
-        real_tokens=real,
-        positions=positions,
+        work=tuple(s.work(counts) for s in steps),
         sums={name: sum(t[name] for t in per_step) for name in SUMS},
         spreads=spreads,
         iters=tuple(t["iter"] for t in per_step),

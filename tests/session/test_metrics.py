@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from flops_callbacks import metrics as names
@@ -9,6 +11,8 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Peak
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
 from flops_callbacks.session.result import WindowResult, WindowSteps, phase_rates, window_metrics
+from flops_callbacks.session.shape_flops import BatchCounts
+from flops_callbacks.session.window_steps import CleanFigures, Spread, StepWork
 
 
 def profile(fwd: int, bwd: int, recompute: int) -> Profile:
@@ -47,15 +51,17 @@ def test_every_metric_of_a_window_by_hand() -> None:
         names.FWD_MACS: 50.0,
         names.FWD_BYTES: 300.0,
         names.BWD_BYTES: 1000.0,
-        names.SAVED_ACTIVATION_BYTES: 700.0,
+        names.SAVED_ACTIVATION_BYTES: 350.0,  # 700 over the step's 2 micro-batches: one micro-batch's
         names.PARAMS: 1000.0,
         names.FWD_LATENCY: 0.25,
         names.BWD_LATENCY: 0.5,
         names.STEP_LATENCY: 0.25,
         names.ITER_LATENCY: 1.0,
+        names.CLEAN_STEPS: 3.0,
         names.FWD_FLOPS_PER_SEC: 400.0,  # 100 / 0.25
-        names.BWD_FLOPS_PER_SEC: 500.0,  # (200 + 50 recomputed) / 0.5: the work of the backward phase
-        names.FLOPS_PER_SEC: 350.0,  # (100 + 200 + 50) / 1.0
+        names.BWD_FLOPS_PER_SEC: 400.0,  # 200 / 0.5: model flops, the 50 recomputed apart
+        names.FLOPS_PER_SEC: 300.0,  # (100 + 200) / 1.0
+        names.HARDWARE_FLOPS_PER_SEC: 350.0,  # (100 + 200 + 50 recomputed) / 1.0
         names.SAMPLES_PER_SEC: 32.0,  # 8 per device x 4 replicas / 1.0
         names.TOKENS_PER_SEC: 4096.0,
         names.MFU: 0.3,  # model flops (100 + 200) / 1.0 / 1000
@@ -71,10 +77,36 @@ def test_without_tokens_or_a_peak_those_keys_are_absent() -> None:
 
 def test_phase_rates_are_zero_where_a_latency_is_zero() -> None:
     rates = phase_rates(profile(fwd=100, bwd=200, recompute=0), 0.0, 0.0, 0.0)
-    assert (rates.fwd, rates.bwd, rates.fwd_bwd, rates.iter) == (0.0, 0.0, 0.0, 0.0)
+    assert (rates.fwd, rates.bwd, rates.fwd_bwd, rates.iter, rates.hardware) == (0.0, 0.0, 0.0, 0.0, 0.0)
     rates = phase_rates(profile(fwd=100, bwd=200, recompute=100), 0.5, 1.0, 0.5)
-    expected = (200.0, 300.0, 400 / 1.5, 200.0)  # fwd 100 / 0.5; bwd (200 + 100) / 1; 400 / 1.5; 400 / 2
-    assert (rates.fwd, rates.bwd, rates.fwd_bwd, rates.iter) == pytest.approx(expected)
+    # fwd 100 / 0.5; bwd 200 / 1; (100 + 200) / 1.5; 300 / 2; with the 100 recomputed 400 / 2
+    expected = (200.0, 200.0, 300 / 1.5, 150.0, 200.0)
+    assert (rates.fwd, rates.bwd, rates.fwd_bwd, rates.iter, rates.hardware) == pytest.approx(expected)
+
+
+def test_one_slow_step_moves_latencies_and_rates_not_but_the_wall_rate_and_the_range() -> None:
+    """Five clean steps of 100 fwd + 200 bwd flops and 4 samples, the third 3x as slow: the medians (and
+    the rates made of them) are the other steps', the wall rate carries the slow step's time."""
+    counts = BatchCounts(100, 200, 0, 50, 100, 0)
+    seconds = [(0.25, 0.5, 0.25)] * 2 + [(0.75, 1.5, 0.75)] + [(0.25, 0.5, 0.25)] * 2
+    figures = CleanFigures(
+        work=tuple(StepWork(counts, 4, 64) for _ in seconds),
+        sums={"fwd": 1.75, "bwd": 3.5, "step": 1.75, "data": 0.0, "wall": 7.0},
+        spreads={
+            "fwd": Spread(0.25, 0.25, 0.75, 5), "bwd": Spread(0.5, 0.5, 1.5, 5),
+            "step": Spread(0.25, 0.25, 0.75, 5), "iter": Spread(1.0, 1.0, 3.0, 5),
+            "data": Spread(0.0, 0.0, 0.0, 5), "wall": Spread(1.0, 1.0, 3.0, 5),
+        },
+    )  # fmt: skip
+    r = dataclasses.replace(result(profile(fwd=100, bwd=200, recompute=0)), micro_batches=1, clean=figures)
+    r.steps = dataclasses.replace(r.steps, clean=(12, 13, 14, 15, 16))
+    m = window_metrics(r)
+    assert m[names.ITER_LATENCY] == 1.0  # 0.25 + 0.5 + 0.25, the medians
+    assert m[names.FLOPS_PER_SEC] == 300.0  # a median step's 300 flops / 1.0 s
+    assert m[names.SAMPLES_PER_SEC] == 16.0  # 4 per step x 4 replicas / 1.0
+    assert m[names.TOKENS_PER_SEC] == 256.0
+    assert m[names.WALL_SAMPLES_PER_SEC] == 20 * 4 / 7.0  # 5 steps x 4 samples x 4 replicas / 7 s of wall
+    assert m[names.CLEAN_STEPS] == 5.0
 
 
 def test_names_are_prefixed_and_listed_once() -> None:
