@@ -214,11 +214,8 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     else:
         lines += [
             (f"peak FLOPS per device ({result.peak.source})", flops_to_string(result.peak.flops)),
-            ("MFU = FLOPS per GPU / peak (model flops: fwd+bwd)", f"{100 * metrics[names.MFU]:.2f}%"),
-            (
-                "HFU = hardware FLOPS per GPU / peak (fwd+bwd+recompute)",
-                f"{100 * metrics[names.HFU]:.2f}%",
-            ),
+            ("MFU = (fwd+bwd flops) / iter latency / peak", f"{100 * metrics[names.MFU]:.2f}%"),
+            ("HFU = (fwd+bwd+recompute flops) / iter latency / peak", f"{100 * metrics[names.HFU]:.2f}%"),
         ]
     doubts = [("module latencies in doubt", note) for note in tree_doubts(result).notes]
     return lines + source_lines(result) + doubts + result.extra_lines
