@@ -24,6 +24,7 @@ from flops_callbacks.reporting.tree_check import TreeCheck, check_tree
 from flops_callbacks.roofline import as_data
 from flops_callbacks.session.adapter_api import Outlet
 from flops_callbacks.session.result import WindowResult
+from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_steps import StepWork
 from flops_callbacks.timing.phases import PHASES
 from flops_callbacks.units import (
@@ -117,29 +118,22 @@ def model_forward_lines(result: WindowResult) -> list[tuple[str, str]]:
 
 
 def spread_lines(result: WindowResult) -> list[tuple[str, str]]:
-    """Each latency's median with its range over the clean steps (data and wall when timed), and the
-    range of each step's fwd + bwd + step: where a slow step shows (the iter latency is the medians' sum)."""
+    """Each latency's range over the clean steps (data and wall when timed): where a slow step shows (the
+    latencies above are the median step's)."""
     spreads = result.figures().spreads
     steps = spreads["iter"].steps
 
-    def spread(names: list[str]) -> tuple[str, str]:
+    def spread(names: list[str], label: str) -> tuple[str, str]:
         values = [
-            f"{duration_to_string(spreads[n].median)} "
-            f"({duration_to_string(spreads[n].low)} .. {duration_to_string(spreads[n].high)})"
-            for n in names
+            f"{duration_to_string(spreads[n].low)} .. {duration_to_string(spreads[n].high)}" for n in names
         ]
-        return f"{' / '.join(names)} latency over {steps} step(s): median (min .. max)", " / ".join(values)
+        return f"{label} of the {steps} clean step(s): min .. max", " / ".join(values)
 
-    each = spreads["iter"]
-    lines = [
-        spread(["fwd", "bwd", "step"]),
-        (
-            f"fwd+bwd+step of each of the {steps} step(s): min .. max",
-            f"{duration_to_string(each.low)} .. {duration_to_string(each.high)}",
-        ),
-    ]
+    lines = [spread(["fwd", "bwd", "step"], "fwd / bwd / step latency")]
     if spreads["wall"].high > 0:
-        lines.append(spread(["data", "wall"]))
+        lines.append(spread(["iter", "data", "wall"], "fwd+bwd+step / data / wall"))
+    else:
+        lines.append(spread(["iter"], "fwd+bwd+step"))
     return lines
 
 
@@ -160,7 +154,10 @@ def wall_lines(metrics: dict[str, float]) -> list[tuple[str, str]]:
     if names.WALL_TOKENS_PER_SEC in metrics:
         rate += f" (tokens/second: {metrics[names.WALL_TOKENS_PER_SEC]:.2f})"
     lines = [
-        ("wall step (previous step's end -> its end), median", f"{duration_to_string(wall)} = {split}"),
+        (
+            "wall step (previous step's end -> its end) of the median step",
+            f"{duration_to_string(wall)} = {split}",
+        ),
         ("samples/second over the wall steps (their samples / their summed wall time)", rate),
     ]
     if wall > 0 and parts["data"] >= 0.3 * wall:
@@ -178,11 +175,10 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     lines = result.parallel.factor_lines()
     if result.samples is None:
         lines.append(("samples/second", "n/a: the batch size was not found (pass batch_size_fn)"))
-    each = result.figures().median()
+    each = result.figures().median_step().work
     if names.TOKENS_PER_SEC in metrics and each.tokens is not None:
-        padded = " (positions processed, padding included)" if names.PADDING_FRACTION in metrics else ""
         lines += [
-            ("tokens per step per GPU" + padded, _count(each.tokens)),
+            ("tokens per step per GPU", _count(each.tokens)),
             (
                 "tokens/second = tokens per step per GPU * dp_size / iter latency",
                 f"{metrics[names.TOKENS_PER_SEC]:.2f}",
@@ -191,7 +187,7 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     if names.PADDING_FRACTION in metrics:
         lines += [
             (
-                "padding fraction (attention_mask zeros / positions)",
+                "padding fraction (attention_mask zeros / positions; tokens are positions, padding included)",
                 f"{100 * metrics[names.PADDING_FRACTION]:.1f}%",
             ),
             (
@@ -211,11 +207,15 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
         lines.append(("roofline per module", f"n/a: {result.no_bandwidth_reason}"))
     if result.peak is None:
         lines.append(("MFU", f"n/a: {result.no_peak_reason}"))
-    else:
+    else:  # of the flops the FLOPS rows divide: the clean step's where it is not the counting step's
+        of = "clean step's " if each.counts != BatchCounts.of(result.per_gpu_profile()) else ""
         lines += [
             (f"peak FLOPS per device ({result.peak.source})", flops_to_string(result.peak.flops)),
-            ("MFU = (fwd+bwd flops) / iter latency / peak", f"{100 * metrics[names.MFU]:.2f}%"),
-            ("HFU = (fwd+bwd+recompute flops) / iter latency / peak", f"{100 * metrics[names.HFU]:.2f}%"),
+            (f"MFU = ({of}fwd+bwd flops) / iter latency / peak", f"{100 * metrics[names.MFU]:.2f}%"),
+            (
+                f"HFU = ({of}fwd+bwd+recompute flops) / iter latency / peak",
+                f"{100 * metrics[names.HFU]:.2f}%",
+            ),
         ]
     doubts = [("module latencies in doubt", note) for note in tree_doubts(result).notes]
     return lines + source_lines(result) + doubts + result.extra_lines
@@ -258,7 +258,7 @@ def _count(n: int | float) -> str:
 def run_rows(result: WindowResult, metrics: dict[str, float]) -> EngineRows:
     """DeepSpeed's engine rows of the summary, from the window: sizes, the micro-batch, phase latencies,
     and the median clean step's flops and samples that the rates divide."""
-    each = result.figures().median()
+    each = result.figures().median_step().work
     return EngineRows(
         parallel=result.parallel,
         batch_size=result.micro_batch_size,
@@ -335,8 +335,8 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         # each latency over the clean steps: median, min, max, steps (the slowest rank's)
         "spread": {name: dataclasses.asdict(s) for name, s in result.figures().spreads.items()},
         "clean_totals": _work_json(result.figures().total())  # sums over the clean steps: the wall rates'
-        | {"seconds": result.figures().sums, "iter_seconds_per_step": result.figures().iters},  # this rank's
-        "clean_median_step": _work_json(result.figures().median()),  # what the rates divide
+        | {"seconds": result.figures().sums, "iter_seconds_per_step": result.figures().iters},
+        "clean_median_step": _work_json(result.figures().median_step().work),  # what the rates divide
         "profile": profile_json(result),
     }
 

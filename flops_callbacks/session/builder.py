@@ -25,7 +25,14 @@ from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_steps import CleanFigures, Kind, StepWork, WindowStep, clean_figures
+from flops_callbacks.session.window_steps import (
+    CleanFigures,
+    CleanStep,
+    Kind,
+    StepWork,
+    WindowStep,
+    clean_figures,
+)
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.hook_probe import hook_cost
@@ -146,11 +153,10 @@ COUNTED = (
 
 
 class RankRow(NamedTuple):
-    """What one rank tells the others at the window's end: its clean steps' times and each one's work,
-    and its counting step's totals (by :data:`COUNTED`) and samples and tokens."""
+    """What one rank tells the others at the window's end: each clean step's work and times, and its
+    counting step's totals (by :data:`COUNTED`) and samples and tokens."""
 
-    times: tuple[float, ...]  # CleanFigures.gathered()
-    work: tuple[StepWork, ...]  # of each clean step, in order
+    steps: tuple[CleanStep, ...]  # each clean step's, in order
     counted: tuple[int, ...]  # the counting step's totals
     counted_samples: int | None
     counted_tokens: int | None
@@ -171,7 +177,7 @@ class LocalWindow:
     def row(self) -> RankRow:
         f, c = self.figures, self.counting
         counted = tuple(getattr(self.profile, name) for name in COUNTED)
-        return RankRow(f.gathered(), f.work, counted, c.samples, c.tokens)
+        return RankRow(f.steps, counted, c.samples, c.tokens)
 
 
 def local_window(steps: list[WindowStep], tracer: Tracer) -> LocalWindow:
@@ -188,7 +194,7 @@ def local_window(steps: list[WindowStep], tracer: Tracer) -> LocalWindow:
     clean = [s for s in steps if s.kind == Kind.CLEAN and s.counts is not None]
     counts: BatchCounts | None = None  # each timed step's own
     if clean:
-        timed, source = clean, f"median of {len(clean)} clean step(s)"
+        timed, source = clean, f"median of {len(clean)} clean step(s)"  # the median step: by FLOPS
     else:
         known = [s for s in ran if s.counts is not None]
         timed = known or ran[:1] or [counting]
@@ -208,24 +214,27 @@ def mean(values: Sequence[int | float | None]) -> int | float | None:
     return total // len(values) if total % len(values) == 0 else total / len(values)
 
 
+def _phases(step: CleanStep) -> tuple[float, float, float]:
+    return step.latency("fwd"), step.latency("bwd"), step.latency("step")
+
+
 def _mean(values: list[Any]) -> Any:
     return mean(values)
 
 
-def job_figures(local: CleanFigures, rows: Sequence[RankRow]) -> CleanFigures:
-    """The job's clean-step figures: the slowest rank's times (the largest iter latency, its fwd + bwd +
-    step medians), and per device the ranks' mean work, samples and tokens, step by step (every rank's
-    own batches; ranks that timed different numbers of steps: the mean of their median steps)."""
-    slowest = max(rows, key=lambda row: sum(CleanFigures.phase_medians(row.times)))
-    figures = local.from_gathered(slowest.times)
-    if len(rows) == 1:
-        return figures
-    if len({len(r.work) for r in rows}) == 1:
-        work = tuple(StepWork.combined(step, _mean) for step in zip(*(r.work for r in rows), strict=True))
-    else:
-        medians = [dataclasses.replace(local, work=r.work).median() for r in rows]
-        work = (StepWork.combined(medians, _mean),)
-    return dataclasses.replace(figures, work=work)
+def _job_step(steps: Sequence[CleanStep]) -> CleanStep:
+    """One step of every rank's as the job saw it: the slowest rank's times (every rank waited for it),
+    the ranks' mean work per device (every rank's own batches)."""
+    slowest = max(steps, key=lambda s: s.latency("iter"))
+    return CleanStep(StepWork.combined([s.work for s in steps], _mean), slowest.seconds)
+
+
+def job_figures(rows: Sequence[RankRow]) -> CleanFigures:
+    """The job's clean steps, step by step (:func:`_job_step`); ranks that timed different numbers of
+    steps: their median steps, as one."""
+    if len({len(r.steps) for r in rows}) == 1:
+        return CleanFigures(tuple(_job_step(step) for step in zip(*(r.steps for r in rows), strict=True)))
+    return CleanFigures((_job_step([CleanFigures(r.steps).median_step() for r in rows]),))
 
 
 def build_result(
@@ -255,14 +264,13 @@ def build_result(
         times, cost, trace_step = _module_times(module_steps, clean)
         spans = times.spans
         profile = times.applied_to(profile)
-    figures = job_figures(local.figures, rows)
-    spreads = figures.spreads
+    figures = job_figures(rows)
+    median = figures.median_step()
+    fwd, bwd, step = (median.latency(name) for name in ("fwd", "bwd", "step"))
     device = torch.device(profile.device)
     peak, no_peak_reason = resolve_peak(peaks[0], device, context.compute_dtype)
     bandwidth, no_bandwidth_reason = resolve_bandwidth(peaks[1], device)
-    profile = dataclasses.replace(
-        profile, fwd_latency=spreads["fwd"].median, bwd_latency=spreads["bwd"].median
-    )
+    profile = dataclasses.replace(profile, fwd_latency=fwd, bwd_latency=bwd)
     extra = context.extra_lines(counting.batches, profile) if context.extra_lines is not None else []
     if counting.tokens:  # what "6 x params x tokens" claims (with active parameters, for an MoE)
         extra += estimate_rows(profile, counting.tokens, _model_config(model))
@@ -287,9 +295,9 @@ def build_result(
             model_forward=forward_steps,
             model_forward_shapes_match=forward_shapes_match,
         ),
-        fwd_latency=spreads["fwd"].median,
-        bwd_latency=spreads["bwd"].median,
-        step_latency=spreads["step"].median,
+        fwd_latency=fwd,
+        bwd_latency=bwd,
+        step_latency=step,
         samples=mean([r.counted_samples for r in rows]),
         tokens=mean([r.counted_tokens for r in rows]),
         micro_batches=len(counting.signatures),
@@ -300,7 +308,7 @@ def build_result(
         bandwidth=bandwidth,
         no_bandwidth_reason=no_bandwidth_reason,
         peak_memory=_peak_memory(clean),
-        rank_latencies=[CleanFigures.phase_medians(r.times) for r in rows],
+        rank_latencies=[_phases(CleanFigures(r.steps).median_step()) for r in rows],
         rank_counts=[dict(zip(COUNTED, r.counted, strict=True)) for r in rows],
         sharded_model_params=sharded_params(model),
         extra_lines=extra,

@@ -40,7 +40,7 @@ from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
 from flops_callbacks.roofline import Roofline, module_rooflines
 from flops_callbacks.session.shape_flops import BatchCounts
-from flops_callbacks.session.window_steps import CleanFigures, Spread, StepWork
+from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepWork
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.spans import ModuleSpan
 
@@ -96,7 +96,8 @@ class WindowResult:
     """A profiled window: the model's profile plus what the training loop around it did.
 
     ``profile``'s per-module latencies are the module-timing steps' medians; its ``fwd_latency`` and
-    ``bwd_latency`` (like the fields below) are the phase latencies of the clean steps.
+    ``bwd_latency`` (like the fields below) are the phase latencies of the median clean step (the one of
+    the median FLOPS: :mod:`flops_callbacks.session.window_steps`).
     """
 
     profile: Profile
@@ -191,12 +192,9 @@ class WindowResult:
         above doing the profile's flops."""
         if self.clean is not None:
             return self.clean
-        seconds = {"fwd": self.fwd_latency, "bwd": self.bwd_latency, "step": self.step_latency}
-        seconds |= {"iter": self.iter_latency, "data": 0.0, "wall": 0.0}
+        seconds = (self.fwd_latency, self.bwd_latency, self.step_latency, 0.0, 0.0)  # no data, no wall
         return CleanFigures(
-            work=(StepWork(BatchCounts.of(self.profile), self.samples, self.tokens),),
-            sums={k: v for k, v in seconds.items() if k != "iter"},
-            spreads={k: Spread(v, v, v, 1) for k, v in seconds.items()},
+            (CleanStep(StepWork(BatchCounts.of(self.profile), self.samples, self.tokens), seconds),)
         )
 
     def metrics(self) -> dict[str, float]:
@@ -238,15 +236,17 @@ def phase_rates(
 
 
 def window_rates(step: WindowResult) -> PhaseRates:
-    """Each phase's FLOPS over the clean steps: the median step's flops over the median latencies."""
-    return phase_rates(step.figures().median().counts, step.fwd_latency, step.bwd_latency, step.step_latency)
+    """Each phase's FLOPS on the median clean step: its flops over its latencies (the window's)."""
+    counts = step.figures().median_step().work.counts
+    return phase_rates(counts, step.fwd_latency, step.bwd_latency, step.step_latency)
 
 
 def window_metrics(step: WindowResult) -> dict[str, float]:
     """The metrics dict of a profile window (``tokens_per_sec`` only when tokens are known)."""
     p = step.per_gpu_profile()
     c = step.figures()
-    each, total = c.median(), c.total()
+    median = c.median_step()
+    each, total = median.work, c.total()
     dp = step.parallel.data_parallel
     seconds, wall = step.iter_latency, c.sums["wall"]
     rates = window_rates(step)
@@ -274,8 +274,8 @@ def window_metrics(step: WindowResult) -> dict[str, float]:
     if each.tokens is not None:
         metrics[TOKENS_PER_SEC] = _per_sec(each.tokens * dp, seconds)
     if wall > 0:
-        metrics[WALL_LATENCY] = c.spreads["wall"].median
-        metrics[DATA_LATENCY] = c.spreads["data"].median
+        metrics[WALL_LATENCY] = median.latency("wall")  # the median step's, as the latencies above
+        metrics[DATA_LATENCY] = median.latency("data")
         if total.samples is not None:
             metrics[WALL_SAMPLES_PER_SEC] = _per_sec(total.samples * dp, wall)
         if total.tokens is not None:

@@ -5,11 +5,13 @@ Each window step keeps what it did: its micro-batches' shape signatures, samples
 marks of
 its wall step (from the previous step's end to its own). The clean steps' figures are:
 
-* latencies: the median over the clean steps, with its range (min .. max) and the number of steps;
-* work per step (flops, samples, tokens): the median over the clean steps, each step with its own
-  exact flops whatever its batch shapes (:class:`StepWork`); the rates (FLOPS, MFU, samples/s,
-  tokens/s) are these medians over the median latencies, so one slow step moves none of them (a sum of
-  flops over a sum of times would carry all of a hiccup's time); the range shows the slow step;
+* the median step: the clean step whose FLOPS (its own exact flops, whatever its batch shapes, over its
+  fwd + bwd + step) is the median of theirs (the slower of the two middle ones for an even count).
+  Its phase latencies are the window's latencies and its work over them the rates (FLOPS, MFU,
+  samples/s, tokens/s), so that iter latency = fwd + bwd + step latency, every rate is the median of the
+  per-step rates, and one slow step moves none of them (summed flops over summed times would carry
+  all of a hiccup's time; a sum of per-phase medians is no step's and no median's);
+* spreads: each latency's median and range (min .. max) over the clean steps: where a slow step shows;
 * wall rates: the clean steps' samples (tokens) over the sum of their wall times: what the wall did;
 * ``median_known``: whether the median iter latency is known within a tolerance, for
   ``clean_steps="auto"``.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -38,6 +40,7 @@ __all__ = [
     "Kind",
     "LATENCIES",
     "CleanFigures",
+    "CleanStep",
     "Spread",
     "StepWork",
     "WindowStep",
@@ -90,11 +93,6 @@ def _sum(values: list[Any]) -> Any:
     return sum(values)
 
 
-def _median(values: list[Any]) -> Any:
-    middle = statistics.median(values)
-    return int(middle) if middle == int(middle) else middle  # a whole median stays an int
-
-
 @dataclass
 class WindowStep:
     """One step of the window: its job, its phase marks, and what its micro-batches held."""
@@ -141,23 +139,63 @@ class Spread:
     steps: int
 
 
+class CleanStep(NamedTuple):
+    """One timed step as the job saw it: its work per device and its seconds (each of :data:`SUMS`)."""
+
+    work: StepWork
+    seconds: tuple[float, ...]
+
+    def latency(self, name: str) -> float:
+        """Seconds of one of :data:`LATENCIES` ("iter": fwd + bwd + step)."""
+        if name == "iter":
+            return sum(self.seconds[:3])
+        return self.seconds[SUMS.index(name)]
+
+    def rate(self) -> float:
+        """Its model flops per second of fwd + bwd + step (seconds' inverse where no flops are known):
+        what the median step is the median of."""
+        seconds = self.latency("iter")
+        return (self.work.counts.model_flops or 1) / seconds if seconds > 0 else math.inf
+
+
 @dataclass(frozen=True)
 class CleanFigures:
-    """What the clean steps did: each step's work, the sums and spreads of their times (the slowest rank's
-    times, the ranks' mean work per device)."""
+    """What the clean steps did, step by step (the ranks' mean work per device, each step's slowest rank's
+    times): the median step, the spreads and the sums are made of them."""
 
-    work: tuple[StepWork, ...]  # each step's, in order (over several ranks: step by step, their mean)
-    sums: dict[str, float]  # seconds of each of SUMS over the clean steps
-    spreads: dict[str, Spread]  # each of LATENCIES
-    iters: tuple[float, ...] = ()  # each step's fwd + bwd + step seconds, in order (this rank's)
+    steps: tuple[CleanStep, ...]
+
+    def median_step(self) -> CleanStep:
+        """The step of the median FLOPS (module doc): its latencies and rates are the window's."""
+        ranked = sorted(self.steps, key=CleanStep.rate)
+        return ranked[(len(ranked) - 1) // 2]
+
+    @property
+    def work(self) -> tuple[StepWork, ...]:
+        return tuple(s.work for s in self.steps)
 
     def total(self) -> StepWork:
         """The steps' work summed: what the wall rates divide by the summed wall time."""
         return StepWork.combined(self.work, _sum)
 
-    def median(self) -> StepWork:
-        """The median step's work, field by field: what the rates divide by the median latencies."""
-        return StepWork.combined(self.work, _median)
+    @property
+    def sums(self) -> dict[str, float]:
+        """Seconds of each of :data:`SUMS` over the clean steps."""
+        return {name: sum(s.latency(name) for s in self.steps) for name in SUMS}
+
+    @property
+    def spreads(self) -> dict[str, Spread]:
+        """Each of :data:`LATENCIES`: median, min, max over the steps."""
+        spreads = {}
+        for name in LATENCIES:
+            values = [s.latency(name) for s in self.steps]
+            spreads[name] = Spread(statistics.median(values), min(values), max(values), len(values))
+        return spreads
+
+    @property
+    def iters(self) -> tuple[float, ...]:
+        """Each step's fwd + bwd + step seconds, in order."""
+        return tuple(s.latency("iter") for s in self.steps)
 
     @property
     def counts(self) -> BatchCounts:
@@ -172,57 +210,18 @@ class CleanFigures:
         return self.total().tokens
 
     @property
-    def real_tokens(self) -> int | float | None:
-        return self.total().real_tokens
-
-    @property
-    def positions(self) -> int | float | None:
-        return self.total().positions
-
-    @property
     def iter_seconds(self) -> float:
-        return self.sums["fwd"] + self.sums["bwd"] + self.sums["step"]
-
-    def gathered(self) -> tuple[float, ...]:
-        """The times as one row of floats, to compare ranks (:func:`from_gathered`)."""
-        row = [self.sums[name] for name in SUMS]
-        for name in LATENCIES:
-            s = self.spreads[name]
-            row += [s.median, s.low, s.high]
-        return tuple(row)
-
-    @staticmethod
-    def phase_medians(row: tuple[float, ...]) -> tuple[float, float, float]:
-        """The (fwd, bwd, step) medians of a :meth:`gathered` row: their sum is that rank's iter latency."""
-        at = len(SUMS)
-        return row[at], row[at + 3], row[at + 6]
-
-    def from_gathered(self, row: tuple[float, ...]) -> CleanFigures:
-        """These figures with another rank's times (the work stays this one's)."""
-        sums = dict(zip(SUMS, row[: len(SUMS)], strict=True))
-        rest = row[len(SUMS) :]
-        steps = next(iter(self.spreads.values())).steps
-        spreads = {
-            name: Spread(rest[3 * i], rest[3 * i + 1], rest[3 * i + 2], steps)
-            for i, name in enumerate(LATENCIES)
-        }
-        return replace(self, sums=sums, spreads=spreads)
+        return sum(self.iters)
 
 
 def clean_figures(steps: list[WindowStep], counts: BatchCounts | None = None) -> CleanFigures:
     """The figures of ``steps`` (the clean steps, or the one step that stands for them); ``counts``: the
     flops of the one step that stands for them when its own are not known (the profile's)."""
-    per_step = [s.seconds() for s in steps]
-    spreads = {}
-    for name in LATENCIES:
-        values = [t[name] for t in per_step]
-        spreads[name] = Spread(statistics.median(values), min(values), max(values), len(values))
-    return CleanFigures(
-        work=tuple(s.work(counts) for s in steps),
-        sums={name: sum(t[name] for t in per_step) for name in SUMS},
-        spreads=spreads,
-        iters=tuple(t["iter"] for t in per_step),
-    )
+    timed = []
+    for s in steps:
+        seconds = s.seconds()
+        timed.append(CleanStep(s.work(counts), tuple(seconds[name] for name in SUMS)))
+    return CleanFigures(tuple(timed))
 
 
 def _binomial_cdf(k: int, n: int) -> float:

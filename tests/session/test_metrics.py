@@ -12,7 +12,7 @@ from flops_callbacks.peaks import Peak
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
 from flops_callbacks.session.result import WindowResult, WindowSteps, phase_rates, window_metrics
 from flops_callbacks.session.shape_flops import BatchCounts
-from flops_callbacks.session.window_steps import CleanFigures, Spread, StepWork
+from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepWork
 
 
 def profile(fwd: int, bwd: int, recompute: int) -> Profile:
@@ -85,28 +85,28 @@ def test_phase_rates_are_zero_where_a_latency_is_zero() -> None:
 
 
 def test_one_slow_step_moves_latencies_and_rates_not_but_the_wall_rate_and_the_range() -> None:
-    """Five clean steps of 100 fwd + 200 bwd flops and 4 samples, the third 3x as slow: the medians (and
-    the rates made of them) are the other steps', the wall rate carries the slow step's time."""
+    """Five clean steps of 100 fwd + 200 bwd flops and 4 samples, the third 3x as slow: the latencies and
+    rates are the median step's (by FLOPS), the wall rate carries the slow step's time, the range shows it."""
     counts = BatchCounts(100, 200, 0, 50, 100, 0)
-    seconds = [(0.25, 0.5, 0.25)] * 2 + [(0.75, 1.5, 0.75)] + [(0.25, 0.5, 0.25)] * 2
-    figures = CleanFigures(
-        work=tuple(StepWork(counts, 4, 64) for _ in seconds),
-        sums={"fwd": 1.75, "bwd": 3.5, "step": 1.75, "data": 0.0, "wall": 7.0},
-        spreads={
-            "fwd": Spread(0.25, 0.25, 0.75, 5), "bwd": Spread(0.5, 0.5, 1.5, 5),
-            "step": Spread(0.25, 0.25, 0.75, 5), "iter": Spread(1.0, 1.0, 3.0, 5),
-            "data": Spread(0.0, 0.0, 0.0, 5), "wall": Spread(1.0, 1.0, 3.0, 5),
-        },
+    times = [(0.25, 0.5, 0.25), (0.2, 0.6, 0.3), (0.75, 1.5, 0.75), (0.3, 0.4, 0.2), (0.25, 0.5, 0.2)]
+    figures = CleanFigures(tuple(CleanStep(StepWork(counts, 4, 64), (*t, 0.1, sum(t) + 0.1)) for t in times))
+    r = dataclasses.replace(
+        result(profile(fwd=100, bwd=200, recompute=0)), micro_batches=1, clean=figures,
+        fwd_latency=0.25, bwd_latency=0.5, step_latency=0.25,
     )  # fmt: skip
-    r = dataclasses.replace(result(profile(fwd=100, bwd=200, recompute=0)), micro_batches=1, clean=figures)
-    r.steps = dataclasses.replace(r.steps, clean=(12, 13, 14, 15, 16))
+    # per-step FLOPS: 300 over 1.0, 1.1, 3.0, 0.9, 0.95 s; the median is step 0's (1.0 s)
+    assert figures.median_step() == figures.steps[0]
     m = window_metrics(r)
-    assert m[names.ITER_LATENCY] == 1.0  # 0.25 + 0.5 + 0.25, the medians
-    assert m[names.FLOPS_PER_SEC] == 300.0  # a median step's 300 flops / 1.0 s
+    assert m[names.ITER_LATENCY] == 1.0  # 0.25 + 0.5 + 0.25, the median step's
+    assert m[names.FLOPS_PER_SEC] == 300.0  # its 300 flops / 1.0 s: the median of the 5 per-step rates
     assert m[names.SAMPLES_PER_SEC] == 16.0  # 4 per step x 4 replicas / 1.0
     assert m[names.TOKENS_PER_SEC] == 256.0
-    assert m[names.WALL_SAMPLES_PER_SEC] == 20 * 4 / 7.0  # 5 steps x 4 samples x 4 replicas / 7 s of wall
-    assert m[names.CLEAN_STEPS] == 5.0
+    assert m[names.WALL_LATENCY] == 1.1  # the median step's
+    wall = sum(sum(t) + 0.1 for t in times)  # 7.45 s, the slow step's 3.1 in it
+    assert m[names.WALL_SAMPLES_PER_SEC] == pytest.approx(20 * 4 / wall)  # 5 steps x 4 samples x 4 replicas
+    iters = figures.spreads["iter"]  # the range shows the slow step
+    assert (iters.median, iters.low, iters.high, iters.steps) == pytest.approx((1.0, 0.9, 3.0, 5))
+    assert m[names.CLEAN_STEPS] == 3.0  # the result's clean steps (12, 13, 14)
 
 
 def test_names_are_prefixed_and_listed_once() -> None:
