@@ -87,7 +87,7 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
             s.latency_source + (f": steps {_steps_text(s.clean)}" if s.clean else ""),
         ),
         (
-            "rates from: the median step's flops (samples, tokens) / the median latencies",
+            "rates from: the step of the median FLOPS: its flops (samples, tokens) / its latencies",
             f"{s.shapes} batch shape(s): flops of {s.shapes_counted} counted, {s.shapes_predicted} predicted",
         ),
     ]
@@ -122,6 +122,8 @@ def spread_lines(result: WindowResult) -> list[tuple[str, str]]:
     latencies above are the median step's)."""
     spreads = result.figures().spreads
     steps = spreads["iter"].steps
+    if steps < 2:
+        return []  # one step: its latencies are printed above
 
     def spread(names: list[str], label: str) -> tuple[str, str]:
         values = [

@@ -170,7 +170,7 @@ def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
             ("iter latency", duration_to_string(iter_latency)),  # fwd + bwd + step (the notations)
             (iter_label, _rate(rates.iter, iter_latency)),
         ]
-        if measured:
+        if measured and step.recompute_flops:  # else it is FLOPS per GPU (the metric is logged as always)
             rows.append(
                 (
                     f"hardware FLOPS per GPU = {of}fwd+bwd+recompute flops per GPU / iter latency",

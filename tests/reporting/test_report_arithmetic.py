@@ -261,11 +261,16 @@ def test_a_checkpointed_llama_report_adds_up_and_its_flops_leave_recompute_to_hf
     )
     # one iter latency in the report: no other row calls a figure "iter latency"
     assert sum("iter latency" in label and " = " not in label for label in rows) == 1
-    # the window logged it at its end; the series after it counts the same model flops, over the wall
+    # the series after the window counts the same model flops: per sample, exactly the window's (the rates'
+    # times differ: the wall between logging steps there, fwd + bwd + step here; on a quiet machine the
+    # series read 0.94-0.98x the window's FLOPS, a timing left to benchmarks, not to a test)
     ((window_flops,),) = [logged(out["history"], names.FLOPS_PER_SEC)]
-    after = logged(out["history"], names.THROUGHPUT_FLOPS_PER_SEC)
-    assert len(after) >= 4
-    assert statistics.median(after) == pytest.approx(window_flops, rel=0.10)
+    ((window_samples,),) = [logged(out["history"], names.SAMPLES_PER_SEC)]
+    flops = logged(out["history"], names.THROUGHPUT_FLOPS_PER_SEC)
+    samples = logged(out["history"], names.THROUGHPUT_SAMPLES_PER_SEC)
+    assert len(flops) == len(samples) >= 4
+    for f, n in zip(flops, samples, strict=True):
+        assert f / n == pytest.approx(window_flops / window_samples, rel=1e-9)
     assert logged(out["history"], names.CLEAN_STEPS) == [CLEAN_STEPS]
     assert out["json"]["clean_steps"] == CLEAN_STEPS
 
