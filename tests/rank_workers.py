@@ -117,8 +117,7 @@ def save(
                       "module_timing": list(result.steps.module_timing)},
             "published_at": result.published_at,
             "clean_counts": result.figures().counts._asdict(),
-            "clean_iter_seconds": result.figures().iter_seconds,
-            "clean_tokens": result.figures().tokens,
+            "median_step_tokens": result.figures().median_step().work.tokens,  # what tokens/second divides
             "world": result.parallel.world_size,
         }  # fmt: skip
     (directory / f"rank{rank()}.json").write_text(json.dumps(seen))
