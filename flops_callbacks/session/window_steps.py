@@ -6,7 +6,7 @@ marks of
 its wall step (from the previous step's end to its own). The clean steps' figures are:
 
 * the median step: the clean step whose FLOPS (its own exact flops, whatever its batch shapes, over its
-  fwd + bwd + step) is the median of theirs (the slower of the two middle ones for an even count).
+  fwd + bwd + step) is the median of theirs (for an even count, the mean of the two middle ones).
   Its phase latencies are the window's latencies and its work over them the rates (FLOPS, MFU,
   samples/s, tokens/s), so that iter latency = fwd + bwd + step latency, every rate is the median of the
   per-step rates, and one slow step moves none of them (summed flops over summed times would carry
@@ -93,6 +93,11 @@ def _sum(values: list[Any]) -> Any:
     return sum(values)
 
 
+def _mean(values: list[Any]) -> Any:
+    total = sum(values)
+    return total // len(values) if total % len(values) == 0 else total / len(values)  # an int when exact
+
+
 @dataclass
 class WindowStep:
     """One step of the window: its job, its phase marks, and what its micro-batches held."""
@@ -166,9 +171,14 @@ class CleanFigures:
     steps: tuple[CleanStep, ...]
 
     def median_step(self) -> CleanStep:
-        """The step of the median FLOPS (module doc): its latencies and rates are the window's."""
+        """The step of the median FLOPS (module doc): its latencies and rates are the window's; of an even
+        count, the mean of the two middle ones (as a median of two values is their mean)."""
         ranked = sorted(self.steps, key=CleanStep.rate)
-        return ranked[(len(ranked) - 1) // 2]
+        middle = ranked[(len(ranked) - 1) // 2 : len(ranked) // 2 + 1]
+        if len(middle) == 1:
+            return middle[0]
+        seconds = tuple(sum(pair) / 2 for pair in zip(*(s.seconds for s in middle), strict=True))
+        return CleanStep(StepWork.combined([s.work for s in middle], _mean), seconds)
 
     @property
     def work(self) -> tuple[StepWork, ...]:
