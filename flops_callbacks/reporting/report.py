@@ -114,9 +114,6 @@ def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
         rows.append(("samples per step per GPU", run.samples_per_step))
         per_step = "samples per step per GPU"
     model_params = run.model_params if run.model_params is not None else p.params * mp
-    params_label = "params of model = params per GPU * mp_size"
-    if run.model_params is not None:
-        params_label = "params of model (the sharded parameters' global size)"
     fwd_latency = p.fwd_latency if run.fwd_latency is None else run.fwd_latency
     bwd_latency = p.bwd_latency if run.bwd_latency is None else run.bwd_latency
     measured = p.bwd_flops > 0
@@ -132,7 +129,7 @@ def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
     of = "clean step's " if other else ""  # the rates' flops: a clean step's (median), printed below
     rows += [
         ("params per GPU", params_to_string(p.params)),
-        (params_label, params_to_string(model_params)),
+        ("params of model = params per GPU * mp_size", params_to_string(model_params)),
         ("fwd MACs per GPU", macs_to_string(p.fwd_macs)),
         ("fwd flops per GPU", number_to_string(p.fwd_flops)),
         ("fwd flops of model = fwd flops per GPU * mp_size", number_to_string(p.fwd_flops * mp)),
