@@ -6,10 +6,13 @@ data-parallel replica. Latencies are in seconds, rates per second, MFU and HFU f
 device's dense peak FLOPS (logged only when a peak is known: :mod:`flops_callbacks.peaks`).
 In a multi-process run the latencies are the slowest rank's.
 
-Latencies are medians over the clean steps; rates are sums over them: the clean steps' flops (samples,
-tokens) over the sum of their times, each batch with its own exact flops whatever its shapes
-(:mod:`flops_callbacks.session.shape_flops`). The compute rates (``samples_per_sec``, DeepSpeed's: over
-fwd + bwd + step) sit beside the wall rates (over the whole wall step, the wait for data included).
+Latencies are medians over the clean steps, and ``iter_latency`` is fwd + bwd + step latency
+(DeepSpeed's definition). The compute rates are a ratio of medians: the median clean step's flops
+(samples, tokens; each batch with its own exact flops whatever its shapes,
+:mod:`flops_callbacks.session.shape_flops`) over the median latency, so one slow step moves none of
+them. ``flops_per_sec`` and ``mfu`` count model flops (fwd + bwd), ``hardware_flops_per_sec`` and
+``hfu`` the recompute too. The wall rates are what the wall did: the clean steps' samples (tokens)
+over the sum of their whole wall steps, the wait for data and a slow step included.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ __all__ = [
     "BWD_FLOPS",
     "BWD_FLOPS_PER_SEC",
     "BWD_LATENCY",
+    "CLEAN_STEPS",
     "DATA_LATENCY",
     "FLOPS_PER_SEC",
     "FWD_BYTES",
@@ -27,6 +31,7 @@ __all__ = [
     "FWD_FLOPS_PER_SEC",
     "FWD_LATENCY",
     "FWD_MACS",
+    "HARDWARE_FLOPS_PER_SEC",
     "HFU",
     "ITER_LATENCY",
     "MFU",
@@ -62,37 +67,40 @@ FWD_MACS = PREFIX + "fwd_macs"  # forward multiply-accumulates (matmul, conv, at
 # bytes the forward's ops read and write (flops_callbacks.counting.bytes_moved)
 FWD_BYTES = PREFIX + "fwd_bytes"
 BWD_BYTES = PREFIX + "bwd_bytes"  # bytes the backward's ops read and write (recompute apart)
-SAVED_ACTIVATION_BYTES = PREFIX + "saved_activation_bytes"  # saved for the backward, params excluded
+# saved for the backward, params excluded, per micro-batch (the step's over its micro-batches)
+SAVED_ACTIVATION_BYTES = PREFIX + "saved_activation_bytes"
 PARAMS = PREFIX + "params"  # parameters on this device
 FWD_LATENCY = PREFIX + "fwd_latency"  # seconds in the forward phase(s): median of the clean steps
 BWD_LATENCY = PREFIX + "bwd_latency"  # seconds in the backward phase(s)
 STEP_LATENCY = PREFIX + "step_latency"  # seconds in the optimizer step
-ITER_LATENCY = PREFIX + "iter_latency"  # fwd + bwd + step
-# Achieved FLOPS per phase count the work the device did in it: recompute is in the backward (as
-# DeepSpeed's recompute_fwd_factor puts it there); the printed report's rates are these (phase_rates).
+ITER_LATENCY = PREFIX + "iter_latency"  # fwd + bwd + step latency
+CLEAN_STEPS = PREFIX + "clean_steps"  # clean steps the latencies rest on (0: a cut window's, inflated)
+# Achieved FLOPS: the median clean step's flops over the median latency (the printed report's rates are
+# these: flops_callbacks.session.result.phase_rates). Model flops (fwd + bwd) unless named hardware.
 FWD_FLOPS_PER_SEC = PREFIX + "fwd_flops_per_sec"  # fwd flops / fwd latency
-BWD_FLOPS_PER_SEC = PREFIX + "bwd_flops_per_sec"  # (bwd + recompute flops) / bwd latency
-FLOPS_PER_SEC = PREFIX + "flops_per_sec"  # (fwd + bwd + recompute flops) / iter latency
-SAMPLES_PER_SEC = PREFIX + "samples_per_sec"  # samples per device x dp size / iter latency
-TOKENS_PER_SEC = PREFIX + "tokens_per_sec"  # tokens per device x dp size / iter latency (if known)
-MFU = PREFIX + "mfu"  # (fwd + bwd flops) / iter latency / peak FLOPS (model flops: recompute excluded)
-HFU = PREFIX + "hfu"  # (fwd + bwd + recompute flops) / iter latency / peak FLOPS (hardware flops)
+BWD_FLOPS_PER_SEC = PREFIX + "bwd_flops_per_sec"  # bwd flops / bwd latency (recompute excluded)
+FLOPS_PER_SEC = PREFIX + "flops_per_sec"  # (fwd + bwd flops) / iter latency
+HARDWARE_FLOPS_PER_SEC = PREFIX + "hardware_flops_per_sec"  # (fwd + bwd + recompute flops) / iter latency
+SAMPLES_PER_SEC = PREFIX + "samples_per_sec"  # samples per step per device x dp size / iter latency
+TOKENS_PER_SEC = PREFIX + "tokens_per_sec"  # tokens per step per device x dp size / iter latency (if known)
+MFU = PREFIX + "mfu"  # flops_per_sec / peak FLOPS (model flops: recompute excluded)
+HFU = PREFIX + "hfu"  # hardware_flops_per_sec / peak FLOPS
 
 # The wall step: from the end of the previous optimizer step to the end of this one (medians).
 WALL_LATENCY = PREFIX + "wall_latency"  # the whole step on the wall clock: data + fwd + bwd + step + other
 DATA_LATENCY = PREFIX + "data_latency"  # the wait for data: previous step's end -> first forward's start
-WALL_SAMPLES_PER_SEC = PREFIX + "wall_samples_per_sec"  # samples x dp size / wall latency (sums)
-WALL_TOKENS_PER_SEC = PREFIX + "wall_tokens_per_sec"  # tokens x dp size / wall latency, if known
+WALL_SAMPLES_PER_SEC = PREFIX + "wall_samples_per_sec"  # clean steps' samples x dp size / their wall time
+WALL_TOKENS_PER_SEC = PREFIX + "wall_tokens_per_sec"  # the same of tokens, if known
 # Padding, when the batches have an attention_mask: tokens_per_sec counts positions, padding included.
 PADDING_FRACTION = PREFIX + "padding_fraction"  # padding positions / all positions (clean steps)
-REAL_TOKENS_PER_SEC = PREFIX + "real_tokens_per_sec"  # non-padding tokens x dp size / iter latency
+REAL_TOKENS_PER_SEC = PREFIX + "real_tokens_per_sec"  # non-padding tokens per step x dp size / iter latency
 
 # Continuous throughput, at every logging step after the profile window (flops_callbacks.session.meter):
 # rates over the wall time since the previous logging step, flops from the measured flops per batch.
 THROUGHPUT_PREFIX = "throughput/"
 THROUGHPUT_SAMPLES_PER_SEC = THROUGHPUT_PREFIX + "samples_per_sec"  # all data-parallel replicas
 THROUGHPUT_TOKENS_PER_SEC = THROUGHPUT_PREFIX + "tokens_per_sec"  # all replicas, when tokens are known
-THROUGHPUT_FLOPS_PER_SEC = THROUGHPUT_PREFIX + "flops_per_sec"  # model flops per device per second
+THROUGHPUT_FLOPS_PER_SEC = THROUGHPUT_PREFIX + "flops_per_sec"  # model flops (fwd + bwd) per device per sec
 THROUGHPUT_MFU = THROUGHPUT_PREFIX + "mfu"  # flops_per_sec / peak FLOPS, when a peak is known
 
 WALL = (WALL_LATENCY, DATA_LATENCY, WALL_SAMPLES_PER_SEC, WALL_TOKENS_PER_SEC)  # with a step before
@@ -116,9 +124,11 @@ ALL = (
     BWD_LATENCY,
     STEP_LATENCY,
     ITER_LATENCY,
+    CLEAN_STEPS,
     FWD_FLOPS_PER_SEC,
     BWD_FLOPS_PER_SEC,
     FLOPS_PER_SEC,
+    HARDWARE_FLOPS_PER_SEC,
     SAMPLES_PER_SEC,
     TOKENS_PER_SEC,
     *WALL,

@@ -120,8 +120,7 @@ def save(
             "published_at": result.published_at,
             "first": result.step,
             "clean_counts": result.figures().counts._asdict(),
-            "clean_iter_seconds": result.figures().iter_seconds,
-            "clean_tokens": result.figures().tokens,
+            "median_step_tokens": result.figures().median_step().work.tokens,  # what tokens/second divides
             "world": result.parallel.world_size,
             "sources": None if result.flops_sources is None else str(result.flops_sources),
         }  # fmt: skip

@@ -83,8 +83,11 @@ def save(directory: Path, rank: int, callback: Any, **extra: Any) -> None:
     seen = {
         "parallel": dataclasses.asdict(result.parallel),
         "metrics": result.metrics(),
-        # what the rates are made of: the clean steps' samples and summed fwd + bwd + step seconds
-        "clean": {"samples": result.figures().samples, "iter_seconds": result.figures().iter_seconds},
+        # what the rates are made of: the median clean step's samples and its fwd + bwd + step seconds
+        "clean": {
+            "samples": result.figures().median_step().work.samples,
+            "iter_seconds": result.iter_latency,
+        },
         "profile": {k: getattr(p, k) for k in ("fwd_flops", "bwd_flops", "fwd_macs", "bwd_macs", "params")},
         **extra,
     }

@@ -25,7 +25,7 @@ from flops_callbacks.roofline import as_data
 from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts
-from flops_callbacks.session.window_steps import CleanFigures, Spread
+from flops_callbacks.session.window_steps import SUMS, CleanFigures, CleanStep, StepWork
 from flops_callbacks.timing.hook_cost import HookCost
 
 __all__ = [
@@ -88,18 +88,35 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         else {"none": result.no_bandwidth_reason},
         # each latency over the clean steps: median, min, max, steps (the slowest rank's)
         "spread": {name: dataclasses.asdict(s) for name, s in figures.spreads.items()},
-        "clean_totals": {  # what the rates are made of: sums over the clean steps
-            "seconds": figures.sums,
-            "counts": figures.counts._asdict(),
-            "samples": figures.samples,
-            "tokens": figures.tokens,
-            "real_tokens": figures.real_tokens,
-            "token_positions": figures.positions,
-            "iter_seconds_per_step": figures.iters,  # this rank's, in step order
-        },
+        "clean_steps": len(result.steps.clean),  # the latencies' steps (0: a cut window's, inflated)
+        "clean_totals": _work_json(figures.total())  # sums over the clean steps: the wall rates'
+        | {"seconds": figures.sums, "iter_seconds_per_step": figures.iters},
+        "clean_median_step": _work_json(figures.median_step().work),  # what the rates divide
+        # each clean step (the job's: the ranks' mean work, the slowest rank's seconds), to read back
+        "clean_each": [
+            {"work": _work_json(step.work), "seconds": dict(zip(SUMS, step.seconds, strict=True))}
+            for step in figures.steps
+        ],
         "extra_lines": result.extra_lines,  # the report rows the framework's adapter added
         "profile": profile_json(result),
     }
+
+
+def _work_json(work: StepWork) -> dict[str, Any]:
+    return {
+        "counts": work.counts._asdict(),
+        "samples": work.samples,
+        "tokens": work.tokens,
+        "real_tokens": work.real_tokens,
+        "token_positions": work.positions,
+    }
+
+
+def _work(data: dict[str, Any]) -> StepWork:
+    return StepWork(
+        BatchCounts(**data["counts"]), data["samples"], data["tokens"], data["real_tokens"],
+        data["token_positions"],
+    )  # fmt: skip
 
 
 def profile_json(result: WindowResult) -> dict[str, Any]:
@@ -163,16 +180,12 @@ def _tuples(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
-    peak, bandwidth, totals = data["peak"], data["bandwidth"], data["clean_totals"]
+    peak, bandwidth = data["peak"], data["bandwidth"]
     clean = CleanFigures(
-        counts=BatchCounts(**totals["counts"]),
-        samples=totals["samples"],
-        tokens=totals["tokens"],
-        real_tokens=totals["real_tokens"],
-        positions=totals["token_positions"],
-        sums=dict(totals["seconds"]),
-        spreads={name: Spread(**s) for name, s in data["spread"].items()},
-        iters=tuple(totals["iter_seconds_per_step"]),
+        tuple(
+            CleanStep(_work(each["work"]), tuple(each["seconds"][name] for name in SUMS))
+            for each in data["clean_each"]
+        )
     )
     return WindowResult(
         profile=Profile.from_dict(data["profile"]),

@@ -21,7 +21,8 @@ from flops_callbacks.reporting.profile_file import json_data, roofline_entries
 from flops_callbacks.reporting.report import EngineRows, render_profile, render_roofline
 from flops_callbacks.reporting.tree_check import TreeCheck, check_tree
 from flops_callbacks.session.adapter_api import Outlet
-from flops_callbacks.session.result import WindowResult, window_rates
+from flops_callbacks.session.result import WindowResult
+from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.timing.phases import PHASES
 from flops_callbacks.units import (
     bytes_to_string,
@@ -85,7 +86,7 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
             s.latency_source + (f": steps {_steps_text(s.clean)}" if s.clean else ""),
         ),
         (
-            "rates from: the same steps' summed flops (samples, tokens) / summed times",
+            "rates from: the step of the median FLOPS: its flops (samples, tokens) / its latencies",
             f"{s.shapes} batch shape(s): flops of {s.shapes_counted} counted, {s.shapes_predicted} predicted"
             + (f"; clean steps' flops {sources.summary()}" if sources is not None else ""),
         ),
@@ -129,20 +130,24 @@ def model_forward_lines(result: WindowResult) -> list[tuple[str, str]]:
 
 
 def spread_lines(result: WindowResult) -> list[tuple[str, str]]:
-    """Each latency's median with its range over the clean steps (data and wall when timed)."""
+    """Each latency's range over the clean steps (data and wall when timed): where a slow step shows (the
+    latencies above are the median step's)."""
     spreads = result.figures().spreads
     steps = spreads["iter"].steps
-    lines = []
-    for group in (("fwd", "bwd", "step"), ("iter", "data", "wall")):
-        shown = [n for n in group if not (n in ("data", "wall") and spreads[n].high == 0)]
+    if steps < 2:
+        return []  # one step: its latencies are printed above
+
+    def spread(names: list[str], label: str) -> tuple[str, str]:
         values = [
-            f"{duration_to_string(spreads[n].median)} "
-            f"({duration_to_string(spreads[n].low)} .. {duration_to_string(spreads[n].high)})"
-            for n in shown
+            f"{duration_to_string(spreads[n].low)} .. {duration_to_string(spreads[n].high)}" for n in names
         ]
-        lines.append(
-            (f"{' / '.join(shown)} latency over {steps} step(s): median (min .. max)", " / ".join(values))
-        )
+        return f"{label} of the {steps} clean step(s): min .. max", " / ".join(values)
+
+    lines = [spread(["fwd", "bwd", "step"], "fwd / bwd / step latency")]
+    if spreads["wall"].high > 0:
+        lines.append(spread(["iter", "data", "wall"], "fwd+bwd+step / data / wall"))
+    else:
+        lines.append(spread(["iter"], "fwd+bwd+step"))
     return lines
 
 
@@ -163,8 +168,11 @@ def wall_lines(metrics: dict[str, float]) -> list[tuple[str, str]]:
     if names.WALL_TOKENS_PER_SEC in metrics:
         rate += f" (tokens/second: {metrics[names.WALL_TOKENS_PER_SEC]:.2f})"
     lines = [
-        ("wall step (previous step's end -> its end), median", f"{duration_to_string(wall)} = {split}"),
-        ("samples/second over the wall step (above: compute rate, fwd+bwd+step)", rate),
+        (
+            "wall step (previous step's end -> its end) of the median step",
+            f"{duration_to_string(wall)} = {split}",
+        ),
+        ("samples/second over the wall steps (their samples / their summed wall time)", rate),
     ]
     if wall > 0 and parts["data"] >= 0.3 * wall:
         lines.append(
@@ -181,19 +189,23 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     lines = result.parallel.factor_lines()
     if result.samples is None:
         lines.append(("samples/second", "n/a: the batch size was not found (pass batch_size_fn)"))
-    if names.TOKENS_PER_SEC in metrics:
-        label = "tokens/second (all data-parallel replicas)"
-        if names.PADDING_FRACTION in metrics:
-            label = "tokens/second (positions processed, padding included; all replicas)"
-        lines.append((label, f"{metrics[names.TOKENS_PER_SEC]:.2f}"))
+    each = result.figures().median_step().work
+    if names.TOKENS_PER_SEC in metrics and each.tokens is not None:
+        lines += [
+            ("tokens per step per GPU", _count(each.tokens)),
+            (
+                "tokens/second = tokens per step per GPU * dp_size / iter latency",
+                f"{metrics[names.TOKENS_PER_SEC]:.2f}",
+            ),
+        ]
     if names.PADDING_FRACTION in metrics:
         lines += [
             (
-                "padding fraction (attention_mask zeros / positions)",
+                "padding fraction (attention_mask zeros / positions; tokens are positions, padding included)",
                 f"{100 * metrics[names.PADDING_FRACTION]:.1f}%",
             ),
             (
-                "real tokens/second (padding excluded; all replicas)",
+                "real tokens/second (padding excluded: a median step's real tokens * dp_size / iter latency)",
                 f"{metrics[names.REAL_TOKENS_PER_SEC]:.2f}",
             ),
         ]
@@ -203,19 +215,21 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
         spread = f"{duration_to_string(min(iters))} .. {duration_to_string(max(iters))}"
         lines.append((f"iter latency over {len(iters)} ranks, min .. max (slowest shown)", spread))
         lines += rank_count_lines(result)
-    if result.micro_batches > 1:
-        lines.append(("micro-batches per step", str(result.micro_batches)))
     lines.append(("compute dtype (picks the peak)", result.compute_dtype or "unknown"))
     lines.append(("peak memory allocated fwd / bwd / step (clean steps)", _peak_memory_text(result)))
     if result.peak is not None and result.bandwidth is None:  # without a peak, the MFU row says why
         lines.append(("roofline per module", f"n/a: {result.no_bandwidth_reason}"))
     if result.peak is None:
         lines.append(("MFU", f"n/a: {result.no_peak_reason}"))
-    else:
+    else:  # of the flops the FLOPS rows divide: the clean step's where it is not the counting step's
+        of = "clean step's " if each.counts != BatchCounts.of(result.per_gpu_profile()) else ""
         lines += [
             (f"peak FLOPS per device ({result.peak.source})", flops_to_string(result.peak.flops)),
-            ("MFU = (fwd+bwd flops) / iter latency / peak", f"{100 * metrics[names.MFU]:.2f}%"),
-            ("HFU = (fwd+bwd+recompute flops) / iter latency / peak", f"{100 * metrics[names.HFU]:.2f}%"),
+            (f"MFU = ({of}fwd+bwd flops) / iter latency / peak", f"{100 * metrics[names.MFU]:.2f}%"),
+            (
+                f"HFU = ({of}fwd+bwd+recompute flops) / iter latency / peak",
+                f"{100 * metrics[names.HFU]:.2f}%",
+            ),
         ]
     doubts = [("module latencies in doubt", note) for note in tree_doubts(result).notes]
     return lines + source_lines(result) + doubts + result.extra_lines
@@ -251,17 +265,25 @@ def _peak_memory_text(result: WindowResult) -> str:
     return " / ".join(bytes_to_string(result.peak_memory.get(phase, 0)) for phase in PHASES)
 
 
+def _count(n: int | float) -> str:
+    return f"{n:g}" if isinstance(n, float) else str(n)
+
+
 def run_rows(result: WindowResult, metrics: dict[str, float]) -> EngineRows:
-    """DeepSpeed's engine rows of the summary, from the window: sizes, batch, phase latencies."""
+    """DeepSpeed's engine rows of the summary, from the window: sizes, the micro-batch, phase latencies,
+    and the median clean step's flops and samples that the rates divide."""
+    each = result.figures().median_step().work
     return EngineRows(
         parallel=result.parallel,
-        batch_size=result.samples,
+        batch_size=result.micro_batch_size,
         model_params=result.sharded_model_params,
         fwd_latency=metrics[names.FWD_LATENCY],
         bwd_latency=metrics[names.BWD_LATENCY],
         step_latency=metrics[names.STEP_LATENCY],
         samples_per_second=metrics.get(names.SAMPLES_PER_SEC),
-        rates=window_rates(result),
+        step_counts=each.counts,
+        micro_batches=result.micro_batches,
+        samples_per_step=each.samples,
     )
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.roofline import OVERHEAD_FRACTION, Roofline
-from flops_callbacks.session.result import PhaseRates, phase_rates
+from flops_callbacks.session.result import phase_rates
+from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.units import (
     bytes_to_string,
     duration_to_string,
@@ -63,17 +64,22 @@ class EngineRows:
     ``step_latency`` adds the step, iter and samples/second rows. ``model_params`` overrides
     params per GPU x mp_size (e.g. the global size of sharded DTensors). ``recompute_fwd_factor`` is
     DeepSpeed's: it enters the backward estimate only when the backward was not profiled.
+    ``step_counts``: the flops of one step the rates divide (the clean steps' median) where they are not
+    the profile's (batches of other shapes): then printed, and named in the rates' labels.
+    ``samples_per_step`` (per GPU, all micro-batches) names samples/second's formula.
     """
 
     parallel: ParallelSizes | None = None
-    batch_size: int | float | None = None  # per GPU
+    batch_size: int | float | None = None  # per GPU and micro-batch (train_micro_batch_size_per_gpu)
     model_params: int | None = None
     fwd_latency: float | None = None
     bwd_latency: float | None = None
     step_latency: float | None = None
     samples_per_second: float | None = None
     recompute_fwd_factor: float = 0.0
-    rates: PhaseRates | None = None  # the phases' FLOPS when computed elsewhere (over several steps)
+    step_counts: BatchCounts | None = None
+    micro_batches: int = 1
+    samples_per_step: int | float | None = None
 
 
 def _rule(title: str, width: int) -> str:
@@ -101,6 +107,12 @@ def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
         ]
     if run.batch_size is not None:
         rows.append(("batch size per GPU", run.batch_size))
+    if run.micro_batches > 1:
+        rows.append(("micro-batches per step (gradient accumulation)", run.micro_batches))
+    per_step = "batch size per GPU"  # what samples/second divides: the micro-batch, unless a step has more
+    if run.samples_per_step is not None and (run.micro_batches > 1 or run.samples_per_step != run.batch_size):
+        rows.append(("samples per step per GPU", run.samples_per_step))
+        per_step = "samples per step per GPU"
     model_params = run.model_params if run.model_params is not None else p.params * mp
     fwd_latency = p.fwd_latency if run.fwd_latency is None else run.fwd_latency
     bwd_latency = p.bwd_latency if run.bwd_latency is None else run.bwd_latency
@@ -111,9 +123,10 @@ def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
         factor = 2 + run.recompute_fwd_factor
         root = dataclasses.replace(p.model, bwd_flops=int(factor * p.fwd_flops), recompute_flops=0)
         counted = dataclasses.replace(p, modules={**p.modules, "": root})
-    rates = phase_rates(counted, fwd_latency, bwd_latency, run.step_latency or 0.0)
-    if measured and run.rates is not None:
-        rates = run.rates
+    other = measured and run.step_counts is not None and run.step_counts != BatchCounts.of(p)
+    step = run.step_counts if other and run.step_counts is not None else counted
+    rates = phase_rates(step, fwd_latency, bwd_latency, run.step_latency or 0.0)
+    of = "clean step's " if other else ""  # the rates' flops: a clean step's (median), printed below
     rows += [
         ("params per GPU", params_to_string(p.params)),
         ("params of model = params per GPU * mp_size", params_to_string(model_params)),
@@ -121,17 +134,23 @@ def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
         ("fwd flops per GPU", number_to_string(p.fwd_flops)),
         ("fwd flops of model = fwd flops per GPU * mp_size", number_to_string(p.fwd_flops * mp)),
         ("fwd latency", duration_to_string(fwd_latency)),
-        (
-            "fwd FLOPS per GPU = fwd flops per GPU / fwd latency",
-            _rate(rates.fwd, fwd_latency),
-        ),
     ]
+    if other:
+        rows.append(
+            (
+                "clean step's fwd / bwd / recompute flops per GPU (their median; batches of other shapes)",
+                " / ".join(
+                    number_to_string(n) for n in (step.fwd_flops, step.bwd_flops, step.recompute_flops)
+                ),
+            )
+        )
+    rows.append((f"fwd FLOPS per GPU = {of}fwd flops per GPU / fwd latency", _rate(rates.fwd, fwd_latency)))
     if not measured and run.bwd_latency is None:
         return rows  # no backward was profiled or timed: DeepSpeed prints none of its rows either
-    if measured:
-        bwd_label = "bwd FLOPS per GPU = bwd flops per GPU / bwd latency"
-        both_label = "fwd+bwd FLOPS per GPU = fwd+bwd flops per GPU / (fwd+bwd latency)"
-        iter_label = "FLOPS per GPU = fwd+bwd flops per GPU / iter latency"
+    if measured:  # model flops: recompute apart (hardware FLOPS)
+        bwd_label = f"bwd FLOPS per GPU = {of}bwd flops per GPU / bwd latency"
+        both_label = f"fwd+bwd FLOPS per GPU = {of}fwd+bwd flops per GPU / (fwd+bwd latency)"
+        iter_label = f"FLOPS per GPU = {of}fwd+bwd flops per GPU / iter latency"
     else:  # DeepSpeed's estimate, in its words
         bwd_label = f"bwd FLOPS per GPU = {factor:g} * fwd flops per GPU / bwd latency"
         both_label = f"fwd+bwd FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / (fwd+bwd latency)"
@@ -145,16 +164,28 @@ def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
         iter_latency = fwd_latency + bwd_latency + run.step_latency
         rows += [
             ("step latency", duration_to_string(run.step_latency)),
-            ("iter latency", duration_to_string(iter_latency)),
+            ("iter latency", duration_to_string(iter_latency)),  # fwd + bwd + step (the notations)
             (iter_label, _rate(rates.iter, iter_latency)),
         ]
+        if measured and step.recompute_flops:  # else it is FLOPS per GPU (the metric is logged as always)
+            rows.append(
+                (
+                    f"hardware FLOPS per GPU = {of}fwd+bwd+recompute flops per GPU / iter latency",
+                    _rate(rates.hardware, iter_latency),
+                )
+            )
         if run.samples_per_second is not None:
-            rows.append(("samples/second", round(run.samples_per_second, 2)))
+            label = "samples/second"
+            if run.samples_per_step is not None:
+                dp = " * dp_size" if run.parallel else ""
+                label = f"samples/second = {per_step}{dp} / iter latency"
+            rows.append((label, round(run.samples_per_second, 2)))
     return rows
 
 
-def _own_rows(p: Profile) -> list[tuple[str, object]]:
-    """Our rows that DeepSpeed has no equivalent of."""
+def _own_rows(p: Profile, micro_batches: int) -> list[tuple[str, object]]:
+    """Our rows that DeepSpeed has no equivalent of (activations saved per micro-batch: each one's are
+    freed by its backward)."""
     rows: list[tuple[str, object]] = []
     if not p.device.startswith("cuda"):
         rows.append(("device", p.device))
@@ -174,8 +205,13 @@ def _own_rows(p: Profile) -> list[tuple[str, object]]:
         label = " / ".join(name for name, _ in shown)
         rows += [
             (f"{label} bytes moved per GPU", " / ".join(bytes_to_string(moved) for _, moved in shown)),
-            ("activations saved for bwd per GPU (params excluded)", bytes_to_string(p.saved_bytes)),
         ]
+        saved = "activations saved for bwd per GPU (params excluded)"
+        if micro_batches > 1:
+            saved = (
+                f"activations saved for bwd per GPU per micro-batch (params excluded; {micro_batches}'s mean)"
+            )
+        rows.append((saved, bytes_to_string(p.saved_bytes / micro_batches)))
     return rows
 
 
@@ -191,7 +227,7 @@ def render_summary(
     ``context_lines`` and ``timing_lines``.
     """
     run = run or EngineRows()
-    rows = [*_deepspeed_rows(profile, run), *_own_rows(profile), *timing_lines]
+    rows = [*_deepspeed_rows(profile, run), *_own_rows(profile, run.micro_batches), *timing_lines]
     lines = [
         _rule(TITLE, 78),
         f"Profile Summary at step {profile_step}:",

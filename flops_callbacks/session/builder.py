@@ -10,7 +10,6 @@ where each figure comes from, in words.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -27,7 +26,14 @@ from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_steps import CleanFigures, Kind, WindowStep, clean_figures
+from flops_callbacks.session.window_steps import (
+    CleanFigures,
+    CleanStep,
+    Kind,
+    StepWork,
+    WindowStep,
+    clean_figures,
+)
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.hook_probe import hook_cost
@@ -44,6 +50,7 @@ __all__ = [
     "job_figures",
     "local_window",
     "mean",
+    "phases",
     "window_shapes",
 ]
 
@@ -76,12 +83,6 @@ def clean_peak_memory(steps: list[WindowStep]) -> dict[str, int] | None:
     if not recorded:
         return None
     return {phase: max(peaks.get(phase, 0) for peaks in recorded) for phase in PHASES}
-
-
-def _total(steps: list[WindowStep]) -> BatchCounts:
-    """The counts of ``steps`` summed (those whose counts are known)."""
-    known = (s.counts for s in steps if s.counts is not None)
-    return functools.reduce(BatchCounts.plus, known, BatchCounts.zero())
 
 
 def _own_forwards(clean: list[WindowStep]) -> list[tuple[WindowStep, OuterCalls]]:
@@ -164,15 +165,10 @@ COUNTED = (
 
 
 class RankRow(NamedTuple):
-    """What one rank tells the others at the window's end: its clean steps' times and work, and its
+    """What one rank tells the others at the window's end: each clean step's work and times, and its
     counting step's totals (by :data:`COUNTED`) and samples and tokens."""
 
-    times: tuple[float, ...]  # CleanFigures.gathered()
-    counts: BatchCounts  # of the clean steps
-    samples: int | float | None
-    tokens: int | float | None
-    real_tokens: int | float | None
-    positions: int | float | None
+    steps: tuple[CleanStep, ...]  # each clean step's, in order
     counted: tuple[int, ...]  # the counting step's totals
     counted_samples: int | float | None
     counted_tokens: int | float | None
@@ -195,18 +191,7 @@ class LocalWindow:
     def row(self) -> RankRow:
         f, c = self.figures, self.counting
         counted = tuple(getattr(self.profile, name) for name in COUNTED)
-        return RankRow(
-            f.gathered(),
-            f.counts,
-            f.samples,
-            f.tokens,
-            f.real_tokens,
-            f.positions,
-            counted,
-            c.samples,
-            c.tokens,
-            c.seconds()["iter"],
-        )
+        return RankRow(f.steps, counted, c.samples, c.tokens, c.seconds()["iter"])
 
 
 def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> LocalWindow:
@@ -222,10 +207,11 @@ def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> 
         }
     clean = [s for s in steps if s.kind == Kind.CLEAN and s.counts is not None]
     sources: FlopsSources | None = None
+    each: list[BatchCounts] | None = None
+    counts: BatchCounts | None = None  # each timed step's own
     if clean:
-        timed, source = clean, f"median of {len(clean)} clean step(s)"
+        timed, source = clean, f"median of {len(clean)} clean step(s)"  # the median step: by FLOPS
         each, sources = clean_step_flops(steps, clean, flops)  # counted, predicted, or estimated
-        counts = functools.reduce(BatchCounts.plus, each, BatchCounts.zero())
     else:
         known = [s for s in ran if s.counts is not None]
         timed = known or ran[:1] or [counting]
@@ -233,8 +219,8 @@ def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> 
             f"the {timed[0].kind} step{'s' if len(timed) > 1 else ''} alone (no clean step ran: inflated "
             f"by {'module hooks' if ran else 'counting'})"
         )
-        counts = _total(known) if known else BatchCounts.of(profile)
-    figures = clean_figures(timed, counts)
+        counts = None if known else BatchCounts.of(profile)
+    figures = clean_figures(timed, counts, each)
     return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources)
 
 
@@ -246,24 +232,27 @@ def mean(values: Sequence[int | float | None]) -> int | float | None:
     return total // len(values) if total % len(values) == 0 else total / len(values)
 
 
-def job_figures(local: CleanFigures, rows: Sequence[RankRow]) -> CleanFigures:
-    """The job's clean-step figures: the slowest rank's times (its fwd + bwd + step sums), and per
-    device the ranks' mean work, samples and tokens (every rank's own batches)."""
-    slowest = max(rows, key=lambda row: row.times[0] + row.times[1] + row.times[2])
-    figures = local.from_gathered(slowest.times)
-    if len(rows) == 1:
-        return figures
-    counts = BatchCounts(
-        *(round(sum(r.counts[i] for r in rows) / len(rows)) for i in range(len(BatchCounts._fields)))
-    )
-    return dataclasses.replace(
-        figures,
-        counts=counts,
-        samples=mean([r.samples for r in rows]),
-        tokens=mean([r.tokens for r in rows]),
-        real_tokens=mean([r.real_tokens for r in rows]),
-        positions=mean([r.positions for r in rows]),
-    )
+def phases(step: CleanStep) -> tuple[float, float, float]:
+    return step.latency("fwd"), step.latency("bwd"), step.latency("step")
+
+
+def _mean(values: list[Any]) -> Any:
+    return mean(values)
+
+
+def _job_step(steps: Sequence[CleanStep]) -> CleanStep:
+    """One step of every rank's as the job saw it: the slowest rank's times (every rank waited for it),
+    the ranks' mean work per device (every rank's own batches)."""
+    slowest = max(steps, key=lambda s: s.latency("iter"))
+    return CleanStep(StepWork.combined([s.work for s in steps], _mean), slowest.seconds)
+
+
+def job_figures(rows: Sequence[RankRow]) -> CleanFigures:
+    """The job's clean steps, step by step (:func:`_job_step`); ranks that timed different numbers of
+    steps: their median steps, as one."""
+    if len({len(r.steps) for r in rows}) == 1:
+        return CleanFigures(tuple(_job_step(step) for step in zip(*(r.steps for r in rows), strict=True)))
+    return CleanFigures((_job_step([CleanFigures(r.steps).median_step() for r in rows]),))
 
 
 def build_result(
@@ -293,14 +282,13 @@ def build_result(
         times, cost, trace_step = _module_times(module_steps, clean)
         spans = times.spans
         profile = times.applied_to(profile)
-    figures = job_figures(local.figures, rows)
-    spreads = figures.spreads
+    figures = job_figures(rows)
+    median = figures.median_step()
+    fwd, bwd, step = (median.latency(name) for name in ("fwd", "bwd", "step"))
     device = torch.device(profile.device)
     peak, no_peak_reason = resolve_peak(peaks[0], device, context.compute_dtype)
     bandwidth, no_bandwidth_reason = resolve_bandwidth(peaks[1], device)
-    profile = dataclasses.replace(
-        profile, fwd_latency=spreads["fwd"].median, bwd_latency=spreads["bwd"].median
-    )
+    profile = dataclasses.replace(profile, fwd_latency=fwd, bwd_latency=bwd)
     extra = context.extra_lines(counting.batches, profile) if context.extra_lines is not None else []
     if counting.tokens:  # what "6 x params x tokens" claims (with active parameters, for an MoE)
         extra += estimate_rows(
@@ -328,9 +316,9 @@ def build_result(
             model_forward=forward_steps,
             model_forward_shapes_match=forward_shapes_match,
         ),
-        fwd_latency=spreads["fwd"].median,
-        bwd_latency=spreads["bwd"].median,
-        step_latency=spreads["step"].median,
+        fwd_latency=fwd,
+        bwd_latency=bwd,
+        step_latency=step,
         samples=mean([r.counted_samples for r in rows]),
         tokens=mean([r.counted_tokens for r in rows]),
         micro_batches=len(counting.signatures),
@@ -341,7 +329,7 @@ def build_result(
         bandwidth=bandwidth,
         no_bandwidth_reason=no_bandwidth_reason,
         peak_memory=clean_peak_memory(clean),
-        rank_latencies=[(r.times[5], r.times[8], r.times[11]) for r in rows],  # (fwd, bwd, step) medians
+        rank_latencies=[phases(CleanFigures(r.steps).median_step()) for r in rows],
         rank_counts=[dict(zip(COUNTED, r.counted, strict=True)) for r in rows],
         sharded_model_params=sharded_params(model),
         extra_lines=extra,

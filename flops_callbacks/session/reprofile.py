@@ -14,7 +14,6 @@ Apart from :mod:`.builder` because it builds from a result, not from a counting 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -30,11 +29,12 @@ from flops_callbacks.session.builder import (
     clean_peak_memory,
     job_figures,
     local_window,
+    phases,
     window_shapes,
 )
 from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult
-from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.session.shape_flops import ShapeFlops
 from flops_callbacks.session.window_steps import CleanFigures, Kind, WindowStep, clean_figures
 
 __all__ = ["ReusedWindow", "local_part", "reused_window", "window_result"]
@@ -55,24 +55,13 @@ class ReusedWindow:
         (the same on every rank: the job's figures of the window it reuses)."""
         f, base = self.figures, self.base
         counted = tuple(getattr(base.profile, name) for name in COUNTED)
-        return RankRow(
-            f.gathered(),
-            f.counts,
-            f.samples,
-            f.tokens,
-            f.real_tokens,
-            f.positions,
-            counted,
-            base.samples,
-            base.tokens,
-            base.counting_iter or 0.0,
-        )
+        return RankRow(f.steps, counted, base.samples, base.tokens, base.counting_iter or 0.0)
 
     def result(self, rows: Sequence[RankRow], flops: ShapeFlops, global_step: int) -> WindowResult:
         """The job's result: the base's with this window's steps, latencies and rates."""
         base, clean = self.base, self.clean
-        figures = job_figures(self.figures, rows)
-        spreads = figures.spreads
+        figures = job_figures(rows)
+        fwd, bwd, step = phases(figures.median_step())
         shapes, counted, predicted = window_shapes(self.steps, flops)
         steps = dataclasses.replace(
             base.steps,
@@ -89,16 +78,15 @@ class ReusedWindow:
             model_forward=(),  # no clean step of a re-profile window marks it (no module hook runs)
             model_forward_shapes_match=False,
         )
-        fwd, bwd = spreads["fwd"].median, spreads["bwd"].median
         return dataclasses.replace(
             base,
             profile=dataclasses.replace(base.profile, fwd_latency=fwd, bwd_latency=bwd),
             steps=steps,
             fwd_latency=fwd,
             bwd_latency=bwd,
-            step_latency=spreads["step"].median,
+            step_latency=step,
             peak_memory=clean_peak_memory(clean),
-            rank_latencies=[(r.times[5], r.times[8], r.times[11]) for r in rows],  # (fwd, bwd, step) medians
+            rank_latencies=[phases(CleanFigures(r.steps).median_step()) for r in rows],
             published_at=global_step,
             clean=figures,
             model_forward=None,
@@ -114,8 +102,7 @@ def reused_window(steps: list[WindowStep], base: WindowResult, flops: ShapeFlops
     if not clean:
         return None
     each, sources = clean_step_flops(steps, clean, flops)
-    counts = functools.reduce(BatchCounts.plus, each, BatchCounts.zero())
-    return ReusedWindow(base, steps, clean, clean_figures(clean, counts), sources)
+    return ReusedWindow(base, steps, clean, clean_figures(clean, each=each), sources)
 
 
 def local_part(

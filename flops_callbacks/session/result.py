@@ -11,6 +11,7 @@ from flops_callbacks.metrics import (
     BWD_FLOPS,
     BWD_FLOPS_PER_SEC,
     BWD_LATENCY,
+    CLEAN_STEPS,
     DATA_LATENCY,
     FLOPS_PER_SEC,
     FWD_BYTES,
@@ -18,6 +19,7 @@ from flops_callbacks.metrics import (
     FWD_FLOPS_PER_SEC,
     FWD_LATENCY,
     FWD_MACS,
+    HARDWARE_FLOPS_PER_SEC,
     HFU,
     ITER_LATENCY,
     MFU,
@@ -39,7 +41,7 @@ from flops_callbacks.profile import Profile
 from flops_callbacks.roofline import Roofline, module_rooflines
 from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.shape_flops import BatchCounts
-from flops_callbacks.session.window_steps import CleanFigures, Spread
+from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepWork
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.spans import ModuleSpan
 
@@ -105,7 +107,8 @@ class WindowResult:
     """A profiled window: the model's profile plus what the training loop around it did.
 
     ``profile``'s per-module latencies are the module-timing steps' medians; its ``fwd_latency`` and
-    ``bwd_latency`` (like the fields below) are the phase latencies of the clean steps.
+    ``bwd_latency`` (like the fields below) are the phase latencies of the median clean step (the one of
+    the median FLOPS: :mod:`flops_callbacks.session.window_steps`).
     """
 
     profile: Profile
@@ -156,7 +159,17 @@ class WindowResult:
 
     @property
     def iter_latency(self) -> float:
+        """fwd + bwd + step latency (DeepSpeed's definition): the one iter latency of a window."""
         return self.fwd_latency + self.bwd_latency + self.step_latency
+
+    @property
+    def micro_batch_size(self) -> int | float | None:
+        """Samples per micro-batch per device (DeepSpeed's "batch size per GPU"): the counting step's
+        samples over its micro-batches."""
+        if self.samples is None:
+            return None
+        size = self.samples / max(self.micro_batches, 1)
+        return int(size) if size == int(size) else size
 
     @property
     def no_roofline_reason(self) -> str:
@@ -194,16 +207,9 @@ class WindowResult:
         above doing the profile's flops."""
         if self.clean is not None:
             return self.clean
-        seconds = {"fwd": self.fwd_latency, "bwd": self.bwd_latency, "step": self.step_latency}
-        seconds |= {"iter": self.iter_latency, "data": 0.0, "wall": 0.0}
+        seconds = (self.fwd_latency, self.bwd_latency, self.step_latency, 0.0, 0.0)  # no data, no wall
         return CleanFigures(
-            counts=BatchCounts.of(self.profile),
-            samples=self.samples,
-            tokens=self.tokens,
-            real_tokens=None,
-            positions=None,
-            sums={k: v for k, v in seconds.items() if k != "iter"},
-            spreads={k: Spread(v, v, v, 1) for k, v in seconds.items()},
+            (CleanStep(StepWork(BatchCounts.of(self.profile), self.samples, self.tokens), seconds),)
         )
 
     def metrics(self) -> dict[str, float]:
@@ -221,39 +227,43 @@ def _per_sec(amount: float, seconds: float) -> float:
 @dataclass(frozen=True)
 class PhaseRates:
     """Achieved FLOPS of each phase (0 where a latency is 0): the one definition the report and the
-    metrics both use."""
+    metrics both use. Model flops (fwd, bwd) except ``hardware``, which adds the recompute."""
 
-    fwd: float
-    bwd: float
-    fwd_bwd: float
-    iter: float
+    fwd: float  # fwd flops / fwd latency
+    bwd: float  # bwd flops / bwd latency
+    fwd_bwd: float  # (fwd + bwd flops) / (fwd + bwd latency)
+    iter: float  # (fwd + bwd flops) / iter latency: FLOPS, MFU's numerator
+    hardware: float  # (fwd + bwd + recompute flops) / iter latency: HFU's numerator
 
 
 def phase_rates(
     profile: Profile | BatchCounts, fwd_latency: float, bwd_latency: float, step_latency: float
 ) -> PhaseRates:
-    """The work the device did in each phase over its latency; recompute runs in the backward."""
-    bwd = profile.bwd_flops + profile.recompute_flops
+    """One step's flops (``profile``'s) over its phases' latencies."""
+    iter_latency = fwd_latency + bwd_latency + step_latency
     return PhaseRates(
         fwd=_per_sec(profile.fwd_flops, fwd_latency),
-        bwd=_per_sec(bwd, bwd_latency),
-        fwd_bwd=_per_sec(profile.fwd_flops + bwd, fwd_latency + bwd_latency),
-        iter=_per_sec(profile.fwd_flops + bwd, fwd_latency + bwd_latency + step_latency),
+        bwd=_per_sec(profile.bwd_flops, bwd_latency),
+        fwd_bwd=_per_sec(profile.model_flops, fwd_latency + bwd_latency),
+        iter=_per_sec(profile.model_flops, iter_latency),
+        hardware=_per_sec(profile.hardware_flops, iter_latency),
     )
 
 
 def window_rates(step: WindowResult) -> PhaseRates:
-    """Each phase's FLOPS over the clean steps: their flops over their summed phase times."""
-    c = step.figures()
-    return phase_rates(c.counts, c.sums["fwd"], c.sums["bwd"], c.sums["step"])
+    """Each phase's FLOPS on the median clean step: its flops over its latencies (the window's)."""
+    counts = step.figures().median_step().work.counts
+    return phase_rates(counts, step.fwd_latency, step.bwd_latency, step.step_latency)
 
 
 def window_metrics(step: WindowResult) -> dict[str, float]:
     """The metrics dict of a profile window (``tokens_per_sec`` only when tokens are known)."""
     p = step.per_gpu_profile()
     c = step.figures()
+    median = c.median_step()
+    each, total = median.work, c.total()
     dp = step.parallel.data_parallel
-    seconds, wall = c.iter_seconds, c.sums["wall"]
+    seconds, wall = step.iter_latency, c.sums["wall"]
     rates = window_rates(step)
     metrics = {
         FWD_FLOPS: float(p.fwd_flops),
@@ -262,31 +272,33 @@ def window_metrics(step: WindowResult) -> dict[str, float]:
         FWD_MACS: float(p.fwd_macs),
         FWD_BYTES: float(p.fwd_bytes),
         BWD_BYTES: float(p.bwd_bytes),
-        SAVED_ACTIVATION_BYTES: float(p.saved_bytes),
+        SAVED_ACTIVATION_BYTES: p.saved_bytes / max(step.micro_batches, 1),
         PARAMS: float(p.params),
         FWD_LATENCY: step.fwd_latency,
         BWD_LATENCY: step.bwd_latency,
         STEP_LATENCY: step.step_latency,
         ITER_LATENCY: step.iter_latency,
+        CLEAN_STEPS: float(len(step.steps.clean)),
         FWD_FLOPS_PER_SEC: rates.fwd,
         BWD_FLOPS_PER_SEC: rates.bwd,
         FLOPS_PER_SEC: rates.iter,
+        HARDWARE_FLOPS_PER_SEC: rates.hardware,
     }
-    if c.samples is not None:
-        metrics[SAMPLES_PER_SEC] = _per_sec(c.samples * dp, seconds)
-    if c.tokens is not None:
-        metrics[TOKENS_PER_SEC] = _per_sec(c.tokens * dp, seconds)
+    if each.samples is not None:
+        metrics[SAMPLES_PER_SEC] = _per_sec(each.samples * dp, seconds)
+    if each.tokens is not None:
+        metrics[TOKENS_PER_SEC] = _per_sec(each.tokens * dp, seconds)
     if wall > 0:
-        metrics[WALL_LATENCY] = c.spreads["wall"].median
-        metrics[DATA_LATENCY] = c.spreads["data"].median
-        if c.samples is not None:
-            metrics[WALL_SAMPLES_PER_SEC] = _per_sec(c.samples * dp, wall)
-        if c.tokens is not None:
-            metrics[WALL_TOKENS_PER_SEC] = _per_sec(c.tokens * dp, wall)
-    if c.positions:
-        metrics[PADDING_FRACTION] = 1 - (c.real_tokens or 0) / c.positions
-        metrics[REAL_TOKENS_PER_SEC] = _per_sec((c.real_tokens or 0) * dp, seconds)
+        metrics[WALL_LATENCY] = median.latency("wall")  # the median step's, as the latencies above
+        metrics[DATA_LATENCY] = median.latency("data")
+        if total.samples is not None:
+            metrics[WALL_SAMPLES_PER_SEC] = _per_sec(total.samples * dp, wall)
+        if total.tokens is not None:
+            metrics[WALL_TOKENS_PER_SEC] = _per_sec(total.tokens * dp, wall)
+    if total.positions:
+        metrics[PADDING_FRACTION] = 1 - (total.real_tokens or 0) / total.positions
+        metrics[REAL_TOKENS_PER_SEC] = _per_sec((each.real_tokens or 0) * dp, seconds)
     if step.peak is not None:
-        metrics[MFU] = _per_sec(c.counts.model_flops, seconds) / step.peak.flops
-        metrics[HFU] = _per_sec(c.counts.hardware_flops, seconds) / step.peak.flops
+        metrics[MFU] = rates.iter / step.peak.flops
+        metrics[HFU] = rates.hardware / step.peak.flops
     return metrics

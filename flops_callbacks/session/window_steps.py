@@ -5,9 +5,14 @@ Each window step keeps what it did: its micro-batches' shape signatures, samples
 marks of
 its wall step (from the previous step's end to its own). The clean steps' figures are:
 
-* rates (FLOPS, MFU, samples/s, tokens/s): the sum of the clean steps' flops (samples, tokens) over
-  the sum of their times, so that steps of every shape weigh by their work, not by their number;
-* latencies: the median over the clean steps, with its range (min .. max) and the number of steps;
+* the median step: the clean step whose FLOPS (its own exact flops, whatever its batch shapes, over its
+  fwd + bwd + step) is the median of theirs (for an even count, the mean of the two middle ones).
+  Its phase latencies are the window's latencies and its work over them the rates (FLOPS, MFU,
+  samples/s, tokens/s), so that iter latency = fwd + bwd + step latency, every rate is the median of the
+  per-step rates, and one slow step moves none of them (summed flops over summed times would carry
+  all of a hiccup's time; a sum of per-phase medians is no step's and no median's);
+* spreads: each latency's median and range (min .. max) over the clean steps: where a slow step shows;
+* wall rates: the clean steps' samples (tokens) over the sum of their wall times: what the wall did;
 * ``median_known``: whether the median iter latency is known within a tolerance, for
   ``clean_steps="auto"``.
 
@@ -19,9 +24,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,9 +38,12 @@ from flops_callbacks.timing.phases import StepPhases
 
 __all__ = [
     "Kind",
+    "SUMS",
     "LATENCIES",
     "CleanFigures",
+    "CleanStep",
     "Spread",
+    "StepWork",
     "WindowStep",
     "clean_figures",
     "median_known",
@@ -57,6 +65,39 @@ class Kind:
 LATENCIES = ("fwd", "bwd", "step", "iter", "data", "wall")
 SUMS = ("fwd", "bwd", "step", "data", "wall")
 CONFIDENCE = 0.90  # of the median's interval for clean_steps="auto"
+
+
+class StepWork(NamedTuple):
+    """What one timed step did per device (over several ranks: their mean): its flops and MACs, samples,
+    tokens, and the token positions its attention masks cover and those that are not padding (None:
+    unknown)."""
+
+    counts: BatchCounts
+    samples: int | float | None
+    tokens: int | float | None
+    real_tokens: int | float | None = None
+    positions: int | float | None = None
+
+    @classmethod
+    def combined(cls, work: Sequence[StepWork], how: Any) -> StepWork:
+        """Each field of ``work`` combined by ``how`` (a list of values -> one; None if one is None);
+        counts field by field, rounded to whole flops."""
+        fields: list[Any] = [
+            BatchCounts(*(round(how([w.counts[i] for w in work])) for i in range(len(BatchCounts._fields))))
+        ]
+        for i in range(1, len(cls._fields)):
+            values = [w[i] for w in work]
+            fields.append(None if any(v is None for v in values) else how(values))
+        return cls(*fields)
+
+
+def _sum(values: list[Any]) -> Any:
+    return sum(values)
+
+
+def _mean(values: list[Any]) -> Any:
+    total = sum(values)
+    return total // len(values) if total % len(values) == 0 else total / len(values)  # an int when exact
 
 
 @dataclass
@@ -108,6 +149,13 @@ class WindowStep:
         data = clock.seconds(self.start_mark, first) if known else 0.0
         return {"fwd": fwd, "bwd": bwd, "step": opt, "iter": fwd + bwd + opt, "data": data, "wall": wall}
 
+    def work(self, counts: BatchCounts | None = None) -> StepWork:
+        """What this step did; ``counts``: its flops when its own are not known (the profile's)."""
+        real = sum(int(m.sum()) for m in self.masks) if self.masks else None
+        positions = sum(m.numel() for m in self.masks) if self.masks else None
+        own = counts if counts is not None else self.counts or BatchCounts.zero()
+        return StepWork(own, self.samples, self.tokens, real, positions)
+
 
 @dataclass(frozen=True)
 class Spread:
@@ -119,67 +167,98 @@ class Spread:
     steps: int
 
 
+class CleanStep(NamedTuple):
+    """One timed step as the job saw it: its work per device and its seconds (each of :data:`SUMS`)."""
+
+    work: StepWork
+    seconds: tuple[float, ...]
+
+    def latency(self, name: str) -> float:
+        """Seconds of one of :data:`LATENCIES` ("iter": fwd + bwd + step)."""
+        if name == "iter":
+            return sum(self.seconds[:3])
+        return self.seconds[SUMS.index(name)]
+
+    def rate(self) -> float:
+        """Its model flops per second of fwd + bwd + step (seconds' inverse where no flops are known):
+        what the median step is the median of."""
+        seconds = self.latency("iter")
+        return (self.work.counts.model_flops or 1) / seconds if seconds > 0 else math.inf
+
+
 @dataclass(frozen=True)
 class CleanFigures:
-    """What the clean steps did, summed (for rates) and spread (for latencies): the slowest rank's times,
-    the ranks' mean work per device."""
+    """What the clean steps did, step by step (the ranks' mean work per device, each step's slowest rank's
+    times): the median step, the spreads and the sums are made of them."""
 
-    counts: BatchCounts
-    # per device: over several ranks, their mean (an int when exact)
-    samples: int | float | None
-    tokens: int | float | None
-    real_tokens: int | float | None  # token positions that are not padding (attention masks), when known
-    positions: int | float | None  # token positions the attention masks cover
-    sums: dict[str, float]  # seconds of each of SUMS over the clean steps
-    spreads: dict[str, Spread]  # each of LATENCIES
-    iters: tuple[float, ...] = ()  # each step's fwd + bwd + step seconds, in order (this rank's)
+    steps: tuple[CleanStep, ...]
+
+    def median_step(self) -> CleanStep:
+        """The step of the median FLOPS (module doc): its latencies and rates are the window's; of an even
+        count, the mean of the two middle ones (as a median of two values is their mean)."""
+        ranked = sorted(self.steps, key=CleanStep.rate)
+        middle = ranked[(len(ranked) - 1) // 2 : len(ranked) // 2 + 1]
+        if len(middle) == 1:
+            return middle[0]
+        seconds = tuple(sum(pair) / 2 for pair in zip(*(s.seconds for s in middle), strict=True))
+        return CleanStep(StepWork.combined([s.work for s in middle], _mean), seconds)
+
+    @property
+    def work(self) -> tuple[StepWork, ...]:
+        return tuple(s.work for s in self.steps)
+
+    def total(self) -> StepWork:
+        """The steps' work summed: what the wall rates divide by the summed wall time."""
+        return StepWork.combined(self.work, _sum)
+
+    @property
+    def sums(self) -> dict[str, float]:
+        """Seconds of each of :data:`SUMS` over the clean steps."""
+        return {name: sum(s.latency(name) for s in self.steps) for name in SUMS}
+
+    @property
+    def spreads(self) -> dict[str, Spread]:
+        """Each of :data:`LATENCIES`: median, min, max over the steps."""
+        spreads = {}
+        for name in LATENCIES:
+            values = [s.latency(name) for s in self.steps]
+            spreads[name] = Spread(statistics.median(values), min(values), max(values), len(values))
+        return spreads
+
+    @property
+    def iters(self) -> tuple[float, ...]:
+        """Each step's fwd + bwd + step seconds, in order."""
+        return tuple(s.latency("iter") for s in self.steps)
+
+    @property
+    def counts(self) -> BatchCounts:
+        return self.total().counts
+
+    @property
+    def samples(self) -> int | float | None:
+        return self.total().samples
+
+    @property
+    def tokens(self) -> int | float | None:
+        return self.total().tokens
 
     @property
     def iter_seconds(self) -> float:
-        return self.sums["fwd"] + self.sums["bwd"] + self.sums["step"]
-
-    def gathered(self) -> tuple[float, ...]:
-        """The times as one row of floats, to compare ranks (:func:`from_gathered`)."""
-        row = [self.sums[name] for name in SUMS]
-        for name in LATENCIES:
-            s = self.spreads[name]
-            row += [s.median, s.low, s.high]
-        return tuple(row)
-
-    def from_gathered(self, row: tuple[float, ...]) -> CleanFigures:
-        """These figures with another rank's times (the work stays this one's)."""
-        sums = dict(zip(SUMS, row[: len(SUMS)], strict=True))
-        rest = row[len(SUMS) :]
-        steps = next(iter(self.spreads.values())).steps
-        spreads = {
-            name: Spread(rest[3 * i], rest[3 * i + 1], rest[3 * i + 2], steps)
-            for i, name in enumerate(LATENCIES)
-        }
-        return replace(self, sums=sums, spreads=spreads)
+        return sum(self.iters)
 
 
-def clean_figures(steps: list[WindowStep], counts: BatchCounts) -> CleanFigures:
-    """The figures of ``steps`` (the clean steps, or the one step that stands for them) whose flops sum
-    to ``counts``."""
-    per_step = [s.seconds() for s in steps]
-    spreads = {}
-    for name in LATENCIES:
-        values = [t[name] for t in per_step]
-        spreads[name] = Spread(statistics.median(values), min(values), max(values), len(values))
-    masks = [m for s in steps for m in s.masks]
-    real = sum(int(m.sum()) for m in masks) if masks else None
-    positions = sum(m.numel() for m in masks) if masks else None
-    tokens = [s.tokens for s in steps]
-    return CleanFigures(
-        counts=counts,
-        samples=None if any(s.samples is None for s in steps) else sum(s.samples or 0 for s in steps),
-        tokens=None if any(t is None for t in tokens) else sum(t or 0 for t in tokens),
-        real_tokens=real,
-        positions=positions,
-        sums={name: sum(t[name] for t in per_step) for name in SUMS},
-        spreads=spreads,
-        iters=tuple(t["iter"] for t in per_step),
-    )
+def clean_figures(
+    steps: list[WindowStep], counts: BatchCounts | None = None, each: Sequence[BatchCounts] | None = None
+) -> CleanFigures:
+    """The figures of ``steps`` (the clean steps, or the one step that stands for them); ``counts``: the
+    flops of the one step that stands for them when its own are not known (the profile's); ``each``:
+    every step's flops where the shape table's are not theirs (estimated from counted neighbours)."""
+    timed = []
+    for i, s in enumerate(steps):
+        seconds = s.seconds()
+        own = each[i] if each is not None else counts
+        timed.append(CleanStep(s.work(own), tuple(seconds[name] for name in SUMS)))
+    return CleanFigures(tuple(timed))
 
 
 def _binomial_cdf(k: int, n: int) -> float:

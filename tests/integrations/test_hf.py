@@ -493,8 +493,8 @@ def test_forward_backward_and_optimizer_step_of_known_durations_are_reported_wit
     assert result.bwd_latency == pytest.approx(SLEEP, rel=0.15)
     assert result.step_latency == pytest.approx(SLEEP, rel=0.15)
     # the Trainer's work before compute_loss is the wall step's other
-    spreads = result.figures().spreads
-    other = spreads["wall"].median - spreads["data"].median - result.iter_latency
+    metrics = result.metrics()  # the median step's wall step, less its wait for data and fwd + bwd + step
+    other = metrics[names.WALL_LATENCY] - metrics[names.DATA_LATENCY] - result.iter_latency
     assert other == pytest.approx(SLEEP, rel=0.15)
     # the module-timing step: the model's forward, and its backward (the sleeping node's execution)
     root = result.profile.modules[""]

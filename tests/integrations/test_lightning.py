@@ -808,8 +808,8 @@ def test_the_forward_is_training_step_and_lightnings_work_around_it_is_the_steps
     result = callback.result
     assert result.fwd_latency == pytest.approx(SLEEP, rel=0.15)  # not 2 or 3 sleeps
     assert (result.bwd_latency, result.step_latency) == pytest.approx((SLEEP, SLEEP), rel=0.15)
-    spreads = result.figures().spreads
-    other = spreads["wall"].median - spreads["data"].median - result.iter_latency
+    metrics = result.metrics()  # the median step's wall step, less its wait for data and fwd + bwd + step
+    other = metrics[names.WALL_LATENCY] - metrics[names.DATA_LATENCY] - result.iter_latency
     assert other == pytest.approx(2 * SLEEP, rel=0.15)  # the two sleeps, in the wall step's split
 
 

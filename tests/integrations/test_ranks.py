@@ -114,10 +114,15 @@ def check_one_window_and_the_jobs_figures(ranks: list[dict[str, Any]], hf: bool 
     # with padding) does not know (content-dependent work: the shape table's issue); rank 0's alone
     # would read 0.5x or less here
     assert ranks[0]["clean_counts"]["fwd_flops"] == pytest.approx(sum(clean) / world, rel=0.01)
-    tokens = sum(seen["batches"][s]["shape"][0] * seen["batches"][s]["shape"][1] for seen in ranks
-                 for s in steps["clean"])  # fmt: skip
-    seconds = ranks[0]["clean_iter_seconds"]  # the slowest rank's, which every rank waited for
-    assert metrics[names.TOKENS_PER_SEC] * seconds == pytest.approx(tokens, rel=1e-9)
+    # tokens/second: the median step's tokens per device (the ranks' mean that step: one of the clean
+    # steps' means) x the ranks, over its time (the slowest rank's, which every rank waited for)
+    means = [sum(seen["batches"][s]["shape"][0] * seen["batches"][s]["shape"][1] for seen in ranks) / world
+             for s in steps["clean"]]  # fmt: skip
+    tokens = ranks[0]["median_step_tokens"]
+    assert tokens in means
+    assert metrics[names.TOKENS_PER_SEC] * metrics[names.ITER_LATENCY] == pytest.approx(
+        tokens * world, rel=1e-9
+    )
     return metrics
 
 

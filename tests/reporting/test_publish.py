@@ -70,7 +70,7 @@ def test_the_report_says_where_each_figure_came_from_and_the_dtype_and_peak() ->
         "flops, MACs, params from": "step 10 (counting step)",
         "module latencies from": "step 11 (module hooks, no counting)",
         "fwd / bwd / step latency from": "median of 2 clean step(s): steps 12, 14",
-        "rates from: the same steps' summed flops (samples, tokens) / summed times": (
+        "rates from: the step of the median FLOPS: its flops (samples, tokens) / its latencies": (
             "1 batch shape(s): flops of 1 counted, 0 predicted"
         ),
         "clean steps left out (batch shapes not countable)": "13",

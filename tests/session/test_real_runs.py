@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from flops_callbacks.session.shape_flops import BatchCounts
+from tests.reporting.test_report_arithmetic import check_arithmetic
 from tests.support import lightning_settings
 
 VOCAB, BATCH, SLEEP = 97, 4, 0.5  # the collator's sleep: most of a step, even on a busy machine
@@ -120,16 +122,31 @@ def check_window(
     # backward re-running its forward is recompute, which the math backend has not)
     dense = sum(torch_dense_flops(b) for b in clean)
     assert dense == 2 * (counted.fwd_macs + counted.bwd_macs)
-    seconds = totals["seconds"]
-    iter_seconds = seconds["fwd"] + seconds["bwd"] + seconds["step"]
-    assert metrics[names.FLOPS_PER_SEC] == pytest.approx(counted.hardware_flops / iter_seconds, rel=0.01)
+    # the latencies and rates: the clean step of the median FLOPS (its own flops over its own time)
+    each = [engine_counts(batch, hf) for batch in clean]
+    iters = totals["iter_seconds_per_step"]
+    rates = [c.model_flops / t for c, t in zip(each, iters, strict=True)]
+    at = rates.index(sorted(rates)[(len(rates) - 1) // 2])
+    median = each[at]
+    assert BatchCounts(**saved["clean_median_step"]["counts"]) == median
+    seconds, iter_latency = totals["seconds"], metrics[names.ITER_LATENCY]
+    assert iter_latency == pytest.approx(iters[at], rel=1e-12)
+    assert (
+        iter_latency == metrics[names.FWD_LATENCY] + metrics[names.BWD_LATENCY] + metrics[names.STEP_LATENCY]
+    )
+    assert metrics[names.FLOPS_PER_SEC] == pytest.approx(median.model_flops / iter_latency, rel=1e-9)
+    assert metrics[names.HARDWARE_FLOPS_PER_SEC] == pytest.approx(
+        median.hardware_flops / iter_latency, rel=1e-9
+    )
     samples = BATCH * CLEAN_STEPS
-    assert metrics[names.SAMPLES_PER_SEC] == pytest.approx(samples / iter_seconds, rel=1e-9)
+    assert metrics[names.SAMPLES_PER_SEC] == pytest.approx(BATCH / iter_latency, rel=1e-9)
+    assert metrics[names.FLOPS_PER_SEC] == pytest.approx(statistics.median(rates), rel=1e-9)  # 5: odd
     # padding: the share of the clean steps' positions that are padding
     real = sum(int(b["attention_mask"].sum()) for b in clean)
     positions = sum(b["attention_mask"].numel() for b in clean)
     assert metrics[names.PADDING_FRACTION] == pytest.approx(1 - real / positions, rel=1e-12)
-    assert metrics[names.REAL_TOKENS_PER_SEC] == pytest.approx(real / iter_seconds, rel=1e-9)
+    real_median = int(clean[at]["attention_mask"].sum())  # the median step's
+    assert metrics[names.REAL_TOKENS_PER_SEC] == pytest.approx(real_median / iter_latency, rel=1e-9)
     # the wait for data is the collator's sleep, and the wall step holds it and the compute
     assert SLEEP <= metrics[names.DATA_LATENCY] <= SLEEP * 1.2
     wall = metrics[names.WALL_LATENCY]
@@ -141,7 +158,11 @@ def check_window(
     bottleneck = metrics[names.DATA_LATENCY] >= 0.3 * wall
     assert ("BOTTLENECK: the input pipeline" in report) == bottleneck  # the rule, as the report applies it
     assert bottleneck and "num_workers" in report
-    assert "tokens/second (positions processed, padding included" in report
+    assert (
+        "padding fraction (attention_mask zeros / positions; tokens are positions, padding included)"
+        in report
+    )
+    check_arithmetic(report)  # every formula row, from the printed values (the clean step's flops, printed)
     # per-module latencies only from a module-timing step with the counting step's batch shapes
     timed = [m["fwd_latency"] for m in saved["profile"]["modules"].values()]
     if steps["module_shapes_match"]:

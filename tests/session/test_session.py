@@ -231,9 +231,11 @@ def test_clean_steps_of_new_shapes_are_counted_on_steps_of_their_own_then_predic
 
     figures = r.figures()
     assert figures.counts.model_flops == flops(B) + flops(B + 2)  # the two clean steps' own batches
-    m = r.metrics()
-    assert m[names.FLOPS_PER_SEC] == pytest.approx((flops(B) + flops(B + 2)) / figures.iter_seconds)
-    assert m[names.SAMPLES_PER_SEC] == pytest.approx((B + B + 2) / figures.iter_seconds)
+    assert [s.work.counts.model_flops for s in figures.steps] == [flops(B), flops(B + 2)]
+    m = r.metrics()  # the median step of two: their mean (work and times)
+    assert r.iter_latency == pytest.approx(sum(figures.iters) / 2, rel=1e-12)
+    assert m[names.FLOPS_PER_SEC] == pytest.approx((flops(B) + flops(B + 2)) / 2 / r.iter_latency, rel=1e-6)
+    assert m[names.SAMPLES_PER_SEC] == pytest.approx((B + B + 2) / 2 / r.iter_latency)
     assert r.flops_sources is not None and r.flops_sources.sources == ("counted", "predicted")
     assert figures.spreads["iter"].steps == 2
 
@@ -379,8 +381,13 @@ def test_with_activation_checkpointing_the_printed_logged_and_saved_rates_agree(
     assert printed["FLOPS per GPU = fwd+bwd flops per GPU / iter latency"] == flops_to_string(
         logged[names.FLOPS_PER_SEC]
     )
-    bwd = r.profile.bwd_flops + r.profile.recompute_flops  # the backward phase re-runs the forward
-    assert logged[names.BWD_FLOPS_PER_SEC] == pytest.approx(bwd / r.bwd_latency)
+    assert printed[
+        "hardware FLOPS per GPU = fwd+bwd+recompute flops per GPU / iter latency"
+    ] == flops_to_string(logged[names.HARDWARE_FLOPS_PER_SEC])
+    # model flops in the bwd and FLOPS rows; the forward re-run in the backward only in hardware FLOPS
+    assert logged[names.BWD_FLOPS_PER_SEC] == pytest.approx(r.profile.bwd_flops / r.bwd_latency)
+    assert logged[names.FLOPS_PER_SEC] == pytest.approx(r.profile.model_flops / r.iter_latency)
+    assert logged[names.HARDWARE_FLOPS_PER_SEC] == pytest.approx(r.profile.hardware_flops / r.iter_latency)
 
 
 def test_an_moe_models_report_says_what_six_n_d_claims_with_all_and_active_parameters() -> None:
