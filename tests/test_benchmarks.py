@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support import first_clean, module_steps, window_end
+from tests.support import check_step, first_clean, module_steps, window_end
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLES = ("### Forward", "### Forward + backward (one training step)")
@@ -56,6 +56,6 @@ def test_the_benchmarks_window_is_the_run_plans_counting_module_timing_and_clean
         from window_plan import window_steps
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    # counting at 10, three module-timing steps, no clean step: 10-13; the first step after it is 14
-    assert window_steps(10) == range(10, 14) == range(10, window_end(10, 0))
-    assert list(window_steps(1, 2)) == [1, *module_steps(1), first_clean(1), first_clean(1) + 1]
+    # counting at 10, three module-timing steps, the check, no clean step: 10-14; the first after it is 15
+    assert window_steps(10) == range(10, 15) == range(10, window_end(10, 0))
+    assert list(window_steps(1, 2)) == [1, *module_steps(1), check_step(1), first_clean(1), first_clean(1) + 1]

@@ -91,10 +91,10 @@ def test_an_unknown_schema_version_or_a_missing_key_is_refused(runs: dict[str, P
         from_json({**data, "schema_version": 2}, "new.json")
     with pytest.raises(ProfileFileError, match=r"^odd.json: profile schema version 'x' is unknown \(this "):
         from_json({**data, "schema_version": "x"}, "odd.json")
-    without = {k: v for k, v in data.items() if k != "spread"}
+    without = {k: v for k, v in data.items() if k != "clean_each"}
     with pytest.raises(
         ProfileFileError,
-        match=r"^cut.json: a profile of schema version 1, but malformed: missing key 'spread'$",
+        match=r"^cut.json: a profile of schema version 1, but malformed: missing key 'clean_each'$",
     ):
         from_json(without, "cut.json")
 
