@@ -58,4 +58,5 @@ def test_the_benchmarks_window_is_the_run_plans_counting_module_timing_and_clean
         sys.path.remove(str(ROOT / "benchmarks"))
     # counting at 10, three module-timing steps, the check, no clean step: 10-14; the first after it is 15
     assert window_steps(10) == range(10, 15) == range(10, window_end(10, 0))
-    assert list(window_steps(1, 2)) == [1, *module_steps(1), check_step(1), first_clean(1), first_clean(1) + 1]
+    laid = [1, *module_steps(1), check_step(1), first_clean(1), first_clean(1) + 1]
+    assert list(window_steps(1, 2)) == laid
