@@ -173,7 +173,7 @@ def window_steps(profile_step: int, clean: int, **fields: Any) -> WindowSteps:
     settings: dict[str, Any] = dict(
         counting=profile_step, module_timing=module_steps(profile_step), clean=cleans, skipped=(),
         latency_source=f"median of {clean} clean step(s)", model_forward=cleans,
-        model_forward_shapes_match=True, shape_counting=(check_step(profile_step),),
+        model_forward_shapes_match=True, shape_counting=(check_step(profile_step),), first=profile_step,
     )  # fmt: skip
     return WindowSteps(**{**settings, **fields})
 
