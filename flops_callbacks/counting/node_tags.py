@@ -32,6 +32,9 @@ class NodeTags:
 
     def __init__(self) -> None:
         self._tagged: list[weakref.ref[torch.Tensor]] = []  # the tensors whose nodes were tagged
+        # the parameters' gradient accumulators that were tagged: they outlive the graph (DDP's reducer
+        # holds them), save no activation, and are untagged at the end by name, not by a walk
+        self._accumulators: list[Any] = []
 
     def tag(self, out: Any, ctx: Site, watch: Callable[[Any, Site], None] | None) -> None:
         """Tag the nodes that made ``out`` (a tensor or a structure of them), and every node above them
@@ -53,6 +56,8 @@ class NodeTags:
                 if TAG in metadata:
                     continue
                 metadata[TAG] = ctx
+                if not node.next_functions and node.name().endswith("AccumulateGrad"):
+                    self._accumulators.append(node)
                 if watch is not None:
                     watch(node, ctx)
                 pending.extend(n for n, _ in node.next_functions if n is not None)
@@ -62,7 +67,8 @@ class NodeTags:
         still alive, since every node above a tagged one was tagged with it or before it."""
         tensors = [t for ref in self._tagged if (t := ref()) is not None]
         self._tagged = []
-        pending = [t.grad_fn for t in tensors if t.grad_fn is not None]
+        pending = [t.grad_fn for t in tensors if t.grad_fn is not None] + self._accumulators
+        self._accumulators = []
         seen: set[Any] = set()  # holds each node's Python object during the walk: identity is stable
         while pending:
             node = pending.pop()

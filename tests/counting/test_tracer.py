@@ -195,3 +195,19 @@ def test_the_running_sums_are_laid_out_as_counts() -> None:
     assert Counts(*ctx.sums["linear"]) == Counts(
         bwd_flops=10, bwd_macs=4, recompute_flops=3, recompute_macs=1, calls=1
     )
+
+
+def test_no_tag_stays_on_a_parameters_gradient_accumulator_that_outlives_the_step() -> None:
+    # DDP's reducer holds every parameter's AccumulateGrad node: a tag left on one after stop() would
+    # attribute a later step's backward ops (and is something of the profiler's left behind)
+    from flops_callbacks.counting.node_tags import TAG
+
+    model = nn.Linear(3, 2)
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters()]
+    tracer = Tracer(model)
+    tracer.start()
+    try:
+        model(torch.ones(4, 3)).sum().backward()
+    finally:
+        tracer.stop()
+    assert all(TAG not in node.metadata for node in accumulators)
