@@ -61,7 +61,7 @@ class Kind:
     LEAD_IN = "lead-in"  # a re-profile window's first: its end is where the first clean step's wall starts
 
 
-# the latencies of a clean step, in the order gathered across ranks
+# the latencies of a clean step
 LATENCIES = ("fwd", "bwd", "step", "iter", "data", "wall")
 SUMS = ("fwd", "bwd", "step", "data", "wall")
 CONFIDENCE = 0.90  # of the median's interval for clean_steps="auto"
