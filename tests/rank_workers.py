@@ -206,6 +206,7 @@ def hf(data: str, clean: Any, directory: Path) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from flops_callbacks.integrations.hf import HFFlopsCallback
+    from tests.sharded_workers import zero_config
 
     class Ends(TrainerCallback):
         def __init__(self) -> None:
@@ -228,10 +229,12 @@ def hf(data: str, clean: Any, directory: Path) -> None:
     callback = HFFlopsCallback(
         profile_step=PROFILE_STEP, clean_steps=clean, print_profile=False, peak_flops=1e12
     )
+    zero = os.environ.get("FLOPS_ZERO_STAGE")  # test_ranks: the same run sharded by DeepSpeed ZeRO
     args = TrainingArguments(
         output_dir=str(directory / "out"),
         use_cpu=True,
         ddp_backend="gloo",
+        deepspeed=zero_config(int(zero)) if zero else None,  # sharded: DeepSpeed ZeRO on its CPU accelerator
         ddp_timeout=int(TIMEOUT.total_seconds()),
         per_device_train_batch_size=BATCH,
         max_steps=MAX_STEPS,

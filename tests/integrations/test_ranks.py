@@ -212,6 +212,16 @@ def test_hf_trainer_torchrun_skewed_lengths_one_window_and_the_jobs_figures(tmp_
     throughput_after_the_window(ranks, tensorboard_series(tmp_path, names.THROUGHPUT_TOKENS_PER_SEC))
 
 
+def test_hf_trainer_deepspeed_zero2_skewed_lengths_one_window_and_the_jobs_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # sharded: each rank holds half of the optimizer state and gradients, counts its own batches
+    monkeypatch.setenv("FLOPS_ZERO_STAGE", "2")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    ranks = launch(tmp_path, "hf", "skewed", "3", "torchrun")
+    check_one_window_and_the_jobs_figures(ranks, hf=True)
+
+
 def test_hf_trainer_accelerate_launch_constant_lengths_per_rank_auto(tmp_path: Path) -> None:
     ranks = launch(tmp_path, "hf", "constant", "auto", "accelerate")
     check_one_window_and_the_jobs_figures(ranks, hf=True)
