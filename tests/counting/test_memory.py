@@ -51,5 +51,6 @@ def test_a_counted_fwd_bwd_peaks_within_5_percent_of_the_unprofiled_one_checkpoi
     # the model is big enough that a held layer shows: checkpointing halves the step's peak and more
     assert plain_off > 50 and plain_checkpointed < 0.6 * plain_off
     for checkpointing, (plain, counted, ratio) in rows.items():
-        assert ratio == pytest.approx(counted / plain, abs=0.002)
+        # the printed ratio is of the unrounded MB: the one-decimal MB of a 39 MB step differ by 0.3%
+        assert ratio == pytest.approx(counted / plain, abs=0.005)
         assert ratio <= 1.05, (checkpointing, plain, counted)
