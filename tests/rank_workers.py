@@ -127,20 +127,13 @@ def save(
     (directory / f"rank{rank()}.json").write_text(json.dumps(seen))
 
 
-def end_process() -> None:
-    """Leave without interpreter teardown (gloo's threads at exit can abort it after all was written)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def tokens(batch: Any) -> int:
     return int(batch["input_ids"].numel())
 
 
 import lightning as L  # noqa: E402  (the LightningModule and callback are pickled by ddp_spawn: module level)
+
+from tests.sharded_workers import end_process, zero_config  # noqa: E402  (the checkout is on the path)
 
 
 class LM(L.LightningModule):
@@ -206,7 +199,6 @@ def hf(data: str, clean: Any, directory: Path) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from flops_callbacks.integrations.hf import HFFlopsCallback
-    from tests.sharded_workers import zero_config
 
     class Ends(TrainerCallback):
         def __init__(self) -> None:

@@ -33,6 +33,7 @@ from flops_callbacks.session.window_steps import (
     StepWork,
     WindowStep,
     clean_figures,
+    mean,
 )
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
@@ -49,7 +50,6 @@ __all__ = [
     "clean_peak_memory",
     "job_figures",
     "local_window",
-    "mean",
     "phases",
     "window_shapes",
 ]
@@ -224,27 +224,15 @@ def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> 
     return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources)
 
 
-def mean(values: Sequence[int | float | None]) -> int | float | None:
-    """The ranks' mean (None when a rank's is unknown): an int when exact, as a per-GPU figure is."""
-    if any(v is None for v in values):
-        return None
-    total = sum(v or 0 for v in values)
-    return total // len(values) if total % len(values) == 0 else total / len(values)
-
-
 def phases(step: CleanStep) -> tuple[float, float, float]:
     return step.latency("fwd"), step.latency("bwd"), step.latency("step")
-
-
-def _mean(values: list[Any]) -> Any:
-    return mean(values)
 
 
 def _job_step(steps: Sequence[CleanStep]) -> CleanStep:
     """One step of every rank's as the job saw it: the slowest rank's times (every rank waited for it),
     the ranks' mean work per device (every rank's own batches)."""
     slowest = max(steps, key=lambda s: s.latency("iter"))
-    return CleanStep(StepWork.combined([s.work for s in steps], _mean), slowest.seconds)
+    return CleanStep(StepWork.combined([s.work for s in steps], mean), slowest.seconds)
 
 
 def job_figures(rows: Sequence[RankRow]) -> CleanFigures:

@@ -46,6 +46,7 @@ __all__ = [
     "StepWork",
     "WindowStep",
     "clean_figures",
+    "mean",
     "median_known",
 ]
 
@@ -95,9 +96,12 @@ def _sum(values: list[Any]) -> Any:
     return sum(values)
 
 
-def _mean(values: list[Any]) -> Any:
+def mean(values: Sequence[Any]) -> Any:
+    """The mean of per-device figures (None when one is unknown): an int when exact, as a count is."""
+    if any(v is None for v in values):
+        return None
     total = sum(values)
-    return total // len(values) if total % len(values) == 0 else total / len(values)  # an int when exact
+    return total // len(values) if total % len(values) == 0 else total / len(values)
 
 
 @dataclass
@@ -201,7 +205,7 @@ class CleanFigures:
         if len(middle) == 1:
             return middle[0]
         seconds = tuple(sum(pair) / 2 for pair in zip(*(s.seconds for s in middle), strict=True))
-        return CleanStep(StepWork.combined([s.work for s in middle], _mean), seconds)
+        return CleanStep(StepWork.combined([s.work for s in middle], mean), seconds)
 
     @property
     def work(self) -> tuple[StepWork, ...]:
