@@ -22,12 +22,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "plain"))
 from train import synthetic_batches, tiny_gpt2  # noqa: E402
+from window_plan import window_steps  # noqa: E402  (beside this script)
 
 from flops_callbacks import StepProfiler  # noqa: E402
 from flops_callbacks.integrations.callback_base import build_session  # noqa: E402
 from flops_callbacks.integrations.loop_doors import plain_door  # noqa: E402
 
 WINDOW = {"profile_step": 0, "clean_steps": 3, "print_profile": False}
+# the window ends (publishes) at this global step; the step after it is the first one timed
+END = window_steps(WINDOW["profile_step"], WINDOW["clean_steps"]).stop
 
 
 def timed_steps(kind: str, steps: int, batch_size: int) -> list[float]:
@@ -35,7 +38,7 @@ def timed_steps(kind: str, steps: int, batch_size: int) -> list[float]:
     torch.manual_seed(0)
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    batches = synthetic_batches(steps + 8, batch_size)
+    batches = synthetic_batches(steps + END + 1, batch_size)
     times: list[float] = []
     prof = StepProfiler(model, log_every_n_steps=10**9, **WINDOW) if kind == "StepProfiler" else None
     session: Any = build_session("callback", dict(WINDOW)) if kind == "callback" else None
@@ -63,12 +66,12 @@ def timed_steps(kind: str, steps: int, batch_size: int) -> list[float]:
             optimizer.zero_grad()
         times.append(time.perf_counter() - start)
     if prof is not None:
-        assert prof.result is not None and prof.result.published_at < 8
+        assert prof.result is not None and prof.result.published_at == END
         prof.close()
     if session is not None:
-        assert session.result is not None and session.result.published_at < 8
+        assert session.result is not None and session.result.published_at == END
         session.train_end(len(batches), outlet)
-    return times[8:]
+    return times[END + 1 :]
 
 
 def main() -> None:
