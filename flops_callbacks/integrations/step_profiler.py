@@ -74,9 +74,8 @@ class StepProfiler:
             Fabric's logger's log dir; none for a plain loop).
         log_every_n_steps: optimizer steps between ``throughput/*`` logs after the window.
         max_steps: optimizer steps the loop will run, if known (a window it cannot reach is said at once).
-        **options: the callbacks' arguments, with the same meanings (:class:`~flops_callbacks.options.
-            Options`; the README's table): ``profile_step``, ``clean_steps``, ``peak_flops``, ``output_file``,
-            ``tokens_fn`` (default: ``input_ids.numel()`` of a dict batch), ...
+        **options: The fields of :class:`~flops_callbacks.options.Options`, described there once
+            (``tokens_fn`` defaults to ``input_ids.numel()`` of a dict batch).
     """
 
     def __init__(
