@@ -430,6 +430,27 @@ def test_the_lightning_example_prints_a_summary_of_25_lines_and_saves_the_full_r
     assert "Aggregated Profile" not in done.stdout
 
 
+def test_the_lightning_example_with_report_full_prints_deepspeeds_layout(tmp_path: Path) -> None:
+    root = Path(__file__).parents[2]
+    example = [sys.executable, str(root / "examples" / "lightning" / "train.py"), "--report", "full"]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = run_bounded([*example, "--default-root-dir", str(tmp_path)], 300, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = (tmp_path / "gpt" / "version_0" / "flops_profile_step10.txt").read_text()
+    printed = [line for line in done.stdout.splitlines() if line in report.splitlines()]
+    # DeepSpeed's summary rows, the aggregated profile and the coverage, as in the file; not the tree
+    for row in (
+        "world size:",
+        "params per GPU:",
+        "fwd flops of model = fwd flops per GPU * mp_size:",
+        "FLOPS per GPU = fwd+bwd flops per GPU / iter latency:",
+        "samples/second = ",
+    ):
+        assert any(line.startswith(row) for line in printed), row
+    assert "Aggregated Profile per GPU" in done.stdout and "Coverage" in done.stdout
+    assert "Detailed Profile per GPU" not in done.stdout and "Detailed Profile per GPU" in report
+
+
 def test_output_file_gets_the_report_instead_of_stdout(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     report = tmp_path / "reports" / "flops.txt"
     callback = FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN, output_file=report)
