@@ -28,7 +28,7 @@ MAX_LINES = 25  # from the header rule to the closing rule, warnings included
 TOP = 3  # modules shown by time and by flops
 WIDTH = 78  # the rules' width, as the full report's summary
 LABEL = 14  # the label column
-NAME = 30  # a module's name is cut to this many characters (its end kept: the leaf is what differs)
+NAME = 26  # a module's name is cut to this many characters (its end kept: the leaf is what differs)
 BOUND_SHARE = 0.3  # a part of the step this large is what bounds it
 PARTS = ("data", "fwd", "bwd", "step", "other")
 
@@ -156,7 +156,7 @@ def _top_lines(result: WindowResult) -> list[str]:
     timed = bool(result.steps.module_timing) and result.steps.module_shapes_match and total_time > 0
     by_time = sorted(own, key=lambda n: own[n][0], reverse=True)[:TOP] if timed else []
     by_flops = [n for n in sorted(own, key=lambda n: own[n][1], reverse=True)[:TOP] if own[n][1] > 0]
-    column = NAME + 20
+    column = NAME + 18
     lines = [_row("top modules", f"{'by own time (fwd + bwd)':<{column}}by own flops (fwd + bwd)")]
     for i in range(max(len(by_time), len(by_flops), 1)):
         left = right = ""
@@ -164,7 +164,7 @@ def _top_lines(result: WindowResult) -> list[str]:
             n = by_time[i]
             seconds = own[n][0]
             share = seconds / total_time
-            left = f"{_name(n, profile):<{NAME}} {duration_to_string(seconds):>10} {share:>4.0%}"
+            left = f"{_name(n, profile):<{NAME}} {duration_to_string(seconds):>9} {share:>4.0%}"
         elif i == 0:
             left = "n/a: no module timing (see the full report)"
         if i < len(by_flops):
@@ -186,8 +186,8 @@ def _steps(steps: Sequence[int]) -> str:
 
 def _sources(result: WindowResult) -> str:
     s = result.steps
-    modules = f"modules timed at steps {_steps(s.module_timing)}" if s.module_timing else "no module timed"
-    counted = f"flops counted at step {s.counting}" + (" (an earlier window's)" if s.reused else "")
+    modules = f"modules: steps {_steps(s.module_timing)}" if s.module_timing else "modules: none timed"
+    counted = f"flops: step {s.counting}" + (" (an earlier window's)" if s.reused else "")
     return f"{counted}; {modules}; phases: {s.latency_source}, steps {_steps(s.clean)}"
 
 
