@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
-from flops_callbacks.reporting.report import EngineRows, render_profile, render_roofline
+from flops_callbacks.reporting.report import EngineRows, render_profile
+from flops_callbacks.reporting.report_sections import render_roofline
 from flops_callbacks.reporting.tree_check import TreeCheck, check_tree
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts

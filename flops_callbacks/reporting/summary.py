@@ -18,6 +18,7 @@ from flops_callbacks import metrics as names
 from flops_callbacks.module_tree import parent_in
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.reporting.report import TITLE
+from flops_callbacks.reporting.report_sections import rule
 from flops_callbacks.reporting.tree_check import TreeCheck
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.units import duration_to_string, flops_to_string, number_to_string, params_to_string
@@ -255,7 +256,7 @@ def render_console_summary(result: WindowResult, doubts: TreeCheck, details: str
     if hardware != metrics[names.FLOPS_PER_SEC]:
         flops += f" (with recompute {flops_to_string(hardware)})"
     head = [
-        f"{' ' + TITLE + ' ':-^{WIDTH}}",
+        rule(TITLE, WIDTH),
         f"Profile Summary at step {result.step}"
         + (f" (full report: {details})" if details else " (full report: report='full')"),
         _row("FLOPS", f"{flops} per device"),
