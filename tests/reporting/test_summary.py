@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.peaks import Peak
+from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
 from flops_callbacks.reporting.summary import MAX_LINES, Split, render_console_summary, verdict
 from flops_callbacks.reporting.tree_check import TreeCheck
@@ -120,3 +120,22 @@ def test_each_doubt_is_one_line_naming_the_file_and_the_summary_stays_within_25_
     shown = MAX_LINES - 18 - 1  # 18 lines before the warnings, one saying how many more
     assert lines[-2] == f"and {20 - shown} more warning(s) in the full report"
     assert lines[-1] == "-" * 78
+
+
+def test_with_both_peaks_the_verdict_is_the_roofline_limiter_of_most_of_the_modules_time() -> None:
+    """Peak 1000 flop/s and 100 B/s. ``a`` moves 20 + 40 bytes: 0.2 s and 0.4 s at the memory roof, more
+    than its 0.06 s and 0.12 s of flops: memory-bound, 0.05 + 0.1 s. ``b`` moves 1 + 2 bytes: its 0.03 s and
+    0.06 s of flops are the bound, 0.3x its 0.1 + 0.2 s: compute-bound. The model has children: left out."""
+    result = window()
+    modules = dict(result.profile.modules)
+    modules["a"] = dataclasses.replace(modules["a"], fwd_bytes=20, bwd_bytes=40)
+    modules["b"] = dataclasses.replace(modules["b"], fwd_bytes=1, bwd_bytes=2)
+    result = dataclasses.replace(
+        result,
+        profile=dataclasses.replace(result.profile, modules=modules),
+        bandwidth=Bandwidth(100.0, "peak_bandwidth argument"),
+    )
+    parts = {"fwd": 0.25, "bwd": 0.5, "step": 0.25, "data": 0.0, "other": 0.0}
+    assert verdict(Split(parts, 1.0, timed_wall=False), result) == (
+        "compute-bound (75% of the step in fwd + bwd; module time compute-bound 67%, memory-bound 33%)"
+    )
