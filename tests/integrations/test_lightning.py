@@ -971,11 +971,11 @@ def run_this_file(*args: str, timeout: float = 240) -> subprocess.CompletedProce
 
 
 def progress_bar_worker(directory: Path, bar: str) -> None:
-    """A fit whose report is printed while Lightning's TQDM or Rich bar runs."""
+    """A fit whose full report is printed while Lightning's TQDM or Rich bar runs."""
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
     progress = RichProgressBar() if bar == "rich" else TQDMProgressBar(refresh_rate=1)
-    callback = FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN)
+    callback = FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN, report="full")
     fit(directory, MLP(), callback, callbacks=[progress], enable_progress_bar=True, max_steps=WINDOW_END + 2)
 
 
