@@ -6,7 +6,8 @@ do not synchronize the device, so the clean step's timing is not disturbed. Othe
 counter in torch: their peaks are n/a (``None``).
 
 Side effect, said in the docs (counting and timing): the high-water mark that
-``torch.cuda.max_memory_allocated()`` returns afterwards counts from the window's last clean step, not from the start of the run.
+``torch.cuda.max_memory_allocated()`` returns afterwards counts from the window's last clean step, not
+from the start of the run.
 Why not ``torch.cuda.memory._record_memory_history``: it records every allocation with a stack,
 which costs time on the very steps whose time we report.
 """
