@@ -67,7 +67,7 @@ def _row(label: str, value: str) -> str:
 
 def _rate(metrics: dict[str, float], step: str, wall: str) -> str:
     if step not in metrics:
-        return "n/a"
+        return "n/a: the batch size was not found (pass batch_size_fn)"
     text = f"{metrics[step]:.2f} (step)"
     return text + (f", {metrics[wall]:.2f} (wall)" if wall in metrics else "")
 

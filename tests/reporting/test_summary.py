@@ -84,6 +84,13 @@ def test_without_a_peak_the_mfu_line_says_why_and_without_a_file_where_the_full_
     assert lines[3] == "MFU / HFU     n/a: no peak FLOPS for a cpu device"
 
 
+def test_without_a_batch_size_samples_per_second_says_why_and_tokens_are_left_out() -> None:
+    result = dataclasses.replace(window(), samples=None, tokens=None)
+    lines = render_console_summary(result, TreeCheck(), "").splitlines()
+    assert lines[4] == "samples/s     n/a: the batch size was not found (pass batch_size_fn)"
+    assert not any(line.startswith("tokens/s") for line in lines)
+
+
 def test_the_verdict_names_the_part_of_30_percent_or_more_in_order_data_other_step() -> None:
     result = window()
 
