@@ -1,9 +1,11 @@
-"""Set up ``.venv`` and run a job, with nothing but Python 3.10+: ``python3 tasks.py demo|test|bench``.
+"""Set up ``.venv`` and run a job, with nothing but Python 3.10+: ``python3 tasks.py demo|test|docs|...``.
 
-demo   the main job: the Lightning example on CPU (profile at step 10, TensorBoard logs)
-test   ruff, mypy and the test suite (what CI runs)
-wheel  build the wheel, install it with only torch into a fresh virtualenv, profile a small model
-bench  the overhead and timing benchmarks
+demo     the main job: the Lightning example on CPU (profile at step 10, TensorBoard logs)
+test     ruff, mypy and the test suite (what CI runs)
+docs     build the docs site into site/ (mkdocs --strict: a broken link or a page not in the nav fails)
+console  run the demo and keep its console summary as the README's and the docs' sample
+wheel    build the wheel, install it with only torch into a fresh virtualenv, profile a small model
+bench    the overhead and timing benchmarks
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ TORCH = os.environ.get("FLOPS_CALLBACKS_TORCH", "torch==2.13.0")
 JOBS = {
     "demo": [["examples/lightning/train.py"]],
     "test": [["-m", "ruff", "check", "."], ["-m", "mypy"], ["-m", "pytest", "-q"]],
+    "docs": [["-m", "mkdocs", "build", "--strict"]],
+    "console": [["docs/console_sample.py"]],
     "bench": [
         ["benchmarks/overhead.py"],
         ["benchmarks/lightning_overhead.py"],
@@ -75,7 +79,7 @@ def setup() -> None:
     run(*pip, "--upgrade", "pip")
     run(*pip, TORCH)
     # DeepSpeed (a dev extra) builds no CUDA ops with DS_BUILD_OPS=0: its profiler and CPU engine need none.
-    run(*pip, "-e", ".[dev]", TORCH, env={"DS_BUILD_OPS": "0"})
+    run(*pip, "-e", ".[dev,docs]", TORCH, env={"DS_BUILD_OPS": "0"})
     stamp.touch()
 
 

@@ -19,10 +19,14 @@ __all__ = [
     "check_int",
     "check_report_args",
     "Options",
+    "Report",
+    "REPORTS",
 ]
 
 CausalAttention = Literal["full", "half"]
 CAUSAL_ATTENTION: tuple[str, ...] = get_args(CausalAttention)
+Report = Literal["summary", "full"]
+REPORTS: tuple[str, ...] = get_args(Report)
 
 
 def check_report_args(module_depth: Any, top_modules: Any) -> None:
@@ -57,14 +61,49 @@ def check_callable(name: str, fn: Any) -> None:
 
 @dataclass(frozen=True)
 class Options:
-    """Everything a profile window is configured with, checked once, here (the callbacks' arguments).
+    """The options of every entry point (the callbacks, ``StepProfiler``): each described here, once,
+    and checked here, once. The docs' options page is generated from this docstring and the fields.
 
-    The window starts at the first optimizer step at or after ``profile_step``: that step counts, the
-    next times modules, and ``clean_steps`` more time the phases with nothing else on the clock
-    (``"auto"``: 3 to 20, until the median iter latency is known within +-3%). With ``profile_every=N``,
-    after the first window, another starts every ``N`` steps (at ``profile_step + k*N``, the first such
-    step after the previous window): its clean steps only, the first window's counts and module tree
-    reused (:mod:`flops_callbacks.session.window_plan`).
+    The window's steps (counting, module timing, the check, clean steps) are laid out in the docs' "How
+    counting and timing work" page.
+
+    Attributes:
+        profile_step: The window starts at the first optimizer step at or after this global step
+            (DeepSpeed's convention: ``global_step == profile_step``).
+        clean_steps: Steps timed with nothing else on the clock, after the counting, module-timing and
+            check steps: ``"auto"`` runs 3 to 20, until the median iter latency is known within +-3%;
+            an int fixes the count; 0 runs none (the latencies are then a module-timing step's,
+            inflated by its hooks, and ``flops_profiler/clean_steps`` logs 0).
+        module_depth: Depth of the aggregated profile and the module tree in the full report (-1: all).
+        top_modules: Modules shown per depth in the full report's aggregated profile.
+        detailed: With ``report="full"``, print the module tree on the console too (the report file
+            always has it).
+        print_profile: Print the report on the logging rank (it is written to the log dir either way).
+        output_file: Write the full report to this file instead of printing it.
+        batch_size_fn: Samples in a micro-batch, from the batch (default: the leading dimension of its
+            first tensor).
+        tokens_fn: Tokens in a micro-batch, from the batch: adds ``tokens_per_sec`` (default: none on
+            Lightning; ``input_ids.numel()`` of a dict batch on the HF Trainer and ``StepProfiler``).
+        causal_attention: ``"full"`` counts all of QK^T and AV for causal attention (FlopCounterMode,
+            DeepSpeed, PaLM's MFU); ``"half"`` only the unmasked part of kernels called with
+            ``is_causal=True``.
+        throughput: Log ``throughput/*`` at every logging step after the window.
+        peak_flops: Dense peak FLOPS of one device, for MFU and HFU (default: the
+            ``FLOPS_CALLBACKS_PEAK_FLOPS`` environment variable, else the peak table for the GPU and the
+            compute dtype).
+        peak_bandwidth: Peak memory bandwidth of one device in bytes/s, for the per-module roofline
+            (default: ``FLOPS_CALLBACKS_PEAK_BANDWIDTH``, else the peak table for the GPU).
+        flops_audit: After the window, count one step every N steps and compare it with the shape table
+            (a mismatch is said once and ``throughput/*`` follows the count); ``"auto"``: as rarely as
+            keeps the counting's cost within 1% of the run's time; 0: never.
+        profile_every: After the first window, another every N steps, at the first step of
+            ``profile_step + k*N`` after the previous window: a lead-in step and its clean steps only
+            (the first window's counts and module tree reused, and said); each window's files are
+            ``flops_profile_step{first step}.*`` and its metrics are logged at the step it ended. None:
+            the first window only.
+        report: What the console shows: ``"summary"``, the figures read in ten seconds (rates, the
+            step's split, what bounds it, the top modules, the sizes), or ``"full"``, DeepSpeed's layout
+            (every summary row, the aggregated profile, the coverage). The report file is always full.
     """
 
     profile_step: int = 10
@@ -79,11 +118,10 @@ class Options:
     causal_attention: CausalAttention = "full"
     throughput: bool = True
     peak_flops: float | None = None
-    peak_bandwidth: float | None = None  # bytes/s
-    # after the window, count one step in a while and compare with the shape table: every N steps, or
-    # "auto" (as often as keeps the counting's cost <= 1% of the run's time), or 0 (never)
+    peak_bandwidth: float | None = None
     flops_audit: int | Literal["auto"] = "auto"
-    profile_every: int | None = None  # after the first window, re-profile every N steps (None: never)
+    profile_every: int | None = None
+    report: Report = "summary"
 
     def __post_init__(self) -> None:
         check_int("profile_step", self.profile_step, 0)
@@ -107,6 +145,8 @@ class Options:
         for name in ("detailed", "print_profile", "throughput"):
             check_flag(name, getattr(self, name))
         check_causal_attention(self.causal_attention)
+        if self.report not in REPORTS:
+            raise ValueError(f"report must be one of {REPORTS}, got {self.report!r}")
         check_callable("batch_size_fn", self.batch_size_fn)
         check_callable("tokens_fn", self.tokens_fn)
         if self.output_file is not None and not isinstance(self.output_file, (str, Path)):

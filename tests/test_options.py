@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flops_callbacks.options import CAUSAL_ATTENTION, Options
+from flops_callbacks.options import CAUSAL_ATTENTION, REPORTS, Options
 
 
 def test_the_defaults_are_the_documented_ones() -> None:
@@ -17,6 +17,7 @@ def test_the_defaults_are_the_documented_ones() -> None:
     assert (o.detailed, o.print_profile, o.throughput, o.causal_attention) == (False, True, True, "full")
     assert (o.output_file, o.batch_size_fn, o.tokens_fn, o.peak_flops) == (None, None, None, None)
     assert o.peak_bandwidth is None and o.profile_every is None
+    assert o.report == "summary" and REPORTS == ("summary", "full")
     assert CAUSAL_ATTENTION == ("full", "half")
 
 
@@ -50,6 +51,8 @@ def test_the_defaults_are_the_documented_ones() -> None:
         ({"peak_bandwidth": float("inf")}, "peak_bandwidth must be the peak memory bandwidth"),
         ({"profile_every": 0}, "profile_every must be an int >= 1 or None, got 0"),
         ({"profile_every": 20.0}, "profile_every must be an int >= 1 or None, got 20.0"),
+        ({"report": "short"}, "report must be one of ('summary', 'full'), got 'short'"),
+        ({"report": None}, "report must be one of ('summary', 'full'), got None"),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_argument_and_what_it_accepts(kwargs: dict, message: str) -> None:

@@ -1,11 +1,12 @@
 """A small GPT trained with Lightning on synthetic tokens, profiled at step 10 by FlopsProfilerCallback.
 
     python examples/lightning/train.py                       # CPU, under a minute
+    python examples/lightning/train.py --report full         # DeepSpeed's layout on the console
     python examples/lightning/train.py --accelerator gpu --devices 2 --strategy ddp --precision bf16-mixed
     tensorboard --logdir runs/lightning                      # the flops_profiler/* scalars
 
-The report is printed at the profiled step and saved, with a JSON of the full profile, in the
-TensorBoard log directory.
+At the window's end the console gets a summary; the full report is saved, with a JSON of the full
+profile, a picture and a trace, in the TensorBoard log directory.
 """
 
 from __future__ import annotations
@@ -107,13 +108,16 @@ def main() -> None:
     parser.add_argument("--profile-step", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per device and micro-batch")
     parser.add_argument("--default-root-dir", default="runs/lightning")
+    parser.add_argument("--report", default="summary", choices=["summary", "full"], help="console report")
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
     devices = args.devices if args.devices == "auto" else int(args.devices)
     sequences = args.batch_size * args.accumulate_grad_batches * (args.max_steps + 1)
     data = torch.utils.data.DataLoader(SyntheticTokens(sequences), batch_size=args.batch_size, shuffle=True)
-    profiler = FlopsProfilerCallback(profile_step=args.profile_step, top_modules=3, tokens_fn=count_tokens)
+    profiler = FlopsProfilerCallback(
+        profile_step=args.profile_step, top_modules=3, tokens_fn=count_tokens, report=args.report
+    )
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=devices,

@@ -13,8 +13,8 @@ writes its operand; an ``out=`` argument is written, not read. The exceptions, o
 These are the bytes an unfused, uncached execution moves between memory and the arithmetic units:
 what a roofline compares with the device's bandwidth. Caches (an operand read twice from L2), fusion
 (torch.compile keeps an elementwise chain's intermediates in registers) and broadcast operands
-(an expanded tensor counts its expanded elements) make real traffic differ; the README says how to
-read them. Why not torch's own: ``torch.utils.flop_counter`` counts no bytes, and torchao's
+(an expanded tensor counts its expanded elements) make real traffic differ; the docs (counting and
+timing) say how to read them. Why not torch's own: ``torch.utils.flop_counter`` counts no bytes, and torchao's
 ``PerformanceCounterMode`` counts them for matmul, conv and attention only.
 """
 

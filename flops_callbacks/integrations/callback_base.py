@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 import torch
 
 from flops_callbacks.integrations.one_call import OneCall
-from flops_callbacks.options import CausalAttention, Options, check_flag
+from flops_callbacks.options import CausalAttention, Options, Report, check_flag
 from flops_callbacks.reporting.publish import publish
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.step_session import StepSession
@@ -111,9 +111,12 @@ def deepspeed_callback_kwargs(config: Mapping[str, Any]) -> dict[str, Any] | Non
 
 
 class SessionCallback:
-    """Builds the :class:`StepSession` of a callback from its arguments (checked once, in
-    :class:`~flops_callbacks.options.Options`). Arguments: see the README's table or
-    :class:`flops_callbacks.integrations.lightning.FlopsProfilerCallback`."""
+    """Builds the :class:`StepSession` of a callback from its arguments.
+
+    Args:
+        **options: The fields of :class:`~flops_callbacks.options.Options`, described and checked
+            there once.
+    """
 
     # tokens per micro-batch when the user gives no tokens_fn (the HF Trainer's inputs: input_ids)
     default_tokens_fn: ClassVar[Callable[[Any], int | None] | None] = None
@@ -136,6 +139,7 @@ class SessionCallback:
         peak_bandwidth: float | None = Options.peak_bandwidth,
         flops_audit: int | Literal["auto"] = Options.flops_audit,
         profile_every: int | None = Options.profile_every,
+        report: Report = Options.report,
     ) -> None:
         super().__init__()
         arguments = {name: value for name, value in locals().items() if name in _OPTION_NAMES}

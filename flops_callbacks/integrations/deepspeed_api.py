@@ -25,7 +25,8 @@ from flops_callbacks.module_tree import ModuleTree
 from flops_callbacks.options import CausalAttention, check_causal_attention, check_flag, check_report_args
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import ModuleProfile, Profile
-from flops_callbacks.reporting.report import EngineRows, render_aggregated, render_profile
+from flops_callbacks.reporting.report import EngineRows, render_profile
+from flops_callbacks.reporting.report_sections import render_aggregated
 from flops_callbacks.timing.clean_pass import CLEAN_PASS_SOURCE, grads_set_aside, time_clean
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
 

@@ -105,21 +105,18 @@ class _Outlet:
 
 
 class HFFlopsCallback(SessionCallback, TrainerCallback):
-    """Profiles a short window of optimizer steps of a ``transformers.Trainer`` run: DeepSpeed-style
-    report, metrics in every reporting backend of the Trainer.
+    """Profiles a short window of optimizer steps of a ``transformers.Trainer`` run: a console summary,
+    the full DeepSpeed-style report in the log dir, metrics in every reporting backend of the Trainer.
 
-    ``Trainer(..., callbacks=[HFFlopsCallback(profile_step=10)])``: the first optimizer step at or
-    after ``state.global_step == profile_step`` is counted (all its ``gradient_accumulation_steps``
-    micro-batches), the next three time the modules, and ``clean_steps`` more time the phases with
-    nothing else running (:mod:`flops_callbacks.session.step_session`). At the window's last step the
-    world process
-    zero prints the report above the progress bar (or writes it to ``output_file``), writes it and a
-    JSON of the full profile as ``flops_profile_step{N}.txt/.json`` into ``args.logging_dir``
-    (``args.output_dir`` in transformers 5), and logs the ``flops_profiler/*`` metrics once through
-    ``Trainer.log`` at that global step: they are in ``state.log_history`` and the Trainer's TensorBoard
-    / W&B / MLflow callbacks write them as ``train/flops_profiler/*``. After the window, at every
-    logging event of the run (``logging_steps`` or ``logging_strategy="epoch"``), the
-    ``throughput/*`` metrics of the interval since the previous one (:mod:`flops_callbacks.session.meter`),
+    ``Trainer(..., callbacks=[HFFlopsCallback(profile_step=10)])``. The window starts at the first
+    optimizer step at or after ``state.global_step == profile_step`` (all its
+    ``gradient_accumulation_steps`` micro-batches); its steps are laid out in the docs' "How counting and
+    timing work" page. At its end the world process zero prints the summary above the progress bar (or
+    writes the report to ``output_file``), writes the report, a JSON, a picture and a trace as
+    ``flops_profile_step{N}.*`` into ``args.logging_dir`` (``args.output_dir`` in transformers 5), and
+    logs the ``flops_profiler/*`` metrics once through ``Trainer.log`` at that global step: they are in
+    ``state.log_history`` and the Trainer's TensorBoard / W&B / MLflow callbacks write them as
+    ``train/flops_profiler/*``. After the window, at every logging event of the run, ``throughput/*``,
     evaluation left out from its first instruction to its last.
 
     The Trainer has no event that carries the batch, none between forward and backward, and none for
@@ -146,7 +143,8 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     For models the Trainer estimates flops for (``Trainer.floating_point_ops``: 6 x non-embedding
     params x tokens), the report prints that estimate beside the measured fwd + bwd flops.
 
-    Args: as :class:`flops_callbacks.integrations.lightning.FlopsProfilerCallback`.
+    Args:
+        **options: The fields of :class:`~flops_callbacks.options.Options`, described there once.
     """
 
     default_tokens_fn = staticmethod(input_ids_tokens)  # type: ignore[assignment]

@@ -80,21 +80,17 @@ class _Outlet:
 
 
 class FlopsProfilerCallback(SessionCallback, pl.Callback):
-    """Profiles a short window of optimizer steps of a Lightning run: DeepSpeed-style report, metrics
-    in every logger.
+    """Profiles a short window of optimizer steps of a Lightning run: a console summary, the full
+    DeepSpeed-style report in the log dir, metrics in every logger.
 
-    ``Trainer(callbacks=[FlopsProfilerCallback(profile_step=10)])``: the first optimizer step at or
-    after ``trainer.global_step == profile_step`` (DeepSpeed's convention) is counted (all its
-    ``accumulate_grad_batches`` micro-batches, automatic or manual optimization), the next three time
-    the modules, and the clean steps time the phases with nothing else running (batches of new shapes
-    are counted on steps of their own until their flops can be predicted)
-    (:mod:`flops_callbacks.session.step_session`). At the window's last step rank 0 prints the report
-    through the
-    progress bar (or writes it to ``output_file``), writes it with a JSON of the full profile as
-    ``flops_profile_step{N}.txt/.json`` into ``trainer.log_dir``, and logs the ``flops_profiler/*``
+    ``Trainer(callbacks=[FlopsProfilerCallback(profile_step=10)])``. The window starts at the first
+    optimizer step at or after ``trainer.global_step == profile_step`` (all its
+    ``accumulate_grad_batches`` micro-batches, automatic or manual optimization); its steps are laid
+    out in the docs' "How counting and timing work" page. At its end rank 0 prints the summary through
+    the progress bar (or writes the report to ``output_file``), writes the report, a JSON, a picture and
+    a trace as ``flops_profile_step{N}.*`` into ``trainer.log_dir``, and logs the ``flops_profiler/*``
     metrics (:mod:`flops_callbacks.metrics`) once, at that global step, to every logger. After the
-    window, at every logging step (``global_step % log_every_n_steps == 0``), rank 0 logs the
-    ``throughput/*`` metrics of the interval since the previous one (:mod:`flops_callbacks.session.meter`).
+    window, at every logging step, rank 0 logs ``throughput/*``.
 
     Phases, on the device's synchronized clock, as Lightning 2.6 calls the hooks:
 
@@ -112,31 +108,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     second model, a second chunk); otherwise the phase continues (:mod:`flops_callbacks.timing.phases`).
 
     Args:
-        profile_step: global step (optimizer steps done) at which the window starts.
-        clean_steps: steps timed with nothing else running, after the counting and module-timing steps:
-            "auto" (3 to 20, until the median iter latency is known within +-3%) or a fixed count.
-        module_depth: depth of the aggregated profile (-1: all depths).
-        top_modules: modules shown per depth in the aggregated profile.
-        detailed: print the per-module tree too (it is always in the report file).
-        print_profile: print the report on rank 0 (it is written to the log dir either way).
-        output_file: write the report to this file instead of printing it.
-        batch_size_fn: samples in a batch (default: leading dim of its first tensor).
-        tokens_fn: tokens in a batch; adds ``flops_profiler/tokens_per_sec``.
-        causal_attention: "full" counts all of QK^T and AV for causal attention (FlopCounterMode,
-            DeepSpeed, PaLM MFU); "half" only the unmasked part.
-        throughput: log ``throughput/*`` at every logging step after the window.
-        peak_flops: dense peak FLOPS of one device, for MFU and HFU. Default: the
-            ``FLOPS_CALLBACKS_PEAK_FLOPS`` environment variable, else the table of
-            :mod:`flops_callbacks.peaks` for the GPU and the precision plugin's compute dtype.
-        peak_bandwidth: peak memory bandwidth of one device in bytes/s, for the per-module roofline.
-            Default: the ``FLOPS_CALLBACKS_PEAK_BANDWIDTH`` environment variable, else the table of
-            :mod:`flops_callbacks.peaks` for the GPU.
-        flops_audit: after the window, count one step every ``flops_audit`` steps and compare it with
-            the shape table (a mismatch is said once and ``throughput/*`` follows the count); "auto":
-            as often as keeps the counting's cost within 1% of the run's time; 0: never.
-        profile_every: after the first window, another window every ``profile_every`` steps (its clean
-            steps only: the first window's counts and module tree are reused), each published at its end
-            as ``flops_profile_step{N}.*`` and logged at its step; None: the first window only.
+        **options: The fields of :class:`~flops_callbacks.options.Options`, described there once.
     """
 
     _step_at_batch_start: int | None = None  # the global step of the optimizer step in progress

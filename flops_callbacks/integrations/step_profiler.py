@@ -58,10 +58,10 @@ class StepProfiler:
                 optimizer.step(); optimizer.zero_grad()
         prof.close()
 
-    The window (counting step, module-timing steps, clean steps), the report, the files and the
-    ``flops_profiler/*`` metrics are the callbacks' (:mod:`flops_callbacks.session.step_session`); after
-    it, every ``log_every_n_steps`` optimizer steps, ``throughput/*``. Metrics go to ``log(metrics,
-    step)`` and to ``accelerator.log`` / ``fabric.log_dict``, on the logging rank only.
+    The window (laid out in the docs' "How counting and timing work" page), the console summary, the
+    files and the ``flops_profiler/*`` metrics are the callbacks' (:mod:`flops_callbacks.session.
+    step_session`); after it, every ``log_every_n_steps`` optimizer steps, ``throughput/*``. Metrics go to
+    ``log(metrics, step)`` and to ``accelerator.log`` / ``fabric.log_dict``, on the logging rank only.
 
     Args:
         model: the model the loop calls, as the loop holds it (``accelerator.prepare``'s, ``fabric.setup``'s
@@ -74,9 +74,8 @@ class StepProfiler:
             Fabric's logger's log dir; none for a plain loop).
         log_every_n_steps: optimizer steps between ``throughput/*`` logs after the window.
         max_steps: optimizer steps the loop will run, if known (a window it cannot reach is said at once).
-        **options: the callbacks' arguments, with the same meanings (:class:`~flops_callbacks.options.
-            Options`; the README's table): ``profile_step``, ``clean_steps``, ``peak_flops``, ``output_file``,
-            ``tokens_fn`` (default: ``input_ids.numel()`` of a dict batch), ...
+        **options: The fields of :class:`~flops_callbacks.options.Options`, described there once
+            (``tokens_fn`` defaults to ``input_ids.numel()`` of a dict batch).
     """
 
     def __init__(

@@ -38,7 +38,8 @@ from flops_callbacks.reporting.compare import (
 )
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_file import SavedProfile, load
-from flops_callbacks.reporting.publish import picture, report_text, tree_doubts
+from flops_callbacks.reporting.publish import picture
+from flops_callbacks.reporting.report_rows import report_text, tree_doubts
 from flops_callbacks.units import bytes_to_string, duration_to_string, number_to_string
 
 __all__ = ["main"]

@@ -19,7 +19,7 @@ __all__ = ["CLEAN_MAX", "CLEAN_MIN", "MODULE_TIMING_STEPS", "RunPlan", "unwritab
 CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
 MODULE_TIMING_STEPS = 3  # the tree is the median one's (by the model's time): a pause in one drops out
 # the counting and module-timing steps, and the step after them that counts a known shape again to check
-# the shape table (issue 32: work that depends on the batch's content is found there)
+# the shape table (work that depends on the batch's content is found there)
 BEFORE_CLEAN = 2 + MODULE_TIMING_STEPS
 
 

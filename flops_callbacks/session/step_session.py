@@ -276,7 +276,7 @@ class StepSession:
         read = self._read_batch(batch) if self._step is not None else None
         if self.plan.batch_decides:
             unknown = read is not None and read[2] is None
-            check = read is not None and read[3] and not unknown  # the table asks for a count (issue 32)
+            check = read is not None and read[3] and not unknown  # the table asks for a count
             decision = self.plan.vote(Wish(drop=self.plan.failed, new_shape=unknown, check=check))
             if decision.drop:
                 self._drop(decision)

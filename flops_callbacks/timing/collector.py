@@ -1,6 +1,6 @@
 """The garbage collector around timed work: what a counting step or pass left is collected before modules
 are timed, outside every clock, and no collection runs while they are timed (a pause would land in
-whichever module was running: issue 19 saw 283 ms in one module of an 18-ms forward)."""
+whichever module was running: 283 ms were seen in one module of an 18-ms forward)."""
 
 from __future__ import annotations
 

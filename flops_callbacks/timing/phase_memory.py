@@ -5,8 +5,9 @@ read at its end, it is that phase's peak. Both calls read and write host-side al
 do not synchronize the device, so the clean step's timing is not disturbed. Other devices have no such
 counter in torch: their peaks are n/a (``None``).
 
-Side effect, said in the README: the high-water mark that ``torch.cuda.max_memory_allocated()``
-returns afterwards counts from the window's last clean step, not from the start of the run.
+Side effect, said in the docs (counting and timing): the high-water mark that
+``torch.cuda.max_memory_allocated()`` returns afterwards counts from the window's last clean step, not
+from the start of the run.
 Why not ``torch.cuda.memory._record_memory_history``: it records every allocation with a stack,
 which costs time on the very steps whose time we report.
 """

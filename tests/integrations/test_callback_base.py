@@ -21,12 +21,14 @@ def test_both_callbacks_hand_every_argument_to_the_options_which_check_them(call
     kwargs = dict(
         profile_step=4, clean_steps=2, module_depth=1, top_modules=2, detailed=True, print_profile=False,
         output_file="report.txt", batch_size_fn=len, tokens_fn=len, causal_attention="half",
-        throughput=False, peak_flops=1e12, peak_bandwidth=3.35e12,
+        throughput=False, peak_flops=1e12, peak_bandwidth=3.35e12, report="full",
     )  # fmt: skip
     assert callback_class(**kwargs).session.options == Options(**kwargs)
     name = callback_class.__name__
     with pytest.raises(ValueError, match=f"^{name}: clean_steps must be 'auto' or an int >= 0, got -1"):
         callback_class(clean_steps=-1)
+    with pytest.raises(ValueError, match=rf"^{name}: report must be one of \('summary', 'full'\), got 'all'"):
+        callback_class(report="all")
 
 
 @pytest.mark.parametrize("callback_class", [FlopsProfilerCallback, HFFlopsCallback])

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from flops_callbacks import metrics as names
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback, parallel_sizes
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.units import duration_to_string, number_to_string
+from flops_callbacks.units import duration_to_string, flops_to_string, number_to_string
 from tests.sleepy import Sleepy, SleepySGD
 from tests.support import (
     check_step,
@@ -48,6 +48,7 @@ from tests.support import (
     lightning_settings,
     module_source,
     module_steps,
+    run_bounded,
     window_end,
     window_steps,
 )
@@ -250,7 +251,9 @@ def assert_nothing_left(model: nn.Module, before_model: dict, before_torch: dict
 def logged_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("logged_run")
     module = MLP()
-    callback = FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN, tokens_fn=tokens)
+    callback = FlopsProfilerCallback(
+        profile_step=PROFILE_STEP, clean_steps=CLEAN, tokens_fn=tokens, report="full"
+    )
     loggers = [TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")]
     before_model, before_torch = model_state(module), torch_namespace()
     stdout = io.StringIO()
@@ -338,8 +341,10 @@ def test_report_is_printed_once_and_saved_whole_with_its_json_next_to_the_logs(l
     log_dir = Path(trainer.log_dir)
     assert log_dir == Path(logged_run["loggers"][0].log_dir)
     report = (log_dir / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
-    # the console has the summary and the aggregated profile; the file has the module tree as well
+    # report="full": the console has DeepSpeed's summary rows and the aggregated profile; the file has the
+    # module tree as well
     assert "Detailed Profile per GPU" in report and "Detailed Profile" not in stdout
+    assert "Aggregated Profile per GPU" in stdout and "fwd flops of model = " in stdout
     printed = [line for line in stdout.splitlines() if line.strip() and "Trainer.fit" not in line]
     assert set(printed) <= set(report.splitlines())
     assert "module latencies from:" in stdout
@@ -366,6 +371,84 @@ def test_report_is_printed_once_and_saved_whole_with_its_json_next_to_the_logs(l
 def test_nothing_stays_on_the_model_or_torch_after_fit(logged_run: dict) -> None:
     assert_nothing_left(logged_run["module"], logged_run["before_model"], logged_run["before_torch"])
     assert not logged_run["callback"].session.window_open
+
+
+def test_the_lightning_example_prints_a_summary_of_25_lines_and_saves_the_full_report(tmp_path: Path) -> None:
+    """The example at default options (batch 8 of 128 tokens, ``tokens_fn``, ``top_modules=3``)."""
+    root = Path(__file__).parents[2]
+    example = root / "examples" / "lightning" / "train.py"
+    env = {**os.environ, "PYTHONPATH": str(root)}  # this checkout's package, whichever one is installed
+    done = run_bounded([sys.executable, str(example), "--default-root-dir", str(tmp_path)], 300, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if "flops_callbacks Flops Profiler" in line)
+    last = next(i for i in range(first + 1, len(lines)) if set(lines[i]) == {"-"})
+    summary = lines[first : last + 1]
+    assert len(summary) <= 25, "\n".join(summary)
+    rows = {line[:14].strip(): line[14:] for line in summary[2:-1] if line[:14].strip()}
+    report = tmp_path / "gpt" / "version_0" / "flops_profile_step10.txt"
+    assert summary[1] == f"Profile Summary at step 10 (full report: {report})"
+    saved = json.loads(report.with_suffix(".json").read_text())["metrics"]
+    assert rows["FLOPS"] == f"{flops_to_string(saved[names.FLOPS_PER_SEC])} (with recompute " + (
+        f"{flops_to_string(saved[names.HARDWARE_FLOPS_PER_SEC])}) per device"
+    )
+    assert rows["samples/s"].startswith(f"{saved[names.SAMPLES_PER_SEC]:.2f} (step), ")
+    assert rows["tokens/s"].startswith(f"{saved[names.TOKENS_PER_SEC]:.2f} (step), ")
+    assert saved[names.TOKENS_PER_SEC] == pytest.approx(128 * saved[names.SAMPLES_PER_SEC])
+    # the median step's split: its parts and their shares of the wall step, in ms and %
+    split = summary[summary.index(next(line for line in summary if line.startswith("median step"))) :][:3]
+    assert split[0].split()[2:] == ["data", "fwd", "bwd", "step", "other", "wall"]
+    seconds = split[1].split()
+    assert len(seconds) == 12 and set(seconds[1::2]) <= {"s", "ms", "us"}
+    shares = [int(share.rstrip("%")) for share in split[2].split()]
+    assert shares[-1] == 100 and abs(sum(shares[:-1]) - 100) <= 5  # each rounded to 1%
+    # what bounds the median step: a part of 30% or more of its wall step, else the model's fwd + bwd
+    wall = saved[names.WALL_LATENCY]
+    data, step = saved[names.DATA_LATENCY] / wall, saved[names.STEP_LATENCY] / wall
+    phases = saved[names.DATA_LATENCY] + saved[names.ITER_LATENCY]
+    other = (wall - phases) / wall
+    if data >= 0.3:
+        assert rows["bound by"].startswith(f"the input pipeline: {data:.0%} of the step waits for data")
+    elif other >= 0.3:
+        assert rows["bound by"].startswith(f"the loop's own work: {other:.0%} of the step")
+    elif step >= 0.3:
+        assert rows["bound by"] == f"the optimizer step: {step:.0%} of the step"
+    else:
+        model = (saved[names.FWD_LATENCY] + saved[names.BWD_LATENCY]) / wall
+        assert rows["bound by"].startswith(f"the model's fwd + bwd ({model:.0%} of the step)")
+    top = summary[summary.index(next(line for line in summary if line.startswith("top modules"))) + 1 :][:3]
+    # by own flops, first: an MLP's Linear(128, 512) on 1024 tokens: fwd 2 x 1024 x 128 x 512, bwd twice
+    # that and one per bias gradient element (1024 x 512): 403.18 M
+    mlp = top[0].split()[4:]  # after the time column's name, time and share
+    assert mlp[0] in ("blocks.0.mlp.0", "blocks.1.mlp.0") and mlp[1:3] == ["403.18", "M"]
+    assert 3 * 2 * 1024 * 128 * 512 + 1024 * 512 == 403_177_472
+    assert rows["sizes"] == "world 1, data parallel 1, model parallel 1"
+    assert rows["model"].startswith("544.26 K params, cpu, fp32; ")
+    full = report.read_text()  # the file holds the full report: DeepSpeed's rows, aggregated, tree, coverage
+    sections = ("fwd flops of model = ", "Aggregated Profile per GPU", "Detailed Profile per GPU", "Coverage")
+    assert all(section in full for section in sections)
+    assert "Aggregated Profile" not in done.stdout
+
+
+def test_the_lightning_example_with_report_full_prints_deepspeeds_layout(tmp_path: Path) -> None:
+    root = Path(__file__).parents[2]
+    example = [sys.executable, str(root / "examples" / "lightning" / "train.py"), "--report", "full"]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = run_bounded([*example, "--default-root-dir", str(tmp_path)], 300, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = (tmp_path / "gpt" / "version_0" / "flops_profile_step10.txt").read_text()
+    printed = [line for line in done.stdout.splitlines() if line in report.splitlines()]
+    # DeepSpeed's summary rows, the aggregated profile and the coverage, as in the file; not the tree
+    for row in (
+        "world size:",
+        "params per GPU:",
+        "fwd flops of model = fwd flops per GPU * mp_size:",
+        "FLOPS per GPU = fwd+bwd flops per GPU / iter latency:",
+        "samples/second = ",
+    ):
+        assert any(line.startswith(row) for line in printed), row
+    assert "Aggregated Profile per GPU" in done.stdout and "Coverage" in done.stdout
+    assert "Detailed Profile per GPU" not in done.stdout and "Detailed Profile per GPU" in report
 
 
 def test_output_file_gets_the_report_instead_of_stdout(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -888,11 +971,11 @@ def run_this_file(*args: str, timeout: float = 240) -> subprocess.CompletedProce
 
 
 def progress_bar_worker(directory: Path, bar: str) -> None:
-    """A fit whose report is printed while Lightning's TQDM or Rich bar runs."""
+    """A fit whose full report is printed while Lightning's TQDM or Rich bar runs."""
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
     progress = RichProgressBar() if bar == "rich" else TQDMProgressBar(refresh_rate=1)
-    callback = FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN)
+    callback = FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN, report="full")
     fit(directory, MLP(), callback, callbacks=[progress], enable_progress_bar=True, max_steps=WINDOW_END + 2)
 
 

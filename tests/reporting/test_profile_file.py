@@ -22,7 +22,8 @@ from flops_callbacks.reporting.profile_file import (
     json_data,
     load,
 )
-from flops_callbacks.reporting.publish import picture, report_text
+from flops_callbacks.reporting.publish import picture
+from flops_callbacks.reporting.report_rows import report_text
 from tests.reporting.conftest import CLEAN, FWD_FLOPS, PAUSE, PEAK, PROFILE_STEP
 
 

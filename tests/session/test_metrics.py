@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
-from pathlib import Path
 
 import pytest
 
@@ -115,9 +113,3 @@ def test_names_are_prefixed_and_listed_once() -> None:
     assert all(k.startswith(names.PREFIX) for k in (*names.ALL, *names.WITH_PEAK))
     assert all(k.startswith(names.THROUGHPUT_PREFIX) for k in names.THROUGHPUT)
     assert len(set(names.ALL)) == len(names.ALL)
-
-
-def test_the_readmes_metrics_table_lists_every_name_and_no_other() -> None:
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    table = set(re.findall(r"^\| `((?:flops_profiler|throughput)/\w+)` \|", readme, re.MULTILINE))
-    assert table == {*names.ALL, *names.WITH_PEAK, *names.PADDING, *names.THROUGHPUT}

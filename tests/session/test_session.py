@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.reporting.publish import publish
+from flops_callbacks.reporting.publish import console_text, publish
+from flops_callbacks.reporting.report_rows import report_text
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.timing.collector import COLLECTED
 from flops_callbacks.timing.hook_cost import MIN_CALLS
@@ -50,7 +51,9 @@ def no_profiler_left() -> bool:
 def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: Path) -> None:
     model = nn.Linear(IN, OUT)
     session = StepSession(
-        Options(profile_step=3, clean_steps=2, tokens_fn=lambda b: b.numel()), "test", publish=publish
+        Options(profile_step=3, clean_steps=2, tokens_fn=lambda b: b.numel(), report="full"),
+        "test",
+        publish=publish,
     )
     outlet = Outlet(tmp_path)
     end = window_end(3, 2)
@@ -243,7 +246,7 @@ def test_clean_steps_of_new_shapes_are_counted_on_steps_of_their_own_then_predic
 def test_a_run_that_ends_inside_the_window_publishes_what_it_had_and_says_so(tmp_path: Path) -> None:
     model = nn.Linear(IN, OUT)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = StepSession(Options(profile_step=1, clean_steps=3), "test", publish=publish)
+    session = StepSession(Options(profile_step=1, clean_steps=3, report="full"), "test", publish=publish)
     end, last = first_clean(1) + 1, window_end(1, 3) - 1  # the run ends after one clean step
     with pytest.warns(
         UserWarning, match=rf"window needs steps 1 \.\. {last}.*latencies will rest on 1 clean step"
@@ -263,7 +266,7 @@ def test_a_run_that_ends_inside_the_window_publishes_what_it_had_and_says_so(tmp
 
 def test_a_window_with_no_clean_step_says_its_latencies_are_inflated() -> None:
     model = nn.Linear(IN, OUT)
-    session = StepSession(Options(profile_step=0, clean_steps=3), "test", publish=publish)
+    session = StepSession(Options(profile_step=0, clean_steps=3, report="full"), "test", publish=publish)
     with pytest.warns(UserWarning, match="rest on 0 clean step"):
         session.train_start(0, max_steps=1)
     outlet = Outlet()
@@ -362,7 +365,8 @@ def test_with_activation_checkpointing_the_printed_logged_and_saved_rates_agree(
             return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
     model = Checkpointed()
-    session = StepSession(Options(profile_step=0, clean_steps=1, throughput=False), "test", publish=publish)
+    full = Options(profile_step=0, clean_steps=1, throughput=False, report="full")
+    session = StepSession(full, "test", publish=publish)
     session.train_start(0)
     outlet = Outlet(tmp_path)
     run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, window_end(0, 1)), outlet)
@@ -402,7 +406,9 @@ def test_an_moe_models_report_says_what_six_n_d_claims_with_all_and_active_param
     model = transformers.AutoModelForCausalLM.from_config(config).train()
     tokens = torch.randint(1, 256, (2, 16))
     session = StepSession(
-        Options(profile_step=0, clean_steps=0, tokens_fn=lambda b: b.numel()), "test", publish=publish
+        Options(profile_step=0, clean_steps=0, tokens_fn=lambda b: b.numel(), report="full"),
+        "test",
+        publish=publish,
     )
     session.train_start(0)
     outlet = Outlet()
@@ -442,7 +448,9 @@ def test_an_moe_models_report_says_what_six_n_d_claims_with_all_and_active_param
     assert "6 x non-embedding params x tokens" in outlet.printed[0]
 
 
-def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path: Path) -> None:
+def test_a_12_layer_gpt2s_console_is_a_summary_of_25_lines_and_report_full_its_90_line_report(
+    tmp_path: Path,
+) -> None:
     import transformers
 
     config = transformers.GPT2Config(n_layer=12, n_embd=32, n_head=2, vocab_size=128, n_positions=16)
@@ -457,16 +465,21 @@ def test_the_default_console_report_of_a_12_layer_gpt2_fits_in_80_lines(tmp_path
         session, model, torch.optim.SGD(model.parameters(), lr=0.0), range(0, window_end(0, 1)), outlet, ids,
         loss_of=lm_loss,
     )  # fmt: skip
-    console = outlet.printed[0].splitlines()
+    assert session.result is not None
+    summary = outlet.printed[0].splitlines()
+    assert 15 <= len(summary) <= 25, len(summary)
+    assert summary[1].endswith(f"(full report: {tmp_path / 'flops_profile_step0.txt'})")
+    assert "Aggregated Profile" not in outlet.printed[0]
+    assert len((tmp_path / "flops_profile_step0.txt").read_text().splitlines()) > 300  # the whole tree
+    # the same window with report="full": the summary rows and the aggregated profile, not the tree
+    whole = report_text(session.result, Options(), detailed=True)
+    full = console_text(session.result, Options(report="full"), whole, details="")
+    console = full.splitlines()
     # a module-timing step slowed by another process adds up to 4 lines saying so (tree_check)
     console = [line for line in console if not line.startswith("module latencies in doubt")]
-    # 80 before the rows of bytes moved, saved and peak memory (issue 21), the wall step's split, its wall
-    # rate, the latencies' spread and the batch shapes' row (issue 18), the model's own forward (issue 19),
-    # PaLM's model flops beside 6 x non-embedding params x tokens (issue 30)
     assert len(console) <= 90, len(console)
-    # the module tree is not on the default console (a doubt row may name the module it doubts)
-    assert "Aggregated Profile" in outlet.printed[0] and "h.11" not in "\n".join(console)
-    assert len((tmp_path / "flops_profile_step0.txt").read_text().splitlines()) > 300  # the whole tree
+    # the module tree is not on the console unless detailed=True (a doubt row may name the module it doubts)
+    assert "Aggregated Profile" in full and "h.11" not in "\n".join(console)
 
 
 def test_a_warning_points_at_the_users_line_and_an_unreachable_step_is_said_once(tmp_path: Path) -> None:

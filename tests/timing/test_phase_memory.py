@@ -11,7 +11,8 @@ from torch import nn
 
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.profile_file import json_data
-from flops_callbacks.reporting.publish import publish, report_text
+from flops_callbacks.reporting.publish import publish
+from flops_callbacks.reporting.report_rows import report_text
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP
 from tests.support import Outlet, run, window_end
