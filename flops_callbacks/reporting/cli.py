@@ -36,6 +36,8 @@ from flops_callbacks.reporting.compare import (
     range_text,
     work_note,
 )
+from flops_callbacks.reporting.generation_file import read_generation
+from flops_callbacks.reporting.generation_report import generation_picture, render_generation
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_file import SavedProfile, load
 from flops_callbacks.reporting.publish import picture, report_text, tree_doubts
@@ -80,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     show = commands.add_parser("show", help="print a profile's report again")
-    show.add_argument("profile", help="a flops_profile_step{N}.json")
+    show.add_argument("profile", help="a flops_profile_step{N}.json, or a generation's saved profile")
     show.add_argument("--html", metavar="OUT", help="also write the profile's picture to OUT")
     show.add_argument("--module-depth", type=int, default=-1, help="depth of the module tree (-1: all)")
     show.add_argument(
@@ -120,6 +122,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _show(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
+    generation = read_generation(args.profile)  # a generation's profile, or None: a window's
+    if generation is not None:
+        print(render_generation(generation, args.module_depth, detailed=not args.brief), file=out)
+        if args.html:
+            write_text(args.html, generation_picture(generation))
+        return EXIT_OK
     saved = load(args.profile)
     options = Options(module_depth=args.module_depth, top_modules=args.top_modules)
     print(report_text(saved.result, options, detailed=not args.brief), file=out)
