@@ -20,10 +20,9 @@ __all__ = ["generate_loop", "prompt_shape"]
 
 def prompt_shape(kwargs: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
     """(sequences, prompt positions per sequence, padding positions in all) of ``generate()``'s input."""
-    prompt = kwargs.get("input_ids")
-    if not isinstance(prompt, torch.Tensor):
-        prompt = kwargs.get("inputs_embeds")
-    if not isinstance(prompt, torch.Tensor) or prompt.dim() < 2:
+    found = (kwargs.get(key) for key in ("input_ids", "inputs", "inputs_embeds"))
+    prompt = next((t for t in found if isinstance(t, torch.Tensor)), None)
+    if prompt is None or prompt.dim() < 2:
         return None, None, None
     mask = kwargs.get("attention_mask")
     padding = int((mask == 0).sum()) if isinstance(mask, torch.Tensor) else 0

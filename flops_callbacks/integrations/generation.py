@@ -25,6 +25,7 @@ import torch
 from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.files import write_text
 from flops_callbacks.guard import Guard
+from flops_callbacks.integrations.generate_marks import generate_loop, prompt_shape
 from flops_callbacks.options import CausalAttention, check_causal_attention, check_int
 from flops_callbacks.peaks import (
     check_peak_bandwidth,
@@ -210,11 +211,9 @@ def profile_generation(
 
     ``generate()`` is called ``warm_up + runs + 1`` times with ``generate_kwargs`` as given (a
     ``logits_processor`` of the caller's is kept). The prefill is the model's first call, each later call
-    a decode step; batch size, prompt length and padding are read from ``input_ids`` (or
+    a decode step; batch size, prompt length and padding are read from ``input_ids`` (``inputs``,
     ``inputs_embeds``) and ``attention_mask``. The result's ``output`` is the last timed run's output.
     """
-    from flops_callbacks.integrations.generate_marks import generate_loop, prompt_shape
-
     batch, prompt, padding = prompt_shape(generate_kwargs)
     return profile_decode_loop(
         model,

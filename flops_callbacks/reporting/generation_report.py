@@ -121,7 +121,7 @@ def generation_summary(result: GenerationResult) -> str:
     if names.PREFILL_FLOPS in m:
         prefill = result.prefill_work
         macs = number_to_string(prefill.macs) if prefill is not None else "n/a"
-        lines.append("    " + _row("flops", f"{number_to_string(m[names.PREFILL_FLOPS])}({macs}MACs)"))
+        lines.append("    " + _row("flops", f"{number_to_string(m[names.PREFILL_FLOPS])} ({macs}MACs)"))
         lines.append("    " + _row("bytes moved", bytes_to_string(m[names.PREFILL_BYTES])))
     if names.PREFILL_LATENCY in m:
         lines.append("    " + _row("latency (the forward)", duration_to_string(m[names.PREFILL_LATENCY])))
