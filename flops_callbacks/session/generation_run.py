@@ -79,7 +79,8 @@ class GenerationRun:
             if forget_between:
                 self.tracer.reset()
             return
-        self._step_start = self.clock.mark()
+        if self._step_start is None:  # a step already begun goes on (an encoder's call, then the decoder's)
+            self._step_start = self.clock.mark()
 
     def step_ended(self, output: Any = None) -> None:
         """A step ends; ``output`` (the model's) is searched for its KV cache."""
