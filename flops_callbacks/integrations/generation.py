@@ -154,7 +154,8 @@ def profile_decode_loop(
     bandwidth, no_bandwidth = resolve_bandwidth(given_bandwidth(peak_bandwidth), device)
     failure = _counting_failure(counting)
     profiles = [] if failure else counting.profiles
-    middle = (len(profiles) - 2) // 2 if len(profiles) > 1 else None  # among the decode steps
+    first = counting.prefill_steps  # the first decode step's index
+    middle = (len(profiles) - first - 1) // 2 if len(profiles) > first else None  # among the decode steps
     result = GenerationResult(
         device=str(device),
         compute_dtype=dtype,
@@ -163,7 +164,7 @@ def profile_decode_loop(
         padding_tokens=padding_tokens,
         work=tuple(StepWork.of(p) for p in profiles),
         prefill=_untimed(profiles[0]) if profiles else None,
-        decode=_untimed(profiles[1 + middle]) if middle is not None else None,
+        decode=_untimed(profiles[first + middle]) if middle is not None else None,
         decode_shown=middle,
         runs=tuple(run.times() for run in timed),
         warm_up=warm_up,
@@ -172,6 +173,7 @@ def profile_decode_loop(
         no_peak_reason=no_peak,
         bandwidth=bandwidth,
         no_bandwidth_reason=no_bandwidth,
+        prefill_steps=first,
         counting_failure=failure,
     )
     return GenerationProfile(result, output)
@@ -210,9 +212,10 @@ def profile_generation(
     """Profile ``model.generate(**generate_kwargs)`` (a transformers model): prefill and decode measured.
 
     ``generate()`` is called ``warm_up + runs + 1`` times with ``generate_kwargs`` as given (a
-    ``logits_processor`` of the caller's is kept). The prefill is the model's first call, each later call
-    a decode step; batch size, prompt length and padding are read from ``input_ids`` (``inputs``,
-    ``inputs_embeds``) and ``attention_mask``. The result's ``output`` is the last timed run's output.
+    ``logits_processor`` of the caller's is kept). The prefill is the model's calls before the first token
+    (one, or its chunks), each later call a decode step; batch size, prompt length and padding are read
+    from ``input_ids`` (``inputs``, ``inputs_embeds``) and ``attention_mask``. The result's ``output`` is
+    the last timed run's output.
     """
     batch, prompt, padding = prompt_shape(generate_kwargs)
     return profile_decode_loop(

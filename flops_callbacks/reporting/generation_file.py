@@ -57,6 +57,7 @@ def generation_json(result: GenerationResult) -> dict[str, Any]:
         "work": [dataclasses.asdict(step) for step in result.work],  # the counting run's steps
         "runs": [dataclasses.asdict(run) for run in result.runs],  # each timed run's seconds
         "decode_shown": result.decode_shown,
+        "prefill_steps": result.prefill_steps,
         "prefill": None if result.prefill is None else result.prefill.to_dict(),
         "decode": None if result.decode is None else result.decode.to_dict(),
     }
@@ -75,6 +76,7 @@ def generation_from_json(data: dict[str, Any]) -> GenerationResult:
         prefill=None if data["prefill"] is None else Profile.from_dict(data["prefill"]),
         decode=None if data["decode"] is None else Profile.from_dict(data["decode"]),
         decode_shown=data["decode_shown"],
+        prefill_steps=data["prefill_steps"],
         runs=tuple(_run_times(run) for run in data["runs"]),
         warm_up=data["warm_up"],
         kv_cache_bytes=data["kv_cache_bytes"],
@@ -116,6 +118,7 @@ def _run_times(run: dict[str, Any]) -> RunTimes:
         total=run["total"],
         first_token=run["first_token"],
         tokens=run["tokens"],
+        prefill_steps=run["prefill_steps"],
         steps=tuple(run["steps"]),
         token_gaps=tuple(run["token_gaps"]),
     )

@@ -117,7 +117,8 @@ def generation_summary(result: GenerationResult) -> str:
     lines.append(_row("peak bandwidth", bandwidth_text))
     if result.counting_failure:
         lines.append(_row("NOT COUNTED", result.counting_failure))
-    lines += ["", "Prefill (the prompt's forward):"]
+    chunks = f", in {result.prefill_steps} chunks" if result.prefill_steps > 1 else ""
+    lines += ["", f"Prefill (the prompt's forward{chunks}):"]
     if names.PREFILL_FLOPS in m:
         prefill = result.prefill_work
         macs = number_to_string(prefill.macs) if prefill is not None else "n/a"
@@ -169,7 +170,8 @@ def render_generation(result: GenerationResult, module_depth: int = -1, detailed
     if result.prefill is not None or result.decode is not None:
         parts.append(_LATENCY_NOTE)
     if result.prefill is not None:
-        parts += _tree("Prefill", result.prefill, module_depth, detailed)
+        chunk = f" (its first chunk of {result.prefill_steps})" if result.prefill_steps > 1 else ""
+        parts += _tree(f"Prefill{chunk}", result.prefill, module_depth, detailed)
     if result.decode is not None:
         step = f"decode step {result.decode_shown} of {result.decode_work.steps if result.decode_work else 0}"
         parts += _tree(f"Decode ({step}: the cache at mid-length)", result.decode, module_depth, detailed)

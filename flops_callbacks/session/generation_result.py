@@ -48,6 +48,15 @@ class PhaseWork:
     steps: int
 
 
+def _mean(steps: Sequence[StepWork], per_step: bool) -> PhaseWork | None:
+    """The steps' work summed (a chunked prefill), or their mean per step (the decode); None of none."""
+    if not steps:
+        return None
+    n = len(steps) if per_step else 1
+    flops, macs, moved = (sum(getattr(s, key) for s in steps) / n for key in ("flops", "macs", "bytes"))
+    return PhaseWork(flops, macs, moved, len(steps))
+
+
 def quantile(values: Sequence[float], q: float) -> float:
     """The ``q`` quantile of ``values``, linearly interpolated between the nearest ranks (numpy's
     default); nan of nothing."""
@@ -81,8 +90,8 @@ class GenerationResult:
     batch_size: int | None  # sequences generated at once
     prompt_tokens: int | None  # positions per sequence in the prompt, padding included
     padding_tokens: int | None  # padding positions of the prompt, all sequences
-    work: tuple[StepWork, ...]  # the counting run's steps: the prefill, then each decode step
-    prefill: Profile | None  # the module tree of the prefill
+    work: tuple[StepWork, ...]  # the counting run's steps: the prefill's, then each decode step
+    prefill: Profile | None  # the module tree of the prefill (its first chunk's when chunked)
     decode: Profile | None  # the module tree of the middle decode step
     decode_shown: int | None  # which decode step that is (0: the first after the prefill)
     runs: tuple[RunTimes, ...]
@@ -92,6 +101,7 @@ class GenerationResult:
     no_peak_reason: str
     bandwidth: Bandwidth | None
     no_bandwidth_reason: str
+    prefill_steps: int = 1  # the counting run's steps before its first token (prefill chunks)
     mode: str = "eval"
     counting_failure: str = ""  # what stopped counting ("": nothing did)
 
@@ -99,26 +109,18 @@ class GenerationResult:
 
     @property
     def prefill_work(self) -> PhaseWork | None:
-        if not self.work:
-            return None
-        first = self.work[0]
-        return PhaseWork(first.flops, first.macs, first.bytes, 1)
+        return _mean(self.work[: self.prefill_steps], per_step=False)
 
     @property
     def decode_work(self) -> PhaseWork | None:
         """The decode per token: its steps' mean (the cache at mid-length: attention grows linearly)."""
-        steps = self.work[1:]
-        if not steps:
-            return None
-        n = len(steps)
-        flops, macs, moved = (sum(getattr(s, key) for s in steps) / n for key in ("flops", "macs", "bytes"))
-        return PhaseWork(flops, macs, moved, n)
+        return _mean(self.work[self.prefill_steps :], per_step=True)
 
     # --- seconds -------------------------------------------------------------------------------------
 
     @property
     def prefill_latency(self) -> float | None:
-        spans = [run.steps[0] for run in self.runs if run.steps]
+        spans = [sum(run.steps[: run.prefill_steps]) for run in self.runs if run.prefill_steps]
         return statistics.median(spans) if spans else None
 
     @property
@@ -127,7 +129,7 @@ class GenerationResult:
 
     @property
     def decode_forwards(self) -> list[float]:
-        return [span for run in self.runs for span in run.steps[1:]]
+        return [span for run in self.runs for span in run.steps[run.prefill_steps :]]
 
     @property
     def new_tokens(self) -> int:

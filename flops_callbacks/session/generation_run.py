@@ -33,6 +33,7 @@ class RunTimes:
     total: float
     first_token: float
     tokens: int  # tokens out per sequence
+    prefill_steps: int  # the steps before the first token: the prefill (in chunks when more than one)
     steps: tuple[float, ...]  # the prefill's first, then each decode step's
     token_gaps: tuple[float, ...]  # token k+1's time less token k's: the inter-token latencies
 
@@ -46,6 +47,8 @@ class GenerationRun:
         self.failure = ""  # what went wrong in the counting ("": nothing): counting stops there
         self.profiles: list[Profile] = []  # the counting run's, one per step
         self.kv_cache_bytes: int | None = None
+        self.prefill_steps = 0  # steps that ended before the first token
+        self._tokens_out = 0
         self._start: Any = None
         self._end: Any = None
         self._step_start: Any = None
@@ -84,6 +87,8 @@ class GenerationRun:
 
     def step_ended(self, output: Any = None) -> None:
         """A step ends; ``output`` (the model's) is searched for its KV cache."""
+        if not self._tokens_out:
+            self.prefill_steps += 1
         if self.tracer is not None:
             if self.failure:
                 return
@@ -103,6 +108,7 @@ class GenerationRun:
 
     def token(self) -> None:
         """A token (one for each sequence) is out."""
+        self._tokens_out += 1
         if self.tracer is None:
             self._tokens.append(self.clock.mark())
 
@@ -143,6 +149,7 @@ class GenerationRun:
             total=seconds(self._start, self._end),
             first_token=seconds(self._start, tokens[0]) if tokens else 0.0,
             tokens=len(tokens),
+            prefill_steps=self.prefill_steps,
             steps=tuple(seconds(a, b) for a, b in self._steps),
             token_gaps=tuple(seconds(a, b) for a, b in zip(tokens, tokens[1:], strict=False)),
         )

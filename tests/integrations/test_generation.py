@@ -378,3 +378,16 @@ def test_an_encoder_decoders_prefill_is_its_encoder_and_first_decoder_call() -> 
     m = profile.metrics
     assert m[metrics.PREFILL_LATENCY] <= m[metrics.TIME_TO_FIRST_TOKEN]
     assert [len(run.steps) for run in profile.result.runs] == [4]  # the encoder opened the first step
+
+
+def test_a_prefill_in_chunks_is_every_call_before_the_first_token() -> None:
+    model = built("gpt2")
+    chunked = {"prefill_chunk_size": 16}
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model.generate(**prompt(), max_new_tokens=1, **GREEDY, **chunked)
+    profile = profile_generation(model, **prompt(), max_new_tokens=4, **GREEDY, **chunked, runs=1, warm_up=0)
+    result = profile.result
+    assert result.prefill_steps == 4 and result.runs[0].prefill_steps == 4  # 64 positions in chunks of 16
+    assert result.prefill_work is not None and 2 * result.prefill_work.macs == counter.get_total_flops()
+    assert result.decode_work is not None and result.decode_work.steps == 3
+    assert "in 4 chunks" in profile.report

@@ -26,10 +26,20 @@ def result(peaks: bool = True, **changes: object) -> GenerationResult:
         decode_shown=1,
         runs=(
             RunTimes(
-                total=1.0, first_token=0.3, tokens=4, steps=(0.2, 0.1, 0.1, 0.1), token_gaps=(0.2, 0.25, 0.3)
+                total=1.0,
+                first_token=0.3,
+                tokens=4,
+                prefill_steps=1,
+                steps=(0.2, 0.1, 0.1, 0.1),
+                token_gaps=(0.2, 0.25, 0.3),
             ),
             RunTimes(
-                total=3.0, first_token=0.5, tokens=4, steps=(0.4, 0.1, 0.2, 0.3), token_gaps=(0.9, 0.9, 0.9)
+                total=3.0,
+                first_token=0.5,
+                tokens=4,
+                prefill_steps=1,
+                steps=(0.4, 0.1, 0.2, 0.3),
+                token_gaps=(0.9, 0.9, 0.9),
             ),
         ),
         warm_up=1,
@@ -83,7 +93,7 @@ def test_decode_is_memory_bound_against_the_roofs() -> None:
 
 
 def test_a_generation_of_one_token_has_no_decode_figures() -> None:
-    one = result(work=(StepWork(100, 40, 1000),), runs=(RunTimes(1.0, 0.3, 1, (0.2,), ()),))
+    one = result(work=(StepWork(100, 40, 1000),), runs=(RunTimes(1.0, 0.3, 1, 1, (0.2,), ()),))
     assert not {k for k in one.metrics() if "decode" in k}
 
 
@@ -99,3 +109,23 @@ def test_cache_bytes_counts_each_storage_once() -> None:
     keys = torch.zeros(2, 4, 10, 8)
     assert cache_bytes(((keys, torch.zeros(2, 4, 10, 8)), (keys, keys[:, :, :5]))) == 2 * keys.nbytes
     assert cache_bytes(None) is None and cache_bytes(3) is None
+
+
+def test_a_prefill_in_chunks_is_the_steps_before_the_first_token() -> None:
+    run = RunTimes(
+        total=1.0,
+        first_token=0.45,
+        tokens=3,
+        prefill_steps=2,
+        steps=(0.2, 0.2, 0.1, 0.1),
+        token_gaps=(0.2, 0.2),
+    )
+    chunked = result(prefill_steps=2, runs=(run,))
+    m = chunked.metrics()
+    assert (m[names.PREFILL_FLOPS], m[names.PREFILL_BYTES]) == (110, 1300)  # the two chunks' sum
+    assert (m[names.DECODE_FLOPS_PER_TOKEN], m[names.DECODE_BYTES_PER_TOKEN]) == (
+        13,
+        330,
+    )  # the two steps' mean
+    assert m[names.PREFILL_LATENCY] == pytest.approx(0.4)
+    assert m[names.DECODE_FORWARD_LATENCY] == pytest.approx(0.1)
