@@ -13,7 +13,6 @@ whole call as one forward, with no prefill / decode split and no latency per tok
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -36,7 +35,6 @@ from flops_callbacks.peaks import (
     resolve_bandwidth,
     resolve_peak,
 )
-from flops_callbacks.profile import Profile
 from flops_callbacks.reporting.generation_file import generation_json
 from flops_callbacks.reporting.generation_report import generation_picture, render_generation
 from flops_callbacks.session.generation_result import GenerationResult, StepWork
@@ -163,8 +161,8 @@ def profile_decode_loop(
         prompt_tokens=prompt_tokens,
         padding_tokens=padding_tokens,
         work=tuple(StepWork.of(p) for p in profiles),
-        prefill=_untimed(profiles[0]) if profiles else None,
-        decode=_untimed(profiles[first + middle]) if middle is not None else None,
+        prefill=profiles[0] if profiles else None,
+        decode=profiles[first + middle] if middle is not None else None,
         decode_shown=middle,
         runs=tuple(run.times() for run in timed),
         warm_up=warm_up,
@@ -188,15 +186,6 @@ def _counting_failure(run: GenerationRun) -> str:
     if failure:
         warn(f"{OWNER}: {failure}; flops and bytes are not reported, the latencies are. Generation went on.")
     return failure
-
-
-def _untimed(profile: Profile) -> Profile:
-    """``profile`` with its module latencies zeroed: the counting run's are inflated by counting."""
-    modules = {
-        name: dataclasses.replace(m, fwd_latency=0.0, bwd_latency=0.0, recompute_latency=0.0)
-        for name, m in profile.modules.items()
-    }
-    return dataclasses.replace(profile, fwd_latency=0.0, bwd_latency=0.0, modules=modules)
 
 
 def profile_generation(

@@ -24,8 +24,9 @@ __all__ = ["GENERATION_TITLE", "generation_picture", "generation_summary", "rend
 GENERATION_TITLE = "flops_callbacks Generation Profile"
 _WIDTH = 86
 _LATENCY_NOTE = (
-    "Module latencies are not measured in a generation (the counting run's are inflated by counting): "
-    "the phases' latencies above come from the timed runs; flops and bytes below are the counting run's."
+    "Module latencies below are the counting run's, inflated by counting (every op runs through Python: "
+    "several times a clean run's on a model of small ops): read them as proportions. The phases' "
+    "latencies above come from the timed runs; flops and bytes below are the counting run's."
 )
 
 
@@ -187,13 +188,14 @@ def generation_picture(result: GenerationResult) -> str:
     if profile is None:
         raise ValueError("no module tree to draw: the counting run counted no step")
     summary = [(label.strip(), value) for label, value in _summary_pairs(result)]
+    summary.append(("module latencies", "the counting run's: inflated by counting, proportions only"))
     phase = "a decode step (the cache at mid-length)" if result.decode is not None else "the prefill"
     return render_html(
         profile,
         title=f"flops_callbacks generation profile: {phase}",
         summary=summary,
-        no_roofline="module latencies are not measured in a generation; each phase's roofline verdict is "
-        "in the summary above",
+        no_roofline="no roofline per module: the module latencies are the counting run's, inflated by "
+        "counting; each phase's roofline verdict is in the summary above",
     )
 
 
