@@ -2,8 +2,9 @@
 ``profile_decode_loop(model, loop)`` for a loop of one's own that marks its prefill and decode steps.
 
 Both run the generation several times, as training's window runs steps: warm-up runs, timed runs with
-clock marks only (the model's outermost call and each token), and one counting run apart, in which the
-engine counts every op of each step. ``profile_generation`` is ``profile_decode_loop`` with a loop that
+clock marks only (the model's outermost call and each token), a module-timing run (the trees' module
+latencies, each of its own step) and one counting run apart, in which the engine counts every op of each
+step. ``profile_generation`` is ``profile_decode_loop`` with a loop that
 calls ``generate()``: its steps are the model's outermost calls (a pre-hook and a hook on the model
 alone) and its tokens are marked by a logits processor, the one place ``generate()`` calls back once
 per token on every decoding strategy. The model runs in eval mode and its mode and every ``.grad`` are
@@ -13,6 +14,7 @@ whole call as one forward, with no prefill / decode split and no latency per tok
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -35,18 +37,24 @@ from flops_callbacks.peaks import (
     resolve_bandwidth,
     resolve_peak,
 )
+from flops_callbacks.profile import Profile
 from flops_callbacks.reporting.generation_file import generation_json
 from flops_callbacks.reporting.generation_report import generation_picture, render_generation
+from flops_callbacks.session.generation_modules import step_module_times
 from flops_callbacks.session.generation_result import GenerationResult, StepWork
 from flops_callbacks.session.generation_run import GenerationRun
 from flops_callbacks.timing.clean_pass import eval_mode, grads_set_aside
-from flops_callbacks.timing.clock import clock_for, module_device
+from flops_callbacks.timing.clock import Clock, CpuClock, clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage, collector_off
+from flops_callbacks.timing.hook_probe import hook_cost
+from flops_callbacks.timing.module_timer import ModuleTimer, ModuleTimes
 from flops_callbacks.user_warning import warn
 
 __all__ = ["GenerationProfile", "GenerationRun", "profile_decode_loop", "profile_generation"]
 
 OWNER = "flops_callbacks generation profile"
+MODULE_TIMING_SOURCE = "a run of their own with clock marks on every module (the hooks' cost taken out)"
+COUNTING_RUN_SOURCE = "the counting run (inflated by counting: proportions only)"
 
 
 @dataclass(frozen=True)
@@ -113,9 +121,10 @@ def profile_decode_loop(
 
         profile = profile_decode_loop(model, loop, batch_size=2, peak_bandwidth=3.35e12)
 
-    It is called ``warm_up + runs + 1`` times: warm-up, timed runs (marks only: each token is out at the
-    end of its block) and the counting run. ``batch_size`` (sequences) gives tokens per second;
-    ``prompt_tokens`` (per sequence) and ``padding_tokens`` (all sequences) are shown in the report.
+    It is called ``warm_up + runs + 2`` times: warm-up, timed runs (marks only: each token is out at the
+    end of its block), a module-timing run and the counting run. ``batch_size`` (sequences) gives tokens
+    per second; ``prompt_tokens`` (per sequence) and ``padding_tokens`` (all sequences) are shown in the
+    report.
     ``peak_flops`` / ``peak_bandwidth`` (per device; else the peak table's or the environment's) give MFU
     and MBU. What ``loop`` raises passes through, with the model as it was.
     """
@@ -141,6 +150,12 @@ def profile_decode_loop(
                 output = loop(run)
                 run.end()
                 timed.append(run)
+        timer = ModuleTimer(model, clock)  # a run of its own: every module call marked, nothing counted
+        timer.start()
+        try:
+            loop(GenerationRun(clock))
+        finally:
+            timer.stop()
         counting = GenerationRun(clock, Tracer(model, causal_attention=causal_attention))
         counting.begin()
         try:
@@ -154,6 +169,9 @@ def profile_decode_loop(
     profiles = [] if failure else counting.profiles
     first = counting.prefill_steps  # the first decode step's index
     middle = (len(profiles) - first - 1) // 2 if len(profiles) > first else None  # among the decode steps
+    prefill = profiles[0] if profiles else None
+    decode = profiles[first + middle] if middle is not None else None
+    prefill, decode, module_source = _with_module_times(timer, clock, prefill, decode, first + (middle or 0))
     result = GenerationResult(
         device=str(device),
         compute_dtype=dtype,
@@ -161,8 +179,8 @@ def profile_decode_loop(
         prompt_tokens=prompt_tokens,
         padding_tokens=padding_tokens,
         work=tuple(StepWork.of(p) for p in profiles),
-        prefill=profiles[0] if profiles else None,
-        decode=profiles[first + middle] if middle is not None else None,
+        prefill=prefill,
+        decode=decode,
         decode_shown=middle,
         runs=tuple(run.times() for run in timed),
         warm_up=warm_up,
@@ -173,8 +191,33 @@ def profile_decode_loop(
         no_bandwidth_reason=no_bandwidth,
         prefill_steps=first,
         counting_failure=failure,
+        module_latencies=module_source,
     )
     return GenerationProfile(result, output)
+
+
+def _with_module_times(
+    timer: ModuleTimer, clock: Clock, prefill: Profile | None, decode: Profile | None, decode_call: int
+) -> tuple[Profile | None, Profile | None, str]:
+    """The two trees with the module-timing run's latencies of their own steps (the model's first call,
+    and its ``decode_call``-th), and where the latencies come from. If that fails (the profiler's own
+    work), a warning says so and the counting run's stay."""
+    try:
+        cost = hook_cost() if isinstance(clock, CpuClock) else None  # CUDA events hold no host time
+        times = timer.times(timer.fitted(cost) if cost is not None else None)
+        tables = step_module_times(times.spans, [0, decode_call])
+        trees = []
+        for call, tree in ((0, prefill), (decode_call, decode)):
+            table = tables.get(call)
+            if tree is not None and table is not None:
+                timed = ModuleTimes(table, {}, {}, []).applied_to(tree)
+                tree = dataclasses.replace(timed, fwd_latency=table.get("", 0.0))
+            trees.append(tree)
+        return trees[0], trees[1], MODULE_TIMING_SOURCE
+    except Exception as error:  # the profiler's own work: the generation's figures stand without it
+        warn(f"{OWNER}: timing the modules failed ({type(error).__name__}: {error}); the trees keep the "
+             "counting run's module latencies")  # fmt: skip
+        return prefill, decode, COUNTING_RUN_SOURCE
 
 
 def _counting_failure(run: GenerationRun) -> str:
@@ -200,7 +243,7 @@ def profile_generation(
 ) -> GenerationProfile:
     """Profile ``model.generate(**generate_kwargs)`` (a transformers model): prefill and decode measured.
 
-    ``generate()`` is called ``warm_up + runs + 1`` times with ``generate_kwargs`` as given (a
+    ``generate()`` is called ``warm_up + runs + 2`` times with ``generate_kwargs`` as given (a
     ``logits_processor`` of the caller's is kept). The prefill is the model's calls before the first token
     (one, or its chunks), each later call a decode step; batch size, prompt length and padding are read
     from ``input_ids`` (``inputs``, ``inputs_embeds``) and ``attention_mask``. The result's ``output`` is

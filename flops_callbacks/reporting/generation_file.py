@@ -49,6 +49,7 @@ def generation_json(result: GenerationResult) -> dict[str, Any]:
         "warm_up": result.warm_up,
         "kv_cache_bytes": result.kv_cache_bytes,
         "counting_failure": result.counting_failure,
+        "module_latencies": result.module_latencies,
         "peak": dataclasses.asdict(result.peak) if result.peak else {"none": result.no_peak_reason},
         "bandwidth": dataclasses.asdict(result.bandwidth)
         if result.bandwidth
@@ -86,6 +87,7 @@ def generation_from_json(data: dict[str, Any]) -> GenerationResult:
         no_bandwidth_reason=bandwidth.get("none", ""),
         mode=data["mode"],
         counting_failure=data["counting_failure"],
+        module_latencies=data["module_latencies"],
     )
 
 

@@ -23,11 +23,6 @@ __all__ = ["GENERATION_TITLE", "generation_picture", "generation_summary", "rend
 
 GENERATION_TITLE = "flops_callbacks Generation Profile"
 _WIDTH = 86
-_LATENCY_NOTE = (
-    "Module latencies below are the counting run's, inflated by counting (every op runs through Python: "
-    "several times a clean run's on a model of small ops): read them as proportions. The phases' "
-    "latencies above come from the timed runs; flops and bytes below are the counting run's."
-)
 
 
 def _rule(title: str) -> str:
@@ -169,7 +164,11 @@ def render_generation(result: GenerationResult, module_depth: int = -1, detailed
     """The whole report: the summary, then each phase's module tree (``detailed``) and the coverage."""
     parts = [generation_summary(result)]
     if result.prefill is not None or result.decode is not None:
-        parts.append(_LATENCY_NOTE)
+        parts.append(
+            f"Module latencies below: {result.module_latencies or 'unknown'}, each tree's of its own step. "
+            "The phases' latencies above come from the timed runs; flops and bytes below are the counting "
+            "run's."
+        )
     if result.prefill is not None:
         chunk = f" (its first chunk of {result.prefill_steps})" if result.prefill_steps > 1 else ""
         parts += _tree(f"Prefill{chunk}", result.prefill, module_depth, detailed)
@@ -188,14 +187,13 @@ def generation_picture(result: GenerationResult) -> str:
     if profile is None:
         raise ValueError("no module tree to draw: the counting run counted no step")
     summary = [(label.strip(), value) for label, value in _summary_pairs(result)]
-    summary.append(("module latencies", "the counting run's: inflated by counting, proportions only"))
+    summary.append(("module latencies from", result.module_latencies or "unknown"))
     phase = "a decode step (the cache at mid-length)" if result.decode is not None else "the prefill"
     return render_html(
         profile,
         title=f"flops_callbacks generation profile: {phase}",
         summary=summary,
-        no_roofline="no roofline per module: the module latencies are the counting run's, inflated by "
-        "counting; each phase's roofline verdict is in the summary above",
+        no_roofline="each phase's roofline verdict is in the summary above",
     )
 
 

@@ -104,6 +104,7 @@ class GenerationResult:
     prefill_steps: int = 1  # the counting run's steps before its first token (prefill chunks)
     mode: str = "eval"
     counting_failure: str = ""  # what stopped counting ("": nothing did)
+    module_latencies: str = ""  # where the trees' module latencies come from
 
     # --- work ----------------------------------------------------------------------------------------
 

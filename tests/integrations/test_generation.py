@@ -227,6 +227,10 @@ def test_latencies_are_the_known_sleeps_on_a_clock_only_the_sleeps_move(
         assert run.steps == pytest.approx((PREFILL_SLEEP, *[DECODE_SLEEP] * 5))
         assert run.token_gaps == pytest.approx([DECODE_SLEEP] * 5)
         assert (run.first_token, run.tokens) == (pytest.approx(PREFILL_SLEEP), 6)
+    # the trees' latencies: the module-timing run's, each of its own step (the hooks' real cost taken out)
+    assert profile.result.prefill is not None and profile.result.decode is not None
+    assert profile.result.prefill.model.fwd_latency == pytest.approx(PREFILL_SLEEP, abs=0.005)
+    assert profile.result.decode.model.fwd_latency == pytest.approx(DECODE_SLEEP, abs=0.005)
     assert profile.metrics == pytest.approx(
         {
             **{name: profile.metrics[name] for name in (metrics.PREFILL_FLOPS, metrics.PREFILL_BYTES)},
@@ -332,21 +336,25 @@ def test_the_model_keeps_its_modes_grads_and_hooks_also_when_generate_raises() -
     profile_generation(model, **prompt(), max_new_tokens=3, **GREEDY, runs=1, warm_up=0)
     as_it_was()
 
-    calls = []
+    # each run makes 2 tokens: the warm-up's, the timed run's, the module-timing run's, the counting run's
+    for failing_call in (5, 7):  # the module-timing run's first token, the counting run's
+        calls: list[int] = []
 
-    class FailsInTheCountingRun:
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        def fails(
+            input_ids: torch.Tensor, scores: torch.Tensor, at: int = failing_call, calls: list[int] = calls
+        ) -> torch.Tensor:
             calls.append(1)
-            if len(calls) == 5:  # the warm-up and the timed run make 2 tokens each: the counting run's first
+            if len(calls) == at:
                 raise ValueError("the user's processor")
             return scores
 
-    processors = transformers.LogitsProcessorList([FailsInTheCountingRun()])
-    with pytest.raises(ValueError, match="the user's processor"):
-        profile_generation(
-            model, **prompt(), max_new_tokens=2, **GREEDY, logits_processor=processors, runs=1, warm_up=1
-        )
-    as_it_was()
+        processors = transformers.LogitsProcessorList([fails])
+        with pytest.raises(ValueError, match="the user's processor"):
+            profile_generation(
+                model, **prompt(), max_new_tokens=2, **GREEDY, logits_processor=processors, runs=1, warm_up=1
+            )
+        assert len(calls) == failing_call
+        as_it_was()
 
 
 def test_a_failure_of_the_profiler_warns_and_the_latencies_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:

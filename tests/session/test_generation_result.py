@@ -129,3 +129,20 @@ def test_a_prefill_in_chunks_is_the_steps_before_the_first_token() -> None:
     )  # the two steps' mean
     assert m[names.PREFILL_LATENCY] == pytest.approx(0.4)
     assert m[names.DECODE_FORWARD_LATENCY] == pytest.approx(0.1)
+
+
+def test_module_times_are_split_by_the_models_calls_and_containers_filled() -> None:
+    from flops_callbacks.session.generation_modules import step_module_times
+    from flops_callbacks.timing.spans import FORWARD, ModuleSpan
+
+    spans = [
+        ModuleSpan("", FORWARD, 0.0, 1.0, 0),  # step 0
+        ModuleSpan("a", FORWARD, 0.1, 0.5, 1),
+        ModuleSpan("h.0", FORWARD, 0.6, 0.2, 2),  # in the never-called container "h"
+        ModuleSpan("", FORWARD, 1.0, 0.4, 0),  # step 1, starting where step 0 ends
+        ModuleSpan("a", FORWARD, 1.1, 0.2, 1),
+    ]
+    assert step_module_times(spans, [0, 1, 5]) == {
+        0: {"": 1.0, "a": 0.5, "h.0": 0.2, "h": 0.2},
+        1: {"": 0.4, "a": 0.2},
+    }
