@@ -40,7 +40,11 @@ from flops_callbacks.peaks import (
 from flops_callbacks.profile import Profile
 from flops_callbacks.reporting.generation_file import generation_json
 from flops_callbacks.reporting.generation_report import generation_picture, render_generation
-from flops_callbacks.session.generation_modules import step_module_times
+from flops_callbacks.session.generation_modules import (
+    COUNTING_RUN_SOURCE,
+    MODULE_TIMING_SOURCE,
+    step_module_times,
+)
 from flops_callbacks.session.generation_result import GenerationResult, StepWork
 from flops_callbacks.session.generation_run import GenerationRun
 from flops_callbacks.timing.clean_pass import eval_mode, grads_set_aside
@@ -53,8 +57,6 @@ from flops_callbacks.user_warning import warn
 __all__ = ["GenerationProfile", "GenerationRun", "profile_decode_loop", "profile_generation"]
 
 OWNER = "flops_callbacks generation profile"
-MODULE_TIMING_SOURCE = "a run of their own with clock marks on every module (the hooks' cost taken out)"
-COUNTING_RUN_SOURCE = "the counting run (inflated by counting: proportions only)"
 
 
 @dataclass(frozen=True)

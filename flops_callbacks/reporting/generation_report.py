@@ -15,7 +15,13 @@ from collections.abc import Callable
 from flops_callbacks import metrics as names
 from flops_callbacks.profile import Profile
 from flops_callbacks.reporting.picture import render_html
-from flops_callbacks.reporting.report import render_aggregated, render_coverage, render_detailed
+from flops_callbacks.reporting.report import (
+    render_aggregated,
+    render_coverage,
+    render_detailed,
+    render_roofline,
+)
+from flops_callbacks.roofline import as_data
 from flops_callbacks.session.generation_result import GenerationResult
 from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string, number_to_string
 
@@ -153,8 +159,19 @@ def generation_summary(result: GenerationResult) -> str:
     return "\n".join(lines)
 
 
-def _tree(title: str, profile: Profile, module_depth: int, detailed: bool) -> list[str]:
-    parts = [_rule(title), render_aggregated(profile, module_depth, 1)]
+def _tree(
+    title: str, result: GenerationResult, phase: str, profile: Profile, module_depth: int, detailed: bool
+) -> list[str]:
+    parts = [_rule(title)]
+    rooflines = result.module_rooflines(phase)
+    if rooflines and result.peak is not None and result.bandwidth is not None:
+        roofs = (
+            f"peak {flops_to_string(result.peak.flops)}, peak bandwidth "
+            f"{bytes_to_string(result.bandwidth.bytes_per_sec)}/s: ridge at "
+            f"{result.peak.flops / result.bandwidth.bytes_per_sec:.3g} flops/B"
+        )
+        parts.append(render_roofline(profile, rooflines, roofs))
+    parts.append(render_aggregated(profile, module_depth, 1))
     if detailed:
         parts.append(render_detailed(profile, module_depth))
     return parts
@@ -171,10 +188,11 @@ def render_generation(result: GenerationResult, module_depth: int = -1, detailed
         )
     if result.prefill is not None:
         chunk = f" (its first chunk of {result.prefill_steps})" if result.prefill_steps > 1 else ""
-        parts += _tree(f"Prefill{chunk}", result.prefill, module_depth, detailed)
+        parts += _tree(f"Prefill{chunk}", result, "prefill", result.prefill, module_depth, detailed)
     if result.decode is not None:
         step = f"decode step {result.decode_shown} of {result.decode_work.steps if result.decode_work else 0}"
-        parts += _tree(f"Decode ({step}: the cache at mid-length)", result.decode, module_depth, detailed)
+        title = f"Decode ({step}: the cache at mid-length)"
+        parts += _tree(title, result, "decode", result.decode, module_depth, detailed)
         parts.append(render_coverage(result.decode))
     parts.append("-" * _WIDTH)
     return "\n\n".join(parts)
@@ -189,11 +207,26 @@ def generation_picture(result: GenerationResult) -> str:
     summary = [(label.strip(), value) for label, value in _summary_pairs(result)]
     summary.append(("module latencies from", result.module_latencies or "unknown"))
     phase = "a decode step (the cache at mid-length)" if result.decode is not None else "the prefill"
+    rooflines = result.module_rooflines("decode" if result.decode is not None else "prefill")
+    peak, bandwidth = result.peak, result.bandwidth
+    roofline = (
+        {
+            "peak_flops": peak.flops,
+            "peak_bandwidth": bandwidth.bytes_per_sec,
+            "peak_source": peak.source,
+            "bandwidth_source": bandwidth.source,
+            "modules": as_data(rooflines),
+        }
+        if rooflines and peak is not None and bandwidth is not None
+        else None
+    )
     return render_html(
         profile,
         title=f"flops_callbacks generation profile: {phase}",
         summary=summary,
-        no_roofline="each phase's roofline verdict is in the summary above",
+        roofline=roofline,
+        no_roofline="no roofline per module (both peaks and the module-timing run's latencies are needed); "
+        "each phase's verdict is in the summary above",
     )
 
 

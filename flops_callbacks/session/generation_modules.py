@@ -14,7 +14,11 @@ from collections.abc import Sequence
 from flops_callbacks.timing.module_timer import FORWARD, fill_containers
 from flops_callbacks.timing.spans import ModuleSpan
 
-__all__ = ["step_module_times"]
+__all__ = ["COUNTING_RUN_SOURCE", "MODULE_TIMING_SOURCE", "step_module_times"]
+
+# where a generation's module latencies come from (the result's ``module_latencies``)
+MODULE_TIMING_SOURCE = "a run of their own with clock marks on every module (the hooks' cost taken out)"
+COUNTING_RUN_SOURCE = "the counting run (inflated by counting: proportions only)"
 
 
 def step_module_times(spans: Sequence[ModuleSpan], steps: Sequence[int]) -> dict[int, dict[str, float]]:

@@ -19,7 +19,8 @@ from functools import cached_property
 from flops_callbacks import metrics as names
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
-from flops_callbacks.roofline import Roofline, roofline
+from flops_callbacks.roofline import Roofline, module_rooflines, roofline
+from flops_callbacks.session.generation_modules import MODULE_TIMING_SOURCE
 from flops_callbacks.session.generation_run import RunTimes
 
 __all__ = ["GenerationResult", "PhaseWork", "StepWork", "quantile"]
@@ -176,6 +177,16 @@ class GenerationResult:
     def metrics(self) -> dict[str, float]:
         """The ``generation/`` metrics (:mod:`flops_callbacks.metrics`), computed once."""
         return dict(self._metrics)
+
+    def module_rooflines(self, phase: str) -> dict[str, dict[str, Roofline]]:
+        """Each module of a phase's tree ("prefill" or "decode") against the roofs, where both peaks are
+        known and the module latencies are the module-timing run's (none on the counting run's)."""
+        tree = self.prefill if phase == "prefill" else self.decode
+        if tree is None or self.peak is None or self.bandwidth is None:
+            return {}
+        if self.module_latencies != MODULE_TIMING_SOURCE:
+            return {}
+        return module_rooflines(tree, self.peak.flops, self.bandwidth.bytes_per_sec)
 
     def rooflines(self) -> dict[str, Roofline]:
         """Each phase against the two roofs ("prefill"; "decode", per token) where both peaks are known."""
