@@ -1,12 +1,12 @@
 """One run of a generation, recorded: its steps' clock marks (a timed run) or their counts (the counting run).
 
-A generation is a prefill (the prompt's forward) and decode steps (one token for each sequence). Whoever
-runs it (``generate()``'s model calls, or a loop of the user's marking its steps) tells a
-:class:`GenerationRun` where each step starts and ends and when each token is out; the run keeps clock
-marks only, or, in the counting run, the engine's profile of each step (:class:`~flops_callbacks.counting.
-engine.Tracer`, reset between steps, so the work between them is no step's). Why runs of two kinds and not
-one run that counts and times: counting runs every op through Python, several times a clean step's time
-on a model of small ops.
+A generation is a prefill (the prompt's forward: the steps before the first token) and decode steps (one
+token for each sequence). Whoever runs it (``generate()``'s model calls, or a loop of the user's marking
+its steps) tells a :class:`GenerationRun` where each step starts and ends and when each token is out; the
+run keeps clock marks only, or, in the counting run, the engine's profile of each step
+(:class:`~flops_callbacks.counting.engine.Tracer`, reset between steps, so the work between them is no
+step's). Why runs of two kinds and not one run that counts and times: counting runs every op through
+Python, several times a clean step's time on a model of small ops.
 """
 
 from __future__ import annotations
