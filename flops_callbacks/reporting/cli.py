@@ -139,10 +139,19 @@ def _show(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
 # --- diff -------------------------------------------------------------------------------------------
 
 
+def _window(path: str) -> SavedProfile:
+    """A training window's profile; a generation's is refused with what reads it (``show``)."""
+    if read_generation(path) is not None:
+        raise ValueError(
+            f"{path}: a generation's profile: diff and gate compare training windows; show prints it"
+        )
+    return load(path)
+
+
 def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     if args.top < 0:
         raise ValueError(f"--top must be an int >= 0, got {args.top}")
-    a, b = load(args.a), load(args.b)
+    a, b = _window(args.a), _window(args.b)
     note, figures, modules = work_note(a, b), changes(a, b), module_changes(a, b)
     if args.json:
         print(json.dumps(_diff_json(a, b, note, figures, modules), indent=2), file=out)
@@ -330,7 +339,7 @@ def _diff_html(a: SavedProfile, b: SavedProfile, note: str | None, figures: list
 
 def _gate(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     rules = [Rule.parse(text) for text in args.fail_on]  # before the files: a typo is said first
-    base, new = load(args.base), load(args.new)
+    base, new = _window(args.base), _window(args.new)
     verdicts = gate(base, new, rules)
     note = work_note(base, new)
     failed = [v for v in verdicts if v.failed]

@@ -56,3 +56,12 @@ def test_a_window_file_is_not_taken_for_a_generation_and_a_newer_one_is_refused(
     with pytest.raises(ProfileFileError, match="version 99 is unknown"):
         read_generation(newer)
     assert main(["show", str(newer)], out=io.StringIO()) == 2
+
+
+def test_diff_and_gate_refuse_a_generation_and_say_what_reads_it(generation, tmp_path: Path, capsys) -> None:
+    path = str(generation.save(tmp_path / "generation.json"))
+    assert main(["diff", path, path], out=io.StringIO()) == 2
+    assert main(["gate", path, path, "--fail-on", "iter_latency:+5%"], out=io.StringIO()) == 2
+    assert "a generation's profile: diff and gate compare training windows; show prints it" in (
+        capsys.readouterr().err
+    )
