@@ -1,4 +1,5 @@
-"""Measured forward+backward flops, per-module timing and DeepSpeed-style profiles for training.
+"""Measured forward+backward flops, per-module timing and DeepSpeed-style profiles for training, and
+prefill / decode profiles of generation.
 
 The core needs only torch. The framework callbacks are imported lazily, so ``import flops_callbacks``
 works without Lightning or transformers installed.
@@ -15,6 +16,12 @@ from flops_callbacks.integrations.deepspeed_api import (
     get_module_duration,
     get_module_flops,
     get_module_macs,
+)
+from flops_callbacks.integrations.generation import (
+    GenerationProfile,
+    GenerationRun,
+    profile_decode_loop,
+    profile_generation,
 )
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
 from flops_callbacks.units import (
@@ -53,6 +60,8 @@ __all__ = [
     "Coverage",
     "FlopsProfiler",
     "FlopsProfilerCallback",
+    "GenerationProfile",
+    "GenerationRun",
     "HFFlopsCallback",
     "ModuleProfile",
     "OpKind",
@@ -68,6 +77,8 @@ __all__ = [
     "macs_to_string",
     "number_to_string",
     "params_to_string",
+    "profile_decode_loop",
+    "profile_generation",
     "register_formula",
     "register_op_kind",
     "StepProfiler",

@@ -1,5 +1,6 @@
-"""The metric names both callbacks log, in one place (names only: the window's result computes the
-dict once, :meth:`flops_callbacks.session.result.WindowResult.metrics`).
+"""The metric names both callbacks and the generation profile log, in one place (names only: the window's
+result computes the dict once, :meth:`flops_callbacks.session.result.WindowResult.metrics`, and a
+generation's result its own, :meth:`flops_callbacks.session.generation_result.GenerationResult.metrics`).
 
 Flops and latencies are per device; ``samples_per_sec`` and ``tokens_per_sec`` count every
 data-parallel replica. Latencies are in seconds, rates per second, MFU and HFU fractions of the
@@ -25,19 +26,37 @@ __all__ = [
     "BWD_LATENCY",
     "CLEAN_STEPS",
     "DATA_LATENCY",
+    "DECODE_BYTES_PER_TOKEN",
+    "DECODE_FLOPS_PER_TOKEN",
+    "DECODE_FORWARD_LATENCY",
+    "DECODE_LATENCY_P90",
+    "DECODE_LATENCY_PER_TOKEN",
+    "DECODE_MBU",
+    "DECODE_MFU",
     "FLOPS_PER_SEC",
     "FWD_BYTES",
     "FWD_FLOPS",
     "FWD_FLOPS_PER_SEC",
     "FWD_LATENCY",
     "FWD_MACS",
+    "GENERATION",
+    "GENERATION_LATENCY",
+    "GENERATION_PREFIX",
+    "GENERATION_TOKENS_PER_SEC",
+    "GENERATION_WITH_PEAK",
     "HARDWARE_FLOPS_PER_SEC",
     "HFU",
     "ITER_LATENCY",
+    "KV_CACHE_BYTES",
     "MFU",
     "PADDING",
     "PADDING_FRACTION",
     "PARAMS",
+    "PREFILL_BYTES",
+    "PREFILL_FLOPS",
+    "PREFILL_LATENCY",
+    "PREFILL_MBU",
+    "PREFILL_MFU",
     "PREFIX",
     "REAL_TOKENS_PER_SEC",
     "RECOMPUTE_FLOPS",
@@ -50,6 +69,7 @@ __all__ = [
     "THROUGHPUT_PREFIX",
     "THROUGHPUT_SAMPLES_PER_SEC",
     "THROUGHPUT_TOKENS_PER_SEC",
+    "TIME_TO_FIRST_TOKEN",
     "TOKENS_PER_SEC",
     "WALL",
     "WALL_LATENCY",
@@ -133,3 +153,46 @@ ALL = (
     TOKENS_PER_SEC,
     *WALL,
 )
+
+
+# Generation (flops_callbacks.profile_generation, GenerationProfiler): a prefill (the prompt's forward)
+# then decode steps, each one token for every sequence of the batch. "Per token" is per decode step;
+# flops and bytes are the counting run's, op by op, as mean over its decode steps; latencies the timed
+# runs' (medians), rates of all sequences. MFU / MBU: achieved FLOPS / bytes per second over the peaks.
+GENERATION_PREFIX = "generation/"
+PREFILL_FLOPS = GENERATION_PREFIX + "prefill_flops"  # the prefill forward's flops, measured
+PREFILL_BYTES = GENERATION_PREFIX + "prefill_bytes"  # bytes the prefill's ops read and write
+PREFILL_LATENCY = GENERATION_PREFIX + "prefill_latency"  # seconds of the prefill forward
+TIME_TO_FIRST_TOKEN = GENERATION_PREFIX + "time_to_first_token"  # seconds from the call to the first token
+DECODE_FLOPS_PER_TOKEN = GENERATION_PREFIX + "decode_flops_per_token"  # flops of a decode step (mean)
+# bytes a decode step's ops read and write (mean): the weights, the KV cache read, activations
+DECODE_BYTES_PER_TOKEN = GENERATION_PREFIX + "decode_bytes_per_token"
+# inter-token latency: median seconds between consecutive tokens (the decode step and the loop around it)
+DECODE_LATENCY_PER_TOKEN = GENERATION_PREFIX + "decode_latency_per_token"
+DECODE_LATENCY_P90 = GENERATION_PREFIX + "decode_latency_p90"  # 90th percentile of the same gaps
+DECODE_FORWARD_LATENCY = GENERATION_PREFIX + "decode_forward_latency"  # median seconds of a decode forward
+GENERATION_LATENCY = GENERATION_PREFIX + "latency"  # seconds of the whole generation (median run)
+GENERATION_TOKENS_PER_SEC = GENERATION_PREFIX + "tokens_per_sec"  # new tokens of all sequences / latency
+KV_CACHE_BYTES = GENERATION_PREFIX + "kv_cache_bytes"  # bytes the KV cache holds at the end
+PREFILL_MFU = GENERATION_PREFIX + "prefill_mfu"  # prefill flops / prefill latency / peak FLOPS
+PREFILL_MBU = GENERATION_PREFIX + "prefill_mbu"  # prefill bytes / prefill latency / peak bandwidth
+DECODE_MFU = GENERATION_PREFIX + "decode_mfu"  # decode flops per token / latency per token / peak FLOPS
+DECODE_MBU = GENERATION_PREFIX + "decode_mbu"  # decode bytes per token / latency per token / peak bandwidth
+
+# Always (flops and bytes unless counting failed, the KV cache's when the model returns one; tokens_per_sec
+# when the batch size is known), and the four fractions each when its peak is known.
+GENERATION = (
+    PREFILL_FLOPS,
+    PREFILL_BYTES,
+    PREFILL_LATENCY,
+    TIME_TO_FIRST_TOKEN,
+    DECODE_FLOPS_PER_TOKEN,
+    DECODE_BYTES_PER_TOKEN,
+    DECODE_LATENCY_PER_TOKEN,
+    DECODE_LATENCY_P90,
+    DECODE_FORWARD_LATENCY,
+    GENERATION_LATENCY,
+    GENERATION_TOKENS_PER_SEC,
+    KV_CACHE_BYTES,
+)
+GENERATION_WITH_PEAK = (PREFILL_MFU, PREFILL_MBU, DECODE_MFU, DECODE_MBU)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.reporting.report import EngineRows, render_profile
 from flops_callbacks.reporting.report_sections import render_aggregated
-from flops_callbacks.timing.clean_pass import CLEAN_PASS_SOURCE, grads_set_aside, time_clean
+from flops_callbacks.timing.clean_pass import CLEAN_PASS_SOURCE, eval_mode, grads_set_aside, time_clean
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
 
 __all__ = [
@@ -304,18 +303,6 @@ class FlopsProfiler:
         return text
 
 
-@contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """``model.eval()`` (as DeepSpeed's ``get_model_profile``), then every submodule's own mode back."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
 MODES = ("forward", "generate")
 # the mode get_model_profile profiles and times in, as its report and its return say
 EVAL_MODE_NOTE = (
@@ -391,7 +378,7 @@ def get_model_profile(
     prof = FlopsProfiler(model, causal_attention=causal_attention)
     inputs = torch.utils._pytree.tree_leaves((call_args, call_kwargs))
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
-    with _eval_mode(model), grads_set_aside([*model.parameters(), *leaves]):
+    with eval_mode(model), grads_set_aside([*model.parameters(), *leaves]):
         for _ in range(warm_up):
             with torch.no_grad():
                 run(*call_args, **call_kwargs)

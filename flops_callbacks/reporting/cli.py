@@ -36,6 +36,8 @@ from flops_callbacks.reporting.compare import (
     range_text,
     work_note,
 )
+from flops_callbacks.reporting.generation_file import read_generation
+from flops_callbacks.reporting.generation_report import generation_picture, render_generation
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_file import SavedProfile, load
 from flops_callbacks.reporting.publish import picture
@@ -81,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     show = commands.add_parser("show", help="print a profile's report again")
-    show.add_argument("profile", help="a flops_profile_step{N}.json")
+    show.add_argument("profile", help="a flops_profile_step{N}.json, or a generation's saved profile")
     show.add_argument("--html", metavar="OUT", help="also write the profile's picture to OUT")
     show.add_argument("--module-depth", type=int, default=-1, help="depth of the module tree (-1: all)")
     show.add_argument(
@@ -121,6 +123,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _show(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
+    generation = read_generation(args.profile)  # a generation's profile, or None: a window's
+    if generation is not None:
+        print(render_generation(generation, args.module_depth, detailed=not args.brief), file=out)
+        if args.html:
+            write_text(args.html, generation_picture(generation))
+        return EXIT_OK
     saved = load(args.profile)
     options = Options(module_depth=args.module_depth, top_modules=args.top_modules)
     print(report_text(saved.result, options, detailed=not args.brief), file=out)
@@ -132,10 +140,19 @@ def _show(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
 # --- diff -------------------------------------------------------------------------------------------
 
 
+def _window(path: str) -> SavedProfile:
+    """A training window's profile; a generation's is refused with what reads it (``show``)."""
+    if read_generation(path) is not None:
+        raise ValueError(
+            f"{path}: a generation's profile: diff and gate compare training windows; show prints it"
+        )
+    return load(path)
+
+
 def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     if args.top < 0:
         raise ValueError(f"--top must be an int >= 0, got {args.top}")
-    a, b = load(args.a), load(args.b)
+    a, b = _window(args.a), _window(args.b)
     note, figures, modules = work_note(a, b), changes(a, b), module_changes(a, b)
     if args.json:
         print(json.dumps(_diff_json(a, b, note, figures, modules), indent=2), file=out)
@@ -323,7 +340,7 @@ def _diff_html(a: SavedProfile, b: SavedProfile, note: str | None, figures: list
 
 def _gate(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     rules = [Rule.parse(text) for text in args.fail_on]  # before the files: a typo is said first
-    base, new = load(args.base), load(args.new)
+    base, new = _window(args.base), _window(args.new)
     verdicts = gate(base, new, rules)
     note = work_note(base, new)
     failed = [v for v in verdicts if v.failed]

@@ -29,7 +29,7 @@ from flops_callbacks.timing.hook_probe import hook_cost
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
 
-__all__ = ["CLEAN_PASS_SOURCE", "grads_set_aside", "time_clean"]
+__all__ = ["CLEAN_PASS_SOURCE", "eval_mode", "grads_set_aside", "time_clean"]
 
 CLEAN_PASS_SOURCE = "a clean pass after the counting pass (modules: a pass with clock marks only)"
 
@@ -92,3 +92,15 @@ def grads_set_aside(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
     finally:
         for p, grad in zip(params, kept, strict=True):
             p.grad = grad
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model.eval()`` for the body, then every submodule's own mode back, whatever the body raised."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training

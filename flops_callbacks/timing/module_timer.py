@@ -48,7 +48,7 @@ from flops_callbacks.timing.collector import collector_off
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.spans import BACKWARD, FORWARD, RECOMPUTE, ModuleSpan, Phase
 
-__all__ = ["BACKWARD", "FORWARD", "median_step", "ModuleTimer", "ModuleTimes", "RECOMPUTE"]
+__all__ = ["BACKWARD", "FORWARD", "fill_containers", "median_step", "ModuleTimer", "ModuleTimes", "RECOMPUTE"]
 
 _current_autograd_node = torch._C._current_autograd_node
 
@@ -272,8 +272,8 @@ class ModuleTimer:
                 extent[owner] = (min(first, begin), max(last, begin + duration))
         spans += [ModuleSpan(name, BACKWARD, a, b - a, depth_of(name)) for name, (a, b) in extent.items()]
         spans.sort(key=lambda s: (s.start, -s.duration))
-        _fill_containers(fwd)
-        _fill_containers(recompute)
+        fill_containers(fwd)
+        fill_containers(recompute)
         return ModuleTimes(fwd, bwd, recompute, spans)
 
     def fitted(self, cost: HookCost) -> HookCost:
@@ -348,7 +348,7 @@ class ModuleTimer:
         return durations, parent, children
 
 
-def _fill_containers(table: dict[str, float]) -> None:
+def fill_containers(table: dict[str, float]) -> None:
     """A module never called itself (a ``ModuleList``) takes the sum of its called submodules."""
     own = set(table)
     for name in sorted(own, key=lambda n: -n.count(".")):
