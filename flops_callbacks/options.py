@@ -84,6 +84,10 @@ class Options:
     # "auto" (as often as keeps the counting's cost <= 1% of the run's time), or 0 (never)
     flops_audit: int | Literal["auto"] = "auto"
     profile_every: int | None = None  # after the first window, re-profile every N steps (None: never)
+    # with several ranks, one more window step after the module-timing ones, under torch.profiler: where
+    # the step's time goes (compute, communication hidden under it, exposed, idle) and each collective's
+    # bytes and bus bandwidth (flops_callbacks.session.comm_step)
+    comm_step: bool = True
 
     def __post_init__(self) -> None:
         check_int("profile_step", self.profile_step, 0)
@@ -104,7 +108,7 @@ class Options:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"profile_every must be an int >= 1 or None, got {every!r}")
         check_report_args(self.module_depth, self.top_modules)
-        for name in ("detailed", "print_profile", "throughput"):
+        for name in ("detailed", "print_profile", "throughput", "comm_step"):
             check_flag(name, getattr(self, name))
         check_causal_attention(self.causal_attention)
         check_callable("batch_size_fn", self.batch_size_fn)

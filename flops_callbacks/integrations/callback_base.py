@@ -136,6 +136,7 @@ class SessionCallback:
         peak_bandwidth: float | None = Options.peak_bandwidth,
         flops_audit: int | Literal["auto"] = Options.flops_audit,
         profile_every: int | None = Options.profile_every,
+        comm_step: bool = Options.comm_step,
     ) -> None:
         super().__init__()
         arguments = {name: value for name, value in locals().items() if name in _OPTION_NAMES}

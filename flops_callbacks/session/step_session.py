@@ -382,7 +382,7 @@ class StepSession:
             return False
         step.phases.stop()
         step.end_mark = step.phases.clock.mark()
-        self.instruments.step_ended(step)
+        self.instruments.step_ended(step, comm_next=self.plan.comm_next)
         self._step = None
         if step.kind == Kind.COUNTING:
             collect_counting_garbage()  # now, outside every clock

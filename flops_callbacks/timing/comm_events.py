@@ -158,16 +158,20 @@ def classify(events: Iterable[TraceEvent]) -> StepEvents:
     gloo_threads = {e.thread for e in gloo}
     launches = [e for e in host if e.name.startswith("c10d::") and collective_op(e.name) is not None]
     sizes = [e for e in host if e.name == "record_param_comms"]
+    if marks:  # the step's own calls: not the ranks' vote before it, nor what follows its end
+        launches = [e for e in launches if marks[0][1] <= e.start <= marks[-1][1]]
     if kernels:
-        works = [k for k in kernels if collective_op(k.name) is not None]
+        works = [
+            k for k in kernels if collective_op(k.name) is not None and (not marks or k.start >= marks[0][1])
+        ]
         comm = merge(k.interval for k in works)
         compute = merge(k.interval for k in kernels if collective_op(k.name) is None)
     else:
-        works = gloo
+        works = [w for w in gloo if not marks or marks[0][1] <= w.start <= marks[-1][1]]
         mine = [e for e in host if e.thread not in gloo_threads and not e.annotation]
         waits = [e.interval for e in mine if _is_wait(e.name) or e.name.startswith("c10d::")]
         busy = [e.interval for e in _outermost(mine) if not e.name.startswith("c10d::")]
-        comm = merge([w.interval for w in gloo] + waits)
+        comm = merge([w.interval for w in works] + waits)
         compute = subtract(busy, waits)
     return StepEvents(comm, compute, marks, _calls(launches, works, sizes), bool(kernels))
 
