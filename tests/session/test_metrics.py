@@ -120,4 +120,4 @@ def test_names_are_prefixed_and_listed_once() -> None:
 def test_the_readmes_metrics_table_lists_every_name_and_no_other() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     table = set(re.findall(r"^\| `((?:flops_profiler|throughput)/\w+)` \|", readme, re.MULTILINE))
-    assert table == {*names.ALL, *names.WITH_PEAK, *names.PADDING, *names.THROUGHPUT}
+    assert table == {*names.ALL, *names.WITH_PEAK, *names.PADDING, *names.THROUGHPUT, *names.COMM}
