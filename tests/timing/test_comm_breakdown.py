@@ -85,7 +85,9 @@ def test_a_gpu_step_takes_nccl_kernels_as_communication_and_other_kernels_as_com
             TraceEvent("c10d::allreduce_", 5, 6, MAIN),
             TraceEvent("record_param_comms", 5, 6, MAIN, shapes=((2048,),), dtypes=("c10::BFloat16",)),
             TraceEvent("sm90_xmma_gemm_bf16", 10, 50, 7, device=True),
-            TraceEvent("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgs)", 40, 70, 20, device=True),
+            TraceEvent(
+                "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgs)", 40, 70, 20, device=True
+            ),
             mark("", 45),
         ]
     )
