@@ -282,6 +282,11 @@ class StepSession:
                 self._drop(decision)
                 return
             self.plan.batch_kind(decision.new_shape, decision.check)
+        elif self.plan.lines_up():  # the communication step: every rank starts its forward together
+            decision = self.plan.vote(Wish(drop=self.plan.failed))
+            if decision.drop:
+                self._drop(decision)
+                return
         if read is not None and self._step is not None:
             self._begin_micro_batch(batch, *read[:3])
 

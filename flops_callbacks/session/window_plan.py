@@ -67,10 +67,11 @@ class WindowPlan:
         self.failed = False
         self.reprofile = False  # the open window reuses the previous one's profile (module doc)
         self.next_window: int | None = None  # where the next re-profile window starts (None: none)
+        self._lined_up = 0  # the window step whose ranks last lined up (lines_up)
 
     def reset(self, run: bool = False) -> None:
         """The window ended (or was dropped); with ``run`` no other window starts in this run."""
-        self.kinds, self.open, self.failed, self.reprofile = [], False, False, False
+        self.kinds, self.open, self.failed, self.reprofile, self._lined_up = [], False, False, False, 0
         if run:
             self.next_window = None
 
@@ -113,6 +114,14 @@ class WindowPlan:
             kind = Kind.LEAD_IN if n == 0 else None
         self.kinds.append(kind)
         return kind
+
+    def lines_up(self) -> bool:
+        """Whether the ranks vote before this micro-batch: the communication step's first (once a step),
+        so that its split starts with every rank at one point, after each read its batch."""
+        if self.kind != Kind.COMMUNICATION or self._lined_up == len(self.kinds):
+            return False
+        self._lined_up = len(self.kinds)
+        return True
 
     @property
     def kind(self) -> str | None:
