@@ -79,3 +79,28 @@ def test_a_gpu_step_reads_the_kernels_timeline_and_the_nccl_all_reduce() -> None
     assert split.step.compute > 0
     ops = {row.op for row in split.collectives}
     assert ops <= {"all_reduce"}  # NCCL may run a one-rank all-reduce as a copy: no kernel of its own
+
+
+def test_a_trace_that_cannot_be_read_is_said_and_the_step_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(events: object) -> None:
+        raise KeyError("a field this torch does not have")
+
+    monkeypatch.setattr("flops_callbacks.timing.comm_recorder.classify", broken)
+    recorder = CommRecorder(cuda=False)
+    recorder.start()
+    recorder.mark(FORWARD)
+    torch.ones(3).sum()
+    with pytest.warns(UserWarning, match="communication step's trace could not be read"):
+        recorder.stop()
+    assert recorder.breakdown() is None and not torch.autograd._profiler_enabled()
+
+
+def test_the_instruments_drop_stops_a_running_recorder() -> None:
+    from flops_callbacks.options import Options
+    from flops_callbacks.session.instruments import Instruments
+
+    instruments = Instruments(Options())
+    instruments._start_recorder(cuda=False)  # as at the end of the step before the communication step
+    assert torch.autograd._profiler_enabled()
+    instruments.drop()  # an exception, a dropped window, the run's end
+    assert instruments.recorder is None and not torch.autograd._profiler_enabled()
