@@ -274,19 +274,15 @@ class StepSession:
                 self._meter_batch(batch)
             return
         read = self._read_batch(batch) if self._step is not None else None
-        if self.plan.batch_decides:
+        if (decides := self.plan.batch_decides) or self.plan.lines_up():  # lines_up: comm step's start
             unknown = read is not None and read[2] is None
             check = read is not None and read[3] and not unknown  # the table asks for a count (issue 32)
             decision = self.plan.vote(Wish(drop=self.plan.failed, new_shape=unknown, check=check))
             if decision.drop:
                 self._drop(decision)
                 return
-            self.plan.batch_kind(decision.new_shape, decision.check)
-        elif self.plan.lines_up():  # the communication step: every rank starts its forward together
-            decision = self.plan.vote(Wish(drop=self.plan.failed))
-            if decision.drop:
-                self._drop(decision)
-                return
+            if decides:
+                self.plan.batch_kind(decision.new_shape, decision.check)
         if read is not None and self._step is not None:
             self._begin_micro_batch(batch, *read[:3])
 
