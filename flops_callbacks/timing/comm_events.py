@@ -72,7 +72,7 @@ class TraceEvent(NamedTuple):
         an all-gather's output, a reduce-scatter's input), None if none is known."""
         sizes = []
         for shape, dtype in zip(self.shapes, self.dtypes, strict=False):
-            if shape and dtype in DTYPE_BYTES:
+            if dtype in DTYPE_BYTES:  # a 0-dim tensor (a loss, a count) is one element
                 n = 1
                 for d in shape:
                     n *= d

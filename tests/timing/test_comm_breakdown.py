@@ -117,6 +117,18 @@ def test_collective_op_names(name, op):
     assert collective_op(name) == op
 
 
+def test_a_scalar_tensors_all_reduce_carries_one_element():
+    events = classify(
+        [
+            mark("backward", 0),
+            TraceEvent("c10d::allreduce_", 1, 2, MAIN, shapes=((),), dtypes=("TensorList",)),
+            TraceEvent("gloo:all_reduce", 2, 3, GLOO, shapes=((),), dtypes=("double",)),
+            mark("", 5),
+        ]
+    )
+    assert [(c.op, c.nbytes) for c in events.calls] == [("all_reduce", 8)]
+
+
 def test_bus_bandwidth_uses_nccl_tests_factors():
     assert bus_factor("all_reduce", 8) == 2 * 7 / 8
     assert bus_factor("all_gather", 4) == 3 / 4
