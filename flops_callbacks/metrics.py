@@ -25,6 +25,9 @@ __all__ = [
     "BWD_FLOPS_PER_SEC",
     "BWD_LATENCY",
     "CLEAN_STEPS",
+    "COMM",
+    "COMM_LATENCY",
+    "COMM_OVERLAP",
     "DATA_LATENCY",
     "DECODE_BYTES_PER_TOKEN",
     "DECODE_FLOPS_PER_TOKEN",
@@ -33,6 +36,7 @@ __all__ = [
     "DECODE_LATENCY_PER_TOKEN",
     "DECODE_MBU",
     "DECODE_MFU",
+    "EXPOSED_COMM_LATENCY",
     "FLOPS_PER_SEC",
     "FWD_BYTES",
     "FWD_FLOPS",
@@ -46,6 +50,7 @@ __all__ = [
     "GENERATION_WITH_PEAK",
     "HARDWARE_FLOPS_PER_SEC",
     "HFU",
+    "IDLE_LATENCY",
     "ITER_LATENCY",
     "KV_CACHE_BYTES",
     "MFU",
@@ -115,6 +120,12 @@ WALL_TOKENS_PER_SEC = PREFIX + "wall_tokens_per_sec"  # the same of tokens, if k
 PADDING_FRACTION = PREFIX + "padding_fraction"  # padding positions / all positions (clean steps)
 REAL_TOKENS_PER_SEC = PREFIX + "real_tokens_per_sec"  # non-padding tokens per step x dp size / iter latency
 
+# With several ranks, the communication step (one step under torch.profiler, every rank; the ranks' mean):
+COMM_LATENCY = PREFIX + "comm_latency"  # seconds of communication in the step (union of streams, threads)
+EXPOSED_COMM_LATENCY = PREFIX + "exposed_comm_latency"  # communication while no compute runs: waited on
+COMM_OVERLAP = PREFIX + "comm_overlap"  # communication under compute / communication, 0..1
+IDLE_LATENCY = PREFIX + "idle_latency"  # seconds of the step with neither compute nor communication
+
 # Continuous throughput, at every logging step after the profile window (flops_callbacks.session.meter):
 # rates over the wall time since the previous logging step, flops from the measured flops per batch.
 THROUGHPUT_PREFIX = "throughput/"
@@ -127,6 +138,7 @@ WALL = (WALL_LATENCY, DATA_LATENCY, WALL_SAMPLES_PER_SEC, WALL_TOKENS_PER_SEC)  
 PADDING = (PADDING_FRACTION, REAL_TOKENS_PER_SEC)  # when the batches have an attention_mask
 THROUGHPUT = (THROUGHPUT_SAMPLES_PER_SEC, THROUGHPUT_TOKENS_PER_SEC, THROUGHPUT_FLOPS_PER_SEC, THROUGHPUT_MFU)
 WITH_PEAK = (MFU, HFU)  # at the window's end, only when a peak is known
+COMM = (COMM_LATENCY, EXPOSED_COMM_LATENCY, COMM_OVERLAP, IDLE_LATENCY)  # when a communication step ran
 
 # At the window's end, always (samples_per_sec and wall_samples_per_sec only when the batch size is known,
 # tokens_per_sec and wall_tokens_per_sec only when tokens are; the WALL ones when the timed steps had a

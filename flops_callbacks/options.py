@@ -104,6 +104,9 @@ class Options:
         report: What the console shows: ``"summary"``, the figures read in ten seconds (rates, the
             step's split, what bounds it, the top modules, the sizes), or ``"full"``, DeepSpeed's layout
             (every summary row, the aggregated profile, the coverage). The report file is always full.
+        comm_step: With several ranks, one more window step after the module-timing ones, under
+            ``torch.profiler`` on every rank: where the step's time goes (compute, communication hidden
+            under it, exposed, idle) and each collective's bytes and bus bandwidth. False: none.
     """
 
     profile_step: int = 10
@@ -122,6 +125,7 @@ class Options:
     flops_audit: int | Literal["auto"] = "auto"
     profile_every: int | None = None
     report: Report = "summary"
+    comm_step: bool = True
 
     def __post_init__(self) -> None:
         check_int("profile_step", self.profile_step, 0)
@@ -142,7 +146,7 @@ class Options:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"profile_every must be an int >= 1 or None, got {every!r}")
         check_report_args(self.module_depth, self.top_modules)
-        for name in ("detailed", "print_profile", "throughput"):
+        for name in ("detailed", "print_profile", "throughput", "comm_step"):
             check_flag(name, getattr(self, name))
         check_causal_attention(self.causal_attention)
         if self.report not in REPORTS:

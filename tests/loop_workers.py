@@ -38,7 +38,9 @@ from tests.rank_workers import (  # noqa: E402
 from tests.support import window_end  # noqa: E402
 
 CLEAN = 3
-LOOP_END = window_end(PROFILE_STEP, CLEAN)  # counting, module timing, the check, three clean steps
+LOOP_END = window_end(
+    PROFILE_STEP, CLEAN, comm=True
+)  # counting, module timing, communication, the check, 3 clean
 LOOP_STEPS = LOOP_END + 1
 LOOP_LOG_EVERY = LOOP_STEPS  # throughput/* at the step after the window
 

@@ -150,19 +150,21 @@ def module_steps(profile_step: int) -> tuple[int, ...]:
     return tuple(profile_step + 1 + i for i in range(MODULE_TIMING_STEPS))
 
 
-def check_step(profile_step: int) -> int:
-    """The step after the module-timing steps, counted again to check the shape table (issue 32)."""
-    return profile_step + 1 + MODULE_TIMING_STEPS
+def check_step(profile_step: int, comm: bool = False) -> int:
+    """The step after the module-timing steps (and the communication step, with ``comm``: several
+    ranks), counted again to check the shape table (issue 32)."""
+    return profile_step + 1 + MODULE_TIMING_STEPS + comm
 
 
-def first_clean(profile_step: int) -> int:
+def first_clean(profile_step: int, comm: bool = False) -> int:
     """The first clean step of a window counted at ``profile_step`` (every batch of one shape)."""
-    return check_step(profile_step) + 1
+    return check_step(profile_step, comm) + 1
 
 
-def window_end(profile_step: int, clean: int) -> int:
-    """The global step at which a window with ``clean`` clean steps has ended and published."""
-    return first_clean(profile_step) + clean
+def window_end(profile_step: int, clean: int, comm: bool = False) -> int:
+    """The global step at which a window with ``clean`` clean steps has ended and published (``comm``:
+    with a communication step, as a multi-process window has)."""
+    return first_clean(profile_step, comm) + clean
 
 
 def window_steps(profile_step: int, clean: int, **fields: Any) -> WindowSteps:

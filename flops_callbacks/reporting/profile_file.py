@@ -21,6 +21,7 @@ from flops_callbacks import metrics as names
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
+from flops_callbacks.reporting.comm_report import comm_data
 from flops_callbacks.roofline import as_data
 from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.result import WindowResult, WindowSteps
@@ -60,12 +61,15 @@ class SavedProfile:
 def json_data(result: WindowResult) -> dict[str, Any]:
     """Everything of a window as JSON-ready data: metrics, where each came from, and the full profile."""
     figures = result.figures()
-    return {
+    data = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         "step": result.step,
         "published_at_step": result.published_at,
-        "steps": dataclasses.asdict(result.steps),
+        # a one-process window has no communication step: its file is as it was
+        "steps": {
+            k: v for k, v in dataclasses.asdict(result.steps).items() if v is not None or k != "communication"
+        },
         "model_forward": result.model_forward,  # seconds; steps: steps.model_forward
         "model_forward_high": result.model_forward_high,  # the slowest of those steps'
         "hook_cost": None if result.hook_cost is None else dataclasses.asdict(result.hook_cost),
@@ -100,6 +104,9 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "extra_lines": result.extra_lines,  # the report rows the framework's adapter added
         "profile": profile_json(result),
     }
+    if result.comm is not None:  # the communication step's split (several ranks)
+        data["communication"] = comm_data(result.comm)
+    return data
 
 
 def _work_json(work: StepWork) -> dict[str, Any]:

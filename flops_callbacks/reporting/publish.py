@@ -15,6 +15,7 @@ from flops_callbacks.files import write_text
 from flops_callbacks.guard import Guard
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.chrome_trace import chrome_trace
+from flops_callbacks.reporting.comm_report import comm_trace
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_file import json_data, roofline_entries
 from flops_callbacks.reporting.report_rows import module_source, report_text, tree_doubts
@@ -86,6 +87,9 @@ def publish(
                 lambda: json.dumps(chrome_trace(result.spans, process_name=process)),
             )
         )
+        if result.comm is not None:  # the communication step's timeline, beside the modules'
+            comm = result.comm
+            files.append((stem.with_suffix(".comm.trace.json"), lambda: json.dumps(comm_trace(comm))))
     _write_all(files, guard)
     guard.user(outlet.log_metrics, metrics, result.published_at)
     guard.user(outlet.log_report, None if full is None else markdown_block(full), html, result.published_at)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
+from flops_callbacks.reporting.comm_report import comm_lines
 from flops_callbacks.reporting.report import EngineRows, render_profile
 from flops_callbacks.reporting.report_sections import render_roofline
 from flops_callbacks.reporting.tree_check import TreeCheck, check_tree
@@ -201,6 +202,7 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
             ),
         ]
     lines += [*wall_lines(metrics), *spread_lines(result), *model_forward_lines(result)]
+    lines += comm_lines(result, metrics)
     if len(result.rank_latencies) > 1:
         iters = [sum(latencies) for latencies in result.rank_latencies]
         spread = f"{duration_to_string(min(iters))} .. {duration_to_string(max(iters))}"

@@ -17,6 +17,7 @@ from pathlib import Path
 from flops_callbacks import metrics as names
 from flops_callbacks.module_tree import parent_in
 from flops_callbacks.profile import ModuleProfile, Profile
+from flops_callbacks.reporting.comm_report import verdict as comm_verdict
 from flops_callbacks.reporting.report import TITLE
 from flops_callbacks.reporting.report_sections import rule
 from flops_callbacks.reporting.tree_check import TreeCheck
@@ -95,13 +96,19 @@ def verdict(split: Split, result: WindowResult) -> str:
         return f"the loop's own work: {split.share('other'):.0%} of the step is outside the phases"
     if split.share("step") >= BOUND_SHARE:
         return f"the optimizer step: {split.share('step'):.0%} of the step"
+    comm = result.comm
+    beyond = comm_verdict(comm) if comm is not None else ""
+    if comm is not None and comm.step.span and comm.step.exposed >= BOUND_SHARE * comm.step.span:
+        return beyond  # exposed communication, the collective responsible
+    beyond = f"; beyond compute: {beyond}" if beyond else ""
     model = split.share("fwd") + split.share("bwd")
     limits = _limiters(result)
     if not limits:
-        return f"the model's fwd + bwd ({model:.0%} of the step); roofline: n/a (no peak bandwidth or FLOPS)"
+        roofline = "roofline: n/a (no peak bandwidth or FLOPS)"
+        return f"the model's fwd + bwd ({model:.0%} of the step); {roofline}{beyond}"
     ranked = sorted(limits.items(), key=lambda kv: kv[1], reverse=True)
     shares = ", ".join(f"{kind} {share:.0%}" for kind, share in ranked)
-    return f"{ranked[0][0]} ({model:.0%} of the step in fwd + bwd; module time {shares})"
+    return f"{ranked[0][0]} ({model:.0%} of the step in fwd + bwd; module time {shares}){beyond}"
 
 
 def _limiters(result: WindowResult) -> dict[str, float]:
@@ -242,6 +249,23 @@ def _model(result: WindowResult, metrics: dict[str, float]) -> str:
     return text
 
 
+def _comm_lines(result: WindowResult) -> list[str]:
+    """The communication step's split of its step, one line (none in a one-process run)."""
+    comm = result.comm
+    if comm is None:
+        return []
+    step = comm.step
+    overlap = f"{step.overlapped / step.comm:.0%} overlapped" if step.comm else "none"
+    return [
+        _row(
+            "communication",
+            f"{duration_to_string(step.comm)} ({overlap}), exposed {duration_to_string(step.exposed)}, "
+            f"idle {duration_to_string(step.idle)} of {duration_to_string(step.span)} "
+            f"(step {comm.step_number})",
+        )
+    ]
+
+
 def render_console_summary(result: WindowResult, doubts: TreeCheck, details: str = "") -> str:
     """The summary of ``result`` for the console, at most :data:`MAX_LINES` lines from rule to rule;
     ``doubts``: the module tree's check; ``details``: where the full report is (a path, "" if nowhere)."""
@@ -268,6 +292,7 @@ def render_console_summary(result: WindowResult, doubts: TreeCheck, details: str
     body = [
         *_split_lines(split),
         _row("bound by", verdict(split, result)),
+        *_comm_lines(result),
         *_top_lines(result),
         _row("model", _model(result, metrics)),
         _row("sizes", _sizes(result)),

@@ -23,6 +23,7 @@ from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_pe
 from flops_callbacks.profile import Profile
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
+from flops_callbacks.session.comm_step import CommFigures, comm_figures
 from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
@@ -36,6 +37,7 @@ from flops_callbacks.session.window_steps import (
     mean,
 )
 from flops_callbacks.timing.clock import CpuClock
+from flops_callbacks.timing.comm_breakdown import CommBreakdown
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.hook_probe import hook_cost
 from flops_callbacks.timing.module_timer import ModuleTimes, median_step
@@ -173,6 +175,8 @@ class RankRow(NamedTuple):
     counted_samples: int | float | None
     counted_tokens: int | float | None
     counting_iter: float  # the counting step's fwd + bwd + step seconds (what a count costs)
+    comm: CommBreakdown | None = None  # the communication step's split (None: none ran)
+    comm_iter: float = 0.0  # the communication step's fwd + bwd + step seconds (what it costs)
 
 
 @dataclasses.dataclass
@@ -187,11 +191,13 @@ class LocalWindow:
     source: str  # where the latencies come from, in words
     counting: WindowStep
     sources: FlopsSources | None  # where each clean step's flops come from (this rank's)
+    comm_step: WindowStep | None = None  # the communication step, if one ran
 
     def row(self) -> RankRow:
-        f, c = self.figures, self.counting
+        f, c, comm = self.figures, self.counting, self.comm_step
         counted = tuple(getattr(self.profile, name) for name in COUNTED)
-        return RankRow(f.steps, counted, c.samples, c.tokens, c.seconds()["iter"])
+        row = RankRow(f.steps, counted, c.samples, c.tokens, c.seconds()["iter"])
+        return row if comm is None else row._replace(comm=comm.comm, comm_iter=comm.seconds()["iter"])
 
 
 def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> LocalWindow:
@@ -221,7 +227,8 @@ def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> 
         )
         counts = None if known else BatchCounts.of(profile)
     figures = clean_figures(timed, counts, each)
-    return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources)
+    comm = next((s for s in steps if s.kind == Kind.COMMUNICATION and s.signatures), None)
+    return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources, comm)
 
 
 def phases(step: CleanStep) -> tuple[float, float, float]:
@@ -303,6 +310,7 @@ def build_result(
             module_trace=trace_step,
             model_forward=forward_steps,
             model_forward_shapes_match=forward_shapes_match,
+            communication=local.comm_step.number if local.comm_step is not None else None,
         ),
         fwd_latency=fwd,
         bwd_latency=bwd,
@@ -329,4 +337,12 @@ def build_result(
         model_forward_high=model_forward[1] if model_forward else None,
         flops_sources=local.sources,
         counting_iter=max(r.counting_iter for r in rows),  # audits fall on the same steps on every rank
+        comm=_comm(local.comm_step, rows),
     )
+
+
+def _comm(step: WindowStep | None, rows: Sequence[RankRow]) -> CommFigures | None:
+    """The communication step's figures for the job (None: none ran, or no rank could read its trace)."""
+    if step is None:
+        return None
+    return comm_figures([r.comm for r in rows], step.comm, step.number, max(r.comm_iter for r in rows))

@@ -1,6 +1,7 @@
 """The instruments of the window's steps, started and stopped as one unit: the counting engine (the
-counting step's, kept for its profile; a shape-counting step's, with no clock), the module timer, and the
-clean steps' marks of the model's outermost calls (what the timer's hooks cost, in place).
+counting step's, kept for its profile; a shape-counting step's, with no clock), the module timer, the
+clean steps' marks of the model's outermost calls (what the timer's hooks cost, in place), and the
+communication step's ``torch.profiler`` (:mod:`flops_callbacks.timing.comm_recorder`).
 
 Apart from the step session (which decides what each step does and when) so that one object owns what
 runs inside a micro-batch and its teardown on every exit path: the session stops them in one call.
@@ -18,10 +19,11 @@ from flops_callbacks.options import Options
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_steps import Kind, WindowStep
-from flops_callbacks.timing.clock import CpuClock, NullClock
+from flops_callbacks.timing.clock import CpuClock, CudaClock, NullClock, module_device
+from flops_callbacks.timing.comm_recorder import CommRecorder
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
-from flops_callbacks.timing.phases import BACKWARD
+from flops_callbacks.timing.phases import BACKWARD, FORWARD
 
 __all__ = ["Instruments", "totals"]
 
@@ -43,6 +45,7 @@ class Instruments:
         self.outermost: list[torch.nn.Module] = []  # the modules whose calls they are
         self.mark_outer = False  # whether clean steps mark them (a CPU clock, nothing compiled)
         self._counting: tuple[Signature, bool, BatchCounts] | None = None  # (signature, later, before)
+        self.recorder: CommRecorder | None = None  # the communication step's, from its start to its end
 
     def for_step(self, step: WindowStep, model: torch.nn.Module, runs: torch.nn.Module | None) -> None:
         """A window step starts: the counting step's engine, or a module-timing step's timer."""
@@ -58,6 +61,8 @@ class Instruments:
             )
         elif step.kind == Kind.MODULE_TIMING:
             self.timer = step.timer = ModuleTimer(model, step.phases.clock)
+        elif step.kind == Kind.COMMUNICATION and self.recorder is None:  # else started at the last step's end
+            self._start_recorder(module_device(model).type == "cuda")
 
     def shape_counting(self, model: torch.nn.Module) -> None:
         """The step became a shape-counting one: an engine of its own, with no clock."""
@@ -74,6 +79,8 @@ class Instruments:
         elif step.kind == Kind.CLEAN and self.outermost:
             self.outer = step.outer = step.outer or OuterCalls(self.outermost, step.phases.clock)
             self.outer.start()
+        elif self.recorder is not None:
+            self.recorder.mark(FORWARD)
 
     def phase(self, step: WindowStep, name: str) -> None:
         """A phase starts: the timer walks to the backward's hooks (nobody's time), the outer calls stop."""
@@ -84,6 +91,8 @@ class Instruments:
             self.timer.release()
         if self.outer is not None:  # the outer calls are the forward's: no hook past it
             self.outer.stop()
+        if self.recorder is not None:
+            self.recorder.mark(name)
 
     def phase_end(self) -> None:
         if self.outer is not None:  # what follows may be a forward (a GAN's second model): marked again
@@ -99,6 +108,8 @@ class Instruments:
                     if flops is not None:
                         self._record(engine, flops, step)
         finally:
+            if self.recorder is not None:
+                self.recorder.mark("")  # the micro-batch ended: its phase too (the profiler runs on)
             if self.timer is not None:
                 self.timer.stop()
             if self.outer is not None:
@@ -119,15 +130,27 @@ class Instruments:
         failure, engine.failure = engine.failure, None
         return failure
 
-    def step_ended(self, step: WindowStep) -> None:
-        """A window step ended: a module-timing step names the outermost modules clean steps mark."""
+    def _start_recorder(self, cuda: bool) -> None:
+        self.recorder = CommRecorder(cuda)
+        self.recorder.start()
+
+    def step_ended(self, step: WindowStep, comm_next: bool = False) -> None:
+        """A window step ended: a module-timing step names the outermost modules clean steps mark; the
+        communication step's profiler stops, and with ``comm_next`` it starts for the next step."""
         if step.kind == Kind.MODULE_TIMING and self.mark_outer and self.timer is not None:
             self.outermost = self.timer.outermost()
-        self.counter = self.timer = None
+        recorder, self.counter, self.timer, self.recorder = self.recorder, None, None, None
+        if recorder is not None:
+            recorder.stop()
+            step.comm = recorder.breakdown()
+        if comm_next:
+            self._start_recorder(isinstance(step.phases.clock, CudaClock))
 
     def drop(self) -> Any:
         """Forget every instrument (stopped already); returns the counting step's engine."""
-        tracer = self.tracer
-        self.tracer = self.counter = self.timer = self.outer = None
+        tracer, recorder = self.tracer, self.recorder
+        self.tracer = self.counter = self.timer = self.outer = self.recorder = None
+        if recorder is not None:
+            recorder.stop(keep=False)  # an exception or a dropped window: nothing of it is read
         self.outermost, self._counting = [], None
         return tracer

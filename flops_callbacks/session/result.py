@@ -12,7 +12,10 @@ from flops_callbacks.metrics import (
     BWD_FLOPS_PER_SEC,
     BWD_LATENCY,
     CLEAN_STEPS,
+    COMM_LATENCY,
+    COMM_OVERLAP,
     DATA_LATENCY,
+    EXPOSED_COMM_LATENCY,
     FLOPS_PER_SEC,
     FWD_BYTES,
     FWD_FLOPS,
@@ -21,6 +24,7 @@ from flops_callbacks.metrics import (
     FWD_MACS,
     HARDWARE_FLOPS_PER_SEC,
     HFU,
+    IDLE_LATENCY,
     ITER_LATENCY,
     MFU,
     PADDING_FRACTION,
@@ -39,6 +43,7 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
 from flops_callbacks.roofline import Roofline, module_rooflines
+from flops_callbacks.session.comm_step import CommFigures
 from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepWork
@@ -95,6 +100,7 @@ class WindowSteps:
     model_forward: tuple[int, ...] = ()  # the clean steps that marked the model's own forward
     model_forward_shapes_match: bool = False  # whether they had the module-timing steps' batch shapes
     first: int | None = None
+    communication: int | None = None  # the communication step (several ranks only: session.comm_step)
 
     @property
     def reused(self) -> bool:
@@ -149,6 +155,7 @@ class WindowResult:
     # where each clean step's flops come from (counted, predicted, estimated) and how sure the total is
     flops_sources: FlopsSources | None = None
     counting_iter: float | None = None  # the counting step's fwd + bwd + step seconds (what counting costs)
+    comm: CommFigures | None = None  # where the communication step's time went (several ranks only)
     _metrics: dict[str, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -301,4 +308,10 @@ def window_metrics(step: WindowResult) -> dict[str, float]:
     if step.peak is not None:
         metrics[MFU] = rates.iter / step.peak.flops
         metrics[HFU] = rates.hardware / step.peak.flops
+    if step.comm is not None:
+        split = step.comm.step
+        metrics[COMM_LATENCY] = split.comm
+        metrics[EXPOSED_COMM_LATENCY] = split.exposed
+        metrics[COMM_OVERLAP] = split.overlap if split.overlap is not None else 1.0
+        metrics[IDLE_LATENCY] = split.idle
     return metrics

@@ -274,14 +274,15 @@ class StepSession:
                 self._meter_batch(batch)
             return
         read = self._read_batch(batch) if self._step is not None else None
-        if self.plan.batch_decides:
+        if (decides := self.plan.batch_decides) or self.plan.lines_up():  # lines_up: comm step's start
             unknown = read is not None and read[2] is None
             check = read is not None and read[3] and not unknown  # the table asks for a count
             decision = self.plan.vote(Wish(drop=self.plan.failed, new_shape=unknown, check=check))
             if decision.drop:
                 self._drop(decision)
                 return
-            self.plan.batch_kind(decision.new_shape, decision.check)
+            if decides:
+                self.plan.batch_kind(decision.new_shape, decision.check)
         if read is not None and self._step is not None:
             self._begin_micro_batch(batch, *read[:3])
 
@@ -382,7 +383,7 @@ class StepSession:
             return False
         step.phases.stop()
         step.end_mark = step.phases.clock.mark()
-        self.instruments.step_ended(step)
+        self.instruments.step_ended(step, comm_next=self.plan.comm_next)
         self._step = None
         if step.kind == Kind.COUNTING:
             collect_counting_garbage()  # now, outside every clock

@@ -67,10 +67,11 @@ class WindowPlan:
         self.failed = False
         self.reprofile = False  # the open window reuses the previous one's profile (module doc)
         self.next_window: int | None = None  # where the next re-profile window starts (None: none)
+        self._lined_up = 0  # the window step whose ranks last lined up (lines_up)
 
     def reset(self, run: bool = False) -> None:
         """The window ended (or was dropped); with ``run`` no other window starts in this run."""
-        self.kinds, self.open, self.failed, self.reprofile = [], False, False, False
+        self.kinds, self.open, self.failed, self.reprofile, self._lined_up = [], False, False, False, 0
         if run:
             self.next_window = None
 
@@ -87,18 +88,40 @@ class WindowPlan:
     @property
     def before_clean(self) -> int:
         """Window steps before the first clean one: counting, module timing and the check, or the lead-in."""
-        return 1 if self.reprofile else run_plan.BEFORE_CLEAN
+        return 1 if self.reprofile else run_plan.BEFORE_CLEAN + self.comm_step
+
+    @property
+    def comm_step(self) -> bool:
+        """Whether the window has a communication step (the one after the module-timing steps): with
+        several ranks, unless the options turn it off; a re-profile window has none."""
+        return self.options.comm_step and self.ranks.several and not self.reprofile
+
+    @property
+    def comm_next(self) -> bool:
+        """Whether the next step is the communication step: its profiler starts at this step's end,
+        before the vote, so that the vote lines the ranks up after the profiler's start-up."""
+        return self.comm_step and len(self.kinds) == run_plan.MODULE_TIMING_STEPS + 1
 
     def start_step(self) -> str | None:
-        """A window step starts: its kind by its place (counting, module timing), or None when its
-        batches decide (a clean step, or a shape-counting or skipped one)."""
+        """A window step starts: its kind by its place (counting, module timing, communication), or None
+        when its batches decide (a clean step, or a shape-counting or skipped one)."""
         self.open = True
         n = len(self.kinds)
         kind = Kind.COUNTING if n == 0 else Kind.MODULE_TIMING if n <= run_plan.MODULE_TIMING_STEPS else None
+        if self.comm_step and n == 1 + run_plan.MODULE_TIMING_STEPS:
+            kind = Kind.COMMUNICATION
         if self.reprofile:
             kind = Kind.LEAD_IN if n == 0 else None
         self.kinds.append(kind)
         return kind
+
+    def lines_up(self) -> bool:
+        """Whether the ranks vote before this micro-batch: the communication step's first (once a step),
+        so that its split starts with every rank at one point, after each read its batch."""
+        if self.kind != Kind.COMMUNICATION or self._lined_up == len(self.kinds):
+            return False
+        self._lined_up = len(self.kinds)
+        return True
 
     @property
     def kind(self) -> str | None:

@@ -32,6 +32,7 @@ import torch
 
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.shape_flops import BatchCounts
+from flops_callbacks.timing.comm_breakdown import CommBreakdown
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phases import StepPhases
@@ -60,6 +61,7 @@ class Kind:
     SHAPE_COUNTING = "shape counting"  # counted with no clock: its batch shapes' flops were not known yet
     SKIPPED = "skipped"  # timed, but its batch shapes' flops are unknown (no shape counting left)
     LEAD_IN = "lead-in"  # a re-profile window's first: its end is where the first clean step's wall starts
+    COMMUNICATION = "communication"  # under torch.profiler: where the step's time goes between ranks
 
 
 # the latencies of a clean step
@@ -121,6 +123,7 @@ class WindowStep:
     masks: list[torch.Tensor] = field(default_factory=list)  # attention masks (padding)
     timer: ModuleTimer | None = None  # a module-timing step's marks
     outer: OuterCalls | None = None  # a clean step's outermost module calls (CPU: the hooks' cost)
+    comm: CommBreakdown | None = None  # the communication step's split of its time
 
     def add(
         self,

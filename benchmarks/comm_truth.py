@@ -1,0 +1,197 @@
+"""Truth of the exposed communication: the reported ``exposed_comm_latency`` of a 2-process DDP step
+(gloo on CPU) against the same step's cost of synchronizing, measured from outside.
+
+"True" is, on each rank, the median step (forward, backward, optimizer step) with gradient sync less
+the median step under ``no_sync()``, over ``--pairs`` pairs of steps run interleaved (sync first, then
+no_sync first, in turn) after a barrier each, then the ranks' mean (the reported figure is the ranks'
+mean too). "Reported" is the profile's ``flops_profiler/exposed_comm_latency`` from the same processes'
+training run. Each framework runs twice: the base model (6 x Linear(256, 256), DDP's default buckets),
+and one whose communication is slower (6 x Linear(768, 768), 1 MB buckets: 9x the bytes in 14
+all-reduces), to show the figure follows. Goal: reported / true within [0.75, 1.33].
+
+The outside steps run on the framework's own DDP model where it can be called outside its loop (the
+HF Trainer's ``model_wrapped``, the loop's); Lightning's wrapper calls ``training_step`` only inside its
+loop, so there the same module is wrapped by a ``DistributedDataParallel`` of Lightning's defaults.
+
+    python benchmarks/comm_truth.py [--frameworks loop,lightning,hf] [--pairs 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.comm_workers import BATCH, Pairs, Regressor  # noqa: E402
+
+PROFILE_STEP, CLEAN = 2, 3
+STEPS = PROFILE_STEP + 12  # the window (with its communication step) ends by then
+CASES = {"base": (256, 25), "slower comm": (768, 1)}  # width, DDP bucket MB
+TIMEOUT = timedelta(seconds=300)
+
+
+def outside(
+    ddp: nn.Module, loss: Any, optimizer: torch.optim.Optimizer, batches: list[Any], pairs: int
+) -> float:
+    """This rank's median synced step less its median no_sync step (seconds), over interleaved pairs."""
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(pairs):
+        for sync in (True, False) if i % 2 == 0 else (False, True):
+            batch = batches[i % len(batches)]
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            with contextlib.nullcontext() if sync else ddp.no_sync():  # type: ignore[operator]
+                loss(ddp, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seconds[sync].append(time.perf_counter() - start)
+    return statistics.median(seconds[True]) - statistics.median(seconds[False])
+
+
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch)["loss"]
+
+
+def worker(framework: str, width: int, bucket: int, out: Path, pairs: int) -> None:
+    """One 2-process run under torchrun: train with the profiler, then time sync against no_sync."""
+    from flops_callbacks import FlopsProfilerCallback, HFFlopsCallback, StepProfiler
+    from flops_callbacks import metrics as names
+
+    data = Pairs(width)
+    batches = [next(iter(torch.utils.data.DataLoader(data, batch_size=BATCH)))]
+    options: dict[str, Any] = dict(profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False)
+    if framework == "loop":
+        torch.distributed.init_process_group("gloo", timeout=TIMEOUT)
+        ddp: Any = nn.parallel.DistributedDataParallel(Regressor(width), bucket_cap_mb=bucket)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+        prof = StepProfiler(ddp, **options)
+        for step, batch in enumerate(torch.utils.data.DataLoader(data, batch_size=BATCH)):
+            if step == STEPS:
+                break
+            with prof.step(batch):
+                _loss(ddp, batch).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        prof.close()
+        result = prof.result
+    elif framework == "lightning":
+        import lightning as L
+        from lightning.pytorch.strategies import DDPStrategy
+
+        class Module(L.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = Regressor(width)
+
+            def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+                return _loss(self.model, batch)
+
+            def configure_optimizers(self) -> torch.optim.Optimizer:
+                return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+        callback = FlopsProfilerCallback(**options)
+        module = Module()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=TIMEOUT, bucket_cap_mb=bucket),
+            max_steps=STEPS, callbacks=[callback], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+        )  # fmt: skip
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
+        result = callback.result
+        ddp = nn.parallel.DistributedDataParallel(module.model, bucket_cap_mb=bucket)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    else:
+        from transformers import Trainer, TrainingArguments
+
+        callback = HFFlopsCallback(**options)
+        args = TrainingArguments(
+            output_dir=str(out / "hf"), use_cpu=True, ddp_backend="gloo", ddp_bucket_cap_mb=bucket,
+            ddp_timeout=int(TIMEOUT.total_seconds()), per_device_train_batch_size=BATCH, max_steps=STEPS,
+            save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
+        )  # fmt: skip
+        trainer = Trainer(model=Regressor(width), args=args, train_dataset=data, callbacks=[callback])
+        trainer.train()
+        result = callback.result
+        ddp = trainer.model_wrapped
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    true = outside(ddp, _loss, optimizer, batches, pairs)
+    every: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, true)
+    if torch.distributed.get_rank() == 0:
+        metrics = result.metrics() if result is not None else {}
+        comm = result.comm if result is not None else None
+        seen = {
+            "true": statistics.fmean(every),
+            "true_ranks": every,
+            "reported": metrics.get(names.EXPOSED_COMM_LATENCY),
+            "comm": metrics.get(names.COMM_LATENCY),
+            "overlap": metrics.get(names.COMM_OVERLAP),
+            "calls": sum(r.calls for r in comm.collectives) if comm is not None else None,
+        }
+        (out / "seen.json").write_text(json.dumps(seen))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def run(framework: str, width: int, bucket: int, pairs: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as folder:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   __file__, "--worker", framework, str(width), str(bucket), folder, str(pairs)]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, check=False)
+        seen = Path(folder) / "seen.json"
+        if done.returncode != 0 or not seen.exists():
+            return {"error": done.stderr[-800:]}
+        return json.loads(seen.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--frameworks", default="loop,lightning,hf")
+    parser.add_argument("--pairs", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each case: the median ratio")
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        framework, width, bucket, out, pairs = args.worker
+        return worker(framework, int(width), int(bucket), Path(out), int(pairs))
+    print(f"2-process DDP over gloo on CPU, torch {torch.__version__}; true = median(sync) - median(no_sync)")
+    print(f"{'framework':10} {'case':12} {'calls':>5} {'comm ms':>8} {'overlap':>7} {'true ms':>8} "
+          f"{'reported ms':>11} {'ratio':>6}")  # fmt: skip
+    for framework in args.frameworks.split(","):
+        for case, (width, bucket) in CASES.items():
+            ratios = []
+            for _ in range(args.repeats):
+                seen = run(framework, width, bucket, args.pairs)
+                if "error" in seen:
+                    print(f"{framework:10} {case:12} error: {seen['error']}")
+                    continue
+                true, reported = seen["true"], seen["reported"]
+                ratio = reported / true if reported is not None and true > 0 else math.nan
+                ratios.append(ratio)
+                print(
+                    f"{framework:10} {case:12} {seen['calls']:>5} {seen['comm'] * 1e3:8.2f} "
+                    f"{seen['overlap']:7.2f} {true * 1e3:8.2f} {(reported or 0) * 1e3:11.2f} {ratio:6.2f}"
+                )
+            if len(ratios) > 1:
+                median = statistics.median(ratios)
+                print(f"{framework:10} {case:12} median ratio of {len(ratios)} runs: {median:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The communication step in the report, the JSON and a Chrome trace: where a multi-process step's time
+went (compute, communication hidden under it, exposed, idle), each phase's share, the collectives'
+table with the ranks' range, and a verdict that names exposed communication and its collective when
+it is the largest part of the step beyond compute.
+
+Apart from :mod:`.publish` because it reads only :class:`~flops_callbacks.session.comm_step.CommFigures`;
+every figure it prints is the metrics dict's or the figures' own, computed once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flops_callbacks import metrics as names
+from flops_callbacks.session.comm_step import CommFigures
+from flops_callbacks.session.result import WindowResult
+from flops_callbacks.timing.comm_breakdown import TimeSplit
+from flops_callbacks.timing.intervals import subtract
+from flops_callbacks.timing.phases import PHASES
+from flops_callbacks.units import bytes_to_string, duration_to_string, percent
+
+__all__ = ["comm_data", "comm_lines", "comm_trace", "verdict"]
+
+
+def _split_text(split: TimeSplit) -> str:
+    return (
+        f"{duration_to_string(split.comm)} comm, {duration_to_string(split.exposed)} exposed, "
+        f"{duration_to_string(split.idle)} idle of {duration_to_string(split.span)}"
+    )
+
+
+def verdict(comm: CommFigures) -> str:
+    """What the step spends beyond compute, the largest first: exposed communication (and the collective
+    that took longest), or idle time, or neither."""
+    step = comm.step
+    if step.exposed <= 0 and step.idle <= 0:
+        return "compute: no exposed communication, no idle time"
+    if step.exposed >= step.idle:
+        share = percent(step.exposed, step.span)
+        text = f"exposed communication: {duration_to_string(step.exposed)} ({share} of the step)"
+        worst = comm.responsible()
+        if worst is not None:
+            text += f", mostly {worst.op} ({worst.calls} call(s), {duration_to_string(worst.seconds[1])})"
+        return text
+    where = "the host's gaps between ops" if not comm.device else "the device waiting for work"
+    return f"idle: {duration_to_string(step.idle)} ({percent(step.idle, step.span)} of the step, {where})"
+
+
+def comm_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
+    """The report's rows of the communication step ([] where none ran)."""
+    comm = result.comm
+    if comm is None or names.COMM_LATENCY not in metrics:
+        return []
+    timeline = "a GPU's kernels" if comm.device else "gloo's work and the host's ops"
+    cost = f"{duration_to_string(comm.iter_seconds)} fwd + bwd + step (the slowest rank's)"
+    low, high = comm.exposed_range
+    lines = [
+        (
+            "communication from",
+            f"step {comm.step_number} (torch.profiler on every rank: {timeline}; {cost})",
+        ),
+        (
+            f"communication / exposed (ranks' mean; {low * 1e3:.2f} .. {high * 1e3:.2f} ms) / idle",
+            f"{duration_to_string(metrics[names.COMM_LATENCY])} / "
+            f"{duration_to_string(metrics[names.EXPOSED_COMM_LATENCY])} / "
+            f"{duration_to_string(metrics[names.IDLE_LATENCY])} of {duration_to_string(comm.step.span)}",
+        ),
+        ("communication overlapped by compute", f"{100 * metrics[names.COMM_OVERLAP]:.1f}%"),
+    ]
+    lines += [(f"  {phase}", _split_text(comm.phases[phase])) for phase in PHASES if phase in comm.phases]
+    for row in comm.collectives:
+        size = "? B" if row.nbytes is None else bytes_to_string(row.nbytes)
+        bus = (
+            "n/a"
+            if row.bus_bandwidth is None
+            else f"{bytes_to_string(row.bus_bandwidth[0])}/s .. {bytes_to_string(row.bus_bandwidth[1])}/s"
+        )
+        seconds = f"{duration_to_string(row.seconds[0])} .. {duration_to_string(row.seconds[1])}"
+        label = f"  {row.op}: calls, bytes, time and bus bandwidth (ranks' min .. max)"
+        lines.append((label, f"{row.calls}, {size}, {seconds}, {bus}"))
+    lines.append(("beyond compute, the step spends most on", verdict(comm)))
+    return lines
+
+
+def comm_data(comm: CommFigures | None) -> dict[str, Any] | None:
+    """The communication step as JSON-ready data (seconds, bytes, bytes/s)."""
+    if comm is None:
+        return None
+
+    def split(s: TimeSplit) -> dict[str, float | None]:
+        return {
+            "span": s.span, "compute": s.compute, "comm": s.comm, "overlapped": s.overlapped,
+            "exposed": s.exposed, "idle": s.idle, "overlap": s.overlap,
+        }  # fmt: skip
+
+    return {
+        "step": comm.step_number,
+        "world": comm.world,
+        "device_timeline": comm.device,
+        "iter_seconds": comm.iter_seconds,
+        "exposed_range": list(comm.exposed_range),
+        "whole_step": split(comm.step),
+        "phases": {phase: split(s) for phase, s in comm.phases.items()},
+        "collectives": [
+            {
+                "op": row.op,
+                "calls": row.calls,
+                "bytes": row.nbytes,
+                "seconds": list(row.seconds),
+                "bus_bandwidth": None if row.bus_bandwidth is None else list(row.bus_bandwidth),
+            }
+            for row in comm.collectives
+        ],
+        "verdict": verdict(comm),
+    }
+
+
+def comm_trace(comm: CommFigures) -> dict[str, Any]:
+    """This rank's communication step as trace-event JSON: one track each for compute, communication
+    and exposed communication (their merged intervals), and the phases (times in microseconds)."""
+    events = comm.timeline
+    if events is None:
+        return {"traceEvents": []}
+    origin = events.marks[0][1] if events.marks else 0.0
+    pairs = zip(events.marks, events.marks[1:], strict=False)
+    tracks = {
+        "phases": [(name, start, end) for (name, start), (_, end) in pairs if name],
+        "compute": [("compute", a, b) for a, b in events.compute],
+        "communication": [("communication", a, b) for a, b in events.comm],
+        "exposed communication": [("exposed", a, b) for a, b in subtract(events.comm, events.compute)],
+    }
+    process = {"name": f"flops_callbacks communication step {comm.step_number}"}
+    trace: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": process}]
+    for tid, (track, spans) in enumerate(tracks.items(), start=1):
+        trace.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": track}})
+        trace += [
+            {
+                "name": name,
+                "ph": "X",
+                "pid": 1,
+                "tid": tid,
+                "ts": round(a - origin, 3),
+                "dur": round(b - a, 3),
+            }
+            for name, a, b in spans
+        ]
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}

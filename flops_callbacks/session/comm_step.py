@@ -1,0 +1,61 @@
+"""The communication step's figures for the job: every rank's split of its step, combined.
+
+A multi-process step's backward holds the gradient all-reduce that compute did not hide, an FSDP
+forward its all-gathers: the phase latencies cannot say so. One window step, after the module-timing
+steps and only with several ranks, runs under ``torch.profiler`` on every rank
+(:mod:`flops_callbacks.timing.comm_recorder`); each rank splits its own step
+(:mod:`flops_callbacks.timing.comm_breakdown`) and tells the others at the window's end. Here those
+splits become the job's: each figure the ranks' mean (a rank that waited on a slower one shows it as
+exposed time, as the sync costs it), the exposed time's range, and the collectives' table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flops_callbacks.timing.comm_breakdown import CollectiveRow, CommBreakdown, TimeSplit, combine
+from flops_callbacks.timing.comm_events import StepEvents
+
+__all__ = ["CommFigures", "comm_figures"]
+
+
+@dataclass(frozen=True)
+class CommFigures:
+    """Where the communication step's time went, for the job (module doc)."""
+
+    step_number: int  # the global step it ran at
+    world: int
+    step: TimeSplit  # the whole step's, the ranks' mean
+    phases: dict[str, TimeSplit]  # each phase's (forward, backward, optimizer_step), the ranks' mean
+    collectives: list[CollectiveRow]
+    exposed_range: tuple[float, float]  # the ranks' exposed communication, min .. max
+    device: bool  # a GPU's timeline (else the host's)
+    iter_seconds: float  # its fwd + bwd + step on the phase clock, the slowest rank's: what it cost
+    timeline: StepEvents | None = None  # this rank's classed intervals (the Chrome trace's)
+
+    def responsible(self) -> CollectiveRow | None:
+        """The collective whose calls took the most time (the slowest rank's): what exposed time waits on."""
+        return max(self.collectives, key=lambda row: row.seconds[1], default=None)
+
+
+def comm_figures(
+    ranks: Sequence[CommBreakdown | None], mine: CommBreakdown | None, step_number: int, iter_seconds: float
+) -> CommFigures | None:
+    """The job's figures of every rank's split (None where no rank recorded one)."""
+    known = [r for r in ranks if r is not None]
+    if not known:
+        return None
+    step, phases, rows = combine(known, len(ranks))
+    exposed = [r.step.exposed for r in known]
+    return CommFigures(
+        step_number,
+        len(ranks),
+        step,
+        phases,
+        rows,
+        (min(exposed), max(exposed)),
+        any(r.device for r in known),
+        iter_seconds,
+        mine.events if mine is not None else None,
+    )

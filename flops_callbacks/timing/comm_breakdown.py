@@ -1,0 +1,191 @@
+"""Where a multi-process step's time goes: compute, communication hidden under it, exposed, idle.
+
+From a step's classed events (:mod:`.comm_events`), per phase (the marks' windows) and for the whole
+step (first mark to last, to the last kernel's end on a GPU): communication time (its union), the part
+under compute (overlapped), the part alone (exposed: what the step waits on), and idle (neither). The
+method is HTA's temporal breakdown and comm/comp overlap and torchtitan's overlap analysis, online.
+Per collective: calls, bytes, seconds and bus bandwidth with nccl-tests' factors, so that figures of
+different ops and world sizes compare with the link's peak. The ranks' breakdowns combine here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from flops_callbacks.timing.comm_events import StepEvents
+from flops_callbacks.timing.intervals import Interval, clip, intersect, merge, total
+from flops_callbacks.timing.phases import PHASES
+
+__all__ = [
+    "BUS_FACTORS",
+    "CommBreakdown",
+    "Collective",
+    "CollectiveRow",
+    "TimeSplit",
+    "breakdown",
+    "bus_factor",
+    "combine",
+    "mean_split",
+]
+
+# nccl-tests' busbw = algbw x factor (n ranks): the bytes each link carries per byte of the buffer
+BUS_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "send_recv": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
+
+
+def bus_factor(op: str, world: int) -> float | None:
+    """nccl-tests' bus bandwidth factor of ``op`` over ``world`` ranks (None: no such figure)."""
+    factor = BUS_FACTORS.get(op)
+    return factor(world) if factor is not None and world > 0 else None
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    """Seconds of one window of a step (a phase, or the whole step)."""
+
+    span: float
+    compute: float
+    comm: float
+    overlapped: float  # communication while compute runs
+
+    @property
+    def exposed(self) -> float:
+        """Communication while no compute runs: what the step waits on."""
+        return self.comm - self.overlapped
+
+    @property
+    def idle(self) -> float:
+        """Neither compute nor communication (the host's own gaps, a device starved of work)."""
+        return max(self.span - (self.compute + self.comm - self.overlapped), 0.0)
+
+    @property
+    def overlap(self) -> float | None:
+        """Overlapped / communication, 0..1 (None: no communication)."""
+        return self.overlapped / self.comm if self.comm > 0 else None
+
+    @classmethod
+    def of(cls, window: Interval, compute: list[Interval], comm: list[Interval]) -> TimeSplit:
+        inside_compute, inside_comm = clip(compute, window), clip(comm, window)
+        both = total(intersect(inside_compute, inside_comm))
+        span = max(window[1] - window[0], 0.0)
+        us = 1e-6  # the events' times are microseconds
+        return cls(span * us, total(inside_compute) * us, total(inside_comm) * us, both * us)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One op's calls in the step: how many, bytes (None: unknown), seconds of their work."""
+
+    op: str
+    calls: int
+    nbytes: int | None
+    seconds: float
+
+    def bus_bandwidth(self, world: int) -> float | None:
+        """Achieved bus bandwidth, bytes/s: bytes / seconds x nccl-tests' factor (None: unknown)."""
+        factor = bus_factor(self.op, world)
+        if factor is None or self.nbytes is None or self.seconds <= 0:
+            return None
+        return self.nbytes / self.seconds * factor
+
+
+@dataclass(frozen=True)
+class CommBreakdown:
+    """One rank's communication step: the whole step's split, each phase's, and the collectives."""
+
+    step: TimeSplit
+    phases: dict[str, TimeSplit]
+    collectives: tuple[Collective, ...]
+    device: bool  # an accelerator's timeline (else the host's: gloo on CPU)
+    events: StepEvents | None = None  # the classed intervals it was made of (the trace's)
+
+
+def _windows(marks: list[tuple[str, float]]) -> list[tuple[str, Interval]]:
+    """Each phase's windows from the marks: a mark opens its phase until the next mark ("" opens none)."""
+    out: list[tuple[str, Interval]] = []
+    for (name, start), (_, end) in zip(marks, marks[1:], strict=False):
+        if name in PHASES and end > start:
+            out.append((name, (start, end)))
+    return out
+
+
+def breakdown(events: StepEvents) -> CommBreakdown | None:
+    """The split of a step's classed ``events`` (None: no phase mark, so no step to split)."""
+    windows = _windows(events.marks)
+    if not windows:
+        return None
+    step_start = windows[0][1][0]
+    step_end = max(end for _, (_, end) in windows)
+    if events.device:  # kernels run behind their launches: the step ends with its last one
+        step_end = max([step_end] + [end for _, end in events.comm + events.compute])
+    phases: dict[str, TimeSplit] = {}
+    for phase in PHASES:
+        mine = merge(w for name, w in windows if name == phase)
+        if mine:
+            splits = [TimeSplit.of(w, events.compute, events.comm) for w in mine]
+            phases[phase] = _summed(splits)
+    table: dict[str, Collective] = {}
+    for call in events.calls:
+        was = table.get(call.op, Collective(call.op, 0, 0, 0.0))
+        nbytes = None if was.nbytes is None or call.nbytes is None else was.nbytes + call.nbytes
+        table[call.op] = Collective(call.op, was.calls + 1, nbytes, was.seconds + call.seconds)
+    step = TimeSplit.of((step_start, step_end), events.compute, events.comm)
+    return CommBreakdown(step, phases, tuple(table.values()), events.device, events)
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    """One op over the ranks: calls and bytes (rank 0's), seconds and bus bandwidth as min .. max."""
+
+    op: str
+    calls: int
+    nbytes: int | None
+    seconds: tuple[float, float]
+    bus_bandwidth: tuple[float, float] | None
+
+
+def _summed(splits: Sequence[TimeSplit], how: Callable[[list[float]], float] = sum) -> TimeSplit:
+    """Each field of ``splits`` combined by ``how``."""
+    return TimeSplit(*(how([getattr(s, f.name) for s in splits]) for f in dataclasses.fields(TimeSplit)))
+
+
+def mean_split(splits: Sequence[TimeSplit]) -> TimeSplit:
+    return _summed(splits, statistics.fmean)
+
+
+def combine(
+    ranks: Sequence[CommBreakdown], world: int
+) -> tuple[TimeSplit, dict[str, TimeSplit], list[CollectiveRow]]:
+    """The job's figures of every rank's breakdown: each split's fields the ranks' mean, and the
+    collectives' table with the ranks' range."""
+    step = mean_split([r.step for r in ranks])
+    phases: dict[str, TimeSplit] = {
+        p: mean_split([r.phases[p] for r in ranks]) for p in PHASES if all(p in r.phases for r in ranks)
+    }
+    rows = []
+    for op in dict.fromkeys(c.op for r in ranks for c in r.collectives):
+        mine = [c for r in ranks for c in r.collectives if c.op == op]
+        seconds = [c.seconds for c in mine]
+        bus = [b for c in mine if (b := c.bus_bandwidth(world)) is not None]
+        rows.append(
+            CollectiveRow(
+                op,
+                mine[0].calls,
+                mine[0].nbytes,
+                (min(seconds), max(seconds)),
+                (min(bus), max(bus)) if bus else None,
+            )
+        )
+    return step, phases, rows

@@ -1,0 +1,198 @@
+"""A profiled step's events, classed: communication, compute, the host's waits, the collectives' calls.
+
+Communication is what moves data between ranks: NCCL kernels on a GPU, gloo's work on its worker
+threads on a CPU (``gloo:all_reduce``, ...). Compute is every other device kernel on a GPU; on a CPU,
+the outermost ops of the threads that are not gloo's, less the time they spend waiting on a
+collective (a wait nested in an op is not compute: counting it as compute would hide exposed time).
+A collective's op and size come from its launch (``c10d::allreduce_``, ``c10d::_allgather_base_``,
+...) paired in order with the work that carried it: gloo runs a reduce-scatter as an all-reduce, so
+the work's own name can say the wrong op.
+
+Why not HTA or torch's own helpers: HTA reads trace files into pandas frames after the run (and is
+not a dependency of the core, which needs torch only); ``torch.profiler`` classes no event as
+communication. So the classing is written here over :class:`TraceEvent`, plain tuples that tests write
+by hand; :func:`trace_events` is the one place that reads ``torch.profiler``'s results.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+from flops_callbacks.timing.intervals import Interval, merge, subtract
+
+__all__ = [
+    "MARK",
+    "Call",
+    "StepEvents",
+    "TraceEvent",
+    "classify",
+    "collective_op",
+    "trace_events",
+]
+
+MARK = "flops_callbacks/phase:"  # the prefix of the phase marks the communication step records
+DTYPE_BYTES = {
+    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4, "short": 2,
+    "signed char": 1, "unsigned char": 1, "bool": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
+}  # fmt: skip
+# a c10d launch's name (less "c10d::" and a trailing "_") -> the collective
+LAUNCHES = {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
+    "_allgather_base": "all_gather", "allgather": "all_gather", "allgather_coalesced": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base": "reduce_scatter", "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast": "broadcast", "reduce": "reduce", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
+    "gather": "gather", "scatter": "scatter", "send": "send", "recv": "recv", "recv_any_source": "recv",
+    "barrier": "barrier",
+}  # fmt: skip
+_NCCL_OPS = re.compile(r"(AllReduce|AllGather|ReduceScatter|Broadcast|Reduce|SendRecv|AllToAll)")
+
+
+class TraceEvent(NamedTuple):
+    """One profiler event: times in microseconds; ``thread`` a host thread (or a device's stream)."""
+
+    name: str
+    start: float
+    end: float
+    thread: int = 0
+    device: bool = False  # a kernel, copy or set on an accelerator
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+    annotation: bool = False  # a user's record_function range (a span, not work)
+
+    @property
+    def interval(self) -> Interval:
+        return (self.start, self.end)
+
+    def nbytes(self) -> int | None:
+        """Bytes of its largest tensor argument (a collective's whole buffer, as nccl-tests sizes it:
+        an all-gather's output, a reduce-scatter's input), None if none is known."""
+        sizes = []
+        for shape, dtype in zip(self.shapes, self.dtypes, strict=False):
+            if dtype in DTYPE_BYTES:  # a 0-dim tensor (a loss, a count) is one element
+                n = 1
+                for d in shape:
+                    n *= d
+                sizes.append(n * DTYPE_BYTES[dtype])
+        return max(sizes) if sizes else None
+
+
+class Call(NamedTuple):
+    """One collective call: its op, bytes (None: unknown) and the seconds its work took."""
+
+    op: str
+    nbytes: int | None
+    seconds: float
+
+
+def collective_op(name: str) -> str | None:
+    """The collective a launch, a gloo work or an NCCL kernel carries (None: not communication)."""
+    if name.startswith("c10d::"):
+        return LAUNCHES.get(name[len("c10d::") :].rstrip("_"))
+    if name.startswith("gloo:"):
+        op = name[len("gloo:") :]
+        return "all_reduce" if op == "sparse_all_reduce" else op
+    if "nccl" in name.lower():
+        found = _NCCL_OPS.search(name)
+        if found is None:
+            return "nccl"
+        return re.sub(r"(?<!^)([A-Z])", r"_\1", found.group(1)).lower()
+    return None
+
+
+def _is_wait(name: str) -> bool:
+    """The host blocked on a collective (c10d::wait, wait_tensor, FSDP's waits)."""
+    return "wait" in name.lower()
+
+
+class StepEvents(NamedTuple):
+    """A step's events classed: intervals of communication, compute and phase marks, and its calls."""
+
+    comm: list[Interval]
+    compute: list[Interval]
+    marks: list[tuple[str, float]]  # (phase, time), in order; "" closes the running phase
+    calls: list[Call]
+    device: bool  # an accelerator's kernels were recorded (their timeline is the one classed)
+
+
+def _outermost(events: Sequence[TraceEvent]) -> list[TraceEvent]:
+    """The events not nested in another of the same thread."""
+    out: list[TraceEvent] = []
+    ends: dict[int, float] = {}
+    for e in sorted(events, key=lambda e: (e.start, -e.end)):
+        if e.start >= ends.get(e.thread, float("-inf")):
+            out.append(e)
+            ends[e.thread] = e.end
+    return out
+
+
+def _calls(launches: list[TraceEvent], works: list[TraceEvent], sizes: list[TraceEvent]) -> list[Call]:
+    """Each collective's op, bytes and time: the i-th launch with the i-th work (both in start order)
+    when their counts agree, else each work by its own name and shapes."""
+    launches = sorted(launches, key=lambda e: e.start)
+    works = sorted(works, key=lambda e: e.start)
+    if len(launches) != len(works):
+        return [Call(collective_op(w.name) or "unknown", w.nbytes(), (w.end - w.start) / 1e6) for w in works]
+    calls = []
+    for launch, work in zip(launches, works, strict=True):
+        nbytes = launch.nbytes()
+        if nbytes is None:  # a tensor list: its record_param_comms, else the work's own tensors
+            inside = [s for s in sizes if s.thread == launch.thread and launch.start <= s.start <= launch.end]
+            nbytes = next((s.nbytes() for s in inside if s.nbytes()), None) or work.nbytes()
+        calls.append(Call(collective_op(launch.name) or "unknown", nbytes, (work.end - work.start) / 1e6))
+    return calls
+
+
+def classify(events: Iterable[TraceEvent]) -> StepEvents:
+    """The communication, compute, marks and calls of one step's ``events`` (module doc)."""
+    events = list(events)
+    marks = sorted(
+        ((e.name[len(MARK) :], e.start) for e in events if e.name.startswith(MARK)), key=lambda m: m[1]
+    )
+    kernels = [e for e in events if e.device]
+    host = [e for e in events if not e.device and not e.name.startswith(MARK)]
+    gloo = [e for e in host if e.name.startswith("gloo:")]
+    gloo_threads = {e.thread for e in gloo}
+    launches = [e for e in host if e.name.startswith("c10d::") and collective_op(e.name) is not None]
+    sizes = [e for e in host if e.name == "record_param_comms"]
+    if marks:  # the step's own calls: not the ranks' vote before it, nor what follows its end
+        launches = [e for e in launches if marks[0][1] <= e.start <= marks[-1][1]]
+    if kernels:
+        works = [
+            k for k in kernels if collective_op(k.name) is not None and (not marks or k.start >= marks[0][1])
+        ]
+        comm = merge(k.interval for k in works)
+        compute = merge(k.interval for k in kernels if collective_op(k.name) is None)
+    else:
+        works = [w for w in gloo if not marks or marks[0][1] <= w.start <= marks[-1][1]]
+        mine = [e for e in host if e.thread not in gloo_threads and not e.annotation]
+        waits = [e.interval for e in mine if _is_wait(e.name) or e.name.startswith("c10d::")]
+        busy = [e.interval for e in _outermost(mine) if not e.name.startswith("c10d::")]
+        comm = merge([w.interval for w in works] + waits)
+        compute = subtract(busy, waits)
+    return StepEvents(comm, compute, marks, _calls(launches, works, sizes), bool(kernels))
+
+
+def trace_events(results: Any) -> list[TraceEvent]:
+    """The events of ``torch.profiler``'s kineto results (``profile.profiler.kineto_results``)."""
+    out = []
+    for e in results.events():
+        device = str(e.device_type()) != "DeviceType.CPU"
+        start = e.start_ns() / 1e3
+        shapes = tuple(tuple(s) for s in e.shapes()) if not device else ()
+        out.append(
+            TraceEvent(
+                e.name(),
+                start,
+                start + e.duration_ns() / 1e3,
+                e.device_resource_id() if device else e.start_thread_id(),
+                device,
+                shapes,
+                tuple(e.dtypes()) if not device else (),
+                bool(e.is_user_annotation()),
+            )
+        )
+    return out

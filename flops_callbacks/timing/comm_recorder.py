@@ -1,0 +1,60 @@
+"""``torch.profiler`` over the communication step: started at the step's start, phase marks recorded as
+empty ranges in the profiler's own timeline, stopped on every exit path, read once.
+
+Why marks in the trace rather than the phase clock's: the clock's marks (``perf_counter``, CUDA events)
+are on another time base than the profiler's; a mark recorded by the profiler is on the events' own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flops_callbacks.timing.comm_breakdown import CommBreakdown, breakdown
+from flops_callbacks.timing.comm_events import MARK, StepEvents, classify, trace_events
+from flops_callbacks.user_warning import warn
+
+__all__ = ["CommRecorder"]
+
+
+class CommRecorder:
+    """Records one step on this rank (CPU activity, CUDA's too where the model is on a GPU)."""
+
+    def __init__(self, cuda: bool) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler: Any = torch.profiler.profile(activities=activities, record_shapes=True)
+        self.running = False
+        self.events: StepEvents | None = None
+
+    def start(self) -> None:
+        self._profiler.start()
+        self.running = True
+
+    def mark(self, phase: str) -> None:
+        """Phase ``phase`` starts now ("": the running phase ends)."""
+        if self.running:
+            handle = torch.ops.profiler._record_function_enter_new(MARK + phase, None)
+            torch.ops.profiler._record_function_exit._RecordFunction(handle)
+
+    def stop(self, keep: bool = True) -> None:
+        """Stop the profiler (idempotent); with ``keep`` its events are classed and kept."""
+        if not self.running:
+            return
+        self.running = False
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        if keep:
+            try:
+                self.events = classify(trace_events(profiler.profiler.kineto_results))
+            except Exception as error:  # torch.profiler's results vary by version: the rest goes on
+                warn(
+                    f"flops_callbacks: the communication step's trace could not be read "
+                    f"({type(error).__name__}: {error}); the profile has no communication figures.",
+                )
+
+    def breakdown(self) -> CommBreakdown | None:
+        """The recorded step's split (None: nothing recorded, or no phase in it)."""
+        return breakdown(self.events) if self.events is not None else None

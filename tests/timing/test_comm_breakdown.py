@@ -1,0 +1,158 @@
+"""The communication step's split, from profiler events written by hand (times in microseconds)."""
+
+import pytest
+
+from flops_callbacks.timing.comm_breakdown import Collective, TimeSplit, breakdown, bus_factor, combine
+from flops_callbacks.timing.comm_events import MARK, TraceEvent, classify, collective_op
+
+MAIN, GLOO = 1, 7
+F1, F2 = ("float",), ("float", "float")
+
+
+def mark(phase, at):
+    return TraceEvent(MARK + phase, at, at, MAIN, annotation=True)
+
+
+def ddp_step():
+    """A forward 0..100, a backward 100..300, a step 300..320 on the main thread. The backward's ops run
+    100..250 and 260..280; gloo's all-reduces run 200..240 (under the backward's ops) and 270..295 (10 us
+    under them, 15 alone); the main thread waits 285..295; nothing runs 250..260 and 295..300."""
+    return [
+        mark("forward", 0),
+        TraceEvent("aten::addmm", 0, 100, MAIN),
+        mark("backward", 100),
+        TraceEvent("autograd::engine::evaluate_function: AddmmBackward0", 100, 250, MAIN),
+        TraceEvent("c10d::allreduce_", 199, 200, MAIN, shapes=((),), dtypes=("TensorList",)),
+        TraceEvent("gloo:all_reduce", 200, 240, GLOO, shapes=((1000,),), dtypes=("float",)),
+        TraceEvent("torch.distributed.ddp.reducer::copy_bucket_to_grad", 260, 295, MAIN),
+        TraceEvent("c10d::wait", 285, 295, MAIN),  # nested: the op waits on the collective
+        TraceEvent("c10d::allreduce_", 269, 270, MAIN, shapes=((),), dtypes=("TensorList",)),
+        TraceEvent("gloo:all_reduce", 270, 295, GLOO, shapes=((500,),), dtypes=("float",)),
+        TraceEvent("aten::copy_", 271, 272, GLOO),  # gloo's own work: not compute
+        TraceEvent("my span", 0, 320, MAIN, annotation=True),  # a user's range covers everything: ignored
+        mark("optimizer_step", 300),
+        TraceEvent("Optimizer.step#SGD.step", 300, 320, MAIN),
+        mark("", 320),
+    ]
+
+
+def test_classify_takes_gloo_work_as_communication_and_a_wait_out_of_compute():
+    events = classify(ddp_step())
+    # the launches (199..200, 269..270) and the wait count as communication on the host
+    assert events.comm == [(199, 240), (269, 295)]
+    assert events.compute == [(0, 199), (200, 250), (260, 269), (270, 285), (300, 320)]
+    assert [c.op for c in events.calls] == ["all_reduce", "all_reduce"]
+    assert [c.nbytes for c in events.calls] == [4000, 2000]
+    assert [round(c.seconds * 1e6) for c in events.calls] == [40, 25]
+
+
+def test_breakdown_splits_the_step_and_each_phase():
+    split = breakdown(classify(ddp_step()))
+    assert split is not None
+    us = 1e-6
+    # communication 41 + 26 = 67; under compute: 199..200? no (launch) -> 200..240 (40) + 270..285 (15)
+    assert split.step.comm == pytest.approx(67 * us)
+    assert split.step.overlapped == pytest.approx(55 * us)
+    assert split.step.exposed == pytest.approx(12 * us)  # 199..200, 269..270, 285..295
+    assert split.step.span == pytest.approx(320 * us)
+    # idle: 250..260 and 295..300
+    assert split.step.idle == pytest.approx(15 * us)
+    assert split.step.overlap == pytest.approx(55 / 67)
+    assert split.phases["forward"] == TimeSplit(100 * us, 100 * us, 0.0, 0.0)
+    assert split.phases["backward"].exposed == pytest.approx(12 * us)
+    assert split.phases["optimizer_step"].comm == 0.0
+    assert split.collectives == (Collective("all_reduce", 2, 6000, pytest.approx(65 * us)),)
+
+
+def test_gloo_reduce_scatter_is_named_by_its_launch_not_its_all_reduce_work():
+    events = classify(
+        [
+            mark("backward", 0),
+            TraceEvent("c10d::_reduce_scatter_base_", 10, 11, MAIN, shapes=((500,), (1000,)), dtypes=F2),
+            TraceEvent("gloo:all_reduce", 11, 31, GLOO, shapes=((1000,),), dtypes=F1),
+            TraceEvent("c10d::_allgather_base_", 40, 41, MAIN, shapes=((1000,), (500,)), dtypes=F2),
+            TraceEvent("gloo:all_gather", 41, 51, GLOO, shapes=((500,),), dtypes=F1),
+            mark("", 60),
+        ]
+    )
+    assert [(c.op, c.nbytes) for c in events.calls] == [("reduce_scatter", 4000), ("all_gather", 4000)]
+
+
+def test_a_gpu_step_takes_nccl_kernels_as_communication_and_other_kernels_as_compute():
+    events = classify(
+        [
+            mark("backward", 0),
+            TraceEvent("c10d::allreduce_", 5, 6, MAIN),
+            TraceEvent("record_param_comms", 5, 6, MAIN, shapes=((2048,),), dtypes=("c10::BFloat16",)),
+            TraceEvent("sm90_xmma_gemm_bf16", 10, 50, 7, device=True),
+            TraceEvent(
+                "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgs)", 40, 70, 20, device=True
+            ),
+            mark("", 45),
+        ]
+    )
+    assert events.device
+    assert events.comm == [(40, 70)] and events.compute == [(10, 50)]
+    assert events.calls[0].op == "all_reduce" and events.calls[0].nbytes == 4096
+    split = breakdown(events)
+    assert split is not None
+    assert split.step.span == pytest.approx(70e-6)  # to the last kernel's end
+    assert split.step.exposed == pytest.approx(20e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "op"),
+    [
+        ("gloo:all_reduce", "all_reduce"),
+        ("c10d::allgather_into_tensor_coalesced_", "all_gather"),
+        ("c10d::reduce_scatter_tensor_coalesced_", "reduce_scatter"),
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "reduce_scatter"),
+        ("ncclKernel_AllGather_RING_LL_Sum_int8_t", "all_gather"),
+        ("ncclDevKernel_Broadcast_RING_LL", "broadcast"),
+        ("ncclDevKernel_SendRecv", "send_recv"),
+        ("aten::mm", None),
+    ],
+)
+def test_collective_op_names(name, op):
+    assert collective_op(name) == op
+
+
+def test_a_scalar_tensors_all_reduce_carries_one_element():
+    events = classify(
+        [
+            mark("backward", 0),
+            TraceEvent("c10d::allreduce_", 1, 2, MAIN, shapes=((),), dtypes=("TensorList",)),
+            TraceEvent("gloo:all_reduce", 2, 3, GLOO, shapes=((),), dtypes=("double",)),
+            mark("", 5),
+        ]
+    )
+    assert [(c.op, c.nbytes) for c in events.calls] == [("all_reduce", 8)]
+
+
+def test_bus_bandwidth_uses_nccl_tests_factors():
+    assert bus_factor("all_reduce", 8) == 2 * 7 / 8
+    assert bus_factor("all_gather", 4) == 3 / 4
+    assert bus_factor("reduce_scatter", 2) == 1 / 2
+    assert bus_factor("broadcast", 8) == 1
+    # 1 GB all-reduced in 0.1 s on 2 ranks: algbw 10 GB/s, busbw 10 GB/s (factor 1)
+    assert Collective("all_reduce", 1, 10**9, 0.1).bus_bandwidth(2) == pytest.approx(1e10)
+    assert Collective("barrier", 1, None, 0.1).bus_bandwidth(2) is None
+
+
+def test_ranks_combine_as_their_mean_with_the_collectives_range():
+    a = breakdown(classify(ddp_step()))
+    events = ddp_step()
+    events[9] = TraceEvent("gloo:all_reduce", 270, 305, GLOO, shapes=((500,),), dtypes=F1)  # 10 us longer
+    b = breakdown(classify(events))
+    assert a is not None and b is not None
+    step, phases, rows = combine([a, b], 2)
+    assert step.exposed == pytest.approx((a.step.exposed + b.step.exposed) / 2)
+    assert set(phases) == {"forward", "backward", "optimizer_step"}
+    (row,) = rows
+    assert (row.op, row.calls, row.nbytes) == ("all_reduce", 2, 6000)
+    assert row.seconds == (pytest.approx(65e-6), pytest.approx(75e-6))
+    assert row.bus_bandwidth == (pytest.approx(6000 / 75e-6), pytest.approx(6000 / 65e-6))
+
+
+def test_no_phase_mark_is_no_breakdown():
+    assert breakdown(classify([TraceEvent("gloo:all_reduce", 0, 1, GLOO)])) is None

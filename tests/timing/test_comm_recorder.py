@@ -1,0 +1,106 @@
+"""The communication step's recorder on a real step in this process: torch.profiler started and stopped,
+the phases found by their marks, a collective found by its launch (a one-rank gloo group on the CPU; an
+NCCL one on a GPU, skipped without one)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from flops_callbacks.timing.comm_recorder import CommRecorder
+from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP
+
+
+def one_rank_group(backend: str) -> None:
+    with tempfile.NamedTemporaryFile() as f:
+        torch.distributed.init_process_group(backend, init_method=f"file://{f.name}", rank=0, world_size=1)
+
+
+def recorded_step(device: str) -> CommRecorder:
+    """One step of a small model whose gradients are all-reduced by hand, recorded with its phases."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 64, device=device)
+    recorder = CommRecorder(cuda=device == "cuda")
+    recorder.start()
+    try:
+        recorder.mark(FORWARD)
+        loss = model(x).square().mean()
+        recorder.mark(BACKWARD)
+        loss.backward()
+        flat = torch.cat([p.grad.flatten() for p in model.parameters()])  # type: ignore[union-attr]
+        torch.distributed.all_reduce(flat)
+        recorder.mark(OPTIMIZER_STEP)
+        optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        recorder.mark("")
+    finally:
+        recorder.stop()
+    assert not torch.autograd._profiler_enabled()  # nothing of the profiler is left running
+    return recorder
+
+
+def test_a_cpu_step_is_split_by_its_marks_and_its_all_reduce_found() -> None:
+    one_rank_group("gloo")
+    try:
+        split = recorded_step("cpu").breakdown()
+    finally:
+        torch.distributed.destroy_process_group()
+    assert split is not None and not split.device
+    assert set(split.phases) == {FORWARD, BACKWARD, OPTIMIZER_STEP}
+    assert split.step.compute > 0 and split.step.span >= split.step.compute
+    (row,) = split.collectives
+    params = 2 * (64 * 64 + 64)
+    assert (row.op, row.calls, row.nbytes) == ("all_reduce", 1, params * 4)
+    assert split.phases[BACKWARD].comm > 0 and split.phases[FORWARD].comm == 0
+
+
+def test_a_recorder_stopped_without_keeping_reads_nothing_and_stops_once() -> None:
+    recorder = CommRecorder(cuda=False)
+    recorder.start()
+    torch.ones(3).sum()
+    recorder.stop(keep=False)
+    recorder.stop()
+    assert recorder.events is None and recorder.breakdown() is None
+    assert not torch.autograd._profiler_enabled()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: NCCL kernels on a GPU's timeline")
+def test_a_gpu_step_reads_the_kernels_timeline_and_the_nccl_all_reduce() -> None:
+    one_rank_group("nccl")
+    try:
+        split = recorded_step("cuda").breakdown()
+    finally:
+        torch.distributed.destroy_process_group()
+    assert split is not None and split.device
+    assert split.step.compute > 0
+    ops = {row.op for row in split.collectives}
+    assert ops <= {"all_reduce"}  # NCCL may run a one-rank all-reduce as a copy: no kernel of its own
+
+
+def test_a_trace_that_cannot_be_read_is_said_and_the_step_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(events: object) -> None:
+        raise KeyError("a field this torch does not have")
+
+    monkeypatch.setattr("flops_callbacks.timing.comm_recorder.classify", broken)
+    recorder = CommRecorder(cuda=False)
+    recorder.start()
+    recorder.mark(FORWARD)
+    torch.ones(3).sum()
+    with pytest.warns(UserWarning, match="communication step's trace could not be read"):
+        recorder.stop()
+    assert recorder.breakdown() is None and not torch.autograd._profiler_enabled()
+
+
+def test_the_instruments_drop_stops_a_running_recorder() -> None:
+    from flops_callbacks.options import Options
+    from flops_callbacks.session.instruments import Instruments
+
+    instruments = Instruments(Options())
+    instruments._start_recorder(cuda=False)  # as at the end of the step before the communication step
+    assert torch.autograd._profiler_enabled()
+    instruments.drop()  # an exception, a dropped window, the run's end
+    assert instruments.recorder is None and not torch.autograd._profiler_enabled()
