@@ -38,6 +38,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_leaves
 
 from flops_callbacks.counting import elementwise_formulas, formulas  # noqa: F401  (the built-in entries)
 from flops_callbacks.counting.bytes_moved import bytes_rule
@@ -86,9 +87,25 @@ class _DispatchMode(TorchDispatchMode):
             # DTensor (tensor parallelism, FSDP2) runs the op as ops on its local shards, which come
             # back here: counted there, flops are this device's, not the global tensor's.
             return NotImplemented
-        if types and _is_subclass_of(types, "torch._subclasses.fake_tensor", "FakeTensor"):
+        fake = bool(types) and _is_subclass_of(types, "torch._subclasses.fake_tensor", "FakeTensor")
+        if fake and not self.tracer.fake:
             return func(*args, **(kwargs or {}))  # DTensor's shape propagation: runs nothing
+        if self.tracer.fake and not fake and _real_inputs(args, kwargs):
+            # a fake count (:mod:`.fake_count`): an op on the batch's real tensors alone runs for real,
+            # as on the real step (a model's check of its mask's content takes the same branch)
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                return self.tracer._run_op(func, args, kwargs or {})
         return self.tracer._run_op(func, args, kwargs or {})
+
+
+def _real_inputs(args: tuple, kwargs: dict | None) -> bool:
+    """Whether an op reads tensors and none of them is fake (a fake count's op on the batch alone)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return bool(tensors) and not any(isinstance(t, FakeTensor) for t in tensors)
 
 
 def _is_subclass_of(types: Any, module: str, name: str) -> bool:
@@ -114,8 +131,12 @@ class Tracer:
         causal_attention: CausalAttention = "full",
         clock: Clock | None = None,
         compiled: bool | None = None,
+        fake: bool = False,
     ) -> None:
         self.model = model
+        # ``fake``: the step runs on fake tensors (:mod:`.fake_count`): their ops are the ones counted,
+        # and nothing is read of their (absent) storage
+        self.fake = fake
         self.causal_attention = causal_attention
         self.causal_half = causal_attention == "half"
         self.device = module_device(model)
@@ -180,7 +201,8 @@ class Tracer:
             stack.close()
             raise
         self._exit = stack
-        self._saved.start(self.model)
+        if not self.fake:
+            self._saved.start(self.model)
         self._thread = threading.get_ident()
 
     def stop(self) -> None:
@@ -249,7 +271,7 @@ class Tracer:
             return
         recompute = bool(self._stack and self._stack[-1].recompute)
         recompute = recompute or _current_autograd_node() is not None
-        if not recompute and torch.is_grad_enabled():  # a checkpoint holds the inputs of its region
+        if not recompute and torch.is_grad_enabled() and not self.fake:  # a checkpoint holds its inputs
             self._saved.enter(args, self._context_for(None))
         start = self.clock.mark()
         for ancestor in self._virtual_ancestors(name):
@@ -327,7 +349,7 @@ class Tracer:
         """Tag the autograd nodes this call created with its context, and count what a forward's nodes
         save for the backward (a recompute's and a backward's are freed in it)."""
         forward = _current_autograd_node() is None and not (self._stack and self._stack[-1].recompute)
-        self._tags.tag(out, ctx, self._saved.watch if forward else None)
+        self._tags.tag(out, ctx, self._saved.watch if forward and not self.fake else None)
 
     # --- ops: the hot path ---------------------------------------------------------------------------
 
