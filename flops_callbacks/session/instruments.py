@@ -17,13 +17,16 @@ from flops_callbacks.module_tree import dynamo_compiled_anything, has_compiled
 from flops_callbacks.options import Options
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_steps import Kind, WindowStep
+from flops_callbacks.session.window_plan import Kind
+from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.clock import CpuClock, NullClock
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phases import BACKWARD
 
 __all__ = ["Instruments", "totals"]
+
+COUNTERS = (Kind.CHECK, Kind.SHAPE_COUNTING)  # steps counted with an engine of their own (no clock)
 
 
 def totals(engine: Tracer) -> BatchCounts:
@@ -60,12 +63,14 @@ class Instruments:
             self.timer = step.timer = ModuleTimer(model, step.phases.clock)
 
     def shape_counting(self, model: torch.nn.Module) -> None:
-        """The step became a shape-counting one: an engine of its own, with no clock."""
+        """The step became a check or a shape-counting one: an engine of its own, with no clock."""
         self.counter = Tracer(model, causal_attention=self.options.causal_attention, clock=NullClock())
 
     def start(self, step: WindowStep, signature: Signature, later: bool) -> None:
         """A micro-batch of ``step`` starts: its kind's instrument."""
-        engine = {Kind.COUNTING: self.tracer, Kind.SHAPE_COUNTING: self.counter}.get(step.kind or "")
+        engine = (
+            self.tracer if step.kind == Kind.COUNTING else self.counter if step.kind in COUNTERS else None
+        )
         if engine is not None:
             self._counting = (signature, later, totals(engine))
             engine.start()

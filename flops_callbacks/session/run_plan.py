@@ -12,15 +12,12 @@ from pathlib import Path
 
 from flops_callbacks.files import unwritable_reason
 from flops_callbacks.options import Options
+from flops_callbacks.session.window_plan import CLEAN_MIN, MODULE_TIMING_STEPS, before_clean
 from flops_callbacks.user_warning import warn
 
-__all__ = ["CLEAN_MAX", "CLEAN_MIN", "MODULE_TIMING_STEPS", "RunPlan", "unwritable_destinations"]
+__all__ = ["RunPlan", "unwritable_destinations"]
 
-CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
-MODULE_TIMING_STEPS = 3  # the tree is the median one's (by the model's time): a pause in one drops out
-# the counting and module-timing steps, and the step after them that counts a known shape again to check
-# the shape table (issue 32: work that depends on the batch's content is found there)
-BEFORE_CLEAN = 2 + MODULE_TIMING_STEPS
+BEFORE_CLEAN = before_clean()  # the window's head and its check (window_plan owns the layout)
 
 
 @dataclass(frozen=True)

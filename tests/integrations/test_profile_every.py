@@ -30,8 +30,7 @@ from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.profile_file import load
 from flops_callbacks.session.ranks import Ranks
-from flops_callbacks.session.window_plan import WindowPlan
-from flops_callbacks.session.window_steps import Kind
+from flops_callbacks.session.window_plan import Kind, WindowPlan
 from tests.support import first_clean, hf_arguments, lightning_settings, module_steps, run_bounded
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 4
