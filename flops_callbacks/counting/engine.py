@@ -29,20 +29,18 @@ activation checkpointing.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from flops_callbacks.counting import elementwise_formulas, formulas  # noqa: F401  (the built-in entries)
 from flops_callbacks.counting.bytes_moved import bytes_rule
 from flops_callbacks.counting.functionals import READ, functional_name
+from flops_callbacks.counting.modes import DispatchMode, FunctionMode
 from flops_callbacks.counting.node_tags import TAG, NodeTags
 from flops_callbacks.counting.profile_builder import build_profile, model_totals
 from flops_callbacks.counting.recording import BWD, CALLS, FWD, REC, Recording, Site
@@ -66,53 +64,6 @@ class _Frame:
     recompute: bool
     virtual: bool  # an ancestor the call did not enter (a ModuleList, or above a direct call)
     key: tuple[str, ...]  # the distinct module names of the stack up to this frame
-
-
-class _FunctionMode(TorchFunctionMode):
-    def __init__(self, tracer: Tracer) -> None:
-        super().__init__()
-        self.tracer = tracer
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return self.tracer._run_functional(func, args, kwargs or {})
-
-
-class _DispatchMode(TorchDispatchMode):
-    def __init__(self, tracer: Tracer) -> None:
-        super().__init__()
-        self.tracer = tracer
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if types and _is_subclass_of(types, "torch.distributed.tensor", "DTensor"):
-            # DTensor (tensor parallelism, FSDP2) runs the op as ops on its local shards, which come
-            # back here: counted there, flops are this device's, not the global tensor's.
-            return NotImplemented
-        fake = bool(types) and _is_subclass_of(types, "torch._subclasses.fake_tensor", "FakeTensor")
-        if fake and not self.tracer.fake:
-            return func(*args, **(kwargs or {}))  # DTensor's shape propagation: runs nothing
-        if self.tracer.fake and not fake and _real_inputs(args, kwargs):
-            # a fake count (:mod:`.fake_count`): an op on the batch's real tensors alone runs for real,
-            # as on the real step (a model's check of its mask's content takes the same branch)
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():
-                return self.tracer._run_op(func, args, kwargs or {})
-        return self.tracer._run_op(func, args, kwargs or {})
-
-
-def _real_inputs(args: tuple, kwargs: dict | None) -> bool:
-    """Whether an op reads tensors and none of them is fake (a fake count's op on the batch alone)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    return bool(tensors) and not any(isinstance(t, FakeTensor) for t in tensors)
-
-
-def _is_subclass_of(types: Any, module: str, name: str) -> bool:
-    """Whether a tensor subclass in ``types`` is ``module.name`` (never imported: if the module is not
-    loaded, no such tensor exists)."""
-    cls = getattr(sys.modules.get(module), name, None)
-    return cls is not None and any(issubclass(t, cls) for t in types)
 
 
 class Tracer:
@@ -147,7 +98,7 @@ class Tracer:
         self.compiled = self.tree.has_compiled() if compiled is None else compiled
         self._thread: int | None = None
         self._exit: contextlib.ExitStack | None = None
-        self._dispatch = _DispatchMode(self)
+        self._dispatch = DispatchMode(self)
         self._tags = NodeTags()
         # A formula that raised (what was being counted, the error): counting stops there, the op's
         # result is handed on, and the owner says it (flops_callbacks.guard): never the user's forward.
@@ -196,7 +147,7 @@ class Tracer:
             stack.callback(register_module_forward_pre_hook(self._pre_hook).remove)
             stack.callback(register_module_forward_hook(self._post_hook, always_call=True).remove)
             stack.enter_context(self._dispatch)
-            stack.enter_context(_FunctionMode(self))
+            stack.enter_context(FunctionMode(self))
         except BaseException:
             stack.close()
             raise
@@ -327,7 +278,7 @@ class Tracer:
 
     # --- functionals: naming and tagging autograd nodes --------------------------------------------
 
-    def _run_functional(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def run_functional(self, func: Any, args: tuple, kwargs: dict) -> Any:
         name = functional_name(func)
         if name is READ:
             return func(*args, **kwargs)
@@ -353,7 +304,7 @@ class Tracer:
 
     # --- ops: the hot path ---------------------------------------------------------------------------
 
-    def _run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.failure is not None:
             return func(*args, **kwargs)
         entry = entry_for(func)

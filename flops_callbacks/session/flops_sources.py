@@ -89,12 +89,12 @@ def _corrected(said: BatchCounts, ratios: list[float]) -> BatchCounts:
 
 def on_steps_line(table: ShapeFlops) -> str:
     """The shapes counted on training steps (no fake count could give them), grouped by why."""
-    by_why: dict[str, list[list[tuple[int, ...]]]] = {}
+    by_why: dict[str, list[str]] = {}
     for (_, signature), why in table.counted_on_steps.items():
-        shapes = [shape for shape, _ in signature]
+        shapes = str([shape for shape, _ in signature])
         if shapes not in by_why.setdefault(why, []):
             by_why[why].append(shapes)
-    return "; ".join(f"shapes {shapes}: {why}" for why, shapes in by_why.items())
+    return "; ".join(f"shapes {', '.join(shapes)}: {why}" for why, shapes in by_why.items())
 
 
 def clean_step_flops(

@@ -72,6 +72,31 @@ class OffClock:
             return replay or NO_REPLAY
         return self.why_not or "no fake count was tried"
 
+    def micro_batch(
+        self,
+        model: torch.nn.Module,
+        flops: ShapeFlops,
+        kind: Kind,
+        step: WindowStep,
+        signature: Signature,
+        later: bool,
+        counts: BatchCounts | None,
+        replay: Replay | str | None,
+    ) -> BatchCounts | None:
+        """A window micro-batch of ``kind`` whose table counts are ``counts`` starts: the counting step's
+        first is the trial's; a check's new shape is counted now (its real count checks it), a clean
+        step's at the window's end; one counted on its step is said with why. Returns its counts now."""
+        if kind == Kind.COUNTING and not step.signatures and isinstance(replay, Replay):
+            self.trial = (replay, signature, later)  # tried at the step's end
+        elif counts is None and isinstance(replay, Replay) and self.usable(replay):
+            if kind == Kind.CHECK:
+                counts = self.count_now(model, replay, signature, later, flops)
+            elif kind == Kind.CLEAN:
+                self.defer(step, signature, later, replay)
+        if counts is None and kind in (Kind.CHECK, Kind.SHAPE_COUNTING):
+            flops.counted_on_steps.setdefault((later, signature), self.reason(replay))
+        return counts
+
     def try_trial(self, model: torch.nn.Module, flops: ShapeFlops) -> None:
         """The counting step ended: a fake count of its first micro-batch must equal its real count."""
         trial, self.trial = self.trial, None

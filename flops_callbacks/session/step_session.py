@@ -7,17 +7,7 @@ batch's flops come from :class:`~flops_callbacks.session.shape_flops.ShapeFlops`
 (:mod:`.off_clock`); :mod:`.builder` builds the figures; after the window,
 :mod:`flops_callbacks.session.meter` logs ``throughput/*`` with the same table.
 
-An adapter maps its framework's events onto this object (:mod:`flops_callbacks.session.adapter_api`):
-
-    train_start(global_step, max_steps=..)   at the start of a run (warnings come here, not at the end)
-    step_start(global_step, model, context)  at the start of each optimizer step
-    micro_batch_start(batch, replay)         before each micro-batch's forward (``replay``: its step again)
-    phase(BACKWARD / OPTIMIZER_STEP / FORWARD), phase_end()   at the events between phases (FORWARD in
-                                             a running forward: the user's code starts; stop_timing(): ends)
-    micro_batch_end(pause=..)                after each micro-batch
-    step_end(global_step, outlet, logs=..)   when the optimizer step has ended
-    train_end(global_step, outlet)           at the end of the run
-    close()                                  on an exception: nothing of the profiler remains
+An adapter maps its framework's events onto this object: :mod:`flops_callbacks.session.adapter_api`.
 
 With several processes, every decision that shapes the window is agreed by all ranks at points they reach
 in lock step (:mod:`flops_callbacks.session.window_plan`, the only collectives:
@@ -321,16 +311,9 @@ class StepSession:
             self.instruments.shape_counting(model)
         step.kind = kind
         counts = read.counts
-        if kind == Kind.COUNTING and not step.signatures and isinstance(replay, Replay):
-            self.off_clock.trial = (replay, read.signature, read.later)  # tried at the step's end
-        elif counts is None and isinstance(replay, Replay) and self.off_clock.usable(replay):
-            if kind == Kind.CHECK and model is not None:  # counted now: its real count checks it
-                counts = self.off_clock.count_now(model, replay, read.signature, read.later, self.flops)
-            elif kind == Kind.CLEAN:
-                self.off_clock.defer(step, read.signature, read.later, replay)
-        if counts is None and kind in (Kind.CHECK, Kind.SHAPE_COUNTING):
-            why = self.off_clock.reason(replay)
-            self.flops.counted_on_steps.setdefault((read.later, read.signature), why)
+        if model is not None and kind is not None:
+            where = (step, read.signature, read.later)
+            counts = self.off_clock.micro_batch(model, self.flops, kind, *where, counts, replay)
         samples, tokens = self.batches.samples(batch, say_unknown=True), self.batches.tokens(batch)
         step.add(batch, read.signature, samples, tokens, counts)
         self.instruments.start(step, read.signature, read.later)

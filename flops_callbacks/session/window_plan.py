@@ -7,8 +7,8 @@ check (a step counted again so that work depending on the batch's content shows)
 give is counted off the clock where a fake count runs, so its step stays clean; where none runs, its step
 is a shape-counting one (at most :data:`MAX_SHAPE_COUNTS`, then skipped). Once the table finds flops that
 depend on the content, every other step is counted. A re-profile window (``profile_every``) reuses the
-first one's counts and module tree: a lead-in step (its end starts the first clean step's wall), the
-check, clean steps. To add a kind: a :class:`Kind` member, and its place in :func:`head` or in
+first one's counts, check and module tree: a lead-in step (its end starts the first clean step's wall),
+then clean steps (between windows the meter's audits count known shapes again). To add a kind: a :class:`Kind` member, and its place in :func:`head` or in
 :meth:`WindowPlan.batch_kind`.
 
 Every decision is taken here from every rank's :class:`Wish`, at points all ranks reach in lock step
@@ -83,7 +83,7 @@ def head(reprofile: bool = False) -> tuple[Kind, ...]:
 
 def before_clean(reprofile: bool = False) -> int:
     """Window steps before the first clean one when every shape is known or counted off the clock."""
-    return len(head(reprofile)) + 1  # the check
+    return len(head(reprofile)) + (0 if reprofile else 1)  # the check
 
 
 class Wish(NamedTuple):
@@ -158,8 +158,8 @@ class WindowPlan:
 
     @property
     def checked(self) -> bool:
-        """Whether this window has had its check step."""
-        return Kind.CHECK in self.kinds
+        """Whether this window has had its check step (a re-profile window has the first one's)."""
+        return self.reprofile or Kind.CHECK in self.kinds
 
     @property
     def batch_decides(self) -> bool:
@@ -188,7 +188,7 @@ class WindowPlan:
 
     def batch_kind(self, decision: Decision) -> Kind:
         """The current step's agreed kind after a micro-batch's vote. At its first micro-batch: the check
-        while the window has none and a batch can check; a shape count where a batch needs one (skipped
+        while a first window has none and a batch can check; a shape count where a batch needs one (skipped
         once none is left); every other step counted once the content decides the flops; else clean. A
         later micro-batch of a clean step turns it into a shape count where a batch needs one."""
         before = self.kinds[:-1]
