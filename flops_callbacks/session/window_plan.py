@@ -1,15 +1,15 @@
 """The profile window's layout: its step kinds, its constants, and every decision that shapes it, agreed
 by every rank.
 
-A first window is its fixed head (:data:`HEAD`: the counting step, then the module-timing steps), the
+A first window is its fixed head (:func:`head`: the counting step, then the module-timing steps), the
 check (a step counted again so that work depending on the batch's content shows), then clean steps until
 ``clean_steps`` are timed (``"auto"``: until their median is known). A batch shape the flops table cannot
 give is counted off the clock where a fake count runs, so its step stays clean; where none runs, its step
 is a shape-counting one (at most :data:`MAX_SHAPE_COUNTS`, then skipped). Once the table finds flops that
 depend on the content, every other step is counted. A re-profile window (``profile_every``) reuses the
 first one's counts, check and module tree: a lead-in step (its end starts the first clean step's wall),
-then clean steps (between windows the meter's audits count known shapes again). To add a kind: a :class:`Kind` member, and its place in :func:`head` or in
-:meth:`WindowPlan.batch_kind`.
+then clean steps (between windows the meter's audits count known shapes again). To add a kind: a
+:class:`Kind` member, and its place in :func:`head` or in :meth:`WindowPlan.batch_kind`.
 
 Every decision is taken here from every rank's :class:`Wish`, at points all ranks reach in lock step
 (each micro-batch of a step whose batches decide its kind, and each window step's end), so every rank
