@@ -33,24 +33,21 @@ from flops_callbacks.peaks import given_bandwidth, given_peak
 from flops_callbacks.session import run_plan
 from flops_callbacks.session.adapter_api import Outlet, Publish, TrainingContext
 from flops_callbacks.session.batch import BatchReader, Signature, shape_signature
-from flops_callbacks.session.builder import RankRow
 from flops_callbacks.session.instruments import Instruments
 from flops_callbacks.session.job_meter import JobMeter
 from flops_callbacks.session.meter import ThroughputMeter
 from flops_callbacks.session.off_clock import OffClock, Replay
-from flops_callbacks.session.ranks import RankFailure, Ranks
-from flops_callbacks.session.reprofile import local_part, window_result
+from flops_callbacks.session.ranks import Ranks
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_plan import Decision, Kind, WindowPlan, Wish
+from flops_callbacks.session.window_end import DROPPED, WindowEnd
+from flops_callbacks.session.window_plan import Kind, WindowPlan, Wish
 from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.clock import clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
 from flops_callbacks.timing.phase_memory import phase_memory_for
 from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
 from flops_callbacks.user_warning import warn
-
-DROPPED = "the profile window is dropped and nothing of the profiler stays; this run goes on unprofiled"
 
 
 def _own_work(what: str, abandon: bool = True) -> Callable[[F], F]:
@@ -70,7 +67,7 @@ class _Read(NamedTuple):
     counts: BatchCounts | None
 
 
-class StepSession:
+class StepSession(WindowEnd):
     """The profile window and the throughput meter of one callback (module doc).
 
     ``owner`` names the callback in messages; ``tokens_fn`` defaults to the options' (an adapter may
@@ -213,16 +210,6 @@ class StepSession:
             if meter:
                 self.job_meter.close()
 
-    def _drop(self, decision: Decision) -> None:
-        """Every rank agreed to drop the window: said once, by the logging rank, unless this rank's own
-        failure was said already. No other window starts in this run."""
-        self.plan.reset(run=True)
-        self._window_ran = True
-        if self._logging_rank and not self._abandoned:
-            warn(f"{self.owner}: {decision.why}; {DROPPED} on every rank. Training goes on.")
-        self._abandoned = True
-        self.close()
-
     # --- steps ---------------------------------------------------------------------------------------
 
     def step_start(
@@ -284,13 +271,11 @@ class StepSession:
             self._begin_micro_batch(batch, read, replay)
 
     def _wish(self, read: _Read | None, replay: Replay | str | None) -> Wish:
-        """This rank's wish for the step's kind: its batch's flops unknown with no count off the clock
-        for them (a count), or able to check the table (known, or countable off the clock)."""
+        """This rank's wish for the step's kind (:class:`~flops_callbacks.session.window_plan.Wish`)."""
         if read is None:
             return Wish(drop=self.plan.failed)
-        unknown, fake = read.counts is None, self.off_clock.usable(replay)
-        content = self.flops.content is not None
-        return Wish(self.plan.failed, unknown and not fake, not unknown or fake, content)
+        unknown, fake, content = read.counts is None, self.off_clock.usable(replay), self.flops.content
+        return Wish(self.plan.failed, unknown and not fake, not unknown or fake, content is not None)
 
     @_own_work("reading the batch")
     def _meter_batch(self, batch: Any, replay: Replay | str | None) -> None:
@@ -413,55 +398,3 @@ class StepSession:
     def resume_throughput(self) -> None:
         if not self.plan.open:  # a re-profile window's time is not metered: resumed at its end
             self.job_meter.resume()
-
-    # --- the window's end ----------------------------------------------------------------------------
-
-    def _stop_instruments(self) -> None:
-        """Stop what runs; a counted micro-batch's counts go in the table."""
-        self.instruments.stop(self.flops, self._step)
-
-    def _counting_failed(self) -> bool:
-        """Whether a formula failed while counting (said here, and the window dropped)."""
-        failure = self.instruments.failure()
-        if failure is None:
-            return False
-        what, error = failure
-        self.guard.fail(what, error, DROPPED)
-        self._abandon()
-        return True
-
-    def _finish(self, global_step: int, outlet: Outlet) -> None:
-        """The window's agreed end (every rank): exchange each rank's figures, build the job's result,
-        publish it on the logging rank, and start (or resume) the throughput meter on every rank."""
-        steps, self._steps, self._step = self._steps, [], None
-        tracer = self.instruments.drop()
-        model, self._model = self._model, None
-        reprofile, base = self.plan.reprofile, self.result
-        self.plan.reset()
-        self.plan.ended(steps[-1].number if steps else global_step)  # agreed: the steps are every rank's
-        self._window_ran = True
-        local = None
-        if model is not None:
-            with self.guard.own_work("counting the window's new shapes", DROPPED, self._abandon):
-                self.off_clock.finish(model, self.flops)  # before the exchange: no step's time
-            with self.guard.own_work("building the profile", DROPPED, self._abandon):
-                local = local_part(steps, self.flops, tracer, base if reprofile else None)
-        mine: RankRow | str = local.row() if local is not None else "failed" if self._abandoned else "empty"
-        try:
-            rows = self.ranks.exchange(mine)
-        except RankFailure as failure:
-            return self._drop(Decision.dropped(f"exchanging every rank's figures failed ({failure})"))
-        if any(row == "failed" for row in rows):
-            return self._drop(Decision.dropped(f"rank {rows.index('failed')}'s profile failed"))
-        if local is None or model is None or any(isinstance(row, str) for row in rows):
-            return self.job_meter.resume() if reprofile else None  # no micro-batch: nothing to say
-        with self.guard.own_work("asking the log dir", "the files in the log dir are not written"):
-            log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective
-        built = None
-        with self.guard.own_work("building the profile", "no profile is published"):
-            peaks = (self.given_peak, self.given_bandwidth)
-            built = window_result(local, steps, rows, model, self._context, self.flops, global_step, peaks)
-        self.result = built or self.result  # a failed re-profile keeps the last result to build on
-        if built is not None and outlet.is_logging_rank and self.publish is not None:
-            self.publish(built, self.options, log_dir, outlet, self.guard, set(self._unwritable))
-        self.job_meter.start(self.result, model, self.flops, again=reprofile)
