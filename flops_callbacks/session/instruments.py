@@ -1,6 +1,6 @@
 """The instruments of the window's steps, started and stopped as one unit: the counting engine (the
-counting step's, kept for its profile; a shape-counting step's, with no clock), the module timer, and the
-clean steps' marks of the model's outermost calls (what the timer's hooks cost, in place).
+counting step's, kept for its profile; a check's or shape-counting step's, with no clock), the module
+timer, and the clean steps' marks of the model's outermost calls (what the timer's hooks cost, in place).
 
 Apart from the step session (which decides what each step does and when) so that one object owns what
 runs inside a micro-batch and its teardown on every exit path: the session stops them in one call.
@@ -40,7 +40,7 @@ class Instruments:
     def __init__(self, options: Options) -> None:
         self.options = options
         self.tracer: Tracer | None = None  # the counting step's engine: its profile at the window's end
-        self.counter: Tracer | None = None  # a shape-counting step's engine (no clock)
+        self.counter: Tracer | None = None  # a check's or shape-counting step's engine (no clock)
         self.timer: ModuleTimer | None = None
         self.outer: OuterCalls | None = None  # a clean step's outermost calls, while marked
         self.outermost: list[torch.nn.Module] = []  # the modules whose calls they are

@@ -7,8 +7,9 @@ and before the step's end mark: the fake count must equal the real one (else, or
 reason is kept and such shapes are counted on training steps, as the report says). A clean step's
 unknown micro-batches are counted at the window's end, before the ranks exchange their figures: the
 time after a step's end is the next step's (its wall and data time start there), and with several
-ranks one rank's count there would hold the others in their next all-reduce. The check step's unknown
-micro-batch is counted at once (that step is counted, not timed), so that its real count checks it.
+ranks one rank's count there would hold the others in their next all-reduce (the waiting micro-batches'
+inputs are held until then). The check step's unknown micro-batch is counted at once (that step is
+counted, not timed), so that its real count checks it.
 """
 
 from __future__ import annotations
