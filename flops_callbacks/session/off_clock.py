@@ -2,14 +2,14 @@
 (:mod:`flops_callbacks.counting.fake_count`) of the adapter's step function, so that a step whose shapes
 the flops table cannot give is timed as a clean step like any other.
 
-Whether fake counts run is tried once, on the counting step's first micro-batch, after its real count
-and before the step's end mark: the fake count must equal the real one (else, or where it raises, the
-reason is kept and such shapes are counted on training steps, as the report says). A clean step's
-unknown micro-batches are counted at the window's end, before the ranks exchange their figures: the
-time after a step's end is the next step's (its wall and data time start there), and with several
-ranks one rank's count there would hold the others in their next all-reduce (the waiting micro-batches'
-inputs are held until then). The check step's unknown micro-batch is counted at once (that step is
-counted, not timed), so that its real count checks it.
+Whether fake counts run is tried once, on the counting step's first micro-batch, right after its real
+count (in that step, whose time is no figure's): the fake count must equal the real one (else, or where
+it raises, the reason is kept and such shapes are counted on training steps, as the report says).
+A clean step's unknown micro-batches are counted at the window's end, before the ranks exchange their
+figures: the time after a step's end is the next step's (its wall and data time start there), and with
+several ranks one rank's count there would hold the others in their next all-reduce (the waiting
+micro-batches' inputs are held until then). The check step's unknown micro-batch is counted at once
+(that step is counted, not timed), so that its real count checks it.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class OffClock:
         return counts
 
     def try_trial(self, model: torch.nn.Module, flops: ShapeFlops) -> None:
-        """The counting step ended: a fake count of its first micro-batch must equal its real count."""
+        """The counting step's first micro-batch ended: its fake count must equal its real count."""
         trial, self.trial = self.trial, None
         if trial is None or self.why_not is not None:
             return

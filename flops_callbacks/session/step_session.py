@@ -333,8 +333,10 @@ class StepSession(WindowEnd):
         self._stop_instruments()
         if self._counting_failed():
             return
-        if pause:
-            step.phases.stop()
+        if pause or (step.kind == Kind.COUNTING and self.off_clock.trial is not None):
+            step.phases.stop()  # the trial of a fake count, right after the real count, is no phase's
+        if step.kind == Kind.COUNTING and self._model is not None:
+            self.off_clock.try_trial(self._model, self.flops)
 
     @_own_work("marking a phase")
     def stop_timing(self) -> None:
@@ -370,8 +372,6 @@ class StepSession(WindowEnd):
         if self._counting_failed():
             return False
         step.phases.stop()
-        if step.kind == Kind.COUNTING and self._model is not None:
-            self.off_clock.try_trial(self._model, self.flops)  # before the end mark: no step's time
         step.end_mark = step.phases.clock.mark()
         self.instruments.step_ended(step)
         self._step = None
