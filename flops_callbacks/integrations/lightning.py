@@ -266,8 +266,7 @@ def _replay(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batc
     its backward, as the automatic optimization's closure runs them; or why not."""
     if not pl_module.automatic_optimization:
         return "manual optimization: training_step steps the optimizers itself"
-    takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
-    return Replay(_TrainingStep(trainer), (batch, batch_idx) if takes_index else (batch,))
+    return Replay(_TrainingStep(trainer), (batch, batch_idx))  # made at every micro-batch: nothing read
 
 
 class _TrainingStep:
@@ -279,6 +278,8 @@ class _TrainingStep:
 
     def __call__(self, model: torch.nn.Module, args: tuple) -> None:
         module = cast(pl.LightningModule, model)
+        if not is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2):
+            args = args[:1]
         quiet = [OneCall(module, name, _nothing, once=False) for name in ("log", "log_dict")]
         try:
             with self.trainer.precision_plugin.train_step_context():
