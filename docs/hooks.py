@@ -5,7 +5,7 @@
 - ``<!-- generated: metrics -->``: a table of every metric name of :mod:`flops_callbacks.metrics` with
   the comment it is defined with, and the groups of names (the tuples) with theirs: a name added there
   is on the page at the next build;
-- ``{{ run_plan.NAME }}``: a constant of :mod:`flops_callbacks.session.run_plan` (the window's numbers).
+- ``{{ window_plan.NAME }}``: a constant of :mod:`flops_callbacks.session.window_plan` (the window's numbers).
 
 Importable without mkdocs (the tests read the same tables).
 """
@@ -33,7 +33,7 @@ __all__ = ["metric_names", "metrics_markdown", "on_page_markdown", "option_descr
 
 OPTIONS_MARK = "<!-- generated: options -->"
 METRICS_MARK = "<!-- generated: metrics -->"
-CONSTANT = re.compile(r"\{\{\s*run_plan\.(\w+)\s*\}\}")
+CONSTANT = re.compile(r"\{\{\s*window_plan\.(\w+)\s*\}\}")
 # a metric's unit, by the end of its name (the first that matches)
 UNITS = (
     ("flops_per_sec", "flop/s"),
@@ -153,11 +153,13 @@ def metrics_markdown() -> str:
 
 
 def _constant(found: re.Match[str]) -> str:
-    from flops_callbacks.session import run_plan
+    from flops_callbacks.session import window_plan
 
-    if not hasattr(run_plan, found[1]):
-        raise ValueError(f"docs: flops_callbacks.session.run_plan has no {found[1]} (the window's numbers)")
-    return str(getattr(run_plan, found[1]))
+    if found[1] == "BEFORE_CLEAN":  # one process: the head and the check
+        return str(window_plan.before_clean())
+    if not hasattr(window_plan, found[1]):
+        raise ValueError(f"docs: flops_callbacks.session.window_plan has no {found[1]} (the window's layout)")
+    return str(getattr(window_plan, found[1]))
 
 
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:

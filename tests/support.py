@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.session.result import WindowSteps
-from flops_callbacks.session.run_plan import MODULE_TIMING_STEPS
 from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
+from flops_callbacks.session.window_plan import MODULE_TIMING_STEPS
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.collector import collector_off
 from flops_callbacks.timing.module_timer import ModuleTimer

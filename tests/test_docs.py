@@ -56,13 +56,14 @@ def test_the_metrics_page_lists_exactly_the_names_of_metrics_py() -> None:
     assert "| `flops_profiler/flops_per_sec` | flop/s | (fwd + bwd flops) / iter latency |" in page
 
 
-def test_the_window_numbers_on_the_pages_are_the_run_plans() -> None:
-    from flops_callbacks.session.run_plan import BEFORE_CLEAN, MODULE_TIMING_STEPS
+def test_the_window_numbers_on_the_pages_are_the_window_plans() -> None:
+    from flops_callbacks.session.window_plan import MODULE_TIMING_STEPS, before_clean
 
+    before = before_clean()
     page = hooks().on_page_markdown((DOCS / "how-it-works.md").read_text())
     assert "{{" not in page
     assert f"**the {MODULE_TIMING_STEPS} module-timing steps**" in page
-    assert f"`profile_step + {BEFORE_CLEAN} + clean_steps`" in page
+    assert f"`profile_step + {before} + clean_steps`" in page
 
 
 def test_each_option_is_described_once_in_options_and_the_doors_point_there() -> None:

@@ -29,19 +29,18 @@ activation checkpointing.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from flops_callbacks.counting import elementwise_formulas, formulas  # noqa: F401  (the built-in entries)
 from flops_callbacks.counting.bytes_moved import bytes_rule
 from flops_callbacks.counting.functionals import READ, functional_name
+from flops_callbacks.counting.modes import DispatchMode, FunctionMode
 from flops_callbacks.counting.node_tags import TAG, NodeTags
 from flops_callbacks.counting.profile_builder import build_profile, model_totals
 from flops_callbacks.counting.recording import BWD, CALLS, FWD, REC, Recording, Site
@@ -67,37 +66,6 @@ class _Frame:
     key: tuple[str, ...]  # the distinct module names of the stack up to this frame
 
 
-class _FunctionMode(TorchFunctionMode):
-    def __init__(self, tracer: Tracer) -> None:
-        super().__init__()
-        self.tracer = tracer
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return self.tracer._run_functional(func, args, kwargs or {})
-
-
-class _DispatchMode(TorchDispatchMode):
-    def __init__(self, tracer: Tracer) -> None:
-        super().__init__()
-        self.tracer = tracer
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if types and _is_subclass_of(types, "torch.distributed.tensor", "DTensor"):
-            # DTensor (tensor parallelism, FSDP2) runs the op as ops on its local shards, which come
-            # back here: counted there, flops are this device's, not the global tensor's.
-            return NotImplemented
-        if types and _is_subclass_of(types, "torch._subclasses.fake_tensor", "FakeTensor"):
-            return func(*args, **(kwargs or {}))  # DTensor's shape propagation: runs nothing
-        return self.tracer._run_op(func, args, kwargs or {})
-
-
-def _is_subclass_of(types: Any, module: str, name: str) -> bool:
-    """Whether a tensor subclass in ``types`` is ``module.name`` (never imported: if the module is not
-    loaded, no such tensor exists)."""
-    cls = getattr(sys.modules.get(module), name, None)
-    return cls is not None and any(issubclass(t, cls) for t in types)
-
-
 class Tracer:
     """Counts and times one model while started; produces a :class:`Profile`.
 
@@ -114,8 +82,12 @@ class Tracer:
         causal_attention: CausalAttention = "full",
         clock: Clock | None = None,
         compiled: bool | None = None,
+        fake: bool = False,
     ) -> None:
         self.model = model
+        # ``fake``: the step runs on fake tensors (:mod:`.fake_count`): their ops are the ones counted,
+        # and nothing is read of their (absent) storage
+        self.fake = fake
         self.causal_attention = causal_attention
         self.causal_half = causal_attention == "half"
         self.device = module_device(model)
@@ -126,7 +98,7 @@ class Tracer:
         self.compiled = self.tree.has_compiled() if compiled is None else compiled
         self._thread: int | None = None
         self._exit: contextlib.ExitStack | None = None
-        self._dispatch = _DispatchMode(self)
+        self._dispatch = DispatchMode(self)
         self._tags = NodeTags()
         # A formula that raised (what was being counted, the error): counting stops there, the op's
         # result is handed on, and the owner says it (flops_callbacks.guard): never the user's forward.
@@ -175,12 +147,13 @@ class Tracer:
             stack.callback(register_module_forward_pre_hook(self._pre_hook).remove)
             stack.callback(register_module_forward_hook(self._post_hook, always_call=True).remove)
             stack.enter_context(self._dispatch)
-            stack.enter_context(_FunctionMode(self))
+            stack.enter_context(FunctionMode(self))
         except BaseException:
             stack.close()
             raise
         self._exit = stack
-        self._saved.start(self.model)
+        if not self.fake:
+            self._saved.start(self.model)
         self._thread = threading.get_ident()
 
     def stop(self) -> None:
@@ -249,7 +222,7 @@ class Tracer:
             return
         recompute = bool(self._stack and self._stack[-1].recompute)
         recompute = recompute or _current_autograd_node() is not None
-        if not recompute and torch.is_grad_enabled():  # a checkpoint holds the inputs of its region
+        if not recompute and torch.is_grad_enabled() and not self.fake:  # a checkpoint holds its inputs
             self._saved.enter(args, self._context_for(None))
         start = self.clock.mark()
         for ancestor in self._virtual_ancestors(name):
@@ -305,7 +278,7 @@ class Tracer:
 
     # --- functionals: naming and tagging autograd nodes --------------------------------------------
 
-    def _run_functional(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def run_functional(self, func: Any, args: tuple, kwargs: dict) -> Any:
         name = functional_name(func)
         if name is READ:
             return func(*args, **kwargs)
@@ -327,11 +300,11 @@ class Tracer:
         """Tag the autograd nodes this call created with its context, and count what a forward's nodes
         save for the backward (a recompute's and a backward's are freed in it)."""
         forward = _current_autograd_node() is None and not (self._stack and self._stack[-1].recompute)
-        self._tags.tag(out, ctx, self._saved.watch if forward else None)
+        self._tags.tag(out, ctx, self._saved.watch if forward and not self.fake else None)
 
     # --- ops: the hot path ---------------------------------------------------------------------------
 
-    def _run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.failure is not None:
             return func(*args, **kwargs)
         entry = entry_for(func)

@@ -33,7 +33,7 @@ from flops_callbacks.integrations.callback_base import SessionCallback, input_id
 from flops_callbacks.integrations.one_call import OneCall
 from flops_callbacks.metrics import FWD_FLOPS
 from flops_callbacks.profile import Profile
-from flops_callbacks.session.step_session import BACKWARD, FORWARD, OPTIMIZER_STEP, TrainingContext
+from flops_callbacks.session.step_session import BACKWARD, FORWARD, OPTIMIZER_STEP, Replay, TrainingContext
 from flops_callbacks.units import number_to_string
 from flops_callbacks.user_warning import warn
 
@@ -271,7 +271,10 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
 
         marked: OneCall | None = None  # compute_loss, wrapped for the whole training_step
         try:
-            session.micro_batch_start(args[1] if len(args) > 1 else kwargs.get("inputs"))  # the inputs
+            inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+            session.micro_batch_start(
+                inputs, _replay(trainer, inputs, args[2:3] or (kwargs.get("num_items_in_batch"),))
+            )
             if session.window_open:
                 marked = OneCall(trainer, "compute_loss", forward_then_backward, once=False)
             return training_step(*args, **kwargs)
@@ -282,6 +285,28 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
             if marked is not None:
                 marked.remove()
             session.micro_batch_end(pause=False)
+
+
+def _replay(trainer: transformers.Trainer, inputs: Any, rest: tuple) -> Replay | str:
+    """The Trainer's own ``training_step`` (forward, ``compute_loss``, the accelerator's backward) on
+    one micro-batch again, with the unwrapped model (a wrapper's hooks would communicate); or why not."""
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "the DeepSpeed engine runs the backward"
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "parameters sharded by FSDP"
+    if "lomo" in str(getattr(trainer.args, "optim", "")).lower():
+        return "a LOMO optimizer steps inside the backward"
+    return Replay(_TrainingStep(trainer), (inputs, *rest))
+
+
+class _TrainingStep:
+    """``trainer.training_step(model, inputs, num_items_in_batch)``, as a step function."""
+
+    def __init__(self, trainer: transformers.Trainer) -> None:
+        self.trainer = trainer
+
+    def __call__(self, model: torch.nn.Module, args: tuple) -> Any:
+        return self.trainer.training_step(model, *args)
 
 
 def _context(trainer: transformers.Trainer, args: Any, model: torch.nn.Module) -> TrainingContext:

@@ -8,13 +8,16 @@ hook starts which phase, where the parallel sizes and the compute dtype are, and
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import torch
 
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
     from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 except ImportError as err:  # the core needs only torch; the Lightning callback is an extra
     raise ImportError(
         "FlopsProfilerCallback needs Lightning: pip install lightning "
@@ -25,7 +28,7 @@ from flops_callbacks.integrations.callback_base import SessionCallback
 from flops_callbacks.integrations.one_call import OneCall
 from flops_callbacks.integrations.strategy_state import precision_dtype, strategy_sizes
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.session.step_session import BACKWARD, FORWARD, OPTIMIZER_STEP, TrainingContext
+from flops_callbacks.session.step_session import BACKWARD, FORWARD, OPTIMIZER_STEP, Replay, TrainingContext
 
 __all__ = ["compute_dtype", "FlopsProfilerCallback", "parallel_sizes"]
 
@@ -143,7 +146,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             if session.window_open and not pl_module.automatic_optimization:
                 hooks = [opt.register_step_post_hook(self._after_step) for opt in trainer.optimizers]
                 self._step_hooks = hooks
-        session.micro_batch_start(batch)
+        session.micro_batch_start(batch, _replay(trainer, pl_module, batch, batch_idx))
         self._unwrap()
         if session.window_open:
             self._training_step = OneCall(trainer.strategy, "training_step", self._user_code)
@@ -228,3 +231,38 @@ def _run_length(trainer: pl.Trainer) -> int | None:
     except Exception:  # an iterable dataset of unknown length: the length is not known
         return None
     return int(steps) if steps != float("inf") else None
+
+
+def _replay(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Replay | str:
+    """The module's ``training_step`` on one micro-batch again, its loss over the accumulated batches and
+    its backward, as the automatic optimization's closure runs them; or why not."""
+    if not pl_module.automatic_optimization:
+        return "manual optimization: training_step steps the optimizers itself"
+    return Replay(_TrainingStep(trainer), (batch, batch_idx))  # made at every micro-batch: nothing read
+
+
+class _TrainingStep:
+    """The step function of :func:`_replay`: ``self.log`` says nothing of it (its values are fake), the
+    precision's context is the real step's."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+
+    def __call__(self, model: torch.nn.Module, args: tuple) -> None:
+        module = cast(pl.LightningModule, model)
+        if not is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2):
+            args = args[:1]
+        quiet = [OneCall(module, name, _nothing, once=False) for name in ("log", "log_dict")]
+        try:
+            with self.trainer.precision_plugin.train_step_context():
+                out = module.training_step(*args)
+        finally:
+            for patch in quiet:
+                patch.remove()
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if isinstance(loss, torch.Tensor):
+            (loss / self.trainer.accumulate_grad_batches).backward()
+
+
+def _nothing(original: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    return None

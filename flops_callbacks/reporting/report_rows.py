@@ -94,6 +94,8 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
                     f"{flops_to_string(median)} ({flops_to_string(low)} .. {flops_to_string(high)})",
                 )
             )
+    if sources is not None and sources.on_steps:
+        lines.append(("shapes counted on training steps (no count off the clock)", sources.on_steps))
     shown = tuple(n for n in s.shape_counting if sources is None or n != sources.check_step)  # said above
     if shown:
         lines.append(("steps counted, not timed (new batch shapes, checks)", _steps_text(shown)))

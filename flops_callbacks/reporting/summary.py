@@ -213,6 +213,8 @@ def _warnings(result: WindowResult, doubts: TreeCheck, details: str) -> list[str
     s, sources = result.steps, result.flops_sources
     if sources is not None and sources.content:
         lines.append(f"warning: the flops depend on the batch's content, {sources.summary()}{where}")
+    if sources is not None and sources.on_steps:
+        lines.append(f"note: shapes counted on training steps, not off the clock{where}")
     if s.skipped:
         skipped = _steps(s.skipped)
         lines.append(f"warning: clean steps left out (batch shapes not countable): {skipped}{where}")

@@ -4,6 +4,18 @@ the results go (:class:`Outlet`), and the publisher that fills the outlet (:clas
 The session knows none of them itself: an adapter hands it a context and an outlet at its events, and
 the callbacks' base hands it the publisher (:func:`flops_callbacks.reporting.publish.publish`) when it
 builds the session, so that the session layer never imports the reporting layer above it.
+
+The events an adapter maps onto the session (:class:`~flops_callbacks.session.step_session.StepSession`):
+
+    train_start(global_step, max_steps=..)   at the start of a run (warnings come here, not at the end)
+    step_start(global_step, model, context)  at the start of each optimizer step
+    micro_batch_start(batch, replay)         before each micro-batch's forward (``replay``: its step again)
+    phase(BACKWARD / OPTIMIZER_STEP / FORWARD), phase_end()   at the events between phases (FORWARD in
+                                             a running forward: the user's code starts; stop_timing(): ends)
+    micro_batch_end(pause=..)                after each micro-batch
+    step_end(global_step, outlet, logs=..)   when the optimizer step has ended
+    train_end(global_step, outlet)           at the end of the run
+    close()                                  on an exception: nothing of the profiler remains
 """
 
 from __future__ import annotations

@@ -27,10 +27,10 @@ from flops_callbacks.session.comm_step import CommFigures, comm_figures
 from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import (
     CleanFigures,
     CleanStep,
-    Kind,
     StepWork,
     WindowStep,
     clean_figures,
@@ -72,7 +72,7 @@ def window_shapes(steps: list[WindowStep], flops: ShapeFlops) -> tuple[int, int,
     those predicted."""
     seen: dict[Any, set[bool]] = {}
     for s in steps:
-        if s.kind in (Kind.COUNTING, Kind.SHAPE_COUNTING, Kind.CLEAN):
+        if s.kind is not None and (s.kind.counted or s.kind == Kind.CLEAN):
             for i, sig in enumerate(s.signatures):
                 seen.setdefault(sig, set()).add(i > 0)
     counted = sum(all((later, sig) in flops.counted for later in kinds) for sig, kinds in seen.items())
@@ -302,7 +302,7 @@ def build_result(
             clean=tuple(s.number for s in clean),
             skipped=tuple(s.number for s in steps if s.kind in (Kind.CLEAN, Kind.SKIPPED) and s not in clean),
             latency_source=local.source,
-            shape_counting=tuple(s.number for s in steps if s.kind == Kind.SHAPE_COUNTING),
+            shape_counting=tuple(s.number for s in steps if s.kind in (Kind.CHECK, Kind.SHAPE_COUNTING)),
             shapes=shapes,
             shapes_counted=counted,
             shapes_predicted=predicted,

@@ -16,12 +16,13 @@ bound), read by the report and the JSON.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_steps import Kind, WindowStep
+from flops_callbacks.session.window_steps import WindowStep
 
-__all__ = ["COUNTED", "ESTIMATED", "PREDICTED", "FlopsSources", "clean_step_flops"]
+__all__ = ["COUNTED", "ESTIMATED", "PREDICTED", "FlopsSources", "clean_step_flops", "on_steps_line"]
 
 COUNTED, PREDICTED, ESTIMATED = "counted", "predicted", "estimated"
 
@@ -35,6 +36,7 @@ class FlopsSources:
     error of the clean steps' total model flops (0: exact). ``checked``: whether a second count checked
     the table. ``content``: the finding that the flops depend on the batch's content ("" if none), with
     ``counted_steps`` and the spread of their model flops per sample (median, lowest, highest).
+    ``on_steps``: one line naming the shapes counted on training steps rather than off the clock, and why.
     """
 
     sources: tuple[str, ...]
@@ -44,6 +46,7 @@ class FlopsSources:
     content: str = ""
     counted_steps: tuple[int, ...] = ()
     spread: tuple[float, float, float] | None = None
+    on_steps: str = ""  # the shapes counted on training steps, as no fake count could give them, and why
 
     def summary(self) -> str:
         """One line: what is exact, what is estimated, and how sure."""
@@ -84,10 +87,27 @@ def _corrected(said: BatchCounts, ratios: list[float]) -> BatchCounts:
     return BatchCounts(*(round(v * factor) for v in said))
 
 
+def on_steps_line(table: ShapeFlops) -> str:
+    """The shapes counted on training steps (no fake count could give them), grouped by why."""
+    by_why: dict[str, list[str]] = {}
+    for (_, signature), why in table.counted_on_steps.items():
+        shapes = str([shape for shape, _ in signature])
+        if shapes not in by_why.setdefault(why, []):
+            by_why[why].append(shapes)
+    return "; ".join(f"shapes {', '.join(shapes)}: {why}" for why, shapes in by_why.items())
+
+
 def clean_step_flops(
     steps: list[WindowStep], clean: list[WindowStep], table: ShapeFlops
 ) -> tuple[list[BatchCounts], FlopsSources]:
     """Each clean step's counts and where they come from (module doc)."""
+    counts, sources = _clean_step_flops(steps, clean, table)
+    return counts, dataclasses.replace(sources, on_steps=on_steps_line(table))
+
+
+def _clean_step_flops(
+    steps: list[WindowStep], clean: list[WindowStep], table: ShapeFlops
+) -> tuple[list[BatchCounts], FlopsSources]:
     finding = table.content
     if finding is None:
         sources = [
@@ -99,7 +119,7 @@ def clean_step_flops(
         return [s.counts or BatchCounts.zero() for s in clean], FlopsSources(
             tuple(sources), 0.0, table.checked is not None, table.checked_step
         )
-    by_number = {s.number: s for s in steps if s.kind in (Kind.COUNTING, Kind.SHAPE_COUNTING)}
+    by_number = {s.number: s for s in steps if s.kind is not None and s.kind.counted}
     counted = sorted(
         n
         for n, (_, micro, _) in table.by_step.items()

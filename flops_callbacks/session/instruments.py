@@ -1,7 +1,7 @@
 """The instruments of the window's steps, started and stopped as one unit: the counting engine (the
-counting step's, kept for its profile; a shape-counting step's, with no clock), the module timer, the
-clean steps' marks of the model's outermost calls (what the timer's hooks cost, in place), and the
-communication step's ``torch.profiler`` (:mod:`flops_callbacks.timing.comm_recorder`).
+counting step's, kept for its profile; a check's or shape-counting step's, with no clock), the module
+timer, the clean steps' marks of the model's outermost calls (what the timer's hooks cost, in place), and
+the communication step's ``torch.profiler`` (:mod:`flops_callbacks.timing.comm_recorder`).
 
 Apart from the step session (which decides what each step does and when) so that one object owns what
 runs inside a micro-batch and its teardown on every exit path: the session stops them in one call.
@@ -18,7 +18,8 @@ from flops_callbacks.module_tree import dynamo_compiled_anything, has_compiled
 from flops_callbacks.options import Options
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_steps import Kind, WindowStep
+from flops_callbacks.session.window_plan import Kind
+from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.clock import CpuClock, CudaClock, NullClock, module_device
 from flops_callbacks.timing.comm_recorder import CommRecorder
 from flops_callbacks.timing.module_timer import ModuleTimer
@@ -26,6 +27,8 @@ from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phases import BACKWARD, FORWARD
 
 __all__ = ["Instruments", "totals"]
+
+COUNTERS = (Kind.CHECK, Kind.SHAPE_COUNTING)  # steps counted with an engine of their own (no clock)
 
 
 def totals(engine: Tracer) -> BatchCounts:
@@ -39,7 +42,7 @@ class Instruments:
     def __init__(self, options: Options) -> None:
         self.options = options
         self.tracer: Tracer | None = None  # the counting step's engine: its profile at the window's end
-        self.counter: Tracer | None = None  # a shape-counting step's engine (no clock)
+        self.counter: Tracer | None = None  # a check's or shape-counting step's engine (no clock)
         self.timer: ModuleTimer | None = None
         self.outer: OuterCalls | None = None  # a clean step's outermost calls, while marked
         self.outermost: list[torch.nn.Module] = []  # the modules whose calls they are
@@ -65,12 +68,14 @@ class Instruments:
             self._start_recorder(module_device(model).type == "cuda")
 
     def shape_counting(self, model: torch.nn.Module) -> None:
-        """The step became a shape-counting one: an engine of its own, with no clock."""
+        """The step became a check or a shape-counting one: an engine of its own, with no clock."""
         self.counter = Tracer(model, causal_attention=self.options.causal_attention, clock=NullClock())
 
     def start(self, step: WindowStep, signature: Signature, later: bool) -> None:
         """A micro-batch of ``step`` starts: its kind's instrument."""
-        engine = {Kind.COUNTING: self.tracer, Kind.SHAPE_COUNTING: self.counter}.get(step.kind or "")
+        engine = (
+            self.tracer if step.kind == Kind.COUNTING else self.counter if step.kind in COUNTERS else None
+        )
         if engine is not None:
             self._counting = (signature, later, totals(engine))
             engine.start()

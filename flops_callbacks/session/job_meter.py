@@ -15,6 +15,7 @@ import torch
 from flops_callbacks.guard import Guard
 from flops_callbacks.session.adapter_api import Outlet
 from flops_callbacks.session.meter import ThroughputMeter, throughput_metrics
+from flops_callbacks.session.off_clock import Replay
 from flops_callbacks.session.ranks import RankFailure, Ranks
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import ShapeFlops
@@ -55,9 +56,9 @@ class JobMeter:
             self.meter.close()
         self.running = self.ok = False
 
-    def micro_batch_start(self, batch: Any) -> None:
+    def micro_batch_start(self, batch: Any, replay: Replay | str | None = None) -> None:
         if self.meter is not None and self.ok:
-            self.meter.begin_micro_batch(batch)
+            self.meter.begin_micro_batch(batch, replay)
 
     def micro_batch_end(self) -> None:
         if self.meter is not None and self.ok:

@@ -21,7 +21,8 @@ on the content, a mode the model switched to, a drift of MoE routing) is said on
 from then on that shape reads the count and the others the table times its ratio. ``"auto"`` audits
 as rarely as keeps the counting within ``AUDIT_COST`` of the run's time: the window's counting step
 against its clean steps tells what a count costs. A shape the table can neither give nor predict (a
-model whose counts are no polynomial of its shapes, a batch outside what the window saw) gets no flops
+model whose counts are no polynomial of its shapes, a batch outside what the window saw) is counted under
+fake tensors with the interval's clock paused (:mod:`.off_clock`), where that runs; else it gets no flops
 until an audit counts it: an interval with one logs samples and tokens per second, not flops, and a
 warning says so once.
 
@@ -46,6 +47,7 @@ from flops_callbacks import metrics as names
 from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.session.batch import Signature, shape_signature
+from flops_callbacks.session.off_clock import OffClock, Replay
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.timing.clock import NullClock, clock_for, module_device
@@ -138,6 +140,7 @@ class ThroughputMeter:
         self._tokens: int | None = 0
         self._later = False  # the next micro-batch is not its step's first
         self._warned_unknown = False
+        self.off_clock: OffClock | None = None  # the session's fake counts (None: none)
 
     def start(self, result: WindowResult, model: torch.nn.Module, flops: ShapeFlops) -> None:
         """Take the window's flops table and sizes, and start the first interval now."""
@@ -153,12 +156,15 @@ class ThroughputMeter:
         self._paused_at: float | None = None
         self._restart(self._now())
 
-    def begin_micro_batch(self, batch: Any) -> None:
-        """Add a micro-batch's samples, tokens and flops (None for the interval when they are unknown)."""
+    def begin_micro_batch(self, batch: Any, replay: Replay | str | None = None) -> None:
+        """Add a micro-batch's samples, tokens and flops (None for the interval when they are unknown);
+        ``replay``: its step again, for a fake count of a shape the table cannot give."""
         later, self._later = self._later, True
         if not self._started:
             return
         signature = shape_signature(batch)
+        if self._tracer is None and self.flops.current(signature, later) is None:
+            self._count_off_clock(signature, later, replay)
         if not later and self._paused_at is None:
             self._audit_due(self.flops.current(signature, later) is None)
         if self._tracer is not None:  # an audited step: counted
@@ -184,6 +190,22 @@ class ThroughputMeter:
                 )
         elif self._flops is not None:
             self._flops += counts
+
+    def _count_off_clock(self, signature: Signature, later: bool, replay: Replay | str | None) -> None:
+        """A shape the table cannot give, counted under fake tensors with the interval's clock paused;
+        kept as an audited count (its shape reads it from now on)."""
+        off_clock = self.off_clock
+        if off_clock is None or not isinstance(replay, Replay) or not off_clock.usable(replay):
+            return
+        running = self._paused_at is None
+        self.pause()
+        try:
+            counts = off_clock.count(self._model, replay, later)
+        finally:
+            if running:
+                self.resume()
+        if counts is not None:
+            self.flops.audit(signature, later, counts)
 
     def _audit_due(self, unknown: bool) -> None:
         """At a step's first micro-batch: start an audit when one is due (out of the interval, as an

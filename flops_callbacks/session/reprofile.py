@@ -35,7 +35,8 @@ from flops_callbacks.session.builder import (
 from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import ShapeFlops
-from flops_callbacks.session.window_steps import CleanFigures, Kind, WindowStep, clean_figures
+from flops_callbacks.session.window_plan import Kind
+from flops_callbacks.session.window_steps import CleanFigures, WindowStep, clean_figures
 
 __all__ = ["ReusedWindow", "local_part", "reused_window", "window_result"]
 
@@ -71,7 +72,7 @@ class ReusedWindow:
                 s.number for s in self.steps if s.kind in (Kind.CLEAN, Kind.SKIPPED) and s not in clean
             ),
             latency_source=f"median of {len(clean)} clean step(s)",
-            shape_counting=tuple(s.number for s in self.steps if s.kind == Kind.SHAPE_COUNTING),
+            shape_counting=tuple(s.number for s in self.steps if s.kind in (Kind.CHECK, Kind.SHAPE_COUNTING)),
             shapes=shapes,
             shapes_counted=counted,
             shapes_predicted=predicted,

@@ -12,15 +12,10 @@ from pathlib import Path
 
 from flops_callbacks.files import unwritable_reason
 from flops_callbacks.options import Options
+from flops_callbacks.session.window_plan import CLEAN_MIN, MODULE_TIMING_STEPS, before_clean
 from flops_callbacks.user_warning import warn
 
-__all__ = ["CLEAN_MAX", "CLEAN_MIN", "MODULE_TIMING_STEPS", "RunPlan", "unwritable_destinations"]
-
-CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
-MODULE_TIMING_STEPS = 3  # the tree is the median one's (by the model's time): a pause in one drops out
-# the counting and module-timing steps, and the step after them that counts a known shape again to check
-# the shape table (work that depends on the batch's content is found there)
-BEFORE_CLEAN = 2 + MODULE_TIMING_STEPS
+__all__ = ["RunPlan", "unwritable_destinations"]
 
 
 @dataclass(frozen=True)
@@ -35,13 +30,22 @@ class RunPlan:
     steps_per_batch: int
     first: int  # the window's first step
     last: int  # the step its last step starts at (with clean_steps="auto": at least)
+    comm: bool = False  # the window has a communication step (several ranks)
 
     @classmethod
-    def of(cls, options: Options, global_step: int, max_steps: int | None, steps_per_batch: int) -> RunPlan:
+    def of(
+        cls,
+        options: Options,
+        global_step: int,
+        max_steps: int | None,
+        steps_per_batch: int,
+        comm: bool = False,
+    ) -> RunPlan:
         clean = CLEAN_MIN if options.clean_steps == "auto" else options.clean_steps
         per = steps_per_batch
         first = global_step + -(-(options.profile_step - global_step) // per) * per
-        return cls(options, global_step, max_steps, per, first, first + (BEFORE_CLEAN + clean - 1) * per)
+        last = first + (before_clean(comm=comm) + clean - 1) * per
+        return cls(options, global_step, max_steps, per, first, last, comm)
 
     @property
     def resumed_past(self) -> bool:
@@ -71,10 +75,12 @@ class RunPlan:
                 f"optimizer steps (0 .. {max_steps - 1}). Use a profile_step below {max_steps}.",
             )
         elif max_steps is not None and max_steps <= self.last:
-            clean = max(-(-(max_steps - self.first) // self.steps_per_batch) - BEFORE_CLEAN, 0)
+            head_steps = before_clean(comm=self.comm)
+            clean = max(-(-(max_steps - self.first) // self.steps_per_batch) - head_steps, 0)
+            comm = "a communication step, " if self.comm else ""
             warn(
                 f"{owner}: the profile window needs steps {self.first} .. {self.last} "
-                f"(counting, {MODULE_TIMING_STEPS} x module timing, a check, "
+                f"(counting, {MODULE_TIMING_STEPS} x module timing, {comm}a check, "
                 f"clean_steps={self.options.clean_steps!r}); the run has {max_steps} steps: "
                 f"the latencies will rest on {clean} clean step(s).",
             )

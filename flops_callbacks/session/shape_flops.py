@@ -12,11 +12,9 @@ fails the check and its shapes keep being counted). A model's counts are such a 
 the branches of its code (more layers above a length, local attention above a length), so a prediction
 is made only inside the range of the counted points that verified it: a shape outside is counted
 first, and the points on each side of a branch fit apart. Work that depends on the values (padding-free
-layers, MoE routing) is found by a second count of a known shape (``needs_count``, ``content``).
-Why not a replay under ``FakeTensorMode`` /
-``meta``: the training step (forward, loss, backward) belongs to the framework and the user's code
-and cannot be re-run after it, and a replay of only ``model(batch)`` would miss the loss and the
-backward that the counting engine sees.
+layers, MoE routing) is found by a second count of a known shape (the window's check step: ``content``).
+Points come from counted steps and from counts off the clock (:mod:`.off_clock`); a prediction spares a
+fake count, and where none runs, a training step.
 
 Signatures of one *family* (same tensor count, ranks and dtypes) share a predictor. Its variables are
 the signature dims that vary among the family's counted points; dims that are equal to each other
@@ -283,6 +281,7 @@ class ShapeFlops:
         self._known: dict[Key, BatchCounts | None] = {}  # lookups so far (None: unpredictable)
         self.audited: dict[Key, BatchCounts] = {}  # after the window: the latest count of each signature
         self.correction = 1.0  # after the window: the latest count over the table's value, for the rest
+        self.counted_on_steps: dict[Key, str] = {}  # shapes no fake count could give: why (the report's)
 
     def record(
         self, signature: Signature, counts: BatchCounts, later: bool = False, step: int | None = None
@@ -330,19 +329,6 @@ class ShapeFlops:
         if (later, signature) in self.counted:
             return "counted"
         return "predicted" if self.get(signature, later) is not None else "unknown"
-
-    def needs_count(self, signature: Signature, later: bool, first: bool, counted_last: bool) -> bool:
-        """Whether a window step's micro-batch must be counted rather than timed (``first``: the step's
-        first micro-batch, where the step's kind is chosen; ``counted_last``: the window step before was
-        counted). Counted: a signature neither counted nor predictable inside a verified range; at a
-        step's first micro-batch, a known one until one count has checked the table (a second batch of a
-        counted shape, or one predicted), and, once the flops were found to depend on the content, every
-        other step (the timed ones between take their flops from these: :mod:`.flops_sources`)."""
-        if self.get(signature, later) is None:
-            return True
-        if not first:
-            return False
-        return self.checked is None or (self.content is not None and not counted_last)
 
     def audit(self, signature: Signature, later: bool, counts: BatchCounts) -> float | None:
         """A micro-batch counted after the window (:mod:`.meter`): from now on its signature reads this

@@ -1,27 +1,13 @@
 """The step session below both callbacks: the profile window, then the continuous throughput meter.
 
-A profile is a short window of steps, each doing one job on its own clock: the counting step counts every
-op (:class:`~flops_callbacks.counting.engine.Tracer`; its times feed no figure), the
-``MODULE_TIMING_STEPS`` module-timing steps mark module calls only (the tree is the median one's:
-:class:`~flops_callbacks.timing.module_timer.ModuleTimer`), the clean steps mark the phases at the
-framework's events, each step's end and the model's outermost calls (:mod:`.outer_calls`). Each
-batch's flops come from :class:`~flops_callbacks.session.shape_flops.ShapeFlops`; what it cannot vouch
-for (``needs_count``: a new shape, the content check) is a shape-counting step (counted, not timed), at
-most ``MAX_SHAPE_COUNTS`` times. :mod:`.builder` builds the figures from :mod:`.window_steps`; after the
-window, :mod:`flops_callbacks.session.meter` logs ``throughput/*`` with the same table, paused while a
-re-profile window (``profile_every``: :mod:`.window_plan`, :mod:`.reprofile`) times clean steps.
+A profile is a short window of steps, each doing one job on its own clock, laid out by
+:mod:`.window_plan`: the counting step counts every op (its times feed no figure), the module-timing steps
+mark module calls only, the check counts a known shape again, the clean steps mark the phases. Each
+batch's flops come from :class:`~flops_callbacks.session.shape_flops.ShapeFlops`, or off the clock
+(:mod:`.off_clock`); :mod:`.builder` builds the figures; after the window,
+:mod:`flops_callbacks.session.meter` logs ``throughput/*`` with the same table.
 
-An adapter maps its framework's events onto this object (:mod:`flops_callbacks.session.adapter_api`):
-
-    train_start(global_step, max_steps=..)   at the start of a run (warnings come here, not at the end)
-    step_start(global_step, model, context)  at the start of each optimizer step
-    micro_batch_start(batch)                 before each micro-batch's forward
-    phase(BACKWARD / OPTIMIZER_STEP / FORWARD), phase_end()   at the events between phases (FORWARD in
-                                             a running forward: the user's code starts; stop_timing(): ends)
-    micro_batch_end(pause=..)                after each micro-batch
-    step_end(global_step, outlet, logs=..)   when the optimizer step has ended
-    train_end(global_step, outlet)           at the end of the run
-    close()                                  on an exception: nothing of the profiler remains
+An adapter maps its framework's events onto this object: :mod:`flops_callbacks.session.adapter_api`.
 
 With several processes, every decision that shapes the window is agreed by all ranks at points they reach
 in lock step (:mod:`flops_callbacks.session.window_plan`, the only collectives:
@@ -37,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,23 +33,21 @@ from flops_callbacks.peaks import given_bandwidth, given_peak
 from flops_callbacks.session import run_plan
 from flops_callbacks.session.adapter_api import Outlet, Publish, TrainingContext
 from flops_callbacks.session.batch import BatchReader, Signature, shape_signature
-from flops_callbacks.session.builder import RankRow
 from flops_callbacks.session.instruments import Instruments
 from flops_callbacks.session.job_meter import JobMeter
 from flops_callbacks.session.meter import ThroughputMeter
-from flops_callbacks.session.ranks import RankFailure, Ranks
-from flops_callbacks.session.reprofile import local_part, window_result
+from flops_callbacks.session.off_clock import OffClock, Replay
+from flops_callbacks.session.ranks import Ranks
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_plan import Decision, WindowPlan, Wish
-from flops_callbacks.session.window_steps import Kind, WindowStep
+from flops_callbacks.session.window_end import DROPPED, WindowEnd
+from flops_callbacks.session.window_plan import Kind, WindowPlan, Wish
+from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.clock import clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
 from flops_callbacks.timing.phase_memory import phase_memory_for
 from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
 from flops_callbacks.user_warning import warn
-
-DROPPED = "the profile window is dropped and nothing of the profiler stays; this run goes on unprofiled"
 
 
 def _own_work(what: str, abandon: bool = True) -> Callable[[F], F]:
@@ -72,10 +56,18 @@ def _own_work(what: str, abandon: bool = True) -> Callable[[F], F]:
     return guarded_event(what, DROPPED if abandon else "training goes on", "_abandon" if abandon else None)
 
 
-__all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Outlet", "TrainingContext", "StepSession"]
+__all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Outlet", "Replay", "TrainingContext", "StepSession"]
 
 
-class StepSession:
+class _Read(NamedTuple):
+    """A window micro-batch as read: its shapes, whether it is a later one of its step, its counts."""
+
+    signature: Signature
+    later: bool
+    counts: BatchCounts | None
+
+
+class StepSession(WindowEnd):
     """The profile window and the throughput meter of one callback (module doc).
 
     ``owner`` names the callback in messages; ``tokens_fn`` defaults to the options' (an adapter may
@@ -106,6 +98,8 @@ class StepSession:
         self.plan = WindowPlan(options, self.ranks)
         self.result: WindowResult | None = None
         self.flops = ShapeFlops()  # flops per micro-batch shape: counted in the window, read after it
+        self.off_clock = OffClock(options.causal_attention)
+        meter.off_clock = self.off_clock
         self._steps: list[WindowStep] = []  # the window's steps so far (this rank's record of them)
         self._step: WindowStep | None = None  # the window step in progress
         self.instruments = Instruments(options)
@@ -167,6 +161,7 @@ class StepSession:
         self.plan.reset(run=True)
         self.result = None
         self.flops = ShapeFlops()
+        self.off_clock.forget()
         self._window_ran = self._abandoned = False
         self._logging_rank = is_logging_rank
         self.batches.said_no_size = False
@@ -180,6 +175,8 @@ class StepSession:
         if not is_logging_rank:
             return
         self._unwritable = run_plan.unwritable_destinations(self.owner, self.options.output_file, log_dir)
+        if self.plan.comm_step:  # the ranks are known now
+            plan = run_plan.RunPlan.of(self.options, global_step, max_steps, steps_per_batch, comm=True)
         plan.warn(self.owner, profiled_before)
 
     @_own_work("ending the run")
@@ -211,18 +208,9 @@ class StepSession:
         finally:
             self._steps, self._step, self._model = [], None, None
             self.instruments.drop()
+            self.off_clock.drop()
             if meter:
                 self.job_meter.close()
-
-    def _drop(self, decision: Decision) -> None:
-        """Every rank agreed to drop the window: said once, by the logging rank, unless this rank's own
-        failure was said already. No other window starts in this run."""
-        self.plan.reset(run=True)
-        self._window_ran = True
-        if self._logging_rank and not self._abandoned:
-            warn(f"{self.owner}: {decision.why}; {DROPPED} on every rank. Training goes on.")
-        self._abandoned = True
-        self.close()
 
     # --- steps ---------------------------------------------------------------------------------------
 
@@ -247,7 +235,7 @@ class StepSession:
     @_own_work("starting a step")
     def _begin_step(
         self,
-        kind: str | None,
+        kind: Kind | None,
         global_step: int,
         model: torch.nn.Module,
         context: Callable[[], TrainingContext] | None,
@@ -266,54 +254,57 @@ class StepSession:
         self._step = step
         self.instruments.for_step(step, model, runs)
 
-    def micro_batch_start(self, batch: Any) -> None:
+    def micro_batch_start(self, batch: Any, replay: Replay | str | None = None) -> None:
         """Before a micro-batch's forward: its samples, tokens and flops; the step's kind, agreed by every
-        rank while its batches decide it; and this step's instrument."""
+        rank while its batches decide it; and this step's instrument. ``replay``: how the adapter's step
+        runs this micro-batch again (for a count off the clock), or why it cannot."""
         if not self.plan.open:
             if self.job_meter.running:
-                self._meter_batch(batch)
+                self._meter_batch(batch, replay)
             return
         read = self._read_batch(batch) if self._step is not None else None
         if (decides := self.plan.batch_decides) or self.plan.lines_up():  # lines_up: comm step's start
-            unknown = read is not None and read[2] is None
-            check = read is not None and read[3] and not unknown  # the table asks for a count
-            decision = self.plan.vote(Wish(drop=self.plan.failed, new_shape=unknown, check=check))
+            decision = self.plan.vote(self._wish(read, replay))
             if decision.drop:
                 self._drop(decision)
                 return
             if decides:
-                self.plan.batch_kind(decision.new_shape, decision.check)
+                self.plan.batch_kind(decision)
         if read is not None and self._step is not None:
-            self._begin_micro_batch(batch, *read[:3])
+            self._begin_micro_batch(batch, read, replay)
+
+    def _wish(self, read: _Read | None, replay: Replay | str | None) -> Wish:
+        """This rank's wish for the step's kind (:class:`~flops_callbacks.session.window_plan.Wish`)."""
+        if read is None:
+            return Wish(drop=self.plan.failed)
+        unknown, fake, content = read.counts is None, self.off_clock.usable(replay), self.flops.content
+        return Wish(self.plan.failed, unknown and not fake, not unknown or fake, content is not None)
 
     @_own_work("reading the batch")
-    def _meter_batch(self, batch: Any) -> None:
-        self.job_meter.micro_batch_start(batch)
+    def _meter_batch(self, batch: Any, replay: Replay | str | None) -> None:
+        self.job_meter.micro_batch_start(batch, replay)
 
     @_own_work("reading the batch")
-    def _read_batch(self, batch: Any) -> tuple[Signature, bool, BatchCounts | None, bool]:
-        """The micro-batch's signature, whether it is a later one of its step, its counts if known, and
-        whether the shape table wants it counted (:meth:`ShapeFlops.needs_count`)."""
+    def _read_batch(self, batch: Any) -> _Read:
         step = self._step
         assert step is not None
         signature, later = shape_signature(batch), bool(step.signatures)
-        kinds = self.plan.kinds
-        counted_last = len(kinds) > 1 and kinds[-2] in (Kind.COUNTING, Kind.SHAPE_COUNTING)
-        wants = self.flops.needs_count(signature, later, self.plan.kind is None, counted_last)
-        return signature, later, self.flops.get(signature, later), wants
+        return _Read(signature, later, self.flops.get(signature, later))
 
     @_own_work("reading the batch")
-    def _begin_micro_batch(
-        self, batch: Any, signature: Signature, later: bool, counts: BatchCounts | None
-    ) -> None:
-        step = self._step
+    def _begin_micro_batch(self, batch: Any, read: _Read, replay: Replay | str | None) -> None:
+        step, kind, model = self._step, self.plan.kind, self._model
         assert step is not None
-        if step.kind != self.plan.kind and self.plan.kind == Kind.SHAPE_COUNTING and self._model is not None:
-            self.instruments.shape_counting(self._model)
-        step.kind = self.plan.kind
+        if step.kind != kind and kind in (Kind.CHECK, Kind.SHAPE_COUNTING) and model is not None:
+            self.instruments.shape_counting(model)
+        step.kind = kind
+        counts = read.counts
+        if model is not None and kind is not None:
+            where = (step, read.signature, read.later)
+            counts = self.off_clock.micro_batch(model, self.flops, kind, *where, counts, replay)
         samples, tokens = self.batches.samples(batch, say_unknown=True), self.batches.tokens(batch)
-        step.add(batch, signature, samples, tokens, counts)
-        self.instruments.start(step, signature, later)
+        step.add(batch, read.signature, samples, tokens, counts)
+        self.instruments.start(step, read.signature, read.later)
         step.phases.start(FORWARD)
 
     @_own_work("marking a phase")
@@ -345,8 +336,10 @@ class StepSession:
         self._stop_instruments()
         if self._counting_failed():
             return
-        if pause:
-            step.phases.stop()
+        if pause or (step.kind == Kind.COUNTING and self.off_clock.trial is not None):
+            step.phases.stop()  # the trial of a fake count, right after the real count, is no phase's
+        if step.kind == Kind.COUNTING and self._model is not None:
+            self.off_clock.try_trial(self._model, self.flops)
 
     @_own_work("marking a phase")
     def stop_timing(self) -> None:
@@ -388,9 +381,9 @@ class StepSession:
         if step.kind == Kind.COUNTING:
             collect_counting_garbage()  # now, outside every clock
         clean = [s for s in self._steps if s.kind == Kind.CLEAN]
-        if self.options.clean_steps != "auto" or len(clean) < run_plan.CLEAN_MIN:
+        if not self.plan.wants_iters(len(clean)):
             return False
-        return self.plan.done_here([s.seconds()["iter"] for s in clean])  # reads the clock: a synchronize
+        return self.plan.done_here(lambda: [s.seconds()["iter"] for s in clean])  # a synchronize
 
     # --- throughput ----------------------------------------------------------------------------------
 
@@ -408,53 +401,3 @@ class StepSession:
     def resume_throughput(self) -> None:
         if not self.plan.open:  # a re-profile window's time is not metered: resumed at its end
             self.job_meter.resume()
-
-    # --- the window's end ----------------------------------------------------------------------------
-
-    def _stop_instruments(self) -> None:
-        """Stop what runs; a counted micro-batch's counts go in the table."""
-        self.instruments.stop(self.flops, self._step)
-
-    def _counting_failed(self) -> bool:
-        """Whether a formula failed while counting (said here, and the window dropped)."""
-        failure = self.instruments.failure()
-        if failure is None:
-            return False
-        what, error = failure
-        self.guard.fail(what, error, DROPPED)
-        self._abandon()
-        return True
-
-    def _finish(self, global_step: int, outlet: Outlet) -> None:
-        """The window's agreed end (every rank): exchange each rank's figures, build the job's result,
-        publish it on the logging rank, and start (or resume) the throughput meter on every rank."""
-        steps, self._steps, self._step = self._steps, [], None
-        tracer = self.instruments.drop()
-        model, self._model = self._model, None
-        reprofile, base = self.plan.reprofile, self.result
-        self.plan.reset()
-        self.plan.ended(steps[-1].number if steps else global_step)  # agreed: the steps are every rank's
-        self._window_ran = True
-        local = None
-        if model is not None:
-            with self.guard.own_work("building the profile", DROPPED, self._abandon):
-                local = local_part(steps, self.flops, tracer, base if reprofile else None)
-        mine: RankRow | str = local.row() if local is not None else "failed" if self._abandoned else "empty"
-        try:
-            rows = self.ranks.exchange(mine)
-        except RankFailure as failure:
-            return self._drop(Decision.dropped(f"exchanging every rank's figures failed ({failure})"))
-        if any(row == "failed" for row in rows):
-            return self._drop(Decision.dropped(f"rank {rows.index('failed')}'s profile failed"))
-        if local is None or model is None or any(isinstance(row, str) for row in rows):
-            return self.job_meter.resume() if reprofile else None  # no micro-batch: nothing to say
-        with self.guard.own_work("asking the log dir", "the files in the log dir are not written"):
-            log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective
-        built = None
-        with self.guard.own_work("building the profile", "no profile is published"):
-            peaks = (self.given_peak, self.given_bandwidth)
-            built = window_result(local, steps, rows, model, self._context, self.flops, global_step, peaks)
-        self.result = built or self.result  # a failed re-profile keeps the last result to build on
-        if built is not None and outlet.is_logging_rank and self.publish is not None:
-            self.publish(built, self.options, log_dir, outlet, self.guard, set(self._unwritable))
-        self.job_meter.start(self.result, model, self.flops, again=reprofile)

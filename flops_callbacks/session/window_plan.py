@@ -1,43 +1,102 @@
-"""The one owner of what shapes the profile window, agreed by every rank.
+"""The profile window's layout: its step kinds, its constants, and every decision that shapes it, agreed
+by every rank.
 
-Each decision that shapes the window (a step's kind, the window's end, dropping it after a failure) is
-taken here, from every rank's wish, at points every rank reaches in lock step: each micro-batch of a
-step whose batches decide its kind, and each window step's end. So every rank runs the same kind of
-step on the same global step (a rank counting a new batch shape would slow the others' "clean" step
-through the gradient all-reduce), and the window ends on the same step everywhere, where the figures
-are exchanged. A rank whose own work failed keeps voting, for a drop, until every rank has dropped.
+A first window is its fixed head (:func:`head`: the counting step, the module-timing steps, and with
+several ranks the communication step under ``torch.profiler``), the check (a step counted again so that
+work depending on the batch's content shows), then clean steps until ``clean_steps`` are timed
+(``"auto"``: until their median is known). A batch shape the flops table cannot give is counted off the
+clock where a fake count runs, so its step stays clean; where none runs, its step is a shape-counting one
+(at most :data:`MAX_SHAPE_COUNTS`, then skipped). Once the table finds flops that depend on the content,
+every other step is counted. A re-profile window (``profile_every``) reuses the first one's counts, check
+and module tree: a lead-in step (its end starts the first clean step's wall), then clean steps (between
+windows the meter's audits count known shapes again). To add a kind: a :class:`Kind` member, and its
+place in :func:`head` or in :meth:`WindowPlan.batch_kind`.
 
+Every decision is taken here from every rank's :class:`Wish`, at points all ranks reach in lock step
+(each micro-batch of a step whose batches decide its kind, and each window step's end), so every rank
+runs the same kind of step on the same global step and the window ends on the same step everywhere.
 Why a vote at the micro-batch and not only at the step's end: a step's kind depends on its batches'
-shapes, which no rank knows before they arrive.
-
-With ``profile_every=N`` a window ends by naming the next one's start: the first step of the grid
-``profile_step + k*N`` after its last step (:meth:`WindowPlan.ended`), from the agreed steps and the
-options alone, so every rank opens it on the same global step. Such a *re-profile* window has no
-counting and no module-timing step (the previous window's counts and module tree are reused): a lead-in
-step, run as it is (its end is where the first clean step's wall and data time start), then steps
-decided by their batches, clean unless a shape is new (or the table asks for a count).
+shapes, which no rank knows before they arrive. Why the check is a step of its own rather than the
+table's wish: the table says what it knows; where the window spends a step is the layout's to say.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections.abc import Callable
+from enum import Enum
 from typing import NamedTuple
 
 from flops_callbacks.options import Options
-from flops_callbacks.session import run_plan
 from flops_callbacks.session.ranks import RankFailure, Ranks
-from flops_callbacks.session.window_steps import Kind, median_known
 
-__all__ = ["Decision", "MAX_SHAPE_COUNTS", "WindowPlan", "Wish"]
+__all__ = [
+    "CLEAN_MAX",
+    "CLEAN_MIN",
+    "MAX_SHAPE_COUNTS",
+    "MODULE_TIMING_STEPS",
+    "Decision",
+    "Kind",
+    "WindowPlan",
+    "Wish",
+    "before_clean",
+    "head",
+    "median_interval",
+    "median_known",
+]
 
-MAX_SHAPE_COUNTS = 8  # shape-counting steps a window may add
+CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
+MODULE_TIMING_STEPS = 3  # the tree is the median one's (by the model's time): a pause in one drops out
+MAX_SHAPE_COUNTS = 8  # shape-counting steps a window may add (where no fake count runs)
+CONFIDENCE = 0.90  # of the median's interval for clean_steps="auto"
+
+
+class Kind(str, Enum):
+    """The job of a window step (its value: the name the report and JSON say)."""
+
+    COUNTING = "counting"  # every op counted: the profile's flops and tree
+    MODULE_TIMING = "module timing"  # module calls marked: the tree's latencies
+    CHECK = "check"  # counted again: the table's flops for its shapes checked against the content's
+    CLEAN = "clean"  # timed: the window's latencies and rates
+    SHAPE_COUNTING = "shape counting"  # counted, not timed: its shapes' flops had no other source
+    SKIPPED = "skipped"  # timed, but its shapes' flops are unknown (no shape counting left)
+    LEAD_IN = "lead-in"  # a re-profile window's first: its end is where the first clean step's wall starts
+    COMMUNICATION = "communication"  # under torch.profiler: where the step's time goes between ranks
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def counted(self) -> bool:
+        """Whether the counting engine runs on it (its time is no figure's)."""
+        return self in (Kind.COUNTING, Kind.CHECK, Kind.SHAPE_COUNTING)
+
+
+def head(reprofile: bool = False, comm: bool = False) -> tuple[Kind, ...]:
+    """The kinds of the window's first steps, given by their place (``comm``: with the communication
+    step)."""
+    if reprofile:
+        return (Kind.LEAD_IN,)
+    timing = tuple(Kind.MODULE_TIMING for _ in range(MODULE_TIMING_STEPS))
+    return (Kind.COUNTING, *timing, *((Kind.COMMUNICATION,) if comm else ()))
+
+
+def before_clean(reprofile: bool = False, comm: bool = False) -> int:
+    """Window steps before the first clean one when every shape is known or counted off the clock."""
+    return len(head(reprofile, comm)) + (0 if reprofile else 1)  # the check
 
 
 class Wish(NamedTuple):
     """What one rank wants at a vote."""
 
     drop: bool = False  # its own work failed: drop the window
-    new_shape: bool = False  # its micro-batch's flops are neither counted nor predictable
-    check: bool = False  # its shape table asks for a count of a known shape (ShapeFlops.needs_count)
+    new_shape: bool = False  # its micro-batch's flops are unknown and no fake count can give them
+    checkable: bool = False  # a count of its micro-batch can check the table (known, or fake-countable)
+    content: bool = False  # its table found flops that depend on the batch's content
     done: bool = False  # the window has what it needs here (``clean_steps="auto"``'s median)
 
 
@@ -45,14 +104,15 @@ class Decision(NamedTuple):
     """What every rank does after a vote; ``why`` says a drop's cause in words ("" for none)."""
 
     drop: bool
-    new_shape: bool  # some rank's micro-batch is new: the step counts it
-    check: bool  # some rank's table asks for a count
+    new_shape: bool  # some rank's micro-batch must be counted on this step
+    checkable: bool  # some rank's micro-batch can check the table
+    content: bool  # some rank's table found content-dependent flops
     done: bool
     why: str = ""
 
     @classmethod
     def dropped(cls, why: str) -> Decision:
-        return cls(True, False, False, False, why)
+        return cls(True, False, False, False, False, why)
 
 
 class WindowPlan:
@@ -62,7 +122,7 @@ class WindowPlan:
     def __init__(self, options: Options, ranks: Ranks) -> None:
         self.options = options
         self.ranks = ranks
-        self.kinds: list[str | None] = []  # the agreed kind of each window step (None: not yet)
+        self.kinds: list[Kind | None] = []  # the agreed kind of each window step (None: not yet)
         self.open = False
         self.failed = False
         self.reprofile = False  # the open window reuses the previous one's profile (module doc)
@@ -87,33 +147,20 @@ class WindowPlan:
 
     @property
     def before_clean(self) -> int:
-        """Window steps before the first clean one: counting, module timing and the check, or the lead-in."""
-        return 1 if self.reprofile else run_plan.BEFORE_CLEAN + self.comm_step
+        return before_clean(self.reprofile, self.comm_step)
 
     @property
     def comm_step(self) -> bool:
-        """Whether the window has a communication step (the one after the module-timing steps): with
-        several ranks, unless the options turn it off; a re-profile window has none."""
+        """Whether the window has a communication step: with several ranks, unless the options turn it
+        off; a re-profile window has none."""
         return self.options.comm_step and self.ranks.several and not self.reprofile
 
     @property
     def comm_next(self) -> bool:
         """Whether the next step is the communication step: its profiler starts at this step's end,
         before the vote, so that the vote lines the ranks up after the profiler's start-up."""
-        return self.comm_step and len(self.kinds) == run_plan.MODULE_TIMING_STEPS + 1
-
-    def start_step(self) -> str | None:
-        """A window step starts: its kind by its place (counting, module timing, communication), or None
-        when its batches decide (a clean step, or a shape-counting or skipped one)."""
-        self.open = True
-        n = len(self.kinds)
-        kind = Kind.COUNTING if n == 0 else Kind.MODULE_TIMING if n <= run_plan.MODULE_TIMING_STEPS else None
-        if self.comm_step and n == 1 + run_plan.MODULE_TIMING_STEPS:
-            kind = Kind.COMMUNICATION
-        if self.reprofile:
-            kind = Kind.LEAD_IN if n == 0 else None
-        self.kinds.append(kind)
-        return kind
+        fixed = head(self.reprofile, self.comm_step)
+        return len(self.kinds) < len(fixed) and fixed[len(self.kinds)] == Kind.COMMUNICATION
 
     def lines_up(self) -> bool:
         """Whether the ranks vote before this micro-batch: the communication step's first (once a step),
@@ -123,9 +170,22 @@ class WindowPlan:
         self._lined_up = len(self.kinds)
         return True
 
+    def start_step(self) -> Kind | None:
+        """A window step starts: its kind by its place (:func:`head`), or None when its batches decide."""
+        self.open = True
+        fixed = head(self.reprofile, self.comm_step)
+        kind = fixed[len(self.kinds)] if len(self.kinds) < len(fixed) else None
+        self.kinds.append(kind)
+        return kind
+
     @property
-    def kind(self) -> str | None:
+    def kind(self) -> Kind | None:
         return self.kinds[-1] if self.kinds else None
+
+    @property
+    def checked(self) -> bool:
+        """Whether this window has had its check step (a re-profile window has the first one's)."""
+        return self.reprofile or Kind.CHECK in self.kinds
 
     @property
     def batch_decides(self) -> bool:
@@ -134,7 +194,8 @@ class WindowPlan:
 
     def vote(self, wish: Wish) -> Decision:
         """Every rank's wishes, agreed: a drop if any rank wants one (or a rank does not answer), a
-        count if any rank's batch is new, the end only when every rank is done."""
+        count, a check or the content's rhythm if any rank's batch asks, the end only when every rank
+        is done."""
         try:
             wishes = self.ranks.exchange(wish)
         except RankFailure as failure:
@@ -143,39 +204,90 @@ class WindowPlan:
         if failed:
             why = f"rank {failed[0]}'s profiler failed" if self.ranks.several else "the profiler failed"
             return Decision.dropped(why)
-        new, check = any(w.new_shape for w in wishes), any(w.check for w in wishes)
-        return Decision(False, new, check, all(w.done for w in wishes))
+        return Decision(
+            False,
+            any(w.new_shape for w in wishes),
+            any(w.checkable for w in wishes),
+            any(w.content for w in wishes),
+            all(w.done for w in wishes),
+        )
 
-    def batch_kind(self, new_shape: bool, check: bool = False) -> str:
-        """The current step's agreed kind after a micro-batch's vote said whether some rank's batch is
-        new (a shape-counting step while those are left, else skipped) or its table asks for a count (a
-        shape-counting step while those are left, else it stays clean); else clean."""
-        left = sum(k == Kind.SHAPE_COUNTING for k in self.kinds[:-1]) < MAX_SHAPE_COUNTS
-        if new_shape:
+    def batch_kind(self, decision: Decision) -> Kind:
+        """The current step's agreed kind after a micro-batch's vote. At its first micro-batch: the check
+        while a first window has none and a batch can check; a shape count where a batch needs one (skipped
+        once none is left); every other step counted once the content decides the flops; else clean. A
+        later micro-batch of a clean step turns it into a shape count where a batch needs one."""
+        before = self.kinds[:-1]
+        left = sum(k == Kind.SHAPE_COUNTING for k in before) < MAX_SHAPE_COUNTS
+        kind: Kind | None = self.kind
+        if kind is None:
+            counted_last = bool(before) and before[-1] is not None and before[-1].counted
+            if decision.checkable and not self.checked:
+                kind = Kind.CHECK
+            elif decision.new_shape:
+                kind = Kind.SHAPE_COUNTING if left else Kind.SKIPPED
+            elif decision.content and not counted_last and left:
+                kind = Kind.SHAPE_COUNTING
+            else:
+                kind = Kind.CLEAN
+        elif decision.new_shape:
             kind = Kind.SHAPE_COUNTING if left else Kind.SKIPPED
-        elif check and left:
-            kind = Kind.SHAPE_COUNTING
-        else:
-            kind = self.kind or Kind.CLEAN
         self.kinds[-1] = kind
-        return kind
+        return kind or Kind.CLEAN
 
-    def done_here(self, clean_iters: list[float]) -> bool:
-        """This rank's wish at a step's end: ``clean_iters`` (its clean steps' iter seconds) meet
+    def wants_iters(self, clean_steps: int) -> bool:
+        """Whether this rank's wish at a step's end reads its clean steps' iter seconds (a synchronize):
+        only under ``clean_steps="auto"`` with enough of them for a median."""
+        return self.options.clean_steps == "auto" and clean_steps >= CLEAN_MIN
+
+    def done_here(self, clean_iters: Callable[[], list[float]]) -> bool:
+        """This rank's wish at a step's end: its clean steps (``clean_iters``: their iter seconds) meet
         ``clean_steps``, or ``"auto"``'s median is known."""
         wanted = self.options.clean_steps
         if len(self.kinds) < self.before_clean:
             return False
+        iters = clean_iters()
         if wanted != "auto":
-            return len(clean_iters) >= wanted
-        return len(clean_iters) >= run_plan.CLEAN_MIN and median_known(clean_iters)
+            return len(iters) >= wanted
+        return len(iters) >= CLEAN_MIN and median_known(iters)
 
     def capped(self) -> bool:
         """Whether the window has grown as long as it may (agreed kinds: the same on every rank)."""
         wanted = self.options.clean_steps
-        most = run_plan.CLEAN_MAX if wanted == "auto" else wanted
+        most = CLEAN_MAX if wanted == "auto" else wanted
         clean = sum(k == Kind.CLEAN for k in self.kinds)
         after = len(self.kinds) - self.before_clean
         return len(self.kinds) >= self.before_clean and (
             clean >= most or after >= most + 2 * MAX_SHAPE_COUNTS
         )
+
+
+def _binomial_cdf(k: int, n: int) -> float:
+    """P(X <= k) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+
+
+def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """The distribution-free interval for the median from order statistics: ``(x_(k), x_(n+1-k))`` with
+    the largest ``k`` such that ``P(Binomial(n, 1/2) <= k - 1) <= (1 - confidence) / 2``; it holds the
+    true median with probability at least ``confidence`` whatever the distribution. None when ``n`` is
+    too small for any such interval (below 5 steps at 90%)."""
+    n = len(values)
+    k = 0
+    while k + 1 <= n // 2 and _binomial_cdf(k, n) <= (1 - confidence) / 2:
+        k += 1
+    if k == 0:
+        return None
+    ordered = sorted(values)
+    return ordered[k - 1], ordered[n - k]
+
+
+def median_known(values: list[float], tolerance: float = 0.03) -> bool:
+    """Whether the median of ``values`` is known within +-``tolerance`` (its interval lies inside): the
+    ``"auto"`` window's stop. Why not ``statistics.quantiles`` or scipy: two order statistics and the
+    binomial distribution are a few lines, and the core depends on torch only."""
+    interval = median_interval(values)
+    if interval is None:
+        return False
+    median = statistics.median(values)
+    return interval[0] >= median * (1 - tolerance) and interval[1] <= median * (1 + tolerance)

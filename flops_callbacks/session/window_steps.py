@@ -12,12 +12,7 @@ its wall step (from the previous step's end to its own). The clean steps' figure
   per-step rates, and one slow step moves none of them (summed flops over summed times would carry
   all of a hiccup's time; a sum of per-phase medians is no step's and no median's);
 * spreads: each latency's median and range (min .. max) over the clean steps: where a slow step shows;
-* wall rates: the clean steps' samples (tokens) over the sum of their wall times: what the wall did;
-* ``median_known``: whether the median iter latency is known within a tolerance, for
-  ``clean_steps="auto"``.
-
-Why not ``statistics.quantiles`` or scipy for the interval: the interval needs only two order
-statistics and the binomial distribution, a few lines here; the core depends on torch only.
+* wall rates: the clean steps' samples (tokens) over the sum of their wall times: what the wall did.
 """
 
 from __future__ import annotations
@@ -32,13 +27,13 @@ import torch
 
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.shape_flops import BatchCounts
+from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.timing.comm_breakdown import CommBreakdown
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phases import StepPhases
 
 __all__ = [
-    "Kind",
     "SUMS",
     "LATENCIES",
     "CleanFigures",
@@ -48,26 +43,11 @@ __all__ = [
     "WindowStep",
     "clean_figures",
     "mean",
-    "median_known",
 ]
-
-# what a window step is for
-
-
-class Kind:
-    """The job of a window step (the names the report and JSON say)."""
-
-    COUNTING, MODULE_TIMING, CLEAN = "counting", "module timing", "clean"
-    SHAPE_COUNTING = "shape counting"  # counted with no clock: its batch shapes' flops were not known yet
-    SKIPPED = "skipped"  # timed, but its batch shapes' flops are unknown (no shape counting left)
-    LEAD_IN = "lead-in"  # a re-profile window's first: its end is where the first clean step's wall starts
-    COMMUNICATION = "communication"  # under torch.profiler: where the step's time goes between ranks
-
 
 # the latencies of a clean step
 LATENCIES = ("fwd", "bwd", "step", "iter", "data", "wall")
 SUMS = ("fwd", "bwd", "step", "data", "wall")
-CONFIDENCE = 0.90  # of the median's interval for clean_steps="auto"
 
 
 class StepWork(NamedTuple):
@@ -110,7 +90,7 @@ def mean(values: Sequence[Any]) -> Any:
 class WindowStep:
     """One step of the window: its job, its phase marks, and what its micro-batches held."""
 
-    kind: str | None  # None until its first micro-batch says whether its flops are known
+    kind: Kind | None  # None until its first micro-batch says whether its flops are known
     number: int
     phases: StepPhases
     start_mark: Any = None  # the previous window step's end: where this wall step starts
@@ -120,6 +100,7 @@ class WindowStep:
     samples: int | None = 0  # None when a micro-batch's size could not be found
     tokens: int | None = None
     counts: BatchCounts | None = field(default_factory=BatchCounts.zero)  # None: a micro-batch's are unknown
+    each: list[BatchCounts | None] = field(default_factory=list)  # each micro-batch's (None: unknown)
     masks: list[torch.Tensor] = field(default_factory=list)  # attention masks (padding)
     timer: ModuleTimer | None = None  # a module-timing step's marks
     outer: OuterCalls | None = None  # a clean step's outermost module calls (CPU: the hooks' cost)
@@ -138,6 +119,7 @@ class WindowStep:
         self.samples = None if samples is None or self.samples is None else self.samples + samples
         if tokens is not None:
             self.tokens = (self.tokens or 0) + tokens
+        self.each.append(counts)
         self.counts = None if counts is None or self.counts is None else self.counts.plus(counts)
         if self.kind == Kind.CLEAN:
             mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
@@ -145,6 +127,15 @@ class WindowStep:
                 self.masks.append(mask)  # read after the window: no synchronize in a timed step
         if self.kind == Kind.COUNTING:
             self.batches.append(batch)
+
+    def fill(self, index: int, counts: BatchCounts) -> None:
+        """Micro-batch ``index``'s counts, found after it ran (counted off the clock)."""
+        self.each[index] = counts
+        known = [c for c in self.each if c is not None]
+        total = BatchCounts.zero()
+        for c in known:
+            total = total.plus(c)
+        self.counts = total if len(known) == len(self.each) else None
 
     def seconds(self) -> dict[str, float]:
         """Seconds of each latency of this step (data and wall 0 without the previous step's end)."""
@@ -266,32 +257,3 @@ def clean_figures(
         own = each[i] if each is not None else counts
         timed.append(CleanStep(s.work(own), tuple(seconds[name] for name in SUMS)))
     return CleanFigures(tuple(timed))
-
-
-def _binomial_cdf(k: int, n: int) -> float:
-    """P(X <= k) for X ~ Binomial(n, 1/2)."""
-    return sum(math.comb(n, i) for i in range(k + 1)) / 2**n
-
-
-def median_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
-    """The distribution-free interval for the median from order statistics: ``(x_(k), x_(n+1-k))`` with
-    the largest ``k`` such that ``P(Binomial(n, 1/2) <= k - 1) <= (1 - confidence) / 2``; it holds the
-    true median with probability at least ``confidence`` whatever the distribution. None when ``n`` is
-    too small for any such interval (below 5 steps at 90%)."""
-    n = len(values)
-    k = 0
-    while k + 1 <= n // 2 and _binomial_cdf(k, n) <= (1 - confidence) / 2:
-        k += 1
-    if k == 0:
-        return None
-    ordered = sorted(values)
-    return ordered[k - 1], ordered[n - k]
-
-
-def median_known(values: list[float], tolerance: float = 0.03) -> bool:
-    """Whether the median of ``values`` is known within +-``tolerance`` (its interval lies inside)."""
-    interval = median_interval(values)
-    if interval is None:
-        return False
-    median = statistics.median(values)
-    return interval[0] >= median * (1 - tolerance) and interval[1] <= median * (1 + tolerance)

@@ -618,23 +618,44 @@ def test_a_run_ending_inside_the_window_warns_at_start_and_publishes_what_it_had
     assert summary_value(report, "fwd / bwd / step latency from") == result.steps.latency_source
 
 
-def test_a_step_with_new_batch_shapes_is_counted_on_its_own_not_timed(tmp_path: Path) -> None:
+def test_a_step_with_new_batch_shapes_is_timed_its_flops_counted_off_the_clock(tmp_path: Path) -> None:
     # 20 samples in batches of 3: the last batch of the epoch (step 6) has 2 samples, on the window's
     # first clean step
     profile_step = 6 - first_clean(0)
     callback = quiet_callback(profile_step=profile_step, clean_steps=3)
     fit(tmp_path, MLP(), callback, loader(20), max_steps=9)
-    steps = callback.result.steps
+    result = callback.result
+    steps = result.steps
     assert (steps.counting, steps.module_timing, steps.clean, steps.skipped) == (
         profile_step,
         module_steps(profile_step),
-        (7, 8),
+        (6, 7, 8),
         (),
     )
-    # the check step counts a known shape again (issue 32), step 6 its new one
+    # the check step counts a known shape again; step 6's new shape is counted under fake tensors
+    assert (steps.shape_counting, steps.shapes, steps.shapes_counted) == ((check_step(profile_step),), 2, 2)
+    assert [s.work.counts.model_flops for s in result.clean.steps] == [
+        fwd_flops(2) + bwd_flops(2),
+        fwd_flops(BATCH) + bwd_flops(BATCH),
+        fwd_flops(BATCH) + bwd_flops(BATCH),
+    ]
+    assert steps.latency_source == "median of 3 clean step(s)"
+    assert result.published_at == 9 and result.flops_sources.on_steps == ""
+
+
+def test_without_a_step_function_to_replay_a_new_shape_is_counted_on_its_own_step(tmp_path: Path) -> None:
+    # manual optimization: the module's training_step steps the optimizer, so it is not replayed
+    profile_step = 6 - first_clean(0)
+    callback = quiet_callback(profile_step=profile_step, clean_steps=3)
+    fit(tmp_path, MLP(manual=True), callback, loader(20), max_steps=9)
+    steps = callback.result.steps
+    assert (steps.clean, steps.skipped) == ((7, 8), ())
     assert (steps.shape_counting, steps.shapes, steps.shapes_counted) == ((check_step(profile_step), 6), 2, 2)
     assert steps.latency_source == "median of 2 clean step(s)"
     assert callback.result.published_at == 9
+    assert callback.result.flops_sources.on_steps == (
+        "shapes [(2, 8), (2, 4)]: manual optimization: training_step steps the optimizers itself"
+    )
 
 
 def test_resume_past_an_unprofiled_profile_step_warns_at_train_start(tmp_path: Path) -> None:
@@ -715,7 +736,8 @@ def test_throughput_is_logged_at_every_logging_step_after_the_window_over_every_
     tmp_path: Path,
 ) -> None:
     # batches of 3 and a last one of 2 in each epoch, first just after the window: a shape outside what
-    # the window verified is counted when it first arrives (on its step, in its interval), then known
+    # the window verified is counted under fake tensors when it first arrives (the interval's clock
+    # paused, no hook on its step), then known
     short = WINDOW_END + 1
     peak, clock, logger = 1e9, StepClock(), CSVLogger(tmp_path)
     callback = quiet_callback(tokens_fn=tokens, peak_flops=peak)
@@ -735,8 +757,8 @@ def test_throughput_is_logged_at_every_logging_step_after_the_window_over_every_
         )
     assert not [w for w in warned if "neither counted" in str(w.message)]
     assert [clock.samples[short], clock.samples[2 * short + 1]] == [2, 2]
-    # counting hooks only on the counting, module-timing and check steps, and on the first short batch
-    counted = {PROFILE_STEP, *MODULE_STEPS, check_step(PROFILE_STEP), short}
+    # counting hooks only on the counting, module-timing and check steps
+    counted = {PROFILE_STEP, *MODULE_STEPS, check_step(PROFILE_STEP)}
     assert {step for step, hooks in clock.hooks.items() if hooks} == counted
     assert_nothing_left(module, before_model, before_torch)
 

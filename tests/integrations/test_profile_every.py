@@ -30,8 +30,7 @@ from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.profile_file import load
 from flops_callbacks.session.ranks import Ranks
-from flops_callbacks.session.window_plan import WindowPlan
-from flops_callbacks.session.window_steps import Kind
+from flops_callbacks.session.window_plan import Decision, Kind, WindowPlan
 from tests.support import first_clean, hf_arguments, lightning_settings, module_steps, run_bounded
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 4
@@ -248,7 +247,8 @@ def test_the_next_window_starts_on_the_grid_after_the_last_one_ended() -> None:
     plan.ended(12)
     assert plan.next_window == 25 and not plan.due(24) and plan.due(25) and plan.reprofile
     assert plan.start_step() == Kind.LEAD_IN and plan.before_clean == 1  # then its batches decide
-    assert plan.start_step() is None and plan.batch_kind(new_shape=False) == Kind.CLEAN
+    known = Decision(drop=False, new_shape=False, checkable=True, content=False, done=False)
+    assert plan.start_step() is None and plan.batch_kind(known) == Kind.CLEAN  # the first window checked
     plan.reset()
     plan.ended(46)  # a window longer than the gap: the next grid step after it
     assert plan.next_window == 65

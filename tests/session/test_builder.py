@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from flops_callbacks.session import builder
-from flops_callbacks.session.window_steps import Kind, WindowStep
+from flops_callbacks.session.window_plan import Kind
+from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.module_timer import ModuleTimer

@@ -6,11 +6,9 @@ import pytest
 
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.comm_report import comm_data, verdict
-from flops_callbacks.session import run_plan
 from flops_callbacks.session.comm_step import comm_figures
 from flops_callbacks.session.ranks import Ranks
-from flops_callbacks.session.window_plan import WindowPlan
-from flops_callbacks.session.window_steps import Kind
+from flops_callbacks.session.window_plan import Kind, WindowPlan, before_clean
 from flops_callbacks.timing.comm_breakdown import Collective, CommBreakdown, TimeSplit
 
 MT = Kind.MODULE_TIMING
@@ -25,15 +23,15 @@ def kinds(world: int, **options: object) -> tuple[list[str | None], int]:
 
 
 def test_one_process_has_no_communication_step_and_the_layout_it_had() -> None:
-    assert kinds(1) == ([Kind.COUNTING, MT, MT, MT, None, None], run_plan.BEFORE_CLEAN)
+    assert kinds(1) == ([Kind.COUNTING, MT, MT, MT, None, None], before_clean())
 
 
 def test_several_ranks_time_communication_after_the_module_timing_steps() -> None:
-    assert kinds(2) == ([Kind.COUNTING, MT, MT, MT, Kind.COMMUNICATION, None], run_plan.BEFORE_CLEAN + 1)
+    assert kinds(2) == ([Kind.COUNTING, MT, MT, MT, Kind.COMMUNICATION, None], before_clean() + 1)
 
 
 def test_the_option_turns_the_communication_step_off() -> None:
-    assert kinds(2, comm_step=False) == ([Kind.COUNTING, MT, MT, MT, None, None], run_plan.BEFORE_CLEAN)
+    assert kinds(2, comm_step=False) == ([Kind.COUNTING, MT, MT, MT, None, None], before_clean())
 
 
 def test_comm_step_is_a_flag() -> None:

@@ -8,9 +8,8 @@ import torch
 import torch.nn as nn
 
 from flops_callbacks.options import Options
-from flops_callbacks.session.run_plan import CLEAN_MAX, CLEAN_MIN
 from flops_callbacks.session.step_session import StepSession
-from flops_callbacks.session.window_steps import median_interval, median_known
+from flops_callbacks.session.window_plan import CLEAN_MAX, CLEAN_MIN, median_interval, median_known
 from tests.support import B, Outlet, run, window_end
 
 

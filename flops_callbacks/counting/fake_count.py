@@ -1,0 +1,126 @@
+"""Counting one micro-batch's training work under fake tensors: the same engine, no kernel run.
+
+The model's parameters and buffers are swapped for fake tensors of the same shapes (for the call only,
+through torch's ``_reparametrize_module``), the micro-batch's tensors too, and the adapter's step function
+(forward, loss, backward) runs under ``FakeTensorMode`` with the counting engine on: every aten op is
+seen with its shapes, attributed per module and pass as on a real step, and no memory, kernel, random
+state or real gradient is touched (the backward fills the fake parameters' ``.grad``; a later
+micro-batch's fake parameters start with a gradient, so its accumulation add is counted as on a real
+one). Why not counting ``model(batch)`` alone: the loss and the backward are the adapter's and the
+user's code, and their ops are part of the step. Why not ``meta`` tensors: ``FakeTensorMode`` keeps
+devices, so device-dependent code (SDPA's backend choice) takes the same path as the real step.
+
+Where it cannot run, :class:`FakeCountUnavailable` says why: parameters sharded behind hooks that
+communicate (FSDP, ZeRO-3), an op with no fake kernel, a shape that depends on the data, a real tensor
+the step reads that is not the model's nor the batch's. The caller counts such shapes on a real step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.options import CausalAttention
+from flops_callbacks.profile import Counts
+from flops_callbacks.timing.clock import NullClock, module_device
+
+__all__ = ["FakeCountUnavailable", "StepFunction", "fake_count", "sharded_reason"]
+
+# runs one micro-batch's forward, loss and backward on ``model`` with ``args`` (the adapter's)
+StepFunction = Callable[[torch.nn.Module, Any], Any]
+
+
+class FakeCountUnavailable(Exception):
+    """A fake count cannot run on this model or batch; the message says why, in a few words."""
+
+
+def sharded_reason(model: torch.nn.Module) -> str | None:
+    """Why the model's parameters cannot be swapped for fake ones (None: they can): sharded parameters
+    are gathered by hooks that communicate, which a fake step must not reach."""
+    for module in model.modules():
+        names = {c.__name__ for c in type(module).__mro__}
+        if names & {"FullyShardedDataParallel", "FSDPModule"}:
+            return "parameters sharded by FSDP"
+    for param in itertools.islice(model.parameters(), 64):
+        if hasattr(param, "ds_id"):
+            return "parameters partitioned by DeepSpeed ZeRO-3"
+        if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor":
+            return "parameters distributed as DTensors"
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:160]}" if text else type(error).__name__
+
+
+def fake_count(
+    model: torch.nn.Module,
+    step: StepFunction,
+    args: Any,
+    *,
+    later: bool = False,
+    causal_attention: CausalAttention = "full",
+) -> Counts:
+    """The model's counts of one micro-batch: ``step(model, fake_args)`` run under fake tensors with the
+    counting engine on (module doc); ``later``: a later micro-batch of its optimizer step (its gradients
+    add to the ones before). Raises :class:`FakeCountUnavailable` with the reason when it cannot run; the
+    model's parameters, gradients, modes and the random state are as before, on every exit path."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    reason = sharded_reason(model)
+    if reason is not None:
+        raise FakeCountUnavailable(reason)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake(tensor: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        made = memo.get(id(tensor))
+        if made is None:
+            made = memo[id(tensor)] = mode.from_tensor(tensor.detach()).requires_grad_(tensor.requires_grad)
+        return made
+
+    named = itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    training = [(module, module.training) for module in model.modules()]
+    try:
+        state = {name: fake(tensor) for name, tensor in named}
+        batch = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, args)
+    except Exception as error:  # noqa: BLE001  (a tensor fake tensors cannot stand for)
+        why = _first_line(error)
+        raise FakeCountUnavailable(f"the batch or parameters cannot be faked ({why})") from None
+    leaves = [t for t in state.values() if t.requires_grad and t.is_leaf]
+    tracer = Tracer(model, causal_attention=causal_attention, clock=NullClock(), fake=True)
+    device = module_device(model)
+    devices = [device] if device.type == "cuda" else []
+    try:
+        # the batch's own ops run for real (the engine): one drawing random numbers draws from a fork
+        with torch.random.fork_rng(devices), _reparametrize_module(model, state, tie_weights=True), mode:
+            if later:
+                for leaf in leaves:
+                    leaf.grad = torch.empty_like(leaf)  # as the micro-batches before left them
+            tracer.start()
+            try:
+                step(model, batch)
+            finally:
+                tracer.stop()
+    except FakeCountUnavailable:
+        raise
+    except Exception as error:  # noqa: BLE001  (no fake kernel, data-dependent shapes, a real tensor read)
+        raise FakeCountUnavailable(_first_line(error)) from None
+    finally:
+        for module, was in training:
+            module.training = was
+    if tracer.failure is not None:
+        what, failed = tracer.failure
+        raise FakeCountUnavailable(f"{what}: {_first_line(failed)}")
+    return tracer.totals()[0]

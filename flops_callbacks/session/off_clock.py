@@ -1,0 +1,161 @@
+"""The window's new batch shapes counted off the clock: fake counts
+(:mod:`flops_callbacks.counting.fake_count`) of the adapter's step function, so that a step whose shapes
+the flops table cannot give is timed as a clean step like any other.
+
+Whether fake counts run is tried once, on the counting step's first micro-batch, right after its real
+count (in that step, whose time is no figure's): the fake count must equal the real one (else, or where
+it raises, the reason is kept and such shapes are counted on training steps, as the report says).
+A clean step's unknown micro-batches are counted at the window's end, before the ranks exchange their
+figures: the time after a step's end is the next step's (its wall and data time start there), and with
+several ranks one rank's count there would hold the others in their next all-reduce (the waiting
+micro-batches' inputs are held until then). The check step's unknown micro-batch is counted at once
+(that step is counted, not timed), so that its real count checks it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from flops_callbacks.counting.fake_count import FakeCountUnavailable, StepFunction, fake_count
+from flops_callbacks.options import CausalAttention
+from flops_callbacks.session.batch import Signature
+from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.session.window_plan import Kind
+from flops_callbacks.session.window_steps import WindowStep
+
+__all__ = ["NO_REPLAY", "OffClock", "Replay"]
+
+NO_REPLAY = "the adapter has no step function to replay"
+
+
+class Replay(NamedTuple):
+    """How an adapter's step runs one micro-batch again: ``step(model, args)`` does its forward, loss
+    and backward (``args``: the micro-batch's arguments, tensors included)."""
+
+    step: StepFunction
+    args: Any
+
+
+class _Pending(NamedTuple):
+    step: WindowStep
+    position: int  # the micro-batch's place in its step
+    signature: Signature
+    later: bool
+    replay: Replay
+
+
+class OffClock:
+    """Fake counts of one session: whether they run (``why_not``), the clean micro-batches waiting for
+    one, and the shapes counted on training steps instead, with why (for the report)."""
+
+    def __init__(self, causal_attention: CausalAttention = "full") -> None:
+        self.causal_attention = causal_attention
+        self.why_not: str | None = None  # None: not tried yet; "": fake counts run; else why they do not
+        self.trial: tuple[Replay, Signature, bool] | None = None  # the counting step's first micro-batch
+        self._pending: list[_Pending] = []
+
+    def forget(self) -> None:
+        """A new run: nothing tried yet."""
+        self.why_not, self.trial, self._pending = None, None, []
+
+    def drop(self) -> None:
+        """The window is dropped: nothing waits for a count."""
+        self.trial, self._pending = None, []
+
+    def usable(self, replay: Replay | str | None) -> bool:
+        return isinstance(replay, Replay) and self.why_not == ""
+
+    def reason(self, replay: Replay | str | None) -> str:
+        """Why a micro-batch's unknown shapes are counted on its training step."""
+        if not isinstance(replay, Replay):
+            return replay or NO_REPLAY
+        return self.why_not or "no fake count was tried"
+
+    def micro_batch(
+        self,
+        model: torch.nn.Module,
+        flops: ShapeFlops,
+        kind: Kind,
+        step: WindowStep,
+        signature: Signature,
+        later: bool,
+        counts: BatchCounts | None,
+        replay: Replay | str | None,
+    ) -> BatchCounts | None:
+        """A window micro-batch of ``kind`` whose table counts are ``counts`` starts: the counting step's
+        first is the trial's; a check's new shape is counted now (its real count checks it), a clean
+        step's at the window's end; one counted on its step is said with why. Returns its counts now."""
+        if kind == Kind.COUNTING and not step.signatures and isinstance(replay, Replay):
+            self.trial = (replay, signature, later)  # tried at the step's end
+        elif counts is None and isinstance(replay, Replay) and self.usable(replay):
+            if kind == Kind.CHECK:
+                counts = self.count_now(model, replay, signature, later, flops)
+            elif kind == Kind.CLEAN:
+                self.defer(step, signature, later, replay)
+        if counts is None and kind in (Kind.CHECK, Kind.SHAPE_COUNTING):
+            flops.counted_on_steps.setdefault((later, signature), self.reason(replay))
+        return counts
+
+    def try_trial(self, model: torch.nn.Module, flops: ShapeFlops) -> None:
+        """The counting step's first micro-batch ended: its fake count must equal its real count."""
+        trial, self.trial = self.trial, None
+        if trial is None or self.why_not is not None:
+            return
+        replay, signature, later = trial
+        real = flops.counted.get((later, signature))
+        if real is None:
+            return
+        try:
+            faked = self._count(model, replay, later)
+        except FakeCountUnavailable as error:
+            self.why_not = str(error)
+            return
+        if faked != real:
+            self.why_not = (
+                f"a fake count of the counting step's batch did {faked.model_flops} flops, "
+                f"its real count {real.model_flops}"
+            )
+        else:
+            self.why_not = ""
+
+    def count(self, model: torch.nn.Module, replay: Replay, later: bool) -> BatchCounts | None:
+        """A micro-batch's fake count; None where it cannot run (then no other is tried: ``why_not``)."""
+        try:
+            return self._count(model, replay, later)
+        except FakeCountUnavailable as error:
+            self.why_not = str(error)
+            return None
+
+    def count_now(
+        self, model: torch.nn.Module, replay: Replay, signature: Signature, later: bool, flops: ShapeFlops
+    ) -> BatchCounts | None:
+        """A micro-batch counted at once (the check step's): its fake count, a point of the table."""
+        counts = self.count(model, replay, later)
+        if counts is not None:
+            flops.record(signature, counts, later)
+        return counts
+
+    def defer(self, step: WindowStep, signature: Signature, later: bool, replay: Replay) -> None:
+        """A clean step's micro-batch the table cannot give: counted at the window's end."""
+        self._pending.append(_Pending(step, len(step.signatures), signature, later, replay))
+
+    def finish(self, model: torch.nn.Module | None, flops: ShapeFlops) -> None:
+        """The window ends: each waiting micro-batch's counts, from the table (predicted from the points
+        counted since) or a fake count; a step whose count fails keeps unknown flops (left out)."""
+        pending, self._pending = self._pending, []
+        for p in pending:
+            counts = flops.get(p.signature, p.later)
+            if counts is None and model is not None and self.why_not == "":
+                counts = self.count_now(model, p.replay, p.signature, p.later, flops)
+            if counts is None:
+                flops.counted_on_steps.setdefault((p.later, p.signature), f"not counted: {self.why_not}")
+            elif p.step.kind == Kind.CLEAN:
+                p.step.fill(p.position, counts)
+
+    def _count(self, model: torch.nn.Module, replay: Replay, later: bool) -> BatchCounts:
+        counted = fake_count(
+            model, replay.step, replay.args, later=later, causal_attention=self.causal_attention
+        )
+        return BatchCounts.of(counted)

@@ -1,0 +1,114 @@
+"""A fake count: the engine's counts of one micro-batch run under fake tensors equal a real step's, pass
+by pass, bytes moved included; nothing of the model, its gradients or the random state changes; and what
+fake tensors cannot stand for is said, not counted."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.fake_count import FakeCountUnavailable, fake_count
+from flops_callbacks.profile import Counts
+
+
+def _lm_step(model: nn.Module, batch: Any) -> None:
+    model(**batch).loss.backward()
+
+
+def _real(model: nn.Module, batch: Any, later: bool) -> Counts:
+    if later:
+        _lm_step(model, batch)  # the micro-batch before: the gradients this one adds to
+    tracer = Tracer(model)
+    tracer.start()
+    try:
+        _lm_step(model, batch)
+    finally:
+        tracer.stop()
+    model.zero_grad(set_to_none=True)
+    return tracer.totals()[0]
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=128, bos_token_id=0, eos_token_id=0
+    )
+    return GPT2LMHeadModel(config).train()
+
+
+@pytest.mark.parametrize("later", [False, True])
+@pytest.mark.parametrize("mask", ["none", "padded", "all ones"])
+def test_a_fake_count_equals_the_real_count_of_the_same_batch(
+    gpt2: nn.Module, mask: str, later: bool
+) -> None:
+    ids = torch.randint(0, 500, (3, 40))
+    batch: dict[str, torch.Tensor] = {"input_ids": ids, "labels": ids}
+    if mask != "none":
+        batch["attention_mask"] = torch.ones_like(ids)
+        if mask == "padded":
+            batch["attention_mask"][0, 30:] = 0  # the model checks its mask's content: the same branch
+    params = {name: (p, p.detach().clone()) for name, p in gpt2.named_parameters()}
+    rng = torch.get_rng_state()
+    counted = fake_count(gpt2, _lm_step, batch, later=later)
+    assert torch.equal(rng, torch.get_rng_state())
+    now = dict(gpt2.named_parameters())
+    for name, (param, value) in params.items():
+        assert now[name] is param and torch.equal(param, value) and param.grad is None
+    assert counted.fwd_flops > 0
+    real = _real(gpt2, batch, later)
+    assert counted.saved_bytes == 0  # NB: fake tensors have no storage to tell saved activations apart
+    assert replace(counted, saved_bytes=real.saved_bytes) == real
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x)
+
+
+def test_a_fake_count_of_a_linear_layer_is_its_matmuls_by_hand() -> None:
+    model = _Mlp().eval()
+    counted = fake_count(model, lambda m, x: m(x).sum().backward(), torch.randn(4, 8))
+    assert (counted.fwd_flops, counted.fwd_macs) == (2 * 4 * 8 * 16, 4 * 8 * 16)  # the sum is not the model's
+    assert counted.bwd_flops == 2 * 4 * 8 * 16  # the weight's gradient (the input needs none)
+    assert not model.training and model.up.weight.grad is None
+
+
+class _Gather(nn.Module):
+    """Work on the rows its mask keeps: a shape that depends on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x)[x[:, 0] > 0]
+
+
+def test_a_shape_that_depends_on_the_data_is_said_not_counted() -> None:
+    model = _Gather()
+    with pytest.raises(FakeCountUnavailable, match="Dynamic|data"):
+        fake_count(model, lambda m, x: m(x).sum().backward(), torch.randn(4, 8))
+    assert model.up.weight.grad is None and model.training
+
+
+def test_a_failure_in_the_step_function_is_said_and_the_model_left_as_it_was() -> None:
+    model = _Mlp()
+
+    def step(m: nn.Module, x: torch.Tensor) -> None:
+        m.eval()
+        raise ValueError("the user's step")
+
+    with pytest.raises(FakeCountUnavailable, match="ValueError: the user's step"):
+        fake_count(model, step, torch.randn(4, 8))
+    assert model.training and isinstance(model.up.weight, nn.Parameter)

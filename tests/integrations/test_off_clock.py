@@ -1,0 +1,201 @@
+"""New batch shapes counted off the clock in real runs: a grouped-length HF Trainer run's window is the
+counting step, the module-timing steps, the check and clean steps, each clean step's flops equal to an
+offline count of its batch; a Lightning model whose work changes above a length keeps clean steps and
+exact flops when later batches cross that length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.integrations.hf import HFFlopsCallback
+from flops_callbacks.integrations.lightning import FlopsProfilerCallback
+from flops_callbacks.session.meter import Interval
+from flops_callbacks.session.window_plan import CLEAN_MAX, MODULE_TIMING_STEPS
+from tests.support import check_step, lightning_settings, module_steps
+
+VOCAB, PAD = 101, 0
+
+
+class Lengths(torch.utils.data.Dataset):
+    """Token sequences of random lengths in 16..256 (labels = inputs)."""
+
+    def __init__(self, size: int = 600) -> None:
+        generator = torch.Generator().manual_seed(0)
+        lengths = torch.randint(16, 257, (size,), generator=generator)
+        self.items = [torch.randint(1, VOCAB, (int(n),), generator=generator) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.items[i]}
+
+
+class PadToLongest:
+    """Pads a batch to its longest sequence (attention mask, labels -100 on padding); keeps each batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        longest = max(len(item["input_ids"]) for item in items)
+        ids = torch.full((len(items), longest), PAD)
+        mask = torch.zeros((len(items), longest), dtype=torch.long)
+        for row, item in enumerate(items):
+            ids[row, : len(item["input_ids"])] = item["input_ids"]
+            mask[row, : len(item["input_ids"])] = 1
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        self.batches.append(batch)
+        return batch
+
+
+def _gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=256, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _offline(trainer: Trainer, batch: dict[str, torch.Tensor]) -> int:
+    """The batch's model flops (fwd + bwd), counted by the engine on a real training step of a fresh
+    model of the same config."""
+    model = _gpt2().train()
+    items = (batch["labels"] != -100).sum()
+    tracer = Tracer(model)
+    tracer.start()
+    try:
+        trainer.training_step(model, batch, items)
+    finally:
+        tracer.stop()
+    counts = tracer.totals()[0]
+    return counts.fwd_flops + counts.bwd_flops
+
+
+def test_a_grouped_length_run_counts_its_new_shapes_off_the_clock(tmp_path: Path) -> None:
+    profile_step = 10
+    collator = PadToLongest()
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=60, per_device_train_batch_size=4,
+        logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
+        train_sampling_strategy="group_by_length",
+    )  # fmt: skip
+    callback = HFFlopsCallback(profile_step=profile_step, print_profile=False)
+    trainer = Trainer(_gpt2(), args, train_dataset=Lengths(), data_collator=collator, callbacks=[callback])
+    trainer.train()
+    result = callback.session.result
+    assert result is not None and result.clean is not None and result.flops_sources is not None
+    steps = result.steps
+    assert steps.module_timing == module_steps(profile_step)
+    assert steps.shape_counting == (check_step(profile_step),)  # the check alone: no shape-counting step
+    assert steps.skipped == ()
+    assert 3 <= len(steps.clean) <= CLEAN_MAX
+    assert steps.clean == tuple(
+        range(check_step(profile_step) + 1, check_step(profile_step) + 1 + len(steps.clean))
+    )
+    assert steps.clean[-1] - profile_step + 1 <= 1 + MODULE_TIMING_STEPS + 1 + CLEAN_MAX
+    assert steps.shapes >= 10  # every clean step a length of its own, counted off the clock
+    assert result.flops_sources.checked and result.flops_sources.uncertainty == 0
+    assert result.flops_sources.on_steps == ""
+    for number, step in zip(steps.clean, result.clean.steps, strict=True):
+        assert step.work.counts.model_flops == _offline(trainer, collator.batches[number]), number
+
+
+VOCAB_L, WIDTH, BRANCH = 50, 16, 48  # the model's extra block runs on sequences longer than BRANCH
+
+
+class Branching(L.LightningModule):
+    """A token model with an extra block on sequences longer than ``BRANCH`` positions: its flops are a
+    polynomial of the length on each side of the branch, another one above it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB_L, WIDTH)
+        self.block = nn.Linear(WIDTH, WIDTH)
+        self.extra = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB_L)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.block(self.embed(ids)).relu()
+        if ids.shape[1] > BRANCH:
+            h = self.extra(h).relu()
+        return self.head(h)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids, mask = batch
+        losses = F.cross_entropy(self(ids).flatten(0, 1), ids.flatten(), reduction="none")
+        loss = (losses * mask.flatten()).sum() / mask.sum()
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Drifting(torch.utils.data.Dataset):
+    """Batch ``k`` (of 4 sequences) padded to its longest, ``16 + 2k`` positions: lengths drift upward."""
+
+    def __len__(self) -> int:
+        return 80
+
+    def __getitem__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(k)
+        longest = 16 + 2 * k
+        lengths = [longest, *torch.randint(8, longest + 1, (3,), generator=generator).tolist()]
+        ids = torch.randint(1, VOCAB_L, (4, longest), generator=generator)
+        mask = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]).long()
+        return ids * mask, mask
+
+
+def _truth(batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """The batch's model flops, counted by the engine on a real step of a fresh model."""
+    module = Branching()
+    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  # no Trainer to log to
+    tracer = Tracer(module)
+    tracer.start()
+    try:
+        module.training_step(batch, 0).backward()
+    finally:
+        tracer.stop()
+    counts = tracer.totals()[0]
+    return counts.fwd_flops + counts.bwd_flops
+
+
+def test_a_model_that_branches_on_length_keeps_exact_flops_when_batches_cross_it(tmp_path: Path) -> None:
+    profile_step, steps = 10, 50  # clean steps from 15: lengths 46, 48, then above the branch
+    callback = FlopsProfilerCallback(profile_step=profile_step, print_profile=False, flops_audit=0)
+    trainer = L.Trainer(callbacks=[callback], **lightning_settings(tmp_path, steps))
+    meter = callback.session.meter
+    assert meter is not None
+    intervals: list[Interval] = []
+    interval = meter.interval
+
+    def kept() -> Interval:
+        intervals.append(interval())
+        return intervals[-1]
+
+    meter.interval = kept  # type: ignore[method-assign]
+    trainer.fit(Branching(), torch.utils.data.DataLoader(Drifting(), batch_size=None))
+    result = callback.result
+    assert result is not None and result.clean is not None
+    data = Drifting()
+    window_steps = result.steps
+    assert len(window_steps.clean) >= 3 and window_steps.skipped == ()
+    assert window_steps.shape_counting == (check_step(profile_step),)
+    crossed = [n for n in window_steps.clean if 16 + 2 * n > BRANCH]
+    assert crossed and len(crossed) < len(window_steps.clean)  # clean steps on both sides of the branch
+    each = [step.work.counts.model_flops for step in result.clean.steps]
+    truth = [_truth(data[n]) for n in window_steps.clean]
+    assert each == truth  # exact, so within 1% of the per-batch truth
+    # after the window: one interval per step (logged at each), every batch a length of its own
+    first = result.published_at  # the global step after the window's last: the meter's first
+    assert first is not None and len(intervals) == steps - first
+    after = [_truth(data[n]) for n in range(first, steps)]
+    assert [i.flops for i in intervals] == after
