@@ -30,7 +30,7 @@ def quick_table() -> dict[str, tuple[float, float, float]]:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
     )  # fmt: skip
     try:
-        out, err = process.communicate(timeout=300)  # a hang guard: about 20 s on an idle 2-core CPU
+        out, err = process.communicate(timeout=600)  # a hang guard: it takes about 70 s of CPU time
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
