@@ -1,10 +1,11 @@
 """StepProfiler's window against the loop's own clock: a plain, a Fabric and an accelerate loop, written
-as the README shows, each also marking ``time.perf_counter()`` where the phases are defined to start and
-end: before the forward (the block's first line), before the backward call (``loss.backward()`` /
-``fabric.backward(loss)`` / ``accelerator.backward(loss)``), before ``optimizer.step()``, and after
-``zero_grad`` (the block's last line).
+as the README shows, and a plain loop that computes the loss itself from the logits (``F.cross_entropy``:
+its forward is the forward's, its backward the backward's), each also marking ``time.perf_counter()``
+where the phases are defined to start and end: before the forward (the block's first line), before the
+backward call (``loss.backward()`` / ``fabric.backward(loss)`` / ``accelerator.backward(loss)``), before
+``optimizer.step()``, and after ``zero_grad`` (the block's last line).
 
-The three loops run side by side in one process, one step of each in turn, so a load that comes and goes
+The four loops run side by side in one process, one step of each in turn, so a load that comes and goes
 on a shared machine falls on all three alike. Two comparisons per loop, each window figure divided by the
 loop's own:
 
@@ -12,12 +13,13 @@ loop's own:
   samples/s as their samples over their summed iter time. Goal: fwd / bwd / step within [0.85, 1.15],
   iter and samples/s within [0.9, 1.1].
 * **same steps**: the loop's marks on the window's own clean steps (their median): where the phase
-  boundaries fall, with no drift of the machine's load between the window and the other steps.
+  boundaries fall, with no drift of the machine's load between the window and the other steps. Goal
+  for the loss outside the model: fwd and bwd within [0.95, 1.05].
 
 Model: GPT-2 4 x 128 (vocabulary 8192, so that AdamW's step takes milliseconds), seq 128, AdamW, CPU,
 one torch thread.
 
-    python benchmarks/step_profiler_truth.py [--steps 45] [--profile-step 5] [--batch-size 4]
+    python benchmarks/step_profiler_truth.py [--steps 45] [--profile-step 5] [--batch-size 4] [--loops ...]
 """
 
 from __future__ import annotations
@@ -31,13 +33,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from flops_callbacks import StepProfiler
 from flops_callbacks import metrics as names
 
 VOCAB, CONTEXT = 8192, 128
-DOORS = ("plain", "fabric", "accelerate")
+OWN_LOSS = "plain, own loss"
+DOORS = ("plain", OWN_LOSS, "fabric", "accelerate")
 KEYS = (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY, names.ITER_LATENCY)
 
 # one step's marks: (fwd, bwd, step, iter) seconds
@@ -77,7 +81,11 @@ def loop(door: str, steps: int, profile_step: int, batch_size: int, root: str, o
         batch = {"input_ids": ids, "labels": ids}
         with prof.step(batch):
             t0 = time.perf_counter()
-            loss = model(**batch).loss
+            if door == OWN_LOSS:
+                logits = model(input_ids=ids).logits
+                loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            else:
+                loss = model(**batch).loss
             t1 = time.perf_counter()
             if fabric is not None:
                 fabric.backward(loss)
@@ -106,19 +114,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=45)
     parser.add_argument("--profile-step", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--loops", nargs="+", choices=DOORS, default=DOORS, help="which loops to run")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    runs: dict[str, dict] = {door: {} for door in DOORS}
+    runs: dict[str, dict] = {door: {} for door in args.loops}
     with tempfile.TemporaryDirectory() as root:
-        loops = [loop(d, args.steps, args.profile_step, args.batch_size, root, runs[d]) for d in DOORS]
+        loops = [loop(d, args.steps, args.profile_step, args.batch_size, root, runs[d]) for d in args.loops]
         for _ in range(args.steps + 1):  # one step of each loop in turn; the last next() closes them
             for each in loops:
                 next(each, None)
     print("| loop | fwd | bwd | step | iter | samples/s | same steps: fwd | bwd | step | iter "
           "| window fwd / bwd / step ms | clean steps |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
-    for door in DOORS:
+    for door in args.loops:
         prof, marks = runs[door]["prof"], runs[door]["marks"]
         metrics, result = prof.metrics, prof.result
         assert metrics is not None and result is not None, f"{door}: no window"

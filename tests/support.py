@@ -58,12 +58,13 @@ def hooks_of(obj: object) -> dict[str, dict]:
 
 
 def torch_state() -> dict[str, Any]:
-    """torch's global hook dicts (modules, optimizers) and both mode stacks."""
+    """torch's global hook dicts (modules, optimizers), autograd's entry points and both mode stacks."""
     state: dict[str, Any] = {}
     for namespace in (torch.nn.modules.module, importlib.import_module("torch.optim.optimizer")):
         for name, value in vars(namespace).items():
             if name.startswith("_global_") and isinstance(value, dict):
                 state[f"{namespace.__name__}.{name}"] = dict(value)
+    state["autograd entries"] = (torch.autograd.backward, torch.autograd.grad, torch.Tensor.backward)
     state["dispatch modes"] = list(_get_current_dispatch_mode_stack())
     state["function modes"] = list(_get_current_function_mode_stack())
     return state

@@ -230,9 +230,19 @@ def _bucketize_flop(args: tuple, kwargs: dict, out: Any) -> int:
     return args[0].numel()  # (values, boundaries): one search per value
 
 
-@elementwise(present("floor_divide", "floor_divide_"))
-def _floor_divide_flop(args: tuple, kwargs: dict, out: Any) -> int:
-    return largest_tensor_numel(out)  # pointwise, but not tagged so: one per output element
+# --- pointwise, but not tagged so: one flop per output element, as the tagged ones ---------------------
+# (softplus's backward: Mamba's step size; log-sigmoid's forward, which returns (output, buffer), and
+# backward; polar: Llama 4's rotary embedding)
+
+
+@elementwise(
+    present(
+        *("floor_divide", "floor_divide_", "softplus_backward"),
+        *("log_sigmoid_forward", "log_sigmoid_backward", "polar"),
+    )
+)
+def _untagged_pointwise_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    return largest_tensor_numel(out)
 
 
 # --- no arithmetic ----------------------------------------------------------------------------------------

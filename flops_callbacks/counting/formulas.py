@@ -1,13 +1,13 @@
 """Built-in formulas for the dense aten ops: matmuls, grouped (mixture-of-experts) matmuls,
-attention kernels, convolution backward and RNN kernels.
+attention kernels, triangular solves, convolution backward and RNN kernels.
 
 Most dense ops are counted by torch's own ``flop_registry`` (through
 :mod:`flops_callbacks.counting.registry`),
 so our counts are FlopCounterMode's by construction. This module registers only what that registry
-lacks or gets wrong: the CPU SDPA kernel and RNN kernels (torch counts 0), grouped matmuls (torch
-has no formula), vector products, a grouped convolution's backward (torch overcounts it), and the
-most frequent matmuls restated without torch's per-call shape mapping, which costs 50x their
-arithmetic. Each formula is a function of the call's arguments.
+lacks or gets wrong: the CPU SDPA kernel and RNN kernels (torch counts 0), grouped matmuls and
+triangular solves (torch has no formula), vector products, a grouped convolution's backward (torch
+overcounts it), and the most frequent matmuls restated without torch's per-call shape mapping, which
+costs 50x their arithmetic. Each formula is a function of the call's arguments.
 """
 
 from __future__ import annotations
@@ -178,6 +178,21 @@ def _grouped_mm_flop(args: tuple, kwargs: dict, out: Any) -> int:
 def _scaled_grouped_mm_flop(args: tuple, kwargs: dict, out: Any) -> int:
     # (self, mat2, scale_a, scale_b, offs, ...): the scales multiply outputs, not the products
     return grouped_mm_flops(args[0], args[1], args[4] if len(args) > 4 else kwargs.get("offs"))
+
+
+# --- triangular solves (the chunked delta rule of gated-delta-net linear attention) ------------------
+
+
+@register_formula(aten.linalg_solve_triangular)
+def _solve_triangular_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    # Substitution through the n x n triangle: row i of a right-hand side takes i multiply-adds and a
+    # division, n^2 flops per right-hand side (LAPACK's count for trsm); n^2 - n on a unit diagonal.
+    # Every element of B is one row of one right-hand side, whichever side A multiplies.
+    a, b = args[0], args[1]
+    n = a.shape[-1]
+    batch = math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    per_element = n - 1 if kwargs.get("unitriangular", False) else n
+    return batch * b.shape[-2] * b.shape[-1] * per_element
 
 
 # --- convolution backward ----------------------------------------------------------------------

@@ -6,25 +6,29 @@ the profiler finds the phases itself, with hooks that live only inside that bloc
 
 * forward: from the block's start, and again when the model is called after a backward or an
   optimizer step (a second micro-batch or model in the same block);
-* backward: where the loop calls ``accelerator.backward`` / ``fabric.backward`` (that call of the
-  framework object is marked, :class:`~flops_callbacks.integrations.one_call.OneCall`), else where
-  autograd first reaches the model's output (a hook on each output tensor: a loss computed outside the
-  model has its few backward ops in the forward; ``prof.mark("backward")`` where that matters);
+* backward: where the loop calls ``accelerator.backward`` / ``fabric.backward``, else where autograd
+  starts: ``torch.autograd.backward``, which ``loss.backward()`` calls, so the loss's own backward is
+  the backward's whatever computed the loss (each call marked,
+  :class:`~flops_callbacks.integrations.one_call.OneCall`); else (``torch.autograd.grad``) where
+  autograd first reaches the model's output (a hook on each output tensor);
 * optimizer step: the optimizer's ``step`` (torch's global optimizer step pre- and post-hooks), or the
   framework's wrapper of it where the loop calls that (``AcceleratedOptimizer.step``, Fabric's strategy's
   ``optimizer_step``: their work before the inner ``step`` is the step's), up to the block's end
   (``zero_grad``, an LR scheduler).
 
 An iteration whose block ran no optimizer ``step`` is a micro-batch of the step that ends at the next
-one (gradient accumulation). Why hooks on the output tensors and not autograd's saved-tensor hooks:
-those make ``torch.func`` inside a model raise and replace autograd's in-place check
-(:mod:`flops_callbacks.counting.saved_activations`). Why not a hook on the output's node: the module
-timer arms its node hooks when the backward starts, and a node's pre-hooks may not grow while
-autograd runs them; a tensor's hooks are another list.
+one (gradient accumulation). Why wrap ``torch.autograd.backward`` (in the window's blocks only): torch
+has no event for the engine's start, and the loss, whose node runs first, is known only at that call;
+a ``TorchFunctionMode`` would see it too, but would slow every op of the forward. Why hooks on the
+output tensors and not autograd's saved-tensor hooks: those make ``torch.func`` inside a model raise
+and replace autograd's in-place check (:mod:`flops_callbacks.counting.saved_activations`). Why not a
+hook on the output's node: the module timer arms its node hooks when the backward starts, and a
+node's pre-hooks may not grow while autograd runs them; a tensor's hooks are another list.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -221,7 +225,8 @@ class _Iteration:
         self.stepped = False
         self.phase: str = FORWARD
         self._handles: list[Any] = []
-        self._calls: list[OneCall] = []  # the framework's backward and optimizer step, marked
+        self._calls: list[OneCall] = []  # autograd's and the framework's backward, its optimizer step
+        self._thread = threading.get_ident()  # the loop's: autograd called from another is not its
         self._marks = False  # a step of the window: its phases are marked
 
     def __enter__(self) -> _Iteration:
@@ -240,6 +245,7 @@ class _Iteration:
                 self._handles.append(register_optimizer_step_pre_hook(self._step_starts))
                 self._handles.append(door.model.register_forward_pre_hook(self._model_called))
                 self._handles.append(door.model.register_forward_hook(self._model_returned))
+                self._calls.append(OneCall(torch.autograd, "backward", self._autograd_backward, once=False))
                 if door.backward_owner is not None:
                     self._calls.append(
                         OneCall(door.backward_owner, "backward", self._framework_backward, once=False)
@@ -297,6 +303,12 @@ class _Iteration:
     def _reached_output(self, grad: torch.Tensor) -> None:
         if self.phase == FORWARD:
             self.enter_phase(BACKWARD)
+
+    def _autograd_backward(self, backward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Autograd's engine is about to run from the loss: the backward starts here (module doc)."""
+        if self.phase == FORWARD and threading.get_ident() == self._thread:
+            self.enter_phase(BACKWARD)
+        return backward(*args, **kwargs)
 
     def _framework_backward(self, backward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         self.enter_phase(BACKWARD)

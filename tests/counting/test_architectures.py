@@ -457,6 +457,65 @@ def test_estimate_rows_of_a_dense_model_and_bad_token_counts() -> None:
         estimate_rows(profile, 0)
 
 
+# --- ops FlopCounterMode has no formula for: linear attention, state spaces, complex rotary ----------
+
+
+class TriangularSolves(TorchDispatchMode):
+    """Adds up every ``aten.linalg_solve_triangular`` call by hand: row i of each right-hand side takes
+    i multiply-adds and a division (none on a unit diagonal): n^2 or n^2 - n per side of n elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten.linalg_solve_triangular.default:
+            a, b = args[0], args[1]
+            n = a.shape[-1]
+            assert a.shape[:-2] == b.shape[:-2]  # no broadcast
+            self.flops += b.numel() * (n - 1 if kwargs.get("unitriangular", False) else n)
+        return out
+
+
+CURRENT_CONFIGS: dict[str, Callable[[], Any]] = {
+    # gated-delta-net linear attention (triangular solves, softplus) beside full attention, and MoE
+    "qwen3-next": lambda: transformers.Qwen3NextConfig(
+        **MOE_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, head_dim=16, use_cache=False,
+        layer_types=["linear_attention", "full_attention"],
+    ),
+    "mamba": lambda: transformers.MambaConfig(  # softplus on the step size
+        hidden_size=64, num_hidden_layers=2, vocab_size=256, state_size=8, pad_token_id=0,
+    ),
+    "llama4": lambda: transformers.Llama4TextConfig(  # rotary embedding by complex rotations (polar)
+        **MOE_COMMON, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1, head_dim=16,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # reference kernels of fla / mamba_ssm / causal_conv1d
+@pytest.mark.parametrize("name", list(CURRENT_CONFIGS))
+def test_current_architectures_have_no_uncounted_op_and_count_their_solves(name: str) -> None:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CURRENT_CONFIGS[name]()).train()
+    tokens = torch.randint(1, 256, (2, 16))
+    with (
+        sdpa_kernel(SDPBackend.MATH),
+        FlopCounterMode(display=False) as counter,
+        GroupedMatmuls() as grouped,
+        TriangularSolves() as solves,
+    ):
+        model(tokens, labels=tokens)
+    model.zero_grad(set_to_none=True)
+    profile = measure(model, lambda m: m(tokens, labels=tokens))
+    assert profile.coverage.uncounted == []
+    assert dense_fwd(profile) == counter.get_total_flops() + grouped.flops + solves.flops
+    assert (solves.flops > 0) == (name == "qwen3-next")
+
+
 # --- fine-tuning and activation checkpointing ----------------------------------------------------
 
 

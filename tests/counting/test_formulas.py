@@ -222,6 +222,41 @@ def test_mv_and_dot() -> None:
     assert profile_of(Call(torch.dot), leaf(n), leaf(n)).fwd_flops == 2 * n
 
 
+# --- Triangular solves (gated-delta-net linear attention) --------------------------------------
+
+
+def substitution_flops(n: int, unit_diagonal: bool) -> int:
+    """One right-hand side through an n x n triangle: row i takes i multiply-adds and a division."""
+    return sum(2 * i + (0 if unit_diagonal else 1) for i in range(n))
+
+
+@pytest.mark.parametrize(("left", "unit"), [(True, False), (False, True)])
+def test_solve_triangular_forward_and_backward(left: bool, unit: bool) -> None:
+    batch, n, k = 2, 5, 3
+    assert substitution_flops(5, False) == 25 and substitution_flops(5, True) == 20
+    a = torch.randn(batch, n, n).tril().add(3 * torch.eye(n)).requires_grad_()  # well conditioned
+    b = leaf(batch, n, k) if left else leaf(batch, k, n)  # k right-hand sides, columns or rows
+    solve = Call(lambda a, b: torch.linalg.solve_triangular(a, b, upper=False, left=left, unitriangular=unit))
+    profile = profile_of(solve, a, b, backward=True)
+
+    forward = batch * k * substitution_flops(n, unit)
+    # Backward: grad_B solves the transposed triangle for the same k sides; grad_A = -grad_B X^T (one
+    # (n x k) @ (k x n) product per batch, or X^T grad_B on the right), negated (one flop per element),
+    # then masked to the triangle (free).
+    product = batch * 2 * n * k * n
+    assert dense(profile) == (forward, forward + product)
+    assert (profile.fwd_flops, profile.bwd_flops) == (forward, forward + product + batch * n * n)
+    assert profile.coverage.uncounted == []
+
+
+def test_solve_triangular_broadcasts_a_single_right_hand_side_over_the_batch() -> None:
+    a, b = torch.empty(4, 6, 6, device="meta"), torch.empty(6, 2, device="meta")
+    solve = torch.ops.aten.linalg_solve_triangular.default
+    assert entry_for(solve).count(solve, (a, b), {"upper": True}, None, causal_half=False).flops == (
+        4 * 2 * 36
+    )
+
+
 # --- Attention -----------------------------------------------------------------------------------
 
 
@@ -414,6 +449,23 @@ def test_softmax() -> None:
     x = leaf(3, 4, 7)
     profile = profile_of(Call(lambda t: F.softmax(t, dim=-1)), x, backward=True)
     assert (profile.fwd_flops, profile.bwd_flops) == (x.numel(), 2 * x.numel())
+
+
+@pytest.mark.parametrize("activation", [F.softplus, F.logsigmoid], ids=["softplus", "logsigmoid"])
+def test_softplus_and_logsigmoid_count_one_flop_per_element_each_way(activation: Callable) -> None:
+    # aten.softplus is tagged pointwise; its backward (Mamba's step size) and both log-sigmoid ops are not
+    x = leaf(3, 4, 7)
+    profile = profile_of(Call(activation), x, backward=True)
+    assert (profile.fwd_flops, profile.bwd_flops) == (x.numel(), x.numel())
+    assert profile.coverage.uncounted == []
+
+
+def test_polar_counts_one_flop_per_complex_output_element() -> None:
+    # Llama 4's rotary embedding: unit-length complex rotations from (positions x frequencies) angles
+    angles = torch.outer(torch.arange(6.0), torch.rand(4))
+    profile = profile_of(Call(lambda a: torch.polar(torch.ones_like(a), a)), angles)
+    assert profile.fwd_flops == 6 * 4
+    assert profile.coverage.uncounted == []
 
 
 @pytest.mark.parametrize(

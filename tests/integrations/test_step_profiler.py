@@ -18,10 +18,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flops_callbacks import StepProfiler
 from flops_callbacks import metrics as names
-from tests.sleepy import Sleepy, SleepySGD
+from tests.sleepy import SleepInBackward, Sleepy, SleepySGD
 from tests.support import leftovers, window_end
 
 FWD, BWD, STEP = 0.03, 0.02, 0.01  # seconds slept by the forward, the backward, the optimizer step
+LOSS_FWD, LOSS_BWD = 0.015, 0.025  # seconds slept by a loss computed outside the model, and its backward
 BATCH = 3
 PROFILE_STEP, CLEAN = 2, 3  # three clean steps: a median one hiccup cannot move
 WINDOW = dict(profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False)
@@ -95,6 +96,38 @@ def test_plain_loop_measures_each_phases_sleep_and_logs_the_window_then_throughp
     assert after == [END + 1, END + 2]
     rate = next(m for step, m in logged if step == END + 2)["throughput/samples_per_sec"]
     assert BATCH / (1.5 * (FWD + BWD + STEP)) < rate < BATCH / (FWD + BWD + STEP)
+
+
+def loss_outside_the_model(output: torch.Tensor) -> torch.Tensor:
+    """The loop's own loss: it sleeps LOSS_FWD, and its backward, the first autograd runs, LOSS_BWD."""
+    time.sleep(LOSS_FWD)
+    return SleepInBackward.apply(output, LOSS_BWD).pow(2).mean()
+
+
+@pytest.mark.parametrize("call", ["loss.backward()", "torch.autograd.backward(loss)"])
+def test_a_loss_computed_outside_the_model_is_forward_work_and_its_backward_starts_the_backward(
+    call: str,
+) -> None:
+    torch.manual_seed(0)
+    model = SleepyNet()
+    optimizer = SleepySGD(model.parameters(), STEP)
+    before = leftovers(model, optimizer)
+    prof = StepProfiler(model, **WINDOW)
+    for x in batches(STEPS):
+        with prof.step(x):
+            loss = loss_outside_the_model(model(x))
+            loss.backward() if call == "loss.backward()" else torch.autograd.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    prof.close()
+    assert leftovers(model, optimizer) == before
+    metrics = prof.metrics
+    assert metrics is not None
+    # one-sided, as assert_sleeps_measured: the loss's backward read as forward would leave the
+    # backward LOSS_BWD short
+    assert metrics[names.FWD_LATENCY] >= 0.98 * (FWD + LOSS_FWD), metrics[names.FWD_LATENCY]
+    assert metrics[names.BWD_LATENCY] >= 0.98 * (BWD + LOSS_BWD), metrics[names.BWD_LATENCY]
+    assert metrics[names.STEP_LATENCY] >= 0.98 * STEP
 
 
 def test_two_micro_batches_per_optimizer_step_report_the_flops_of_both() -> None:
