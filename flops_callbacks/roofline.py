@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from flops_callbacks.phase_names import ROOFLINE_PASSES
 from flops_callbacks.profile import ModuleProfile, Profile
 
 __all__ = [
     "COMPUTE",
     "MEMORY",
     "OVERHEAD_FRACTION",
-    "PHASES",
     "Roofline",
     "as_data",
     "module_rooflines",
@@ -31,7 +31,6 @@ __all__ = [
 ]
 
 COMPUTE, MEMORY = "compute", "memory"
-PHASES = ("fwd", "bwd")
 OVERHEAD_FRACTION = 0.1  # below a tenth of the roofline: neither roof is what limits the module
 
 
@@ -93,7 +92,7 @@ def module_rooflines(
     """Every module's forward and backward roofline, where it has a latency and did work."""
     found: dict[str, dict[str, Roofline]] = {}
     for name, m in profile.modules.items():
-        phases = {phase: r for phase in PHASES if (r := _of(m, phase, peak_flops, peak_bandwidth))}
+        phases = {phase: r for phase in ROOFLINE_PASSES if (r := _of(m, phase, peak_flops, peak_bandwidth))}
         if phases:
             found[name] = phases
     return found

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from flops_callbacks.counting.registry import OpCount
+from flops_callbacks.phase_names import PROFILE_PASSES
 from flops_callbacks.profile import Counts
 
 __all__ = [
@@ -31,9 +32,9 @@ __all__ = [
 
 FWD, BWD, REC = 0, 1, 2  # phases: forward, backward, recompute inside the backward
 SLOTS = tuple(f.name for f in fields(Counts))
-_FLOPS = tuple(SLOTS.index(f"{phase}_flops") for phase in ("fwd", "bwd", "recompute"))
-_MACS = tuple(SLOTS.index(f"{phase}_macs") for phase in ("fwd", "bwd", "recompute"))
-_BYTES = tuple(SLOTS.index(f"{phase}_bytes") for phase in ("fwd", "bwd", "recompute"))
+_FLOPS = tuple(SLOTS.index(f"{phase}_flops") for phase in PROFILE_PASSES)
+_MACS = tuple(SLOTS.index(f"{phase}_macs") for phase in PROFILE_PASSES)
+_BYTES = tuple(SLOTS.index(f"{phase}_bytes") for phase in PROFILE_PASSES)
 SAVED = SLOTS.index("saved_bytes")  # bytes saved for the backward by the forward
 CALLS = SLOTS.index("calls")  # forward calls of a functional that did flops
 _REC_FLOPS, _REC_MACS = _FLOPS[REC], _MACS[REC]

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from flops_callbacks import metrics as names
+from flops_callbacks.phase_names import PROFILE_PASSES
 from flops_callbacks.profile import Profile
 from flops_callbacks.reporting.profile_file import SavedProfile
 from flops_callbacks.units import (
@@ -188,9 +189,6 @@ class ModuleChange:
         return abs(self.delta_seconds), moved(self.flops), moved(self.bytes)
 
 
-_PASSES = ("fwd", "bwd", "recompute")
-
-
 def own_seconds(profile: Profile) -> dict[str, dict[str, float]]:
     """Each module's own latency in each pass: its latency less its children's (never below 0: the
     children's hooks may overlap their parent's by a little)."""
@@ -199,7 +197,7 @@ def own_seconds(profile: Profile) -> dict[str, dict[str, float]]:
         kids = profile.children(name)
         own[name] = {
             p: max(getattr(m, f"{p}_latency") - sum(getattr(k, f"{p}_latency") for k in kids), 0.0)
-            for p in _PASSES
+            for p in PROFILE_PASSES
         }
     return own
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
+from flops_callbacks.phase_names import STEP_PHASES
 from flops_callbacks.reporting.report import EngineRows, render_profile
 from flops_callbacks.reporting.report_sections import render_roofline
 from flops_callbacks.reporting.tree_check import TreeCheck, check_tree
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts
-from flops_callbacks.timing.phases import PHASES
 from flops_callbacks.units import (
     bytes_to_string,
     duration_to_string,
@@ -253,7 +253,7 @@ def tree_doubts(result: WindowResult) -> TreeCheck:
 def _peak_memory_text(result: WindowResult) -> str:
     if result.peak_memory is None:
         return f"n/a on {result.profile.device.split(':')[0]} (CUDA only)"
-    return " / ".join(bytes_to_string(result.peak_memory.get(phase, 0)) for phase in PHASES)
+    return " / ".join(bytes_to_string(result.peak_memory.get(phase, 0)) for phase in STEP_PHASES)
 
 
 def _count(n: int | float) -> str:

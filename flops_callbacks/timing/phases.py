@@ -13,18 +13,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP, STEP_PHASES
 from flops_callbacks.timing.clock import Clock
 from flops_callbacks.timing.phase_memory import PhaseMemory
-from flops_callbacks.timing.spans import BACKWARD, FORWARD, OPTIMIZER_STEP
 
 __all__ = ["BACKWARD", "check_phase", "FORWARD", "OPTIMIZER_STEP", "PHASES", "StepPhases"]
 
-PHASES = (FORWARD, BACKWARD, OPTIMIZER_STEP)
+PHASES = STEP_PHASES  # NB: the name session/builder.py imports; STEP_PHASES is the one to use
 
 
 def check_phase(name: str) -> None:
-    if name not in PHASES:
-        raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
+    """Raise ValueError unless ``name`` is one of :data:`~flops_callbacks.phase_names.STEP_PHASES`.
+
+    Args:
+        name: the phase a caller asked for.
+    """
+    if name not in STEP_PHASES:
+        raise ValueError(f"phase must be one of {STEP_PHASES}, got {name!r}")
 
 
 class StepPhases:
@@ -90,5 +95,5 @@ class StepPhases:
     def seconds(self) -> tuple[float, float, float]:
         """Seconds in (forward, backward, optimizer step)."""
         return tuple(  # type: ignore[return-value]
-            sum(self.clock.seconds(a, b) for a, b in self._spans.get(name, ())) for name in PHASES
+            sum(self.clock.seconds(a, b) for a, b in self._spans.get(name, ())) for name in STEP_PHASES
         )
