@@ -1,7 +1,7 @@
 """What a Lightning strategy and precision say about a run, for the Trainer's callback and for
 :class:`~flops_callbacks.StepProfiler` with ``fabric=``: the Trainer and Fabric keep the same facts in
 classes of their own (``lightning.pytorch.strategies`` and ``lightning.fabric.strategies``), so each
-door picks out the mesh, the engine and the precision string, and these functions read them alike.
+adapter picks out the mesh, the engine and the precision string, and these functions read them alike.
 Nothing of Lightning is imported here."""
 
 from __future__ import annotations
