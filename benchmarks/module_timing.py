@@ -89,6 +89,7 @@ def build(case: str) -> tuple[nn.Module, Callable[[], dict[str, torch.Tensor]]]:
 def one_run(case: str) -> dict[str, float]:
     """One Lightning fit with the callback: the root's forward, the forward phase, and their ratio."""
     import lightning as L
+    from common import quiet_trainer
 
     from flops_callbacks import FlopsProfilerCallback
 
@@ -112,16 +113,7 @@ def one_run(case: str) -> dict[str, float]:
     data = [make() for _ in range(steps)]
     ours = FlopsProfilerCallback(profile_step=2, clean_steps=3, print_profile=False, throughput=False)
     with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            accelerator="cpu",
-            max_steps=steps,
-            callbacks=[ours],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
-        )
+        trainer = quiet_trainer(root, steps, [ours])
         lit = Module(model)
         trainer.fit(lit, torch.utils.data.DataLoader(data, batch_size=None))
     return _row(ours.result, "model", model, lit.stopwatch, data)

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "plain"))
+from common import window_steps  # noqa: E402  (beside this script)
 from train import synthetic_batches, tiny_gpt2  # noqa: E402
-from window_plan import window_steps  # noqa: E402  (beside this script)
 
 from flops_callbacks import StepProfiler  # noqa: E402
 from flops_callbacks.integrations.callback_base import build_session  # noqa: E402
