@@ -18,17 +18,10 @@ import re
 from dataclasses import dataclass
 
 from flops_callbacks import metrics as names
+from flops_callbacks import units
 from flops_callbacks.phase_names import PROFILE_PASSES
 from flops_callbacks.profile import Profile
 from flops_callbacks.reporting.profile_file import SavedProfile
-from flops_callbacks.units import (
-    bytes_to_string,
-    duration_to_string,
-    flops_to_string,
-    macs_to_string,
-    number_to_string,
-    params_to_string,
-)
 
 __all__ = [
     "Change",
@@ -156,8 +149,8 @@ def work_note(a: SavedProfile, b: SavedProfile) -> str | None:
     pa, pb = a.result.profile, b.result.profile
     if (pa.fwd_flops, pa.bwd_flops, pa.recompute_flops) == (pb.fwd_flops, pb.bwd_flops, pb.recompute_flops):
         return None
-    flops = f"{number_to_string(pa.hardware_flops)} -> {number_to_string(pb.hardware_flops)}"
-    params = f"params {params_to_string(pa.params)} -> {params_to_string(pb.params)}"
+    flops = f"{units.number_to_string(pa.hardware_flops)} -> {units.number_to_string(pb.hardware_flops)}"
+    params = f"params {units.params_to_string(pa.params)} -> {units.params_to_string(pb.params)}"
     samples = f"samples per device {a.result.samples} -> {b.result.samples}"
     return (
         f"the runs did different work: fwd+bwd+recompute flops per step {flops} "
@@ -317,19 +310,19 @@ def figure_text(f: Figure, value: float | None = None) -> str:
     v = f.value if value is None else value
     name = f.name
     if name.endswith("_latency"):
-        return duration_to_string(v)
+        return units.duration_to_string(v)
     if name.endswith("flops_per_sec"):
-        return flops_to_string(v)
+        return units.flops_to_string(v)
     if name in ("mfu", "hfu", "padding_fraction"):  # as the report writes them; a tiny one, readable
         return f"{100 * v:.2f}%" if v == 0 or abs(v) >= 1e-4 else f"{100 * v:.3g}%"
     if name.endswith("_bytes"):
-        return bytes_to_string(v)
+        return units.bytes_to_string(v)
     if name.endswith("_macs"):
-        return macs_to_string(v)
+        return units.macs_to_string(v)
     if name == "params":
-        return params_to_string(v)
+        return units.params_to_string(v)
     if name.endswith("_flops"):
-        return number_to_string(v)
+        return units.number_to_string(v)
     return f"{v:.2f}"
 
 
