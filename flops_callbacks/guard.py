@@ -28,7 +28,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Guard:
-    """Runs the profiler's own work of one callback (``owner`` names it in warnings); see the module doc."""
+    """Runs the profiler's own work of one callback (``owner`` names it in warnings); see the module doc.
+
+    Args:
+        owner: the callback's name, as warnings say it.
+    """
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
@@ -86,7 +90,13 @@ class Guard:
 def guarded_event(what: str, kept: str, on_failure: str | None = None) -> Callable[[F], F]:
     """A method of an object with a ``guard`` (a :class:`Guard`), run as the profiler's own work: a
     failure is said with ``kept``, the object's method named ``on_failure`` cleans up, and the call
-    returns None."""
+    returns None.
+
+    Args:
+        what: the event, as the warning names it.
+        kept: what remains after a failure, as the warning says it.
+        on_failure: the name of the object's method that cleans up after a failure; None: none.
+    """
 
     def wrap(method: F) -> F:
         @functools.wraps(method)

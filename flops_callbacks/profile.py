@@ -57,12 +57,20 @@ class PassFlops(Protocol):
 
 
 def model_flops(counts: PassFlops) -> int:
-    """Forward + backward: the work the model needs (MFU's numerator)."""
+    """Forward + backward: the work the model needs (MFU's numerator).
+
+    Args:
+        counts: a profile, a module or counts with the per-pass flops.
+    """
     return counts.fwd_flops + counts.bwd_flops
 
 
 def hardware_flops(counts: PassFlops) -> int:
-    """Forward + backward + recompute: the work the device did (HFU's numerator)."""
+    """Forward + backward + recompute: the work the device did (HFU's numerator).
+
+    Args:
+        counts: a profile, a module or counts with the per-pass flops.
+    """
     return counts.fwd_flops + counts.bwd_flops + counts.recompute_flops
 
 

@@ -210,10 +210,14 @@ def render_summary(
     timing_lines: Sequence[tuple[str, str]] = (),
     run: EngineRows | None = None,
 ) -> str:
-    """The summary block: ``context_lines`` first, DeepSpeed's rows, ours, then ``timing_lines``.
+    """The summary block: DeepSpeed's rows, ours, then ``timing_lines``.
 
-    Callers that give ``run`` leave its rows (sizes, batch size, "of model", step latencies) out of
-    ``context_lines`` and ``timing_lines``.
+    Args:
+        profile: the profile whose totals the rows print.
+        profile_step: the step the rows say was profiled.
+        timing_lines: (label, value) rows after the others; a caller that gives ``run`` leaves its rows
+            (sizes, batch size, "of model", step latencies) out of them.
+        run: the engine's rows: sizes, micro-batches, latencies (none known by default).
     """
     run = run or EngineRows()
     rows = [*_deepspeed_rows(profile, run), *_own_rows(profile, run.micro_batches), *timing_lines]
@@ -240,10 +244,21 @@ def render_profile(
     roofline: str = "",
     summary: Profile | None = None,
 ) -> str:
-    """The whole report, as ``print_model_profile`` prints it: the aggregated profile always, the
-    detailed tree if ``detailed`` (as DeepSpeed); ``roofline`` (:func:`render_roofline`) after the summary.
-    ``summary``: the profile whose totals the summary prints (per GPU over several ranks), if not
-    ``profile``'s."""
+    """The whole report, as ``print_model_profile`` prints it: the summary, the aggregated profile, then
+    the detailed tree (as DeepSpeed).
+
+    Args:
+        profile: the profile the sections print.
+        profile_step: the step the summary says was profiled.
+        module_depth: the deepest depth the sections show (-1: all).
+        top_modules: how many modules the aggregated profile names per depth.
+        detailed: whether the detailed tree is printed.
+        timing_lines: (label, value) rows at the summary's end.
+        run: the engine's rows (see :func:`render_summary`).
+        roofline: the roofline section (:func:`render_roofline`), printed after the summary.
+        summary: the profile whose totals the summary prints (per GPU over several ranks), if not
+            ``profile``'s.
+    """
     parts = [render_summary(summary or profile, profile_step, timing_lines, run)]
     if roofline:
         parts.append(roofline)

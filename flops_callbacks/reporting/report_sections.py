@@ -16,12 +16,23 @@ __all__ = ["render_aggregated", "render_coverage", "render_detailed", "render_ro
 
 
 def rule(title: str, width: int) -> str:
-    """A section's rule: ``title`` centred in dashes, ``width`` wide (DeepSpeed's)."""
+    """A section's rule: ``title`` centred in dashes, ``width`` wide (DeepSpeed's).
+
+    Args:
+        title: the section's title.
+        width: the rule's width in characters.
+    """
     return f"{' ' + title + ' ':-^{width}}"
 
 
 def render_aggregated(profile: Profile, module_depth: int = -1, top_modules: int = 1) -> str:
-    """Top modules by params, MACs and fwd latency at each depth (the deepest one included)."""
+    """Top modules by params, MACs and fwd latency at each depth (the deepest one included).
+
+    Args:
+        profile: the profile to rank.
+        module_depth: the deepest depth shown (-1: all).
+        top_modules: how many modules are named per depth.
+    """
     max_depth = profile.max_depth
     last = max_depth if module_depth == -1 else min(module_depth, max_depth)
     lines = [
@@ -85,7 +96,12 @@ def _functionals_line(m: ModuleProfile) -> str:
 
 def render_detailed(profile: Profile, module_depth: int = -1) -> str:
     """The module tree down to ``module_depth`` as ``print(model)`` shows it, each module's numbers
-    first inside its parentheses (as DeepSpeed prints it), then the functionals that did its flops."""
+    first inside its parentheses (as DeepSpeed prints it), then the functionals that did its flops.
+
+    Args:
+        profile: the profile to print.
+        module_depth: the deepest depth shown (-1: all).
+    """
     root = profile.model
     lines = [
         rule("Detailed Profile per GPU", 86),
@@ -123,7 +139,14 @@ def render_roofline(
     profile: Profile, rooflines: Mapping[str, Mapping[str, Roofline]], roofs: str, top: int = 10
 ) -> str:
     """The modules (those without children) that take the most time, each pass against the roofline,
-    then those far below both roofs: where a performance engineer fuses, compiles or checkpoints next."""
+    then those far below both roofs: where a performance engineer fuses, compiles or checkpoints next.
+
+    Args:
+        profile: the profile whose modules' time is ranked.
+        rooflines: module name -> pass -> roofline (:func:`~flops_callbacks.roofline.module_rooflines`).
+        roofs: the line that names the two roofs and their sources.
+        top: how many of the slowest modules are listed.
+    """
     parents = {""} | {name[:i] for name in profile.modules for i, c in enumerate(name) if c == "."}
     leaves = [m for m in profile.modules.values() if m.name in rooflines and m.name not in parents]
     leaves.sort(key=lambda m: m.fwd_latency + m.bwd_latency, reverse=True)
@@ -157,7 +180,11 @@ def _intensity(r: Roofline) -> str:
 
 
 def render_coverage(profile: Profile) -> str:
-    """What was counted, what had no arithmetic, and every op that had no formula (never hidden)."""
+    """What was counted, what had no arithmetic, and every op that had no formula (never hidden).
+
+    Args:
+        profile: the profile whose coverage is printed.
+    """
     c = profile.coverage
     lines = [
         rule("Coverage", 86),

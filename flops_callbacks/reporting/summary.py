@@ -85,7 +85,12 @@ def _split_lines(split: Split) -> list[str]:
 
 def verdict(split: Split, result: WindowResult) -> str:
     """What bounds the step: the input pipeline, the loop's own work, the optimizer step, or the model's
-    fwd + bwd (by the roofline, when both peaks are known: the limiter of most of the modules' time)."""
+    fwd + bwd (by the roofline, when both peaks are known: the limiter of most of the modules' time).
+
+    Args:
+        split: the step's time split into its parts.
+        result: the window's result (its rooflines and peaks).
+    """
     if split.timed_wall and split.share("data") >= BOUND_SHARE:
         return (
             f"the input pipeline: {split.share('data'):.0%} of the step waits for data "
@@ -244,7 +249,13 @@ def _model(result: WindowResult, metrics: dict[str, float]) -> str:
 
 def render_console_summary(result: WindowResult, doubts: TreeCheck, details: str = "") -> str:
     """The summary of ``result`` for the console, at most :data:`MAX_LINES` lines from rule to rule;
-    ``doubts``: the module tree's check; ``details``: where the full report is (a path, "" if nowhere)."""
+    ``doubts``: the module tree's check; ``details``: where the full report is (a path, "" if nowhere).
+
+    Args:
+        result: the window's result.
+        doubts: the module tree's check.
+        details: where the full report is (a path; "" if nowhere).
+    """
     metrics = result.metrics()
     split = _split(metrics)
     if names.MFU in metrics:

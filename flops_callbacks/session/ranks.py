@@ -32,6 +32,9 @@ class Ranks:
 
     Without torch.distributed, or with one process, :meth:`exchange` returns ``[mine]`` and costs nothing.
     Pickles without its group (Lightning's ``ddp_spawn`` pickles the callbacks): :meth:`setup` makes it.
+
+    Args:
+        timeout: seconds a collective may wait for the other ranks.
     """
 
     def __init__(self, timeout: float = RANK_TIMEOUT) -> None:

@@ -31,7 +31,12 @@ _current_autograd_node = torch._C._current_autograd_node
 
 
 class OuterCalls:
-    """Marks the outermost calls of ``modules`` (not recomputes)."""
+    """Marks the outermost calls of ``modules`` (not recomputes).
+
+    Args:
+        modules: the outermost modules whose calls are marked.
+        clock: the clock the marks are made on.
+    """
 
     def __init__(self, modules: list[torch.nn.Module], clock: Clock) -> None:
         self.clock = clock

@@ -20,7 +20,11 @@ __all__ = ["PhaseMemory", "phase_memory_for"]
 
 
 class PhaseMemory:
-    """The peak allocated bytes of each phase on one CUDA device (the largest over its spans)."""
+    """The peak allocated bytes of each phase on one CUDA device (the largest over its spans).
+
+    Args:
+        device: the CUDA device read.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -38,7 +42,11 @@ class PhaseMemory:
 
 
 def phase_memory_for(device: torch.device) -> PhaseMemory | None:
-    """A recorder for ``device`` when it is a CUDA device (ROCm included), else None."""
+    """A recorder for ``device`` when it is a CUDA device (ROCm included), else None.
+
+    Args:
+        device: the device the model runs on.
+    """
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return PhaseMemory(device)

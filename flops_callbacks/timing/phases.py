@@ -34,7 +34,12 @@ def check_phase(name: str) -> None:
 
 class StepPhases:
     """Marks the phases of one step; :meth:`seconds` reads them (after the step: reading CUDA events
-    synchronizes, so it is left until the profile window has ended)."""
+    synchronizes, so it is left until the profile window has ended).
+
+    Args:
+        clock: the clock the phases are marked on.
+        memory: the peak allocated bytes per phase, read on clean steps (CUDA only); None: not read.
+    """
 
     def __init__(self, clock: Clock, memory: PhaseMemory | None = None) -> None:
         self.clock = clock
