@@ -224,7 +224,11 @@ def _chip_key(device_name: str) -> str | None:
 
 
 def chip_for(device_name: str) -> Chip | None:
-    """The table entry of a ``torch.cuda.get_device_name()`` string, or None (unknown, or a MIG slice)."""
+    """The table entry of a ``torch.cuda.get_device_name()`` string, or None (unknown, or a MIG slice).
+
+    Args:
+        device_name: what ``torch.cuda.get_device_name()`` returned.
+    """
     key = _chip_key(device_name)
     return CHIPS[key] if key is not None else None
 
@@ -240,7 +244,11 @@ def fp32_matmul_dtype() -> str:
 
 def parameters_dtype(model: torch.nn.Module) -> str | None:
     """The compute dtype of ``model``'s matmuls without autocast: its floating parameters' dtype, with
-    fp32 as :func:`fp32_matmul_dtype` says (None for dtypes the table has no column for)."""
+    fp32 as :func:`fp32_matmul_dtype` says (None for dtypes the table has no column for).
+
+    Args:
+        model: the model whose parameters are read.
+    """
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     if dtype == torch.float32:
         return fp32_matmul_dtype()
@@ -273,7 +281,12 @@ def _from_env(variable: str, check: Callable[[Any, str], float | None]) -> float
 
 
 def check_peak_flops(value: Any, name: str = "peak_flops") -> float | None:
-    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise."""
+    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise.
+
+    Args:
+        value: the user's peak FLOPS.
+        name: the argument's name, as the error says it.
+    """
     return _positive(value, name, "the dense peak FLOPS of one device", "989e12")
 
 
@@ -291,7 +304,11 @@ class Peak:
 
 
 def given_peak(peak_flops: float | None) -> Peak | None:
-    """The user's peak: the argument, else the environment variable (both validated already)."""
+    """The user's peak: the argument, else the environment variable (both validated already).
+
+    Args:
+        peak_flops: the ``peak_flops=`` argument, or None.
+    """
     if peak_flops is not None:
         return Peak(float(peak_flops), "peak_flops argument")
     value = peak_from_env()
@@ -299,7 +316,11 @@ def given_peak(peak_flops: float | None) -> Peak | None:
 
 
 def device_name(device: torch.device) -> str | None:
-    """What the accelerator calls itself (``torch.cuda.get_device_name``); None for CPU and meta."""
+    """What the accelerator calls itself (``torch.cuda.get_device_name``); None for CPU and meta.
+
+    Args:
+        device: the device the model runs on.
+    """
     if device.type in ("cpu", "meta"):
         return None
     module = getattr(torch, device.type, None)
@@ -308,7 +329,12 @@ def device_name(device: torch.device) -> str | None:
 
 
 def table_peak(name: str, dtype: str) -> tuple[Peak | None, str]:
-    """The table's peak for a device name and compute dtype, or None and why not."""
+    """The table's peak for a device name and compute dtype, or None and why not.
+
+    Args:
+        name: the device's name.
+        dtype: the compute dtype, a :data:`DTYPES` name.
+    """
     chip = chip_for(name)
     if chip is None:
         return None, f"device {name!r} is not in the peak table"
@@ -328,7 +354,13 @@ def _name_or_why(device: torch.device, what: str, how: str) -> tuple[str | None,
 
 def resolve_peak(given: Peak | None, device: torch.device, dtype: str | None) -> tuple[Peak | None, str]:
     """The peak to use: the user's if given, else the table's for ``device`` at ``dtype``; or None and
-    a sentence saying why there is none (no guessing)."""
+    a sentence saying why there is none (no guessing).
+
+    Args:
+        given: the user's peak, or None.
+        device: the device the model runs on.
+        dtype: the compute dtype, or None when unknown.
+    """
     how = f"pass peak_flops= or set {ENV_VAR}"
     name, why = _name_or_why(device, "peak FLOPS", how)
     if given is not None or name is None:
@@ -348,7 +380,12 @@ class Bandwidth:
 
 
 def check_peak_bandwidth(value: Any, name: str = "peak_bandwidth") -> float | None:
-    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise."""
+    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise.
+
+    Args:
+        value: the user's peak bandwidth, bytes/s.
+        name: the argument's name, as the error says it.
+    """
     return _positive(value, name, "the peak memory bandwidth of one device in bytes/s", "3.35e12")
 
 
@@ -358,7 +395,11 @@ def bandwidth_from_env() -> float | None:
 
 
 def table_bandwidth(name: str) -> Bandwidth | None:
-    """The table's peak memory bandwidth for a device name, or None (unknown, or a MIG slice)."""
+    """The table's peak memory bandwidth for a device name, or None (unknown, or a MIG slice).
+
+    Args:
+        name: the device's name.
+    """
     key = _chip_key(name)
     if key is None:
         return None
@@ -370,7 +411,12 @@ def table_bandwidth(name: str) -> Bandwidth | None:
 
 def resolve_bandwidth(given: Bandwidth | None, device: torch.device) -> tuple[Bandwidth | None, str]:
     """The bandwidth to use: the user's if given, else the table's for ``device``; or None and a
-    sentence saying why there is none."""
+    sentence saying why there is none.
+
+    Args:
+        given: the user's bandwidth, or None.
+        device: the device the model runs on.
+    """
     how = f"pass peak_bandwidth= or set {BANDWIDTH_ENV_VAR}"
     name, why = _name_or_why(device, "peak bandwidth", how)
     if given is not None or name is None:
@@ -380,7 +426,11 @@ def resolve_bandwidth(given: Bandwidth | None, device: torch.device) -> tuple[Ba
 
 
 def given_bandwidth(peak_bandwidth: float | None) -> Bandwidth | None:
-    """The user's peak bandwidth: the argument, else the environment variable (validated here)."""
+    """The user's peak bandwidth: the argument, else the environment variable (validated here).
+
+    Args:
+        peak_bandwidth: the ``peak_bandwidth=`` argument, or None.
+    """
     if peak_bandwidth is not None:
         return Bandwidth(float(peak_bandwidth), "peak_bandwidth argument")
     value = bandwidth_from_env()

@@ -93,7 +93,11 @@ _RULES: dict[Any, BytesRule | None] = {}  # by overload, resolved once
 
 
 def bytes_rule(func: torch._ops.OpOverload) -> BytesRule | None:
-    """How calls of ``func`` move bytes; None for an op that moves none (a view, an allocation)."""
+    """How calls of ``func`` move bytes; None for an op that moves none (a view, an allocation).
+
+    Args:
+        func: the overload called.
+    """
     try:
         return _RULES[func]
     except KeyError:

@@ -43,12 +43,21 @@ Sums = list[int]  # one slot per field of Counts, in its order
 
 
 def plus(a: Sums | None, b: Sums) -> Sums:
-    """Slotwise sum as a new list (sum lists are shared between modules, never changed in place)."""
+    """Slotwise sum as a new list (sum lists are shared between modules, never changed in place).
+
+    Args:
+        a: the sums so far, or None for none.
+        b: the sums to add.
+    """
     return b if a is None else [x + y for x, y in zip(a, b, strict=True)]
 
 
 def total(parts: Any) -> Sums:
-    """The slotwise sum of ``parts`` (zeros when there are none)."""
+    """The slotwise sum of ``parts`` (zeros when there are none).
+
+    Args:
+        parts: the sum lists to add.
+    """
     found: Sums = [0] * len(SLOTS)
     for part in parts:
         found = plus(found, part)
@@ -56,7 +65,12 @@ def total(parts: Any) -> Sums:
 
 
 def as_counts(sums: Sums, **override: int) -> dict[str, int]:
-    """``sums`` as ``Counts`` keyword arguments (``override`` replacing some)."""
+    """``sums`` as ``Counts`` keyword arguments (``override`` replacing some).
+
+    Args:
+        sums: one slot per field of ``Counts``.
+        **override: fields whose values replace the sums'.
+    """
     return {**dict(zip(SLOTS, sums, strict=True)), **override}
 
 
@@ -65,6 +79,10 @@ class Site:
 
     An op adds to its context only, one list update whatever the stack depth; the profile spreads
     each context's sums over its modules once. Contexts are interned, so identity is equality.
+
+    Args:
+        names: the modules on the stack, each once, outermost first.
+        functional: the functional being run, or None.
     """
 
     __slots__ = ("names", "functional", "sums")
