@@ -1,20 +1,13 @@
-"""Dense peak FLOPS per device and compute dtype (MFU's denominator), and peak memory bandwidth per
-device (the roofline's other roof).
+"""Dense peak FLOPS per device and compute dtype (MFU's denominator), and peak DRAM bandwidth per device
+(the roofline's other roof), per single device, each figure with its datasheet named.
 
-Why not Lightning's ``lightning.fabric.utilities.throughput.get_available_flops``: the core depends on
-torch only, and its table does not serve MFU as this package reports it: no B200, GB200, GH200, AMD
-Instinct or fp8 entries; "NVIDIA H200" (SXM) matches nothing; its H200 figures are the sparsity ones
-(2x dense); its "h100 nvl" entry is a two-card NVL pair; its RTX 4090 bf16/fp16 is the non-tensor
-FP32 rate; and an unknown device only warns. Here every figure is DENSE (datasheets print "with
-sparsity" figures, twice the dense ones: those are halved below, never used as they are), per single
-device, in FLOPS, with its datasheet named.
-
-A device name that matches nothing, a MIG slice (a fraction of the GPU) or a CPU gives no peak: we do
-not guess. ``peak_flops=`` on a callback, or the ``FLOPS_CALLBACKS_PEAK_FLOPS`` environment variable,
-sets the peak instead of the table; ``peak_bandwidth=`` or ``FLOPS_CALLBACKS_PEAK_BANDWIDTH`` (bytes/s)
-the bandwidth. Bandwidths are the datasheets' peak DRAM (HBM / GDDR) figures, in bytes per second
-(1 TB/s = 1e12 B/s, as the datasheets count), per single device; where one name covers parts with
-different memory (A100 40 / 80 GB, GH200 HBM3 / HBM3e), the device name picks the part.
+Datasheets' "with sparsity" figures are halved, never used as they are; where one name covers parts
+with different memory (A100 40 / 80 GB), the device name picks the part. A name that matches nothing,
+a MIG slice or a CPU gives no peak: we do not guess; ``peak_flops=`` / ``FLOPS_CALLBACKS_PEAK_FLOPS``
+and ``peak_bandwidth=`` / ``FLOPS_CALLBACKS_PEAK_BANDWIDTH`` (bytes/s) set them instead. Why not
+Lightning's ``get_available_flops``: the core depends on torch only, and its table has no B200, GB200,
+GH200, AMD or fp8 entries, gives H200 with sparsity, an H100 NVL pair and the RTX 4090's FP32 rate
+for bf16, and only warns on an unknown device.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
-"""What the "6 x params x tokens" rule of thumb would claim for a profiled model, beside what was measured.
+"""What the "6 x params x tokens" rule of thumb and PaLM's formula claim for a profiled step, beside
+what was measured: the rule (Kaplan et al. 2020, section 2.1) with N the non-embedding parameters,
+PaLM's ``6N + 12LHQT`` (Chowdhery et al. 2022, appendix B) with self-attention's matmuls, and for a
+mixture of experts both again with the active parameters per token.
 
-The rule (Kaplan et al. 2020, "Scaling laws", section 2.1) counts one multiply-accumulate per parameter
-per token forward and two backward, with N the *non-embedding* parameters: an embedding table is
-looked up, not multiplied, so its rows do no arithmetic. We leave out the weights of every
-``nn.Embedding`` / ``nn.EmbeddingBag`` (token and learned position tables) except a table tied to an
-output layer (GPT-2's LM head shares the token table): that weight does a matmul per token as the head
-(2 x vocab x hidden flops forward), so it stays in N, once. PaLM (Chowdhery et al. 2022, appendix B)
-adds self-attention's matmuls, which have no parameters: per token, ``12 * L * H * Q * T`` with L
-layers, H attention heads, Q the head dimension and T the sequence length (QK^T and AV, 2 x Q x T
-flops each per head forward, x3 for forward + backward; the whole T x T matrix, causal or not). Its
-model flops per token are ``6N + 12LHQT``, shown when the config gives L, H and Q (or the hidden size)
-and the counted step's sequences are of one length T (tokens / samples).
-
-A mixture-of-experts model runs only ``experts_per_token`` of its ``num_experts`` experts for each
-token, so with all its parameters the rule overstates the work several times over; with the active
-parameters per token it comes close. The report shows both next to the measured count.
-
-Pure functions of a finished profile, the model's config (any object with the usual transformers
-attribute names) and, for the embedding tables, the model.
+Pure functions of a finished profile, the model's config (transformers' attribute names) and the
+model: the estimates are shown next to the measured count, never used in its place.
 """
 
 from __future__ import annotations
@@ -113,6 +100,10 @@ def embedding_params(model: torch.nn.Module) -> int:
     """Parameters of the model's embedding tables that do no arithmetic: each ``nn.Embedding`` /
     ``nn.EmbeddingBag`` weight once, except one another module also holds (a tied LM head).
 
+
+    An embedding table is looked up, not multiplied, so its rows do no arithmetic; a table tied to an
+    output layer (GPT-2's LM head shares the token table) does a matmul per token as the head, so it
+    stays in N, once.
     Args:
         model: the model whose embedding tables are counted.
     """
@@ -167,6 +158,9 @@ def six_n_d(params: int, tokens: int) -> int:
 def palm_attention_flops(attention: Attention, seq_len: int, tokens: int) -> int:
     """PaLM's attention term for ``tokens`` tokens in sequences of ``seq_len``: 12 x L x H x Q x T each.
 
+
+    L layers, H heads, Q the head dimension, T the sequence length: QK^T and AV, 2 x Q x T flops each
+    per head forward, x3 for forward + backward; the whole T x T matrix, causal or not.
     Args:
         attention: L, H and Q of the model.
         seq_len: T, the sequences' length.
