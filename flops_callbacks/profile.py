@@ -1,14 +1,12 @@
 """The result of a profile: plain dataclasses, their JSON form, and aggregation by depth.
 
-Flops are counted per pass: ``fwd`` (the forward), ``bwd`` (the real backward, measured op by op)
-and ``recompute`` (forwards re-run inside the backward by activation checkpointing). MACs count
-only multiply-accumulate ops (matmul, conv, attention), so ``2 * macs`` is exactly the flops that
-``torch.utils.flop_counter.FlopCounterMode`` reports; the rest of ``flops`` is elementwise work.
-Bytes (``fwd_bytes`` ...) are the memory traffic the same ops imply: each op reads every tensor it is
-given and writes every tensor it returns (element size x elements; views move nothing; an in-place op
-reads and writes its operand: :mod:`flops_callbacks.counting.bytes_moved`). ``saved_bytes`` are the
-activations
-the forward leaves for the backward (parameters excluded, each storage once). Latencies are in seconds.
+Flops are counted per pass: ``fwd`` (the forward), ``bwd`` (the real backward, measured op by op) and
+``recompute`` (forwards re-run inside the backward by activation checkpointing). MACs count only
+multiply-accumulate ops (matmul, conv, attention), so ``2 * macs`` is exactly the flops that
+``torch.utils.flop_counter.FlopCounterMode`` reports; the rest of ``flops`` is elementwise work. Bytes
+(``fwd_bytes`` ...) are the memory traffic the same ops imply (:mod:`flops_callbacks.counting.bytes_moved`);
+``saved_bytes`` the activations the forward leaves for the backward (parameters excluded, each storage
+once). Latencies are in seconds.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Turns a trace's :class:`~flops_callbacks.counting.recording.Recording` into a :class:`Profile`.
+"""Turns a trace's :class:`~flops_callbacks.counting.recording.Recording` into a :class:`Profile`: each
+context's sums spread over the modules on its stack, clock marks made seconds (one synchronization),
+parameters counted.
 
-Apart from the trace because it runs once per profile, not per op: the trace only adds to one
-context's sums and appends clock marks; here each context's sums are spread over the modules on
-its stack, clock marks become seconds (one synchronization), and parameters are counted.
+Why not in the trace: this runs once per profile, the trace once per op, so the trace only adds to one
+context's sums and appends clock marks.
 """
 
 from __future__ import annotations
