@@ -40,7 +40,12 @@ class Guard:
         self._said: set[str] = set()
 
     def user(self, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)``, the user's code: an exception it raises passes every guard unchanged."""
+        """``fn(*args)``, the user's code: an exception it raises passes every guard unchanged.
+
+        Args:
+            fn: the user's function.
+            *args: its arguments.
+        """
         try:
             return fn(*args)
         except BaseException as error:
@@ -50,7 +55,13 @@ class Guard:
     @contextmanager
     def own_work(self, what: str, kept: str, on_failure: Callable[[], None] | None = None) -> Iterator[None]:
         """Run the body as the profiler's own work: if it raises, warn (once per ``what``) that ``what``
-        failed and ``kept`` is what remains, call ``on_failure``, and carry on after the ``with``."""
+        failed and ``kept`` is what remains, call ``on_failure``, and carry on after the ``with``.
+
+        Args:
+            what: the work, as the warning names it.
+            kept: what remains after a failure, as the warning says it.
+            on_failure: what cleans up after a failure; None: nothing.
+        """
         try:
             yield
         except Exception as error:
@@ -65,7 +76,11 @@ class Guard:
 
     def attempt(self, fn: Callable[[], object]) -> Exception | None:
         """Run own work ``fn`` and return its exception instead of saying it (the caller says several
-        failures as one); the user's exceptions pass."""
+        failures as one); the user's exceptions pass.
+
+        Args:
+            fn: the own work to run.
+        """
         try:
             fn()
         except Exception as error:
@@ -75,7 +90,13 @@ class Guard:
         return None
 
     def fail(self, what: str, error: BaseException, kept: str) -> None:
-        """Say that ``what`` failed with ``error`` (once per ``what``); training goes on."""
+        """Say that ``what`` failed with ``error`` (once per ``what``); training goes on.
+
+        Args:
+            what: the work that failed.
+            error: its exception.
+            kept: what remains, as the warning says it.
+        """
         if what in self._said:
             return
         self._said.add(what)

@@ -61,7 +61,11 @@ class ModuleTree:
         self._param_holders: list[tuple[torch.nn.Parameter, tuple[str, ...]]] | None = None  # when read
 
     def ancestors_of(self, name: str) -> list[str]:
-        """Profiled modules above ``name``, outermost first (each derived from its parent's, once)."""
+        """Profiled modules above ``name``, outermost first (each derived from its parent's, once).
+
+        Args:
+            name: a module's qualified name.
+        """
         found = self.ancestors.get(name)
         if found is not None:
             return found

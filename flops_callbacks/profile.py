@@ -191,13 +191,21 @@ class Profile:
         return max(m.depth for m in self.modules.values())
 
     def at_depth(self, depth: int) -> list[ModuleProfile]:
-        """Modules at ``depth`` (0 is the model; -1 the deepest)."""
+        """Modules at ``depth`` (0 is the model; -1 the deepest).
+
+        Args:
+            depth: the depth (0 is the model; -1 the deepest).
+        """
         if depth < 0:
             depth = self.max_depth
         return [m for m in self.modules.values() if m.depth == depth]
 
     def aggregate_by_class(self, depth: int) -> dict[str, ModuleProfile]:
-        """Modules at ``depth`` summed per class, as DeepSpeed's aggregated profile shows them."""
+        """Modules at ``depth`` summed per class, as DeepSpeed's aggregated profile shows them.
+
+        Args:
+            depth: the depth (0 is the model; -1 the deepest).
+        """
         merged: dict[str, ModuleProfile] = {}
         for m in self.at_depth(depth):
             acc = merged.setdefault(m.class_name, ModuleProfile(class_name=m.class_name, depth=m.depth))
@@ -213,7 +221,11 @@ class Profile:
         return merged
 
     def children(self, name: str) -> list[ModuleProfile]:
-        """Modules whose nearest profiled ancestor is ``name``, in registration order."""
+        """Modules whose nearest profiled ancestor is ``name``, in registration order.
+
+        Args:
+            name: a module's qualified name ("" for the model).
+        """
         modules = self.modules
         cached = self.__dict__.get("_children")  # not a field: JSON and equality never see it
         if cached is None or cached[0] is not modules:  # one pass, kept per modules dict
@@ -232,7 +244,11 @@ class Profile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
         """The profile :meth:`to_dict` wrote (its derived totals, and keys other writers add to a module
-        entry such as ``roofline``, are left: they are computed from the fields)."""
+        entry such as ``roofline``, are left: they are computed from the fields).
+
+        Args:
+            data: what :meth:`to_dict` returned, read back from JSON.
+        """
 
         def counts(entry: dict[str, Any], kind: type[Counts] = Counts) -> Any:
             known = {f.name for f in fields(kind)}

@@ -36,7 +36,13 @@ class NodeTags:
     def tag(self, out: Any, ctx: Site, watch: Callable[[Any, Site], None] | None) -> None:
         """Tag the nodes that made ``out`` (a tensor or a structure of them), and every node above them
         not tagged yet, with ``ctx``; ``watch(node, ctx)`` reads each newly tagged node (the forward's
-        saved tensors)."""
+        saved tensors).
+
+        Args:
+            out: a call's output: a tensor or a structure of them.
+            ctx: where the nodes' work goes.
+            watch: what reads each newly tagged node, or None.
+        """
         if isinstance(out, torch.Tensor):
             tensors = [out]
         else:

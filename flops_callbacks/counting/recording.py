@@ -99,7 +99,14 @@ class Site:
         return sums
 
     def add(self, phase: int, functional: str, count: OpCount, moved: int) -> None:
-        """One counted op: its flops, MACs and bytes moved."""
+        """One counted op: its flops, MACs and bytes moved.
+
+        Args:
+            phase: the pass (``FWD``, ``BWD`` or ``REC``).
+            functional: the functional the op ran in.
+            count: the op's flops and MACs.
+            moved: the op's bytes moved.
+        """
         sums = self.sums_of(functional)
         sums[_FLOPS[phase]] += count.flops
         sums[_MACS[phase]] += count.macs
@@ -109,11 +116,22 @@ class Site:
             sums[_REC_MACS] += count.recompute_macs
 
     def add_saved(self, functional: str, saved: int) -> None:
-        """A tensor the forward saved for the backward."""
+        """A tensor the forward saved for the backward.
+
+        Args:
+            functional: the functional that saved it.
+            saved: its bytes.
+        """
         self.sums_of(functional)[SAVED] += saved
 
     def add_bytes(self, phase: int, functional: str, moved: int) -> None:
-        """One op without arithmetic (a copy, a gather) or without a formula: bytes only."""
+        """One op without arithmetic (a copy, a gather) or without a formula: bytes only.
+
+        Args:
+            phase: the pass (``FWD``, ``BWD`` or ``REC``).
+            functional: the functional the op ran in.
+            moved: the op's bytes moved.
+        """
         self.sums_of(functional)[_BYTES[phase]] += moved
 
 

@@ -85,7 +85,15 @@ class FormulaEntry:
     def count(
         self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any, causal_half: bool
     ) -> OpCount:
-        """Flops and MACs of one call of ``func`` (nothing for free, metadata and uncounted ops)."""
+        """Flops and MACs of one call of ``func`` (nothing for free, metadata and uncounted ops).
+
+        Args:
+            func: the overload called.
+            args: the call's positional arguments.
+            kwargs: its keyword arguments.
+            out: its output.
+            causal_half: whether a causal call counts its kept share only.
+        """
         if self.formula is None:
             return _NOTHING
         flops = int(self.formula(args, kwargs, out))

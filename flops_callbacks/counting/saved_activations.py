@@ -79,7 +79,12 @@ class SavedActivations:
     def enter(self, args: tuple, ctx: Site) -> None:
         """A module is called: when it is the first one inside a new region of saved-tensor hooks (a
         checkpoint), count its tensor arguments, which the checkpoint holds for its recompute, for
-        ``ctx``: where the checkpoint is called."""
+        ``ctx``: where the checkpoint is called.
+
+        Args:
+            args: the module call's positional arguments.
+            ctx: where the call's work goes.
+        """
         top = _top_hooks(True)
         if top is None or (self.region is not None and top[0] is self.region()):
             return
@@ -92,7 +97,12 @@ class SavedActivations:
     def watch(self, node: Any, ctx: Site) -> None:
         """Count the tensors ``node`` saved (a node the forward created, tagged with ``ctx``). Never
         raises: what cannot be read (a tensor changed in place since: autograd raises in the backward)
-        is not counted."""
+        is not counted.
+
+        Args:
+            node: an autograd node the forward created.
+            ctx: where its work goes.
+        """
         names = _saved_names(node)
         if not names or _top_hooks(True) is not None:
             return

@@ -280,7 +280,11 @@ class Rule:
 
     @classmethod
     def parse(cls, text: str) -> Rule:
-        """The rule ``text`` says; ValueError naming it and the syntax."""
+        """The rule ``text`` says; ValueError naming it and the syntax.
+
+        Args:
+            text: the rule as the command line takes it (``figure:+N%``, ``figure:-N%``).
+        """
         found = _RULE.match(text.strip())
         if found is None:
             raise ValueError(

@@ -132,7 +132,12 @@ class BatchReader:
         self.said_no_size = False
 
     def samples(self, batch: Any, say_unknown: bool = False) -> int | None:
-        """Samples in a micro-batch; None when it has no tensor with a leading dimension."""
+        """Samples in a micro-batch; None when it has no tensor with a leading dimension.
+
+        Args:
+            batch: the micro-batch.
+            say_unknown: whether a batch whose size cannot be found is said (once per run).
+        """
         if self.options.batch_size_fn is not None:
             return int(self.guard.user(self.options.batch_size_fn, batch))
         size = find_batch_size(batch)
@@ -146,11 +151,19 @@ class BatchReader:
         return size
 
     def samples_or_zero(self, batch: Any) -> int:
-        """Samples in a micro-batch, 0 when unknown (the meter's count)."""
+        """Samples in a micro-batch, 0 when unknown (the meter's count).
+
+        Args:
+            batch: the micro-batch.
+        """
         return self.samples(batch) or 0
 
     def tokens(self, batch: Any) -> int | None:
-        """Tokens in a micro-batch, or None when unknown."""
+        """Tokens in a micro-batch, or None when unknown.
+
+        Args:
+            batch: the micro-batch.
+        """
         if self.options.tokens_fn is not None:
             tokens = self.guard.user(self.options.tokens_fn, batch)
         elif self.default_tokens_fn is not None:

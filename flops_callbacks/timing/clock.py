@@ -22,7 +22,12 @@ class Clock(Protocol):
         """A point in time on this device, recorded without waiting for queued work."""
 
     def seconds(self, start: Any, end: Any) -> float:
-        """Seconds between two marks (may synchronize the device)."""
+        """Seconds between two marks (may synchronize the device).
+
+        Args:
+            start: the first mark.
+            end: the second mark.
+        """
 
     def synchronize(self) -> None:
         """Wait for all work queued on the device."""

@@ -32,7 +32,11 @@ class PhaseMemory:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def close(self, phase: str) -> None:
-        """``phase`` ends: keep its high-water mark, and start the next phase's."""
+        """``phase`` ends: keep its high-water mark, and start the next phase's.
+
+        Args:
+            phase: the phase that ends.
+        """
         peak = torch.cuda.max_memory_allocated(self.device)
         self.peaks[phase] = max(self.peaks.get(phase, 0), peak)
         torch.cuda.reset_peak_memory_stats(self.device)

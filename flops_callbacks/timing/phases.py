@@ -51,7 +51,11 @@ class StepPhases:
         self.first_mark: Any = None  # the step's first mark: the start of its first forward
 
     def start(self, name: str) -> None:
-        """End whatever runs (resolving a held-open gap) and start ``name`` on one mark."""
+        """End whatever runs (resolving a held-open gap) and start ``name`` on one mark.
+
+        Args:
+            name: the phase that starts.
+        """
         check_phase(name)
         if name == self.current and self._ended is None:
             return
@@ -69,7 +73,11 @@ class StepPhases:
 
     def restart(self, name: str) -> bool:
         """``name`` runs and really starts now (the user's code after the framework's own work): its span
-        starts again on a new mark. False when ``name`` is not the running phase."""
+        starts again on a new mark. False when ``name`` is not the running phase.
+
+        Args:
+            name: the phase that really starts now.
+        """
         if name != self.current or self._ended is not None:
             return False
         self._since = self.clock.mark()
