@@ -34,4 +34,4 @@ OPTIMIZER_STEP: Literal["optimizer_step"] = "optimizer_step"
 STEP_PHASES: tuple[StepPhase, ...] = (FORWARD, BACKWARD, OPTIMIZER_STEP)  # in the order they run
 MODULE_PASSES: tuple[ModulePass, ...] = (FORWARD, BACKWARD, RECOMPUTE)  # also the trace's track order
 PROFILE_PASSES = ("fwd", "bwd", "recompute")  # MODULE_PASSES as the profile's field prefixes
-ROOFLINE_PASSES = PROFILE_PASSES[:2]  # the passes with a latency of their own (recompute is in bwd)
+ROOFLINE_PASSES = PROFILE_PASSES[:2]  # the passes the roofline judges: a module's forward and backward
