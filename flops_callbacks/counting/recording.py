@@ -93,6 +93,11 @@ class Site:
         self.sums: dict[str, Sums] = {}  # by functional (an op's own name where none was named)
 
     def sums_of(self, functional: str) -> Sums:
+        """The sums of ``functional`` here, made (zeros) on its first op.
+
+        Args:
+            functional: the functional's name.
+        """
         sums = self.sums.get(functional)
         if sums is None:
             sums = self.sums[functional] = [0] * len(SLOTS)

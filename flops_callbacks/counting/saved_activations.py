@@ -70,6 +70,11 @@ class SavedActivations:
         self.region: Callable[[], Any] | None = None
 
     def start(self, model: torch.nn.Module) -> None:
+        """Note ``model``'s parameters' storages, which saved tensors never count.
+
+        Args:
+            model: the model counted.
+        """
         self.param_ptrs = {_storage(p)[0] for p in model.parameters()} - {0}
 
     def stop(self) -> None:

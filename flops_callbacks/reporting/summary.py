@@ -43,6 +43,11 @@ class Split:
     timed_wall: bool  # False: no step before the timed ones, the parts are fwd / bwd / step only
 
     def share(self, part: str) -> float:
+        """``part``'s share of the wall step (0 without a wall time).
+
+        Args:
+            part: one of :data:`PARTS`.
+        """
         return self.parts[part] / self.wall if self.wall > 0 else 0.0
 
 
