@@ -16,7 +16,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -57,6 +57,7 @@ DTYPES = (FP32, TF32, BF16, FP16, FP8)
 ENV_VAR = "FLOPS_CALLBACKS_PEAK_FLOPS"
 BANDWIDTH_ENV_VAR = "FLOPS_CALLBACKS_PEAK_BANDWIDTH"
 
+_Figure = TypeVar("_Figure")  # Peak or Bandwidth
 T = 1e12  # TFLOPS
 
 
@@ -302,10 +303,7 @@ def given_peak(peak_flops: float | None) -> Peak | None:
     Args:
         peak_flops: the ``peak_flops=`` argument, or None.
     """
-    if peak_flops is not None:
-        return Peak(float(peak_flops), "peak_flops argument")
-    value = peak_from_env()
-    return Peak(value, f"{ENV_VAR} environment variable") if value is not None else None
+    return _given(peak_flops, "peak_flops", peak_from_env, ENV_VAR, Peak)
 
 
 def device_name(device: torch.device) -> str | None:
@@ -424,7 +422,18 @@ def given_bandwidth(peak_bandwidth: float | None) -> Bandwidth | None:
     Args:
         peak_bandwidth: the ``peak_bandwidth=`` argument, or None.
     """
-    if peak_bandwidth is not None:
-        return Bandwidth(float(peak_bandwidth), "peak_bandwidth argument")
-    value = bandwidth_from_env()
-    return Bandwidth(value, f"{BANDWIDTH_ENV_VAR} environment variable") if value is not None else None
+    return _given(peak_bandwidth, "peak_bandwidth", bandwidth_from_env, BANDWIDTH_ENV_VAR, Bandwidth)
+
+
+def _given(
+    value: float | None,
+    argument: str,
+    from_env: Callable[[], float | None],
+    env_var: str,
+    make: Callable[[float, str], _Figure],
+) -> _Figure | None:
+    """The argument's figure, else the environment variable's, each with its source; None for neither."""
+    if value is not None:
+        return make(float(value), f"{argument} argument")
+    found = from_env()
+    return make(found, f"{env_var} environment variable") if found is not None else None

@@ -49,35 +49,17 @@ def number_to_string(num: float, units: str | None = None, precision: int = DEFA
 
 
 def flops_to_string(flops: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
-    """A rate in floating-point operations per second: ``'6.28 TFLOPS'``; counts use number_to_string.
-
-    Args:
-        flops: the rate, in flops per second.
-        units: the prefix to use; None: the one that fits.
-        precision: the digits after the point.
-    """
+    """A rate in flops per second, ``'6.28 TFLOPS'`` (counts use number_to_string); arguments as its."""
     return f"{number_to_string(flops, units, precision)}FLOPS"
 
 
 def macs_to_string(macs: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
-    """Multiply-accumulates: ``'336.23 MMACs'``.
-
-    Args:
-        macs: the count.
-        units: the prefix to use; None: the one that fits.
-        precision: the digits after the point.
-    """
+    """Multiply-accumulates, ``'336.23 MMACs'``; the arguments as :func:`number_to_string`'s."""
     return f"{number_to_string(macs, units, precision)}MACs"
 
 
 def bytes_to_string(b: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
-    """Bytes, in powers of 1000 as the datasheets count: ``'1.5 GB'``.
-
-    Args:
-        b: the bytes.
-        units: the prefix to use; None: the one that fits.
-        precision: the digits after the point.
-    """
+    """Bytes in powers of 1000, ``'1.5 GB'``; the arguments as :func:`number_to_string`'s."""
     return f"{number_to_string(b, units, precision)}B"
 
 
