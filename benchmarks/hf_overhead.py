@@ -21,8 +21,8 @@ import time
 import warnings
 
 import torch
+from common import window_steps
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-from window_plan import window_steps
 
 from flops_callbacks import HFFlopsCallback
 

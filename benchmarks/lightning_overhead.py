@@ -27,29 +27,12 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "lightning"))
+from common import print_ratio_table, quiet_trainer, step_timer, window_steps  # noqa: E402
 from train import GPT, SyntheticTokens  # noqa: E402
-from window_plan import window_steps  # noqa: E402
 
 from flops_callbacks import FlopsProfilerCallback  # noqa: E402
 
-CLOCKS = {"wall": time.perf_counter, "main-thread CPU": time.thread_time}
 STEP_HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
-
-
-class StepTimer(L.Callback):
-    """Time from one on_train_batch_start to the next (the whole step, data loading included)."""
-
-    def __init__(self) -> None:
-        self.marks: list[dict[str, float]] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.marks.append({name: clock() for name, clock in CLOCKS.items()})
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.marks.append({name: clock() for name, clock in CLOCKS.items()})
-
-    def step_times(self, clock: str) -> list[float]:
-        return [b[clock] - a[clock] for a, b in zip(self.marks, self.marks[1:], strict=False)]
 
 
 class HookTimedCallback(FlopsProfilerCallback):
@@ -72,21 +55,11 @@ class HookTimedCallback(FlopsProfilerCallback):
         return timed
 
 
-def run(steps: int, batch_size: int, callback: L.Callback | None, root: str) -> StepTimer:
+def run(steps: int, batch_size: int, callback: L.Callback | None, root: str) -> Any:
     """One run; its timer's step times are indexed by global step."""
     L.seed_everything(0, verbose=False)
-    timer = StepTimer()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        callbacks=[timer, callback] if callback else [timer],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+    timer = step_timer()
+    trainer = quiet_trainer(root, steps, [timer, callback] if callback else [timer])
     data = torch.utils.data.DataLoader(SyntheticTokens(batch_size * (steps + 1)), batch_size=batch_size)
     trainer.fit(GPT(), train_dataloaders=data)
     return timer
@@ -105,7 +78,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="FlopsProfilerCallback: no optimizer step started")
 
     profile_steps = {"without": None, "profiling": args.profile_step, "never profiling": 10 * args.steps}
-    timers: dict[str, list[StepTimer]] = {config: [] for config in profile_steps}
+    timers: dict[str, list[Any]] = {config: [] for config in profile_steps}
     hook_seconds: list[float] = []
     with tempfile.TemporaryDirectory() as root:
         for repeat in range(args.repeats):
@@ -124,7 +97,7 @@ def main() -> None:
 
     window = window_steps(args.profile_step)  # clean_steps=0: the counting and module-timing steps
 
-    def kept(timer: StepTimer, clock: str) -> list[float]:
+    def kept(timer: Any, clock: str) -> list[float]:
         times = timer.step_times(clock)
         return [t for step, t in enumerate(times) if step >= args.warmup and step not in window]
 
@@ -135,14 +108,7 @@ def main() -> None:
         f"{window.start}-{window.stop - 1})"
     )
     print()
-    print("| clock | callback | median step (ms) | ratio to without (median over rounds) | goal |")
-    print("|---|---|---:|---:|---|")
-    for clock in CLOCKS:
-        medians = {c: [statistics.median(kept(t, clock)) for t in timers[c]] for c in profile_steps}
-        for config, values in medians.items():
-            ratio = statistics.median(a / b for a, b in zip(values, medians["without"], strict=True))
-            goal = "" if config == "without" else "<= 1.01"
-            print(f"| {clock} | {config} | {statistics.median(values) * 1e3:.2f} | {ratio:.4f} | {goal} |")
+    print_ratio_table("callback", timers, kept, {c: "<= 1.01" for c in profile_steps if c != "without"})
     # the step's CPU time is the least inflated by neighbours: the conservative base for a ratio
     base = statistics.median(statistics.median(kept(t, "main-thread CPU")) for t in timers["without"])
     in_hooks = statistics.median(hook_seconds)

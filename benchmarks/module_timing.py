@@ -15,8 +15,7 @@ The model the LightningModule wraps is the tree's root here. Three checks, each 
   it (root / own) is the check a user can make from the report alone.
 * root / phase: the issue's check. The forward phase is the user's ``training_step`` (Lightning) or
   ``compute_loss`` (HF): the model's call and the loss; the framework's work around them is no phase's.
-  Goal [0.9, 1.1]. (Until 5f1f24e the phase also held that work, 0.3-0.4 ms a step through Lightning
-  and 1.2 ms of HF's ``model.train()`` on the residual MLP: a true root read 0.67-0.89 of it.)
+  Goal [0.9, 1.1].
 
 Models: (a) 24 x (Linear(128,128)+ReLU), batch 32; (b) 100 residual blocks (x + relu(Linear(LayerNorm(x)))),
 width 128, batch 32; (c) GPT-2 4 layers x 128, seq 128, batch 8. Median of ``--repeats`` runs.
@@ -89,6 +88,7 @@ def build(case: str) -> tuple[nn.Module, Callable[[], dict[str, torch.Tensor]]]:
 def one_run(case: str) -> dict[str, float]:
     """One Lightning fit with the callback: the root's forward, the forward phase, and their ratio."""
     import lightning as L
+    from common import quiet_trainer
 
     from flops_callbacks import FlopsProfilerCallback
 
@@ -112,16 +112,7 @@ def one_run(case: str) -> dict[str, float]:
     data = [make() for _ in range(steps)]
     ours = FlopsProfilerCallback(profile_step=2, clean_steps=3, print_profile=False, throughput=False)
     with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            accelerator="cpu",
-            max_steps=steps,
-            callbacks=[ours],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
-        )
+        trainer = quiet_trainer(root, steps, [ours])
         lit = Module(model)
         trainer.fit(lit, torch.utils.data.DataLoader(data, batch_size=None))
     return _row(ours.result, "model", model, lit.stopwatch, data)

@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import quiet_trainer, step_timer, window_steps
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
-from window_plan import window_steps
 
 from flops_callbacks import FlopsProfiler
 
@@ -291,36 +291,14 @@ def lightning_run(
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "lightning"))
     from train import GPT, SyntheticTokens
 
-    marks: dict[str, list[float]] = {clock: [] for clock in CLOCKS}
-
-    def mark() -> None:
-        for clock, read in CLOCKS.items():
-            marks[clock].append(read())
-
-    class StepTimer(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            mark()
-
-        def on_train_end(self, trainer, pl_module) -> None:
-            mark()
-
     L.seed_everything(0, verbose=False)
     model = GPT()
     model.flops_per_batch = flops_per_batch  # what ThroughputMonitor reads; measured at set-up
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        callbacks=[StepTimer(), *callbacks],  # the timer first: a step's time includes the others' hooks
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+    timer = step_timer(CLOCKS)
+    trainer = quiet_trainer(root, steps, [timer, *callbacks])  # the timer first: its steps hold their hooks
     data = torch.utils.data.DataLoader(SyntheticTokens(batch_size * (steps + 1)), batch_size=batch_size)
     trainer.fit(model, train_dataloaders=data)
-    return {clock: [b - a for a, b in zip(m, m[1:], strict=False)] for clock, m in marks.items()}
+    return {clock: timer.step_times(clock) for clock in CLOCKS}
 
 
 def example_gpt_flops_per_batch(batch_size: int) -> int:

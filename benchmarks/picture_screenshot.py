@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from window_plan import window_steps
+from common import window_steps
 
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.publish import picture

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "plain"))
+from common import window_steps  # noqa: E402  (beside this script)
 from train import synthetic_batches, tiny_gpt2  # noqa: E402
-from window_plan import window_steps  # noqa: E402  (beside this script)
 
 from flops_callbacks import StepProfiler  # noqa: E402
 from flops_callbacks.integrations.callback_base import build_session  # noqa: E402
-from flops_callbacks.integrations.loop_doors import plain_door  # noqa: E402
+from flops_callbacks.integrations.loop_doors import plain_adapter  # noqa: E402
 
 WINDOW = {"profile_step": 0, "clean_steps": 3, "print_profile": False}
 # the window ends (publishes) at this global step; the step after it is the first one timed
@@ -42,7 +42,7 @@ def timed_steps(kind: str, steps: int, batch_size: int) -> list[float]:
     times: list[float] = []
     prof = StepProfiler(model, log_every_n_steps=10**9, **WINDOW) if kind == "StepProfiler" else None
     session: Any = build_session("callback", dict(WINDOW)) if kind == "callback" else None
-    outlet = plain_door(model, None, None).outlet
+    outlet = plain_adapter(model, None, None).outlet
     if session is not None:
         session.train_start(0)
     for step, batch in enumerate(batches):

@@ -30,29 +30,12 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "lightning"))
+from common import print_ratio_table, quiet_trainer, step_timer, window_steps  # noqa: E402
 from train import GPT, SyntheticTokens, count_tokens  # noqa: E402
-from window_plan import window_steps  # noqa: E402
 
 from flops_callbacks import FlopsProfilerCallback  # noqa: E402
 
-CLOCKS = {"wall": time.perf_counter, "main-thread CPU": time.thread_time}
 HOOKS = ("on_train_batch_start", "on_train_batch_end")
-
-
-class StepTimer(L.Callback):
-    """Time from one on_train_batch_start to the next (the whole step, data loading and logging included)."""
-
-    def __init__(self) -> None:
-        self.marks: list[dict[str, float]] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.marks.append({name: clock() for name, clock in CLOCKS.items()})
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.marks.append({name: clock() for name, clock in CLOCKS.items()})
-
-    def step_times(self, clock: str) -> list[float]:
-        return [b[clock] - a[clock] for a, b in zip(self.marks, self.marks[1:], strict=False)]
 
 
 def time_hooks(callback: L.Callback, after_step: int) -> dict[str, list[float]]:
@@ -73,10 +56,10 @@ def time_hooks(callback: L.Callback, after_step: int) -> dict[str, list[float]]:
     return spent
 
 
-def run(config: str, args: argparse.Namespace, root: str, flops_per_batch: float) -> tuple[StepTimer, float]:
+def run(config: str, args: argparse.Namespace, root: str, flops_per_batch: float) -> tuple[Any, float]:
     """One run; its step times, and the seconds per step spent in the measured callback's hooks."""
     L.seed_everything(0, verbose=False)
-    timer, module = StepTimer(), GPT()
+    timer, module = step_timer(), GPT()
     callbacks: list[L.Callback] = [timer]
     spent: dict[str, list[float]] = {}
     if config == "flops_callbacks throughput":
@@ -90,17 +73,12 @@ def run(config: str, args: argparse.Namespace, root: str, flops_per_batch: float
         callback = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0], length_fn=count_tokens)
         spent = time_hooks(callback, window_steps(args.profile_step).stop)
         callbacks.append(callback)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=args.steps,
-        callbacks=callbacks,
+    trainer = quiet_trainer(
+        root,
+        args.steps,
+        callbacks,
         logger=CSVLogger(root, name=config.replace(" ", "_")),
         log_every_n_steps=args.log_every,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
     )
     data = torch.utils.data.DataLoader(
         SyntheticTokens(args.batch_size * (args.steps + 1)), batch_size=args.batch_size
@@ -116,16 +94,7 @@ def measured_flops_per_batch(args: argparse.Namespace, root: str) -> float:
     callback = FlopsProfilerCallback(profile_step=1, clean_steps=0, print_profile=False)
     steps = window_steps(1).stop  # the whole window, which publishes as the run ends
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        callbacks=[callback],
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+    trainer = quiet_trainer(root, steps, [callback])
     data = torch.utils.data.DataLoader(
         SyntheticTokens(args.batch_size * (steps + 1)), batch_size=args.batch_size
     )
@@ -148,7 +117,7 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no "GPU available" per run
 
     configs = ("without", "flops_callbacks throughput", "Lightning ThroughputMonitor")
-    timers: dict[str, list[StepTimer]] = {config: [] for config in configs}
+    timers: dict[str, list[Any]] = {config: [] for config in configs}
     in_hooks: dict[str, list[float]] = {config: [] for config in configs}
     with tempfile.TemporaryDirectory() as root:
         flops_per_batch = measured_flops_per_batch(args, root)
@@ -160,7 +129,7 @@ def main() -> None:
 
     first = window_steps(args.profile_step).stop + args.warmup  # after the profile window and a warm-up
 
-    def kept(timer: StepTimer, clock: str) -> list[float]:
+    def kept(timer: Any, clock: str) -> list[float]:
         return timer.step_times(clock)[first:]
 
     print(f"torch {torch.__version__}, lightning {L.__version__}, 1 torch thread, batch {args.batch_size}, "
@@ -170,14 +139,7 @@ def main() -> None:
     )
     print(f"{args.repeats} runs per configuration x {args.steps} steps, alternating; timed: {timed}")
     print()
-    print("| clock | configuration | median step (ms) | ratio to without (median over rounds) | goal |")
-    print("|---|---|---:|---:|---|")
-    for clock in CLOCKS:
-        medians = {c: [statistics.median(kept(t, clock)) for t in timers[c]] for c in configs}
-        for config, values in medians.items():
-            ratio = statistics.median(a / b for a, b in zip(values, medians["without"], strict=True))
-            goal = "<= 1.01" if config == "flops_callbacks throughput" else ""
-            print(f"| {clock} | {config} | {statistics.median(values) * 1e3:.2f} | {ratio:.4f} | {goal} |")
+    print_ratio_table("configuration", timers, kept, {"flops_callbacks throughput": "<= 1.01"})
     base = statistics.median(statistics.median(kept(t, "main-thread CPU")) for t in timers["without"])
     print()
     for config in configs[1:]:

@@ -34,6 +34,7 @@ from typing import Any
 import lightning as L
 import torch
 import transformers
+from common import quiet_trainer
 from torch import nn
 
 from flops_callbacks import FlopsProfilerCallback, HFFlopsCallback
@@ -161,17 +162,12 @@ def run_lightning(build: Callable[[], Any], args: argparse.Namespace) -> tuple[A
     marks = Marks(args.device)
     ours = FlopsProfilerCallback(profile_step=args.profile_step, print_profile=False, throughput=False)
     with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
+        trainer = quiet_trainer(
+            root,
+            args.steps,
+            [ours, LightningHand(marks)],
             accelerator="gpu" if args.device.startswith("cuda") else "cpu",
-            devices=1,
             precision="bf16-mixed" if args.bf16 else "32-true",
-            max_steps=args.steps,
-            callbacks=[ours, LightningHand(marks)],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
         )
         loader = torch.utils.data.DataLoader(Batches(make, args.steps), batch_size=None)
         trainer.fit(Module(model, marks), loader)

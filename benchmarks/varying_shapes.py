@@ -27,6 +27,7 @@ from typing import Any
 import lightning as L
 import torch
 import transformers
+from common import quiet_trainer
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from flops_callbacks import FlopsProfilerCallback, HFFlopsCallback
@@ -124,12 +125,9 @@ def run_lightning(root: Path, steps: int, sleep: float, profiled: bool) -> tuple
         if profiled
         else None
     )
-    trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=L.pytorch.loggers.CSVLogger(root),
-        callbacks=([callback] if callback else []) + [marks], log_every_n_steps=5,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root,
-    )  # fmt: skip
+    callbacks = ([callback] if callback else []) + [marks]
+    logger = L.pytorch.loggers.CSVLogger(root)
+    trainer = quiet_trainer(root, steps, callbacks, logger=logger, log_every_n_steps=5)
     data = torch.utils.data.DataLoader(Sequences(steps * BATCH), batch_size=BATCH, collate_fn=Collator(sleep))
     trainer.fit(LitGPT2(), data)
     if callback:

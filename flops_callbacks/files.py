@@ -10,7 +10,12 @@ __all__ = ["unwritable_reason", "write_text"]
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` whole, its folders created; returns the path."""
+    """Write ``text`` to ``path`` whole, its folders created; returns the path.
+
+    Args:
+        path: the file to write.
+        text: what it holds.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -23,6 +28,9 @@ def unwritable_reason(folder: str | Path) -> str | None:
     Checked without leaving anything behind: the nearest existing ancestor must be a folder in which
     an anonymous temporary file can be made (root passes permission bits, not a read-only or virtual
     file system such as ``/proc``).
+
+    Args:
+        folder: the folder the files go into.
     """
     existing = Path(folder)
     while not existing.exists() and existing != existing.parent:

@@ -28,7 +28,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Guard:
-    """Runs the profiler's own work of one callback (``owner`` names it in warnings); see the module doc."""
+    """Runs the profiler's own work of one callback (``owner`` names it in warnings); see the module doc.
+
+    Args:
+        owner: the callback's name, as warnings say it.
+    """
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
@@ -36,7 +40,12 @@ class Guard:
         self._said: set[str] = set()
 
     def user(self, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)``, the user's code: an exception it raises passes every guard unchanged."""
+        """``fn(*args)``, the user's code: an exception it raises passes every guard unchanged.
+
+        Args:
+            fn: the user's function.
+            *args: its arguments.
+        """
         try:
             return fn(*args)
         except BaseException as error:
@@ -46,7 +55,13 @@ class Guard:
     @contextmanager
     def own_work(self, what: str, kept: str, on_failure: Callable[[], None] | None = None) -> Iterator[None]:
         """Run the body as the profiler's own work: if it raises, warn (once per ``what``) that ``what``
-        failed and ``kept`` is what remains, call ``on_failure``, and carry on after the ``with``."""
+        failed and ``kept`` is what remains, call ``on_failure``, and carry on after the ``with``.
+
+        Args:
+            what: the work, as the warning names it.
+            kept: what remains after a failure, as the warning says it.
+            on_failure: what cleans up after a failure; None: nothing.
+        """
         try:
             yield
         except Exception as error:
@@ -61,7 +76,11 @@ class Guard:
 
     def attempt(self, fn: Callable[[], object]) -> Exception | None:
         """Run own work ``fn`` and return its exception instead of saying it (the caller says several
-        failures as one); the user's exceptions pass."""
+        failures as one); the user's exceptions pass.
+
+        Args:
+            fn: the own work to run.
+        """
         try:
             fn()
         except Exception as error:
@@ -71,7 +90,13 @@ class Guard:
         return None
 
     def fail(self, what: str, error: BaseException, kept: str) -> None:
-        """Say that ``what`` failed with ``error`` (once per ``what``); training goes on."""
+        """Say that ``what`` failed with ``error`` (once per ``what``); training goes on.
+
+        Args:
+            what: the work that failed.
+            error: its exception.
+            kept: what remains, as the warning says it.
+        """
         if what in self._said:
             return
         self._said.add(what)
@@ -86,7 +111,13 @@ class Guard:
 def guarded_event(what: str, kept: str, on_failure: str | None = None) -> Callable[[F], F]:
     """A method of an object with a ``guard`` (a :class:`Guard`), run as the profiler's own work: a
     failure is said with ``kept``, the object's method named ``on_failure`` cleans up, and the call
-    returns None."""
+    returns None.
+
+    Args:
+        what: the event, as the warning names it.
+        kept: what remains after a failure, as the warning says it.
+        on_failure: the name of the object's method that cleans up after a failure; None: none.
+    """
 
     def wrap(method: F) -> F:
         @functools.wraps(method)

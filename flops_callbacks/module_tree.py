@@ -33,6 +33,10 @@ class ModuleTree:
     A shared module is profiled under its first name; ``torch.compile``'s ``_orig_mod`` wrapper
     level is left out of the names; a module of an ignored type gets no record, and its work counts
     towards its nearest profiled ancestor.
+
+    Args:
+        model: the model whose modules are named.
+        ignore_types: module types that get no record of their own.
     """
 
     def __init__(self, model: torch.nn.Module, ignore_types: tuple[type, ...] = ()) -> None:
@@ -57,7 +61,11 @@ class ModuleTree:
         self._param_holders: list[tuple[torch.nn.Parameter, tuple[str, ...]]] | None = None  # when read
 
     def ancestors_of(self, name: str) -> list[str]:
-        """Profiled modules above ``name``, outermost first (each derived from its parent's, once)."""
+        """Profiled modules above ``name``, outermost first (each derived from its parent's, once).
+
+        Args:
+            name: a module's qualified name.
+        """
         found = self.ancestors.get(name)
         if found is not None:
             return found
@@ -128,7 +136,11 @@ def has_compiled(modules: Iterable[torch.nn.Module]) -> bool:
     wrapped (``torch.compile(module)``: an ``OptimizedModule``), in place (``module.compile()``), or
     through a compiled method set on the instance (``module.forward = torch.compile(module.forward)``,
     which is what Lightning's ``from_compiled`` does to a compiled LightningModule). Dynamo is never
-    imported here: if it is not loaded, nothing can be compiled."""
+    imported here: if it is not loaded, nothing can be compiled.
+
+    Args:
+        modules: the modules to look at.
+    """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None:
         return False
@@ -158,7 +170,11 @@ def eager_compiled_code() -> contextlib.AbstractContextManager[None]:
 
 
 def ancestors(name: str) -> list[str]:
-    """``"a.b.c"`` -> ``["", "a", "a.b"]``: the names above a module, the model first."""
+    """``"a.b.c"`` -> ``["", "a", "a.b"]``: the names above a module, the model first.
+
+    Args:
+        name: a module's qualified name.
+    """
     if not name:
         return []
     parts = name.split(".")
@@ -166,10 +182,19 @@ def ancestors(name: str) -> list[str]:
 
 
 def depth_of(name: str) -> int:
-    """0 for the model (``""``), 1 for its children, and so on."""
+    """0 for the model (``""``), 1 for its children, and so on.
+
+    Args:
+        name: a module's qualified name.
+    """
     return name.count(".") + 1 if name else 0
 
 
 def parent_in(name: str, known: Container[str]) -> str:
-    """The nearest ancestor of ``name`` among ``known`` names (the model, ``""``, when none is)."""
+    """The nearest ancestor of ``name`` among ``known`` names (the model, ``""``, when none is).
+
+    Args:
+        name: a module's qualified name.
+        known: the names that may be its parent.
+    """
     return next((a for a in reversed(ancestors(name)) if a in known), "")

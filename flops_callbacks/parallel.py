@@ -52,7 +52,11 @@ class ParallelSizes:
 def stored_numel(param: torch.Tensor) -> int:
     """Elements of ``param`` this device stores while training: a DTensor's local shard (FSDP2,
     tensor parallel); under ZeRO-3 its partition (padding included: DeepSpeed allocates it), or the
-    whole parameter for the small ones it keeps whole on every device once gathered; else the tensor."""
+    whole parameter for the small ones it keeps whole on every device once gathered; else the tensor.
+
+    Args:
+        param: a parameter of the model.
+    """
     local = getattr(param, "_local_tensor", None)
     if isinstance(local, torch.Tensor):
         return local.numel()
@@ -66,14 +70,22 @@ def stored_numel(param: torch.Tensor) -> int:
 
 def global_numel(param: torch.Tensor) -> int:
     """Elements of the whole ``param`` over all devices: a DTensor's and a ZeRO-3 parameter's
-    global size (ZeRO-3 empties ``param`` itself outside its module's forward and backward)."""
+    global size (ZeRO-3 empties ``param`` itself outside its module's forward and backward).
+
+    Args:
+        param: a parameter of the model.
+    """
     ds_numel = getattr(param, "ds_numel", None)
     return int(ds_numel) if isinstance(ds_numel, int) else param.numel()
 
 
 def sharded_params(model: torch.nn.Module) -> int | None:
     """Parameters of the whole model when some are sharded across devices (DTensors, ZeRO-3
-    partitions), each tensor once; None when every device holds every parameter whole."""
+    partitions), each tensor once; None when every device holds every parameter whole.
+
+    Args:
+        model: the model whose parameters are counted.
+    """
     params = list(dict.fromkeys(model.parameters()))
     if all(stored_numel(p) == global_numel(p) and not hasattr(p, "_local_tensor") for p in params):
         return None

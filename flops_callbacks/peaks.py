@@ -1,20 +1,13 @@
-"""Dense peak FLOPS per device and compute dtype (MFU's denominator), and peak memory bandwidth per
-device (the roofline's other roof).
+"""Dense peak FLOPS per device and compute dtype (MFU's denominator), and peak DRAM bandwidth per device
+(the roofline's other roof), per single device, each figure with its datasheet named.
 
-Why not Lightning's ``lightning.fabric.utilities.throughput.get_available_flops``: the core depends on
-torch only, and its table does not serve MFU as this package reports it: no B200, GB200, GH200, AMD
-Instinct or fp8 entries; "NVIDIA H200" (SXM) matches nothing; its H200 figures are the sparsity ones
-(2x dense); its "h100 nvl" entry is a two-card NVL pair; its RTX 4090 bf16/fp16 is the non-tensor
-FP32 rate; and an unknown device only warns. Here every figure is DENSE (datasheets print "with
-sparsity" figures, twice the dense ones: those are halved below, never used as they are), per single
-device, in FLOPS, with its datasheet named.
-
-A device name that matches nothing, a MIG slice (a fraction of the GPU) or a CPU gives no peak: we do
-not guess. ``peak_flops=`` on a callback, or the ``FLOPS_CALLBACKS_PEAK_FLOPS`` environment variable,
-sets the peak instead of the table; ``peak_bandwidth=`` or ``FLOPS_CALLBACKS_PEAK_BANDWIDTH`` (bytes/s)
-the bandwidth. Bandwidths are the datasheets' peak DRAM (HBM / GDDR) figures, in bytes per second
-(1 TB/s = 1e12 B/s, as the datasheets count), per single device; where one name covers parts with
-different memory (A100 40 / 80 GB, GH200 HBM3 / HBM3e), the device name picks the part.
+Datasheets' "with sparsity" figures are halved, never used as they are; where one name covers parts
+with different memory (A100 40 / 80 GB), the device name picks the part. A name that matches nothing,
+a MIG slice or a CPU gives no peak: we do not guess; ``peak_flops=`` / ``FLOPS_CALLBACKS_PEAK_FLOPS``
+and ``peak_bandwidth=`` / ``FLOPS_CALLBACKS_PEAK_BANDWIDTH`` (bytes/s) set them instead. Why not
+Lightning's ``get_available_flops``: the core depends on torch only, and its table has no B200, GB200,
+GH200, AMD or fp8 entries, gives H200 with sparsity, an H100 NVL pair and the RTX 4090's FP32 rate
+for bf16, and only warns on an unknown device.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -64,6 +57,7 @@ DTYPES = (FP32, TF32, BF16, FP16, FP8)
 ENV_VAR = "FLOPS_CALLBACKS_PEAK_FLOPS"
 BANDWIDTH_ENV_VAR = "FLOPS_CALLBACKS_PEAK_BANDWIDTH"
 
+_Figure = TypeVar("_Figure")  # Peak or Bandwidth
 T = 1e12  # TFLOPS
 
 
@@ -224,7 +218,11 @@ def _chip_key(device_name: str) -> str | None:
 
 
 def chip_for(device_name: str) -> Chip | None:
-    """The table entry of a ``torch.cuda.get_device_name()`` string, or None (unknown, or a MIG slice)."""
+    """The table entry of a ``torch.cuda.get_device_name()`` string, or None (unknown, or a MIG slice).
+
+    Args:
+        device_name: what ``torch.cuda.get_device_name()`` returned.
+    """
     key = _chip_key(device_name)
     return CHIPS[key] if key is not None else None
 
@@ -240,7 +238,11 @@ def fp32_matmul_dtype() -> str:
 
 def parameters_dtype(model: torch.nn.Module) -> str | None:
     """The compute dtype of ``model``'s matmuls without autocast: its floating parameters' dtype, with
-    fp32 as :func:`fp32_matmul_dtype` says (None for dtypes the table has no column for)."""
+    fp32 as :func:`fp32_matmul_dtype` says (None for dtypes the table has no column for).
+
+    Args:
+        model: the model whose parameters are read.
+    """
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     if dtype == torch.float32:
         return fp32_matmul_dtype()
@@ -273,7 +275,12 @@ def _from_env(variable: str, check: Callable[[Any, str], float | None]) -> float
 
 
 def check_peak_flops(value: Any, name: str = "peak_flops") -> float | None:
-    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise."""
+    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise.
+
+    Args:
+        value: the user's peak FLOPS.
+        name: the argument's name, as the error says it.
+    """
     return _positive(value, name, "the dense peak FLOPS of one device", "989e12")
 
 
@@ -291,15 +298,20 @@ class Peak:
 
 
 def given_peak(peak_flops: float | None) -> Peak | None:
-    """The user's peak: the argument, else the environment variable (both validated already)."""
-    if peak_flops is not None:
-        return Peak(float(peak_flops), "peak_flops argument")
-    value = peak_from_env()
-    return Peak(value, f"{ENV_VAR} environment variable") if value is not None else None
+    """The user's peak: the argument, else the environment variable (both validated already).
+
+    Args:
+        peak_flops: the ``peak_flops=`` argument, or None.
+    """
+    return _given(peak_flops, "peak_flops", peak_from_env, ENV_VAR, Peak)
 
 
 def device_name(device: torch.device) -> str | None:
-    """What the accelerator calls itself (``torch.cuda.get_device_name``); None for CPU and meta."""
+    """What the accelerator calls itself (``torch.cuda.get_device_name``); None for CPU and meta.
+
+    Args:
+        device: the device the model runs on.
+    """
     if device.type in ("cpu", "meta"):
         return None
     module = getattr(torch, device.type, None)
@@ -308,7 +320,12 @@ def device_name(device: torch.device) -> str | None:
 
 
 def table_peak(name: str, dtype: str) -> tuple[Peak | None, str]:
-    """The table's peak for a device name and compute dtype, or None and why not."""
+    """The table's peak for a device name and compute dtype, or None and why not.
+
+    Args:
+        name: the device's name.
+        dtype: the compute dtype, a :data:`DTYPES` name.
+    """
     chip = chip_for(name)
     if chip is None:
         return None, f"device {name!r} is not in the peak table"
@@ -328,7 +345,13 @@ def _name_or_why(device: torch.device, what: str, how: str) -> tuple[str | None,
 
 def resolve_peak(given: Peak | None, device: torch.device, dtype: str | None) -> tuple[Peak | None, str]:
     """The peak to use: the user's if given, else the table's for ``device`` at ``dtype``; or None and
-    a sentence saying why there is none (no guessing)."""
+    a sentence saying why there is none (no guessing).
+
+    Args:
+        given: the user's peak, or None.
+        device: the device the model runs on.
+        dtype: the compute dtype, or None when unknown.
+    """
     how = f"pass peak_flops= or set {ENV_VAR}"
     name, why = _name_or_why(device, "peak FLOPS", how)
     if given is not None or name is None:
@@ -348,7 +371,12 @@ class Bandwidth:
 
 
 def check_peak_bandwidth(value: Any, name: str = "peak_bandwidth") -> float | None:
-    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise."""
+    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise.
+
+    Args:
+        value: the user's peak bandwidth, bytes/s.
+        name: the argument's name, as the error says it.
+    """
     return _positive(value, name, "the peak memory bandwidth of one device in bytes/s", "3.35e12")
 
 
@@ -358,7 +386,11 @@ def bandwidth_from_env() -> float | None:
 
 
 def table_bandwidth(name: str) -> Bandwidth | None:
-    """The table's peak memory bandwidth for a device name, or None (unknown, or a MIG slice)."""
+    """The table's peak memory bandwidth for a device name, or None (unknown, or a MIG slice).
+
+    Args:
+        name: the device's name.
+    """
     key = _chip_key(name)
     if key is None:
         return None
@@ -370,7 +402,12 @@ def table_bandwidth(name: str) -> Bandwidth | None:
 
 def resolve_bandwidth(given: Bandwidth | None, device: torch.device) -> tuple[Bandwidth | None, str]:
     """The bandwidth to use: the user's if given, else the table's for ``device``; or None and a
-    sentence saying why there is none."""
+    sentence saying why there is none.
+
+    Args:
+        given: the user's bandwidth, or None.
+        device: the device the model runs on.
+    """
     how = f"pass peak_bandwidth= or set {BANDWIDTH_ENV_VAR}"
     name, why = _name_or_why(device, "peak bandwidth", how)
     if given is not None or name is None:
@@ -380,8 +417,23 @@ def resolve_bandwidth(given: Bandwidth | None, device: torch.device) -> tuple[Ba
 
 
 def given_bandwidth(peak_bandwidth: float | None) -> Bandwidth | None:
-    """The user's peak bandwidth: the argument, else the environment variable (validated here)."""
-    if peak_bandwidth is not None:
-        return Bandwidth(float(peak_bandwidth), "peak_bandwidth argument")
-    value = bandwidth_from_env()
-    return Bandwidth(value, f"{BANDWIDTH_ENV_VAR} environment variable") if value is not None else None
+    """The user's peak bandwidth: the argument, else the environment variable (validated here).
+
+    Args:
+        peak_bandwidth: the ``peak_bandwidth=`` argument, or None.
+    """
+    return _given(peak_bandwidth, "peak_bandwidth", bandwidth_from_env, BANDWIDTH_ENV_VAR, Bandwidth)
+
+
+def _given(
+    value: float | None,
+    argument: str,
+    from_env: Callable[[], float | None],
+    env_var: str,
+    make: Callable[[float, str], _Figure],
+) -> _Figure | None:
+    """The argument's figure, else the environment variable's, each with its source; None for neither."""
+    if value is not None:
+        return make(float(value), f"{argument} argument")
+    found = from_env()
+    return make(found, f"{env_var} environment variable") if found is not None else None

@@ -1,14 +1,12 @@
 """The result of a profile: plain dataclasses, their JSON form, and aggregation by depth.
 
-Flops are counted per pass: ``fwd`` (the forward), ``bwd`` (the real backward, measured op by op)
-and ``recompute`` (forwards re-run inside the backward by activation checkpointing). MACs count
-only multiply-accumulate ops (matmul, conv, attention), so ``2 * macs`` is exactly the flops that
-``torch.utils.flop_counter.FlopCounterMode`` reports; the rest of ``flops`` is elementwise work.
-Bytes (``fwd_bytes`` ...) are the memory traffic the same ops imply: each op reads every tensor it is
-given and writes every tensor it returns (element size x elements; views move nothing; an in-place op
-reads and writes its operand: :mod:`flops_callbacks.counting.bytes_moved`). ``saved_bytes`` are the
-activations
-the forward leaves for the backward (parameters excluded, each storage once). Latencies are in seconds.
+Flops are counted per pass: ``fwd`` (the forward), ``bwd`` (the real backward, measured op by op) and
+``recompute`` (forwards re-run inside the backward by activation checkpointing). MACs count only
+multiply-accumulate ops (matmul, conv, attention), so ``2 * macs`` is exactly the flops that
+``torch.utils.flop_counter.FlopCounterMode`` reports; the rest of ``flops`` is elementwise work. Bytes
+(``fwd_bytes`` ...) are the memory traffic the same ops imply (:mod:`flops_callbacks.counting.bytes_moved`);
+``saved_bytes`` the activations the forward leaves for the backward (parameters excluded, each storage
+once). Latencies are in seconds.
 """
 
 from __future__ import annotations
@@ -57,12 +55,20 @@ class PassFlops(Protocol):
 
 
 def model_flops(counts: PassFlops) -> int:
-    """Forward + backward: the work the model needs (MFU's numerator)."""
+    """Forward + backward: the work the model needs (MFU's numerator).
+
+    Args:
+        counts: a profile, a module or counts with the per-pass flops.
+    """
     return counts.fwd_flops + counts.bwd_flops
 
 
 def hardware_flops(counts: PassFlops) -> int:
-    """Forward + backward + recompute: the work the device did (HFU's numerator)."""
+    """Forward + backward + recompute: the work the device did (HFU's numerator).
+
+    Args:
+        counts: a profile, a module or counts with the per-pass flops.
+    """
     return counts.fwd_flops + counts.bwd_flops + counts.recompute_flops
 
 
@@ -185,13 +191,21 @@ class Profile:
         return max(m.depth for m in self.modules.values())
 
     def at_depth(self, depth: int) -> list[ModuleProfile]:
-        """Modules at ``depth`` (0 is the model; -1 the deepest)."""
+        """Modules at ``depth`` (0 is the model; -1 the deepest).
+
+        Args:
+            depth: the depth (0 is the model; -1 the deepest).
+        """
         if depth < 0:
             depth = self.max_depth
         return [m for m in self.modules.values() if m.depth == depth]
 
     def aggregate_by_class(self, depth: int) -> dict[str, ModuleProfile]:
-        """Modules at ``depth`` summed per class, as DeepSpeed's aggregated profile shows them."""
+        """Modules at ``depth`` summed per class, as DeepSpeed's aggregated profile shows them.
+
+        Args:
+            depth: the depth (0 is the model; -1 the deepest).
+        """
         merged: dict[str, ModuleProfile] = {}
         for m in self.at_depth(depth):
             acc = merged.setdefault(m.class_name, ModuleProfile(class_name=m.class_name, depth=m.depth))
@@ -207,7 +221,11 @@ class Profile:
         return merged
 
     def children(self, name: str) -> list[ModuleProfile]:
-        """Modules whose nearest profiled ancestor is ``name``, in registration order."""
+        """Modules whose nearest profiled ancestor is ``name``, in registration order.
+
+        Args:
+            name: a module's qualified name ("" for the model).
+        """
         modules = self.modules
         cached = self.__dict__.get("_children")  # not a field: JSON and equality never see it
         if cached is None or cached[0] is not modules:  # one pass, kept per modules dict
@@ -226,7 +244,11 @@ class Profile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
         """The profile :meth:`to_dict` wrote (its derived totals, and keys other writers add to a module
-        entry such as ``roofline``, are left: they are computed from the fields)."""
+        entry such as ``roofline``, are left: they are computed from the fields).
+
+        Args:
+            data: what :meth:`to_dict` returned, read back from JSON.
+        """
 
         def counts(entry: dict[str, Any], kind: type[Counts] = Counts) -> Any:
             known = {f.name for f in fields(kind)}

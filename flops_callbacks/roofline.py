@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from flops_callbacks.phase_names import ROOFLINE_PASSES
 from flops_callbacks.profile import ModuleProfile, Profile
 
 __all__ = [
     "COMPUTE",
     "MEMORY",
     "OVERHEAD_FRACTION",
-    "PHASES",
     "Roofline",
     "as_data",
     "module_rooflines",
@@ -31,7 +31,6 @@ __all__ = [
 ]
 
 COMPUTE, MEMORY = "compute", "memory"
-PHASES = ("fwd", "bwd")
 OVERHEAD_FRACTION = 0.1  # below a tenth of the roofline: neither roof is what limits the module
 
 
@@ -65,7 +64,15 @@ class Roofline:
 def roofline(
     flops: int, moved: int, seconds: float, peak_flops: float, peak_bandwidth: float
 ) -> Roofline | None:
-    """The verdict for ``flops`` and ``moved`` bytes done in ``seconds``; None without a latency or work."""
+    """The verdict for ``flops`` and ``moved`` bytes done in ``seconds``; None without a latency or work.
+
+    Args:
+        flops: the work done.
+        moved: the bytes moved.
+        seconds: the measured latency.
+        peak_flops: the device's peak FLOPS.
+        peak_bandwidth: the device's peak memory bandwidth, bytes/s.
+    """
     if seconds <= 0 or (flops <= 0 and moved <= 0):
         return None
     compute, memory = flops / peak_flops, moved / peak_bandwidth
@@ -90,17 +97,27 @@ def _of(m: ModuleProfile, phase: str, peak_flops: float, peak_bandwidth: float) 
 def module_rooflines(
     profile: Profile, peak_flops: float, peak_bandwidth: float
 ) -> dict[str, dict[str, Roofline]]:
-    """Every module's forward and backward roofline, where it has a latency and did work."""
+    """Every module's forward and backward roofline, where it has a latency and did work.
+
+    Args:
+        profile: the profile whose modules are judged.
+        peak_flops: the device's peak FLOPS.
+        peak_bandwidth: the device's peak memory bandwidth, bytes/s.
+    """
     found: dict[str, dict[str, Roofline]] = {}
     for name, m in profile.modules.items():
-        phases = {phase: r for phase in PHASES if (r := _of(m, phase, peak_flops, peak_bandwidth))}
+        phases = {phase: r for phase in ROOFLINE_PASSES if (r := _of(m, phase, peak_flops, peak_bandwidth))}
         if phases:
             found[name] = phases
     return found
 
 
 def as_data(rooflines: dict[str, dict[str, Roofline]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """``rooflines`` as JSON-ready plain data (the JSON's module entries, the picture's points)."""
+    """``rooflines`` as JSON-ready plain data (the JSON's module entries, the picture's points).
+
+    Args:
+        rooflines: module name -> pass -> roofline, as :func:`module_rooflines` returns them.
+    """
     return {
         name: {phase: {**asdict(r), "overhead_bound": r.overhead_bound} for phase, r in phases.items()}
         for name, phases in rooflines.items()

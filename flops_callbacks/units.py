@@ -34,7 +34,13 @@ def _auto_units(num: float) -> str:
 
 
 def number_to_string(num: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
-    """``num`` with a prefix and a space: ``'1.34 K'``, ``'999 '``, ``'0 '``; ``units`` forces a prefix."""
+    """``num`` with a prefix and a space: ``'1.34 K'``, ``'999 '``, ``'0 '``; ``units`` forces a prefix.
+
+    Args:
+        num: the number.
+        units: the prefix to use (``'G'``, ``''``, ...); None: the one that fits.
+        precision: the digits after the point.
+    """
     if units is None:
         units = _auto_units(num)
     elif units not in _SCALES:
@@ -43,31 +49,50 @@ def number_to_string(num: float, units: str | None = None, precision: int = DEFA
 
 
 def flops_to_string(flops: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
-    """A rate in floating-point operations per second: ``'6.28 TFLOPS'``; counts use number_to_string."""
+    """A rate in flops per second, ``'6.28 TFLOPS'`` (counts use number_to_string); arguments as its."""
     return f"{number_to_string(flops, units, precision)}FLOPS"
 
 
 def macs_to_string(macs: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
+    """Multiply-accumulates, ``'336.23 MMACs'``; the arguments as :func:`number_to_string`'s."""
     return f"{number_to_string(macs, units, precision)}MACs"
 
 
 def bytes_to_string(b: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
+    """Bytes in powers of 1000, ``'1.5 GB'``; the arguments as :func:`number_to_string`'s."""
     return f"{number_to_string(b, units, precision)}B"
 
 
 def params_to_string(params_num: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
-    """Parameter counts say B for billions, as model cards do, and carry no trailing space: ``'6.74 B'``."""
+    """Parameter counts say B for billions, as model cards do, and carry no trailing space: ``'6.74 B'``.
+
+    Args:
+        params_num: the count.
+        units: the prefix to use (``'B'`` for billions); None: the one that fits.
+        precision: the digits after the point.
+    """
     if units == "B":
         units = "G"
     return number_to_string(params_num, units, precision).replace("G", "B").strip()
 
 
 def duration_to_string(duration: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
-    """Seconds: ``'76.67 ms'``, ``'34.09 us'``."""
+    """Seconds: ``'76.67 ms'``, ``'34.09 us'``.
+
+    Args:
+        duration: the seconds.
+        units: the prefix to use (``'m'``, ``'u'``, ...); None: the one that fits.
+        precision: the digits after the point.
+    """
     return f"{number_to_string(duration, units, precision)}s"
 
 
 def percent(part: float, whole: float) -> str:
     """``part`` as a share of ``whole``, as DeepSpeed's module lines print it: ``'33.33%'``, ``'100%'``;
-    ``'0%'`` of nothing."""
+    ``'0%'`` of nothing.
+
+    Args:
+        part: the share.
+        whole: what it is a share of.
+    """
     return f"{round(100 * part / whole, DEFAULT_PRECISION) if whole else 0:g}%"

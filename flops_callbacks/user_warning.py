@@ -19,7 +19,12 @@ def _outside_frameworks(module: str) -> bool:
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn(message)`` attributed to the nearest caller outside the frameworks."""
+    """``warnings.warn(message)`` attributed to the nearest caller outside the frameworks.
+
+    Args:
+        message: the warning's text.
+        category: the warning's class.
+    """
     frame: FrameType | None = sys._getframe(1)
     level = 1
     while frame is not None and not _outside_frameworks(frame.f_globals.get("__name__", "")):

@@ -53,7 +53,7 @@ def test_compare_quick_runs_and_our_dense_counts_are_exact() -> None:
 def test_the_benchmarks_window_is_the_run_plans_counting_module_timing_and_clean_steps() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from window_plan import window_steps
+        from common import window_steps
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     # counting at 10, three module-timing steps, the check, no clean step: 10-14; the first after it is 15

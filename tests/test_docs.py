@@ -66,21 +66,21 @@ def test_the_window_numbers_on_the_pages_are_the_window_plans() -> None:
     assert f"`profile_step + {before} + clean_steps`" in page
 
 
-def test_each_option_is_described_once_in_options_and_the_doors_point_there() -> None:
+def test_each_option_is_described_once_in_options_and_the_adapters_point_there() -> None:
     options = [f.name for f in dataclasses.fields(Options)]
-    doors = [SessionCallback, StepProfiler]
+    adapters = [SessionCallback, StepProfiler]
     try:
         from flops_callbacks.integrations.hf import HFFlopsCallback
         from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 
-        doors += [FlopsProfilerCallback, HFFlopsCallback]
-    except ImportError:  # a framework is not installed: its door cannot repeat anything here
+        adapters += [FlopsProfilerCallback, HFFlopsCallback]
+    except ImportError:  # a framework is not installed: its adapter cannot repeat anything here
         pass
-    for door in doors:
-        doc = door.__doc__ or ""
+    for adapter in adapters:
+        doc = adapter.__doc__ or ""
         repeated = [name for name in options if re.search(rf"^\s+{name}: ", doc, re.MULTILINE)]
-        assert repeated == [], (door.__name__, repeated)
-        assert "flops_callbacks.options.Options" in doc, door.__name__
+        assert repeated == [], (adapter.__name__, repeated)
+        assert "flops_callbacks.options.Options" in doc, adapter.__name__
     assert set(hooks().option_descriptions()) == set(options)
 
 

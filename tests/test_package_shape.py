@@ -10,8 +10,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flops_callbacks"
 # Lowest first: a module may import its own layer and the layers before it. The base is the package's
 # top-level modules (plain data, units, options, the guard); the rest are its subpackages.
 LAYERS = ("base", "timing", "counting", "session", "reporting", "integrations")
-# The package's doors sit above every layer: its __init__ (the public names) and ``python -m``'s __main__.
-DOORS = {"flops_callbacks", "flops_callbacks.__main__"}
+# The package's entry points sit above every layer: its __init__ (the public names) and ``python -m``'s
+# __main__.
+ENTRY_POINTS = {"flops_callbacks", "flops_callbacks.__main__"}
 
 
 def module_name(path: Path) -> str:
@@ -37,13 +38,13 @@ def module_imports(path: Path, known: set[str]) -> set[str]:
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("flops_callbacks"))
-    return (found & known) - DOORS
+    return (found & known) - ENTRY_POINTS
 
 
 def graph() -> dict[str, set[str]]:
     known = modules()
     names = set(known)
-    return {name: module_imports(path, names) for name, path in known.items() if name not in DOORS}
+    return {name: module_imports(path, names) for name, path in known.items() if name not in ENTRY_POINTS}
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:

@@ -1,21 +1,11 @@
 """Bytes moved by one aten op: the memory traffic its arguments and results imply.
 
-The convention, one rule for every op: an op reads each tensor it is given and writes each tensor it
-returns, element size x elements each (``Tensor.nbytes``). So an in-place op (``relu_``) reads and
-writes its operand; an ``out=`` argument is written, not read. The exceptions, op by op:
-
-* views (``func.is_view``: ``view``, ``t``, ``expand``, ``slice`` ...) and ops that only change
-  metadata or allocate (``empty``, ``set_``, ``resize_``, ``_unsafe_view`` ...) move nothing;
-* ``copy_`` reads its source and writes its destination; ``fill_`` / ``zero_`` only write;
-* gathers (``embedding``, ``index_select``, ``gather``, ``index``, ``take``) read the rows they return,
-  not the whole table, plus the indices.
-
-These are the bytes an unfused, uncached execution moves between memory and the arithmetic units:
-what a roofline compares with the device's bandwidth. Caches (an operand read twice from L2), fusion
-(torch.compile keeps an elementwise chain's intermediates in registers) and broadcast operands
-(an expanded tensor counts its expanded elements) make real traffic differ; the docs (counting and
-timing) say how to read them. Why not torch's own: ``torch.utils.flop_counter`` counts no bytes, and torchao's
-``PerformanceCounterMode`` counts them for matmul, conv and attention only.
+One rule for every op: it reads each tensor it is given and writes each tensor it returns
+(``Tensor.nbytes``), with the exceptions :func:`bytes_rule` lists. These are the bytes an unfused,
+uncached execution moves: what a roofline compares with the device's bandwidth (the docs, counting
+and timing, say how caches and fusion make real traffic differ). Why not torch's own:
+``torch.utils.flop_counter`` counts no bytes, and torchao's ``PerformanceCounterMode`` counts them
+for matmul, conv and attention only.
 """
 
 from __future__ import annotations
@@ -93,7 +83,18 @@ _RULES: dict[Any, BytesRule | None] = {}  # by overload, resolved once
 
 
 def bytes_rule(func: torch._ops.OpOverload) -> BytesRule | None:
-    """How calls of ``func`` move bytes; None for an op that moves none (a view, an allocation)."""
+    """How calls of ``func`` move bytes; None for an op that moves none (a view, an allocation).
+
+    An in-place op (``relu_``) reads and writes its operand; an ``out=`` argument is written, not read.
+    Views (``func.is_view``) and ops that only change metadata or allocate (``empty``, ``set_``,
+    ``resize_``, ``_unsafe_view`` ...) move nothing; ``copy_`` reads its source and writes its
+    destination; ``fill_`` / ``zero_`` only write; gathers (``embedding``, ``index_select``, ``gather``,
+    ``index``, ``take``) read the rows they return, not the whole table, plus the indices. NB: a
+    broadcast operand counts its expanded elements.
+
+    Args:
+        func: the overload called.
+    """
     try:
         return _RULES[func]
     except KeyError:

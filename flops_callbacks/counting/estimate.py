@@ -1,23 +1,10 @@
-"""What the "6 x params x tokens" rule of thumb would claim for a profiled model, beside what was measured.
+"""What the "6 x params x tokens" rule of thumb and PaLM's formula claim for a profiled step, beside
+what was measured: the rule (Kaplan et al. 2020, section 2.1) with N the non-embedding parameters,
+PaLM's ``6N + 12LHQT`` (Chowdhery et al. 2022, appendix B) with self-attention's matmuls, and for a
+mixture of experts both again with the active parameters per token.
 
-The rule (Kaplan et al. 2020, "Scaling laws", section 2.1) counts one multiply-accumulate per parameter
-per token forward and two backward, with N the *non-embedding* parameters: an embedding table is
-looked up, not multiplied, so its rows do no arithmetic. We leave out the weights of every
-``nn.Embedding`` / ``nn.EmbeddingBag`` (token and learned position tables) except a table tied to an
-output layer (GPT-2's LM head shares the token table): that weight does a matmul per token as the head
-(2 x vocab x hidden flops forward), so it stays in N, once. PaLM (Chowdhery et al. 2022, appendix B)
-adds self-attention's matmuls, which have no parameters: per token, ``12 * L * H * Q * T`` with L
-layers, H attention heads, Q the head dimension and T the sequence length (QK^T and AV, 2 x Q x T
-flops each per head forward, x3 for forward + backward; the whole T x T matrix, causal or not). Its
-model flops per token are ``6N + 12LHQT``, shown when the config gives L, H and Q (or the hidden size)
-and the counted step's sequences are of one length T (tokens / samples).
-
-A mixture-of-experts model runs only ``experts_per_token`` of its ``num_experts`` experts for each
-token, so with all its parameters the rule overstates the work several times over; with the active
-parameters per token it comes close. The report shows both next to the measured count.
-
-Pure functions of a finished profile, the model's config (any object with the usual transformers
-attribute names) and, for the embedding tables, the model.
+Pure functions of a finished profile, the model's config (transformers' attribute names) and the
+model: the estimates are shown next to the measured count, never used in its place.
 """
 
 from __future__ import annotations
@@ -72,7 +59,11 @@ def _int(config: Any, *names: str) -> int | None:
 
 
 def routing_of(config: Any) -> Routing | None:
-    """The routing a model config declares (None for a dense model, or a config without both numbers)."""
+    """The routing a model config declares (None for a dense model, or a config without both numbers).
+
+    Args:
+        config: the model's config (transformers' attribute names).
+    """
     experts = next(
         (v for n in _NUM_EXPERTS if isinstance(v := getattr(config, n, None), int) and v > 1), None
     )
@@ -85,7 +76,11 @@ def routing_of(config: Any) -> Routing | None:
 def attention_of(config: Any) -> Attention | None:
     """L, H and Q of a decoder-only config (transformers' names; ``head_dim`` where set, else the hidden
     size over the heads); None where one is missing, or for an encoder-decoder (PaLM's formula is for
-    one stack of self-attention)."""
+    one stack of self-attention).
+
+    Args:
+        config: the model's config (transformers' attribute names).
+    """
     if config is None or getattr(config, "is_encoder_decoder", False):
         return None
     layers = _int(config, "num_hidden_layers", "n_layer", "num_layers")
@@ -103,7 +98,15 @@ def attention_of(config: Any) -> Attention | None:
 
 def embedding_params(model: torch.nn.Module) -> int:
     """Parameters of the model's embedding tables that do no arithmetic: each ``nn.Embedding`` /
-    ``nn.EmbeddingBag`` weight once, except one another module also holds (a tied LM head)."""
+    ``nn.EmbeddingBag`` weight once, except one another module also holds (a tied LM head).
+
+
+    An embedding table is looked up, not multiplied, so its rows do no arithmetic; a table tied to an
+    output layer (GPT-2's LM head shares the token table) does a matmul per token as the head, so it
+    stays in N, once.
+    Args:
+        model: the model whose embedding tables are counted.
+    """
     others = {
         id(p)
         for m in model.modules()
@@ -117,7 +120,11 @@ def embedding_params(model: torch.nn.Module) -> int:
 
 def expert_modules(profile: Profile) -> list[ModuleProfile]:
     """The routed-experts modules (transformers' ``*.experts``, ``MixtralExperts`` & co.), outermost
-    only; a shared expert, which every token runs, is not one of them."""
+    only; a shared expert, which every token runs, is not one of them.
+
+    Args:
+        profile: the profile whose modules are searched.
+    """
     found = [
         m
         for m in profile.modules.values()
@@ -128,17 +135,37 @@ def expert_modules(profile: Profile) -> list[ModuleProfile]:
 
 
 def active_params(total_params: int, expert_params: int, routing: Routing) -> int:
-    """Parameters one token uses: all but the experts it is not routed to."""
+    """Parameters one token uses: all but the experts it is not routed to.
+
+    Args:
+        total_params: all the model's parameters.
+        expert_params: the routed experts' parameters.
+        routing: how many experts there are and how many a token runs.
+    """
     return total_params - expert_params + expert_params * routing.experts_per_token // routing.num_experts
 
 
 def six_n_d(params: int, tokens: int) -> int:
-    """The rule of thumb for one training step: 6 flops per parameter per token (2 forward, 4 backward)."""
+    """The rule of thumb for one training step: 6 flops per parameter per token (2 forward, 4 backward).
+
+    Args:
+        params: N, the parameters counted.
+        tokens: D, the step's tokens.
+    """
     return 6 * params * tokens
 
 
 def palm_attention_flops(attention: Attention, seq_len: int, tokens: int) -> int:
-    """PaLM's attention term for ``tokens`` tokens in sequences of ``seq_len``: 12 x L x H x Q x T each."""
+    """PaLM's attention term for ``tokens`` tokens in sequences of ``seq_len``: 12 x L x H x Q x T each.
+
+
+    L layers, H heads, Q the head dimension, T the sequence length: QK^T and AV, 2 x Q x T flops each
+    per head forward, x3 for forward + backward; the whole T x T matrix, causal or not.
+    Args:
+        attention: L, H and Q of the model.
+        seq_len: T, the sequences' length.
+        tokens: the step's tokens.
+    """
     return 12 * attention.layers * attention.heads * attention.head_dim * seq_len * tokens
 
 
@@ -153,8 +180,15 @@ def estimate_rows(
     """Report rows: what "6 x non-embedding params x tokens" claims for the step and, where the config
     and the batch give L, H, Q and T, PaLM's model flops with attention; each with the numbers it is
     made of and the measured fwd+bwd flops as a multiple of it. For a mixture of experts, the same with
-    the active parameters per token. ``model``: to find its embedding tables (without it, none are
-    left out)."""
+    the active parameters per token.
+
+    Args:
+        profile: the counted step's profile.
+        tokens: the counted step's tokens.
+        config: the model's config (None: the rule without attention or experts).
+        model: the model, to find its embedding tables (None: none are left out).
+        samples: the counted step's sequences, for T = tokens / samples (None: no attention term).
+    """
     if tokens <= 0:
         raise ValueError(f"tokens must be a positive number of tokens in the profiled step, got {tokens!r}")
     measured = profile.model_flops

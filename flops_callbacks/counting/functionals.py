@@ -47,7 +47,11 @@ _NAME_CACHE: dict[Any, str | None] = {
 
 
 def functional_name(func: Any) -> str | None:
-    """The functional's name; None for a backward, ``READ`` for a metadata read (cached)."""
+    """The functional's name; None for a backward, ``READ`` for a metadata read (cached).
+
+    Args:
+        func: the Python function or op running.
+    """
     try:
         return _NAME_CACHE[func]
     except (KeyError, TypeError):

@@ -1,14 +1,11 @@
 """The tags the counting engine puts on autograd nodes: which module and functional made each node, so
 that the backward's ops are attributed where their forward ran.
 
-A tag is a key in ``Node.metadata`` (a dict autograd keeps on the node), set right after the call that
-created the node and removed by :meth:`NodeTags.clear` when the trace stops. Nothing here holds a node
-or a tensor for longer than a call: a node's Python object takes no weak reference, and holding the
-nodes would hold what they save. Under activation checkpointing that is every recomputed activation,
-which autograd frees as soon as the backward has read it: holding the recompute's nodes until the step
-ends made a counted checkpointed step peak as high as one without checkpointing. So only weak
-references to the tagged tensors are kept, and the walk from those still alive finds every tagged
-node still alive (a node dies with its graph, and its tag with it).
+A tag is a key in ``Node.metadata``, set right after the call that created the node and removed by
+:meth:`NodeTags.clear` when the trace stops. Why weak references to the tagged tensors and not the
+nodes: holding a node holds what it saves, and under activation checkpointing that is every recomputed
+activation, which autograd frees as soon as the backward has read it (a node's Python object takes no
+weak reference). The walk from the tensors still alive finds every tagged node still alive.
 """
 
 from __future__ import annotations
@@ -39,7 +36,13 @@ class NodeTags:
     def tag(self, out: Any, ctx: Site, watch: Callable[[Any, Site], None] | None) -> None:
         """Tag the nodes that made ``out`` (a tensor or a structure of them), and every node above them
         not tagged yet, with ``ctx``; ``watch(node, ctx)`` reads each newly tagged node (the forward's
-        saved tensors)."""
+        saved tensors).
+
+        Args:
+            out: a call's output: a tensor or a structure of them.
+            ctx: where the nodes' work goes.
+            watch: what reads each newly tagged node, or None.
+        """
         if isinstance(out, torch.Tensor):
             tensors = [out]
         else:

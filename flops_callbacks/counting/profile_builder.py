@@ -1,8 +1,9 @@
-"""Turns a trace's :class:`~flops_callbacks.counting.recording.Recording` into a :class:`Profile`.
+"""Turns a trace's :class:`~flops_callbacks.counting.recording.Recording` into a :class:`Profile`: each
+context's sums spread over the modules on its stack, clock marks made seconds (one synchronization),
+parameters counted.
 
-Apart from the trace because it runs once per profile, not per op: the trace only adds to one
-context's sums and appends clock marks; here each context's sums are spread over the modules on
-its stack, clock marks become seconds (one synchronization), and parameters are counted.
+Why not in the trace: this runs once per profile, the trace once per op, so the trace only adds to one
+context's sums and appends clock marks.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ __all__ = ["build_profile", "model_totals"]
 
 
 def model_totals(recording: Recording, clock: Clock) -> tuple[Counts, float]:
-    """The model's flops, MACs and forward seconds, without the per-module profile."""
+    """The model's flops, MACs and forward seconds, without the per-module profile.
+
+    Args:
+        recording: what the counting step recorded.
+        clock: the clock its marks were made on.
+    """
     sums = total(
         part
         for key, by_functional in recording.contexts.items()
@@ -34,7 +40,15 @@ def model_totals(recording: Recording, clock: Clock) -> tuple[Counts, float]:
 def build_profile(
     recording: Recording, tree: ModuleTree, clock: Clock, device: torch.device, causal_attention: str
 ) -> Profile:
-    """Everything ``recording`` holds, per module, with latencies resolved (synchronizes once)."""
+    """Everything ``recording`` holds, per module, with latencies resolved (synchronizes once).
+
+    Args:
+        recording: what the counting step recorded.
+        tree: the model's module names.
+        clock: the clock its marks were made on.
+        device: the device the step ran on.
+        causal_attention: how attention calls were counted, as the profile says it.
+    """
     seconds = clock.seconds
     clock.synchronize()
     per_module, outside = _spread(recording, tree)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from flops_callbacks.counting.registry import OpCount
+from flops_callbacks.phase_names import PROFILE_PASSES
 from flops_callbacks.profile import Counts
 
 __all__ = [
@@ -31,9 +32,9 @@ __all__ = [
 
 FWD, BWD, REC = 0, 1, 2  # phases: forward, backward, recompute inside the backward
 SLOTS = tuple(f.name for f in fields(Counts))
-_FLOPS = tuple(SLOTS.index(f"{phase}_flops") for phase in ("fwd", "bwd", "recompute"))
-_MACS = tuple(SLOTS.index(f"{phase}_macs") for phase in ("fwd", "bwd", "recompute"))
-_BYTES = tuple(SLOTS.index(f"{phase}_bytes") for phase in ("fwd", "bwd", "recompute"))
+_FLOPS = tuple(SLOTS.index(f"{phase}_flops") for phase in PROFILE_PASSES)
+_MACS = tuple(SLOTS.index(f"{phase}_macs") for phase in PROFILE_PASSES)
+_BYTES = tuple(SLOTS.index(f"{phase}_bytes") for phase in PROFILE_PASSES)
 SAVED = SLOTS.index("saved_bytes")  # bytes saved for the backward by the forward
 CALLS = SLOTS.index("calls")  # forward calls of a functional that did flops
 _REC_FLOPS, _REC_MACS = _FLOPS[REC], _MACS[REC]
@@ -42,12 +43,21 @@ Sums = list[int]  # one slot per field of Counts, in its order
 
 
 def plus(a: Sums | None, b: Sums) -> Sums:
-    """Slotwise sum as a new list (sum lists are shared between modules, never changed in place)."""
+    """Slotwise sum as a new list (sum lists are shared between modules, never changed in place).
+
+    Args:
+        a: the sums so far, or None for none.
+        b: the sums to add.
+    """
     return b if a is None else [x + y for x, y in zip(a, b, strict=True)]
 
 
 def total(parts: Any) -> Sums:
-    """The slotwise sum of ``parts`` (zeros when there are none)."""
+    """The slotwise sum of ``parts`` (zeros when there are none).
+
+    Args:
+        parts: the sum lists to add.
+    """
     found: Sums = [0] * len(SLOTS)
     for part in parts:
         found = plus(found, part)
@@ -55,7 +65,12 @@ def total(parts: Any) -> Sums:
 
 
 def as_counts(sums: Sums, **override: int) -> dict[str, int]:
-    """``sums`` as ``Counts`` keyword arguments (``override`` replacing some)."""
+    """``sums`` as ``Counts`` keyword arguments (``override`` replacing some).
+
+    Args:
+        sums: one slot per field of ``Counts``.
+        **override: fields whose values replace the sums'.
+    """
     return {**dict(zip(SLOTS, sums, strict=True)), **override}
 
 
@@ -64,6 +79,10 @@ class Site:
 
     An op adds to its context only, one list update whatever the stack depth; the profile spreads
     each context's sums over its modules once. Contexts are interned, so identity is equality.
+
+    Args:
+        names: the modules on the stack, each once, outermost first.
+        functional: the functional being run, or None.
     """
 
     __slots__ = ("names", "functional", "sums")
@@ -74,13 +93,25 @@ class Site:
         self.sums: dict[str, Sums] = {}  # by functional (an op's own name where none was named)
 
     def sums_of(self, functional: str) -> Sums:
+        """The sums of ``functional`` here, made (zeros) on its first op.
+
+        Args:
+            functional: the functional's name.
+        """
         sums = self.sums.get(functional)
         if sums is None:
             sums = self.sums[functional] = [0] * len(SLOTS)
         return sums
 
     def add(self, phase: int, functional: str, count: OpCount, moved: int) -> None:
-        """One counted op: its flops, MACs and bytes moved."""
+        """One counted op: its flops, MACs and bytes moved.
+
+        Args:
+            phase: the pass (``FWD``, ``BWD`` or ``REC``).
+            functional: the functional the op ran in.
+            count: the op's flops and MACs.
+            moved: the op's bytes moved.
+        """
         sums = self.sums_of(functional)
         sums[_FLOPS[phase]] += count.flops
         sums[_MACS[phase]] += count.macs
@@ -90,11 +121,22 @@ class Site:
             sums[_REC_MACS] += count.recompute_macs
 
     def add_saved(self, functional: str, saved: int) -> None:
-        """A tensor the forward saved for the backward."""
+        """A tensor the forward saved for the backward.
+
+        Args:
+            functional: the functional that saved it.
+            saved: its bytes.
+        """
         self.sums_of(functional)[SAVED] += saved
 
     def add_bytes(self, phase: int, functional: str, moved: int) -> None:
-        """One op without arithmetic (a copy, a gather) or without a formula: bytes only."""
+        """One op without arithmetic (a copy, a gather) or without a formula: bytes only.
+
+        Args:
+            phase: the pass (``FWD``, ``BWD`` or ``REC``).
+            functional: the functional the op ran in.
+            moved: the op's bytes moved.
+        """
         self.sums_of(functional)[_BYTES[phase]] += moved
 
 

@@ -85,7 +85,15 @@ class FormulaEntry:
     def count(
         self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any, causal_half: bool
     ) -> OpCount:
-        """Flops and MACs of one call of ``func`` (nothing for free, metadata and uncounted ops)."""
+        """Flops and MACs of one call of ``func`` (nothing for free, metadata and uncounted ops).
+
+        Args:
+            func: the overload called.
+            args: the call's positional arguments.
+            kwargs: its keyword arguments.
+            out: its output.
+            causal_half: whether a causal call counts its kept share only.
+        """
         if self.formula is None:
             return _NOTHING
         flops = int(self.formula(args, kwargs, out))
@@ -144,9 +152,17 @@ def register_formula(
 ) -> Callable[[Formula], Formula]:
     """Decorator: count calls of ``ops`` (one op or a list; packets or overloads) with the function.
 
-    The function takes ``(args, kwargs, out)`` of a call and returns its flops; ``kind`` is
-    ``"dense"`` (MACs are half the flops) or ``"elementwise"`` (no MACs). Registering an op that
+    The function takes ``(args, kwargs, out)`` of a call and returns its flops. Registering an op that
     has an entry raises ``ValueError`` unless ``replace=True``.
+
+    Args:
+        ops: one op or a list of them, packets or overloads.
+        kind: ``"dense"`` (MACs are half the flops) or ``"elementwise"`` (no MACs).
+        causal_share: the kept fraction of a call's flops when it applies a causal mask (used under
+            ``causal_attention="half"`` only).
+        recompute_share: the fraction of a backward call's flops that recomputes forward work (reported as
+            recompute).
+        replace: whether an op that has an entry may be registered again.
     """
     entry_kind = _kind_of(kind)
     if entry_kind not in _COUNTED:
@@ -162,7 +178,13 @@ def register_formula(
 
 def register_op_kind(ops: Any, kind: OpKind | str, *, replace: bool = False) -> None:
     """Classify ``ops`` as ``"free"`` (no arithmetic), ``"metadata"`` (not even a call to report)
-    or ``"uncounted"`` (arithmetic without a formula: listed in the coverage section)."""
+    or ``"uncounted"`` (arithmetic without a formula: listed in the coverage section).
+
+    Args:
+        ops: one op or a list of them, packets or overloads.
+        kind: ``"free"``, ``"metadata"`` or ``"uncounted"``.
+        replace: whether an op that has an entry may be classified again.
+    """
     entry_kind = _kind_of(kind)
     if entry_kind in _COUNTED:
         raise ValueError(f"kind must be 'free', 'metadata' or 'uncounted' without a formula, got {kind!r}")
@@ -170,7 +192,11 @@ def register_op_kind(ops: Any, kind: OpKind | str, *, replace: bool = False) -> 
 
 
 def registered(op: Any) -> FormulaEntry | None:
-    """The entry registered for exactly ``op`` (a packet or an overload), if any."""
+    """The entry registered for exactly ``op`` (a packet or an overload), if any.
+
+    Args:
+        op: a packet or an overload.
+    """
     return _ENTRIES.get(op)
 
 
@@ -180,7 +206,11 @@ _NO_ARITHMETIC_NAMESPACES = frozenset({"profiler", "c10d", "_c10d_functional", "
 
 
 def entry_for(func: torch._ops.OpOverload) -> FormulaEntry:
-    """How calls of the overload ``func`` are counted (resolved once per overload)."""
+    """How calls of the overload ``func`` are counted (resolved once per overload).
+
+    Args:
+        func: the overload called.
+    """
     found = _RESOLVED.get(func)
     if found is None:
         found = _RESOLVED[func] = _resolve(func)
@@ -206,7 +236,11 @@ def _resolve(func: torch._ops.OpOverload) -> FormulaEntry:
 
 
 def largest_tensor_numel(x: Any) -> int:
-    """Elements of ``x``, or of its largest tensor when it is a tuple or list of them."""
+    """Elements of ``x``, or of its largest tensor when it is a tuple or list of them.
+
+    Args:
+        x: a tensor, or a tuple or list of them.
+    """
     if isinstance(x, torch.Tensor):  # most ops: skip the pytree walk, which costs microseconds
         return x.numel()
     leaves = torch.utils._pytree.tree_leaves(x)
@@ -234,7 +268,11 @@ def _shapes(x: Any) -> Any:
 
 
 def torch_formula(packet: Any) -> Formula:
-    """Torch's ``flop_registry`` formula for ``packet``, called on our ``(args, kwargs, out)``."""
+    """Torch's ``flop_registry`` formula for ``packet``, called on our ``(args, kwargs, out)``.
+
+    Args:
+        packet: the op's packet.
+    """
     formula = _torch_registry[packet]
     on_shapes = getattr(formula, "__wrapped__", None)
     if on_shapes is None:  # registered with get_raw=True: takes the tensors themselves

@@ -1,18 +1,15 @@
 """Activations saved for the backward: the bytes of the tensors each autograd node of the forward keeps.
 
-When the counting engine tags a node the forward created (right after the call that created it),
-:meth:`SavedActivations.watch` reads the node's saved tensors (``node._saved_*``; a custom Function's
-``saved_tensors``) and counts each storage once, parameters excluded, for the module and functional
-that created the node. Reading a saved tensor only unpacks it: autograd's state is not touched.
+When the counting engine tags a node the forward created, :meth:`SavedActivations.watch` reads its
+saved tensors (``node._saved_*``; a custom Function's ``saved_tensors``) and counts each storage once,
+parameters excluded, for the module and functional that created it; reading only unpacks them.
 
-Why not ``torch.autograd.graph.saved_tensors_hooks`` around the forward (or hooks registered on each
-``SavedTensor``): thread-wide hooks make ``torch.func.grad`` / ``vmap`` inside a model raise ("don't
-yet support saved tensor hooks"), and hooks replace autograd's check that a saved tensor was not
-changed in place: a profile must neither end a run nor hide a user's bug. Nodes created under
-someone's saved-tensor hooks (a ``torch.utils.checkpoint`` region, ``save_on_cpu``) are not read:
-unpacking them would run those hooks (a checkpoint would recompute). So a checkpointed region shows
-as what it saves: the inputs of its first module call (:meth:`SavedActivations.enter`), counted
-where the checkpoint is called.
+Why not ``torch.autograd.graph.saved_tensors_hooks``: thread-wide hooks make ``torch.func.grad`` /
+``vmap`` inside a model raise, and replace autograd's check that a saved tensor was not changed in
+place; a profile must neither end a run nor hide a user's bug. Nodes created under someone's hooks (a
+``torch.utils.checkpoint`` region, ``save_on_cpu``) are not read, since unpacking them would run
+those hooks: a checkpointed region shows as the inputs of its first module call
+(:meth:`SavedActivations.enter`), counted where the checkpoint is called.
 """
 
 from __future__ import annotations
@@ -73,6 +70,11 @@ class SavedActivations:
         self.region: Callable[[], Any] | None = None
 
     def start(self, model: torch.nn.Module) -> None:
+        """Note ``model``'s parameters' storages, which saved tensors never count.
+
+        Args:
+            model: the model counted.
+        """
         self.param_ptrs = {_storage(p)[0] for p in model.parameters()} - {0}
 
     def stop(self) -> None:
@@ -82,7 +84,12 @@ class SavedActivations:
     def enter(self, args: tuple, ctx: Site) -> None:
         """A module is called: when it is the first one inside a new region of saved-tensor hooks (a
         checkpoint), count its tensor arguments, which the checkpoint holds for its recompute, for
-        ``ctx``: where the checkpoint is called."""
+        ``ctx``: where the checkpoint is called.
+
+        Args:
+            args: the module call's positional arguments.
+            ctx: where the call's work goes.
+        """
         top = _top_hooks(True)
         if top is None or (self.region is not None and top[0] is self.region()):
             return
@@ -95,7 +102,12 @@ class SavedActivations:
     def watch(self, node: Any, ctx: Site) -> None:
         """Count the tensors ``node`` saved (a node the forward created, tagged with ``ctx``). Never
         raises: what cannot be read (a tensor changed in place since: autograd raises in the backward)
-        is not counted."""
+        is not counted.
+
+        Args:
+            node: an autograd node the forward created.
+            ctx: where its work goes.
+        """
         names = _saved_names(node)
         if not names or _top_hooks(True) is not None:
             return

@@ -39,6 +39,12 @@ def parallel_sizes(
     the DeepSpeed plugin (``tensor_parallel.autotp_size``), accelerate's torch TP plugin, the Megatron
     plugin (with its pipeline size) and the model (``tp_size``, ``config.distributed_config``).
     Without a ``ParallelismConfig`` the data-parallel size is the world over the model-parallel size.
+
+    Args:
+        args: the Trainer's ``TrainingArguments``, or any object with their attributes.
+        model: the model, for its ``tp_size`` and ``config.distributed_config`` (None: not read).
+        accelerator_state: accelerate's state (None: not read).
+        world_size: the world size where ``args`` has none.
     """
     state = accelerator_state
     config = getattr(args, "parallelism_config", None) or getattr(state, "parallelism_config", None)
@@ -83,7 +89,13 @@ def _deepspeed_autotp_size(accelerator_state: Any) -> int:
 def compute_dtype(args: Any, model: torch.nn.Module, accelerator: Any = None) -> str | None:
     """What the matmuls run in: fp8 under accelerate's fp8 mixed precision, bf16 / fp16 with
     ``args.bf16`` / ``args.fp16``, else the model's parameter dtype (a model loaded in bf16 trains in
-    bf16; fp32 is tf32 when torch allows it, as ``args.tf32`` sets it)."""
+    bf16; fp32 is tf32 when torch allows it, as ``args.tf32`` sets it).
+
+    Args:
+        args: the Trainer's ``TrainingArguments``, or None.
+        model: the model, for its parameters' dtype.
+        accelerator: the accelerator, for its mixed precision (None: not read).
+    """
     mixed = str(getattr(accelerator, "mixed_precision", "no"))
     if mixed == "fp8":
         return FP8

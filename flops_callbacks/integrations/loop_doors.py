@@ -1,15 +1,11 @@
-"""What :class:`~flops_callbacks.StepProfiler` reads of the loop it runs in: a plain PyTorch loop, an
-accelerate loop (``accelerator=``) or a Lightning Fabric loop (``fabric=``).
+"""The loop adapters of :class:`~flops_callbacks.StepProfiler`: what it reads of a plain PyTorch loop, an
+accelerate loop (``accelerator=``) or a Lightning Fabric loop (``fabric=``), one :class:`LoopAdapter` each.
 
-Each door gives the same things: the user's model (what ``accelerator.prepare``, ``fabric.setup``
-and DDP hand back, unwrapped: the profile's root is the model the user wrote), the run's sizes and
-compute dtype (:class:`~flops_callbacks.session.adapter_api.TrainingContext`), where the results go (an
-:class:`~flops_callbacks.session.adapter_api.Outlet`), and the framework's own calls the loop makes: the
-object whose ``backward`` it calls (the backward's exact start) and the methods its optimizer wrapper's
-``step`` runs through (the optimizer step's start: the wrapper's work before the inner optimizer's
-``step``, where torch's optimizer hooks fire, is the step's, and a step the wrapper ran without the inner
-``step``, such as one a gradient scaler skipped, still ends the optimizer step). accelerate and Lightning
-are imported only by their own door.
+An adapter gives the user's model unwrapped (the profile's root is the model the user wrote, not what
+``accelerator.prepare``, ``fabric.setup`` or DDP hand back), the run's sizes and compute dtype, an
+:class:`~flops_callbacks.session.adapter_api.Outlet` for the results, and the framework calls that mark
+the backward's and the optimizer step's start. Why not one class with ``if accelerator`` branches: each
+framework is imported only by its own adapter, so a plain loop needs neither installed.
 """
 
 from __future__ import annotations
@@ -27,28 +23,56 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import parameters_dtype
 from flops_callbacks.session.adapter_api import TrainingContext
 
-__all__ = ["accelerate_door", "Door", "fabric_door", "LogFn", "plain_door", "unwrapped"]
+__all__ = [
+    "accelerate_adapter",
+    "accelerate_door",
+    "Door",
+    "fabric_adapter",
+    "fabric_door",
+    "LogFn",
+    "LoopAdapter",
+    "plain_adapter",
+    "plain_door",
+    "unwrapped",
+]
 
 LogFn = Callable[[dict[str, float], int], None]  # the user's log(metrics, step)
 
 
 @dataclass
-class Door:
-    """The loop as the profiler sees it (module doc)."""
+class LoopAdapter:
+    """The loop as the profiler sees it.
 
-    model: torch.nn.Module  # the user's model: the profile's root
-    runs: torch.nn.Module  # what the loop calls (a wrapper of ``model``, or ``model``)
+    Args:
+        model: the user's model, the profile's root.
+        runs: what the loop calls: a wrapper of ``model``, or ``model``.
+        context: the run's sizes and compute dtype, asked at each window.
+        outlet: where the results go.
+        backward_owner: the accelerator or Fabric whose ``backward(loss)`` the loop calls (the backward's
+            exact start); None in a plain loop, whose backward starts at the forward's end.
+        step_calls: the (object, method name) pairs the framework's optimizer step runs through, asked
+            at each window: the wrapper's work before the inner optimizer's ``step`` is the step's, and a
+            step the wrapper ran without the inner ``step`` (one a gradient scaler skipped) still ends
+            the optimizer step.
+        stepped: whether such a call was an optimizer step (accelerate's is not while it accumulates
+            gradients).
+    """
+
+    model: torch.nn.Module
+    runs: torch.nn.Module
     context: Callable[[], TrainingContext]
-    outlet: _LoopOutlet
-    backward_owner: Any = None  # the accelerator or Fabric, whose ``backward(loss)`` the loop calls
-    # (owner, method) pairs the framework's optimizer step runs through (module doc), asked at each block
+    outlet: _PlainOutlet
+    backward_owner: Any = None
     step_calls: Callable[[], list[tuple[Any, str]]] = list
-    # whether such a call was an optimizer step (accelerate's is not while it accumulates gradients)
     stepped: Callable[[], bool] = lambda: True
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` without DDP / DataParallel / FSDP(1) wrappers (``.module``): the user's model."""
+    """``model`` without DDP / DataParallel / FSDP(1) wrappers (``.module``): the user's model.
+
+    Args:
+        model: what the loop calls, wrapped or not.
+    """
     wrappers: tuple[type, ...] = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -64,23 +88,24 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _logging_rank() -> bool:
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return not distributed or torch.distributed.get_rank() == 0
-
-
-class _LoopOutlet:
+class _PlainOutlet:
     """The plain loop's outlet: the user's ``log`` function, ``log_dir`` and the console (rank 0).
 
     Which rank logs is read at each run's start (:meth:`at_run_start`), not at construction: a loop
     may build its profiler before it starts the process group (``init_process_group``, ``fabric.launch``).
+    A framework's outlet overrides :meth:`_logging_rank` and :meth:`_log_to_framework`.
     """
 
-    def __init__(
-        self, log: LogFn | None, log_dir: str | Path | None, logging_rank: Callable[[], bool]
-    ) -> None:
-        self.log, self._log_dir, self._logging_rank = log, log_dir, logging_rank
+    def __init__(self, framework: Any, log: LogFn | None, log_dir: str | Path | None) -> None:
+        self.framework, self.log, self._log_dir = framework, log, log_dir
         self.is_logging_rank = True
+
+    def _logging_rank(self) -> bool:
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return not distributed or torch.distributed.get_rank() == 0
+
+    def _log_to_framework(self, metrics: dict[str, float], step: int) -> None:
+        """A plain loop has no framework logger: only the user's ``log`` gets the metrics."""
 
     def at_run_start(self) -> None:
         self.is_logging_rank = self._logging_rank()
@@ -91,6 +116,7 @@ class _LoopOutlet:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self.log is not None:
             self.log(dict(metrics), step)
+        self._log_to_framework(dict(metrics), step)
 
     def console(self, text: str) -> None:
         print(text)
@@ -99,8 +125,14 @@ class _LoopOutlet:
         """A plain loop has no logger the profiler knows: the report is printed and in the files."""
 
 
-def plain_door(model: torch.nn.Module, log: LogFn | None, log_dir: str | Path | None) -> Door:
-    """A plain PyTorch loop: one process, or DDP / FSDP under ``torch.distributed`` (sizes from it)."""
+def plain_adapter(model: torch.nn.Module, log: LogFn | None, log_dir: str | Path | None) -> LoopAdapter:
+    """A plain PyTorch loop: one process, or DDP / FSDP under ``torch.distributed`` (sizes from it).
+
+    Args:
+        model: what the loop calls (DDP / FSDP wrappers are taken off for the profile's root).
+        log: the user's ``log(metrics, step)``, or None.
+        log_dir: where the files go, or None for none.
+    """
 
     def context() -> TrainingContext:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -109,23 +141,21 @@ def plain_door(model: torch.nn.Module, log: LogFn | None, log_dir: str | Path | 
         return TrainingContext(sizes, parameters_dtype(user))
 
     user = unwrapped(model)
-    return Door(user, model, context, _LoopOutlet(log, log_dir, _logging_rank))
+    return LoopAdapter(user, model, context, _PlainOutlet(None, log, log_dir))
 
 
-class _AccelerateOutlet(_LoopOutlet):
+class _AccelerateOutlet(_PlainOutlet):
     """Metrics through ``accelerator.log`` (every tracker: TensorBoard, W&B, MLflow, ...); the report as
     TensorBoard text and a W&B HTML panel where those trackers run."""
 
-    def __init__(self, accelerator: Any, log: LogFn | None, log_dir: str | Path | None) -> None:
-        super().__init__(log, log_dir, lambda: bool(accelerator.is_main_process))
-        self.accelerator = accelerator
+    def _logging_rank(self) -> bool:
+        return bool(self.framework.is_main_process)
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        super().log_metrics(metrics, step)
-        self.accelerator.log(dict(metrics), step=step)
+    def _log_to_framework(self, metrics: dict[str, float], step: int) -> None:
+        self.framework.log(metrics, step=step)
 
     def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
-        for tracker in self.accelerator.trackers:
+        for tracker in self.framework.trackers:
             if tracker.name == "tensorboard" and markdown is not None:
                 tracker.writer.add_text("flops_profiler/report", markdown, global_step=step)
             elif tracker.name == "wandb" and html is not None:
@@ -134,11 +164,18 @@ class _AccelerateOutlet(_LoopOutlet):
                 tracker.run.log({"flops_profiler/profile": wandb.Html(html)}, commit=False)
 
 
-def accelerate_door(
+def accelerate_adapter(
     accelerator: Any, model: torch.nn.Module, log: LogFn | None, log_dir: str | Path | None
-) -> Door:
+) -> LoopAdapter:
     """An accelerate loop: sizes and the distributed type from ``accelerator.state``, the compute dtype
-    from its mixed precision, metrics through ``accelerator.log``, files in its logging dir."""
+    from its mixed precision, metrics through ``accelerator.log``.
+
+    Args:
+        accelerator: the loop's ``accelerate.Accelerator``.
+        model: what the loop calls (``accelerator.prepare``'s result or the model itself).
+        log: the user's ``log(metrics, step)``, or None.
+        log_dir: where the files go; None: the accelerator's logging dir.
+    """
     user = unwrapped(accelerator.unwrap_model(model))
 
     def context() -> TrainingContext:
@@ -158,36 +195,43 @@ def accelerate_door(
 
     directory = log_dir if log_dir is not None else accelerator.logging_dir
     outlet = _AccelerateOutlet(accelerator, log, directory)
-    return Door(
+    return LoopAdapter(
         user, model, context, outlet, accelerator, step_calls, lambda: bool(accelerator.sync_gradients)
     )
 
 
-class _FabricOutlet(_LoopOutlet):
+class _FabricOutlet(_PlainOutlet):
     """Metrics through ``fabric.log_dict`` (every Fabric logger, saved after); the report as TensorBoard
     text where a TensorBoard logger runs."""
 
-    def __init__(self, fabric: Any, log: LogFn | None, log_dir: str | Path | None) -> None:
-        super().__init__(log, log_dir, lambda: bool(fabric.is_global_zero))
-        self.fabric = fabric
+    def _logging_rank(self) -> bool:
+        return bool(self.framework.is_global_zero)
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        super().log_metrics(metrics, step)
-        self.fabric.log_dict(dict(metrics), step=step)
-        for logger in self.fabric.loggers:
+    def _log_to_framework(self, metrics: dict[str, float], step: int) -> None:
+        self.framework.log_dict(metrics, step=step)
+        for logger in self.framework.loggers:
             logger.save()
 
     def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
         from lightning.fabric.loggers import TensorBoardLogger
 
-        for logger in self.fabric.loggers:
+        for logger in self.framework.loggers:
             if isinstance(logger, TensorBoardLogger) and markdown is not None:
                 logger.experiment.add_text("flops_profiler/report", markdown, global_step=step)
 
 
-def fabric_door(fabric: Any, model: torch.nn.Module, log: LogFn | None, log_dir: str | Path | None) -> Door:
+def fabric_adapter(
+    fabric: Any, model: torch.nn.Module, log: LogFn | None, log_dir: str | Path | None
+) -> LoopAdapter:
     """A Fabric loop: sizes from its strategy, the compute dtype from its precision, metrics through
-    ``fabric.log_dict``, files in its first logger's log dir."""
+    ``fabric.log_dict``.
+
+    Args:
+        fabric: the loop's ``lightning.Fabric``.
+        model: what the loop calls (``fabric.setup``'s result or the model itself).
+        log: the user's ``log(metrics, step)``, or None.
+        log_dir: where the files go; None: the first logger's log dir.
+    """
     try:
         from lightning.fabric.strategies import DeepSpeedStrategy, ModelParallelStrategy
         from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled
@@ -214,4 +258,11 @@ def fabric_door(fabric: Any, model: torch.nn.Module, log: LogFn | None, log_dir:
         directory = getattr(fabric.logger, "log_dir", None)
     # every optimizer step of a Fabric loop runs through its strategy (``_FabricOptimizer.step``)
     step_calls = lambda: [(fabric.strategy, "optimizer_step")]  # noqa: E731
-    return Door(user, model, context, _FabricOutlet(fabric, log, directory), fabric, step_calls)
+    return LoopAdapter(user, model, context, _FabricOutlet(fabric, log, directory), fabric, step_calls)
+
+
+# NB: the names integrations/step_profiler.py imports; the adapters' names above are the ones to use
+Door = LoopAdapter
+plain_door = plain_adapter
+accelerate_door = accelerate_adapter
+fabric_door = fabric_adapter

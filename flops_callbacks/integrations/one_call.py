@@ -18,7 +18,14 @@ Around = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 
 
 class OneCall:
-    """``owner.name`` wrapped by ``around`` for the next call (every call until removed: ``once=False``)."""
+    """``owner.name`` wrapped by ``around`` for the next call (every call until removed: ``once=False``).
+
+    Args:
+        owner: the object whose method is wrapped.
+        name: the method's name.
+        around: ``around(original, args, kwargs)``: runs the call with the profiler's marks around it.
+        once: whether only the next call is wrapped (False: every call until removed).
+    """
 
     def __init__(self, owner: Any, name: str, around: Around, once: bool = True) -> None:
         self.owner, self.name = owner, name

@@ -1,7 +1,7 @@
 """What a Lightning strategy and precision say about a run, for the Trainer's callback and for
 :class:`~flops_callbacks.StepProfiler` with ``fabric=``: the Trainer and Fabric keep the same facts in
 classes of their own (``lightning.pytorch.strategies`` and ``lightning.fabric.strategies``), so each
-door picks out the mesh, the engine and the precision string, and these functions read them alike.
+adapter picks out the mesh, the engine and the precision string, and these functions read them alike.
 Nothing of Lightning is imported here."""
 
 from __future__ import annotations
@@ -27,6 +27,12 @@ def strategy_sizes(
     parallel, tensor (``mp_world_size``), pipeline (``num_stages``) and Ulysses sequence parallel
     (``sequence_parallel_size``, context parallel here). Lightning 2.6 has no context parallelism of its
     own: its ``ModelParallelStrategy`` mesh is data x tensor only.
+
+    Args:
+        world_size: the run's processes.
+        sampler_kwargs: the strategy's ``distributed_sampler_kwargs`` (None on one device).
+        mesh: a ``ModelParallelStrategy``'s device mesh, or None.
+        engine: a DeepSpeed engine, or None.
     """
     data_parallel = int((sampler_kwargs or {}).get("num_replicas", 1))
     tensor_parallel = pipeline_parallel = context_parallel = 1
@@ -48,7 +54,12 @@ def strategy_sizes(
 
 def precision_dtype(precision: str, model: torch.nn.Module) -> str | None:
     """What the matmuls run in, from a Lightning precision string: ``bf16-*`` -> bf16, ``16-*`` -> fp16,
-    Transformer Engine -> fp8, ``32-true`` -> the parameters' dtype (tf32 when torch allows it)."""
+    Transformer Engine -> fp8, ``32-true`` -> the parameters' dtype (tf32 when torch allows it).
+
+    Args:
+        precision: the Lightning precision string.
+        model: the model, for its parameters' dtype.
+    """
     if precision.startswith("transformer-engine"):
         return FP8
     if precision.startswith("bf16"):

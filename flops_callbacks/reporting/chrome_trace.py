@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from flops_callbacks.timing.spans import PHASES, ModuleSpan
+from flops_callbacks.phase_names import MODULE_PASSES
+from flops_callbacks.timing.spans import ModuleSpan
 
 __all__ = ["chrome_trace"]
 
@@ -22,9 +23,14 @@ _PID = 1  # one process holds the tracks; its name says what they are
 def chrome_trace(
     spans: Sequence[ModuleSpan], *, process_name: str = "flops_callbacks modules"
 ) -> dict[str, Any]:
-    """Trace-event JSON data: a complete ("X") event per span, on the track of its phase."""
-    tracks = {phase: tid for tid, phase in enumerate(PHASES, start=1)}
-    used = [phase for phase in PHASES if any(span.phase == phase for span in spans)]
+    """Trace-event JSON data: a complete ("X") event per span, on the track of its phase.
+
+    Args:
+        spans: the module calls to draw.
+        process_name: the name of the process that holds the tracks.
+    """
+    tracks = {phase: tid for tid, phase in enumerate(MODULE_PASSES, start=1)}
+    used = [phase for phase in MODULE_PASSES if any(span.phase == phase for span in spans)]
     meta: list[dict[str, Any]] = [_meta("process_name", 0, name=process_name)]
     for phase in used:
         meta.append(_meta("thread_name", tracks[phase], name=phase))

@@ -18,16 +18,10 @@ import re
 from dataclasses import dataclass
 
 from flops_callbacks import metrics as names
+from flops_callbacks import units
+from flops_callbacks.phase_names import PROFILE_PASSES
 from flops_callbacks.profile import Profile
 from flops_callbacks.reporting.profile_file import SavedProfile
-from flops_callbacks.units import (
-    bytes_to_string,
-    duration_to_string,
-    flops_to_string,
-    macs_to_string,
-    number_to_string,
-    params_to_string,
-)
 
 __all__ = [
     "Change",
@@ -69,7 +63,11 @@ ORDER = (*names.ALL, *names.PADDING, *names.WITH_PEAK)
 
 
 def short(name: str) -> str:
-    """A metric's name as the command line takes it: without ``flops_profiler/``."""
+    """A metric's name as the command line takes it: without ``flops_profiler/``.
+
+    Args:
+        name: a metric's name.
+    """
     return name.removeprefix(names.PREFIX)
 
 
@@ -84,7 +82,11 @@ class Figure:
 
 
 def figures(saved: SavedProfile) -> dict[str, Figure]:
-    """Every metric of ``saved`` with its range, by name without the prefix, in the report's order."""
+    """Every metric of ``saved`` with its range, by name without the prefix, in the report's order.
+
+    Args:
+        saved: the saved profile to read.
+    """
     spreads = saved.result.figures().spreads
     ordered = [n for n in ORDER if n in saved.metrics] + [n for n in saved.metrics if n not in ORDER]
     found = {}
@@ -102,7 +104,12 @@ def figures(saved: SavedProfile) -> dict[str, Figure]:
 
 
 def is_noise(a: Figure, b: Figure) -> bool:
-    """Whether the change from ``a`` to ``b`` lies inside both runs' ranges."""
+    """Whether the change from ``a`` to ``b`` lies inside both runs' ranges.
+
+    Args:
+        a: the figure in the first run.
+        b: the same figure in the second run.
+    """
     return a.low <= b.value <= a.high and b.low <= a.value <= b.high
 
 
@@ -144,19 +151,29 @@ class Change:
 
 
 def changes(a: SavedProfile, b: SavedProfile) -> list[Change]:
-    """Every figure both runs have, A's order."""
+    """Every figure both runs have, A's order.
+
+    Args:
+        a: the first run (the base).
+        b: the second run.
+    """
     fa, fb = figures(a), figures(b)
     return [Change(fa[n], fb[n]) for n in fa if n in fb]
 
 
 def work_note(a: SavedProfile, b: SavedProfile) -> str | None:
     """What says the runs did different work (another model or batch), so that their times are not
-    comparable; None when their flops per step are the same."""
+    comparable; None when their flops per step are the same.
+
+    Args:
+        a: the first run.
+        b: the second run.
+    """
     pa, pb = a.result.profile, b.result.profile
     if (pa.fwd_flops, pa.bwd_flops, pa.recompute_flops) == (pb.fwd_flops, pb.bwd_flops, pb.recompute_flops):
         return None
-    flops = f"{number_to_string(pa.hardware_flops)} -> {number_to_string(pb.hardware_flops)}"
-    params = f"params {params_to_string(pa.params)} -> {params_to_string(pb.params)}"
+    flops = f"{units.number_to_string(pa.hardware_flops)} -> {units.number_to_string(pb.hardware_flops)}"
+    params = f"params {units.params_to_string(pa.params)} -> {units.params_to_string(pb.params)}"
     samples = f"samples per device {a.result.samples} -> {b.result.samples}"
     return (
         f"the runs did different work: fwd+bwd+recompute flops per step {flops} "
@@ -188,18 +205,19 @@ class ModuleChange:
         return abs(self.delta_seconds), moved(self.flops), moved(self.bytes)
 
 
-_PASSES = ("fwd", "bwd", "recompute")
-
-
 def own_seconds(profile: Profile) -> dict[str, dict[str, float]]:
     """Each module's own latency in each pass: its latency less its children's (never below 0: the
-    children's hooks may overlap their parent's by a little)."""
+    children's hooks may overlap their parent's by a little).
+
+    Args:
+        profile: the profile whose modules are read.
+    """
     own = {}
     for name, m in profile.modules.items():
         kids = profile.children(name)
         own[name] = {
             p: max(getattr(m, f"{p}_latency") - sum(getattr(k, f"{p}_latency") for k in kids), 0.0)
-            for p in _PASSES
+            for p in PROFILE_PASSES
         }
     return own
 
@@ -224,7 +242,12 @@ def _wobble(saved: SavedProfile) -> float:
 
 def module_changes(a: SavedProfile, b: SavedProfile) -> list[ModuleChange]:
     """Every module of either run whose own time, flops or bytes changed, largest change of own time
-    first (then of flops, then of bytes)."""
+    first (then of flops, then of bytes).
+
+    Args:
+        a: the first run (the base).
+        b: the second run.
+    """
     own_a, own_b = _own(a.result.profile), _own(b.result.profile)
     wobble = min(_wobble(a), _wobble(b))
     found = []
@@ -257,7 +280,11 @@ class Rule:
 
     @classmethod
     def parse(cls, text: str) -> Rule:
-        """The rule ``text`` says; ValueError naming it and the syntax."""
+        """The rule ``text`` says; ValueError naming it and the syntax.
+
+        Args:
+            text: the rule as the command line takes it (``figure:+N%``, ``figure:-N%``).
+        """
         found = _RULE.match(text.strip())
         if found is None:
             raise ValueError(
@@ -282,7 +309,13 @@ class Verdict:
 
 
 def gate(base: SavedProfile, new: SavedProfile, rules: list[Rule]) -> list[Verdict]:
-    """Each rule applied to ``new`` against ``base``; ValueError naming a figure a file does not have."""
+    """Each rule applied to ``new`` against ``base``; ValueError naming a figure a file does not have.
+
+    Args:
+        base: the run compared against.
+        new: the run the rules judge.
+        rules: the rules, as the command line parsed them.
+    """
     fa, fb = figures(base), figures(new)
     verdicts = []
     for rule in rules:
@@ -315,31 +348,44 @@ def gate(base: SavedProfile, new: SavedProfile, rules: list[Rule]) -> list[Verdi
 
 
 def figure_text(f: Figure, value: float | None = None) -> str:
-    """``value`` (the figure's own by default) as the report writes a figure of its kind."""
+    """``value`` (the figure's own by default) as the report writes a figure of its kind.
+
+    Args:
+        f: the figure.
+        value: the value to write; None: the figure's own.
+    """
     v = f.value if value is None else value
     name = f.name
     if name.endswith("_latency"):
-        return duration_to_string(v)
+        return units.duration_to_string(v)
     if name.endswith("flops_per_sec"):
-        return flops_to_string(v)
+        return units.flops_to_string(v)
     if name in ("mfu", "hfu", "padding_fraction"):  # as the report writes them; a tiny one, readable
         return f"{100 * v:.2f}%" if v == 0 or abs(v) >= 1e-4 else f"{100 * v:.3g}%"
     if name.endswith("_bytes"):
-        return bytes_to_string(v)
+        return units.bytes_to_string(v)
     if name.endswith("_macs"):
-        return macs_to_string(v)
+        return units.macs_to_string(v)
     if name == "params":
-        return params_to_string(v)
+        return units.params_to_string(v)
     if name.endswith("_flops"):
-        return number_to_string(v)
+        return units.number_to_string(v)
     return f"{v:.2f}"
 
 
 def range_text(f: Figure) -> str:
-    """The figure's range over the clean steps, ``low .. high``."""
+    """The figure's range over the clean steps, ``low .. high``.
+
+    Args:
+        f: the figure.
+    """
     return f"{figure_text(f, f.low)} .. {figure_text(f, f.high)}"
 
 
 def percent_text(relative: float) -> str:
-    """A relative change as ``+12.3%``."""
+    """A relative change as ``+12.3%``.
+
+    Args:
+        relative: the change as a fraction (0.123 for +12.3%).
+    """
     return f"{100 * relative:+.1f}%" if math.isfinite(relative) else ("+inf%" if relative > 0 else "-inf%")

@@ -38,17 +38,23 @@ def render_html(
     doubts: TreeCheck | None = None,
     against: Mapping[str, Any] | None = None,
 ) -> str:
-    """The page for ``profile``, with ``summary`` rows (label, value) shown above the chart.
+    """The page for ``profile``: the module tree, a chart, and the rows and notes above them.
 
-    ``roofline`` (``peak_flops``, ``peak_bandwidth``, their ``*_source`` and per module name and pass
-    the :class:`~flops_callbacks.roofline.Roofline` fields as ``modules``) draws the roofline chart;
-    without it the chart's place says ``no_roofline``. What ``doubts`` found wrong with the module
-    latencies is said above the chart and on the modules concerned. ``against`` (a diff: ``label`` and
-    ``note`` of the run compared against, and ``modules``: its forward and backward latency and own
-    latency by module name, as ``{"fwd": s, "bwd": s, "own_fwd": s, "own_bwd": s}``) colours each
-    module by the change of its own time (children's left out) against that run instead of its
-    achieved FLOPS, so that a slowed module stands out and not its parents; the ``note`` (why the runs
-    are not comparable, if they are not) is said above the chart.
+    Args:
+        profile: the profile drawn.
+        title: the page's title.
+        summary: (label, value) rows shown above the chart.
+        roofline: ``peak_flops``, ``peak_bandwidth``, their ``*_source`` and, as ``modules``, per module
+            name and pass the :class:`~flops_callbacks.roofline.Roofline` fields: draws the roofline
+            chart (None: the chart's place says ``no_roofline``).
+        no_roofline: why there is no roofline chart.
+        doubts: what the module tree's check found wrong with the module latencies, said above the
+            chart and on the modules concerned.
+        against: a diff: ``label`` and ``note`` of the run compared against, and ``modules``: its
+            latencies by module name, as ``{"fwd": s, "bwd": s, "own_fwd": s, "own_bwd": s}``. Each
+            module is coloured by the change of its own time (children's left out) against that run
+            instead of its achieved FLOPS, so that a slowed module stands out and not its parents; the
+            ``note`` (why the runs are not comparable, if they are not) is said above the chart.
     """
     doubts = doubts or TreeCheck()
     notes = ([against["note"]] if against and against.get("note") else []) + list(doubts.notes)

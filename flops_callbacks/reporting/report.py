@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from flops_callbacks import units
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import Profile
 from flops_callbacks.reporting.report_sections import (
@@ -24,14 +25,6 @@ from flops_callbacks.reporting.report_sections import (
 )
 from flops_callbacks.session.result import phase_rates
 from flops_callbacks.session.shape_flops import BatchCounts
-from flops_callbacks.units import (
-    bytes_to_string,
-    duration_to_string,
-    flops_to_string,
-    macs_to_string,
-    number_to_string,
-    params_to_string,
-)
 
 __all__ = [
     "NOTATIONS",
@@ -88,7 +81,7 @@ def _row(label: str, value: object) -> str:
 
 
 def _rate(flops_per_second: float, seconds: float) -> str:
-    return flops_to_string(flops_per_second) if seconds > 0 else "n/a"
+    return units.flops_to_string(flops_per_second) if seconds > 0 else "n/a"
 
 
 def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
@@ -124,19 +117,19 @@ def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
     rates = phase_rates(step, fwd_latency, bwd_latency, run.step_latency or 0.0)
     of = "clean step's " if other else ""  # the rates' flops: a clean step's (median), printed below
     rows += [
-        ("params per GPU", params_to_string(p.params)),
-        ("params of model = params per GPU * mp_size", params_to_string(model_params)),
-        ("fwd MACs per GPU", macs_to_string(p.fwd_macs)),
-        ("fwd flops per GPU", number_to_string(p.fwd_flops)),
-        ("fwd flops of model = fwd flops per GPU * mp_size", number_to_string(p.fwd_flops * mp)),
-        ("fwd latency", duration_to_string(fwd_latency)),
+        ("params per GPU", units.params_to_string(p.params)),
+        ("params of model = params per GPU * mp_size", units.params_to_string(model_params)),
+        ("fwd MACs per GPU", units.macs_to_string(p.fwd_macs)),
+        ("fwd flops per GPU", units.number_to_string(p.fwd_flops)),
+        ("fwd flops of model = fwd flops per GPU * mp_size", units.number_to_string(p.fwd_flops * mp)),
+        ("fwd latency", units.duration_to_string(fwd_latency)),
     ]
     if other:
         rows.append(
             (
                 "clean step's fwd / bwd / recompute flops per GPU (their median; batches of other shapes)",
                 " / ".join(
-                    number_to_string(n) for n in (step.fwd_flops, step.bwd_flops, step.recompute_flops)
+                    units.number_to_string(n) for n in (step.fwd_flops, step.bwd_flops, step.recompute_flops)
                 ),
             )
         )
@@ -152,15 +145,15 @@ def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
         both_label = f"fwd+bwd FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / (fwd+bwd latency)"
         iter_label = f"FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / iter latency"
     rows += [
-        ("bwd latency", duration_to_string(bwd_latency)),
+        ("bwd latency", units.duration_to_string(bwd_latency)),
         (bwd_label, _rate(rates.bwd, bwd_latency)),
         (both_label, _rate(rates.fwd_bwd, fwd_latency + bwd_latency)),
     ]
     if run.step_latency is not None:
         iter_latency = fwd_latency + bwd_latency + run.step_latency
         rows += [
-            ("step latency", duration_to_string(run.step_latency)),
-            ("iter latency", duration_to_string(iter_latency)),  # fwd + bwd + step (the notations)
+            ("step latency", units.duration_to_string(run.step_latency)),
+            ("iter latency", units.duration_to_string(iter_latency)),  # fwd + bwd + step (the notations)
             (iter_label, _rate(rates.iter, iter_latency)),
         ]
         if measured and step.recompute_flops:  # else it is FLOPS per GPU (the metric is logged as always)
@@ -185,29 +178,29 @@ def _own_rows(p: Profile, micro_batches: int) -> list[tuple[str, object]]:
     rows: list[tuple[str, object]] = []
     if not p.device.startswith("cuda"):
         rows.append(("device", p.device))
-    rows.append(("trainable params per GPU", params_to_string(p.trainable_params)))
+    rows.append(("trainable params per GPU", units.params_to_string(p.trainable_params)))
     if p.bwd_flops:
         rows += [
-            ("bwd MACs per GPU", macs_to_string(p.bwd_macs)),
-            ("bwd flops per GPU (measured)", number_to_string(p.bwd_flops)),
+            ("bwd MACs per GPU", units.macs_to_string(p.bwd_macs)),
+            ("bwd flops per GPU (measured)", units.number_to_string(p.bwd_flops)),
             ("bwd / fwd flops", f"{p.bwd_flops / p.fwd_flops:.2f}" if p.fwd_flops else "n/a"),
         ]
     if p.recompute_flops:
-        rows.append(("recompute flops per GPU", number_to_string(p.recompute_flops)))
+        rows.append(("recompute flops per GPU", units.number_to_string(p.recompute_flops)))
     # what the ops read and write, unfused and uncached (flops_callbacks.counting.bytes_moved)
     if p.fwd_bytes:
         passes = [("fwd", p.fwd_bytes), ("bwd", p.bwd_bytes), ("recompute", p.recompute_bytes)]
         shown = [(name, moved) for name, moved in passes if moved or name == "fwd"]
         label = " / ".join(name for name, _ in shown)
         rows += [
-            (f"{label} bytes moved per GPU", " / ".join(bytes_to_string(moved) for _, moved in shown)),
+            (f"{label} bytes moved per GPU", " / ".join(units.bytes_to_string(moved) for _, moved in shown)),
         ]
         saved = "activations saved for bwd per GPU (params excluded)"
         if micro_batches > 1:
             saved = (
                 f"activations saved for bwd per GPU per micro-batch (params excluded; {micro_batches}'s mean)"
             )
-        rows.append((saved, bytes_to_string(p.saved_bytes / micro_batches)))
+        rows.append((saved, units.bytes_to_string(p.saved_bytes / micro_batches)))
     return rows
 
 
@@ -217,10 +210,14 @@ def render_summary(
     timing_lines: Sequence[tuple[str, str]] = (),
     run: EngineRows | None = None,
 ) -> str:
-    """The summary block: ``context_lines`` first, DeepSpeed's rows, ours, then ``timing_lines``.
+    """The summary block: DeepSpeed's rows, ours, then ``timing_lines``.
 
-    Callers that give ``run`` leave its rows (sizes, batch size, "of model", step latencies) out of
-    ``context_lines`` and ``timing_lines``.
+    Args:
+        profile: the profile whose totals the rows print.
+        profile_step: the step the rows say was profiled.
+        timing_lines: (label, value) rows after the others; a caller that gives ``run`` leaves its rows
+            (sizes, batch size, "of model", step latencies) out of them.
+        run: the engine's rows: sizes, micro-batches, latencies (none known by default).
     """
     run = run or EngineRows()
     rows = [*_deepspeed_rows(profile, run), *_own_rows(profile, run.micro_batches), *timing_lines]
@@ -247,10 +244,21 @@ def render_profile(
     roofline: str = "",
     summary: Profile | None = None,
 ) -> str:
-    """The whole report, as ``print_model_profile`` prints it: the aggregated profile always, the
-    detailed tree if ``detailed`` (as DeepSpeed); ``roofline`` (:func:`render_roofline`) after the summary.
-    ``summary``: the profile whose totals the summary prints (per GPU over several ranks), if not
-    ``profile``'s."""
+    """The whole report, as ``print_model_profile`` prints it: the summary, the aggregated profile, then
+    the detailed tree (as DeepSpeed).
+
+    Args:
+        profile: the profile the sections print.
+        profile_step: the step the summary says was profiled.
+        module_depth: the deepest depth the sections show (-1: all).
+        top_modules: how many modules the aggregated profile names per depth.
+        detailed: whether the detailed tree is printed.
+        timing_lines: (label, value) rows at the summary's end.
+        run: the engine's rows (see :func:`render_summary`).
+        roofline: the roofline section (:func:`render_roofline`), printed after the summary.
+        summary: the profile whose totals the summary prints (per GPU over several ranks), if not
+            ``profile``'s.
+    """
     parts = [render_summary(summary or profile, profile_step, timing_lines, run)]
     if roofline:
         parts.append(roofline)

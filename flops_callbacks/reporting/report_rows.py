@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
+from flops_callbacks.phase_names import STEP_PHASES
 from flops_callbacks.reporting.comm_report import comm_lines
 from flops_callbacks.reporting.report import EngineRows, render_profile
 from flops_callbacks.reporting.report_sections import render_roofline
 from flops_callbacks.reporting.tree_check import TreeCheck, check_tree
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts
-from flops_callbacks.timing.phases import PHASES
 from flops_callbacks.units import (
     bytes_to_string,
     duration_to_string,
@@ -46,6 +46,11 @@ def _steps_text(steps: tuple[int, ...]) -> str:
 
 
 def module_source(result: WindowResult) -> str:
+    """Which steps the module latencies come from, or why none do.
+
+    Args:
+        result: the window's result.
+    """
     s = result.steps
     if not s.module_timing:
         return "none"
@@ -64,7 +69,11 @@ def module_source(result: WindowResult) -> str:
 
 
 def source_lines(result: WindowResult) -> list[tuple[str, str]]:
-    """Which step each figure comes from, in the report's words."""
+    """Which step each figure comes from, in the report's words.
+
+    Args:
+        result: the window's result.
+    """
     s, sources = result.steps, result.flops_sources
     lines = [
         (
@@ -106,7 +115,11 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
 
 def model_forward_lines(result: WindowResult) -> list[tuple[str, str]]:
     """The model's own forward on the clean steps against the forward phase, which also holds the loss
-    and the framework's work: what DeepSpeed's fwd latency (the engine's forward call) compares with."""
+    and the framework's work: what DeepSpeed's fwd latency (the engine's forward call) compares with.
+
+    Args:
+        result: the window's result.
+    """
     seconds = result.model_forward
     if seconds is None:
         return []
@@ -125,7 +138,11 @@ def model_forward_lines(result: WindowResult) -> list[tuple[str, str]]:
 
 def spread_lines(result: WindowResult) -> list[tuple[str, str]]:
     """Each latency's range over the clean steps (data and wall when timed): where a slow step shows (the
-    latencies above are the median step's)."""
+    latencies above are the median step's).
+
+    Args:
+        result: the window's result.
+    """
     spreads = result.figures().spreads
     steps = spreads["iter"].steps
     if steps < 2:
@@ -146,7 +163,11 @@ def spread_lines(result: WindowResult) -> list[tuple[str, str]]:
 
 
 def wall_lines(metrics: dict[str, float]) -> list[tuple[str, str]]:
-    """The wall step split into data / fwd / bwd / step / other, the wall rate, and the bottleneck."""
+    """The wall step split into data / fwd / bwd / step / other, the wall rate, and the bottleneck.
+
+    Args:
+        metrics: the window's metrics dict.
+    """
     if names.WALL_LATENCY not in metrics:
         return []
     wall = metrics[names.WALL_LATENCY]
@@ -179,7 +200,12 @@ def wall_lines(metrics: dict[str, float]) -> list[tuple[str, str]]:
 
 
 def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
-    """Rows after DeepSpeed's and the profile's own: tokens, rank spread, MFU, where figures come from."""
+    """Rows after DeepSpeed's and the profile's own: tokens, rank spread, MFU, where figures come from.
+
+    Args:
+        result: the window's result.
+        metrics: its metrics dict.
+    """
     lines = result.parallel.factor_lines()
     if result.samples is None:
         lines.append(("samples/second", "n/a: the batch size was not found (pass batch_size_fn)"))
@@ -231,7 +257,11 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
 
 
 def rank_count_lines(result: WindowResult) -> list[tuple[str, str]]:
-    """Over several ranks, the counting step's work per GPU (their mean, printed above) and its range."""
+    """Over several ranks, the counting step's work per GPU (their mean, printed above) and its range.
+
+    Args:
+        result: the window's result.
+    """
     world = len(result.rank_counts)
     lines = []
     for name, label in (("fwd_flops", "fwd flops"), ("bwd_flops", "bwd flops")):
@@ -247,7 +277,11 @@ def rank_count_lines(result: WindowResult) -> list[tuple[str, str]]:
 
 
 def tree_doubts(result: WindowResult) -> TreeCheck:
-    """What is wrong with the module tree's latencies against the clean steps' phases (if anything)."""
+    """What is wrong with the module tree's latencies against the clean steps' phases (if anything).
+
+    Args:
+        result: the window's result.
+    """
     steps = result.steps
     own = result.model_forward if steps.model_forward_shapes_match else None  # else other batches' forward
     high = result.model_forward_high if own is not None else None
@@ -257,7 +291,7 @@ def tree_doubts(result: WindowResult) -> TreeCheck:
 def _peak_memory_text(result: WindowResult) -> str:
     if result.peak_memory is None:
         return f"n/a on {result.profile.device.split(':')[0]} (CUDA only)"
-    return " / ".join(bytes_to_string(result.peak_memory.get(phase, 0)) for phase in PHASES)
+    return " / ".join(bytes_to_string(result.peak_memory.get(phase, 0)) for phase in STEP_PHASES)
 
 
 def _count(n: int | float) -> str:
@@ -266,7 +300,12 @@ def _count(n: int | float) -> str:
 
 def run_rows(result: WindowResult, metrics: dict[str, float]) -> EngineRows:
     """DeepSpeed's engine rows of the summary, from the window: sizes, the micro-batch, phase latencies,
-    and the median clean step's flops and samples that the rates divide."""
+    and the median clean step's flops and samples that the rates divide.
+
+    Args:
+        result: the window's result.
+        metrics: its metrics dict.
+    """
     each = result.figures().median_step().work
     return EngineRows(
         parallel=result.parallel,
@@ -283,7 +322,13 @@ def run_rows(result: WindowResult, metrics: dict[str, float]) -> EngineRows:
 
 
 def report_text(result: WindowResult, options: Options, detailed: bool) -> str:
-    """The DeepSpeed-style report of a window; ``detailed`` adds the module tree."""
+    """The DeepSpeed-style report of a window; ``detailed`` adds the module tree.
+
+    Args:
+        result: the window's result.
+        options: the run's options (depth, top modules, ...).
+        detailed: whether the module tree is printed.
+    """
     metrics = result.metrics()
     return render_profile(
         result.profile,
@@ -299,7 +344,11 @@ def report_text(result: WindowResult, options: Options, detailed: bool) -> str:
 
 
 def roofs_text(result: WindowResult) -> str:
-    """The two roofs and their sources, and the ridge point between them ("" unless both are known)."""
+    """The two roofs and their sources, and the ridge point between them ("" unless both are known).
+
+    Args:
+        result: the window's result.
+    """
     peak, bandwidth = result.peak, result.bandwidth
     if peak is None or bandwidth is None:
         return ""
@@ -311,7 +360,11 @@ def roofs_text(result: WindowResult) -> str:
 
 
 def roofline_text(result: WindowResult) -> str:
-    """The report's roofline section ("" unless both peaks and module latencies are known)."""
+    """The report's roofline section ("" unless both peaks and module latencies are known).
+
+    Args:
+        result: the window's result.
+    """
     rooflines = result.rooflines() if result.steps.module_timing else {}
     if not rooflines:
         return ""

@@ -8,28 +8,31 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from flops_callbacks import units
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.roofline import OVERHEAD_FRACTION, Roofline
-from flops_callbacks.units import (
-    bytes_to_string,
-    duration_to_string,
-    flops_to_string,
-    macs_to_string,
-    number_to_string,
-    params_to_string,
-    percent,
-)
 
 __all__ = ["render_aggregated", "render_coverage", "render_detailed", "render_roofline", "rule"]
 
 
 def rule(title: str, width: int) -> str:
-    """A section's rule: ``title`` centred in dashes, ``width`` wide (DeepSpeed's)."""
+    """A section's rule: ``title`` centred in dashes, ``width`` wide (DeepSpeed's).
+
+    Args:
+        title: the section's title.
+        width: the rule's width in characters.
+    """
     return f"{' ' + title + ' ':-^{width}}"
 
 
 def render_aggregated(profile: Profile, module_depth: int = -1, top_modules: int = 1) -> str:
-    """Top modules by params, MACs and fwd latency at each depth (the deepest one included)."""
+    """Top modules by params, MACs and fwd latency at each depth (the deepest one included).
+
+    Args:
+        profile: the profile to rank.
+        module_depth: the deepest depth shown (-1: all).
+        top_modules: how many modules are named per depth.
+    """
     max_depth = profile.max_depth
     last = max_depth if module_depth == -1 else min(module_depth, max_depth)
     lines = [
@@ -45,29 +48,35 @@ def render_aggregated(profile: Profile, module_depth: int = -1, top_modules: int
 
         lines += [
             f"depth {depth}:",
-            f"    params      - {top('params', params_to_string)}",
-            f"    MACs        - {top('fwd_macs', macs_to_string)}",
-            f"    fwd latency - {top('fwd_latency', duration_to_string)}",
+            f"    params      - {top('params', units.params_to_string)}",
+            f"    MACs        - {top('fwd_macs', units.macs_to_string)}",
+            f"    fwd latency - {top('fwd_latency', units.duration_to_string)}",
         ]
         if profile.bwd_flops:
-            lines.append(f"    bwd flops   - {top('bwd_flops', number_to_string)}")
+            lines.append(f"    bwd flops   - {top('bwd_flops', units.number_to_string)}")
     return "\n".join(lines)
 
 
 def _module_items(m: ModuleProfile, root: ModuleProfile) -> str:
     """DeepSpeed's four items, our measured backward, then the module's own settings."""
     items = [
-        f"{params_to_string(m.params)} = {percent(m.params, root.params)} Params",
-        f"{macs_to_string(m.fwd_macs)} = {percent(m.fwd_macs, root.fwd_macs)} MACs",
-        f"{duration_to_string(m.fwd_latency)} = {percent(m.fwd_latency, root.fwd_latency)} latency",
-        flops_to_string(round(m.fwd_flops / m.fwd_latency, 2) if m.fwd_latency else 0),
+        f"{units.params_to_string(m.params)} = {units.percent(m.params, root.params)} Params",
+        f"{units.macs_to_string(m.fwd_macs)} = {units.percent(m.fwd_macs, root.fwd_macs)} MACs",
+        f"{units.duration_to_string(m.fwd_latency)} = "
+        f"{units.percent(m.fwd_latency, root.fwd_latency)} latency",
+        units.flops_to_string(round(m.fwd_flops / m.fwd_latency, 2) if m.fwd_latency else 0),
     ]
     if root.bwd_flops or root.bwd_latency:
-        items += [f"bwd {number_to_string(m.bwd_flops)}flops", f"bwd {duration_to_string(m.bwd_latency)}"]
+        items += [
+            f"bwd {units.number_to_string(m.bwd_flops)}flops",
+            f"bwd {units.duration_to_string(m.bwd_latency)}",
+        ]
     if m.recompute_flops:
-        items.append(f"recompute {number_to_string(m.recompute_flops)}flops")
+        items.append(f"recompute {units.number_to_string(m.recompute_flops)}flops")
     if m.fwd_bytes:
-        items.append(f"fwd {bytes_to_string(m.fwd_bytes)} moved, {bytes_to_string(m.saved_bytes)} saved")
+        items.append(
+            f"fwd {units.bytes_to_string(m.fwd_bytes)} moved, {units.bytes_to_string(m.saved_bytes)} saved"
+        )
     if m.extra_repr:
         items.append(m.extra_repr)
     return ", ".join(items)
@@ -76,9 +85,9 @@ def _module_items(m: ModuleProfile, root: ModuleProfile) -> str:
 def _functionals_line(m: ModuleProfile) -> str:
     ranked = sorted(m.functionals.items(), key=lambda kv: kv[1].hardware_flops, reverse=True)
     shown = [
-        f"{name} {number_to_string(c.fwd_flops)}fwd/{number_to_string(c.bwd_flops)}bwd x{c.calls}"
+        f"{name} {units.number_to_string(c.fwd_flops)}fwd/{units.number_to_string(c.bwd_flops)}bwd x{c.calls}"
         if c.bwd_flops
-        else f"{name} {number_to_string(c.fwd_flops)}flops x{c.calls}"
+        else f"{name} {units.number_to_string(c.fwd_flops)}flops x{c.calls}"
         for name, c in ranked
         if c.hardware_flops
     ]
@@ -87,7 +96,12 @@ def _functionals_line(m: ModuleProfile) -> str:
 
 def render_detailed(profile: Profile, module_depth: int = -1) -> str:
     """The module tree down to ``module_depth`` as ``print(model)`` shows it, each module's numbers
-    first inside its parentheses (as DeepSpeed prints it), then the functionals that did its flops."""
+    first inside its parentheses (as DeepSpeed prints it), then the functionals that did its flops.
+
+    Args:
+        profile: the profile to print.
+        module_depth: the deepest depth shown (-1: all).
+    """
     root = profile.model
     lines = [
         rule("Detailed Profile per GPU", 86),
@@ -125,7 +139,14 @@ def render_roofline(
     profile: Profile, rooflines: Mapping[str, Mapping[str, Roofline]], roofs: str, top: int = 10
 ) -> str:
     """The modules (those without children) that take the most time, each pass against the roofline,
-    then those far below both roofs: where a performance engineer fuses, compiles or checkpoints next."""
+    then those far below both roofs: where a performance engineer fuses, compiles or checkpoints next.
+
+    Args:
+        profile: the profile whose modules' time is ranked.
+        rooflines: module name -> pass -> roofline (:func:`~flops_callbacks.roofline.module_rooflines`).
+        roofs: the line that names the two roofs and their sources.
+        top: how many of the slowest modules are listed.
+    """
     parents = {""} | {name[:i] for name in profile.modules for i, c in enumerate(name) if c == "."}
     leaves = [m for m in profile.modules.values() if m.name in rooflines and m.name not in parents]
     leaves.sort(key=lambda m: m.fwd_latency + m.bwd_latency, reverse=True)
@@ -139,10 +160,10 @@ def render_roofline(
     ]
     for m in leaves[:top]:
         passes = [
-            f"{phase} {duration_to_string(r.seconds)}, {_intensity(r)}, {r.verdict()}"
+            f"{phase} {units.duration_to_string(r.seconds)}, {_intensity(r)}, {r.verdict()}"
             for phase, r in rooflines[m.name].items()
         ]
-        share = percent(m.fwd_latency + m.bwd_latency, whole)
+        share = units.percent(m.fwd_latency + m.bwd_latency, whole)
         lines.append(f"    {m.name} ({m.class_name}), {share} of the time: {'; '.join(passes)}")
     overhead = [m.name for m in leaves if all(r.overhead_bound for r in rooflines[m.name].values())]
     if overhead:
@@ -159,7 +180,11 @@ def _intensity(r: Roofline) -> str:
 
 
 def render_coverage(profile: Profile) -> str:
-    """What was counted, what had no arithmetic, and every op that had no formula (never hidden)."""
+    """What was counted, what had no arithmetic, and every op that had no formula (never hidden).
+
+    Args:
+        profile: the profile whose coverage is printed.
+    """
     c = profile.coverage
     lines = [
         rule("Coverage", 86),
@@ -169,7 +194,7 @@ def render_coverage(profile: Profile) -> str:
     if c.uncounted:
         lines.append("Ops with no flop formula (NOT in the flops above), calls and share of measured time:")
         lines += [
-            f"    {u.op:<48}{u.calls:>8} calls  {duration_to_string(u.seconds):>10}  "
+            f"    {u.op:<48}{u.calls:>8} calls  {units.duration_to_string(u.seconds):>10}  "
             f"{100 * u.time_share:6.2f}%"
             for u in c.uncounted
         ]
@@ -178,7 +203,7 @@ def render_coverage(profile: Profile) -> str:
     o = profile.outside_model
     if o.hardware_flops:
         lines.append(
-            f"Outside the model's modules (loss, optimizer): fwd {number_to_string(o.fwd_flops)}flops, "
-            f"bwd {number_to_string(o.bwd_flops)}flops (not in the model totals)."
+            f"Outside the model's modules (loss, optimizer): fwd {units.number_to_string(o.fwd_flops)}flops, "
+            f"bwd {units.number_to_string(o.bwd_flops)}flops (not in the model totals)."
         )
     return "\n".join(lines)

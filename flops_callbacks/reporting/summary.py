@@ -44,6 +44,11 @@ class Split:
     timed_wall: bool  # False: no step before the timed ones, the parts are fwd / bwd / step only
 
     def share(self, part: str) -> float:
+        """``part``'s share of the wall step (0 without a wall time).
+
+        Args:
+            part: one of :data:`PARTS`.
+        """
         return self.parts[part] / self.wall if self.wall > 0 else 0.0
 
 
@@ -86,7 +91,12 @@ def _split_lines(split: Split) -> list[str]:
 
 def verdict(split: Split, result: WindowResult) -> str:
     """What bounds the step: the input pipeline, the loop's own work, the optimizer step, or the model's
-    fwd + bwd (by the roofline, when both peaks are known: the limiter of most of the modules' time)."""
+    fwd + bwd (by the roofline, when both peaks are known: the limiter of most of the modules' time).
+
+    Args:
+        split: the step's time split into its parts.
+        result: the window's result (its rooflines and peaks).
+    """
     if split.timed_wall and split.share("data") >= BOUND_SHARE:
         return (
             f"the input pipeline: {split.share('data'):.0%} of the step waits for data "
@@ -270,7 +280,13 @@ def _comm_lines(result: WindowResult) -> list[str]:
 
 def render_console_summary(result: WindowResult, doubts: TreeCheck, details: str = "") -> str:
     """The summary of ``result`` for the console, at most :data:`MAX_LINES` lines from rule to rule;
-    ``doubts``: the module tree's check; ``details``: where the full report is (a path, "" if nowhere)."""
+    ``doubts``: the module tree's check; ``details``: where the full report is (a path, "" if nowhere).
+
+    Args:
+        result: the window's result.
+        doubts: the module tree's check.
+        details: where the full report is (a path; "" if nowhere).
+    """
     metrics = result.metrics()
     split = _split(metrics)
     if names.MFU in metrics:

@@ -47,7 +47,16 @@ def check_tree(
     """The notes on ``profile``'s module latencies against the phases' (seconds, clean steps); the
     model's forward against ``model_forward`` instead where the clean steps marked it (the same calls
     without the loss and the framework's work around them: a check both ways; longer than the slowest
-    clean step's, ``model_forward_high``, or 1.1x the median, whichever is more, up to 1.25x)."""
+    clean step's, ``model_forward_high``, or 1.1x the median, whichever is more, up to 1.25x).
+
+    Args:
+        profile: the profile whose module latencies are checked.
+        fwd_phase: the forward phase's median, seconds, clean steps.
+        bwd_phase: the backward phase's median, seconds, clean steps.
+        module_steps: the module-timing steps the latencies come from.
+        model_forward: the model's own forward marked on the clean steps, seconds (None: not marked).
+        model_forward_high: the slowest clean step's model forward, seconds.
+    """
     check = TreeCheck()
     if not module_steps:
         return check

@@ -34,7 +34,11 @@ _SCALARS = (int, float, complex, bool, str, bytes, type(None))
 
 def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:
     """The tensors of a batch, each container's in its own order. Written out for the usual containers
-    (this runs on every micro-batch once throughput is metered: a third of pytree's time)."""
+    (this runs on every micro-batch once throughput is metered: a third of pytree's time).
+
+    Args:
+        batch: a tensor or nested containers of them.
+    """
     yield from _tensors(batch, 0, set())
 
 
@@ -69,7 +73,11 @@ def _items(batch: Any) -> list[Any]:
 
 
 def find_batch_size(batch: Any) -> int | None:
-    """The leading dimension of the first tensor in ``batch`` that has one; None if there is none."""
+    """The leading dimension of the first tensor in ``batch`` that has one; None if there is none.
+
+    Args:
+        batch: a tensor or nested containers of them.
+    """
     for tensor in batch_tensors(batch):
         if tensor.dim() > 0:
             return int(tensor.shape[0])
@@ -77,7 +85,11 @@ def find_batch_size(batch: Any) -> int | None:
 
 
 def leading_batch_size(batch: Any) -> int:
-    """:func:`find_batch_size`, raising where the batch has no tensor with a leading dimension."""
+    """:func:`find_batch_size`, raising where the batch has no tensor with a leading dimension.
+
+    Args:
+        batch: a tensor or nested containers of them.
+    """
     size = find_batch_size(batch)
     if size is None:
         raise ValueError(
@@ -88,14 +100,25 @@ def leading_batch_size(batch: Any) -> int:
 
 
 def shape_signature(batch: Any) -> Signature:
-    """The shapes and dtypes of the tensors in ``batch``: micro-batches alike in them do the same flops."""
+    """The shapes and dtypes of the tensors in ``batch``: micro-batches alike in them do the same flops.
+
+    Args:
+        batch: a tensor or nested containers of them.
+    """
     return tuple((tuple(t.shape), t.dtype) for t in batch_tensors(batch))
 
 
 class BatchReader:
     """Samples and tokens of a callback's micro-batches: the user's ``batch_size_fn`` / ``tokens_fn``
     through the guard (their errors are theirs), else the leading dimension of the first tensor and the
-    adapter's ``default_tokens_fn``. A batch whose size cannot be found is said once per run."""
+    adapter's ``default_tokens_fn``. A batch whose size cannot be found is said once per run.
+
+    Args:
+        options: the run's options (``batch_size_fn``, ``tokens_fn``).
+        owner: the callback's name, as warnings say it.
+        guard: the guard the user's functions run through.
+        default_tokens_fn: the adapter's tokens of a batch where the user gives none (None: no tokens).
+    """
 
     def __init__(
         self,
@@ -109,7 +132,12 @@ class BatchReader:
         self.said_no_size = False
 
     def samples(self, batch: Any, say_unknown: bool = False) -> int | None:
-        """Samples in a micro-batch; None when it has no tensor with a leading dimension."""
+        """Samples in a micro-batch; None when it has no tensor with a leading dimension.
+
+        Args:
+            batch: the micro-batch.
+            say_unknown: whether a batch whose size cannot be found is said (once per run).
+        """
         if self.options.batch_size_fn is not None:
             return int(self.guard.user(self.options.batch_size_fn, batch))
         size = find_batch_size(batch)
@@ -123,11 +151,19 @@ class BatchReader:
         return size
 
     def samples_or_zero(self, batch: Any) -> int:
-        """Samples in a micro-batch, 0 when unknown (the meter's count)."""
+        """Samples in a micro-batch, 0 when unknown (the meter's count).
+
+        Args:
+            batch: the micro-batch.
+        """
         return self.samples(batch) or 0
 
     def tokens(self, batch: Any) -> int | None:
-        """Tokens in a micro-batch, or None when unknown."""
+        """Tokens in a micro-batch, or None when unknown.
+
+        Args:
+            batch: the micro-batch.
+        """
         if self.options.tokens_fn is not None:
             tokens = self.guard.user(self.options.tokens_fn, batch)
         elif self.default_tokens_fn is not None:

@@ -32,6 +32,9 @@ class Ranks:
 
     Without torch.distributed, or with one process, :meth:`exchange` returns ``[mine]`` and costs nothing.
     Pickles without its group (Lightning's ``ddp_spawn`` pickles the callbacks): :meth:`setup` makes it.
+
+    Args:
+        timeout: seconds a collective may wait for the other ranks.
     """
 
     def __init__(self, timeout: float = RANK_TIMEOUT) -> None:
@@ -67,7 +70,11 @@ class Ranks:
 
     def exchange(self, mine: Any) -> list[Any]:
         """Every rank's ``mine``, by rank (every rank must call this at the same point); raises
-        :class:`RankFailure` when a rank does not answer within the timeout or the group fails."""
+        :class:`RankFailure` when a rank does not answer within the timeout or the group fails.
+
+        Args:
+            mine: this rank's row (small, picklable).
+        """
         if self.world < 2:
             return [mine]
         if self._group is None:

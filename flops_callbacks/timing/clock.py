@@ -22,7 +22,12 @@ class Clock(Protocol):
         """A point in time on this device, recorded without waiting for queued work."""
 
     def seconds(self, start: Any, end: Any) -> float:
-        """Seconds between two marks (may synchronize the device)."""
+        """Seconds between two marks (may synchronize the device).
+
+        Args:
+            start: the first mark.
+            end: the second mark.
+        """
 
     def synchronize(self) -> None:
         """Wait for all work queued on the device."""
@@ -42,7 +47,11 @@ class CpuClock:
 
 
 class CudaClock:
-    """CUDA events on the current stream: marks cost microseconds and never stall the GPU."""
+    """CUDA events on the current stream: marks cost microseconds and never stall the GPU.
+
+    Args:
+        device: the CUDA device timed.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -61,7 +70,11 @@ class CudaClock:
 
 
 class SyncClock:
-    """Other accelerators (XPU, MPS, ...): synchronize, then ``perf_counter``."""
+    """Other accelerators (XPU, MPS, ...): synchronize, then ``perf_counter``.
+
+    Args:
+        device: the device synchronized before each mark.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -94,7 +107,11 @@ class NullClock:
 
 
 def clock_for(device: torch.device | str) -> Clock:
-    """The right clock for ``device``."""
+    """The right clock for ``device``.
+
+    Args:
+        device: the device the model runs on.
+    """
     device = torch.device(device)
     if device.type == "cpu":
         return CpuClock()
@@ -106,7 +123,11 @@ def clock_for(device: torch.device | str) -> Clock:
 
 
 def module_device(module: torch.nn.Module) -> torch.device:
-    """The device of a module's first parameter or buffer (CPU for a stateless module)."""
+    """The device of a module's first parameter or buffer (CPU for a stateless module).
+
+    Args:
+        module: the module.
+    """
     for parameter in module.parameters():
         return parameter.device
     for buffer in module.buffers():

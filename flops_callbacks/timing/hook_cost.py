@@ -29,7 +29,11 @@ class HookCost:
     detail: str = ""
 
     def instead(self, why: str) -> HookCost:
-        """This (probe's) cost, with why no in-place measure replaced it."""
+        """This (probe's) cost, with why no in-place measure replaced it.
+
+        Args:
+            why: why no in-place measure replaced the probe's cost.
+        """
         return dataclasses.replace(self, detail=f"{self.detail}; not measured in place: {why}")
 
     def measured(self, hooked: float, clean: float, calls: int, detail: str, noise: float = 0.0) -> HookCost:
@@ -40,7 +44,15 @@ class HookCost:
         much the clean steps' same calls vary (seconds, highest less lowest); where the hooks' cost as
         the probe reads it is less, the difference is the steps' noise more than the hooks' (a model of
         large ops: a 30-ms GPT-2 forward varied 3 ms from step to step on two busy cores, its 30 calls'
-        hooks cost 0.6 ms) and the probe's cost stands: a few percent of such a model's time at most."""
+        hooks cost 0.6 ms) and the probe's cost stands: a few percent of such a model's time at most.
+
+        Args:
+            hooked: the outermost calls on the module-timing step, seconds.
+            clean: the same calls on the clean steps, seconds.
+            calls: the module calls made inside them.
+            detail: how the cost was measured, as the report says it.
+            noise: how much the clean steps' same calls vary, seconds.
+        """
         if calls < MIN_CALLS:
             return self.instead(f"{calls} module call(s) inside the model's, fewer than {MIN_CALLS}")
         if calls * self.per_call < noise:

@@ -25,7 +25,12 @@ def hook_cost(calls: int = 50, rounds: int = 15) -> HookCost:
     off (its outputs kept, as a forward keeps them), the fastest of ``rounds`` each, and its spans
     against its plain calls (a few ms in all). About half what the hooks cost inside a real model
     (module doc): the fallback when no in-place measure exists, and the share of a call's own hooks
-    that lies inside its span."""
+    that lies inside its span.
+
+    Args:
+        calls: the probe module's calls per round.
+        rounds: the rounds, of which the fastest counts.
+    """
     probe = _Probe()
     x = torch.zeros(4, requires_grad=True) * 1.0
     timer = ModuleTimer(probe, CpuClock())

@@ -1,20 +1,14 @@
 """The model's outermost module calls, timed on clean steps with hooks on those few modules alone.
 
-The module timer's hooks cost 10-60 microseconds per module call on a CPU (more with keyword arguments),
-a third to more than all of a small-op model's forward, and that cost must come out of each module's
-span. A probe outside the model reads about half of it (its hooks run hot in a tight loop), and the
-forward phase of the module-timing step less a clean step's reads more than all of it (everything outside
-the model slows down too on that step: the loss, the framework's code). What the hooks add is measured
-where they act instead: the outermost module calls (those no other module call holds: the model's, or the
-few modules a ``training_step`` calls directly, as the module-timing step found them:
-:meth:`~flops_callbacks.timing.module_timer.ModuleTimer.outermost`) are marked in the clean steps'
-forward with a pre-hook and a hook on those modules only (a few microseconds a step: every other module
-keeps torch's fast call path), and the module-timing step's same calls, less these, over the module calls
-inside them, give the cost per call
-(:meth:`~flops_callbacks.timing.module_timer.ModuleTimer.outer_calls`).
-
-Hooks on a compiled model's modules would change what dynamo guards on (a recompile on the clean steps):
-the session does not mark a compiled model's calls, and the probe stands in.
+The module timer's hooks cost 10-60 microseconds per module call on a CPU, which must come out of each
+module's span. Why not a probe outside the model (it reads about half: its hooks run hot) or the
+module-timing step's forward less a clean step's (it reads more than all: the loss and the framework
+slow down too): the cost is measured where the hooks act. The outermost calls
+(:meth:`~flops_callbacks.timing.module_timer.ModuleTimer.outermost`) are marked on the clean steps,
+every other module keeping torch's fast call path; the module-timing step's same calls less these,
+over the module calls inside them, give the cost per call
+(:meth:`~flops_callbacks.timing.module_timer.ModuleTimer.outer_calls`). A compiled model's calls are
+not marked (the hooks would make dynamo recompile): the probe stands in.
 """
 
 from __future__ import annotations
@@ -31,7 +25,12 @@ _current_autograd_node = torch._C._current_autograd_node
 
 
 class OuterCalls:
-    """Marks the outermost calls of ``modules`` (not recomputes)."""
+    """Marks the outermost calls of ``modules`` (not recomputes).
+
+    Args:
+        modules: the outermost modules whose calls are marked.
+        clock: the clock the marks are made on.
+    """
 
     def __init__(self, modules: list[torch.nn.Module], clock: Clock) -> None:
         self.clock = clock

@@ -1,15 +1,12 @@
 """Peak device memory allocated in each phase (forward, backward, optimizer step) of a clean step.
 
-On CUDA, the caching allocator keeps a high-water mark of allocated bytes: reset at a phase's start and
-read at its end, it is that phase's peak. Both calls read and write host-side allocator counters and
-do not synchronize the device, so the clean step's timing is not disturbed. Other devices have no such
-counter in torch: their peaks are n/a (``None``).
+On CUDA the caching allocator keeps a high-water mark of allocated bytes: reset at a phase's start and
+read at its end, it is that phase's peak, read from host-side counters without synchronizing the
+device. Other devices have no such counter in torch: their peaks are n/a (``None``). NB: afterwards
+``torch.cuda.max_memory_allocated()`` counts from the window's last clean step (said in the docs).
 
-Side effect, said in the docs (counting and timing): the high-water mark that
-``torch.cuda.max_memory_allocated()`` returns afterwards counts from the window's last clean step, not
-from the start of the run.
-Why not ``torch.cuda.memory._record_memory_history``: it records every allocation with a stack,
-which costs time on the very steps whose time we report.
+Why not ``torch.cuda.memory._record_memory_history``: it records every allocation with a stack, which
+costs time on the very steps whose time we report.
 """
 
 from __future__ import annotations
@@ -20,7 +17,11 @@ __all__ = ["PhaseMemory", "phase_memory_for"]
 
 
 class PhaseMemory:
-    """The peak allocated bytes of each phase on one CUDA device (the largest over its spans)."""
+    """The peak allocated bytes of each phase on one CUDA device (the largest over its spans).
+
+    Args:
+        device: the CUDA device read.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -31,14 +32,22 @@ class PhaseMemory:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def close(self, phase: str) -> None:
-        """``phase`` ends: keep its high-water mark, and start the next phase's."""
+        """``phase`` ends: keep its high-water mark, and start the next phase's.
+
+        Args:
+            phase: the phase that ends.
+        """
         peak = torch.cuda.max_memory_allocated(self.device)
         self.peaks[phase] = max(self.peaks.get(phase, 0), peak)
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
 def phase_memory_for(device: torch.device) -> PhaseMemory | None:
-    """A recorder for ``device`` when it is a CUDA device (ROCm included), else None."""
+    """A recorder for ``device`` when it is a CUDA device (ROCm included), else None.
+
+    Args:
+        device: the device the model runs on.
+    """
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return PhaseMemory(device)

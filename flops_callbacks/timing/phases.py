@@ -13,23 +13,33 @@ from __future__ import annotations
 
 from typing import Any
 
+from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP, STEP_PHASES
 from flops_callbacks.timing.clock import Clock
 from flops_callbacks.timing.phase_memory import PhaseMemory
-from flops_callbacks.timing.spans import BACKWARD, FORWARD, OPTIMIZER_STEP
 
 __all__ = ["BACKWARD", "check_phase", "FORWARD", "OPTIMIZER_STEP", "PHASES", "StepPhases"]
 
-PHASES = (FORWARD, BACKWARD, OPTIMIZER_STEP)
+PHASES = STEP_PHASES  # NB: the name session/builder.py imports; STEP_PHASES is the one to use
 
 
 def check_phase(name: str) -> None:
-    if name not in PHASES:
-        raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
+    """Raise ValueError unless ``name`` is one of :data:`~flops_callbacks.phase_names.STEP_PHASES`.
+
+    Args:
+        name: the phase a caller asked for.
+    """
+    if name not in STEP_PHASES:
+        raise ValueError(f"phase must be one of {STEP_PHASES}, got {name!r}")
 
 
 class StepPhases:
     """Marks the phases of one step; :meth:`seconds` reads them (after the step: reading CUDA events
-    synchronizes, so it is left until the profile window has ended)."""
+    synchronizes, so it is left until the profile window has ended).
+
+    Args:
+        clock: the clock the phases are marked on.
+        memory: the peak allocated bytes per phase, read on clean steps (CUDA only); None: not read.
+    """
 
     def __init__(self, clock: Clock, memory: PhaseMemory | None = None) -> None:
         self.clock = clock
@@ -41,7 +51,11 @@ class StepPhases:
         self.first_mark: Any = None  # the step's first mark: the start of its first forward
 
     def start(self, name: str) -> None:
-        """End whatever runs (resolving a held-open gap) and start ``name`` on one mark."""
+        """End whatever runs (resolving a held-open gap) and start ``name`` on one mark.
+
+        Args:
+            name: the phase that starts.
+        """
         check_phase(name)
         if name == self.current and self._ended is None:
             return
@@ -59,7 +73,11 @@ class StepPhases:
 
     def restart(self, name: str) -> bool:
         """``name`` runs and really starts now (the user's code after the framework's own work): its span
-        starts again on a new mark. False when ``name`` is not the running phase."""
+        starts again on a new mark. False when ``name`` is not the running phase.
+
+        Args:
+            name: the phase that really starts now.
+        """
         if name != self.current or self._ended is not None:
             return False
         self._since = self.clock.mark()
@@ -90,5 +108,5 @@ class StepPhases:
     def seconds(self) -> tuple[float, float, float]:
         """Seconds in (forward, backward, optimizer step)."""
         return tuple(  # type: ignore[return-value]
-            sum(self.clock.seconds(a, b) for a, b in self._spans.get(name, ())) for name in PHASES
+            sum(self.clock.seconds(a, b) for a, b in self._spans.get(name, ())) for name in STEP_PHASES
         )

@@ -7,20 +7,12 @@ share one definition.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-__all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "PHASES", "RECOMPUTE", "ModuleSpan", "Phase", "StepPhase"]
+from flops_callbacks.phase_names import BACKWARD, FORWARD, MODULE_PASSES, RECOMPUTE, ModulePass
 
-Phase = Literal["forward", "backward", "recompute"]
-PHASES: tuple[Phase, ...] = ("forward", "backward", "recompute")  # also the order of the tracks
-StepPhase = Literal["forward", "backward", "optimizer_step"]  # the phases of an optimizer step
+__all__ = ["BACKWARD", "FORWARD", "ModuleSpan", "Phase", "RECOMPUTE"]
 
-# The one vocabulary of phase names: a module's passes (forward, backward, recompute inside the backward)
-# and an optimizer step's phases (forward, backward, optimizer step) share their first two.
-FORWARD: Phase = "forward"
-BACKWARD: Phase = "backward"
-RECOMPUTE: Phase = "recompute"
-OPTIMIZER_STEP: StepPhase = "optimizer_step"
+Phase = ModulePass  # a span's phase is one of the module's passes
 
 
 @dataclass(frozen=True)
@@ -28,14 +20,16 @@ class ModuleSpan:
     """One call of one module in one phase; times in seconds from the start of the step."""
 
     name: str  # the module's qualified name, "" for the model
-    phase: Phase
+    phase: ModulePass
     start: float
     duration: float
     depth: int  # 0 for the model, as in ModuleProfile
 
     def __post_init__(self) -> None:
-        if self.phase not in PHASES:
-            raise ValueError(f"ModuleSpan phase must be one of {', '.join(PHASES)}; got {self.phase!r}")
+        if self.phase not in MODULE_PASSES:
+            raise ValueError(
+                f"ModuleSpan phase must be one of {', '.join(MODULE_PASSES)}; got {self.phase!r}"
+            )
         if not self.duration >= 0:
             raise ValueError(f"ModuleSpan duration must be >= 0 seconds; got {self.duration!r}")
         if self.depth < 0:
