@@ -26,7 +26,7 @@ from train import synthetic_batches, tiny_gpt2  # noqa: E402
 
 from flops_callbacks import StepProfiler  # noqa: E402
 from flops_callbacks.integrations.callback_base import build_session  # noqa: E402
-from flops_callbacks.integrations.loop_doors import plain_adapter  # noqa: E402
+from flops_callbacks.integrations.loop_adapters import plain_adapter  # noqa: E402
 
 WINDOW = {"profile_step": 0, "clean_steps": 3, "print_profile": False}
 # the window ends (publishes) at this global step; the step after it is the first one timed

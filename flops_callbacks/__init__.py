@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from flops_callbacks.counting.registry import OpKind, register_formula, register_op_kind
 from flops_callbacks.integrations.deepspeed_api import (
     FlopsProfiler,
-    get_model_profile,
     get_module_duration,
     get_module_flops,
     get_module_macs,
@@ -23,6 +22,7 @@ from flops_callbacks.integrations.generation import (
     profile_decode_loop,
     profile_generation,
 )
+from flops_callbacks.integrations.model_profile import get_model_profile
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
 from flops_callbacks.units import (
     bytes_to_string,

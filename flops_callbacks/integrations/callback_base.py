@@ -41,7 +41,7 @@ def _renamed(function: Fn, qualname: str) -> Fn:
 
 def input_ids_tokens(batch: Any) -> int | None:
     """``input_ids.numel()`` when the batch holds input_ids (the HF Trainer's own token count), else None:
-    the default ``tokens_fn`` of the doors whose batches are model inputs (HF Trainer, StepProfiler)."""
+    the default ``tokens_fn`` where batches are model inputs (HF Trainer, StepProfiler)."""
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None  # a dict or a BatchEncoding
     return int(ids.numel()) if isinstance(ids, torch.Tensor) else None
 
@@ -49,8 +49,8 @@ def input_ids_tokens(batch: Any) -> int | None:
 def build_session(
     owner: str, arguments: Mapping[str, Any], tokens_fn: Callable[[Any], int | None] | None = None
 ) -> StepSession:
-    """The session of a door (a callback, :class:`~flops_callbacks.StepProfiler`) from the user's option
-    arguments, checked once, in :class:`~flops_callbacks.options.Options`, and said in the words of
+    """The session of an entry point (a callback, :class:`~flops_callbacks.StepProfiler`) from the user's
+    option arguments, checked once in :class:`~flops_callbacks.options.Options` and said in the words of
     ``owner``, the class the user called."""
     unknown = sorted(set(arguments) - _OPTION_NAMES)
     if unknown:

@@ -15,6 +15,7 @@ from types import FrameType
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 try:
     import transformers
@@ -158,6 +159,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
 
     # --- Trainer events ----------------------------------------------------------------------------
 
+    @override
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -183,6 +185,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
                 "logged. Pass throughput=False to silence this, or log by steps or epochs.",
             )
 
+    @override
     def on_step_begin(
         self,
         args: TrainingArguments,
@@ -202,6 +205,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         )
         self._wrap_next_micro_batch(trainer)
 
+    @override
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -209,16 +213,19 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         if trainer is not None:
             self._wrap_next_micro_batch(trainer)
 
+    @override
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self.session.phase(OPTIMIZER_STEP)
 
+    @override
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self.session.stop_timing()  # the LR scheduler and zero_grad are not part of the step
 
+    @override
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -228,6 +235,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         if control.should_evaluate:
             self.session.pause_throughput()
 
+    @override
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -236,11 +244,13 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         if control.should_evaluate:
             self.session.pause_throughput()
 
+    @override
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self.session.resume_throughput()
 
+    @override
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
+from typing_extensions import override
 
 try:
     import lightning.pytorch as pl
@@ -124,6 +125,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._profiled_step = state_dict.get("profiled_step")
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_step()
         self.session.train_start(
@@ -136,6 +138,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             log_dir=_Outlet(trainer).log_dir(),  # a collective: every rank asks
         )
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -162,17 +165,21 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.session.phase_end()
 
+    @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         self.session.phase(BACKWARD)
 
+    @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.session.phase_end()
 
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         self.session.phase(OPTIMIZER_STEP)
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -195,14 +202,17 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         for handle in hooks:
             handle.remove()
 
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.session.pause_throughput()  # validation time is not training throughput
 
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.session.resume_throughput()
 
+    @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
@@ -211,6 +221,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         finally:
             self._end_step()
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_step()
         self.session.train_end(trainer.global_step, _Outlet(trainer))

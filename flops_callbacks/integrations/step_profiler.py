@@ -1,5 +1,5 @@
 """``StepProfiler``: the profile window and the throughput meter for a training loop of one's own
-(plain PyTorch, accelerate, Lightning Fabric), the third door onto the callbacks' session.
+(plain PyTorch, accelerate, Lightning Fabric): an adapter onto the callbacks' session.
 
 The loop wraps each iteration (one micro-batch) in ``with prof.step(batch):`` and writes nothing else;
 the profiler finds the phases itself, with hooks that live only inside that block:
@@ -38,7 +38,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from flops_callbacks.integrations.callback_base import build_session, input_ids_tokens
-from flops_callbacks.integrations.loop_doors import Door, LogFn, accelerate_door, fabric_door, plain_door
+from flops_callbacks.integrations.loop_adapters import (
+    LogFn,
+    LoopAdapter,
+    accelerate_adapter,
+    fabric_adapter,
+    plain_adapter,
+)
 from flops_callbacks.integrations.one_call import OneCall
 from flops_callbacks.options import check_int
 from flops_callbacks.session.result import WindowResult
@@ -110,11 +116,11 @@ class StepProfiler:
             raise ValueError(f"StepProfiler: {error}") from None
         self.session = build_session(type(self).__name__, options, input_ids_tokens)
         if accelerator is not None:
-            self.door: Door = accelerate_door(accelerator, model, log, log_dir)
+            self.adapter: LoopAdapter = accelerate_adapter(accelerator, model, log, log_dir)
         elif fabric is not None:
-            self.door = fabric_door(fabric, model, log, log_dir)
+            self.adapter = fabric_adapter(fabric, model, log, log_dir)
         else:
-            self.door = plain_door(model, log, log_dir)
+            self.adapter = plain_adapter(model, log, log_dir)
         self.log_every_n_steps, self.max_steps = log_every_n_steps, max_steps
         self.global_step = 0  # optimizer steps done (DeepSpeed's profile_step counts these)
         self._running = False  # the run started (train_start), and close() has not ended it
@@ -165,7 +171,7 @@ class StepProfiler:
             self._iteration.remove_hooks()
         if self._running:
             self._running = False
-            self.session.train_end(self.global_step, self.door.outlet)
+            self.session.train_end(self.global_step, self.adapter.outlet)
         self.session.close()
 
     def __enter__(self) -> StepProfiler:
@@ -188,7 +194,7 @@ class StepProfiler:
         session = self.session
         if not self._running:
             self._running = True
-            outlet = self.door.outlet
+            outlet = self.adapter.outlet
             outlet.at_run_start()
             session.train_start(
                 self.global_step,
@@ -198,7 +204,8 @@ class StepProfiler:
             )
         if not self._in_step:
             self._in_step = True
-            session.step_start(self.global_step, self.door.model, self.door.context, runs=self.door.runs)
+            adapter = self.adapter
+            session.step_start(self.global_step, adapter.model, adapter.context, runs=adapter.runs)
         session.micro_batch_start(batch)
 
     def _end(self, stepped: bool) -> None:
@@ -208,7 +215,7 @@ class StepProfiler:
             self._in_step = False
             self.global_step += 1
             logs = self.global_step % self.log_every_n_steps == 0
-            session.step_end(self.global_step, self.door.outlet, logs=logs)
+            session.step_end(self.global_step, self.adapter.outlet, logs=logs)
 
     def _abandon_iteration(self) -> None:
         """The block raised: the window is dropped (the run may go on: the next step starts afresh)."""
@@ -236,19 +243,19 @@ class _Iteration:
         try:
             profiler._begin(self.batch)  # a user's batch_size_fn or tokens_fn may raise here
             profiler._iteration = self
-            door = profiler.door
+            adapter = profiler.adapter
             self._handles.append(register_optimizer_step_post_hook(self._step_ended))
-            for owner, name in door.step_calls():  # also outside the window: they say a step ended
+            for owner, name in adapter.step_calls():  # also outside the window: they say a step ended
                 self._calls.append(OneCall(owner, name, self._framework_step, once=False))
             self._marks = profiler.session.window_open
             if self._marks:
                 self._handles.append(register_optimizer_step_pre_hook(self._step_starts))
-                self._handles.append(door.model.register_forward_pre_hook(self._model_called))
-                self._handles.append(door.model.register_forward_hook(self._model_returned))
+                self._handles.append(adapter.model.register_forward_pre_hook(self._model_called))
+                self._handles.append(adapter.model.register_forward_hook(self._model_returned))
                 self._calls.append(OneCall(torch.autograd, "backward", self._autograd_backward, once=False))
-                if door.backward_owner is not None:
+                if adapter.backward_owner is not None:
                     self._calls.append(
-                        OneCall(door.backward_owner, "backward", self._framework_backward, once=False)
+                        OneCall(adapter.backward_owner, "backward", self._framework_backward, once=False)
                     )
                 profiler.session.phase(FORWARD)  # the loop's own code starts now, past these hooks
         except BaseException:
@@ -320,7 +327,7 @@ class _Iteration:
         if self._marks:
             self.enter_phase(OPTIMIZER_STEP)
         out = step(*args, **kwargs)
-        if self.profiler.door.stepped():
+        if self.profiler.adapter.stepped():
             self._step_ended(None, args, kwargs)
         return out
 

@@ -9,10 +9,8 @@ batch's flops come from :class:`~flops_callbacks.session.shape_flops.ShapeFlops`
 
 An adapter maps its framework's events onto this object: :mod:`flops_callbacks.session.adapter_api`.
 
-With several processes, every decision that shapes the window is agreed by all ranks at points they reach
-in lock step (:mod:`flops_callbacks.session.window_plan`, the only collectives:
-:mod:`flops_callbacks.session.ranks`): the same kind of step on the same global step, the same last step,
-and the job's figures exchanged there; after the window, ``throughput/*`` is summed at each logging step.
+With several processes, every decision that shapes the window is agreed by all ranks in lock step
+(:mod:`.window_plan`; the only collectives are :mod:`.ranks`'); ``throughput/*`` is summed after it.
 
 Instruments run only inside a micro-batch of a window step. Every event runs as the profiler's own work
 (:mod:`flops_callbacks.guard`): a failure is said, the window dropped, and the run goes on unprofiled;
@@ -175,9 +173,8 @@ class StepSession(WindowEnd):
         if not is_logging_rank:
             return
         self._unwritable = run_plan.unwritable_destinations(self.owner, self.options.output_file, log_dir)
-        if self.plan.comm_step:  # the ranks are known now
-            plan = run_plan.RunPlan.of(self.options, global_step, max_steps, steps_per_batch, comm=True)
-        plan.warn(self.owner, profiled_before)
+        plan = run_plan.RunPlan.of(self.options, global_step, max_steps, steps_per_batch, self.plan.comm_step)
+        plan.warn(self.owner, profiled_before)  # the ranks are known now: with the communication step
 
     @_own_work("ending the run")
     def train_end(self, global_step: int, outlet: Outlet) -> None:

@@ -25,14 +25,10 @@ from flops_callbacks.session.adapter_api import TrainingContext
 
 __all__ = [
     "accelerate_adapter",
-    "accelerate_door",
-    "Door",
     "fabric_adapter",
-    "fabric_door",
     "LogFn",
     "LoopAdapter",
     "plain_adapter",
-    "plain_door",
     "unwrapped",
 ]
 
@@ -260,9 +256,3 @@ def fabric_adapter(
     step_calls = lambda: [(fabric.strategy, "optimizer_step")]  # noqa: E731
     return LoopAdapter(user, model, context, _FabricOutlet(fabric, log, directory), fabric, step_calls)
 
-
-# NB: the names integrations/step_profiler.py imports; the adapters' names above are the ones to use
-Door = LoopAdapter
-plain_door = plain_adapter
-accelerate_door = accelerate_adapter
-fabric_door = fabric_adapter
