@@ -62,7 +62,9 @@ __all__ = [
     "PREFILL_LATENCY",
     "PREFILL_MBU",
     "PREFILL_MFU",
+    "PICTURE",
     "PREFIX",
+    "REPORT",
     "REAL_TOKENS_PER_SEC",
     "RECOMPUTE_FLOPS",
     "SAMPLES_PER_SEC",
@@ -84,6 +86,9 @@ __all__ = [
 ]
 
 PREFIX = "flops_profiler/"
+
+REPORT = PREFIX + "report"  # the full report as Markdown text (TensorBoard's Text tab), at the window's end
+PICTURE = PREFIX + "profile"  # the profile picture as HTML media (W&B), at the window's end
 
 FWD_FLOPS = PREFIX + "fwd_flops"  # forward flops, measured
 BWD_FLOPS = PREFIX + "bwd_flops"  # backward flops, measured (not 2 x fwd)

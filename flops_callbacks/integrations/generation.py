@@ -252,15 +252,9 @@ def profile_generation(
     the last timed run's output.
     """
     batch, prompt, padding = prompt_shape(generate_kwargs)
+    loop = generate_loop(model, generate_kwargs)
     return profile_decode_loop(
-        model,
-        generate_loop(model, generate_kwargs),
-        warm_up=warm_up,
-        runs=runs,
-        peak_flops=peak_flops,
-        peak_bandwidth=peak_bandwidth,
-        batch_size=batch,
-        prompt_tokens=prompt,
-        padding_tokens=padding,
-        causal_attention=causal_attention,
-    )
+        model, loop, warm_up=warm_up, runs=runs, causal_attention=causal_attention,
+        peak_flops=peak_flops, peak_bandwidth=peak_bandwidth,
+        batch_size=batch, prompt_tokens=prompt, padding_tokens=padding,
+    )  # fmt: skip

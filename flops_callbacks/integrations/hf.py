@@ -29,6 +29,7 @@ except ImportError as err:  # the core needs only torch; the HF callback is an e
         "(from a checkout of flops_callbacks: pip install '.[hf]')"
     ) from err
 
+from flops_callbacks import metrics as names
 from flops_callbacks.integrations.accelerate_state import compute_dtype, parallel_sizes
 from flops_callbacks.integrations.callback_base import SessionCallback, input_ids_tokens
 from flops_callbacks.integrations.one_call import OneCall
@@ -96,10 +97,10 @@ class _Outlet:
         for callback in callbacks:
             writer = getattr(callback, "tb_writer", None)  # TensorBoardCallback, once training began
             if isinstance(callback, TensorBoardCallback) and writer is not None and markdown is not None:
-                writer.add_text("flops_profiler/report", markdown, global_step=step)
+                writer.add_text(names.REPORT, markdown, global_step=step)
             wandb: Any = getattr(callback, "_wandb", None)  # WandbCallback: the wandb module, once set up
             if isinstance(callback, WandbCallback) and getattr(wandb, "run", None) is not None and html:
-                wandb.log({"flops_profiler/profile": wandb.Html(html)}, commit=False)
+                wandb.log({names.PICTURE: wandb.Html(html)}, commit=False)
 
     def console(self, text: str) -> None:
         tqdm.write(text)  # above the Trainer's progress bar, which stays intact
@@ -245,10 +246,8 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
             self.session.pause_throughput()
 
     @override
-    def on_evaluate(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self.session.resume_throughput()
+    def on_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        self.session.resume_throughput()  # the evaluation's time is not the run's throughput
 
     @override
     def on_train_end(

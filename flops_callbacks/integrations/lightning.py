@@ -25,6 +25,7 @@ except ImportError as err:  # the core needs only torch; the Lightning callback 
         "(from a checkout of flops_callbacks: pip install '.[lightning]')"
     ) from err
 
+from flops_callbacks import metrics as names
 from flops_callbacks.integrations.callback_base import SessionCallback
 from flops_callbacks.integrations.one_call import OneCall
 from flops_callbacks.integrations.strategy_state import precision_dtype, strategy_sizes
@@ -69,11 +70,11 @@ class _Outlet:
     def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
         for logger in self.trainer.loggers:
             if isinstance(logger, TensorBoardLogger) and markdown is not None:
-                logger.experiment.add_text("flops_profiler/report", markdown, global_step=step)
+                logger.experiment.add_text(names.REPORT, markdown, global_step=step)
             elif isinstance(logger, WandbLogger) and html is not None:
                 import wandb
 
-                logger.experiment.log({"flops_profiler/profile": wandb.Html(html)}, commit=False)
+                logger.experiment.log({names.PICTURE: wandb.Html(html)}, commit=False)
 
     def console(self, text: str) -> None:
         bar: Any = self.trainer.progress_bar_callback

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from flops_callbacks import metrics as names
 from flops_callbacks.integrations.accelerate_state import compute_dtype, parallel_sizes
 from flops_callbacks.integrations.strategy_state import precision_dtype, strategy_sizes
 from flops_callbacks.parallel import ParallelSizes
@@ -153,11 +154,11 @@ class _AccelerateOutlet(_PlainOutlet):
     def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
         for tracker in self.framework.trackers:
             if tracker.name == "tensorboard" and markdown is not None:
-                tracker.writer.add_text("flops_profiler/report", markdown, global_step=step)
+                tracker.writer.add_text(names.REPORT, markdown, global_step=step)
             elif tracker.name == "wandb" and html is not None:
                 import wandb
 
-                tracker.run.log({"flops_profiler/profile": wandb.Html(html)}, commit=False)
+                tracker.run.log({names.PICTURE: wandb.Html(html)}, commit=False)
 
 
 def accelerate_adapter(
@@ -213,7 +214,7 @@ class _FabricOutlet(_PlainOutlet):
 
         for logger in self.framework.loggers:
             if isinstance(logger, TensorBoardLogger) and markdown is not None:
-                logger.experiment.add_text("flops_profiler/report", markdown, global_step=step)
+                logger.experiment.add_text(names.REPORT, markdown, global_step=step)
 
 
 def fabric_adapter(
