@@ -212,8 +212,8 @@ def meter_cost(steps: int) -> None:
         meter.start(result, gpt2(), LAST_TABLE[0])
         start = time.perf_counter()
         for batch in batches:
-            meter.begin_micro_batch(batch)
-            meter.end_step()
+            meter.micro_batch_start(batch)
+            meter.step_end()
         each = (time.perf_counter() - start) / len(batches)
         print(f"| {framework} | {each * 1e6:.1f} us | {step * 1e3:.2f} ms | {each / step:.5f} |")
 

@@ -58,15 +58,15 @@ class JobMeter:
 
     def micro_batch_start(self, batch: Any, replay: Replay | str | None = None) -> None:
         if self.meter is not None and self.ok:
-            self.meter.begin_micro_batch(batch, replay)
+            self.meter.micro_batch_start(batch, replay)
 
     def micro_batch_end(self) -> None:
         if self.meter is not None and self.ok:
-            self.meter.end_micro_batch()  # an audited micro-batch's count ends here
+            self.meter.micro_batch_end()  # an audited micro-batch's count ends here
 
     def step_end(self) -> None:
         if self.meter is not None and self.ok:
-            self.meter.end_step()
+            self.meter.step_end()
 
     def pause(self) -> None:
         if self.meter is not None:

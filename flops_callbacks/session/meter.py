@@ -1,10 +1,10 @@
 """Continuous throughput after the profile window: samples, tokens, FLOPS and MFU per logging interval.
 
-Shared by both callbacks; an adapter calls, on the logging rank:
+The job meter (:mod:`.job_meter`) drives it on every rank, with the session's event names:
 
     meter.start(result, model, flops)      when the profile window has ended
-    meter.begin_micro_batch(batch)         before each later micro-batch's forward
-    meter.end_step()                       when its optimizer step has ended
+    meter.micro_batch_start(batch)         before each later micro-batch's forward
+    meter.step_end()                       when its optimizer step has ended
     metrics = meter.metrics()              at a logging step
     meter.pause() / meter.resume()         around evaluation
     meter.close()                          at the end of training, or on an exception
@@ -156,7 +156,7 @@ class ThroughputMeter:
         self._paused_at: float | None = None
         self._restart(self._now())
 
-    def begin_micro_batch(self, batch: Any, replay: Replay | str | None = None) -> None:
+    def micro_batch_start(self, batch: Any, replay: Replay | str | None = None) -> None:
         """Add a micro-batch's samples, tokens and flops (None for the interval when they are unknown);
         ``replay``: its step again, for a fake count of a shape the table cannot give."""
         later, self._later = self._later, True
@@ -221,7 +221,7 @@ class ThroughputMeter:
             self.pause()  # the audited step's time and work are no interval's
         self._tracer = Tracer(self._model, causal_attention=self.causal_attention, clock=NullClock())
 
-    def end_micro_batch(self) -> None:
+    def micro_batch_end(self) -> None:
         """After a micro-batch: an audited one's count is compared with the table (a mismatch said once)."""
         tracer, counting, self._counting = self._tracer, self._counting, None
         if tracer is None or counting is None or not tracer.running:
@@ -247,7 +247,7 @@ class ThroughputMeter:
                 "counted value from now on.",
             )
 
-    def end_step(self) -> None:
+    def step_end(self) -> None:
         """After an optimizer step: the next micro-batch is a step's first; an audit ends here."""
         self._later = False
         if self._tracer is not None:

@@ -87,11 +87,11 @@ def profiled_meter(model: nn.Module, sizes: list[int], audit: int | str = "auto"
 
 
 def metered_step(meter: ThroughputMeter, model: nn.Module, batch: torch.Tensor) -> None:
-    meter.begin_micro_batch(batch)
+    meter.micro_batch_start(batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     train_step(model, optimizer, batch)
-    meter.end_micro_batch()
-    meter.end_step()
+    meter.micro_batch_end()
+    meter.step_end()
 
 
 def test_every_batch_after_the_window_has_its_exact_flops_and_none_is_counted() -> None:
@@ -127,7 +127,7 @@ def test_paused_time_and_samples_are_left_out_of_the_interval() -> None:
     metered_step(meter, model, torch.randn(4, IN))
     meter.pause()
     time.sleep(0.2)
-    metered_step(meter, model, torch.randn(4, IN))  # paused: not counted, and end_step does not resume
+    metered_step(meter, model, torch.randn(4, IN))  # paused: not counted, and step_end does not resume
     meter.resume()
     metrics = meter.metrics()
     # one step of 4 samples x 2 replicas counted, the 0.2 s sleep and the paused step not
@@ -153,10 +153,10 @@ def test_a_later_micro_batch_of_a_step_is_looked_up_as_one_and_close_stops_meter
     model = nn.Linear(IN, OUT)
     meter = profiled_meter(model, [4, 4, 4], audit=0)
     meter.metrics()
-    meter.begin_micro_batch(torch.randn(4, IN))
+    meter.micro_batch_start(torch.randn(4, IN))
     with pytest.warns(UserWarning, match="neither counted nor can predict"):
-        meter.begin_micro_batch(torch.randn(4, IN))  # no window step had two micro-batches
-    meter.end_step()
+        meter.micro_batch_start(torch.randn(4, IN))  # no window step had two micro-batches
+    meter.step_end()
     assert names.THROUGHPUT_FLOPS_PER_SEC not in meter.metrics()
     meter.close()
     assert meter.metrics() == {}
