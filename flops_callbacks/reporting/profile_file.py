@@ -66,7 +66,10 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "step": result.step,
         "published_at_step": result.published_at,
-        "steps": dataclasses.asdict(result.steps),
+        # a one-process window has no communication step: its file is as it was
+        "steps": {
+            k: v for k, v in dataclasses.asdict(result.steps).items() if v is not None or k != "communication"
+        },
         "model_forward": result.model_forward,  # seconds; steps: steps.model_forward
         "model_forward_high": result.model_forward_high,  # the slowest of those steps'
         "hook_cost": None if result.hook_cost is None else dataclasses.asdict(result.hook_cost),

@@ -362,7 +362,9 @@ def test_report_is_printed_once_and_saved_whole_with_its_json_next_to_the_logs(l
     saved = json.loads((log_dir / f"flops_profile_step{PROFILE_STEP}.json").read_text())
     assert (saved["step"], saved["published_at_step"]) == (PROFILE_STEP, WINDOW_END)
     ran = logged_run["callback"].result.steps
-    assert laid_out(ran) == WINDOW and saved["steps"] == json.loads(json.dumps(dataclasses.asdict(ran)))
+    assert ran.communication is None  # one process: no communication step, and the file does not name one
+    written = {k: v for k, v in dataclasses.asdict(ran).items() if k != "communication"}
+    assert laid_out(ran) == WINDOW and saved["steps"] == json.loads(json.dumps(written))
     assert (saved["steps"]["shapes"], saved["steps"]["shapes_counted"]) == (1, 1)
     assert saved["metrics"] == logged_run["callback"].result.metrics()
     assert saved["profile"]["modules"]["block.0"]["fwd_flops"] == 2 * BATCH * IN * HIDDEN
@@ -1203,7 +1205,7 @@ def multiprocess_worker(directory: Path, mode: str) -> None:
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        max_steps=WINDOW_END + 1,
+        max_steps=window_end(PROFILE_STEP, CLEAN, comm=True) + 1,  # two ranks: with the communication step
         num_sanity_val_steps=0,
         callbacks=[callback, *extra],
         logger=CSVLogger(directory, version=0),
@@ -1244,7 +1246,9 @@ def assert_one_report_of_the_slowest_rank(run: subprocess.CompletedProcess, dire
         values = logged_once(list(csv.DictReader(f)), with_peak=True, step=end)
     assert [values[n] for n in (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY)] == slowest
     assert values[names.ITER_LATENCY] == sum(slowest) == max(map(sum, ranks[0]["ranks"]))
-    assert values == pytest.approx(ranks[0]["metrics"])
+    # and the communication step's four figures, which a one-process run has not
+    assert set(ranks[0]["metrics"]) - set(values) == set(names.COMM)
+    assert values == pytest.approx({k: v for k, v in ranks[0]["metrics"].items() if k not in names.COMM})
     report = (logger_dir / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
     (spread,) = [line for line in report.splitlines() if line.startswith("iter latency over 2 ranks")]
     low, high = sorted(map(sum, ranks[0]["ranks"]))
