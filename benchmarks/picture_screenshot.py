@@ -26,7 +26,7 @@ from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepS
 
 
 class Quiet:
-    """An outlet that keeps nothing: the page is rendered from the session's result."""
+    """A sink that keeps nothing: the page is rendered from the session's result."""
 
     is_logging_rank = True
 

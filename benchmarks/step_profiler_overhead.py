@@ -42,7 +42,7 @@ def timed_steps(kind: str, steps: int, batch_size: int) -> list[float]:
     times: list[float] = []
     prof = StepProfiler(model, log_every_n_steps=10**9, **WINDOW) if kind == "StepProfiler" else None
     session: Any = build_session("callback", dict(WINDOW)) if kind == "callback" else None
-    outlet = plain_adapter(model, None, None).outlet
+    sink = plain_adapter(model, None, None).sink
     if session is not None:
         session.train_start(0)
     for step, batch in enumerate(batches):
@@ -59,7 +59,7 @@ def timed_steps(kind: str, steps: int, batch_size: int) -> list[float]:
             optimizer.step()
             optimizer.zero_grad()
             session.micro_batch_end(pause=True)
-            session.step_end(step + 1, outlet, logs=False)
+            session.step_end(step + 1, sink, logs=False)
         else:
             model(**batch).loss.backward()
             optimizer.step()
@@ -70,7 +70,7 @@ def timed_steps(kind: str, steps: int, batch_size: int) -> list[float]:
         prof.close()
     if session is not None:
         assert session.result is not None and session.result.published_at == END
-        session.train_end(len(batches), outlet)
+        session.train_end(len(batches), sink)
     return times[END + 1 :]
 
 

@@ -198,7 +198,7 @@ def laid_out(steps: WindowSteps) -> WindowSteps:
     return dataclasses.replace(steps, module_trace=None)
 
 
-class Outlet:
+class Sink:
     """Keeps what a session publishes: console text, logged metrics, and a real log dir."""
 
     is_logging_rank = True
@@ -227,7 +227,7 @@ def run(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     steps: range,
-    outlet: Outlet,
+    sink: Sink,
     batch: torch.Tensor | None = None,
     micro_batches: int = 1,
     parallel: ParallelSizes | None = None,
@@ -245,7 +245,7 @@ def run(
             session.micro_batch_end()
         session.phase(OPTIMIZER_STEP)
         optimizer.step()
-        session.step_end(step + 1, outlet, logs=True)
+        session.step_end(step + 1, sink, logs=True)
 
 
 # --- real Trainers, quiet: what the framework tests share ----------------------------------------------

@@ -16,7 +16,7 @@ from flops_callbacks.reporting.publish import publish
 from flops_callbacks.reporting.report_rows import report_text
 from flops_callbacks.roofline import COMPUTE, MEMORY, roofline
 from flops_callbacks.session.step_session import StepSession
-from tests.support import Outlet, run, window_end
+from tests.support import Sink, run, window_end
 
 N, F32 = 256, 4
 PEAK_FLOPS, PEAK_BANDWIDTH = 1e11, 1e10  # ridge at 10 flops per byte
@@ -65,9 +65,9 @@ def test_a_large_matmul_is_compute_bound_and_a_large_elementwise_op_memory_bound
         Options(profile_step=0, clean_steps=1, print_profile=False), "test", publish=publish
     )
     session.train_start(0)
-    outlet = Outlet(tmp_path)
+    sink = Sink(tmp_path)
     x = torch.randn(N, N)
-    run(session, model, torch.optim.SGD(model.parameters(), lr=0.0), range(0, window_end(0, 1)), outlet, x)
+    run(session, model, torch.optim.SGD(model.parameters(), lr=0.0), range(0, window_end(0, 1)), sink, x)
     result = session.result
     assert result is not None and result.bandwidth is not None
     assert (
@@ -126,7 +126,7 @@ def test_without_a_peak_bandwidth_the_report_says_why_and_no_module_has_a_roofli
         model,
         torch.optim.SGD(model.parameters(), lr=0.0),
         range(0, window_end(0, 1)),
-        Outlet(tmp_path),
+        Sink(tmp_path),
         torch.randn(4, N),
     )
     result = session.result

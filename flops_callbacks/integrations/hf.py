@@ -57,7 +57,7 @@ def _calling_trainer() -> transformers.Trainer | None:
     return None
 
 
-class _Outlet:
+class _Sink:
     """Where the session's results go in the HF Trainer: its log path, its output dir, its console."""
 
     def __init__(self, trainer: transformers.Trainer | None, args: Any, state: TrainerState) -> None:
@@ -155,8 +155,8 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     def _current_trainer(self) -> transformers.Trainer | None:
         return self._trainer() if self._trainer is not None else None
 
-    def _outlet(self, args: Any, state: TrainerState) -> _Outlet:
-        return _Outlet(self._current_trainer(), args, state)
+    def _sink(self, args: Any, state: TrainerState) -> _Sink:
+        return _Sink(self._current_trainer(), args, state)
 
     # --- Trainer events ----------------------------------------------------------------------------
 
@@ -174,7 +174,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
             max_steps=state.max_steps or None,
             profiled_before=profiled_before,
             is_logging_rank=state.is_world_process_zero,
-            log_dir=self._outlet(args, state).log_dir(),
+            log_dir=self._sink(args, state).log_dir(),
         )
         if (
             self.session.meter is not None
@@ -232,7 +232,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     ) -> None:
         self._unwrap()
         # DefaultFlowCallback, first in the list, has decided by now whether this step logs / evaluates
-        self.session.step_end(state.global_step, self._outlet(args, state), logs=control.should_log)
+        self.session.step_end(state.global_step, self._sink(args, state), logs=control.should_log)
         if control.should_evaluate:
             self.session.pause_throughput()
 
@@ -241,7 +241,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if control.should_log:  # logging_strategy="epoch"
-            self.session.log_throughput(state.global_step, self._outlet(args, state))
+            self.session.log_throughput(state.global_step, self._sink(args, state))
         if control.should_evaluate:
             self.session.pause_throughput()
 
@@ -254,7 +254,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._unwrap()
-        self.session.train_end(state.global_step, self._outlet(args, state))
+        self.session.train_end(state.global_step, self._sink(args, state))
         self._trainer = None
 
     # --- the micro-batch scope -----------------------------------------------------------------------

@@ -51,7 +51,7 @@ def compute_dtype(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | N
     return precision_dtype(str(trainer.precision), pl_module)
 
 
-class _Outlet:
+class _Sink:
     """Where the session's results go in Lightning: the Trainer's loggers, its log dir and its console."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
@@ -136,7 +136,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             is_logging_rank=trainer.is_global_zero,
             # manual optimization: every optimizer's step() adds one to global_step
             steps_per_batch=1 if pl_module.automatic_optimization else max(len(trainer.optimizers), 1),
-            log_dir=_Outlet(trainer).log_dir(),  # a collective: every rank asks
+            log_dir=_Sink(trainer).log_dir(),  # a collective: every rank asks
         )
 
     @override
@@ -192,7 +192,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         # a property the Trainer sets in its constructor, unknown to its annotations
         every = trainer.log_every_n_steps  # type: ignore[attr-defined]
         logs = bool(every) and trainer.global_step % every == 0
-        session.step_end(trainer.global_step, _Outlet(trainer), logs=logs)
+        session.step_end(trainer.global_step, _Sink(trainer), logs=logs)
         if session.result is not None and self._profiled_step is None:
             self._profiled_step = session.result.step
 
@@ -225,7 +225,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_step()
-        self.session.train_end(trainer.global_step, _Outlet(trainer))
+        self.session.train_end(trainer.global_step, _Sink(trainer))
         if self.session.result is not None and self._profiled_step is None:
             self._profiled_step = self.session.result.step
 

@@ -3,7 +3,7 @@ accelerate loop (``accelerator=``) or a Lightning Fabric loop (``fabric=``), one
 
 An adapter gives the user's model unwrapped (the profile's root is the model the user wrote, not what
 ``accelerator.prepare``, ``fabric.setup`` or DDP hand back), the run's sizes and compute dtype, an
-:class:`~flops_callbacks.session.adapter_api.Outlet` for the results, and the framework calls that mark
+:class:`~flops_callbacks.session.adapter_api.Sink` for the results, and the framework calls that mark
 the backward's and the optimizer step's start. Why not one class with ``if accelerator`` branches: each
 framework is imported only by its own adapter, so a plain loop needs neither installed.
 """
@@ -44,7 +44,7 @@ class LoopAdapter:
         model: the user's model, the profile's root.
         runs: what the loop calls: a wrapper of ``model``, or ``model``.
         context: the run's sizes and compute dtype, asked at each window.
-        outlet: where the results go.
+        sink: where the results go.
         backward_owner: the accelerator or Fabric whose ``backward(loss)`` the loop calls (the backward's
             exact start); None in a plain loop, whose backward starts at the forward's end.
         step_calls: the (object, method name) pairs the framework's optimizer step runs through, asked
@@ -58,7 +58,7 @@ class LoopAdapter:
     model: torch.nn.Module
     runs: torch.nn.Module
     context: Callable[[], TrainingContext]
-    outlet: _PlainOutlet
+    sink: _PlainSink
     backward_owner: Any = None
     step_calls: Callable[[], list[tuple[Any, str]]] = list
     stepped: Callable[[], bool] = lambda: True
@@ -85,12 +85,12 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-class _PlainOutlet:
-    """The plain loop's outlet: the user's ``log`` function, ``log_dir`` and the console (rank 0).
+class _PlainSink:
+    """The plain loop's sink: the user's ``log`` function, ``log_dir`` and the console (rank 0).
 
     Which rank logs is read at each run's start (:meth:`at_run_start`), not at construction: a loop
     may build its profiler before it starts the process group (``init_process_group``, ``fabric.launch``).
-    A framework's outlet overrides :meth:`_logging_rank` and :meth:`_log_to_framework`.
+    A framework's sink overrides :meth:`_logging_rank` and :meth:`_log_to_framework`.
     """
 
     def __init__(self, framework: Any, log: LogFn | None, log_dir: str | Path | None) -> None:
@@ -138,10 +138,10 @@ def plain_adapter(model: torch.nn.Module, log: LogFn | None, log_dir: str | Path
         return TrainingContext(sizes, parameters_dtype(user))
 
     user = unwrapped(model)
-    return LoopAdapter(user, model, context, _PlainOutlet(None, log, log_dir))
+    return LoopAdapter(user, model, context, _PlainSink(None, log, log_dir))
 
 
-class _AccelerateOutlet(_PlainOutlet):
+class _AccelerateSink(_PlainSink):
     """Metrics through ``accelerator.log`` (every tracker: TensorBoard, W&B, MLflow, ...); the report as
     TensorBoard text and a W&B HTML panel where those trackers run."""
 
@@ -191,13 +191,13 @@ def accelerate_adapter(
         return [(optimizer, "step") for optimizer in getattr(accelerator, "_optimizers", ())]
 
     directory = log_dir if log_dir is not None else accelerator.logging_dir
-    outlet = _AccelerateOutlet(accelerator, log, directory)
+    sink = _AccelerateSink(accelerator, log, directory)
     return LoopAdapter(
-        user, model, context, outlet, accelerator, step_calls, lambda: bool(accelerator.sync_gradients)
+        user, model, context, sink, accelerator, step_calls, lambda: bool(accelerator.sync_gradients)
     )
 
 
-class _FabricOutlet(_PlainOutlet):
+class _FabricSink(_PlainSink):
     """Metrics through ``fabric.log_dict`` (every Fabric logger, saved after); the report as TensorBoard
     text where a TensorBoard logger runs."""
 
@@ -255,5 +255,5 @@ def fabric_adapter(
         directory = getattr(fabric.logger, "log_dir", None)
     # every optimizer step of a Fabric loop runs through its strategy (``_FabricOptimizer.step``)
     step_calls = lambda: [(fabric.strategy, "optimizer_step")]  # noqa: E731
-    return LoopAdapter(user, model, context, _FabricOutlet(fabric, log, directory), fabric, step_calls)
+    return LoopAdapter(user, model, context, _FabricSink(fabric, log, directory), fabric, step_calls)
 

@@ -171,7 +171,7 @@ class StepProfiler:
             self._iteration.remove_hooks()
         if self._running:
             self._running = False
-            self.session.train_end(self.global_step, self.adapter.outlet)
+            self.session.train_end(self.global_step, self.adapter.sink)
         self.session.close()
 
     def __enter__(self) -> StepProfiler:
@@ -194,13 +194,13 @@ class StepProfiler:
         session = self.session
         if not self._running:
             self._running = True
-            outlet = self.adapter.outlet
-            outlet.at_run_start()
+            sink = self.adapter.sink
+            sink.at_run_start()
             session.train_start(
                 self.global_step,
                 max_steps=self.max_steps,
-                is_logging_rank=outlet.is_logging_rank,
-                log_dir=outlet.log_dir(),
+                is_logging_rank=sink.is_logging_rank,
+                log_dir=sink.log_dir(),
             )
         if not self._in_step:
             self._in_step = True
@@ -215,7 +215,7 @@ class StepProfiler:
             self._in_step = False
             self.global_step += 1
             logs = self.global_step % self.log_every_n_steps == 0
-            session.step_end(self.global_step, self.adapter.outlet, logs=logs)
+            session.step_end(self.global_step, self.adapter.sink, logs=logs)
 
     def _abandon_iteration(self) -> None:
         """The block raised: the window is dropped (the run may go on: the next step starts afresh)."""

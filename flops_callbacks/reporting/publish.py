@@ -20,7 +20,7 @@ from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_file import json_data, roofline_entries
 from flops_callbacks.reporting.report_rows import module_source, report_text, tree_doubts
 from flops_callbacks.reporting.summary import render_console_summary
-from flops_callbacks.session.adapter_api import Outlet
+from flops_callbacks.session.adapter_api import Sink
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.units import duration_to_string, flops_to_string
 
@@ -44,7 +44,7 @@ def publish(
     result: WindowResult,
     options: Options,
     log_dir: str | Path | None,
-    outlet: Outlet,
+    sink: Sink,
     guard: Guard,
     skip: Collection[str] = (),
 ) -> None:
@@ -73,7 +73,7 @@ def publish(
         # an output_file said to be unwritable at the start: the report comes to the console instead
         with guard.own_work("printing the report", "the metrics are logged"):
             details = str(stem.with_suffix(".txt")) if to_log_dir and stem is not None else ""
-            outlet.console(console_text(result, options, full, details))
+            sink.console(console_text(result, options, full, details))
     if to_log_dir and stem is not None:
         if full is not None:
             files.append((stem.with_suffix(".txt"), lambda: full + "\n"))
@@ -91,8 +91,8 @@ def publish(
             comm = result.comm
             files.append((stem.with_suffix(".comm.trace.json"), lambda: json.dumps(comm_trace(comm))))
     _write_all(files, guard)
-    guard.user(outlet.log_metrics, metrics, result.published_at)
-    guard.user(outlet.log_report, None if full is None else markdown_block(full), html, result.published_at)
+    guard.user(sink.log_metrics, metrics, result.published_at)
+    guard.user(sink.log_report, None if full is None else markdown_block(full), html, result.published_at)
 
 
 def _write_all(files: list[tuple[Path, Callable[[], str]]], guard: Guard) -> None:

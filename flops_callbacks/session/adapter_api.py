@@ -1,7 +1,7 @@
 """What an adapter hands the session: what it read of its framework (:class:`TrainingContext`), where
-the results go (:class:`Outlet`), and the publisher that fills the outlet (:class:`Publish`).
+the results go (:class:`Sink`), and the publisher that fills the sink (:class:`Publish`).
 
-The session knows none of them itself: an adapter hands it a context and an outlet at its events, and
+The session knows none of them itself: an adapter hands it a context and a sink at its events, and
 the callbacks' base hands it the publisher (:func:`flops_callbacks.reporting.publish.publish`) when it
 builds the session, so that the session layer never imports the reporting layer above it.
 
@@ -13,8 +13,8 @@ The events an adapter maps onto the session (:class:`~flops_callbacks.session.st
     phase(BACKWARD / OPTIMIZER_STEP / FORWARD), phase_end()   at the events between phases (FORWARD in
                                              a running forward: the user's code starts; stop_timing(): ends)
     micro_batch_end(pause=..)                after each micro-batch
-    step_end(global_step, outlet, logs=..)   when the optimizer step has ended
-    train_end(global_step, outlet)           at the end of the run
+    step_end(global_step, sink, logs=..)   when the optimizer step has ended
+    train_end(global_step, sink)           at the end of the run
     close()                                  on an exception: nothing of the profiler remains
 """
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the session layer's own types only
     from flops_callbacks.options import Options
     from flops_callbacks.session.result import WindowResult
 
-__all__ = ["Outlet", "Publish", "TrainingContext"]
+__all__ = ["Sink", "Publish", "TrainingContext"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class TrainingContext:
     extra_lines: Callable[[list[Any], Profile], list[tuple[str, str]]] | None = None
 
 
-class Outlet(Protocol):
+class Sink(Protocol):
     """Where a framework's results go; the adapter implements it."""
 
     is_logging_rank: bool
@@ -65,6 +65,6 @@ class Outlet(Protocol):
         that show them (None: it could not be rendered)."""
 
 
-# Publishes a window's result on the logging rank: (result, options, log dir, outlet, guard, destinations
+# Publishes a window's result on the logging rank: (result, options, log dir, sink, guard, destinations
 # said unwritable at the run's start): flops_callbacks.reporting.publish.publish.
-Publish = Callable[["WindowResult", "Options", "str | Path | None", Outlet, "Guard", Collection[str]], None]
+Publish = Callable[["WindowResult", "Options", "str | Path | None", Sink, "Guard", Collection[str]], None]

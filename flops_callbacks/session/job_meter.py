@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from flops_callbacks.guard import Guard
-from flops_callbacks.session.adapter_api import Outlet
+from flops_callbacks.session.adapter_api import Sink
 from flops_callbacks.session.meter import ThroughputMeter, throughput_metrics
 from flops_callbacks.session.off_clock import Replay
 from flops_callbacks.session.ranks import RankFailure, Ranks
@@ -76,7 +76,7 @@ class JobMeter:
         if self.meter is not None:
             self.meter.resume()
 
-    def log(self, global_step: int, outlet: Outlet) -> None:
+    def log(self, global_step: int, sink: Sink) -> None:
         """Every rank's interval since the last call, exchanged; the job's ``throughput/*`` logged on the
         logging rank. A rank that has nothing to give (its meter failed) stops every rank's meter."""
         if not self.running or self.meter is None:
@@ -93,8 +93,8 @@ class JobMeter:
         if any(i is None for i in intervals):  # a rank's meter failed (said there) or the exchange did
             self.close()
             return
-        if outlet.is_logging_rank:
+        if sink.is_logging_rank:
             with self.guard.own_work("logging throughput", "throughput/* goes on"):
                 metrics = throughput_metrics(intervals, self.meter.data_parallel, self.meter.peak)
                 if metrics:
-                    self.guard.user(outlet.log_metrics, metrics, global_step)
+                    self.guard.user(sink.log_metrics, metrics, global_step)

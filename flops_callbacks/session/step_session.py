@@ -29,7 +29,7 @@ from flops_callbacks.guard import F, Guard, guarded_event
 from flops_callbacks.options import Options
 from flops_callbacks.peaks import given_bandwidth, given_peak
 from flops_callbacks.session import run_plan
-from flops_callbacks.session.adapter_api import Outlet, Publish, TrainingContext
+from flops_callbacks.session.adapter_api import Publish, Sink, TrainingContext
 from flops_callbacks.session.batch import BatchReader, Signature, shape_signature
 from flops_callbacks.session.instruments import Instruments
 from flops_callbacks.session.job_meter import JobMeter
@@ -54,7 +54,7 @@ def _own_work(what: str, abandon: bool = True) -> Callable[[F], F]:
     return guarded_event(what, DROPPED if abandon else "training goes on", "_abandon" if abandon else None)
 
 
-__all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Outlet", "Replay", "TrainingContext", "StepSession"]
+__all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Sink", "Replay", "TrainingContext", "StepSession"]
 
 
 class _Read(NamedTuple):
@@ -177,14 +177,14 @@ class StepSession(WindowEnd):
         plan.warn(self.owner, profiled_before)  # the ranks are known now: with the communication step
 
     @_own_work("ending the run")
-    def train_end(self, global_step: int, outlet: Outlet) -> None:
+    def train_end(self, global_step: int, sink: Sink) -> None:
         """The run ended (on every rank): publish a window it cut short, or say that none ran."""
         self._stop_instruments()
         self._step = None
         self.job_meter.close()
         if self.plan.open:
-            self._finish(global_step, outlet)
-        elif self.result is None and self._should_have_run() and outlet.is_logging_rank:
+            self._finish(global_step, sink)
+        elif self.result is None and self._should_have_run() and sink.is_logging_rank:
             warn(
                 f"{self.owner}: no optimizer step started at or after "
                 f"profile_step={self.options.profile_step} (training ended at global step {global_step}): "
@@ -344,20 +344,20 @@ class StepSession(WindowEnd):
         if self._step is not None:
             self._step.phases.stop()
 
-    def step_end(self, global_step: int, outlet: Outlet, logs: bool = False) -> None:
+    def step_end(self, global_step: int, sink: Sink, logs: bool = False) -> None:
         """The optimizer step ended (on every rank); ``logs`` says whether this is a logging step."""
         if not self.plan.open:
             if self.job_meter.running:
                 self._meter_step_end()
                 if logs:
-                    self.log_throughput(global_step, outlet)
+                    self.log_throughput(global_step, sink)
             return
         done = bool(self._end_window_step()) if self._step is not None else False
         decision = self.plan.vote(Wish(drop=self.plan.failed, done=done))
         if decision.drop:
             self._drop(decision)
         elif decision.done or self.plan.capped():
-            self._finish(global_step, outlet)
+            self._finish(global_step, sink)
 
     @_own_work("ending a step")
     def _meter_step_end(self) -> None:
@@ -384,10 +384,10 @@ class StepSession(WindowEnd):
 
     # --- throughput ----------------------------------------------------------------------------------
 
-    def log_throughput(self, global_step: int, outlet: Outlet) -> None:
+    def log_throughput(self, global_step: int, sink: Sink) -> None:
         """Log the job's ``throughput/*`` of the interval since the last call (a logging event, which
         every rank reaches: :class:`~flops_callbacks.session.job_meter.JobMeter`)."""
-        self.job_meter.log(global_step, outlet)
+        self.job_meter.log(global_step, sink)
 
     @_own_work("pausing throughput")
     def pause_throughput(self) -> None:

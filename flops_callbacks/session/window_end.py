@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flops_callbacks.session.adapter_api import Outlet, Publish, TrainingContext
+from flops_callbacks.session.adapter_api import Publish, Sink, TrainingContext
 from flops_callbacks.session.builder import RankRow
 from flops_callbacks.session.ranks import RankFailure
 from flops_callbacks.session.reprofile import local_part, window_result
@@ -90,7 +90,7 @@ class WindowEnd:
         self._abandon()
         return True
 
-    def _finish(self, global_step: int, outlet: Outlet) -> None:
+    def _finish(self, global_step: int, sink: Sink) -> None:
         """The window's agreed end (every rank): exchange each rank's figures, build the job's result,
         publish it on the logging rank, and start (or resume) the throughput meter on every rank."""
         steps, self._steps, self._step = self._steps, [], None
@@ -116,12 +116,12 @@ class WindowEnd:
         if local is None or model is None or any(isinstance(row, str) for row in rows):
             return self.job_meter.resume() if reprofile else None  # no micro-batch: nothing to say
         with self.guard.own_work("asking the log dir", "the files in the log dir are not written"):
-            log_dir = outlet.log_dir()  # on every rank: Lightning's log_dir is a collective
+            log_dir = sink.log_dir()  # on every rank: Lightning's log_dir is a collective
         built = None
         with self.guard.own_work("building the profile", "no profile is published"):
             peaks = (self.given_peak, self.given_bandwidth)
             built = window_result(local, steps, rows, model, self._context, self.flops, global_step, peaks)
         self.result = built or self.result  # a failed re-profile keeps the last result to build on
-        if built is not None and outlet.is_logging_rank and self.publish is not None:
-            self.publish(built, self.options, log_dir, outlet, self.guard, set(self._unwritable))
+        if built is not None and sink.is_logging_rank and self.publish is not None:
+            self.publish(built, self.options, log_dir, sink, self.guard, set(self._unwritable))
         self.job_meter.start(self.result, model, self.flops, again=reprofile)

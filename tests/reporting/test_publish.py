@@ -75,7 +75,7 @@ def test_the_report_says_where_each_figure_came_from_and_the_dtype_and_peak() ->
     assert "MFU = (fwd+bwd flops) / iter latency / peak:" in text and "30.00%" in text
 
 
-class Outlet:
+class Sink:
     is_logging_rank = True
 
     def __init__(self, directory: Path) -> None:
@@ -96,9 +96,9 @@ class Outlet:
 
 
 def test_publishing_prints_writes_four_files_then_logs(tmp_path: Path) -> None:
-    outlet = Outlet(tmp_path)
-    publish(window(), Options(), tmp_path, outlet, Guard("test"))
-    assert outlet.calls == ["console", "metrics@15", "report@15"]
+    sink = Sink(tmp_path)
+    publish(window(), Options(), tmp_path, sink, Guard("test"))
+    assert sink.calls == ["console", "metrics@15", "report@15"]
     names_written = sorted(p.name for p in tmp_path.iterdir())
     assert names_written == [
         "flops_profile_step10.html",
@@ -114,9 +114,9 @@ def test_publishing_prints_writes_four_files_then_logs(tmp_path: Path) -> None:
 
 
 def test_output_file_takes_the_report_instead_of_the_console(tmp_path: Path) -> None:
-    outlet = Outlet(tmp_path / "logs")
-    publish(window(), Options(output_file=tmp_path / "out" / "report.txt"), None, outlet, Guard("test"))
-    assert "console" not in outlet.calls
+    sink = Sink(tmp_path / "logs")
+    publish(window(), Options(output_file=tmp_path / "out" / "report.txt"), None, sink, Guard("test"))
+    assert "console" not in sink.calls
     assert "Detailed Profile" in (tmp_path / "out" / "report.txt").read_text()  # the whole report
 
 

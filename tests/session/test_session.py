@@ -31,7 +31,7 @@ from flops_callbacks.units import (
     percent,
 )
 from tests.sleepy import Sleepy, SleepySGD
-from tests.support import IN, OUT, B, Outlet, check_step, first_clean, module_steps, run, window_end
+from tests.support import IN, OUT, B, Sink, check_step, first_clean, module_steps, run, window_end
 
 
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -55,10 +55,10 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
         "test",
         publish=publish,
     )
-    outlet = Outlet(tmp_path)
+    sink = Sink(tmp_path)
     end = window_end(3, 2)
     session.train_start(0, max_steps=end + 3)
-    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, end), outlet, micro_batches=2)
+    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, end), sink, micro_batches=2)
     r = session.result
     assert r is not None and no_profiler_left()
     cleans = (first_clean(3), first_clean(3) + 1)
@@ -77,8 +77,8 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
     assert m[names.FLOPS_PER_SEC] == pytest.approx((2 * (fwd + bwd) + accumulate) / m[names.ITER_LATENCY])
     assert set(m) == set(names.ALL)
     # logged once, at the window's end; printed once; saved with which step each figure came from
-    assert [step for _, step in outlet.logged] == [end] and outlet.logged[0][0] == m
-    assert len(outlet.printed) == 1 and "module latencies from" in outlet.printed[0]
+    assert [step for _, step in sink.logged] == [end] and sink.logged[0][0] == m
+    assert len(sink.printed) == 1 and "module latencies from" in sink.printed[0]
     data = json.loads((tmp_path / "flops_profile_step3.json").read_text())
     assert data["steps"] == {
         "counting": 3,
@@ -106,13 +106,13 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
     assert data["metrics"] == m
     assert "Detailed Profile" in (tmp_path / "flops_profile_step3.txt").read_text()  # the file has the tree
     assert "in_features=6, out_features=2, bias=True" in (tmp_path / "flops_profile_step3.txt").read_text()
-    assert "Detailed Profile" not in outlet.printed[0]  # the console does not (detailed=False)
+    assert "Detailed Profile" not in sink.printed[0]  # the console does not (detailed=False)
     html = (tmp_path / "flops_profile_step3.html").read_text()
     assert "<script" in html and "http://" not in html and "https://" not in html
     trace = json.loads((tmp_path / "flops_profile_step3.trace.json").read_text())
     calls = [(e["name"], e["cat"]) for e in trace["traceEvents"] if e["ph"] == "X"]
     assert sorted(calls) == [("(model)", "backward")] + [("(model)", "forward")] * 2  # two micro-batches
-    assert [step for *_, step in outlet.reports] == [end]
+    assert [step for *_, step in sink.reports] == [end]
 
 
 def test_the_report_gives_the_models_own_forward_apart_from_the_loss_around_it(tmp_path: Path) -> None:
@@ -129,7 +129,7 @@ def test_the_report_gives_the_models_own_forward_apart_from_the_loss_around_it(t
     session.train_start(0, max_steps=window_end(3, 2) + 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = range(0, window_end(3, 2))
-    run(session, model, optimizer, steps, Outlet(tmp_path), torch.randn(B, 4), loss_of=slow_loss)
+    run(session, model, optimizer, steps, Sink(tmp_path), torch.randn(B, 4), loss_of=slow_loss)
     r = session.result
     assert r is not None and r.model_forward is not None
     cleans = (first_clean(3), first_clean(3) + 1)
@@ -169,7 +169,7 @@ def test_after_the_counting_step_only_the_young_generations_are_collected() -> N
     gc.callbacks.append(seen)
     try:
         steps = range(0, window_end(1, 1))
-        run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), steps, Outlet())
+        run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), steps, Sink())
     finally:
         gc.callbacks.remove(seen)
         gc.set_threshold(*thresholds)
@@ -184,7 +184,7 @@ def test_latencies_come_from_clean_steps_not_from_the_counting_step() -> None:
     session = StepSession(Options(profile_step=0, clean_steps=3), "test", publish=publish)
     session.train_start(0)
     batch = torch.randn(B, 4)
-    run(session, model, optimizer, range(0, window_end(0, 3)), Outlet(), batch=batch)
+    run(session, model, optimizer, range(0, window_end(0, 3)), Sink(), batch=batch)
     r = session.result
     assert r is not None
     assert r.fwd_latency == pytest.approx(0.1, rel=0.15)
@@ -201,7 +201,7 @@ def test_the_window_starts_at_the_first_step_at_or_after_profile_step() -> None:
     session = StepSession(Options(profile_step=3, clean_steps=1), "test", publish=publish)
     session.train_start(0)
     for step in range(0, 2 * window_end(2, 1) + 2, 2):  # two optimizers: the global step goes up 2 a batch
-        run(session, model, optimizer, range(step, step + 1), Outlet())
+        run(session, model, optimizer, range(step, step + 1), Sink())
     r = session.result
     doubled = tuple(2 * step for step in module_steps(2))  # the window's batches: counting the third
     assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (
@@ -214,15 +214,15 @@ def test_clean_steps_of_new_shapes_are_counted_on_steps_of_their_own_then_predic
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     session = StepSession(Options(profile_step=0, clean_steps=2), "test", publish=publish)
     session.train_start(0)
-    outlet = Outlet()
+    sink = Sink()
     clean = first_clean(0)  # the first clean step, with the counted shapes
-    run(session, model, optimizer, range(0, clean + 1), outlet, batch=torch.randn(B, IN))
+    run(session, model, optimizer, range(0, clean + 1), sink, batch=torch.randn(B, IN))
     for step, size in (
         (clean + 1, B + 3),  # outside the counted sizes: counted before any prediction
         (clean + 2, B + 1),  # inside B .. B + 3, but two points verify no line: counted
         (clean + 3, B + 2),  # the line through three points, verified: predicted
     ):
-        run(session, model, optimizer, range(step, step + 1), outlet, batch=torch.randn(size, IN))
+        run(session, model, optimizer, range(step, step + 1), sink, batch=torch.randn(size, IN))
     r = session.result
     assert r is not None and (r.steps.clean, r.steps.skipped, r.steps.shape_counting) == (
         (clean, clean + 3), (), (check_step(0), clean + 1, clean + 2)
@@ -252,16 +252,16 @@ def test_a_run_that_ends_inside_the_window_publishes_what_it_had_and_says_so(tmp
         UserWarning, match=rf"window needs steps 1 \.\. {last}.*latencies will rest on 1 clean step"
     ):
         session.train_start(0, max_steps=end)
-    outlet = Outlet(tmp_path)
-    run(session, model, optimizer, range(0, end), outlet)
+    sink = Sink(tmp_path)
+    run(session, model, optimizer, range(0, end), sink)
     assert session.result is None  # the window has not ended
-    session.train_end(end, outlet)
+    session.train_end(end, sink)
     r = session.result
     assert r is not None and (r.steps.counting, r.steps.module_timing, r.steps.clean) == (
         1, module_steps(1), (first_clean(1),)
     )  # fmt: skip
-    assert [step for _, step in outlet.logged] == [end]
-    assert f"median of 1 clean step(s): steps {first_clean(1)}" in outlet.printed[0]
+    assert [step for _, step in sink.logged] == [end]
+    assert f"median of 1 clean step(s): steps {first_clean(1)}" in sink.printed[0]
 
 
 def test_a_window_with_no_clean_step_says_its_latencies_are_inflated() -> None:
@@ -269,12 +269,12 @@ def test_a_window_with_no_clean_step_says_its_latencies_are_inflated() -> None:
     session = StepSession(Options(profile_step=0, clean_steps=3, report="full"), "test", publish=publish)
     with pytest.warns(UserWarning, match="rest on 0 clean step"):
         session.train_start(0, max_steps=1)
-    outlet = Outlet()
-    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, 1), outlet)
-    session.train_end(1, outlet)
+    sink = Sink()
+    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, 1), sink)
+    session.train_end(1, sink)
     assert session.result is not None
     assert session.result.steps.latency_source.startswith("the counting step alone")
-    assert "inflated by counting" in outlet.printed[0]
+    assert "inflated by counting" in sink.printed[0]
 
 
 def test_warnings_come_at_train_start_not_after_the_run() -> None:
@@ -297,9 +297,9 @@ def test_a_second_run_profiles_again() -> None:
     session = StepSession(Options(profile_step=0, clean_steps=0), "test", publish=publish)
     for _ in range(2):
         session.train_start(0)
-        outlet = Outlet()
-        run(session, model, optimizer, range(0, window_end(0, 0) + 1), outlet)
-        profiles = [step for metrics, step in outlet.logged if names.FWD_FLOPS in metrics]
+        sink = Sink()
+        run(session, model, optimizer, range(0, window_end(0, 0) + 1), sink)
+        profiles = [step for metrics, step in sink.logged if names.FWD_FLOPS in metrics]
         assert session.result is not None and profiles == [window_end(0, 0)]
 
 
@@ -310,7 +310,7 @@ def test_close_inside_any_window_step_leaves_nothing_and_the_next_run_counts_the
     for failing in (0, *module_steps(0), first_clean(0)):  # the counting, each module-timing, a clean step
         session = StepSession(Options(profile_step=0, clean_steps=1), "test", publish=publish)
         session.train_start(0)
-        run(session, model, optimizer, range(0, failing), Outlet(), batch=batch)
+        run(session, model, optimizer, range(0, failing), Sink(), batch=batch)
         session.step_start(failing, model)
         session.micro_batch_start(batch)
         out = model(batch)
@@ -319,7 +319,7 @@ def test_close_inside_any_window_step_leaves_nothing_and_the_next_run_counts_the
         assert session.result is None and not session.window_open
     session = StepSession(Options(profile_step=0, clean_steps=0), "test", publish=publish)
     session.train_start(0)
-    run(session, model, optimizer, range(0, window_end(0, 0)), Outlet(), batch=batch)
+    run(session, model, optimizer, range(0, window_end(0, 0)), Sink(), batch=batch)
     assert session.result is not None
     assert session.result.profile.bwd_flops == 2 * B * IN * OUT + B * OUT
 
@@ -329,14 +329,14 @@ def test_throughput_is_logged_after_the_window_at_logging_steps() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     session = StepSession(Options(profile_step=0, clean_steps=0, peak_flops=1e9), "test", publish=publish)
     session.train_start(0)
-    outlet = Outlet()
+    sink = Sink()
     batch = torch.randn(B, IN)
     end = window_end(0, 0)  # published there; metered from there
-    run(session, model, optimizer, range(0, end + 3), outlet, batch=batch)
-    steps = [step for metrics, step in outlet.logged if names.THROUGHPUT_SAMPLES_PER_SEC in metrics]
+    run(session, model, optimizer, range(0, end + 3), sink, batch=batch)
+    steps = [step for metrics, step in sink.logged if names.THROUGHPUT_SAMPLES_PER_SEC in metrics]
     assert steps == [end + 1, end + 2, end + 3]
     flops = 2 * B * IN * OUT + 2 * B * IN * OUT + B * OUT
-    for metrics, _ in outlet.logged[1:]:
+    for metrics, _ in sink.logged[1:]:
         assert metrics[names.THROUGHPUT_MFU] == pytest.approx(metrics[names.THROUGHPUT_FLOPS_PER_SEC] / 1e9)
         seconds = B / metrics[names.THROUGHPUT_SAMPLES_PER_SEC]
         assert metrics[names.THROUGHPUT_FLOPS_PER_SEC] == pytest.approx(flops / seconds)
@@ -349,7 +349,7 @@ def test_parallel_sizes_scale_samples_per_second_by_the_data_parallel_size() -> 
     parallel = ParallelSizes(world_size=4, data_parallel=4)
     batch = torch.randn(B, IN)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    run(session, model, optimizer, range(0, window_end(0, 1)), Outlet(), batch, 1, parallel)
+    run(session, model, optimizer, range(0, window_end(0, 1)), Sink(), batch, 1, parallel)
     r = session.result
     assert r is not None and r.parallel == parallel
     assert r.metrics()[names.SAMPLES_PER_SEC] == pytest.approx(B * 4 / r.iter_latency)
@@ -368,16 +368,16 @@ def test_with_activation_checkpointing_the_printed_logged_and_saved_rates_agree(
     full = Options(profile_step=0, clean_steps=1, throughput=False, report="full")
     session = StepSession(full, "test", publish=publish)
     session.train_start(0)
-    outlet = Outlet(tmp_path)
-    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, window_end(0, 1)), outlet)
+    sink = Sink(tmp_path)
+    run(session, model, torch.optim.SGD(model.parameters(), lr=0.1), range(0, window_end(0, 1)), sink)
     r = session.result
     assert r is not None and r.profile.recompute_flops > 0
-    logged = outlet.logged[0][0]
+    logged = sink.logged[0][0]
     saved = json.loads((tmp_path / "flops_profile_step0.json").read_text())["metrics"]
     assert saved == logged
     printed = dict(
         (label.strip(), value.strip())
-        for label, _, value in (line.partition(": ") for line in outlet.printed[0].splitlines())
+        for label, _, value in (line.partition(": ") for line in sink.printed[0].splitlines())
     )
     assert printed["bwd FLOPS per GPU = bwd flops per GPU / bwd latency"] == flops_to_string(
         logged[names.BWD_FLOPS_PER_SEC]
@@ -411,17 +411,17 @@ def test_an_moe_models_report_says_what_six_n_d_claims_with_all_and_active_param
         publish=publish,
     )
     session.train_start(0)
-    outlet = Outlet()
+    sink = Sink()
     run(
         session,
         model,
         torch.optim.SGD(model.parameters(), lr=0.0),
         range(0, 2),
-        outlet,
+        sink,
         tokens,
         loss_of=lm_loss,
     )
-    session.train_end(2, outlet)
+    session.train_end(2, sink)
     r = session.result
     assert r is not None
     rows = dict(r.extra_lines)
@@ -445,7 +445,7 @@ def test_an_moe_models_report_says_what_six_n_d_claims_with_all_and_active_param
     palm = rows["6 x active non-embedding params x tokens + 12 x L x H x Q x T x tokens (PaLM)"]
     assert palm.startswith(f"{number_to_string(6 * active * 32 + attention)}flops = ")
     assert f" + {number_to_string(attention)}flops of attention, L=2, H=4, Q=16, T=16 (measured" in palm
-    assert "6 x non-embedding params x tokens" in outlet.printed[0]
+    assert "6 x non-embedding params x tokens" in sink.printed[0]
 
 
 def test_a_12_layer_gpt2s_console_is_a_summary_of_25_lines_and_report_full_its_90_line_report(
@@ -460,16 +460,16 @@ def test_a_12_layer_gpt2s_console_is_a_summary_of_25_lines_and_report_full_its_9
         Options(profile_step=0, clean_steps=1, tokens_fn=lambda b: b.numel()), "test", publish=publish
     )
     session.train_start(0)
-    outlet = Outlet(tmp_path)
+    sink = Sink(tmp_path)
     run(
-        session, model, torch.optim.SGD(model.parameters(), lr=0.0), range(0, window_end(0, 1)), outlet, ids,
+        session, model, torch.optim.SGD(model.parameters(), lr=0.0), range(0, window_end(0, 1)), sink, ids,
         loss_of=lm_loss,
     )  # fmt: skip
     assert session.result is not None
-    summary = outlet.printed[0].splitlines()
+    summary = sink.printed[0].splitlines()
     assert 15 <= len(summary) <= 25, len(summary)
     assert summary[1].endswith(f"(full report: {tmp_path / 'flops_profile_step0.txt'})")
-    assert "Aggregated Profile" not in outlet.printed[0]
+    assert "Aggregated Profile" not in sink.printed[0]
     assert len((tmp_path / "flops_profile_step0.txt").read_text().splitlines()) > 300  # the whole tree
     # the same window with report="full": the summary rows and the aggregated profile, not the tree
     whole = report_text(session.result, Options(), detailed=True)
@@ -489,4 +489,4 @@ def test_a_warning_points_at_the_users_line_and_an_unreachable_step_is_said_once
     assert said[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        session.train_end(5, Outlet(tmp_path))  # said at the start: not again at the end
+        session.train_end(5, Sink(tmp_path))  # said at the start: not again at the end

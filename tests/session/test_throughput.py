@@ -33,7 +33,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.
 
 
 class Quiet:
-    """An outlet that keeps what it is given: no console, no files."""
+    """A sink that keeps what it is given: no console, no files."""
 
     is_logging_rank = True
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from flops_callbacks.options import Options
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.session.window_plan import CLEAN_MAX, CLEAN_MIN, median_interval, median_known
-from tests.support import B, Outlet, run, window_end
+from tests.support import B, Sink, run, window_end
 
 
 def test_the_medians_interval_is_the_order_statistics_binomial_tables_give() -> None:
@@ -34,10 +34,10 @@ def test_auto_clean_steps_stop_when_the_median_is_known_or_at_20() -> None:
     session = StepSession(Options(profile_step=0), "test")
     assert session.options.clean_steps == "auto"
     session.train_start(0)
-    outlet = Outlet()
+    sink = Sink()
     step = 0
     while session.result is None and step < window_end(0, CLEAN_MAX):
-        run(session, model, optimizer, range(step, step + 1), outlet, batch=torch.randn(B, 6))
+        run(session, model, optimizer, range(step, step + 1), sink, batch=torch.randn(B, 6))
         step += 1
     r = session.result
     assert r is not None

@@ -15,7 +15,7 @@ from flops_callbacks.reporting.publish import publish
 from flops_callbacks.reporting.report_rows import report_text
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP
-from tests.support import Outlet, run, window_end
+from tests.support import Sink, run, window_end
 
 MIB = 2**20
 FWD_TEMP, BWD_TEMP = 256 * MIB, 512 * MIB  # bytes of a temporary each pass allocates and frees
@@ -54,7 +54,7 @@ def window(device: str, tmp_path: Path) -> StepSession:
         model,
         optimizer,
         range(0, window_end(0, 2)),
-        Outlet(tmp_path),
+        Sink(tmp_path),
         torch.randn(4, 8, device=device),
     )
     return session
