@@ -26,7 +26,7 @@ from flops_callbacks.roofline import as_data
 from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts
-from flops_callbacks.session.window_steps import SUMS, CleanFigures, CleanStep, StepWork
+from flops_callbacks.session.window_steps import SUMS, CleanFigures, CleanStep, StepSeconds, StepWork
 from flops_callbacks.timing.hook_cost import HookCost
 
 __all__ = [
@@ -190,7 +190,7 @@ def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
     peak, bandwidth = data["peak"], data["bandwidth"]
     clean = CleanFigures(
         tuple(
-            CleanStep(_work(each["work"]), tuple(each["seconds"][name] for name in SUMS))
+            CleanStep(_work(each["work"]), StepSeconds(*(each["seconds"][name] for name in SUMS)))
             for each in data["clean_each"]
         )
     )

@@ -166,12 +166,17 @@ COUNTED = (
 )  # the counting step's totals the job sums
 
 
+def counted_totals(profile: Profile) -> dict[str, int]:
+    """The counting step's totals a rank tells the others, by name."""
+    return {name: getattr(profile, name) for name in COUNTED}
+
+
 class RankRow(NamedTuple):
     """What one rank tells the others at the window's end: each clean step's work and times, and its
     counting step's totals (by :data:`COUNTED`) and samples and tokens."""
 
     steps: tuple[CleanStep, ...]  # each clean step's, in order
-    counted: tuple[int, ...]  # the counting step's totals
+    counted: dict[str, int]  # the counting step's totals, by name (:data:`COUNTED`)
     counted_samples: int | float | None
     counted_tokens: int | float | None
     counting_iter: float  # the counting step's fwd + bwd + step seconds (what a count costs)
@@ -195,8 +200,7 @@ class LocalWindow:
 
     def row(self) -> RankRow:
         f, c, comm = self.figures, self.counting, self.comm_step
-        counted = tuple(getattr(self.profile, name) for name in COUNTED)
-        row = RankRow(f.steps, counted, c.samples, c.tokens, c.seconds()["iter"])
+        row = RankRow(f.steps, counted_totals(self.profile), c.samples, c.tokens, c.seconds()["iter"])
         return row if comm is None else row._replace(comm=comm.comm, comm_iter=comm.seconds()["iter"])
 
 
@@ -326,7 +330,7 @@ def build_result(
         no_bandwidth_reason=no_bandwidth_reason,
         peak_memory=clean_peak_memory(clean),
         rank_latencies=[phases(CleanFigures(r.steps).median_step()) for r in rows],
-        rank_counts=[dict(zip(COUNTED, r.counted, strict=True)) for r in rows],
+        rank_counts=[r.counted for r in rows],
         sharded_model_params=sharded_params(model),
         extra_lines=extra,
         spans=spans,

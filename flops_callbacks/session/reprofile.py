@@ -22,11 +22,11 @@ from flops_callbacks.counting.engine import Tracer
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.builder import (
-    COUNTED,
     LocalWindow,
     RankRow,
     build_result,
     clean_peak_memory,
+    counted_totals,
     job_figures,
     local_window,
     phases,
@@ -55,8 +55,8 @@ class ReusedWindow:
         """What this rank tells the others: its clean steps' figures; the counted part is the base's
         (the same on every rank: the job's figures of the window it reuses)."""
         f, base = self.figures, self.base
-        counted = tuple(getattr(base.profile, name) for name in COUNTED)
-        return RankRow(f.steps, counted, base.samples, base.tokens, base.counting_iter or 0.0)
+        totals = counted_totals(base.profile)
+        return RankRow(f.steps, totals, base.samples, base.tokens, base.counting_iter or 0.0)
 
     def result(self, rows: Sequence[RankRow], flops: ShapeFlops, global_step: int) -> WindowResult:
         """The job's result: the base's with this window's steps, latencies and rates."""

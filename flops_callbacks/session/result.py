@@ -46,7 +46,7 @@ from flops_callbacks.roofline import Roofline, module_rooflines
 from flops_callbacks.session.comm_step import CommFigures
 from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.shape_flops import BatchCounts
-from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepWork
+from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepSeconds, StepWork
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.spans import ModuleSpan
 
@@ -214,7 +214,7 @@ class WindowResult:
         above doing the profile's flops."""
         if self.clean is not None:
             return self.clean
-        seconds = (self.fwd_latency, self.bwd_latency, self.step_latency, 0.0, 0.0)  # no data, no wall
+        seconds = StepSeconds(self.fwd_latency, self.bwd_latency, self.step_latency, 0.0, 0.0)  # no wall
         return CleanFigures(
             (CleanStep(StepWork(BatchCounts.of(self.profile), self.samples, self.tokens), seconds),)
         )

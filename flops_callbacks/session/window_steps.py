@@ -35,6 +35,7 @@ from flops_callbacks.timing.phases import StepPhases
 
 __all__ = [
     "SUMS",
+    "StepSeconds",
     "LATENCIES",
     "CleanFigures",
     "CleanStep",
@@ -47,7 +48,24 @@ __all__ = [
 
 # the latencies of a clean step
 LATENCIES = ("fwd", "bwd", "step", "iter", "data", "wall")
-SUMS = ("fwd", "bwd", "step", "data", "wall")
+
+
+class StepSeconds(NamedTuple):
+    """A clean step's seconds: its phases, the wait for data and the wall step."""
+
+    fwd: float
+    bwd: float
+    step: float
+    data: float
+    wall: float
+
+    @property
+    def iter(self) -> float:
+        """fwd + bwd + step (DeepSpeed's iter latency)."""
+        return self.fwd + self.bwd + self.step
+
+
+SUMS = StepSeconds._fields
 
 
 class StepWork(NamedTuple):
@@ -169,13 +187,11 @@ class CleanStep(NamedTuple):
     """One timed step as the job saw it: its work per device and its seconds (each of :data:`SUMS`)."""
 
     work: StepWork
-    seconds: tuple[float, ...]
+    seconds: StepSeconds
 
     def latency(self, name: str) -> float:
         """Seconds of one of :data:`LATENCIES` ("iter": fwd + bwd + step)."""
-        if name == "iter":
-            return sum(self.seconds[:3])
-        return self.seconds[SUMS.index(name)]
+        return float(getattr(self.seconds, name))
 
     def rate(self) -> float:
         """Its model flops per second of fwd + bwd + step (seconds' inverse where no flops are known):
@@ -198,7 +214,7 @@ class CleanFigures:
         middle = ranked[(len(ranked) - 1) // 2 : len(ranked) // 2 + 1]
         if len(middle) == 1:
             return middle[0]
-        seconds = tuple(sum(pair) / 2 for pair in zip(*(s.seconds for s in middle), strict=True))
+        seconds = StepSeconds(*(sum(pair) / 2 for pair in zip(*(s.seconds for s in middle), strict=True)))
         return CleanStep(StepWork.combined([s.work for s in middle], mean), seconds)
 
     @property
@@ -255,5 +271,5 @@ def clean_figures(
     for i, s in enumerate(steps):
         seconds = s.seconds()
         own = each[i] if each is not None else counts
-        timed.append(CleanStep(s.work(own), tuple(seconds[name] for name in SUMS)))
+        timed.append(CleanStep(s.work(own), StepSeconds(*(seconds[name] for name in SUMS))))
     return CleanFigures(tuple(timed))

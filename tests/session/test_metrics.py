@@ -12,7 +12,7 @@ from flops_callbacks.peaks import Peak
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
 from flops_callbacks.session.result import WindowResult, WindowSteps, phase_rates, window_metrics
 from flops_callbacks.session.shape_flops import BatchCounts
-from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepWork
+from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepSeconds, StepWork
 
 
 def profile(fwd: int, bwd: int, recompute: int) -> Profile:
@@ -89,7 +89,8 @@ def test_one_slow_step_moves_latencies_and_rates_not_but_the_wall_rate_and_the_r
     rates are the median step's (by FLOPS), the wall rate carries the slow step's time, the range shows it."""
     counts = BatchCounts(100, 200, 0, 50, 100, 0)
     times = [(0.25, 0.5, 0.25), (0.2, 0.6, 0.3), (0.75, 1.5, 0.75), (0.3, 0.4, 0.2), (0.25, 0.5, 0.2)]
-    figures = CleanFigures(tuple(CleanStep(StepWork(counts, 4, 64), (*t, 0.1, sum(t) + 0.1)) for t in times))
+    steps = (CleanStep(StepWork(counts, 4, 64), StepSeconds(*t, 0.1, sum(t) + 0.1)) for t in times)
+    figures = CleanFigures(tuple(steps))
     r = dataclasses.replace(
         result(profile(fwd=100, bwd=200, recompute=0)), micro_batches=1, clean=figures,
         fwd_latency=0.25, bwd_latency=0.5, step_latency=0.25,
