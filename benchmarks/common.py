@@ -1,5 +1,6 @@
 """The helpers the benchmark scripts share: the profile window's steps as the run plan lays them out, the
-clocks a step is timed on, a Lightning callback that times steps, and a quiet Lightning Trainer.
+clocks a step is timed on, a Lightning callback that times steps, a quiet Lightning Trainer, and token
+sequences of random lengths padded to the longest of their batch.
 
 One module beside the scripts (``python benchmarks/x.py`` puts this folder on ``sys.path``), so that a
 script reads as its measurement alone. Lightning and the package are imported inside the helpers that
@@ -15,7 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CLOCKS", "print_ratio_table", "quiet_trainer", "step_timer", "window_steps"]
+__all__ = [
+    "CLOCKS",
+    "RandomLengths",
+    "pad_to_longest",
+    "print_ratio_table",
+    "quiet_trainer",
+    "step_timer",
+    "window_steps",
+]
 
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "main-thread CPU": time.thread_time}
 
@@ -108,3 +117,33 @@ def print_ratio_table(
             ratio = statistics.median(a / b for a, b in zip(values, medians["without"], strict=True))
             goal = goals.get(config, "")
             print(f"| {clock} | {config} | {statistics.median(values) * 1e3:.2f} | {ratio:.4f} | {goal} |")
+
+
+class RandomLengths:
+    """``size`` sequences of token ids below ``vocab``, each of a length drawn from ``low .. high - 1``
+    (seed 0), as ``{"input_ids": ...}`` items of a map-style dataset."""
+
+    def __init__(self, size: int, vocab: int, low: int, high: int) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(low, high, (size,), generator=g)
+        self.items = [torch.randint(1, vocab, (int(n),), generator=g) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.items[i]}
+
+
+def pad_to_longest(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A batch padded to its longest sequence: input_ids, attention_mask, and labels with -100 on padding."""
+    import torch
+
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, s in enumerate(samples):
+        ids[row, : len(s["input_ids"])], mask[row, : len(s["input_ids"])] = s["input_ids"], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import transformers
+from common import RandomLengths, pad_to_longest
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -96,30 +97,6 @@ def fake_count_cost(name: str, model: torch.nn.Module, batch: int, length: int, 
     )
 
 
-class Lengths(torch.utils.data.Dataset):
-    def __init__(self, size: int = 600) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.items = [
-            torch.randint(1, VOCAB, (int(n),), generator=g)
-            for n in torch.randint(16, 257, (size,), generator=g)
-        ]
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.items[i]}
-
-
-def pad_to_longest(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    longest = max(len(s["input_ids"]) for s in samples)
-    ids = torch.zeros(len(samples), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, s in enumerate(samples):
-        ids[row, : len(s["input_ids"])], mask[row, : len(s["input_ids"])] = s["input_ids"], 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
 class Marks(TrainerCallback):
     """Outside clock marks: each step's start and end."""
 
@@ -145,8 +122,9 @@ def grouped_run(root: Path, off_clock: bool) -> str:
         train_sampling_strategy="group_by_length",
     )  # fmt: skip
     callback, marks = HFFlopsCallback(profile_step=PROFILE_STEP, print_profile=False), Marks()
+    lengths = RandomLengths(600, VOCAB, 16, 257)  # 16 .. 256 tokens
     trainer = Trainer(
-        GPT2LMHeadModel(config), args, train_dataset=Lengths(), data_collator=pad_to_longest,
+        GPT2LMHeadModel(config), args, train_dataset=lengths, data_collator=pad_to_longest,
         callbacks=[callback, marks],
     )  # fmt: skip
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # no loss lines

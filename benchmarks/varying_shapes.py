@@ -27,7 +27,7 @@ from typing import Any
 import lightning as L
 import torch
 import transformers
-from common import quiet_trainer
+from common import RandomLengths, pad_to_longest, quiet_trainer
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from flops_callbacks import FlopsProfilerCallback, HFFlopsCallback
@@ -42,19 +42,9 @@ def gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-class Sequences(torch.utils.data.Dataset):
-    def __init__(self, size: int) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.items = [
-            torch.randint(1, VOCAB, (int(n),), generator=g)
-            for n in torch.randint(16, 129, (size,), generator=g)
-        ]
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.items[i]}
+def sequences(size: int) -> RandomLengths:
+    """``size`` sequences of 16 .. 128 tokens."""
+    return RandomLengths(size, VOCAB, 16, 129)
 
 
 class Collator:
@@ -66,12 +56,7 @@ class Collator:
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         if self.sleep:
             time.sleep(self.sleep)
-        longest = max(len(s["input_ids"]) for s in samples)
-        ids = torch.zeros(len(samples), longest, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, s in enumerate(samples):
-            ids[row, : len(s["input_ids"])], mask[row, : len(s["input_ids"])] = s["input_ids"], 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+        return pad_to_longest(samples)
 
 
 class Marks:
@@ -128,7 +113,7 @@ def run_lightning(root: Path, steps: int, sleep: float, profiled: bool) -> tuple
     callbacks = ([callback] if callback else []) + [marks]
     logger = L.pytorch.loggers.CSVLogger(root)
     trainer = quiet_trainer(root, steps, callbacks, logger=logger, log_every_n_steps=5)
-    data = torch.utils.data.DataLoader(Sequences(steps * BATCH), batch_size=BATCH, collate_fn=Collator(sleep))
+    data = torch.utils.data.DataLoader(sequences(steps * BATCH), batch_size=BATCH, collate_fn=Collator(sleep))
     trainer.fit(LitGPT2(), data)
     if callback:
         LAST_TABLE[0] = callback.session.flops
@@ -149,7 +134,7 @@ def run_hf(root: Path, steps: int, sleep: float, profiled: bool) -> tuple[Marks,
     )  # fmt: skip
     callbacks: list[Any] = ([callback] if callback else []) + [marks]
     trainer = Trainer(
-        model=gpt2(), args=args, train_dataset=Sequences(steps * BATCH), data_collator=Collator(sleep),
+        model=gpt2(), args=args, train_dataset=sequences(steps * BATCH), data_collator=Collator(sleep),
         callbacks=callbacks,
     )  # fmt: skip
     trainer.train()
@@ -201,7 +186,7 @@ def meter_cost(steps: int) -> None:
     print("| framework | meter per micro-batch | median step | share of a step |")
     print("|---|---:|---:|---:|")
     collate = Collator(0.0)
-    data = Sequences(200 * BATCH)
+    data = sequences(200 * BATCH)
     batches = [collate([data[i * BATCH + j] for j in range(BATCH)]) for i in range(200)]
     for framework, runner in RUNNERS.items():
         with tempfile.TemporaryDirectory() as root:
