@@ -13,7 +13,10 @@ Printed: the medians over ``--repeats`` of each side, their ratio, and the media
 ratio (the two sides a few hundred ms apart: load that drifts over the run cancels). Goal on CPU: within
 [0.9, 1.1]. On a loaded machine the spread is wide: run with ``--threads 1`` and more repeats.
 
-    python benchmarks/generation_truth.py [--repeats 7] [--threads 1] [--device cuda]
+On a GPU (``--device cuda --bf16``) GPT-2 124M is added, and each model's decode MBU and prefill MFU are
+printed (against the device's peak bandwidth and bf16 FLOPS).
+
+    python benchmarks/generation_truth.py [--repeats 7] [--threads 1] [--device cuda --bf16]
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ def llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-MODELS: dict[str, Callable[[], torch.nn.Module]] = {"gpt2": gpt2, "llama-gqa": llama}
+def gpt2_124m() -> torch.nn.Module:
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config())  # the prompts draw ids below 512
+
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {"gpt2": gpt2, "llama-gqa": llama, "gpt2-124m": gpt2_124m}
 
 
 class Stamps:
@@ -72,6 +79,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--bf16", action="store_true", help="the model's weights in bf16")
+    parser.add_argument("--models", default="gpt2,llama-gqa", help=f"of {', '.join(MODELS)}")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,9 +90,10 @@ def main() -> None:
     print(f"device {device}, torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads, {args.repeats} repeats (medians)")  # fmt: skip
     print(f"{'model':<10} {'figure':<24} {'true':>10} {'reported':>10} {'ratio':>7} {'paired':>7}")
-    for name, build in MODELS.items():
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    for name in args.models.split(","):
         torch.manual_seed(0)
-        model = build().eval().to(device)
+        model = MODELS[name]().eval().to(device, dtype)
         ids = torch.randint(3, 512, (BATCH, PROMPT), device=device)
         mask = torch.ones_like(ids)
         mask[1, :PADDED] = 0
@@ -114,6 +124,9 @@ def main() -> None:
             t, r = statistics.median(true), statistics.median(reported)
             paired = statistics.median(b / a for a, b in zip(true, reported, strict=True))
             print(f"{name:<10} {figure:<24} {t * 1e3:>8.3f}ms {r * 1e3:>8.3f}ms {r / t:>7.3f} {paired:>7.3f}")
+        rates = {key.split("/")[-1]: profile.metrics.get(key) for key in metrics.GENERATION_WITH_PEAK}
+        if any(v is not None for v in rates.values()):
+            print(f"{name:<10} " + ", ".join(f"{k} {v:.4f}" for k, v in rates.items() if v is not None))
 
 
 if __name__ == "__main__":

@@ -17,9 +17,10 @@ loop's own:
   for the loss outside the model: fwd and bwd within [0.95, 1.05].
 
 Model: GPT-2 4 x 128 (vocabulary 8192, so that AdamW's step takes milliseconds), seq 128, AdamW, CPU,
-one torch thread.
+one torch thread. With ``--device cuda`` the loops run on the GPU and their marks are CUDA events.
 
     python benchmarks/step_profiler_truth.py [--steps 45] [--profile-step 5] [--batch-size 4] [--loops ...]
+    python benchmarks/step_profiler_truth.py --device cuda
 """
 
 from __future__ import annotations
@@ -54,9 +55,29 @@ def gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def loop(door: str, steps: int, profile_step: int, batch_size: int, root: str, out: dict) -> Iterator[None]:
+class Clock:
+    """The loop's own marks: ``perf_counter`` on a CPU, CUDA events on a GPU (read at the loop's end)."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1000 if self.cuda else b - a
+
+
+def loop(
+    door: str, steps: int, profile_step: int, batch_size: int, root: str, out: dict, device: str
+) -> Iterator[None]:
     """One loop, a step per ``next``; at its end ``out`` holds the profiler and the loop's marks by step."""
-    model: Any = gpt2()
+    model: Any = gpt2().to(device)
+    clock = Clock(device)
     optimizer: Any = torch.optim.AdamW(model.parameters(), lr=3e-4)
     extra: dict[str, Any] = {}
     fabric: Any = None
@@ -64,42 +85,48 @@ def loop(door: str, steps: int, profile_step: int, batch_size: int, root: str, o
     if door == "fabric":
         from lightning.fabric import Fabric
 
-        fabric = Fabric(accelerator="cpu", devices=1)
+        fabric = Fabric(accelerator=device, devices=1)
         model, optimizer = fabric.setup(model, optimizer)
         extra = {"fabric": fabric}
     elif door == "accelerate":
         from accelerate import Accelerator
 
-        accelerator = Accelerator(cpu=True, project_dir=root)
+        accelerator = Accelerator(cpu=device == "cpu", project_dir=root)
         model, optimizer = accelerator.prepare(model, optimizer)
         extra = {"accelerator": accelerator}
     prof = StepProfiler(model, profile_step=profile_step, print_profile=False, **extra)
     generator = torch.Generator().manual_seed(0)
-    marks: dict[int, Marks] = {}
+    stamps: dict[int, tuple[Any, Any, Any, Any]] = {}
     for step in range(steps):
-        ids = torch.randint(0, VOCAB, (batch_size, CONTEXT), generator=generator)
+        ids = torch.randint(0, VOCAB, (batch_size, CONTEXT), generator=generator).to(device)
         batch = {"input_ids": ids, "labels": ids}
         with prof.step(batch):
-            t0 = time.perf_counter()
+            t0 = clock.mark()
             if door == OWN_LOSS:
                 logits = model(input_ids=ids).logits
                 loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
             else:
                 loss = model(**batch).loss
-            t1 = time.perf_counter()
+            t1 = clock.mark()
             if fabric is not None:
                 fabric.backward(loss)
             elif accelerator is not None:
                 accelerator.backward(loss)
             else:
                 loss.backward()
-            t2 = time.perf_counter()
+            t2 = clock.mark()
             optimizer.step()
             optimizer.zero_grad()
-            t3 = time.perf_counter()
-        marks[step] = (t1 - t0, t2 - t1, t3 - t2, t3 - t0)
+            t3 = clock.mark()
+        stamps[step] = (t0, t1, t2, t3)
         yield
     prof.close()
+    if clock.cuda:
+        torch.cuda.synchronize()
+    marks: dict[int, Marks] = {
+        step: (clock.seconds(a, b), clock.seconds(b, c), clock.seconds(c, d), clock.seconds(a, d))
+        for step, (a, b, c, d) in stamps.items()
+    }
     out.update(prof=prof, marks=marks)
 
 
@@ -115,12 +142,14 @@ def main() -> None:
     parser.add_argument("--profile-step", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--loops", nargs="+", choices=DOORS, default=DOORS, help="which loops to run")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     runs: dict[str, dict] = {door: {} for door in args.loops}
     with tempfile.TemporaryDirectory() as root:
-        loops = [loop(d, args.steps, args.profile_step, args.batch_size, root, runs[d]) for d in args.loops]
+        sizes = (args.steps, args.profile_step, args.batch_size, root)
+        loops = [loop(d, *sizes, runs[d], args.device) for d in args.loops]
         for _ in range(args.steps + 1):  # one step of each loop in turn; the last next() closes them
             for each in loops:
                 next(each, None)

@@ -71,6 +71,8 @@ ENV_VAR = "FLOPS_CALLBACKS_PEAK_FLOPS"
 BANDWIDTH_ENV_VAR = "FLOPS_CALLBACKS_PEAK_BANDWIDTH"
 
 _Figure = TypeVar("_Figure")  # Peak or Bandwidth
+
+
 def fp32_matmul_dtype() -> str:
     """``tf32`` when torch lets fp32 matmuls use TF32 tensor cores, else ``fp32``."""
     precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)

@@ -256,4 +256,3 @@ def fabric_adapter(
     # every optimizer step of a Fabric loop runs through its strategy (``_FabricOptimizer.step``)
     step_calls = lambda: [(fabric.strategy, "optimizer_step")]  # noqa: E731
     return LoopAdapter(user, model, context, _FabricSink(fabric, log, directory), fabric, step_calls)
-

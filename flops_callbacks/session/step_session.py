@@ -380,7 +380,7 @@ class StepSession(WindowEnd):
         clean = [s for s in self._steps if s.kind == Kind.CLEAN]
         if not self.plan.wants_iters(len(clean)):
             return False
-        return self.plan.done_here(lambda: [s.seconds()["iter"] for s in clean])  # a synchronize
+        return self.plan.done_here(lambda: [s.seconds()["iter"] for s in clean if s.finished()])
 
     # --- throughput ----------------------------------------------------------------------------------
 

@@ -236,7 +236,7 @@ class WindowPlan:
         return kind or Kind.CLEAN
 
     def wants_iters(self, clean_steps: int) -> bool:
-        """Whether this rank's wish at a step's end reads its clean steps' iter seconds (a synchronize):
+        """Whether this rank's wish at a step's end reads its finished clean steps' iter seconds:
         only under ``clean_steps="auto"`` with enough of them for a median."""
         return self.options.clean_steps == "auto" and clean_steps >= CLEAN_MIN
 

@@ -155,6 +155,12 @@ class WindowStep:
             total = total.plus(c)
         self.counts = total if len(known) == len(self.each) else None
 
+    def finished(self) -> bool:
+        """Whether the device has run this step to its end, so its seconds read without waiting: the
+        ``"auto"`` stop reads no other (a synchronize would drain the queue the host keeps ahead of the
+        device, and the next clean step would start with the device idle)."""
+        return self.end_mark is not None and self.phases.clock.done(self.end_mark)
+
     def seconds(self) -> dict[str, float]:
         """Seconds of each latency of this step (data and wall 0 without the previous step's end)."""
         fwd, bwd, opt = self.phases.seconds()

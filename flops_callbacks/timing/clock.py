@@ -32,6 +32,13 @@ class Clock(Protocol):
     def synchronize(self) -> None:
         """Wait for all work queued on the device."""
 
+    def done(self, mark: Any) -> bool:
+        """Whether the device has reached ``mark``: its seconds can be read without waiting (never blocks).
+
+        Args:
+            mark: a mark of this clock.
+        """
+
 
 class CpuClock:
     """``time.perf_counter``; CPU work is synchronous, so marks are exact."""
@@ -44,6 +51,9 @@ class CpuClock:
 
     def synchronize(self) -> None:
         pass
+
+    def done(self, mark: float) -> bool:
+        return True
 
 
 class CudaClock:
@@ -67,6 +77,9 @@ class CudaClock:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def done(self, mark: torch.cuda.Event) -> bool:
+        return mark.query()
 
 
 class SyncClock:
@@ -92,6 +105,9 @@ class SyncClock:
         if sync is not None:
             sync()
 
+    def done(self, mark: float) -> bool:
+        return True  # marked after a synchronize
+
 
 class NullClock:
     """Meta tensors run no kernels: there is nothing to time."""
@@ -104,6 +120,9 @@ class NullClock:
 
     def synchronize(self) -> None:
         pass
+
+    def done(self, mark: None) -> bool:
+        return True
 
 
 def clock_for(device: torch.device | str) -> Clock:

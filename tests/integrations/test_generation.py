@@ -26,6 +26,14 @@ from flops_callbacks import GenerationProfile, GenerationRun, metrics, profile_d
 
 transformers = pytest.importorskip("transformers")
 
+# the cache's name in a model's outputs and arguments: ``cache`` from transformers 5.24 (``past_key_values``
+# still works there, with a FutureWarning), ``past_key_values`` before
+CACHE = (
+    "cache"
+    if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__
+    else ("past_key_values")
+)
+
 BATCH, PROMPT, NEW = 2, 64, 32
 DECODE_STEPS = NEW - 1  # the prefill's forward gives the first token
 MIDDLE = (DECODE_STEPS - 1) // 2  # decode step 15: the cache holds PROMPT + 15 positions before it
@@ -284,12 +292,12 @@ def own_loop(model: torch.nn.Module, steps: int = NEW) -> Callable[[GenerationRu
                         input_ids=token,
                         attention_mask=mask,
                         position_ids=positions,
-                        cache=out.cache,
+                        **{CACHE: getattr(out, CACHE)},
                         logits_to_keep=1,
                     )
                 token = out.logits[:, -1].argmax(-1, keepdim=True)
                 tokens.append(token)
-            run.kv_cache(out.cache)
+            run.kv_cache(getattr(out, CACHE))
         return torch.cat(tokens, dim=-1)
 
     return loop

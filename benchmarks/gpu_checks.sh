@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The checks only a GPU can make (../shared/GPU.md), in one run of at most about 8 minutes: each step
+# under its own time limit, everything it prints appended to $OUT/gpu.log, the profile picture of a GPU
+# run written to $OUT/gpu-profile.html. Run from the repository root on a machine with torch (CUDA),
+# lightning, transformers and accelerate installed:  OUT=gpu-out bash benchmarks/gpu_checks.sh
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+LOG=$OUT/gpu.log
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=offline
+PY=${PYTHON:-python3}
+
+check() {  # check NAME SECONDS COMMAND...: one step, its output in the log, its exit status after it
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    echo "===== $name (limit ${limit}s): $*" | tee -a "$LOG"
+    timeout -k 5 "$limit" "$@" 2>&1 | grep -v "Tip:\|litlogger\|TPU available\|HPU available" | tee -a "$LOG"
+    echo "===== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start))s" | tee -a "$LOG"
+}
+
+check environment 20 bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv;
+  $PY -c 'import torch, lightning, transformers, accelerate; print(torch.__version__, torch.version.cuda,
+  torch.cuda.get_device_name(), lightning.__version__, transformers.__version__, accelerate.__version__)'"
+check cuda-tests 60 "$PY" -m pytest -q -p no:cacheprovider -rs tests/timing/test_clock.py \
+    tests/timing/test_phase_memory.py tests/timing/test_comm_recorder.py tests/test_peaks.py
+check window-and-mfu 90 "$PY" benchmarks/gpu_window.py --repeats 2
+check timing-truth-124m 70 "$PY" benchmarks/timing_truth.py --device cuda --bf16 --cases gpt2-124m --repeats 3
+check timing-truth-small 40 "$PY" benchmarks/timing_truth.py --device cuda --bf16 --cases gpt2-small,mlp --repeats 1
+check step-profiler-truth 45 "$PY" benchmarks/step_profiler_truth.py --device cuda
+check generation-truth 45 "$PY" benchmarks/generation_truth.py --device cuda --bf16 --models gpt2,gpt2-124m --repeats 3
+check picture 25 "$PY" benchmarks/picture_screenshot.py --device cuda --html "$OUT/gpu-profile.html" --no-shot
+# the whole suite last, in parallel: what it reaches in its time (tools absent there fail or skip)
+check whole-suite 90 "$PY" -m pytest -q -p no:cacheprovider -n 12 --timeout 80 tests
