@@ -14,12 +14,12 @@ from typing import Any
 from flops_callbacks import metrics as names
 from flops_callbacks.session.comm_step import CommFigures
 from flops_callbacks.session.result import WindowResult
-from flops_callbacks.timing.comm_breakdown import TimeSplit
+from flops_callbacks.timing.comm_breakdown import CollectiveRow, TimeSplit
 from flops_callbacks.timing.intervals import subtract
 from flops_callbacks.timing.phases import PHASES
 from flops_callbacks.units import bytes_to_string, duration_to_string, percent
 
-__all__ = ["comm_data", "comm_lines", "comm_trace", "verdict"]
+__all__ = ["comm_data", "comm_from_data", "comm_lines", "comm_trace", "verdict"]
 
 
 def _split_text(split: TimeSplit) -> str:
@@ -113,6 +113,32 @@ def comm_data(comm: CommFigures | None) -> dict[str, Any] | None:
         ],
         "verdict": verdict(comm),
     }
+
+
+def comm_from_data(data: dict[str, Any]) -> CommFigures:
+    """The figures :func:`comm_data` wrote, read back from a profile file (the rank's timeline stays in
+    its ``.comm.trace.json``)."""
+
+    def split(s: dict[str, Any]) -> TimeSplit:
+        return TimeSplit(s["span"], s["compute"], s["comm"], s["overlapped"])
+
+    rows = [
+        CollectiveRow(
+            row["op"], row["calls"], row["bytes"], tuple(row["seconds"]),
+            None if row["bus_bandwidth"] is None else tuple(row["bus_bandwidth"]),
+        )  # fmt: skip
+        for row in data["collectives"]
+    ]
+    return CommFigures(
+        step_number=data["step"],
+        world=data["world"],
+        step=split(data["whole_step"]),
+        phases={phase: split(s) for phase, s in data["phases"].items()},
+        collectives=rows,
+        exposed_range=tuple(data["exposed_range"]),
+        device=data["device_timeline"],
+        iter_seconds=data["iter_seconds"],
+    )
 
 
 def comm_trace(comm: CommFigures) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from flops_callbacks import metrics as names
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
-from flops_callbacks.reporting.comm_report import comm_data
+from flops_callbacks.reporting.comm_report import comm_data, comm_from_data
 from flops_callbacks.roofline import as_data
 from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.result import WindowResult, WindowSteps
@@ -224,4 +224,5 @@ def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
         hook_cost=None if data["hook_cost"] is None else HookCost(**data["hook_cost"]),
         model_forward=data["model_forward"],
         model_forward_high=data["model_forward_high"],
+        comm=None if data.get("communication") is None else comm_from_data(data["communication"]),
     )

@@ -19,6 +19,9 @@ from typing import Any
 import pytest
 
 from flops_callbacks import metrics as names
+from flops_callbacks.options import Options
+from flops_callbacks.reporting.profile_file import json_data, load
+from flops_callbacks.reporting.report_rows import report_text
 from tests.comm_workers import PROFILE_STEP
 from tests.support import check_step, run_bounded
 
@@ -80,8 +83,13 @@ def check_ddp(directory: Path, kind: str, extra_bytes: int = 0) -> None:
     report = (directory / f"flops_profile_step{PROFILE_STEP}.txt").read_text() if kind == "loop" else ""
     if report:
         assert "beyond compute, the step spends most on" in report and "all_reduce: calls" in report
-        saved = json.loads((directory / f"flops_profile_step{PROFILE_STEP}.json").read_text())
+        path = directory / f"flops_profile_step{PROFILE_STEP}.json"
+        saved = json.loads(path.read_text())
         assert saved["communication"]["collectives"][0]["bytes"] == table["all_reduce"]["bytes"]
+        # read back (the command line's show): the same JSON, and the same report with its communication
+        loaded = load(path).result
+        assert loaded.comm is not None and json.loads(json.dumps(json_data(loaded))) == saved
+        assert report_text(loaded, Options(), detailed=True) + "\n" == report
         trace = json.loads((directory / f"flops_profile_step{PROFILE_STEP}.comm.trace.json").read_text())
         tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
         assert tracks == {"phases", "compute", "communication", "exposed communication"}
