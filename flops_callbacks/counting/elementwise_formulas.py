@@ -232,13 +232,18 @@ def _bucketize_flop(args: tuple, kwargs: dict, out: Any) -> int:
 
 # --- pointwise, but not tagged so: one flop per output element, as the tagged ones ---------------------
 # (softplus's backward: Mamba's step size; log-sigmoid's forward, which returns (output, buffer), and
-# backward; polar: Llama 4's rotary embedding)
+# backward; polar: Llama 4's rotary embedding; the backwards of ELU / CELU / SELU, LeakyReLU, Hardtanh /
+# ReLU6, Hardsigmoid and Mish, and Hardswish and RReLU both ways: MobileNet's and EfficientNet's
+# activations among them. RReLU's random slope is drawn free, its multiply counted, as dropout's mask.)
 
 
 @elementwise(
     present(
         *("floor_divide", "floor_divide_", "softplus_backward"),
         *("log_sigmoid_forward", "log_sigmoid_backward", "polar"),
+        *("elu_backward", "leaky_relu_backward", "hardtanh_backward", "hardsigmoid_backward"),
+        *("mish_backward", "hardswish", "hardswish_", "hardswish_backward"),
+        *("rrelu_with_noise", "rrelu_with_noise_", "rrelu_with_noise_backward"),
     )
 )
 def _untagged_pointwise_flop(args: tuple, kwargs: dict, out: Any) -> int:

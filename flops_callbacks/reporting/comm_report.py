@@ -124,7 +124,10 @@ def comm_from_data(data: dict[str, Any]) -> CommFigures:
 
     rows = [
         CollectiveRow(
-            row["op"], row["calls"], row["bytes"], tuple(row["seconds"]),
+            row["op"],
+            row["calls"],
+            row["bytes"],
+            tuple(row["seconds"]),
             None if row["bus_bandwidth"] is None else tuple(row["bus_bandwidth"]),
         )  # fmt: skip
         for row in data["collectives"]

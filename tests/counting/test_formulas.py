@@ -463,6 +463,30 @@ def test_softplus_and_logsigmoid_count_one_flop_per_element_each_way(activation:
     assert profile.coverage.uncounted == []
 
 
+ACTIVATIONS = [F.elu, F.celu, F.selu, F.leaky_relu, F.hardtanh, F.relu6, F.hardsigmoid, F.mish, F.hardswish]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=[a.__name__ for a in ACTIVATIONS])
+def test_activations_whose_backward_torch_does_not_tag_pointwise_count_one_flop_per_element(
+    activation: Callable,
+) -> None:
+    # their backwards (and Hardswish's forward) carry no pointwise tag: counted as the tagged ones are
+    x = leaf(3, 4, 7)
+    profile = profile_of(Call(activation), x, backward=True)
+    assert (profile.fwd_flops, profile.bwd_flops) == (x.numel(), x.numel())
+    assert profile.coverage.uncounted == []
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_rrelu_multiplies_by_its_slope_once_per_element_each_way(training: bool) -> None:
+    # random slopes while training (their draw is free, the multiply is not: as dropout's mask), the
+    # slopes' mean in eval
+    x = leaf(3, 4, 7)
+    profile = profile_of(Call(lambda t: F.rrelu(t, training=training)), x, backward=True)
+    assert (profile.fwd_flops, profile.bwd_flops) == (x.numel(), x.numel())
+    assert profile.coverage.uncounted == []
+
+
 def test_polar_counts_one_flop_per_complex_output_element() -> None:
     # Llama 4's rotary embedding: unit-length complex rotations from (positions x frequencies) angles
     angles = torch.outer(torch.arange(6.0), torch.rand(4))
