@@ -78,6 +78,8 @@ def zero_config(stage: int) -> dict[str, Any]:
 
 def save(directory: Path, rank: int, callback: Any, **extra: Any) -> None:
     """What this rank's callback published, through its public surface only."""
+    from flops_callbacks.reporting.comm_report import comm_data
+
     result = callback.result
     p = result.profile
     seen = {
@@ -89,6 +91,7 @@ def save(directory: Path, rank: int, callback: Any, **extra: Any) -> None:
             "iter_seconds": result.iter_latency,
         },
         "profile": {k: getattr(p, k) for k in ("fwd_flops", "bwd_flops", "fwd_macs", "bwd_macs", "params")},
+        "comm": comm_data(result.comm),  # the communication step's, as the JSON file holds it
         **extra,
     }
     (directory / f"rank{rank}.json").write_text(json.dumps(seen))

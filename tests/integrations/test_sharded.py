@@ -163,7 +163,7 @@ def test_lightning_fsdp2_each_device_counts_the_whole_model_on_its_batch_and_hol
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_hf_trainer_deepspeed_zero_counts_the_whole_model_on_each_devices_batch(
+def test_hf_trainer_deepspeed_zero_counts_the_whole_model_and_its_collectives(
     tmp_path: Path, stage: int
 ) -> None:
     pytest.importorskip("deepspeed")
@@ -184,6 +184,18 @@ def test_hf_trainer_deepspeed_zero_counts_the_whole_model_on_each_devices_batch(
     assert_saved_profile(tmp_path / "out", every[0])
     assert_sizes_rows(rows, data=2, tensor=1, pipeline=1, context=1)
     assert params_to_string(whole(gpt2())) in model_params_rows(rows)
+    # the communication step's table: ZeRO-2 all-reduces the gradients (gloo: no reduce-scatter) and
+    # all-gathers the updated parameters' partitions; ZeRO-3 gathers the parameters for the forward and
+    # backward and reduce-scatters the gradients; the Trainer all-reduces a few scalars of its own
+    assert every[0]["comm"] == every[1]["comm"]
+    table = {row["op"]: row for row in every[0]["comm"]["collectives"]}
+    model_bytes = 4 * whole(gpt2())  # fp32
+    gathered = table["all_gather"]["bytes"]
+    assert gathered % model_bytes == 0 and gathered >= model_bytes
+    if stage == 2:
+        assert model_bytes <= table["all_reduce"]["bytes"] <= model_bytes + 64
+    else:
+        assert table["reduce_scatter"]["bytes"] == model_bytes and table["all_reduce"]["bytes"] <= 64
 
 
 # --- strategies that refuse CPU: the refusal, and the sizes read from the real objects -------------------
