@@ -13,8 +13,8 @@ Printed: the medians over ``--repeats`` of each side, their ratio, and the media
 ratio (the two sides a few hundred ms apart: load that drifts over the run cancels). Goal on CPU: within
 [0.9, 1.1]. On a loaded machine the spread is wide: run with ``--threads 1`` and more repeats.
 
-On a GPU (``--device cuda --bf16``) GPT-2 124M is added, and each model's decode MBU and prefill MFU are
-printed (against the device's peak bandwidth and bf16 FLOPS).
+``--models`` picks the models (GPT-2 124M too: ``gpt2-124m``); where the device's peaks are known (a GPU),
+each model's prefill and decode MFU and MBU are printed too.
 
     python benchmarks/generation_truth.py [--repeats 7] [--threads 1] [--device cuda --bf16]
 """
@@ -82,6 +82,9 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="the model's weights in bf16")
     parser.add_argument("--models", default="gpt2,llama-gqa", help=f"of {', '.join(MODELS)}")
     args = parser.parse_args()
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(sorted(unknown))}; accepted: {', '.join(MODELS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")

@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--no-shot", action="store_true", help="write --html only, take no screenshot")
     parser.add_argument("--from-html", type=Path, help="screenshot this page; train nothing")
     args = parser.parse_args()
+    if args.no_shot and (args.html is None or args.from_html is not None):
+        parser.error("--no-shot writes the page only: it needs --html and takes no --from-html")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None and not args.no_shot:
         sys.exit("needs the chromium binary on PATH (Debian: apt-get install -y chromium)")

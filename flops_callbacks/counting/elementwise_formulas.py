@@ -233,8 +233,9 @@ def _bucketize_flop(args: tuple, kwargs: dict, out: Any) -> int:
 # --- pointwise, but not tagged so: one flop per output element, as the tagged ones ---------------------
 # (softplus's backward: Mamba's step size; log-sigmoid's forward, which returns (output, buffer), and
 # backward; polar: Llama 4's rotary embedding; the backwards of ELU / CELU / SELU, LeakyReLU, Hardtanh /
-# ReLU6, Hardsigmoid and Mish, and Hardswish and RReLU both ways: MobileNet's and EfficientNet's
-# activations among them. RReLU's random slope is drawn free, its multiply counted, as dropout's mask.)
+# ReLU6, Hardsigmoid, Mish, Softshrink and Hardshrink, in-place Mish, and Hardswish and RReLU both ways:
+# MobileNet's and EfficientNet's activations among them. RReLU's random slope is drawn free, its multiply
+# counted, as dropout's mask.)
 
 
 @elementwise(
@@ -242,7 +243,8 @@ def _bucketize_flop(args: tuple, kwargs: dict, out: Any) -> int:
         *("floor_divide", "floor_divide_", "softplus_backward"),
         *("log_sigmoid_forward", "log_sigmoid_backward", "polar"),
         *("elu_backward", "leaky_relu_backward", "hardtanh_backward", "hardsigmoid_backward"),
-        *("mish_backward", "hardswish", "hardswish_", "hardswish_backward"),
+        *("mish_", "mish_backward", "hardswish", "hardswish_", "hardswish_backward"),
+        *("softshrink_backward", "hardshrink_backward"),
         *("rrelu_with_noise", "rrelu_with_noise_", "rrelu_with_noise_backward"),
     )
 )

@@ -372,7 +372,7 @@ class StepSession(WindowEnd):
         if self._counting_failed():
             return False
         step.phases.stop()
-        step.end_mark = step.phases.clock.mark()
+        step.end_mark, step.ended = step.phases.clock.mark(), True
         self.instruments.step_ended(step, comm_next=self.plan.comm_next)
         self._step = None
         if step.kind == Kind.COUNTING:

@@ -113,6 +113,7 @@ class WindowStep:
     phases: StepPhases
     start_mark: Any = None  # the previous window step's end: where this wall step starts
     end_mark: Any = None
+    ended: bool = False  # its end marked (a meta clock's marks are None)
     signatures: list[Signature] = field(default_factory=list)
     batches: list[Any] = field(default_factory=list)  # the counting step's, for the Trainer's estimate
     samples: int | None = 0  # None when a micro-batch's size could not be found
@@ -159,7 +160,7 @@ class WindowStep:
         """Whether the device has run this step to its end, so its seconds read without waiting: the
         ``"auto"`` stop reads no other (a synchronize would drain the queue the host keeps ahead of the
         device, and the next clean step would start with the device idle)."""
-        return self.end_mark is not None and self.phases.clock.done(self.end_mark)
+        return self.ended and self.phases.clock.done(self.end_mark)
 
     def seconds(self) -> dict[str, float]:
         """Seconds of each latency of this step (data and wall 0 without the previous step's end)."""

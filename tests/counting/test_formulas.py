@@ -463,10 +463,13 @@ def test_softplus_and_logsigmoid_count_one_flop_per_element_each_way(activation:
     assert profile.coverage.uncounted == []
 
 
-ACTIVATIONS = [F.elu, F.celu, F.selu, F.leaky_relu, F.hardtanh, F.relu6, F.hardsigmoid, F.mish, F.hardswish]
+ACTIVATIONS = {
+    **{f.__name__: f for f in (F.elu, F.celu, F.selu, F.leaky_relu, F.hardtanh, F.relu6, F.hardsigmoid)},
+    **{f.__name__: f for f in (F.mish, F.hardswish, F.softshrink, F.hardshrink)},
+}
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS, ids=[a.__name__ for a in ACTIVATIONS])
+@pytest.mark.parametrize("activation", ACTIVATIONS.values(), ids=ACTIVATIONS.keys())
 def test_activations_whose_backward_torch_does_not_tag_pointwise_count_one_flop_per_element(
     activation: Callable,
 ) -> None:
@@ -474,6 +477,14 @@ def test_activations_whose_backward_torch_does_not_tag_pointwise_count_one_flop_
     x = leaf(3, 4, 7)
     profile = profile_of(Call(activation), x, backward=True)
     assert (profile.fwd_flops, profile.bwd_flops) == (x.numel(), x.numel())
+    assert profile.coverage.uncounted == []
+
+
+def test_mish_in_place_counts_as_mish() -> None:
+    x = leaf(3, 4, 7)
+    profile = profile_of(Call(lambda t: F.mish(t * 2.0, inplace=True)), x, backward=True)
+    # the scaling and the activation, each one flop per element both ways
+    assert (profile.fwd_flops, profile.bwd_flops) == (2 * x.numel(), 2 * x.numel())
     assert profile.coverage.uncounted == []
 
 

@@ -28,11 +28,8 @@ transformers = pytest.importorskip("transformers")
 
 # the cache's name in a model's outputs and arguments: ``cache`` from transformers 5.24 (``past_key_values``
 # still works there, with a FutureWarning), ``past_key_values`` before
-CACHE = (
-    "cache"
-    if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__
-    else ("past_key_values")
-)
+OUTPUT_FIELDS = transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__
+CACHE = "cache" if "cache" in OUTPUT_FIELDS else "past_key_values"
 
 BATCH, PROMPT, NEW = 2, 64, 32
 DECODE_STEPS = NEW - 1  # the prefill's forward gives the first token

@@ -496,33 +496,37 @@ def test_a_warning_points_at_the_users_line_and_an_unreachable_step_is_said_once
 def test_an_auto_window_reads_only_the_clean_steps_the_device_has_finished(
     monkeypatch: pytest.MonkeyPatch, behind: int
 ) -> None:
-    """The auto stop reads clean steps' seconds without a synchronize (which would drain the queue the host
-    keeps ahead of a GPU): a device ``behind`` steps lags the stop by as many clean steps."""
+    """The auto stop reads no step the device has not finished (a synchronize, which would drain the queue
+    the host keeps ahead of a GPU): a device ``behind`` steps lags the stop by as many clean steps."""
     from flops_callbacks.session import window_plan
     from flops_callbacks.timing.clock import CpuClock
 
-    def done(self: CpuClock, mark: float) -> bool:  # the last ``behind`` steps' ends are still queued
-        ends = [s.end_mark for s in session._steps if s.end_mark is not None]
-        return mark not in ends[len(ends) - behind :] if behind else True
+    def queued(mark: float) -> bool:  # marked after the end of the last step the device has finished
+        ends = [s.end_mark for s in session._steps if s.ended]
+        return behind > 0 and (len(ends) <= behind or mark > ends[-behind - 1])
 
-    synchronized: list[int] = []
+    read_queued: list[int] = []  # the steps at which a queued mark's seconds were read (a synchronize)
 
-    def synchronize(self: CpuClock) -> None:
-        synchronized.append(step)  # the step at which it synchronized
+    def seconds(self: CpuClock, start: float, end: float) -> float:
+        if queued(end):
+            read_queued.append(step)
+        return end - start
 
-    monkeypatch.setattr(CpuClock, "done", done)
+    monkeypatch.setattr(CpuClock, "done", lambda self, mark: not queued(mark))
+    monkeypatch.setattr(CpuClock, "seconds", seconds)
     monkeypatch.setattr(window_plan, "median_known", lambda values: True)  # stop at CLEAN_MIN read
     model = nn.Linear(IN, OUT)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     session = StepSession(Options(profile_step=0, clean_steps="auto"), "test", publish=publish)
     session.train_start(0)
-    start = first_clean(0)
+    step = start = first_clean(0)
     run(session, model, optimizer, range(0, start), Sink())
-    monkeypatch.setattr(CpuClock, "synchronize", synchronize)
+    read_queued.clear()  # before the clean steps: the counting and module-timing steps read theirs
     step = start
     while session.result is None and step < start + window_plan.CLEAN_MAX:
         run(session, model, optimizer, range(step, step + 1), Sink())
         step += 1
     assert session.result is not None
     assert len(session.result.steps.clean) == window_plan.CLEAN_MIN + behind
-    assert set(synchronized) == {step - 1}  # only once the window had ended, to build its result
+    # a queued step is read only once the window has ended, to build its result
+    assert set(read_queued) <= {step - 1} and (behind == 0) == (not read_queued)

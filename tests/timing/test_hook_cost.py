@@ -226,6 +226,9 @@ class HookedTime:
     def synchronize(self) -> None:
         pass
 
+    def done(self, mark: object) -> bool:
+        return True
+
 
 class Body(nn.Module):
     def __init__(self, clock: HookedTime, seconds: float) -> None:

@@ -23,6 +23,9 @@ class TickClock:
     def synchronize(self) -> None:
         pass
 
+    def done(self, mark: object) -> bool:
+        return True
+
 
 def test_contiguous_phases_cover_every_second_between_the_first_and_last_mark() -> None:
     phases = StepPhases(TickClock())
