@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 PROFILE_STEP = 2
-MAX_STEPS = PROFILE_STEP + 6  # the profile window: counting step, module-timing step, timing steps
+# the window up to its first clean step: counting, 3 module-timing steps, the communication step, the
+# check, one clean step (the run ends inside the "auto" window, which publishes what it had)
+MAX_STEPS = PROFILE_STEP + 7
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3  # even sizes: FSDP2 and ZeRO-3 split every parameter in halves
 VOCAB, SEQ = 97, 16
 PERSISTED = HIDDEN  # elements under which ZeRO-3 keeps a parameter whole: the MLP's biases
@@ -87,6 +89,7 @@ def save(directory: Path, rank: int, callback: Any, **extra: Any) -> None:
         "metrics": result.metrics(),
         # what the rates are made of: the median clean step's samples and its fwd + bwd + step seconds
         "clean": {
+            "steps": len(result.steps.clean),
             "samples": result.figures().median_step().work.samples,
             "iter_seconds": result.iter_latency,
         },

@@ -55,6 +55,7 @@ from tests.support import first_clean, laid_out, module_steps, window_end, windo
 PROFILE_STEP, CLEAN_STEPS = 2, 1
 MODULE_STEPS, FIRST_CLEAN = module_steps(PROFILE_STEP), first_clean(PROFILE_STEP)
 WINDOW_END = window_end(PROFILE_STEP, CLEAN_STEPS)
+DDP_END = window_end(PROFILE_STEP, CLEAN_STEPS, comm=True)  # two ranks: with the communication step
 STEPS = window_steps(PROFILE_STEP, CLEAN_STEPS)
 VOCAB, SEQ, BATCH = 97, 16, 4
 
@@ -869,7 +870,7 @@ def test_ddp_two_processes_report_data_parallel_size_from_world_process_zero(tmp
     slowest = max(ranks[0]["ranks"], key=sum)
     for rank in ranks:
         assert ParallelSizes(**rank["parallel"]) == ParallelSizes(world_size=2, data_parallel=2)
-        assert rank["published_at"] == WINDOW_END
+        assert rank["published_at"] == DDP_END and rank["clean"] == CLEAN_STEPS  # the window whole
         metrics = rank["metrics"]
         assert [metrics[n] for n in (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY)] == slowest
         assert metrics[names.SAMPLES_PER_SEC] == pytest.approx(2 * BATCH / metrics[names.ITER_LATENCY])
@@ -879,9 +880,9 @@ def test_ddp_two_processes_report_data_parallel_size_from_world_process_zero(tmp
     saved = json.loads((Path(output_dir) / f"flops_profile_step{PROFILE_STEP}.json").read_text())
     assert saved["metrics"] == ranks[0]["metrics"]
     scalars = tensorboard_scalars(output_dir)  # written by world process zero's TensorBoardCallback
-    for name in names.ALL + names.WITH_PEAK:
+    for name in names.ALL + names.WITH_PEAK + names.COMM:  # the communication step's too
         ((step, value),) = scalars["train/" + name]  # one set of metrics: rank 1 logged none
-        assert step == WINDOW_END and value == pytest.approx(ranks[0]["metrics"][name], rel=1e-6)
+        assert step == DDP_END and value == pytest.approx(ranks[0]["metrics"][name], rel=1e-6)
     report = (Path(output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
     lines = dict(line.split(":", 1) for line in report.splitlines() if ":" in line)
     assert [lines[k].strip() for k in ("world size", "data parallel size", "model parallel size")] == [
@@ -897,9 +898,10 @@ def test_ddp_two_processes_report_data_parallel_size_from_world_process_zero(tmp
 def ddp_worker(directory: Path) -> None:
     """One process of the DDP test: trains on CPU with gloo and saves what its callback saw."""
     callback = HFFlopsCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN_STEPS, peak_flops=1e9)
-    trainer = train(directory, gpt2(), [callback], ddp_backend="gloo", max_steps=WINDOW_END)
+    trainer = train(directory, gpt2(), [callback], ddp_backend="gloo", max_steps=DDP_END)
     result = callback.result
     seen = {
+        "clean": len(result.steps.clean),
         "parallel": vars(result.parallel),
         "metrics": result.metrics(),
         "ranks": result.rank_latencies,
