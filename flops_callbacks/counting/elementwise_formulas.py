@@ -233,8 +233,9 @@ def _bucketize_flop(args: tuple, kwargs: dict, out: Any) -> int:
 # --- pointwise, but not tagged so: one flop per output element, as the tagged ones ---------------------
 # (softplus's backward: Mamba's step size; log-sigmoid's forward, which returns (output, buffer), and
 # backward; polar: Llama 4's rotary embedding; the backwards of ELU / CELU / SELU, LeakyReLU, Hardtanh /
-# ReLU6, Hardsigmoid, Mish, Softshrink and Hardshrink, in-place Mish, and Hardswish and RReLU both ways:
-# MobileNet's and EfficientNet's activations among them. RReLU's random slope is drawn free, its multiply
+# ReLU6, Hardsigmoid, Mish, Softshrink and Hardshrink, in-place Mish, and Hardswish, RReLU, PReLU and GLU
+# both ways: MobileNet's and EfficientNet's activations among them. GLU, a sigmoid and a multiply fused,
+# counts one flop per output element as SiLU does. RReLU's random slope is drawn free, its multiply
 # counted, as dropout's mask.)
 
 
@@ -244,12 +245,19 @@ def _bucketize_flop(args: tuple, kwargs: dict, out: Any) -> int:
         *("log_sigmoid_forward", "log_sigmoid_backward", "polar"),
         *("elu_backward", "leaky_relu_backward", "hardtanh_backward", "hardsigmoid_backward"),
         *("mish_", "mish_backward", "hardswish", "hardswish_", "hardswish_backward"),
-        *("softshrink_backward", "hardshrink_backward"),
+        *("softshrink_backward", "hardshrink_backward", "_prelu_kernel", "glu", "glu_backward"),
         *("rrelu_with_noise", "rrelu_with_noise_", "rrelu_with_noise_backward"),
     )
 )
 def _untagged_pointwise_flop(args: tuple, kwargs: dict, out: Any) -> int:
     return largest_tensor_numel(out)
+
+
+@elementwise(present("_prelu_kernel_backward"))
+def _prelu_backward_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    # two results of the input's shape, one flop per element each: the input's gradient and the weight's
+    # per element (its sum to the weight's shape is an aten.sum of its own)
+    return sum(t.numel() for t in out)
 
 
 # --- no arithmetic ----------------------------------------------------------------------------------------

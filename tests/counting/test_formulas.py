@@ -480,6 +480,23 @@ def test_activations_whose_backward_torch_does_not_tag_pointwise_count_one_flop_
     assert profile.coverage.uncounted == []
 
 
+def test_prelu_counts_its_multiply_and_both_gradients() -> None:
+    prelu = nn.PReLU(4)
+    x = leaf(3, 4, 5)
+    profile = profile_of(prelu, x, backward=True)
+    # forward: one multiply per element; backward: the input's and the weight's gradient per element,
+    # then the weight's summed to its 4 channels (a reduction: one flop per element read)
+    assert (profile.fwd_flops, profile.bwd_flops) == (x.numel(), 3 * x.numel())
+    assert profile.coverage.uncounted == []
+
+
+def test_glu_counts_one_flop_per_output_element_each_way() -> None:
+    x = leaf(3, 8)
+    profile = profile_of(Call(lambda t: F.glu(t, dim=-1)), x, backward=True)
+    assert (profile.fwd_flops, profile.bwd_flops) == (x.numel() // 2, x.numel())  # the gradient: all of x
+    assert profile.coverage.uncounted == []
+
+
 def test_mish_in_place_counts_as_mish() -> None:
     x = leaf(3, 4, 7)
     profile = profile_of(Call(lambda t: F.mish(t * 2.0, inplace=True)), x, backward=True)
