@@ -129,7 +129,7 @@ def comm_from_data(data: dict[str, Any]) -> CommFigures:
             row["bytes"],
             tuple(row["seconds"]),
             None if row["bus_bandwidth"] is None else tuple(row["bus_bandwidth"]),
-        )  # fmt: skip
+        )
         for row in data["collectives"]
     ]
     return CommFigures(
