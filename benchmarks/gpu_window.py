@@ -164,7 +164,7 @@ def main() -> None:
             print(f"model flops measured {measured:.4e}; / 6NT {measured / hand:.4f}; "
                   f"/ Megatron {measured / megatron:.4f}; N {params}, T {tokens}")  # fmt: skip
             print(f"flops sources: {result.flops_sources}")
-            print(f"communication step: {steps.communication} (one device: None)")
+            print(f"communication steps: {steps.communication} (one device: none)")
             print(f"data latency {metrics.get(names.DATA_LATENCY, float('nan')) * 1e3:.3f} ms, wall "
                   f"{metrics.get(names.WALL_LATENCY, float('nan')) * 1e3:.2f} ms; peak memory by phase "
                   f"(bytes): {result.peak_memory}")  # fmt: skip

@@ -104,9 +104,10 @@ class Options:
         report: What the console shows: ``"summary"``, the figures read in ten seconds (rates, the
             step's split, what bounds it, the top modules, the sizes), or ``"full"``, DeepSpeed's layout
             (every summary row, the aggregated profile, the coverage). The report file is always full.
-        comm_step: With several ranks, one more window step after the module-timing ones, under
+        comm_step: With several ranks, three more window steps after the module-timing ones, under
             ``torch.profiler`` on every rank: where the step's time goes (compute, communication hidden
-            under it, exposed, idle) and each collective's bytes and bus bandwidth. False: none.
+            under it, exposed, idle) and each collective's bytes and bus bandwidth, from each rank's
+            median step of the three (by exposed time). False: none.
     """
 
     profile_step: int = 10

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.support import window_end  # noqa: E402
 
 PROFILE_STEP = 2
-# the window up to its first clean step, after the communication step and the check (the run ends
+# the window up to its first clean step, after the communication steps and the check (the run ends
 # inside the "auto" window, which publishes what it had)
 MAX_STEPS = window_end(PROFILE_STEP, 1, comm=True)
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 3  # even sizes: FSDP2 and ZeRO-3 split every parameter in halves

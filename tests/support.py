@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.session.result import WindowSteps
 from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
-from flops_callbacks.session.window_plan import MODULE_TIMING_STEPS
+from flops_callbacks.session.window_plan import COMM_STEPS, MODULE_TIMING_STEPS
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.collector import collector_off
 from flops_callbacks.timing.module_timer import ModuleTimer
@@ -151,10 +151,16 @@ def module_steps(profile_step: int) -> tuple[int, ...]:
     return tuple(profile_step + 1 + i for i in range(MODULE_TIMING_STEPS))
 
 
+def comm_steps(profile_step: int) -> tuple[int, ...]:
+    """The communication steps of a several-rank window counted at ``profile_step``: right after the
+    module-timing steps."""
+    return tuple(profile_step + 1 + MODULE_TIMING_STEPS + i for i in range(COMM_STEPS))
+
+
 def check_step(profile_step: int, comm: bool = False) -> int:
-    """The step after the module-timing steps (and the communication step, with ``comm``: several
+    """The step after the module-timing steps (and the communication steps, with ``comm``: several
     ranks), counted again to check the shape table (issue 32)."""
-    return profile_step + 1 + MODULE_TIMING_STEPS + comm
+    return profile_step + 1 + MODULE_TIMING_STEPS + (COMM_STEPS if comm else 0)
 
 
 def first_clean(profile_step: int, comm: bool = False) -> int:

@@ -46,6 +46,13 @@ def verdict(comm: CommFigures) -> str:
     return f"idle: {duration_to_string(step.idle)} ({percent(step.idle, step.span)} of the step, {where})"
 
 
+def steps_words(comm: CommFigures) -> str:
+    """Which steps the figures come from: ``"steps 5, 6, 7 (each rank's median by exposed time)"``."""
+    if len(comm.steps) == 1:
+        return f"step {comm.steps[0]}"
+    return f"steps {', '.join(str(s) for s in comm.steps)} (each rank's median by exposed time)"
+
+
 def comm_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
     """The report's rows of the communication step ([] where none ran)."""
     comm = result.comm
@@ -57,7 +64,7 @@ def comm_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[st
     lines = [
         (
             "communication from",
-            f"step {comm.step_number} (torch.profiler on every rank: {timeline}; {cost})",
+            f"{steps_words(comm)} (torch.profiler on every rank: {timeline}; {cost})",
         ),
         (
             f"communication / exposed (ranks' mean; {low * 1e3:.2f} .. {high * 1e3:.2f} ms) / idle",
@@ -94,7 +101,7 @@ def comm_data(comm: CommFigures | None) -> dict[str, Any] | None:
         }  # fmt: skip
 
     return {
-        "step": comm.step_number,
+        "steps": list(comm.steps),
         "world": comm.world,
         "device_timeline": comm.device,
         "iter_seconds": comm.iter_seconds,
@@ -133,7 +140,7 @@ def comm_from_data(data: dict[str, Any]) -> CommFigures:
         for row in data["collectives"]
     ]
     return CommFigures(
-        step_number=data["step"],
+        steps=tuple(data["steps"]) if "steps" in data else (data["step"],),  # one step: older files
         world=data["world"],
         step=split(data["whole_step"]),
         phases={phase: split(s) for phase, s in data["phases"].items()},
@@ -158,7 +165,7 @@ def comm_trace(comm: CommFigures) -> dict[str, Any]:
         "communication": [("communication", a, b) for a, b in events.comm],
         "exposed communication": [("exposed", a, b) for a, b in subtract(events.comm, events.compute)],
     }
-    process = {"name": f"flops_callbacks communication step {comm.step_number}"}
+    process = {"name": f"flops_callbacks communication step {comm.timeline_step}"}
     trace: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": process}]
     for tid, (track, spans) in enumerate(tracks.items(), start=1):
         trace.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": track}})

@@ -66,10 +66,8 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "step": result.step,
         "published_at_step": result.published_at,
-        # a one-process window has no communication step: its file is as it was
-        "steps": {
-            k: v for k, v in dataclasses.asdict(result.steps).items() if v is not None or k != "communication"
-        },
+        # a one-process window has no communication steps: its file is as it was
+        "steps": {k: v for k, v in dataclasses.asdict(result.steps).items() if v or k != "communication"},
         "model_forward": result.model_forward,  # seconds; steps: steps.model_forward
         "model_forward_high": result.model_forward_high,  # the slowest of those steps'
         "hook_cost": None if result.hook_cost is None else dataclasses.asdict(result.hook_cost),
@@ -186,6 +184,14 @@ def _tuples(entry: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()}
 
 
+def _steps(entry: dict[str, Any]) -> WindowSteps:
+    """The window's steps; a file of one communication step names it as a number."""
+    steps = _tuples(entry)
+    if isinstance(steps.get("communication"), int):
+        steps["communication"] = (steps["communication"],)
+    return WindowSteps(**steps)
+
+
 def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
     peak, bandwidth = data["peak"], data["bandwidth"]
     clean = CleanFigures(
@@ -196,7 +202,7 @@ def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
     )
     return WindowResult(
         profile=Profile.from_dict(data["profile"]),
-        steps=WindowSteps(**_tuples(data["steps"])),
+        steps=_steps(data["steps"]),
         # the phase latencies are the metrics' (window_metrics writes them as they are)
         fwd_latency=metrics[names.FWD_LATENCY],
         bwd_latency=metrics[names.BWD_LATENCY],

@@ -180,8 +180,8 @@ class RankRow(NamedTuple):
     counted_samples: int | float | None
     counted_tokens: int | float | None
     counting_iter: float  # the counting step's fwd + bwd + step seconds (what a count costs)
-    comm: CommBreakdown | None = None  # the communication step's split (None: none ran)
-    comm_iter: float = 0.0  # the communication step's fwd + bwd + step seconds (what it costs)
+    comm: CommBreakdown | None = None  # the median communication step's split (None: none ran)
+    comm_iter: float = 0.0  # that step's fwd + bwd + step seconds (what one costs)
 
 
 @dataclasses.dataclass
@@ -196,7 +196,8 @@ class LocalWindow:
     source: str  # where the latencies come from, in words
     counting: WindowStep
     sources: FlopsSources | None  # where each clean step's flops come from (this rank's)
-    comm_step: WindowStep | None = None  # the communication step, if one ran
+    comm_steps: tuple[WindowStep, ...] = ()  # the communication steps that ran
+    comm_step: WindowStep | None = None  # of them, the median one by exposed time (the figures')
 
     def row(self) -> RankRow:
         f, c, comm = self.figures, self.counting, self.comm_step
@@ -231,8 +232,19 @@ def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> 
         )
         counts = None if known else BatchCounts.of(profile)
     figures = clean_figures(timed, counts, each)
-    comm = next((s for s in steps if s.kind == Kind.COMMUNICATION and s.signatures), None)
-    return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources, comm)
+    comm = tuple(s for s in steps if s.kind == Kind.COMMUNICATION and s.signatures)
+    return LocalWindow(
+        profile, ran, module_steps, clean, figures, source, counting, sources, comm, median_comm(comm)
+    )
+
+
+def median_comm(steps: Sequence[WindowStep]) -> WindowStep | None:
+    """The communication step whose exposed time is the median (the lower one of an even count) among
+    those whose trace was read; the first step where none was (None: none ran)."""
+    read = sorted((s for s in steps if s.comm is not None), key=lambda s: s.comm.step.exposed)  # type: ignore[union-attr]
+    if not read:
+        return steps[0] if steps else None
+    return read[(len(read) - 1) // 2]
 
 
 def phases(step: CleanStep) -> tuple[float, float, float]:
@@ -314,7 +326,7 @@ def build_result(
             module_trace=trace_step,
             model_forward=forward_steps,
             model_forward_shapes_match=forward_shapes_match,
-            communication=local.comm_step.number if local.comm_step is not None else None,
+            communication=tuple(s.number for s in local.comm_steps),
         ),
         fwd_latency=fwd,
         bwd_latency=bwd,
@@ -341,12 +353,14 @@ def build_result(
         model_forward_high=model_forward[1] if model_forward else None,
         flops_sources=local.sources,
         counting_iter=max(r.counting_iter for r in rows),  # audits fall on the same steps on every rank
-        comm=_comm(local.comm_step, rows),
+        comm=_comm(local, rows),
     )
 
 
-def _comm(step: WindowStep | None, rows: Sequence[RankRow]) -> CommFigures | None:
-    """The communication step's figures for the job (None: none ran, or no rank could read its trace)."""
+def _comm(local: LocalWindow, rows: Sequence[RankRow]) -> CommFigures | None:
+    """The communication steps' figures for the job (None: none ran, or no rank could read a trace)."""
+    step = local.comm_step
     if step is None:
         return None
-    return comm_figures([r.comm for r in rows], step.comm, step.number, max(r.comm_iter for r in rows))
+    steps = tuple(s.number for s in local.comm_steps)
+    return comm_figures([r.comm for r in rows], step.comm, steps, step.number, max(r.comm_iter for r in rows))

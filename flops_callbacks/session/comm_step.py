@@ -1,12 +1,13 @@
-"""The communication step's figures for the job: every rank's split of its step, combined.
+"""The communication steps' figures for the job: every rank's split of its median step, combined.
 
 A multi-process step's backward holds the gradient all-reduce that compute did not hide, an FSDP
-forward its all-gathers: the phase latencies cannot say so. One window step, after the module-timing
-steps and only with several ranks, runs under ``torch.profiler`` on every rank
-(:mod:`flops_callbacks.timing.comm_recorder`); each rank splits its own step
-(:mod:`flops_callbacks.timing.comm_breakdown`) and tells the others at the window's end. Here those
-splits become the job's: each figure the ranks' mean (a rank that waited on a slower one shows it as
-exposed time, as the sync costs it), the exposed time's range, and the collectives' table.
+forward its all-gathers: the phase latencies cannot say so. Three window steps
+(:data:`~flops_callbacks.session.window_plan.COMM_STEPS`), after the module-timing steps and only with
+several ranks, run under ``torch.profiler`` on every rank (:mod:`flops_callbacks.timing.comm_recorder`);
+each rank splits each of its steps (:mod:`flops_callbacks.timing.comm_breakdown`), keeps its median one
+by exposed time, and tells the others at the window's end. Here those splits become the job's: each
+figure the ranks' mean (a rank that waited on a slower one shows it as exposed time, as the sync costs
+it), the exposed time's range, and the collectives' table.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ __all__ = ["CommFigures", "comm_figures"]
 
 @dataclass(frozen=True)
 class CommFigures:
-    """Where the communication step's time went, for the job (module doc)."""
+    """Where the communication steps' time went, for the job (module doc)."""
 
-    step_number: int  # the global step it ran at
+    steps: tuple[int, ...]  # the global steps they ran at
     world: int
     step: TimeSplit  # the whole step's, the ranks' mean
     phases: dict[str, TimeSplit]  # each phase's (forward, backward, optimizer_step), the ranks' mean
@@ -32,7 +33,8 @@ class CommFigures:
     exposed_range: tuple[float, float]  # the ranks' exposed communication, min .. max
     device: bool  # a GPU's timeline (else the host's)
     iter_seconds: float  # its fwd + bwd + step on the phase clock, the slowest rank's: what it cost
-    timeline: StepEvents | None = None  # this rank's classed intervals (the Chrome trace's)
+    timeline: StepEvents | None = None  # this rank's median step's classed intervals (the Chrome trace's)
+    timeline_step: int | None = None  # that step's global step
 
     def responsible(self) -> CollectiveRow | None:
         """The collective whose calls took the most time (the slowest rank's): what exposed time waits on."""
@@ -40,16 +42,21 @@ class CommFigures:
 
 
 def comm_figures(
-    ranks: Sequence[CommBreakdown | None], mine: CommBreakdown | None, step_number: int, iter_seconds: float
+    ranks: Sequence[CommBreakdown | None],
+    mine: CommBreakdown | None,
+    steps: tuple[int, ...],
+    mine_step: int,
+    iter_seconds: float,
 ) -> CommFigures | None:
-    """The job's figures of every rank's split (None where no rank recorded one)."""
+    """The job's figures of every rank's median split (None where no rank recorded one); ``mine`` is
+    this rank's, taken at global step ``mine_step``."""
     known = [r for r in ranks if r is not None]
     if not known:
         return None
     step, phases, rows = combine(known, len(ranks))
     exposed = [r.step.exposed for r in known]
     return CommFigures(
-        step_number,
+        steps,
         len(ranks),
         step,
         phases,
@@ -58,4 +65,5 @@ def comm_figures(
         any(r.device for r in known),
         iter_seconds,
         mine.events if mine is not None else None,
+        mine_step if mine is not None else None,
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flops_callbacks.files import unwritable_reason
 from flops_callbacks.options import Options
-from flops_callbacks.session.window_plan import CLEAN_MIN, MODULE_TIMING_STEPS, before_clean
+from flops_callbacks.session.window_plan import CLEAN_MIN, COMM_STEPS, MODULE_TIMING_STEPS, before_clean
 from flops_callbacks.user_warning import warn
 
 __all__ = ["RunPlan", "unwritable_destinations"]
@@ -30,7 +30,7 @@ class RunPlan:
     steps_per_batch: int
     first: int  # the window's first step
     last: int  # the step its last step starts at (with clean_steps="auto": at least)
-    comm: bool = False  # the window has a communication step (several ranks)
+    comm: bool = False  # the window has communication steps (several ranks)
 
     @classmethod
     def of(
@@ -77,7 +77,7 @@ class RunPlan:
         elif max_steps is not None and max_steps <= self.last:
             head_steps = before_clean(comm=self.comm)
             clean = max(-(-(max_steps - self.first) // self.steps_per_batch) - head_steps, 0)
-            comm = "a communication step, " if self.comm else ""
+            comm = f"{COMM_STEPS} x communication, " if self.comm else ""
             warn(
                 f"{owner}: the profile window needs steps {self.first} .. {self.last} "
                 f"(counting, {MODULE_TIMING_STEPS} x module timing, {comm}a check, "

@@ -3,7 +3,9 @@
 Communication is what moves data between ranks: NCCL kernels on a GPU, gloo's work on its worker
 threads on a CPU (``gloo:all_reduce``, ...). Compute is every other device kernel on a GPU; on a CPU,
 the outermost ops of the threads that are not gloo's, less the time they spend waiting on a
-collective (a wait nested in an op is not compute: counting it as compute would hide exposed time).
+collective (a wait nested in an op is not compute: counting it as compute would hide exposed time) and
+less the host's copies into and out of the collectives' buffers (DDP's reducer, FSDP2's copy-in/out),
+which are the communication's: a step without gradient sync does none of them.
 A collective's op and size come from its launch (``c10d::allreduce_``, ``c10d::_allgather_base_``,
 ...) paired in order with the work that carried it: gloo runs a reduce-scatter as an all-reduce, so
 the work's own name can say the wrong op.
@@ -103,6 +105,15 @@ def collective_op(name: str) -> str | None:
     return None
 
 
+def _is_staging(name: str) -> bool:
+    """Host work that moves gradients or parameters into or out of a collective's buffer: DDP's reducer
+    (``torch::distributed::reducer::mul_out``, ``torch.distributed.ddp.reducer::copy_bucket_to_grad``)
+    and FSDP2's copy-in/out ops (``fsdp::all_gather_copy_in``, ``fsdp::split_with_sizes_copy``).
+    A step without gradient sync does none of it, so it is the communication's cost, not compute (HTA
+    likewise keeps copies out of compute)."""
+    return "reducer::" in name or name.startswith("fsdp::")
+
+
 def _is_wait(name: str) -> bool:
     """The host blocked on a collective (c10d::wait, wait_tensor, FSDP's waits)."""
     return "wait" in name.lower()
@@ -170,9 +181,10 @@ def classify(events: Iterable[TraceEvent]) -> StepEvents:
         works = [w for w in gloo if not marks or marks[0][1] <= w.start <= marks[-1][1]]
         mine = [e for e in host if e.thread not in gloo_threads and not e.annotation]
         waits = [e.interval for e in mine if _is_wait(e.name) or e.name.startswith("c10d::")]
+        staging = [e.interval for e in mine if _is_staging(e.name)]
         busy = [e.interval for e in _outermost(mine) if not e.name.startswith("c10d::")]
-        comm = merge([w.interval for w in works] + waits)
-        compute = subtract(busy, waits)
+        comm = merge([w.interval for w in works] + waits + staging)
+        compute = subtract(busy, waits + staging)
     return StepEvents(comm, compute, marks, _calls(launches, works, sizes), bool(kernels))
 
 

@@ -55,7 +55,7 @@ from tests.support import first_clean, laid_out, module_steps, window_end, windo
 PROFILE_STEP, CLEAN_STEPS = 2, 1
 MODULE_STEPS, FIRST_CLEAN = module_steps(PROFILE_STEP), first_clean(PROFILE_STEP)
 WINDOW_END = window_end(PROFILE_STEP, CLEAN_STEPS)
-DDP_END = window_end(PROFILE_STEP, CLEAN_STEPS, comm=True)  # two ranks: with the communication step
+DDP_END = window_end(PROFILE_STEP, CLEAN_STEPS, comm=True)  # two ranks: with the communication steps
 STEPS = window_steps(PROFILE_STEP, CLEAN_STEPS)
 VOCAB, SEQ, BATCH = 97, 16, 4
 

@@ -362,7 +362,7 @@ def test_report_is_printed_once_and_saved_whole_with_its_json_next_to_the_logs(l
     saved = json.loads((log_dir / f"flops_profile_step{PROFILE_STEP}.json").read_text())
     assert (saved["step"], saved["published_at_step"]) == (PROFILE_STEP, WINDOW_END)
     ran = logged_run["callback"].result.steps
-    assert ran.communication is None  # one process: no communication step, and the file does not name one
+    assert ran.communication == ()  # one process: no communication step, and the file does not name one
     written = {k: v for k, v in dataclasses.asdict(ran).items() if k != "communication"}
     assert laid_out(ran) == WINDOW and saved["steps"] == json.loads(json.dumps(written))
     assert (saved["steps"]["shapes"], saved["steps"]["shapes_counted"]) == (1, 1)
@@ -1205,7 +1205,7 @@ def multiprocess_worker(directory: Path, mode: str) -> None:
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        max_steps=window_end(PROFILE_STEP, CLEAN, comm=True) + 1,  # two ranks: with the communication step
+        max_steps=window_end(PROFILE_STEP, CLEAN, comm=True) + 1,  # two ranks: with the communication steps
         num_sanity_val_steps=0,
         callbacks=[callback, *extra],
         logger=CSVLogger(directory, version=0),
@@ -1241,7 +1241,7 @@ def assert_one_report_of_the_slowest_rank(run: subprocess.CompletedProcess, dire
     slowest = max(ranks[0]["ranks"], key=sum)
     logger_dir = directory / "lightning_logs" / "version_0"
     with open(logger_dir / "metrics.csv", newline="") as f:
-        # two ranks: the window has a communication step, so it ends a step later
+        # two ranks: the window has communication steps, so it ends later
         end = window_end(PROFILE_STEP, CLEAN, comm=True)
         values = logged_once(list(csv.DictReader(f)), with_peak=True, step=end)
     assert [values[n] for n in (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY)] == slowest

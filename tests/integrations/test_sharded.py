@@ -127,7 +127,7 @@ def assert_per_device_profile(seen: dict[str, Any], reference: dict[str, int], p
     assert metrics[names.FWD_FLOPS] == p["fwd_flops"] and metrics[names.BWD_FLOPS] == p["bwd_flops"]
     assert p["params"] == metrics[names.PARAMS] == params
     clean = seen["clean"]  # the median step: the slowest rank's times (the same on every rank), its samples
-    assert clean["steps"] == 1  # the window's first clean step, after the communication step and the check
+    assert clean["steps"] == 1  # the window's first clean step, after the communication steps and the check
     assert clean["samples"] % BATCH == 0  # whole batches
     assert metrics[names.SAMPLES_PER_SEC] == pytest.approx(2 * clean["samples"] / clean["iter_seconds"])
 

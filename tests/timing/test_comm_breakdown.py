@@ -15,20 +15,25 @@ def mark(phase, at):
 
 def ddp_step():
     """A forward 0..100, a backward 100..300, a step 300..320 on the main thread. The backward's ops run
-    100..250 and 260..280; gloo's all-reduces run 200..240 (under the backward's ops) and 270..295 (10 us
-    under them, 15 alone); the main thread waits 285..295; nothing runs 250..260 and 295..300."""
+    100..250 and 260..280, each copying a ready gradient into its bucket (DDP's reducer: 190..199 and
+    265..269) and launching an all-reduce (199..200, 269..270); gloo's all-reduces run 200..240 (under
+    the backward's ops) and 270..295 (10 us under them, 15 alone); the main thread waits 280..290 and
+    copies the bucket back to the gradients 295..298; nothing runs 250..260 and 298..300."""
     return [
         mark("forward", 0),
         TraceEvent("aten::addmm", 0, 100, MAIN),
         mark("backward", 100),
         TraceEvent("autograd::engine::evaluate_function: AddmmBackward0", 100, 250, MAIN),
+        TraceEvent("torch::distributed::reducer::mul_out", 190, 199, MAIN),
         TraceEvent("c10d::allreduce_", 199, 200, MAIN, shapes=((),), dtypes=("TensorList",)),
         TraceEvent("gloo:all_reduce", 200, 240, GLOO, shapes=((1000,),), dtypes=("float",)),
-        TraceEvent("torch.distributed.ddp.reducer::copy_bucket_to_grad", 260, 295, MAIN),
-        TraceEvent("c10d::wait", 285, 295, MAIN),  # nested: the op waits on the collective
+        TraceEvent("autograd::engine::evaluate_function: AddmmBackward0", 260, 280, MAIN),
+        TraceEvent("torch::distributed::reducer::mul_out", 265, 269, MAIN),
         TraceEvent("c10d::allreduce_", 269, 270, MAIN, shapes=((),), dtypes=("TensorList",)),
         TraceEvent("gloo:all_reduce", 270, 295, GLOO, shapes=((500,),), dtypes=("float",)),
         TraceEvent("aten::copy_", 271, 272, GLOO),  # gloo's own work: not compute
+        TraceEvent("c10d::wait", 280, 290, MAIN),  # the host waits on the collective
+        TraceEvent("torch.distributed.ddp.reducer::copy_bucket_to_grad", 295, 298, MAIN),
         TraceEvent("my span", 0, 320, MAIN, annotation=True),  # a user's range covers everything: ignored
         mark("optimizer_step", 300),
         TraceEvent("Optimizer.step#SGD.step", 300, 320, MAIN),
@@ -36,30 +41,45 @@ def ddp_step():
     ]
 
 
-def test_classify_takes_gloo_work_as_communication_and_a_wait_out_of_compute():
+def test_classify_takes_gloo_work_the_reducers_copies_and_waits_as_communication_not_compute():
     events = classify(ddp_step())
-    # the launches (199..200, 269..270) and the wait count as communication on the host
-    assert events.comm == [(199, 240), (269, 295)]
-    assert events.compute == [(0, 199), (200, 250), (260, 269), (270, 285), (300, 320)]
+    # the launches, the wait and the reducer's copies count as communication on the host: a step
+    # without gradient sync does none of them
+    assert events.comm == [(190, 240), (265, 298)]
+    assert events.compute == [(0, 190), (200, 250), (260, 265), (270, 280), (300, 320)]
     assert [c.op for c in events.calls] == ["all_reduce", "all_reduce"]
     assert [c.nbytes for c in events.calls] == [4000, 2000]
     assert [round(c.seconds * 1e6) for c in events.calls] == [40, 25]
+
+
+def test_an_fsdp2_copy_in_is_communication_too():
+    events = classify([
+        mark("forward", 0),
+        TraceEvent("FSDP::all_gather", 0, 30, MAIN, annotation=True),  # FSDP's range: a span, not work
+        TraceEvent("fsdp::all_gather_copy_in", 0, 20, MAIN),
+        TraceEvent("c10d::_allgather_base_", 20, 21, MAIN, shapes=((64,),), dtypes=("float",)),
+        TraceEvent("gloo:all_gather", 21, 60, GLOO),
+        TraceEvent("aten::addmm", 60, 100, MAIN),
+        mark("", 100),
+    ])  # fmt: skip
+    assert events.comm == [(0, 60)]
+    assert events.compute == [(60, 100)]
 
 
 def test_breakdown_splits_the_step_and_each_phase():
     split = breakdown(classify(ddp_step()))
     assert split is not None
     us = 1e-6
-    # communication 41 + 26 = 67; under compute: 199..200? no (launch) -> 200..240 (40) + 270..285 (15)
-    assert split.step.comm == pytest.approx(67 * us)
-    assert split.step.overlapped == pytest.approx(55 * us)
-    assert split.step.exposed == pytest.approx(12 * us)  # 199..200, 269..270, 285..295
+    # communication 50 + 33 = 83, under compute 200..240 and 270..280
+    assert split.step.comm == pytest.approx(83 * us)
+    assert split.step.overlapped == pytest.approx(50 * us)
+    assert split.step.exposed == pytest.approx(33 * us)  # 190..200, 265..270, 280..298
     assert split.step.span == pytest.approx(320 * us)
-    # idle: 250..260 and 295..300
-    assert split.step.idle == pytest.approx(15 * us)
-    assert split.step.overlap == pytest.approx(55 / 67)
+    # idle: 250..260 and 298..300
+    assert split.step.idle == pytest.approx(12 * us)
+    assert split.step.overlap == pytest.approx(50 / 83)
     assert split.phases["forward"] == TimeSplit(100 * us, 100 * us, 0.0, 0.0)
-    assert split.phases["backward"].exposed == pytest.approx(12 * us)
+    assert split.phases["backward"].exposed == pytest.approx(33 * us)
     assert split.phases["optimizer_step"].comm == 0.0
     assert split.collectives == (Collective("all_reduce", 2, 6000, pytest.approx(65 * us)),)
 
@@ -142,7 +162,8 @@ def test_bus_bandwidth_uses_nccl_tests_factors():
 def test_ranks_combine_as_their_mean_with_the_collectives_range():
     a = breakdown(classify(ddp_step()))
     events = ddp_step()
-    events[9] = TraceEvent("gloo:all_reduce", 270, 305, GLOO, shapes=((500,),), dtypes=F1)  # 10 us longer
+    i = next(i for i, e in enumerate(events) if e.name == "gloo:all_reduce" and e.start == 270)
+    events[i] = TraceEvent("gloo:all_reduce", 270, 305, GLOO, shapes=((500,),), dtypes=F1)  # 10 us longer
     b = breakdown(classify(events))
     assert a is not None and b is not None
     step, phases, rows = combine([a, b], 2)
