@@ -246,14 +246,12 @@ class WindowPlan:
         return self.options.clean_steps == "auto" and clean_steps >= CLEAN_MIN
 
     def done_here(self, clean_iters: Callable[[], list[float]]) -> bool:
-        """This rank's wish at a step's end: its clean steps (``clean_iters``: their iter seconds) meet
-        ``clean_steps``, or ``"auto"``'s median is known."""
-        wanted = self.options.clean_steps
+        """This rank's wish at a step's end where :meth:`wants_iters`: ``"auto"``'s median is known from
+        its finished clean steps (``clean_iters``: their iter seconds). An int ``clean_steps`` ends the
+        window by :meth:`capped`."""
         if len(self.kinds) < self.before_clean:
             return False
         iters = clean_iters()
-        if wanted != "auto":
-            return len(iters) >= wanted
         return len(iters) >= CLEAN_MIN and median_known(iters)
 
     def capped(self) -> bool:
