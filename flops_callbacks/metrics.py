@@ -125,7 +125,8 @@ WALL_TOKENS_PER_SEC = PREFIX + "wall_tokens_per_sec"  # the same of tokens, if k
 PADDING_FRACTION = PREFIX + "padding_fraction"  # padding positions / all positions (clean steps)
 REAL_TOKENS_PER_SEC = PREFIX + "real_tokens_per_sec"  # non-padding tokens per step x dp size / iter latency
 
-# With several ranks, the communication step (one step under torch.profiler, every rank; the ranks' mean):
+# With several ranks, the communication steps (three under torch.profiler, every rank; of each rank's median
+# step by exposed time, the ranks' mean):
 COMM_LATENCY = PREFIX + "comm_latency"  # seconds of communication in the step (union of streams, threads)
 EXPOSED_COMM_LATENCY = PREFIX + "exposed_comm_latency"  # communication while no compute runs: waited on
 COMM_OVERLAP = PREFIX + "comm_overlap"  # communication under compute / communication, 0..1
@@ -143,7 +144,7 @@ WALL = (WALL_LATENCY, DATA_LATENCY, WALL_SAMPLES_PER_SEC, WALL_TOKENS_PER_SEC)  
 PADDING = (PADDING_FRACTION, REAL_TOKENS_PER_SEC)  # when the batches have an attention_mask
 THROUGHPUT = (THROUGHPUT_SAMPLES_PER_SEC, THROUGHPUT_TOKENS_PER_SEC, THROUGHPUT_FLOPS_PER_SEC, THROUGHPUT_MFU)
 WITH_PEAK = (MFU, HFU)  # at the window's end, only when a peak is known
-COMM = (COMM_LATENCY, EXPOSED_COMM_LATENCY, COMM_OVERLAP, IDLE_LATENCY)  # when a communication step ran
+COMM = (COMM_LATENCY, EXPOSED_COMM_LATENCY, COMM_OVERLAP, IDLE_LATENCY)  # when communication steps ran
 
 # At the window's end, always (samples_per_sec and wall_samples_per_sec only when the batch size is known,
 # tokens_per_sec and wall_tokens_per_sec only when tokens are; the WALL ones when the timed steps had a

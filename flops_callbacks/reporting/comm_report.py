@@ -1,4 +1,4 @@
-"""The communication step in the report, the JSON and a Chrome trace: where a multi-process step's time
+"""The communication steps in the report, the JSON and a Chrome trace: where a multi-process step's time
 went (compute, communication hidden under it, exposed, idle), each phase's share, the collectives'
 table with the ranks' range, and a verdict that names exposed communication and its collective when
 it is the largest part of the step beyond compute.

@@ -155,7 +155,7 @@ class WindowResult:
     # where each clean step's flops come from (counted, predicted, estimated) and how sure the total is
     flops_sources: FlopsSources | None = None
     counting_iter: float | None = None  # the counting step's fwd + bwd + step seconds (what counting costs)
-    comm: CommFigures | None = None  # where the communication step's time went (several ranks only)
+    comm: CommFigures | None = None  # where the communication steps' time went (several ranks only)
     _metrics: dict[str, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
