@@ -172,7 +172,7 @@ def lightning(data: str, clean: Any, directory: Path, strategy: str, processes: 
     every = os.environ.get("FLOPS_PROFILE_EVERY")  # test_profile_every: re-profile windows across ranks
     callback = FlopsProfilerCallback(
         profile_step=PROFILE_STEP, clean_steps=clean, tokens_fn=tokens, print_profile=False, peak_flops=1e12,
-        profile_every=int(every) if every else None,
+        profile_every=int(every) if every else None, comm_step=os.environ.get("FLOPS_COMM_STEP") != "0",
     )  # fmt: skip
     start_method = {"ddp_spawn": "spawn"}.get(strategy, "popen")
     trainer = L.Trainer(
