@@ -13,6 +13,10 @@ The outside steps run on the framework's own DDP model where it can be called ou
 HF Trainer's ``model_wrapped``, the loop's); Lightning's wrapper calls ``training_step`` only inside its
 loop, so there the same module is wrapped by a ``DistributedDataParallel`` of Lightning's defaults.
 
+``--perturbation`` measures instead what ``torch.profiler`` itself costs: in a plain DDP loop, sync -
+no_sync without the profiler and with every step under the communication steps' recorder, and the
+profiled synced steps' median exposed time.
+
 Why 100 pairs: the difference of two medians of 15 steps each moved 1.6-4.4 ms for the base model's
 2.8 ms within one run; of 100, a run's figure stays within about 10% of the next one's.
 
@@ -49,25 +53,72 @@ TIMEOUT = timedelta(seconds=300)
 
 
 def outside(
-    ddp: nn.Module, loss: Any, optimizer: torch.optim.Optimizer, batches: list[Any], pairs: int
-) -> float:
-    """This rank's median synced step less its median no_sync step (seconds), over interleaved pairs."""
+    ddp: nn.Module,
+    loss: Any,
+    optimizer: torch.optim.Optimizer,
+    batches: list[Any],
+    pairs: int,
+    profiled: bool = False,
+) -> tuple[float, float | None]:
+    """This rank's median synced step less its median no_sync step (seconds), over interleaved pairs.
+    With ``profiled``, every step runs under the communication steps' recorder (started before the
+    barrier, phases marked as the session marks them), and the synced steps' median exposed time comes
+    too (else None)."""
+    from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
+    from flops_callbacks.timing.comm_recorder import CommRecorder
+
     seconds: dict[bool, list[float]] = {True: [], False: []}
+    exposed: list[float] = []
     for i in range(pairs):
         for sync in (True, False) if i % 2 == 0 else (False, True):
             batch = batches[i % len(batches)]
+            recorder = CommRecorder(cuda=False) if profiled else None
+            if recorder is not None:
+                recorder.start()
+            mark = recorder.mark if recorder is not None else lambda phase: None
             torch.distributed.barrier()
             start = time.perf_counter()
             with contextlib.nullcontext() if sync else ddp.no_sync():  # type: ignore[operator]
-                loss(ddp, batch).backward()
+                mark(FORWARD)
+                out = loss(ddp, batch)
+                mark(BACKWARD)
+                out.backward()
+            mark(OPTIMIZER_STEP)
             optimizer.step()
             optimizer.zero_grad()
+            mark("")
             seconds[sync].append(time.perf_counter() - start)
-    return statistics.median(seconds[True]) - statistics.median(seconds[False])
+            if recorder is not None:
+                recorder.stop()
+                split = recorder.breakdown()
+                if sync and split is not None:
+                    exposed.append(split.step.exposed)
+    true = statistics.median(seconds[True]) - statistics.median(seconds[False])
+    return true, statistics.median(exposed) if exposed else None
 
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**batch)["loss"]
+
+
+def perturbation(width: int, bucket: int, out: Path, pairs: int) -> None:
+    """One 2-process run of a plain DDP loop: sync - no_sync without the profiler and under it, and the
+    profiled synced steps' median exposed time: what ``torch.profiler`` itself costs the step's sync."""
+    torch.distributed.init_process_group("gloo", timeout=TIMEOUT)
+    ddp = nn.parallel.DistributedDataParallel(Regressor(width), bucket_cap_mb=bucket)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    batches = [next(iter(torch.utils.data.DataLoader(Pairs(width), batch_size=BATCH)))]
+    outside(ddp, _loss, optimizer, batches, 10)  # warm-up
+    plain, _ = outside(ddp, _loss, optimizer, batches, pairs)
+    profiled, exposed = outside(ddp, _loss, optimizer, batches, max(pairs // 2, 1), profiled=True)
+    every: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, (plain, profiled, exposed))
+    if torch.distributed.get_rank() == 0:
+        columns = zip(*every, strict=True)
+        seen = dict(zip(("true", "profiled", "exposed"), map(statistics.fmean, columns), strict=True))
+        (out / "seen.json").write_text(json.dumps(seen))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def worker(framework: str, width: int, bucket: int, out: Path, pairs: int) -> None:
@@ -132,7 +183,7 @@ def worker(framework: str, width: int, bucket: int, out: Path, pairs: int) -> No
         result = callback.result
         ddp = trainer.model_wrapped
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
-    true = outside(ddp, _loss, optimizer, batches, pairs)
+    true, _ = outside(ddp, _loss, optimizer, batches, pairs)
     every: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, true)
     if torch.distributed.get_rank() == 0:
@@ -163,16 +214,41 @@ def run(framework: str, width: int, bucket: int, pairs: int) -> dict[str, Any]:
         return json.loads(seen.read_text())
 
 
+def show_perturbation(pairs: int, repeats: int) -> None:
+    print(f"2-process plain DDP loop over gloo on CPU, torch {torch.__version__}; ms, the ranks' mean")
+    header = f"{'case':12} {'true':>6} {'profiled':>9} {'exposed':>8}"
+    print(f"{header} {'exposed/true':>12} {'exposed/profiled':>16}")
+    for case, (width, bucket) in CASES.items():
+        for _ in range(repeats):
+            seen = run("perturbation", width, bucket, pairs)
+            if "error" in seen:
+                print(f"{case:12} error: {seen['error']}")
+                continue
+            true, profiled, exposed = seen["true"], seen["profiled"], seen["exposed"]
+            print(
+                f"{case:12} {true * 1e3:6.2f} {profiled * 1e3:9.2f} {exposed * 1e3:8.2f} "
+                f"{exposed / true:12.2f} {exposed / profiled:16.2f}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--frameworks", default="loop,lightning,hf")
     parser.add_argument("--pairs", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each case: the median ratio")
+    parser.add_argument(
+        "--perturbation", action="store_true",
+        help="instead: a plain DDP loop's sync - no_sync without and under torch.profiler (half the pairs)",
+    )  # fmt: skip
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         framework, width, bucket, out, pairs = args.worker
+        if framework == "perturbation":
+            return perturbation(int(width), int(bucket), Path(out), int(pairs))
         return worker(framework, int(width), int(bucket), Path(out), int(pairs))
+    if args.perturbation:
+        return show_perturbation(args.pairs, args.repeats)
     print(f"2-process DDP over gloo on CPU, torch {torch.__version__}; true = median(sync) - median(no_sync)")
     print(f"{'framework':10} {'case':12} {'calls':>5} {'comm ms':>8} {'overlap':>7} {'true ms':>8} "
           f"{'reported ms':>11} {'ratio':>6}")  # fmt: skip

@@ -47,10 +47,10 @@ def verdict(comm: CommFigures) -> str:
 
 
 def steps_words(comm: CommFigures) -> str:
-    """Which steps the figures come from: ``"steps 5, 6, 7 (each rank's median by exposed time)"``."""
+    """Which steps the figures come from: ``"steps 5, 6, 7, each rank's median by exposed time"``."""
     if len(comm.steps) == 1:
         return f"step {comm.steps[0]}"
-    return f"steps {', '.join(str(s) for s in comm.steps)} (each rank's median by exposed time)"
+    return f"steps {', '.join(str(s) for s in comm.steps)}, each rank's median by exposed time"
 
 
 def comm_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
