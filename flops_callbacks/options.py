@@ -106,8 +106,9 @@ class Options:
             (every summary row, the aggregated profile, the coverage). The report file is always full.
         comm_step: With several ranks, three more window steps after the module-timing ones, under
             ``torch.profiler`` on every rank: where the step's time goes (compute, communication hidden
-            under it, exposed, idle) and each collective's bytes and bus bandwidth, from each rank's
-            median step of the three (by exposed time). False: none.
+            under it, exposed, idle) and each collective's bytes and bus bandwidth, from the median
+            step of the three (by exposed time, the ranks' mean; the same step on every rank). False:
+            none.
     """
 
     profile_step: int = 10

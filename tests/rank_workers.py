@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 PROFILE_STEP = 2
-MAX_STEPS = 40  # auto's window ends by step 26 with no shape counting: throughput after it
+MAX_STEPS = 40  # auto's window ends by step 28 with no shape counting: throughput after it
 LOG_EVERY = 5  # throughput/* after the window at every 5th step
 VOCAB, MAX_LEN, BATCH = 61, 48, 2
 COLLATE_SLEEP = 0.015  # each batch's wait: a step's time is not the few ms a log write or a hiccup takes

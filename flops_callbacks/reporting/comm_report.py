@@ -47,14 +47,15 @@ def verdict(comm: CommFigures) -> str:
 
 
 def steps_words(comm: CommFigures) -> str:
-    """Which steps the figures come from: ``"steps 5, 6, 7, each rank's median by exposed time"``."""
+    """Which step the figures come from: ``"step 6 of 5, 6, 7, the median by exposed time"``."""
     if len(comm.steps) == 1:
         return f"step {comm.steps[0]}"
-    return f"steps {', '.join(str(s) for s in comm.steps)}, each rank's median by exposed time"
+    steps = ", ".join(str(s) for s in comm.steps)
+    return f"step {comm.median_step} of {steps}, the median by exposed time (the ranks' mean)"
 
 
 def comm_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
-    """The report's rows of the communication step ([] where none ran)."""
+    """The report's rows of the median communication step ([] where none ran)."""
     comm = result.comm
     if comm is None or names.COMM_LATENCY not in metrics:
         return []
@@ -102,6 +103,7 @@ def comm_data(comm: CommFigures | None) -> dict[str, Any] | None:
 
     return {
         "steps": list(comm.steps),
+        "median_step": comm.median_step,
         "world": comm.world,
         "device_timeline": comm.device,
         "iter_seconds": comm.iter_seconds,
@@ -140,7 +142,9 @@ def comm_from_data(data: dict[str, Any]) -> CommFigures:
         for row in data["collectives"]
     ]
     return CommFigures(
-        steps=tuple(data["steps"]) if "steps" in data else (data["step"],),  # one step: older files
+        # a version-1 file had one step: "step"
+        steps=tuple(data["steps"]) if "steps" in data else (data["step"],),
+        median_step=data.get("median_step", data.get("step")),
         world=data["world"],
         step=split(data["whole_step"]),
         phases={phase: split(s) for phase, s in data["phases"].items()},
@@ -165,7 +169,7 @@ def comm_trace(comm: CommFigures) -> dict[str, Any]:
         "communication": [("communication", a, b) for a, b in events.comm],
         "exposed communication": [("exposed", a, b) for a, b in subtract(events.comm, events.compute)],
     }
-    process = {"name": f"flops_callbacks communication step {comm.timeline_step}"}
+    process = {"name": f"flops_callbacks communication step {comm.median_step}"}
     trace: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": process}]
     for tid, (track, spans) in enumerate(tracks.items(), start=1):
         trace.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": track}})

@@ -42,7 +42,10 @@ __all__ = [
 ]
 
 SCHEMA = "flops_callbacks.profile"  # the "schema" key of every profile file: what tells it from other JSON
-SCHEMA_VERSION = 1  # raised when a key is renamed or removed, or changes meaning (a new key: not needed)
+SCHEMA_VERSION = 2  # raised when a key is renamed or removed, or changes meaning (a new key: not needed)
+# 2: three communication steps (steps.communication a list, the communication block's "steps" and
+# "median_step" for its "step"); version 1's files are read too
+READS = (1, 2)
 
 
 class ProfileFileError(ValueError):
@@ -102,7 +105,7 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "extra_lines": result.extra_lines,  # the report rows the framework's adapter added
         "profile": profile_json(result),
     }
-    if result.comm is not None:  # the communication step's split (several ranks)
+    if result.comm is not None:  # the median communication step's split (several ranks)
         data["communication"] = comm_data(result.comm)
     return data
 
@@ -162,12 +165,12 @@ def from_json(data: Any, source: str = "<data>") -> SavedProfile:
             "is the flops_profile_step{N}.json a profiled run writes into its log folder)"
         )
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READS:
         newer = isinstance(version, int) and version > SCHEMA_VERSION
         why = "written by a newer flops_callbacks: upgrade to read it" if newer else "unknown"
         raise ProfileFileError(
             f"{source}: profile schema version {version!r} is {why} (this flops_callbacks reads "
-            f"version {SCHEMA_VERSION})"
+            f"versions {', '.join(map(str, READS))})"
         )
     try:
         metrics = {str(k): float(v) for k, v in data["metrics"].items()}
@@ -175,7 +178,7 @@ def from_json(data: Any, source: str = "<data>") -> SavedProfile:
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         what = f"missing key {error}" if isinstance(error, KeyError) else str(error)
         raise ProfileFileError(
-            f"{source}: a profile of schema version {SCHEMA_VERSION}, but malformed: {what}"
+            f"{source}: a profile of schema version {version}, but malformed: {what}"
         ) from None
 
 
@@ -185,7 +188,7 @@ def _tuples(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _steps(entry: dict[str, Any]) -> WindowSteps:
-    """The window's steps; a file of one communication step names it as a number."""
+    """The window's steps; a version-1 file names its one communication step as a number."""
     steps = _tuples(entry)
     if isinstance(steps.get("communication"), int):
         steps["communication"] = (steps["communication"],)

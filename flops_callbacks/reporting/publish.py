@@ -87,7 +87,7 @@ def publish(
                 lambda: json.dumps(chrome_trace(result.spans, process_name=process)),
             )
         )
-        if result.comm is not None:  # the communication step's timeline, beside the modules'
+        if result.comm is not None:  # the median communication step's timeline, beside the modules'
             comm = result.comm
             files.append((stem.with_suffix(".comm.trace.json"), lambda: json.dumps(comm_trace(comm))))
     _write_all(files, guard)

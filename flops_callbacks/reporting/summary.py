@@ -273,8 +273,7 @@ def _comm_lines(result: WindowResult) -> list[str]:
             "communication",
             f"{duration_to_string(step.comm)} ({overlap}), exposed {duration_to_string(step.exposed)}, "
             f"idle {duration_to_string(step.idle)} of {duration_to_string(step.span)} "
-            f"(step{'s' if len(comm.steps) > 1 else ''} {_steps(comm.steps)}"
-            f"{', median' if len(comm.steps) > 1 else ''})",
+            f"(step {comm.median_step}, the median of {_steps(comm.steps)})",
         )
     ]
 

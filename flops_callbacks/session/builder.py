@@ -180,8 +180,8 @@ class RankRow(NamedTuple):
     counted_samples: int | float | None
     counted_tokens: int | float | None
     counting_iter: float  # the counting step's fwd + bwd + step seconds (what a count costs)
-    comm: CommBreakdown | None = None  # the median communication step's split (None: none ran)
-    comm_iter: float = 0.0  # that step's fwd + bwd + step seconds (what one costs)
+    comm: tuple[CommBreakdown | None, ...] = ()  # each communication step's split (None: unread trace)
+    comm_iters: tuple[float, ...] = ()  # each one's fwd + bwd + step seconds (what one costs)
 
 
 @dataclasses.dataclass
@@ -197,12 +197,13 @@ class LocalWindow:
     counting: WindowStep
     sources: FlopsSources | None  # where each clean step's flops come from (this rank's)
     comm_steps: tuple[WindowStep, ...] = ()  # the communication steps that ran
-    comm_step: WindowStep | None = None  # of them, the median one by exposed time (the figures')
 
     def row(self) -> RankRow:
-        f, c, comm = self.figures, self.counting, self.comm_step
+        f, c, comm = self.figures, self.counting, self.comm_steps
         row = RankRow(f.steps, counted_totals(self.profile), c.samples, c.tokens, c.seconds()["iter"])
-        return row if comm is None else row._replace(comm=comm.comm, comm_iter=comm.seconds()["iter"])
+        return row._replace(
+            comm=tuple(s.comm for s in comm), comm_iters=tuple(s.seconds()["iter"] for s in comm)
+        )
 
 
 def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> LocalWindow:
@@ -233,18 +234,21 @@ def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> 
         counts = None if known else BatchCounts.of(profile)
     figures = clean_figures(timed, counts, each)
     comm = tuple(s for s in steps if s.kind == Kind.COMMUNICATION and s.signatures)
-    return LocalWindow(
-        profile, ran, module_steps, clean, figures, source, counting, sources, comm, median_comm(comm)
-    )
+    return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources, comm)
 
 
-def median_comm(steps: Sequence[WindowStep]) -> WindowStep | None:
-    """The communication step whose exposed time is the median (the lower one of an even count) among
-    those whose trace was read; the first step where none was (None: none ran)."""
-    read = sorted((s for s in steps if s.comm is not None), key=lambda s: s.comm.step.exposed)  # type: ignore[union-attr]
-    if not read:
-        return steps[0] if steps else None
-    return read[(len(read) - 1) // 2]
+def median_comm(exposed: Sequence[Sequence[float | None]]) -> int:
+    """Of the communication steps, the one whose exposed time, the ranks' mean, is the median (the lower
+    one of an even count); ``exposed``: each rank's exposed seconds per step (None: its trace unread).
+    The same step on every rank, so that the job's figures are one step's. A step no rank read is no
+    candidate; where none was read, the first."""
+    steps = max((len(rank) for rank in exposed), default=0)
+    means = []
+    for i in range(steps):
+        known = [rank[i] for rank in exposed if i < len(rank) and rank[i] is not None]
+        if known:
+            means.append((sum(known) / len(known), i))  # type: ignore[arg-type]
+    return sorted(means)[(len(means) - 1) // 2][1] if means else 0
 
 
 def phases(step: CleanStep) -> tuple[float, float, float]:
@@ -358,9 +362,12 @@ def build_result(
 
 
 def _comm(local: LocalWindow, rows: Sequence[RankRow]) -> CommFigures | None:
-    """The communication steps' figures for the job (None: none ran, or no rank could read a trace)."""
-    step = local.comm_step
-    if step is None:
+    """The communication steps' figures for the job: every rank's split of the median step (None: none
+    ran, or no rank could read its trace)."""
+    if not local.comm_steps:
         return None
+    i = median_comm([[None if s is None else s.step.exposed for s in r.comm] for r in rows])
+    splits = [r.comm[i] if i < len(r.comm) else None for r in rows]
+    cost = max((r.comm_iters[i] for r in rows if i < len(r.comm_iters)), default=0.0)
     steps = tuple(s.number for s in local.comm_steps)
-    return comm_figures([r.comm for r in rows], step.comm, steps, step.number, max(r.comm_iter for r in rows))
+    return comm_figures(splits, local.comm_steps[i].comm, steps, steps[i], cost)

@@ -4,9 +4,10 @@ A multi-process step's backward holds the gradient all-reduce that compute did n
 forward its all-gathers: the phase latencies cannot say so. Three window steps
 (:data:`~flops_callbacks.session.window_plan.COMM_STEPS`), after the module-timing steps and only with
 several ranks, run under ``torch.profiler`` on every rank (:mod:`flops_callbacks.timing.comm_recorder`);
-each rank splits each of its steps (:mod:`flops_callbacks.timing.comm_breakdown`), keeps its median one
-by exposed time, and tells the others at the window's end. Here those splits become the job's: each
-figure the ranks' mean (a rank that waited on a slower one shows it as exposed time, as the sync costs
+each rank splits each of its steps (:mod:`flops_callbacks.timing.comm_breakdown`) and tells the others
+at the window's end; the job keeps one step, the same on every rank: the median by the ranks' mean
+exposed time (:func:`~flops_callbacks.session.builder.median_comm`). Here its splits become the job's:
+each figure the ranks' mean (a rank that waited on a slower one shows it as exposed time, as the sync costs
 it), the exposed time's range, and the collectives' table.
 """
 
@@ -33,8 +34,8 @@ class CommFigures:
     exposed_range: tuple[float, float]  # the ranks' exposed communication, min .. max
     device: bool  # a GPU's timeline (else the host's)
     iter_seconds: float  # its fwd + bwd + step on the phase clock, the slowest rank's: what it cost
-    timeline: StepEvents | None = None  # this rank's median step's classed intervals (the Chrome trace's)
-    timeline_step: int | None = None  # that step's global step
+    median_step: int | None = None  # of ``steps``, the one the figures are (the same on every rank)
+    timeline: StepEvents | None = None  # this rank's classed intervals of it (the Chrome trace's)
 
     def responsible(self) -> CollectiveRow | None:
         """The collective whose calls took the most time (the slowest rank's): what exposed time waits on."""
@@ -45,11 +46,11 @@ def comm_figures(
     ranks: Sequence[CommBreakdown | None],
     mine: CommBreakdown | None,
     steps: tuple[int, ...],
-    mine_step: int,
+    median_step: int,
     iter_seconds: float,
 ) -> CommFigures | None:
-    """The job's figures of every rank's median split (None where no rank recorded one); ``mine`` is
-    this rank's, taken at global step ``mine_step``."""
+    """The job's figures of every rank's split of one step, global step ``median_step`` (None where no rank
+    recorded one); ``mine`` is this rank's."""
     known = [r for r in ranks if r is not None]
     if not known:
         return None
@@ -64,6 +65,6 @@ def comm_figures(
         (min(exposed), max(exposed)),
         any(r.device for r in known),
         iter_seconds,
+        median_step,
         mine.events if mine is not None else None,
-        mine_step if mine is not None else None,
     )

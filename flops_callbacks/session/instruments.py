@@ -1,7 +1,7 @@
 """The instruments of the window's steps, started and stopped as one unit: the counting engine (the
 counting step's, kept for its profile; a check's or shape-counting step's, with no clock), the module
 timer, the clean steps' marks of the model's outermost calls (what the timer's hooks cost, in place), and
-the communication step's ``torch.profiler`` (:mod:`flops_callbacks.timing.comm_recorder`).
+each communication step's ``torch.profiler`` (:mod:`flops_callbacks.timing.comm_recorder`).
 
 Apart from the step session (which decides what each step does and when) so that one object owns what
 runs inside a micro-batch and its teardown on every exit path: the session stops them in one call.
@@ -48,7 +48,7 @@ class Instruments:
         self.outermost: list[torch.nn.Module] = []  # the modules whose calls they are
         self.mark_outer = False  # whether clean steps mark them (a CPU clock, nothing compiled)
         self._counting: tuple[Signature, bool, BatchCounts] | None = None  # (signature, later, before)
-        self.recorder: CommRecorder | None = None  # the communication step's, from its start to its end
+        self.recorder: CommRecorder | None = None  # a communication step's, from its start to its end
 
     def for_step(self, step: WindowStep, model: torch.nn.Module, runs: torch.nn.Module | None) -> None:
         """A window step starts: the counting step's engine, or a module-timing step's timer."""

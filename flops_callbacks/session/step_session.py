@@ -174,7 +174,7 @@ class StepSession(WindowEnd):
             return
         self._unwritable = run_plan.unwritable_destinations(self.owner, self.options.output_file, log_dir)
         plan = run_plan.RunPlan.of(self.options, global_step, max_steps, steps_per_batch, self.plan.comm_step)
-        plan.warn(self.owner, profiled_before)  # the ranks are known now: with the communication step
+        plan.warn(self.owner, profiled_before)  # the ranks are known now: with the communication steps
 
     @_own_work("ending the run")
     def train_end(self, global_step: int, sink: Sink) -> None:

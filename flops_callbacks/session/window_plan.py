@@ -49,9 +49,10 @@ __all__ = [
 
 CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
 MODULE_TIMING_STEPS = 3  # the tree is the median one's (by the model's time): a pause in one drops out
-# each rank's split is its median one's (by exposed time): on a CPU, gloo's threads share the cores
-# with the compute, so one step's split follows the scheduler (benchmarks/README.md, "Exposed
-# communication"); the median of three stays within the goal where one step alone does not
+# the figures are the median step's (by exposed time, the ranks' mean): on a CPU, gloo's threads share
+# the cores with the compute, so one step's split follows the scheduler, and a step where one rank
+# stalled drops out (benchmarks/README.md, "Exposed communication": a narrower spread than one step's,
+# not the goal)
 COMM_STEPS = 3
 MAX_SHAPE_COUNTS = 8  # shape-counting steps a window may add (where no fake count runs)
 CONFIDENCE = 0.90  # of the median's interval for clean_steps="auto"

@@ -4,8 +4,9 @@ Communication is what moves data between ranks: NCCL kernels on a GPU, gloo's wo
 threads on a CPU (``gloo:all_reduce``, ...). Compute is every other device kernel on a GPU; on a CPU,
 the outermost ops of the threads that are not gloo's, less the time they spend waiting on a
 collective (a wait nested in an op is not compute: counting it as compute would hide exposed time) and
-less the host's copies into and out of the collectives' buffers (DDP's reducer, FSDP2's copy-in/out),
-which are the communication's: a step without gradient sync does none of them.
+less the host's copies that only fill or drain a collective's buffer (DDP's reducer, FSDP2's copy-in
+and copy-out: :data:`STAGING`), which are the communication's: without the collective they would not
+run.
 A collective's op and size come from its launch (``c10d::allreduce_``, ``c10d::_allgather_base_``,
 ...) paired in order with the work that carried it: gloo runs a reduce-scatter as an all-reduce, so
 the work's own name can say the wrong op.
@@ -105,13 +106,20 @@ def collective_op(name: str) -> str | None:
     return None
 
 
+# Host work that only fills or drains a collective's buffer: DDP's reducer copying a ready gradient into
+# its bucket (divided by the world size) and the reduced bucket back to the gradients, FSDP2's copies
+# into and out of its all-gather buffer. Compute would run without the collective; these would not.
+STAGING = (
+    "torch::distributed::reducer::mul_out",
+    "torch.distributed.ddp.reducer::copy_bucket_to_grad",
+    "fsdp::all_gather_copy_in",
+    "fsdp::split_with_sizes_copy",
+)
+
+
 def _is_staging(name: str) -> bool:
-    """Host work that moves gradients or parameters into or out of a collective's buffer: DDP's reducer
-    (``torch::distributed::reducer::mul_out``, ``torch.distributed.ddp.reducer::copy_bucket_to_grad``)
-    and FSDP2's copy-in/out ops (``fsdp::all_gather_copy_in``, ``fsdp::split_with_sizes_copy``).
-    A step without gradient sync does none of it, so it is the communication's cost, not compute (HTA
-    likewise keeps copies out of compute)."""
-    return "reducer::" in name or name.startswith("fsdp::")
+    """A copy that only fills or drains a collective's buffer (:data:`STAGING`)."""
+    return name in STAGING
 
 
 def _is_wait(name: str) -> bool:

@@ -30,8 +30,8 @@ class CommRecorder:
         self.events: StepEvents | None = None
 
     def start(self) -> None:
+        self.running = True  # a start that fails part way is stopped by stop() all the same
         self._profiler.start()
-        self.running = True
 
     def mark(self, phase: str) -> None:
         """Phase ``phase`` starts now ("": the running phase ends)."""
@@ -43,16 +43,23 @@ class CommRecorder:
         """Stop the profiler (idempotent); with ``keep`` its events are classed and kept."""
         if not self.running:
             return
-        self.running = False
-        profiler, self._profiler = self._profiler, None
-        profiler.stop()
+        profiler, self.running, self._profiler = self._profiler, False, None  # never tried twice
+        try:
+            profiler.stop()
+        except Exception as error:  # a start that failed part way, a torch that changed: the run goes on
+            warn(
+                f"flops_callbacks: torch.profiler could not be stopped after a communication step "
+                f"({type(error).__name__}: {error}); that step has no communication figures.",
+            )
+            return
         if keep:
             try:
                 self.events = classify(trace_events(profiler.profiler.kineto_results))
             except Exception as error:  # torch.profiler's results vary by version: the rest goes on
                 warn(
-                    f"flops_callbacks: the communication step's trace could not be read "
-                    f"({type(error).__name__}: {error}); the profile has no communication figures.",
+                    f"flops_callbacks: a communication step's trace could not be read "
+                    f"({type(error).__name__}: {error}); that step has no communication figures "
+                    f"(the median step is chosen among the others).",
                 )
 
     def breakdown(self) -> CommBreakdown | None:

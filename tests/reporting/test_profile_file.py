@@ -33,7 +33,7 @@ def test_a_real_runs_file_loads_back_into_the_result_it_was_written_from(runs: d
     assert (
         (written["schema"], written["schema_version"])
         == (SCHEMA, SCHEMA_VERSION)
-        == ("flops_callbacks.profile", 1)
+        == ("flops_callbacks.profile", 2)
     )
     saved = load(path)
     assert saved.source == str(path)
@@ -86,16 +86,24 @@ def test_a_file_that_is_not_a_profile_is_refused_with_its_name_and_why(
     assert all(reasons[n].startswith(not_ours) for n in ("foreign.json", "list.json", "trace.json"))
 
 
+def test_a_version_1_file_still_loads_its_one_communication_step_as_a_tuple(runs: dict[str, Path]) -> None:
+    data = json.loads(runs["A"].read_text())
+    assert "communication" not in data["steps"]  # one process: no communication step, no key
+    old = {**data, "schema_version": 1, "steps": {**data["steps"], "communication": 5}}
+    assert from_json(old, "old.json").result.steps.communication == (5,)
+    assert from_json(data, "new.json").result.steps.communication == ()
+
+
 def test_an_unknown_schema_version_or_a_missing_key_is_refused(runs: dict[str, Path]) -> None:
     data = json.loads(runs["A"].read_text())
-    with pytest.raises(ProfileFileError, match=r"^new.json: profile schema version 2 is written by a newer "):
-        from_json({**data, "schema_version": 2}, "new.json")
+    with pytest.raises(ProfileFileError, match=r"^new.json: profile schema version 3 is written by a newer "):
+        from_json({**data, "schema_version": 3}, "new.json")
     with pytest.raises(ProfileFileError, match=r"^odd.json: profile schema version 'x' is unknown \(this "):
         from_json({**data, "schema_version": "x"}, "odd.json")
     without = {k: v for k, v in data.items() if k != "clean_each"}
     with pytest.raises(
         ProfileFileError,
-        match=r"^cut.json: a profile of schema version 1, but malformed: missing key 'clean_each'$",
+        match=r"^cut.json: a profile of schema version 2, but malformed: missing key 'clean_each'$",
     ):
         from_json(without, "cut.json")
 

@@ -10,7 +10,6 @@ from flops_callbacks.session.builder import median_comm
 from flops_callbacks.session.comm_step import comm_figures
 from flops_callbacks.session.ranks import Ranks
 from flops_callbacks.session.window_plan import Kind, WindowPlan, before_clean
-from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.comm_breakdown import Collective, CommBreakdown, TimeSplit
 
 MT, COMM = Kind.MODULE_TIMING, Kind.COMMUNICATION
@@ -36,25 +35,15 @@ def test_the_option_turns_the_communication_steps_off() -> None:
     assert kinds(2, comm_step=False) == ([Kind.COUNTING, MT, MT, MT, None, None, None, None], before_clean())
 
 
-def comm_step(number: int, exposed_ms: float | None) -> WindowStep:
-    """A communication step whose trace split as :func:`rank` (None: its trace could not be read)."""
-    split = None if exposed_ms is None else rank(exposed_ms, 0.004)
-    return WindowStep(COMM, number, phases=None, comm=split)  # type: ignore[arg-type]  # no clock read
-
-
-def test_each_rank_keeps_its_median_communication_step_by_exposed_time() -> None:
-    steps = [comm_step(5, 4.0), comm_step(6, 1.0), comm_step(7, 2.5)]
-    assert median_comm(steps) is steps[2]
-    # a step whose trace could not be read is not a candidate; of two, the lower
-    assert median_comm([comm_step(5, None), comm_step(6, 3.0), comm_step(7, 1.0)]).number == 7  # type: ignore[union-attr]
-    # none read: the first (its number still says where the window was), none ran: none
-    assert median_comm([comm_step(5, None), comm_step(6, None)]).number == 5  # type: ignore[union-attr]
-    assert median_comm([]) is None
-
-
-def test_comm_step_is_a_flag() -> None:
-    with pytest.raises(ValueError, match="comm_step must be True or False"):
-        Options(comm_step="yes")  # type: ignore[arg-type]
+def test_the_job_keeps_one_communication_step_on_every_rank_the_median_by_the_ranks_mean() -> None:
+    ms = 1e-3
+    # the ranks' means per step: 3, 1, 2 ms (rank 0's own median would be step 0, rank 1's step 2)
+    assert median_comm([[2 * ms, 1.5 * ms, 1 * ms], [4 * ms, 0.5 * ms, 3 * ms]]) == 2
+    # a trace one rank could not read: the other's figure stands for the step; of two, the lower
+    assert median_comm([[None, 3 * ms, 1 * ms], [None, 3 * ms, 1 * ms]]) == 2
+    assert median_comm([[5 * ms, None, 1 * ms], [None, None, 1 * ms]]) == 2
+    # none read: the first (its number still says where the window was)
+    assert median_comm([[None, None, None], [None, None, None]]) == 0
 
 
 def rank(exposed_ms: float, seconds: float) -> CommBreakdown:
@@ -92,10 +81,12 @@ def test_no_rank_with_a_split_is_no_figures():
 
 
 def test_a_file_of_one_communication_step_reads_back_as_that_step() -> None:
-    figures = comm_figures([rank(2, 0.004), rank(4, 0.002)], None, (5, 6, 7), 7, iter_seconds=0.011)
+    figures = comm_figures([rank(2, 0.004), rank(4, 0.002)], None, (5, 6, 7), 6, iter_seconds=0.011)
     data = comm_data(figures)
-    assert data is not None and data["steps"] == [5, 6, 7]
-    assert comm_from_data(data).steps == (5, 6, 7)
-    del data["steps"]
-    data["step"] = 5  # as a file of the one-step window wrote it
-    assert comm_from_data(data).steps == (5,)
+    assert data is not None and (data["steps"], data["median_step"]) == ([5, 6, 7], 6)
+    back = comm_from_data(data)
+    assert (back.steps, back.median_step) == ((5, 6, 7), 6)
+    del data["steps"], data["median_step"]
+    data["step"] = 5  # as a schema-version-1 file of the one-step window wrote it
+    back = comm_from_data(data)
+    assert (back.steps, back.median_step) == ((5,), 5)

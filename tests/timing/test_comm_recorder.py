@@ -90,7 +90,7 @@ def test_a_trace_that_cannot_be_read_is_said_and_the_step_goes_on(monkeypatch: p
     recorder.start()
     recorder.mark(FORWARD)
     torch.ones(3).sum()
-    with pytest.warns(UserWarning, match="communication step's trace could not be read"):
+    with pytest.warns(UserWarning, match="a communication step's trace could not be read"):
         recorder.stop()
     assert recorder.breakdown() is None and not torch.autograd._profiler_enabled()
 
@@ -103,4 +103,62 @@ def test_the_instruments_drop_stops_a_running_recorder() -> None:
     instruments._start_recorder(cuda=False)  # as at the end of the step before the communication step
     assert torch.autograd._profiler_enabled()
     instruments.drop()  # an exception, a dropped window, the run's end
+    assert instruments.recorder is None and not torch.autograd._profiler_enabled()
+
+
+def test_a_start_that_fails_part_way_is_stopped_and_a_stop_that_fails_warns() -> None:
+    recorder = CommRecorder(cuda=False)
+    real = recorder._profiler
+
+    class HalfStarted:
+        def start(self) -> None:
+            real.start()
+            raise RuntimeError("kineto started, then failed")
+
+        def stop(self) -> None:
+            real.stop()
+
+    recorder._profiler = HalfStarted()
+    with pytest.raises(RuntimeError, match="then failed"):
+        recorder.start()
+    assert torch.autograd._profiler_enabled()
+    recorder.stop(keep=False)  # what the instruments' drop does on that exit path
+    assert not torch.autograd._profiler_enabled()
+
+    class Unstoppable:
+        def start(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            raise RuntimeError("no such profiler")
+
+    broken = CommRecorder(cuda=False)
+    broken._profiler = Unstoppable()
+    broken.start()
+    with pytest.warns(UserWarning, match=r"could not be stopped .*RuntimeError: no such profiler"):
+        broken.stop()
+    assert broken.breakdown() is None and not broken.running
+    broken.stop()  # never tried twice
+
+
+def test_three_communication_steps_each_get_a_split_and_the_profiler_stops_after_the_last() -> None:
+    from flops_callbacks.options import Options
+    from flops_callbacks.session.instruments import Instruments
+    from flops_callbacks.session.window_plan import COMM_STEPS, Kind
+    from flops_callbacks.session.window_steps import WindowStep
+    from flops_callbacks.timing.clock import CpuClock
+    from flops_callbacks.timing.phases import StepPhases
+
+    instruments = Instruments(Options())
+    instruments._start_recorder(cuda=False)  # at the end of the last module-timing step
+    steps = [WindowStep(Kind.COMMUNICATION, 5 + i, StepPhases(CpuClock())) for i in range(COMM_STEPS)]
+    for i, step in enumerate(steps):
+        recorder = instruments.recorder
+        assert recorder is not None and recorder.running and torch.autograd._profiler_enabled()
+        recorder.mark(FORWARD)
+        torch.ones(64, 64).matmul(torch.ones(64, 64))
+        recorder.mark("")
+        instruments.step_ended(step, comm_next=i < COMM_STEPS - 1)  # as WindowPlan.comm_next says
+        assert instruments.recorder is not recorder  # each step its own profiler
+    assert all(s.comm is not None and s.comm.step.compute > 0 for s in steps)
     assert instruments.recorder is None and not torch.autograd._profiler_enabled()
