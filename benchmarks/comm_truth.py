@@ -18,8 +18,8 @@ no_sync without the profiler and with every step under the communication steps' 
 profiled synced steps' median exposed time.
 
 Why 100 pairs: the difference of two medians of 15 steps each moved 1.6-4.4 ms for the base model's
-2.8 ms within one run; of 100, the figures of one framework's runs spread 12-27% (base) and 5-10%
-(slower), the machine's drift between runs included.
+2.8 ms within one run; of 100, one framework's runs spread 5-27% (benchmarks/README.md), the
+machine's drift between runs included.
 
     python benchmarks/comm_truth.py [--frameworks loop,lightning,hf] [--pairs 100] [--repeats 1]
 """
