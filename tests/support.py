@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.session.result import WindowSteps
 from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
-from flops_callbacks.session.window_plan import COMM_STEPS, MODULE_TIMING_STEPS
+from flops_callbacks.session.window_plan import Kind, head
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.collector import collector_off
 from flops_callbacks.timing.module_timer import ModuleTimer
@@ -146,21 +146,26 @@ B, IN, OUT = 5, 6, 2
 # --- the window's layout, from the run plan: tests name steps through these, not through literals ----
 
 
+def _head_steps(profile_step: int, kind: Kind, comm: bool = False) -> tuple[int, ...]:
+    """The steps of ``kind`` in the fixed head of a window counted at ``profile_step`` (its layout's)."""
+    return tuple(profile_step + i for i, k in enumerate(head(comm=comm)) if k == kind)
+
+
 def module_steps(profile_step: int) -> tuple[int, ...]:
     """The module-timing steps of a window counted at ``profile_step``: the steps right after it."""
-    return tuple(profile_step + 1 + i for i in range(MODULE_TIMING_STEPS))
+    return _head_steps(profile_step, Kind.MODULE_TIMING)
 
 
 def comm_steps(profile_step: int) -> tuple[int, ...]:
     """The communication steps of a several-rank window counted at ``profile_step``: right after the
     module-timing steps."""
-    return tuple(profile_step + 1 + MODULE_TIMING_STEPS + i for i in range(COMM_STEPS))
+    return _head_steps(profile_step, Kind.COMMUNICATION, comm=True)
 
 
 def check_step(profile_step: int, comm: bool = False) -> int:
     """The step after the module-timing steps (and the communication steps, with ``comm``: several
     ranks), counted again to check the shape table (issue 32)."""
-    return profile_step + 1 + MODULE_TIMING_STEPS + (COMM_STEPS if comm else 0)
+    return profile_step + len(head(comm=comm))
 
 
 def first_clean(profile_step: int, comm: bool = False) -> int:
@@ -170,7 +175,7 @@ def first_clean(profile_step: int, comm: bool = False) -> int:
 
 def window_end(profile_step: int, clean: int, comm: bool = False) -> int:
     """The global step at which a window with ``clean`` clean steps has ended and published (``comm``:
-    with a communication step, as a multi-process window has)."""
+    with the communication steps, as a multi-process window has)."""
     return first_clean(profile_step, comm) + clean
 
 

@@ -46,7 +46,7 @@ def verdict(comm: CommFigures) -> str:
     return f"idle: {duration_to_string(step.idle)} ({percent(step.idle, step.span)} of the step, {where})"
 
 
-def steps_words(comm: CommFigures) -> str:
+def _steps_words(comm: CommFigures) -> str:
     """Which step the figures come from: ``"step 6 of 5, 6, 7, the median by exposed time"``."""
     if len(comm.steps) == 1:
         return f"step {comm.steps[0]}"
@@ -65,7 +65,7 @@ def comm_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[st
     lines = [
         (
             "communication from",
-            f"{steps_words(comm)} (torch.profiler on every rank: {timeline}; {cost})",
+            f"{_steps_words(comm)} (torch.profiler on every rank: {timeline}; {cost})",
         ),
         (
             f"communication / exposed (ranks' mean; {low * 1e3:.2f} .. {high * 1e3:.2f} ms) / idle",
@@ -144,7 +144,7 @@ def comm_from_data(data: dict[str, Any]) -> CommFigures:
     return CommFigures(
         # a version-1 file had one step: "step"
         steps=tuple(data["steps"]) if "steps" in data else (data["step"],),
-        median_step=data.get("median_step", data.get("step")),
+        median_step=data["median_step"] if "median_step" in data else data["step"],
         world=data["world"],
         step=split(data["whole_step"]),
         phases={phase: split(s) for phase, s in data["phases"].items()},

@@ -200,10 +200,10 @@ class LocalWindow:
 
     def row(self) -> RankRow:
         f, c, comm = self.figures, self.counting, self.comm_steps
-        row = RankRow(f.steps, counted_totals(self.profile), c.samples, c.tokens, c.seconds()["iter"])
-        return row._replace(
-            comm=tuple(s.comm for s in comm), comm_iters=tuple(s.seconds()["iter"] for s in comm)
-        )
+        return RankRow(
+            f.steps, counted_totals(self.profile), c.samples, c.tokens, c.seconds()["iter"],
+            tuple(s.comm for s in comm), tuple(s.seconds()["iter"] for s in comm),
+        )  # fmt: skip
 
 
 def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> LocalWindow:
@@ -245,9 +245,9 @@ def median_comm(exposed: Sequence[Sequence[float | None]]) -> int:
     steps = max((len(rank) for rank in exposed), default=0)
     means = []
     for i in range(steps):
-        known = [rank[i] for rank in exposed if i < len(rank) and rank[i] is not None]
+        known = [x for rank in exposed if i < len(rank) and (x := rank[i]) is not None]
         if known:
-            means.append((sum(known) / len(known), i))  # type: ignore[arg-type]
+            means.append((sum(known) / len(known), i))
     return sorted(means)[(len(means) - 1) // 2][1] if means else 0
 
 

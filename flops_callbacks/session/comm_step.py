@@ -34,7 +34,7 @@ class CommFigures:
     exposed_range: tuple[float, float]  # the ranks' exposed communication, min .. max
     device: bool  # a GPU's timeline (else the host's)
     iter_seconds: float  # its fwd + bwd + step on the phase clock, the slowest rank's: what it cost
-    median_step: int | None = None  # of ``steps``, the one the figures are (the same on every rank)
+    median_step: int  # of ``steps``, the one the figures are (the same on every rank)
     timeline: StepEvents | None = None  # this rank's classed intervals of it (the Chrome trace's)
 
     def responsible(self) -> CollectiveRow | None:

@@ -117,11 +117,6 @@ STAGING = (
 )
 
 
-def _is_staging(name: str) -> bool:
-    """A copy that only fills or drains a collective's buffer (:data:`STAGING`)."""
-    return name in STAGING
-
-
 def _is_wait(name: str) -> bool:
     """The host blocked on a collective (c10d::wait, wait_tensor, FSDP's waits)."""
     return "wait" in name.lower()
@@ -189,7 +184,7 @@ def classify(events: Iterable[TraceEvent]) -> StepEvents:
         works = [w for w in gloo if not marks or marks[0][1] <= w.start <= marks[-1][1]]
         mine = [e for e in host if e.thread not in gloo_threads and not e.annotation]
         waits = [e.interval for e in mine if _is_wait(e.name) or e.name.startswith("c10d::")]
-        staging = [e.interval for e in mine if _is_staging(e.name)]
+        staging = [e.interval for e in mine if e.name in STAGING]
         busy = [e.interval for e in _outermost(mine) if not e.name.startswith("c10d::")]
         comm = merge([w.interval for w in works] + waits + staging)
         compute = subtract(busy, waits + staging)
