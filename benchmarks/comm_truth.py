@@ -17,11 +17,18 @@ loop, so there the same module is wrapped by a ``DistributedDataParallel`` of Li
 no_sync without the profiler and with every step under the communication steps' recorder, and the
 profiled synced steps' median exposed time.
 
+``--device cuda`` runs the loop (and ``--perturbation``) over NCCL with the model on a GPU, the outside
+steps timed between synchronizations. With fewer GPUs than ranks, the ranks share a GPU: NCCL refuses
+two ranks on one device of one host, so each rank names a host of its own (``NCCL_HOSTID``) and NCCL
+moves the data over sockets. That exercises the NCCL path's recording and classing; its times are
+those of two processes taking turns on one GPU, not of a multi-GPU step.
+
 Why 100 pairs: the difference of two medians of 15 steps each moved 1.6-4.4 ms for the base model's
 2.8 ms within one run; of 100, one framework's runs spread 5-27% (benchmarks/README.md), the
 machine's drift between runs included.
 
     python benchmarks/comm_truth.py [--frameworks loop,lightning,hf] [--pairs 100] [--repeats 1]
+                                    [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -68,16 +75,19 @@ def outside(
     from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
     from flops_callbacks.timing.comm_recorder import CommRecorder
 
+    cuda = next(ddp.parameters()).is_cuda
     seconds: dict[bool, list[float]] = {True: [], False: []}
     exposed: list[float] = []
     for i in range(pairs):
         for sync in (True, False) if i % 2 == 0 else (False, True):
             batch = batches[i % len(batches)]
-            recorder = CommRecorder(cuda=False) if profiled else None
+            recorder = CommRecorder(cuda=cuda) if profiled else None
             if recorder is not None:
                 recorder.start()
             mark = recorder.mark if recorder is not None else lambda phase: None
             torch.distributed.barrier()
+            if cuda:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             with contextlib.nullcontext() if sync else ddp.no_sync():  # type: ignore[operator]
                 mark(FORWARD)
@@ -87,6 +97,8 @@ def outside(
             mark(OPTIMIZER_STEP)
             optimizer.step()
             optimizer.zero_grad()
+            if cuda:
+                torch.cuda.synchronize()
             mark("")
             seconds[sync].append(time.perf_counter() - start)
             if recorder is not None:
@@ -99,14 +111,35 @@ def outside(
 
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(**batch)["loss"]
+    return model(**{k: v.to(next(model.parameters()).device) for k, v in batch.items()})["loss"]
 
 
-def perturbation(width: int, bucket: int, out: Path, pairs: int) -> None:
+def _group(device: str) -> torch.device:
+    """This rank's process group (gloo on CPU, NCCL on a GPU) and its device (module doc: shared GPUs)."""
+    if device == "cpu":
+        torch.distributed.init_process_group("gloo", timeout=TIMEOUT)
+        return torch.device("cpu")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.device_count() < world:
+        os.environ["NCCL_HOSTID"] = f"comm-truth-rank-{rank}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    gpu = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(gpu)
+    torch.distributed.init_process_group("nccl", timeout=TIMEOUT, device_id=gpu)
+    return gpu
+
+
+def _ddp(width: int, bucket: int, device: torch.device) -> nn.parallel.DistributedDataParallel:
+    ids = [device] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(
+        Regressor(width).to(device), device_ids=ids, bucket_cap_mb=bucket
+    )
+
+
+def perturbation(width: int, bucket: int, out: Path, pairs: int, device: str) -> None:
     """One 2-process run of a plain DDP loop: sync - no_sync without the profiler and under it, and the
     profiled synced steps' median exposed time: what ``torch.profiler`` itself costs the step's sync."""
-    torch.distributed.init_process_group("gloo", timeout=TIMEOUT)
-    ddp = nn.parallel.DistributedDataParallel(Regressor(width), bucket_cap_mb=bucket)
+    ddp = _ddp(width, bucket, _group(device))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     batches = [next(iter(torch.utils.data.DataLoader(Pairs(width), batch_size=BATCH)))]
     outside(ddp, _loss, optimizer, batches, 10)  # warm-up
@@ -123,7 +156,7 @@ def perturbation(width: int, bucket: int, out: Path, pairs: int) -> None:
     torch.distributed.destroy_process_group()
 
 
-def worker(framework: str, width: int, bucket: int, out: Path, pairs: int) -> None:
+def worker(framework: str, width: int, bucket: int, out: Path, pairs: int, device: str) -> None:
     """One 2-process run under torchrun: train with the profiler, then time sync against no_sync."""
     from flops_callbacks import FlopsProfilerCallback, HFFlopsCallback, StepProfiler
     from flops_callbacks import metrics as names
@@ -132,8 +165,7 @@ def worker(framework: str, width: int, bucket: int, out: Path, pairs: int) -> No
     batches = [next(iter(torch.utils.data.DataLoader(data, batch_size=BATCH)))]
     options: dict[str, Any] = dict(profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False)
     if framework == "loop":
-        torch.distributed.init_process_group("gloo", timeout=TIMEOUT)
-        ddp: Any = nn.parallel.DistributedDataParallel(Regressor(width), bucket_cap_mb=bucket)
+        ddp: Any = _ddp(width, bucket, _group(device))
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
         prof = StepProfiler(ddp, **options)
         for step, batch in enumerate(torch.utils.data.DataLoader(data, batch_size=BATCH)):
@@ -204,10 +236,11 @@ def worker(framework: str, width: int, bucket: int, out: Path, pairs: int) -> No
     torch.distributed.destroy_process_group()
 
 
-def run(framework: str, width: int, bucket: int, pairs: int) -> dict[str, Any]:
+def run(framework: str, width: int, bucket: int, pairs: int, device: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   __file__, "--worker", framework, str(width), str(bucket), folder, str(pairs)]  # fmt: skip
+                   __file__, "--worker", framework, str(width), str(bucket), folder, str(pairs),
+                   device]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, check=False)
         seen = Path(folder) / "seen.json"
@@ -216,13 +249,20 @@ def run(framework: str, width: int, bucket: int, pairs: int) -> dict[str, Any]:
         return json.loads(seen.read_text())
 
 
-def show_perturbation(pairs: int, repeats: int) -> None:
-    print(f"2-process plain DDP loop over gloo on CPU, torch {torch.__version__}; ms, the ranks' mean")
+def _setup(device: str) -> str:
+    if device == "cpu":
+        return f"gloo on CPU, torch {torch.__version__}"
+    gpus = torch.cuda.device_count()
+    return f"NCCL on {gpus} x {torch.cuda.get_device_name()} (2 ranks), torch {torch.__version__}"
+
+
+def show_perturbation(pairs: int, repeats: int, device: str) -> None:
+    print(f"2-process plain DDP loop over {_setup(device)}; ms, the ranks' mean")
     header = f"{'case':12} {'true':>6} {'profiled':>9} {'exposed':>8}"
     print(f"{header} {'exposed/true':>12} {'exposed/profiled':>16}")
     for case, (width, bucket) in CASES.items():
         for _ in range(repeats):
-            seen = run("perturbation", width, bucket, pairs)
+            seen = run("perturbation", width, bucket, pairs, device)
             if "error" in seen:
                 print(f"{case:12} error: {seen['error']}")
                 continue
@@ -243,23 +283,31 @@ def main() -> None:
         "--perturbation", action="store_true",
         help="instead: a plain DDP loop's sync - no_sync without and under torch.profiler (half the pairs)",
     )  # fmt: skip
-    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cuda: NCCL, the model on a GPU (the loop only; ranks share a GPU where there are fewer)",
+    )  # fmt: skip
+    parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        framework, width, bucket, out, pairs = args.worker
+        framework, width, bucket, out, pairs, device = args.worker
         if framework == "perturbation":
-            return perturbation(int(width), int(bucket), Path(out), int(pairs))
-        return worker(framework, int(width), int(bucket), Path(out), int(pairs))
+            return perturbation(int(width), int(bucket), Path(out), int(pairs), device)
+        return worker(framework, int(width), int(bucket), Path(out), int(pairs), device)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU here")
+    if args.device == "cuda" and not args.perturbation and args.frameworks != "loop":
+        parser.error("--device cuda takes --frameworks loop (Lightning's and HF's DDP take a GPU a rank)")
     if args.perturbation:
-        return show_perturbation(args.pairs, args.repeats)
-    print(f"2-process DDP over gloo on CPU, torch {torch.__version__}; true = median(sync) - median(no_sync)")
+        return show_perturbation(args.pairs, args.repeats, args.device)
+    print(f"2-process DDP over {_setup(args.device)}; true = median(sync) - median(no_sync)")
     print(f"{'framework':10} {'case':12} {'calls':>5} {'comm ms':>8} {'overlap':>7} {'true ms':>8} "
           f"{'reported ms':>11} {'ratio':>6}")  # fmt: skip
     for framework in args.frameworks.split(","):
         for case, (width, bucket) in CASES.items():
             ratios = []
             for _ in range(args.repeats):
-                seen = run(framework, width, bucket, args.pairs)
+                seen = run(framework, width, bucket, args.pairs, args.device)
                 if "error" in seen:
                     print(f"{framework:10} {case:12} error: {seen['error']}")
                     continue

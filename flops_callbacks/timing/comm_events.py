@@ -1,12 +1,15 @@
 """A profiled step's events, classed: communication, compute, the host's waits, the collectives' calls.
 
 Communication is what moves data between ranks: NCCL kernels on a GPU, gloo's work on its worker
-threads on a CPU (``gloo:all_reduce``, ...). Compute is every other device kernel on a GPU; on a CPU,
-the outermost ops of the threads that are not gloo's, less the time they spend waiting on a
-collective (a wait nested in an op is not compute: counting it as compute would hide exposed time) and
-less the host's copies that only fill or drain a collective's buffer (DDP's reducer, FSDP2's copy-in
-and copy-out: :data:`STAGING`), which are the communication's: without the collective they would not
-run.
+threads on a CPU (``gloo:all_reduce``, ...), and the copies that only fill or drain a collective's
+buffer (DDP's reducer, FSDP2's copy-in and copy-out: :data:`STAGING`): without the collective they
+would not run. Compute is every other device kernel on a GPU; on a CPU, the outermost ops of the
+threads that are not gloo's, less the time they spend waiting on a collective (a wait nested in an op
+is not compute: counting it as compute would hide exposed time) and less the staging copies. On a GPU
+a staging copy is a kernel on the compute stream: it is known by the host op that launched it (the
+kernel's correlation id), when that op runs inside a staging range. A ``record_function`` range that
+the profiler also draws on a stream (DDP's forward, ProcessGroupNCCL's ``nccl:all_reduce``) is neither:
+it spans kernels and the idle time between them.
 A collective's op and size come from its launch (``c10d::allreduce_``, ``c10d::_allgather_base_``,
 ...) paired in order with the work that carried it: gloo runs a reduce-scatter as an all-reduce, so
 the work's own name can say the wrong op.
@@ -19,6 +22,8 @@ by hand; :func:`trace_events` is the one place that reads ``torch.profiler``'s r
 
 from __future__ import annotations
 
+import bisect
+import math
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -65,6 +70,8 @@ class TraceEvent(NamedTuple):
     shapes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[str, ...] = ()
     annotation: bool = False  # a user's record_function range (a span, not work)
+    op_id: int = 0  # a host op's correlation id (0: none)
+    launched_by: int = 0  # a kernel's: the host op that launched it (0: unknown)
 
     @property
     def interval(self) -> Interval:
@@ -122,6 +129,23 @@ def _is_wait(name: str) -> bool:
     return "wait" in name.lower()
 
 
+def _staging_kernels(host: Sequence[TraceEvent], kernels: Sequence[TraceEvent]) -> list[TraceEvent]:
+    """The kernels launched by a host op that starts inside a :data:`STAGING` range of its thread."""
+    ranges: dict[int, list[Interval]] = {}
+    for e in host:
+        if e.name in STAGING:
+            ranges.setdefault(e.thread, []).append(e.interval)
+    spans = {thread: merge(intervals) for thread, intervals in ranges.items()}
+    inside = set()
+    for e in host:
+        mine = spans.get(e.thread)
+        if mine and e.op_id:
+            i = bisect.bisect_right(mine, (e.start, math.inf)) - 1
+            if i >= 0 and e.start <= mine[i][1]:
+                inside.add(e.op_id)
+    return [k for k in kernels if k.launched_by in inside]
+
+
 class StepEvents(NamedTuple):
     """A step's events classed: intervals of communication, compute and phase marks, and its calls."""
 
@@ -166,7 +190,7 @@ def classify(events: Iterable[TraceEvent]) -> StepEvents:
     marks = sorted(
         ((e.name[len(MARK) :], e.start) for e in events if e.name.startswith(MARK)), key=lambda m: m[1]
     )
-    kernels = [e for e in events if e.device]
+    kernels = [e for e in events if e.device and not e.annotation]  # not a range projected on a stream
     host = [e for e in events if not e.device and not e.name.startswith(MARK)]
     gloo = [e for e in host if e.name.startswith("gloo:")]
     gloo_threads = {e.thread for e in gloo}
@@ -178,8 +202,12 @@ def classify(events: Iterable[TraceEvent]) -> StepEvents:
         works = [
             k for k in kernels if collective_op(k.name) is not None and (not marks or k.start >= marks[0][1])
         ]
-        comm = merge(k.interval for k in works)
-        compute = merge(k.interval for k in kernels if collective_op(k.name) is None)
+        staged = _staging_kernels(host, kernels)
+        comm = merge([k.interval for k in works] + [k.interval for k in staged])
+        staging_ids = {id(k) for k in staged}
+        compute = merge(
+            k.interval for k in kernels if collective_op(k.name) is None and id(k) not in staging_ids
+        )
     else:
         works = [w for w in gloo if not marks or marks[0][1] <= w.start <= marks[-1][1]]
         mine = [e for e in host if e.thread not in gloo_threads and not e.annotation]
@@ -208,6 +236,10 @@ def trace_events(results: Any) -> list[TraceEvent]:
                 shapes,
                 tuple(e.dtypes()) if not device else (),
                 bool(e.is_user_annotation()),
+                # an op's own id; a runtime call (cudaLaunchKernel) is linked to its op, and its
+                # correlation id is CUPTI's, another count: as torch pairs them, only unlinked events
+                e.correlation_id() if not device and e.linked_correlation_id() == 0 else 0,
+                e.linked_correlation_id() if device else 0,
             )
         )
     return out

@@ -1,9 +1,14 @@
-"""The communication step's split, from profiler events written by hand (times in microseconds)."""
+"""The communication step's split, from profiler events written by hand and one recorded on a GPU
+(times in microseconds)."""
+
+import json
+from pathlib import Path
 
 import pytest
 
 from flops_callbacks.timing.comm_breakdown import Collective, TimeSplit, breakdown, bus_factor, combine
 from flops_callbacks.timing.comm_events import MARK, TraceEvent, classify, collective_op
+from flops_callbacks.timing.intervals import total
 
 MAIN, GLOO = 1, 7
 F1, F2 = ("float",), ("float", "float")
@@ -110,16 +115,66 @@ def test_a_gpu_step_takes_nccl_kernels_as_communication_and_other_kernels_as_com
             TraceEvent(
                 "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgs)", 40, 70, 20, device=True
             ),
+            # ProcessGroupNCCL's range, drawn on the NCCL stream too: neither a second call nor work
+            TraceEvent("nccl:all_reduce", 30, 70, 20, device=True, annotation=True),
             mark("", 45),
         ]
     )
     assert events.device
     assert events.comm == [(40, 70)] and events.compute == [(10, 50)]
-    assert events.calls[0].op == "all_reduce" and events.calls[0].nbytes == 4096
+    assert [(c.op, c.nbytes) for c in events.calls] == [("all_reduce", 4096)]
     split = breakdown(events)
     assert split is not None
     assert split.step.span == pytest.approx(70e-6)  # to the last kernel's end
     assert split.step.exposed == pytest.approx(20e-6)
+
+
+def test_a_gpu_staging_copy_is_known_by_the_host_op_that_launched_it():
+    """DDP's copy into its bucket runs as a kernel on the compute stream; the op that launched it (its
+    correlation id) runs inside the reducer's range, so the kernel is the communication's. A kernel of
+    the same name launched outside any staging range stays compute."""
+    autograd = 3  # CUDA's backward runs on autograd's device thread
+    events = classify(
+        [
+            mark("backward", 0),
+            TraceEvent("aten::mm", 1, 2, autograd, op_id=11),
+            TraceEvent("torch::distributed::reducer::mul_out", 3, 6, autograd, op_id=12),
+            TraceEvent("aten::mul_out", 4, 5, autograd, op_id=13),
+            TraceEvent("torch.distributed.ddp.reducer::copy_bucket_to_grad", 7, 8, MAIN, op_id=14),
+            TraceEvent("aten::copy_", 7, 8, MAIN, op_id=15),
+            TraceEvent("aten::mul", 9, 10, MAIN, op_id=16),  # the model's own, outside any staging range
+            TraceEvent("sm90_gemm", 10, 40, 7, device=True, launched_by=11),
+            TraceEvent("elementwise_kernel<MulFunctor>", 40, 45, 7, device=True, launched_by=13),
+            TraceEvent("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 45, 60, 20, device=True, launched_by=0),
+            TraceEvent("elementwise_kernel<copy>", 60, 62, 7, device=True, launched_by=15),
+            TraceEvent("elementwise_kernel<MulFunctor>", 62, 70, 7, device=True, launched_by=16),
+            mark("", 70),
+        ]
+    )
+    assert events.comm == [(40, 62)]
+    assert events.compute == [(10, 40), (62, 70)]
+
+
+def test_a_real_gpu_trace_classes_ddps_copies_as_communication_and_no_range_as_compute():
+    """A DDP backward recorded on an H100 (tests/timing/traces): the kernels torch itself pairs with the
+    reducer's staging ops (four bucket copies in, four copies back) are the communication, every other
+    kernel and copy is compute, and DDP's forward range drawn on the stream (950 us, idle time between
+    kernels in it) counts as neither."""
+    trace = json.loads((Path(__file__).parent / "traces" / "ddp_one_rank_h100.json").read_text())
+    events = [
+        TraceEvent(n, a, b, t, d, tuple(map(tuple, sh)), tuple(dt), an, op, by)
+        for n, a, b, t, d, sh, dt, an, op, by in trace["events"]
+    ]
+    staged = [us for _, kernels in trace["torch_staged"] for _, us in kernels]
+    assert len(staged) == 8
+    work = [e for e in events if e.device and not e.annotation]
+    forward_range = next(e for e in events if e.device and e.annotation)
+    assert forward_range.end - forward_range.start > 900
+
+    classed = classify(events)
+    assert classed.device and classed.calls == []  # one rank: NCCL runs no kernel for an in-place sum
+    assert total(classed.comm) == pytest.approx(sum(staged), abs=0.01)
+    assert total(classed.compute) == pytest.approx(sum(e.end - e.start for e in work) - sum(staged), abs=0.01)
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,43 @@ def test_a_gpu_step_reads_the_kernels_timeline_and_the_nccl_all_reduce() -> None
     assert ops <= {"all_reduce"}  # NCCL may run a one-rank all-reduce as a copy: no kernel of its own
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: DDP's copies as kernels")
+def test_ddp_copies_on_a_gpu_are_communication_by_the_ops_that_launched_them() -> None:
+    """DDP's bucket copies are kernels on the compute stream. torch's own pairing of kernels with the
+    ops that launched them (``FunctionEvent.kernels``) says which ran under a staging range; the classed
+    compute is every other kernel that is not NCCL's (one stream here: no two compute kernels overlap)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from flops_callbacks.timing.comm_events import STAGING, classify, collective_op, trace_events
+    from flops_callbacks.timing.intervals import total
+
+    one_rank_group("nccl")
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+        ddp = DistributedDataParallel(model.cuda(), device_ids=[0])
+        x = torch.randn(32, 256, device="cuda")
+        ddp(x).square().mean().backward()  # the first step builds the buckets
+        torch.cuda.synchronize()
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            ddp(x).square().mean().backward()
+            torch.cuda.synchronize()
+        events = classify(trace_events(prof.profiler.kineto_results))
+    finally:
+        torch.distributed.destroy_process_group()
+
+    def under(op: object) -> list[object]:
+        return list(op.kernels) + [k for child in op.cpu_children for k in under(child)]  # type: ignore[attr-defined]
+
+    staged = [k for op in prof.events() if op.name in STAGING for k in under(op)]
+    assert staged, "DDP ran no staging copy on the GPU"
+    kernels = [e for e in trace_events(prof.profiler.kineto_results) if e.device and not e.annotation]
+    others = sum(k.end - k.start for k in kernels if collective_op(k.name) is None)
+    assert events.device
+    assert total(events.compute) == pytest.approx(others - sum(k.duration for k in staged), rel=1e-3)  # type: ignore[attr-defined]
+    assert total(events.comm) >= max(k.duration for k in staged)  # type: ignore[attr-defined]
+
+
 def test_a_trace_that_cannot_be_read_is_said_and_the_step_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(events: object) -> None:
         raise KeyError("a field this torch does not have")
