@@ -115,12 +115,14 @@ def collective_op(name: str) -> str | None:
 
 # Host work that only fills or drains a collective's buffer: DDP's reducer copying a ready gradient into
 # its bucket (divided by the world size) and the reduced bucket back to the gradients, FSDP2's copies
-# into and out of its all-gather buffer. Compute would run without the collective; these would not.
+# into and out of its all-gather buffer and of the gradients into its reduce-scatter buffer (its own op
+# over aten::_chunk_cat). Compute would run without the collective; these would not.
 STAGING = (
     "torch::distributed::reducer::mul_out",
     "torch.distributed.ddp.reducer::copy_bucket_to_grad",
     "fsdp::all_gather_copy_in",
     "fsdp::split_with_sizes_copy",
+    "fsdp::chunk_cat",
 )
 
 

@@ -59,7 +59,9 @@ def test_classify_takes_gloo_work_the_reducers_copies_and_waits_as_communication
     assert [round(c.seconds * 1e6) for c in events.calls] == [40, 25]
 
 
-def test_an_fsdp2_copy_in_is_communication_too():
+def test_fsdp2_copies_in_are_communication_too():
+    """The all-gather's copy-in in the forward, the reduce-scatter's (``fsdp::chunk_cat`` over the
+    model's own ``aten::_chunk_cat``) in the backward."""
     events = classify([
         mark("forward", 0),
         TraceEvent("FSDP::all_gather", 0, 30, MAIN, annotation=True),  # FSDP's range: a span, not work
@@ -67,10 +69,17 @@ def test_an_fsdp2_copy_in_is_communication_too():
         TraceEvent("c10d::_allgather_base_", 20, 21, MAIN, shapes=((64,),), dtypes=("float",)),
         TraceEvent("gloo:all_gather", 21, 60, GLOO),
         TraceEvent("aten::addmm", 60, 100, MAIN),
-        mark("", 100),
+        mark("backward", 100),
+        TraceEvent("aten::mm", 100, 140, MAIN),
+        TraceEvent("fsdp::chunk_cat", 140, 150, MAIN),
+        TraceEvent("aten::_chunk_cat", 141, 149, MAIN),
+        TraceEvent("c10d::_reduce_scatter_base_", 150, 151, MAIN, shapes=((64,), (32,)), dtypes=F2),
+        TraceEvent("gloo:all_reduce", 151, 170, GLOO),
+        TraceEvent("aten::_chunk_cat", 170, 180, MAIN),  # a model's own: compute
+        mark("", 180),
     ])  # fmt: skip
-    assert events.comm == [(0, 60)]
-    assert events.compute == [(60, 100)]
+    assert events.comm == [(0, 60), (140, 170)]
+    assert events.compute == [(60, 140), (170, 180)]
 
 
 def test_breakdown_splits_the_step_and_each_phase():
