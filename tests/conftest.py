@@ -1,9 +1,10 @@
 """What every test shares: an offline run, and the check that no test leaves a global hook or a mode of
-the profiler behind (tests/support.py holds the snapshot and the injected fault)."""
+the profiler behind (tests/support.py holds the snapshot and the injected fault), nor accelerate's state."""
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -40,3 +41,12 @@ def nothing_compiled_stays() -> Iterator[None]:
 
         torch._dynamo.reset()
         counters.clear()
+
+
+@pytest.fixture(autouse=True)
+def no_accelerator_state_stays() -> Iterator[None]:
+    """accelerate keeps one process-wide state, which the HF Trainer and an ``Accelerator`` set once
+    and a later ``Accelerator`` of other settings refuses: each test starts without it."""
+    yield
+    if "accelerate.state" in sys.modules:
+        sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)

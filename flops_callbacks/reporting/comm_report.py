@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from flops_callbacks import metrics as names
+from flops_callbacks.reporting.step_words import step_list
 from flops_callbacks.session.comm_step import CommFigures
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.timing.comm_breakdown import CollectiveRow, TimeSplit
@@ -50,8 +51,7 @@ def _steps_words(comm: CommFigures) -> str:
     """Which step the figures come from: ``"step 6 of 5, 6, 7, the median by exposed time"``."""
     if len(comm.steps) == 1:
         return f"step {comm.steps[0]}"
-    steps = ", ".join(str(s) for s in comm.steps)
-    return f"step {comm.median_step} of {steps}, the median by exposed time (the ranks' mean)"
+    return f"step {comm.median_step} of {step_list(comm.steps)}, the median by exposed time (the ranks' mean)"
 
 
 def comm_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:

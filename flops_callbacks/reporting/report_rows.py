@@ -14,6 +14,7 @@ from flops_callbacks.phase_names import STEP_PHASES
 from flops_callbacks.reporting.comm_report import comm_lines
 from flops_callbacks.reporting.report import EngineRows, render_profile
 from flops_callbacks.reporting.report_sections import render_roofline
+from flops_callbacks.reporting.step_words import step_list, steps_named
 from flops_callbacks.reporting.tree_check import TreeCheck, check_tree
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts
@@ -41,10 +42,6 @@ __all__ = [
 ]
 
 
-def _steps_text(steps: tuple[int, ...]) -> str:
-    return ", ".join(str(s) for s in steps)
-
-
 def module_source(result: WindowResult) -> str:
     """Which steps the module latencies come from, or why none do.
 
@@ -54,7 +51,7 @@ def module_source(result: WindowResult) -> str:
     s = result.steps
     if not s.module_timing:
         return "none"
-    steps = f"step{'s' if len(s.module_timing) > 1 else ''} {_steps_text(s.module_timing)}"
+    steps = steps_named(s.module_timing)
     if not s.module_shapes_match:
         return (
             f"none: {steps} had other batch shapes than step {s.counting} "
@@ -84,7 +81,7 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
         ("module latencies from", module_source(result)),
         (
             "fwd / bwd / step latency from",
-            s.latency_source + (f": steps {_steps_text(s.clean)}" if s.clean else ""),
+            s.latency_source + (f": {steps_named(s.clean)}" if s.clean else ""),
         ),
         (
             "rates from: the step of the median FLOPS: its flops (samples, tokens) / its latencies",
@@ -107,9 +104,9 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
         lines.append(("shapes counted on training steps (no count off the clock)", sources.on_steps))
     shown = tuple(n for n in s.shape_counting if sources is None or n != sources.check_step)  # said above
     if shown:
-        lines.append(("steps counted, not timed (new batch shapes, checks)", _steps_text(shown)))
+        lines.append(("steps counted, not timed (new batch shapes, checks)", step_list(shown)))
     if s.skipped:
-        lines.append(("clean steps left out (batch shapes not countable)", _steps_text(s.skipped)))
+        lines.append(("clean steps left out (batch shapes not countable)", step_list(s.skipped)))
     return lines
 
 
@@ -127,7 +124,7 @@ def model_forward_lines(result: WindowResult) -> list[tuple[str, str]]:
     if steps == result.steps.clean:  # as usual: the steps are listed once, in the latencies' own row
         which = f"median of the {len(steps)} clean steps" if len(steps) > 1 else "the clean step"
     else:
-        which = f"{'median of steps' if len(steps) > 1 else 'step'} {_steps_text(steps)}"
+        which = ("median of " if len(steps) > 1 else "") + steps_named(steps)
     value = f"{duration_to_string(seconds)} ({which})"
     if len(result.rank_latencies) > 1:  # the phases above are the slowest rank's
         return [("the model's own forward, this rank (outermost module calls, clean steps)", value)]

@@ -10,7 +10,6 @@ less. Definitions live in the docs' glossary, not in the labels.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.reporting.comm_report import verdict as comm_verdict
 from flops_callbacks.reporting.report import TITLE
 from flops_callbacks.reporting.report_sections import rule
+from flops_callbacks.reporting.step_words import step_list, steps_named
 from flops_callbacks.reporting.tree_check import TreeCheck
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.units import duration_to_string, flops_to_string, number_to_string, params_to_string
@@ -193,20 +193,11 @@ def _top_lines(result: WindowResult) -> list[str]:
     return lines
 
 
-def _steps(steps: Sequence[int]) -> str:
-    """``"14-19"`` for a run of steps, ``"14, 16"`` otherwise."""
-    if not steps:
-        return "none"
-    if len(steps) > 2 and list(steps) == list(range(steps[0], steps[-1] + 1)):
-        return f"{steps[0]}-{steps[-1]}"
-    return ", ".join(str(s) for s in steps)
-
-
 def _sources(result: WindowResult) -> str:
     s = result.steps
-    modules = f"modules: steps {_steps(s.module_timing)}" if s.module_timing else "modules: none timed"
+    modules = f"modules: {steps_named(s.module_timing)}" if s.module_timing else "modules: none timed"
     counted = f"flops: step {s.counting}" + (" (an earlier window's)" if s.reused else "")
-    return f"{counted}; {modules}; phases: {s.latency_source}, steps {_steps(s.clean)}"
+    return f"{counted}; {modules}; phases: {s.latency_source}, {steps_named(s.clean)}"
 
 
 def _short(note: str) -> str:
@@ -226,7 +217,7 @@ def _warnings(result: WindowResult, doubts: TreeCheck, details: str) -> list[str
     if sources is not None and sources.on_steps:
         lines.append(f"note: shapes counted on training steps, not off the clock{where}")
     if s.skipped:
-        skipped = _steps(s.skipped)
+        skipped = step_list(s.skipped)
         lines.append(f"warning: clean steps left out (batch shapes not countable): {skipped}{where}")
     if not s.module_shapes_match and s.module_timing:
         lines.append(f"warning: no module latencies (other batch shapes than the counting step's){where}")
@@ -273,7 +264,7 @@ def _comm_lines(result: WindowResult) -> list[str]:
             "communication",
             f"{duration_to_string(step.comm)} ({overlap}), exposed {duration_to_string(step.exposed)}, "
             f"idle {duration_to_string(step.idle)} of {duration_to_string(step.span)} "
-            f"(step {comm.median_step}, the median of {_steps(comm.steps)})",
+            f"(step {comm.median_step}, the median of {step_list(comm.steps)})",
         )
     ]
 

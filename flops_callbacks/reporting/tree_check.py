@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from flops_callbacks.module_tree import parent_in
 from flops_callbacks.profile import ModuleProfile, Profile
+from flops_callbacks.reporting.step_words import steps_named
 from flops_callbacks.units import duration_to_string
 
 __all__ = ["TreeCheck", "check_tree"]
@@ -105,8 +106,9 @@ def _check_root(
     if seconds <= 0 or low <= root <= seconds * slack + ABSOLUTE_SLACK:
         return
     words, ratio = _words(kind), root / seconds
+    which = steps_named(steps) + (" (median)" if len(steps) > 1 else "")
     note = (
-        f"module tree: the model's {words} on {_steps_words(steps)} ({duration_to_string(root)}) is "
+        f"module tree: the model's {words} on {which} ({duration_to_string(root)}) is "
         f"{ratio:.2f}x {against} ({duration_to_string(seconds)}, clean steps): "
     )
     if ratio < 1:
@@ -122,13 +124,6 @@ def _check_root(
             check.flagged.setdefault(name, f"{words}: {duration_to_string(own)} of its own, a slowed step")
     check.notes.append(note)
     check.flagged.setdefault("", f"{words} {ratio:.2f}x {against}")
-
-
-def _steps_words(steps: tuple[int, ...]) -> str:
-    """``"step 11"``, ``"steps 11, 12, 13 (median)"``."""
-    if len(steps) == 1:
-        return f"step {steps[0]}"
-    return f"steps {', '.join(str(s) for s in steps)} (median)"
 
 
 def _largest_own_time(profile: Profile, children: Children, kind: str) -> tuple[str, float] | None:

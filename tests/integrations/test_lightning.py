@@ -350,7 +350,7 @@ def test_report_is_printed_once_and_saved_whole_with_its_json_next_to_the_logs(l
     assert "module latencies from:" in stdout
     for label, value in [
         ("flops, MACs, params from", f"step {PROFILE_STEP} (counting step)"),
-        ("fwd / bwd / step latency from", f"median of 1 clean step(s): steps {FIRST_CLEAN}"),
+        ("fwd / bwd / step latency from", f"median of 1 clean step(s): step {FIRST_CLEAN}"),
     ]:
         assert summary_value(report, label) == value
     # the MLP makes 2 calls inside its own: too few to measure the hooks' cost on, the probe's is taken out

@@ -52,7 +52,7 @@ def test_a_model_three_times_its_forward_phase_names_the_module_holding_the_exce
     check = check_tree(profile, fwd_phase=10 * MS, bwd_phase=20 * MS, module_steps=(3, 4, 5))
     assert len(check.notes) == 1
     note = check.notes[0]
-    assert "the model's forward on steps 3, 4, 5 (median) (30 ms) is 3.00x the forward phase (10 ms" in note
+    assert "the model's forward on steps 3-5 (median) (30 ms) is 3.00x the forward phase (10 ms" in note
     assert "most of the excess lies in b (21 ms of its own)" in note
     assert set(check.flagged) == {"", "b"}
 
