@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks only a GPU can make (benchmarks/README.md, "On a GPU"), in one run of at most about 8 minutes: each step
+# The checks only a GPU can make (benchmarks/README.md, "On a GPU"), in one run of at most about 9 minutes: each step
 # under its own time limit, everything it prints appended to $OUT/gpu.log, the profile picture of a GPU
 # run written to $OUT/gpu-profile.html. Run from the repository root on a machine with torch (CUDA),
 # lightning, transformers and accelerate installed:  OUT=gpu-out bash benchmarks/gpu_checks.sh
@@ -29,6 +29,7 @@ check timing-truth-124m 70 "$PY" benchmarks/timing_truth.py --device cuda --bf16
 check timing-truth-small 40 "$PY" benchmarks/timing_truth.py --device cuda --bf16 --cases gpt2-small,mlp --repeats 1
 check step-profiler-truth 45 "$PY" benchmarks/step_profiler_truth.py --device cuda
 check generation-truth 45 "$PY" benchmarks/generation_truth.py --device cuda --bf16 --models gpt2,gpt2-124m --repeats 3
+check comm-truth-nccl 90 "$PY" benchmarks/comm_truth.py --device cuda --frameworks loop --pairs 50
 check picture 25 "$PY" benchmarks/picture_screenshot.py --device cuda --html "$OUT/gpu-profile.html" --no-shot
 # the whole suite last, in parallel (pytest-xdist and pytest-timeout, where installed): what it reaches in
 # its time, each test named as it ends (tools absent there fail or skip)

@@ -198,7 +198,8 @@ def module_source(profile_step: int, trace: int | None) -> str:
     steps = module_steps(profile_step)
     if len(steps) == 1:
         return f"step {steps[0]} (module hooks, no counting"
-    listed = ", ".join(map(str, steps))
+    consecutive = steps == tuple(range(steps[0], steps[-1] + 1))
+    listed = f"{steps[0]}-{steps[-1]}" if len(steps) > 2 and consecutive else ", ".join(map(str, steps))
     return f"steps {listed} (module hooks, no counting, the tree of step {trace}, their median"
 
 

@@ -1,15 +1,16 @@
 """A profiled step's events, classed: communication, compute, the host's waits, the collectives' calls.
 
-Communication is what moves data between ranks: NCCL kernels on a GPU, gloo's work on its worker
-threads on a CPU (``gloo:all_reduce``, ...), and the copies that only fill or drain a collective's
-buffer (DDP's reducer, FSDP2's copy-in and copy-out: :data:`STAGING`): without the collective they
-would not run. Compute is every other device kernel on a GPU; on a CPU, the outermost ops of the
-threads that are not gloo's, less the time they spend waiting on a collective (a wait nested in an op
-is not compute: counting it as compute would hide exposed time) and less the staging copies. On a GPU
-a staging copy is a kernel on the compute stream: it is known by the host op that launched it (the
-kernel's correlation id), when that op runs inside a staging range. A ``record_function`` range that
-the profiler also draws on a stream (DDP's forward, ProcessGroupNCCL's ``nccl:all_reduce``) is neither:
-it spans kernels and the idle time between them.
+Communication is what moves data between ranks: NCCL kernels on a GPU; gloo's work on its worker
+threads (``gloo:all_reduce``, ...), on a CPU or carrying a GPU's tensors through the host; and the
+copies that only fill or drain a collective's buffer (DDP's reducer, FSDP2's copy-in and copy-out:
+:data:`STAGING`), which would not run without the collective. Compute is every other device kernel on
+a GPU; on a CPU, the outermost ops of the threads that are not gloo's, less the time they spend
+waiting on a collective (a wait nested in an op is not compute: counting it as compute would hide
+exposed time) and less the staging copies. On a GPU a staging copy is a kernel on the compute stream:
+it is known by the host op that launched it (the kernel's correlation id), when that op runs inside a
+staging range. A ``record_function`` range that the profiler also draws on a stream (DDP's forward,
+ProcessGroupNCCL's ``nccl:all_reduce``) is neither: it spans kernels and the idle time between them.
+
 A collective's op and size come from its launch (``c10d::allreduce_``, ``c10d::_allgather_base_``,
 ...) paired in order with the work that carried it: gloo runs a reduce-scatter as an all-reduce, so
 the work's own name can say the wrong op.
@@ -200,10 +201,12 @@ def classify(events: Iterable[TraceEvent]) -> StepEvents:
     sizes = [e for e in host if e.name == "record_param_comms"]
     if marks:  # the step's own calls: not the ranks' vote before it, nor what follows its end
         launches = [e for e in launches if marks[0][1] <= e.start <= marks[-1][1]]
-    if kernels:
-        works = [
+    gloo_works = [w for w in gloo if not marks or marks[0][1] <= w.start <= marks[-1][1]]
+    if kernels:  # NCCL's kernels, or gloo's host work where gloo carries a GPU's tensors
+        nccl = [
             k for k in kernels if collective_op(k.name) is not None and (not marks or k.start >= marks[0][1])
         ]
+        works = nccl + gloo_works
         staged = _staging_kernels(host, kernels)
         comm = merge([k.interval for k in works] + [k.interval for k in staged])
         staging_ids = {id(k) for k in staged}
@@ -211,7 +214,7 @@ def classify(events: Iterable[TraceEvent]) -> StepEvents:
             k.interval for k in kernels if collective_op(k.name) is None and id(k) not in staging_ids
         )
     else:
-        works = [w for w in gloo if not marks or marks[0][1] <= w.start <= marks[-1][1]]
+        works = gloo_works
         mine = [e for e in host if e.thread not in gloo_threads and not e.annotation]
         waits = [e.interval for e in mine if _is_wait(e.name) or e.name.startswith("c10d::")]
         staging = [e.interval for e in mine if e.name in STAGING]

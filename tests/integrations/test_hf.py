@@ -270,7 +270,7 @@ def test_metrics_reach_tensorboard_once_at_the_window_end_and_losses_are_unchang
     assert "measured fwd + bwd flops vs Trainer's estimate:" in report
     assert f"{difference:+.1f}%" in report
     assert re.search(
-        rf"fwd / bwd / step latency from: +median of 1 clean step\(s\): steps {FIRST_CLEAN}", report
+        rf"fwd / bwd / step latency from: +median of 1 clean step\(s\): step {FIRST_CLEAN}", report
     )
     # the meter's first interval after the window: the one step after it
     ((step, rate),) = logged(profiled, names.THROUGHPUT_SAMPLES_PER_SEC)

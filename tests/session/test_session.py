@@ -261,7 +261,7 @@ def test_a_run_that_ends_inside_the_window_publishes_what_it_had_and_says_so(tmp
         1, module_steps(1), (first_clean(1),)
     )  # fmt: skip
     assert [step for _, step in sink.logged] == [end]
-    assert f"median of 1 clean step(s): steps {first_clean(1)}" in sink.printed[0]
+    assert f"median of 1 clean step(s): step {first_clean(1)}" in sink.printed[0]
 
 
 def test_a_window_with_no_clean_step_says_its_latencies_are_inflated() -> None:

@@ -164,6 +164,22 @@ def test_a_gpu_staging_copy_is_known_by_the_host_op_that_launched_it():
     assert events.compute == [(10, 40), (62, 70)]
 
 
+def test_gloo_carrying_a_gpus_tensors_is_communication_on_the_gpus_timeline():
+    """DDP on a GPU over gloo: the kernels are the compute, gloo's host work the communication."""
+    events = classify(
+        [
+            mark("backward", 0),
+            TraceEvent("sm90_xmma_gemm_f32", 10, 50, 7, device=True),
+            TraceEvent("c10d::allreduce_", 20, 21, MAIN, shapes=((),), dtypes=("TensorList",)),
+            TraceEvent("record_param_comms", 20, 21, MAIN, shapes=((1000,),), dtypes=("float",)),
+            TraceEvent("gloo:all_reduce", 30, 80, GLOO),
+            mark("", 80),
+        ]
+    )
+    assert events.device and events.comm == [(30, 80)] and events.compute == [(10, 50)]
+    assert [(c.op, c.nbytes) for c in events.calls] == [("all_reduce", 4000)]
+
+
 def test_a_real_gpu_trace_classes_ddps_copies_as_communication_and_no_range_as_compute():
     """A DDP backward recorded on an H100 (tests/timing/traces): the kernels torch itself pairs with the
     reducer's staging ops (four bucket copies in, four copies back) are the communication, every other
