@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks only a GPU can make (benchmarks/README.md, "On a GPU"), in one run of at most about 9 minutes: each step
+# The checks only a GPU can make (benchmarks/README.md, "On a GPU"), in one run of at most about 10 minutes: each step
 # under its own time limit, everything it prints appended to $OUT/gpu.log, the profile picture of a GPU
 # run written to $OUT/gpu-profile.html. Run from the repository root on a machine with torch (CUDA),
 # lightning, transformers and accelerate installed:  OUT=gpu-out bash benchmarks/gpu_checks.sh

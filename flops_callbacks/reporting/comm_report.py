@@ -48,7 +48,8 @@ def verdict(comm: CommFigures) -> str:
 
 
 def _steps_words(comm: CommFigures) -> str:
-    """Which step the figures come from: ``"step 6 of 5, 6, 7, the median by exposed time"``."""
+    """Which step the figures come from: ``"step 6 of 5-7, the median by exposed time (the ranks'
+    mean)"``."""
     if len(comm.steps) == 1:
         return f"step {comm.steps[0]}"
     return f"step {comm.median_step} of {step_list(comm.steps)}, the median by exposed time (the ranks' mean)"

@@ -19,6 +19,7 @@ from flops_callbacks.reporting.comm_report import comm_trace
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_file import json_data, roofline_entries
 from flops_callbacks.reporting.report_rows import module_source, report_text, tree_doubts
+from flops_callbacks.reporting.step_words import step_list
 from flops_callbacks.reporting.summary import render_console_summary
 from flops_callbacks.session.adapter_api import Sink
 from flops_callbacks.session.result import WindowResult
@@ -141,7 +142,7 @@ def picture(result: WindowResult) -> str:
     summary += [
         ("module flops: the batch of", f"step {steps.counting}"),
         ("module latencies", module_source(result)),
-        ("phases: median of", ", ".join(str(s) for s in steps.clean) or "no clean step"),
+        ("phases: median of", step_list(steps.clean) if steps.clean else "no clean step"),
     ]
     title = f"flops_callbacks profile, step {result.step}"
     peak, bandwidth, entries = result.peak, result.bandwidth, roofline_entries(result)

@@ -6,10 +6,11 @@ copies that only fill or drain a collective's buffer (DDP's reducer, FSDP2's cop
 :data:`STAGING`), which would not run without the collective. Compute is every other device kernel on
 a GPU; on a CPU, the outermost ops of the threads that are not gloo's, less the time they spend
 waiting on a collective (a wait nested in an op is not compute: counting it as compute would hide
-exposed time) and less the staging copies. On a GPU a staging copy is a kernel on the compute stream:
-it is known by the host op that launched it (the kernel's correlation id), when that op runs inside a
-staging range. A ``record_function`` range that the profiler also draws on a stream (DDP's forward,
-ProcessGroupNCCL's ``nccl:all_reduce``) is neither: it spans kernels and the idle time between them.
+exposed time) and less the staging copies. On a GPU a staging copy is a kernel or a memcpy: it is
+known by the host op that launched it (the kernel's correlation id), when that op runs inside a
+staging range or a collective's launch, or on a gloo thread. A ``record_function`` range that the
+profiler also draws on a stream (DDP's forward, ProcessGroupNCCL's ``nccl:all_reduce``) is neither: it
+spans kernels and the idle time between them.
 
 A collective's op and size come from its launch (``c10d::allreduce_``, ``c10d::_allgather_base_``,
 ...) paired in order with the work that carried it: gloo runs a reduce-scatter as an all-reduce, so
@@ -132,20 +133,29 @@ def _is_wait(name: str) -> bool:
     return "wait" in name.lower()
 
 
-def _staging_kernels(host: Sequence[TraceEvent], kernels: Sequence[TraceEvent]) -> list[TraceEvent]:
-    """The kernels launched by a host op that starts inside a :data:`STAGING` range of its thread."""
+def _staging_kernels(
+    host: Sequence[TraceEvent], kernels: Sequence[TraceEvent], gloo_threads: set[int]
+) -> list[TraceEvent]:
+    """The kernels and copies a collective's buffers need: those launched by a host op that starts
+    inside a :data:`STAGING` range or a collective's launch (``c10d::...``: gloo's copy of a GPU's
+    tensors to the host, a tensor list's copies) of its own thread, or by an op on a gloo thread (the
+    copy back)."""
     ranges: dict[int, list[Interval]] = {}
     for e in host:
-        if e.name in STAGING:
+        if e.name in STAGING or collective_op(e.name) is not None:
             ranges.setdefault(e.thread, []).append(e.interval)
-    spans = {thread: merge(intervals) for thread, intervals in ranges.items()}
+    merged = {thread: merge(intervals) for thread, intervals in ranges.items()}
     inside = set()
     for e in host:
-        mine = spans.get(e.thread)
-        if mine and e.op_id:
-            i = bisect.bisect_right(mine, (e.start, math.inf)) - 1
-            if i >= 0 and e.start <= mine[i][1]:
-                inside.add(e.op_id)
+        if not e.op_id:  # not an op (a runtime call, a range): no kernel names it
+            continue
+        if e.thread in gloo_threads:
+            inside.add(e.op_id)
+            continue
+        spans = merged.get(e.thread, [])
+        i = bisect.bisect_right(spans, (e.start, math.inf)) - 1
+        if i >= 0 and e.start < spans[i][1]:
+            inside.add(e.op_id)
     return [k for k in kernels if k.launched_by in inside]
 
 
@@ -193,8 +203,10 @@ def classify(events: Iterable[TraceEvent]) -> StepEvents:
     marks = sorted(
         ((e.name[len(MARK) :], e.start) for e in events if e.name.startswith(MARK)), key=lambda m: m[1]
     )
-    kernels = [e for e in events if e.device and not e.annotation]  # not a range projected on a stream
     host = [e for e in events if not e.device and not e.name.startswith(MARK)]
+    # a range drawn on a stream is no kernel: flagged as a user's, or named as a host range is
+    ranges = {e.name for e in host if e.annotation}
+    kernels = [e for e in events if e.device and not e.annotation and e.name not in ranges]
     gloo = [e for e in host if e.name.startswith("gloo:")]
     gloo_threads = {e.thread for e in gloo}
     launches = [e for e in host if e.name.startswith("c10d::") and collective_op(e.name) is not None]
@@ -202,17 +214,16 @@ def classify(events: Iterable[TraceEvent]) -> StepEvents:
     if marks:  # the step's own calls: not the ranks' vote before it, nor what follows its end
         launches = [e for e in launches if marks[0][1] <= e.start <= marks[-1][1]]
     gloo_works = [w for w in gloo if not marks or marks[0][1] <= w.start <= marks[-1][1]]
-    if kernels:  # NCCL's kernels, or gloo's host work where gloo carries a GPU's tensors
+    if kernels:
         nccl = [
             k for k in kernels if collective_op(k.name) is not None and (not marks or k.start >= marks[0][1])
         ]
-        works = nccl + gloo_works
-        staged = _staging_kernels(host, kernels)
-        comm = merge([k.interval for k in works] + [k.interval for k in staged])
-        staging_ids = {id(k) for k in staged}
-        compute = merge(
-            k.interval for k in kernels if collective_op(k.name) is None and id(k) not in staging_ids
-        )
+        # NCCL's kernels; gloo's host work where gloo carries the GPU's tensors (not both: the launches
+        # pair with one kind of work)
+        works = nccl or gloo_works
+        staged = set(_staging_kernels(host, kernels, gloo_threads))
+        comm = merge([w.interval for w in works] + [k.interval for k in staged])
+        compute = merge(k.interval for k in kernels if collective_op(k.name) is None and k not in staged)
     else:
         works = gloo_works
         mine = [e for e in host if e.thread not in gloo_threads and not e.annotation]
@@ -241,8 +252,8 @@ def trace_events(results: Any) -> list[TraceEvent]:
                 shapes,
                 tuple(e.dtypes()) if not device else (),
                 bool(e.is_user_annotation()),
-                # an op's own id; a runtime call (cudaLaunchKernel) is linked to its op, and its
-                # correlation id is CUPTI's, another count: as torch pairs them, only unlinked events
+                # a host op's id, which its kernels link to; a runtime call (cudaLaunchKernel) is
+                # itself linked, and its own id is CUPTI's, another count (torch pairs them the same)
                 e.correlation_id() if not device and e.linked_correlation_id() == 0 else 0,
                 e.linked_correlation_id() if device else 0,
             )

@@ -10,7 +10,8 @@ from flops_callbacks.timing.comm_breakdown import Collective, TimeSplit, breakdo
 from flops_callbacks.timing.comm_events import MARK, TraceEvent, classify, collective_op
 from flops_callbacks.timing.intervals import total
 
-MAIN, GLOO = 1, 7
+MAIN, GLOO = 1, 7  # host threads
+STREAM, NCCL = 30, 31  # a GPU's compute stream and NCCL's
 F1, F2 = ("float",), ("float", "float")
 
 
@@ -141,50 +142,77 @@ def test_a_gpu_step_takes_nccl_kernels_as_communication_and_other_kernels_as_com
 def test_a_gpu_staging_copy_is_known_by_the_host_op_that_launched_it():
     """DDP's copy into its bucket runs as a kernel on the compute stream; the op that launched it (its
     correlation id) runs inside the reducer's range, so the kernel is the communication's. A kernel of
-    the same name launched outside any staging range stays compute."""
-    autograd = 3  # CUDA's backward runs on autograd's device thread
+    the same name launched outside any staging range stays compute, and so do a kernel launched by an
+    op of another thread that ran during the range, and one whose launcher is unknown."""
+    autograd, other = 3, 4  # CUDA's backward runs on autograd's device thread
     events = classify(
         [
             mark("backward", 0),
             TraceEvent("aten::mm", 1, 2, autograd, op_id=11),
             TraceEvent("torch::distributed::reducer::mul_out", 3, 6, autograd, op_id=12),
             TraceEvent("aten::mul_out", 4, 5, autograd, op_id=13),
+            TraceEvent("cudaLaunchKernel", 4, 5, autograd),  # a runtime call: no op id
+            TraceEvent("aten::add", 4, 5, other, op_id=17),  # another thread, during the range
             TraceEvent("torch.distributed.ddp.reducer::copy_bucket_to_grad", 7, 8, MAIN, op_id=14),
             TraceEvent("aten::copy_", 7, 8, MAIN, op_id=15),
             TraceEvent("aten::mul", 9, 10, MAIN, op_id=16),  # the model's own, outside any staging range
-            TraceEvent("sm90_gemm", 10, 40, 7, device=True, launched_by=11),
-            TraceEvent("elementwise_kernel<MulFunctor>", 40, 45, 7, device=True, launched_by=13),
-            TraceEvent("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 45, 60, 20, device=True, launched_by=0),
-            TraceEvent("elementwise_kernel<copy>", 60, 62, 7, device=True, launched_by=15),
-            TraceEvent("elementwise_kernel<MulFunctor>", 62, 70, 7, device=True, launched_by=16),
-            mark("", 70),
+            TraceEvent("sm90_gemm", 10, 40, STREAM, device=True, launched_by=11),
+            TraceEvent("elementwise_kernel<MulFunctor>", 40, 45, STREAM, device=True, launched_by=13),
+            TraceEvent("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 45, 60, NCCL, device=True, launched_by=0),
+            TraceEvent("Memcpy DtoD (Device -> Device)", 60, 62, STREAM, device=True, launched_by=15),
+            TraceEvent("elementwise_kernel<MulFunctor>", 62, 70, STREAM, device=True, launched_by=16),
+            TraceEvent("elementwise_kernel<add>", 70, 72, STREAM, device=True, launched_by=17),
+            TraceEvent("elementwise_kernel<fill>", 72, 74, STREAM, device=True, launched_by=0),
+            mark("", 74),
         ]
     )
     assert events.comm == [(40, 62)]
-    assert events.compute == [(10, 40), (62, 70)]
+    assert events.compute == [(10, 40), (62, 74)]
 
 
 def test_gloo_carrying_a_gpus_tensors_is_communication_on_the_gpus_timeline():
-    """DDP on a GPU over gloo: the kernels are the compute, gloo's host work the communication."""
+    """DDP on a GPU over gloo: the model's kernels are the compute; gloo's host work, its copy of the
+    bucket to the host (launched inside the collective's launch) and back (from gloo's thread) the
+    communication; gloo's work outside the step's marks (a vote before it) is neither."""
     events = classify(
         [
+            TraceEvent("gloo:all_reduce", -20, -10, GLOO),  # before the step: the ranks' vote
             mark("backward", 0),
-            TraceEvent("sm90_xmma_gemm_f32", 10, 50, 7, device=True),
-            TraceEvent("c10d::allreduce_", 20, 21, MAIN, shapes=((),), dtypes=("TensorList",)),
-            TraceEvent("record_param_comms", 20, 21, MAIN, shapes=((1000,),), dtypes=("float",)),
-            TraceEvent("gloo:all_reduce", 30, 80, GLOO),
-            mark("", 80),
+            TraceEvent("sm90_xmma_gemm_f32", 10, 50, STREAM, device=True, launched_by=1),
+            TraceEvent("aten::mm", 5, 6, MAIN, op_id=1),
+            TraceEvent("c10d::allreduce_", 20, 22, MAIN, shapes=((),), dtypes=("TensorList",), op_id=2),
+            TraceEvent("record_param_comms", 20, 21, MAIN, shapes=((1000,),), dtypes=("float",), op_id=3),
+            TraceEvent("aten::copy_", 21, 22, MAIN, op_id=4),
+            TraceEvent("Memcpy DtoH (Device -> Pinned)", 50, 52, 40, device=True, launched_by=4),
+            TraceEvent("gloo:all_reduce", 52, 80, GLOO),
+            TraceEvent("aten::copy_", 79, 80, GLOO, op_id=5),
+            TraceEvent("Memcpy HtoD (Pinned -> Device)", 80, 82, 40, device=True, launched_by=5),
+            mark("", 82),
         ]
     )
-    assert events.device and events.comm == [(30, 80)] and events.compute == [(10, 50)]
+    assert events.device and events.comm == [(50, 82)] and events.compute == [(10, 50)]
     assert [(c.op, c.nbytes) for c in events.calls] == [("all_reduce", 4000)]
 
 
+def test_a_range_drawn_on_a_stream_is_no_kernel_even_where_torch_does_not_flag_it():
+    """A device event named as a host ``record_function`` range is that range drawn on a stream."""
+    events = classify(
+        [
+            mark("forward", 0),
+            TraceEvent("DistributedDataParallel.forward", 0, 100, MAIN, annotation=True),
+            TraceEvent("DistributedDataParallel.forward", 10, 100, STREAM, device=True),
+            TraceEvent("sm90_gemm", 10, 20, STREAM, device=True, launched_by=1),
+            mark("", 100),
+        ]
+    )
+    assert events.compute == [(10, 20)]
+
+
 def test_a_real_gpu_trace_classes_ddps_copies_as_communication_and_no_range_as_compute():
-    """A DDP backward recorded on an H100 (tests/timing/traces): the kernels torch itself pairs with the
-    reducer's staging ops (four bucket copies in, four copies back) are the communication, every other
-    kernel and copy is compute, and DDP's forward range drawn on the stream (950 us, idle time between
-    kernels in it) counts as neither."""
+    """A DDP step (forward and backward) recorded on an H100 (tests/timing/traces): the kernels torch
+    itself pairs with the reducer's staging ops (four bucket copies in, four copies back) are the
+    communication, every other kernel and copy is compute, and DDP's forward range drawn on the stream
+    (953 us, idle time between kernels in it) counts as neither."""
     trace = json.loads((Path(__file__).parent / "traces" / "ddp_one_rank_h100.json").read_text())
     events = [
         TraceEvent(n, a, b, t, d, tuple(map(tuple, sh)), tuple(dt), an, op, by)
