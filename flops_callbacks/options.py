@@ -104,11 +104,12 @@ class Options:
         report: What the console shows: ``"summary"``, the figures read in ten seconds (rates, the
             step's split, what bounds it, the top modules, the sizes), or ``"full"``, DeepSpeed's layout
             (every summary row, the aggregated profile, the coverage). The report file is always full.
-        comm_step: With several ranks, three more window steps after the module-timing ones, under
+        comm_steps: With several ranks, window steps after the module-timing ones under
             ``torch.profiler`` on every rank: where the step's time goes (compute, communication hidden
-            under it, exposed, idle) and each collective's bytes and bus bandwidth, from the median
-            step of the three (by exposed time, the ranks' mean; the same step on every rank). False:
-            none.
+            under it, exposed, idle) and each collective's bytes and bus bandwidth, from their median
+            step (by exposed time, the ranks' mean; the same step on every rank). ``"auto"`` runs 3, or
+            up to 9 while their exposed times disagree (beyond +-25% of their median); an int fixes
+            the count; 0 runs none.
     """
 
     profile_step: int = 10
@@ -127,17 +128,17 @@ class Options:
     flops_audit: int | Literal["auto"] = "auto"
     profile_every: int | None = None
     report: Report = "summary"
-    comm_step: bool = True
+    comm_steps: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         check_int("profile_step", self.profile_step, 0)
-        if self.clean_steps != "auto":
-            try:
-                check_int("clean_steps", self.clean_steps, 0)
-            except ValueError:
-                raise ValueError(
-                    f"clean_steps must be 'auto' or an int >= 0, got {self.clean_steps!r}"
-                ) from None
+        for name in ("clean_steps", "comm_steps"):
+            value = getattr(self, name)
+            if value != "auto":
+                try:
+                    check_int(name, value, 0)
+                except ValueError:
+                    raise ValueError(f"{name} must be 'auto' or an int >= 0, got {value!r}") from None
         if self.flops_audit != "auto" and (
             isinstance(self.flops_audit, bool)
             or not isinstance(self.flops_audit, int)
@@ -148,7 +149,7 @@ class Options:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"profile_every must be an int >= 1 or None, got {every!r}")
         check_report_args(self.module_depth, self.top_modules)
-        for name in ("detailed", "print_profile", "throughput", "comm_step"):
+        for name in ("detailed", "print_profile", "throughput"):
             check_flag(name, getattr(self, name))
         check_causal_attention(self.causal_attention)
         if self.report not in REPORTS:

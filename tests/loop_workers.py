@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flops_callbacks import StepProfiler  # noqa: E402
+from flops_callbacks.session.window_plan import COMM_MIN  # noqa: E402
 from tests.rank_workers import (  # noqa: E402
     BATCH,
     PROFILE_STEP,
@@ -51,7 +52,8 @@ def train(loop: str, directory: Path) -> None:
     logged: list[tuple[int, dict[str, float]]] = []
     options: dict[str, Any] = dict(
         profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False, peak_flops=1e12,
-        log=lambda metrics, step: logged.append((step, metrics)), log_every_n_steps=LOOP_LOG_EVERY,
+        comm_steps=COMM_MIN, log=lambda metrics, step: logged.append((step, metrics)),
+        log_every_n_steps=LOOP_LOG_EVERY,
     )  # fmt: skip
     model: Any = gpt2()
     optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -133,6 +133,7 @@ def tokens(batch: Any) -> int:
 
 import lightning as L  # noqa: E402  (the LightningModule and callback are pickled by ddp_spawn: module level)
 
+from flops_callbacks.session.window_plan import COMM_MIN  # noqa: E402
 from tests.sharded_workers import end_process, zero_config  # noqa: E402  (the checkout is on the path)
 
 
@@ -172,7 +173,8 @@ def lightning(data: str, clean: Any, directory: Path, strategy: str, processes: 
     every = os.environ.get("FLOPS_PROFILE_EVERY")  # test_profile_every: re-profile windows across ranks
     callback = FlopsProfilerCallback(
         profile_step=PROFILE_STEP, clean_steps=clean, tokens_fn=tokens, print_profile=False, peak_flops=1e12,
-        profile_every=int(every) if every else None, comm_step=os.environ.get("FLOPS_COMM_STEP") != "0",
+        profile_every=int(every) if every else None,
+        comm_steps=int(os.environ.get("FLOPS_COMM_STEPS", COMM_MIN)),
     )  # fmt: skip
     start_method = {"ddp_spawn": "spawn"}.get(strategy, "popen")
     trainer = L.Trainer(

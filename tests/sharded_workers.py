@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flops_callbacks.session.window_plan import COMM_MIN  # noqa: E402
 from tests.support import window_end  # noqa: E402
 
 PROFILE_STEP = 2
@@ -144,7 +145,7 @@ def lightning_fsdp2(directory: Path) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    callback = FlopsProfilerCallback(profile_step=PROFILE_STEP, detailed=False)
+    callback = FlopsProfilerCallback(profile_step=PROFILE_STEP, detailed=False, comm_steps=COMM_MIN)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -184,7 +185,7 @@ def hf_zero(directory: Path, stage: int) -> None:
         seed=0,
         ddp_backend="gloo",
     )
-    callback = HFFlopsCallback(profile_step=PROFILE_STEP, detailed=False)
+    callback = HFFlopsCallback(profile_step=PROFILE_STEP, detailed=False, comm_steps=COMM_MIN)
     trainer = Trainer(
         model=gpt2(), args=args, train_dataset=TokenDataset(2 * MAX_STEPS * BATCH), callbacks=[callback]
     )

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.session.result import WindowSteps
 from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
-from flops_callbacks.session.window_plan import Kind, head
+from flops_callbacks.session.window_plan import COMM_MIN, Kind, head
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.collector import collector_off
 from flops_callbacks.timing.module_timer import ModuleTimer
@@ -148,7 +148,7 @@ B, IN, OUT = 5, 6, 2
 
 def _head_steps(profile_step: int, kind: Kind, comm: bool = False) -> tuple[int, ...]:
     """The steps of ``kind`` in the fixed head of a window counted at ``profile_step`` (its layout's)."""
-    return tuple(profile_step + i for i, k in enumerate(head(comm=comm)) if k == kind)
+    return tuple(profile_step + i for i, k in enumerate(head(comm=COMM_MIN if comm else 0)) if k == kind)
 
 
 def module_steps(profile_step: int) -> tuple[int, ...]:
@@ -165,7 +165,7 @@ def comm_steps(profile_step: int) -> tuple[int, ...]:
 def check_step(profile_step: int, comm: bool = False) -> int:
     """The step after the module-timing steps (and the communication steps, with ``comm``: several
     ranks), counted again to check the shape table (issue 32)."""
-    return profile_step + len(head(comm=comm))
+    return profile_step + len(head(comm=COMM_MIN if comm else 0))
 
 
 def first_clean(profile_step: int, comm: bool = False) -> int:

@@ -29,6 +29,8 @@ def test_the_defaults_are_the_documented_ones() -> None:
         ({"profile_step": True}, "profile_step must be an int >= 0, got True"),
         ({"clean_steps": -1}, "clean_steps must be 'auto' or an int >= 0, got -1"),
         ({"clean_steps": "many"}, "clean_steps must be 'auto' or an int >= 0, got 'many'"),
+        ({"comm_steps": False}, "comm_steps must be 'auto' or an int >= 0, got False"),
+        ({"comm_steps": -2}, "comm_steps must be 'auto' or an int >= 0, got -2"),
         ({"module_depth": -2}, "module_depth must be an int >= -1 (-1 means all depths), got -2"),
         ({"top_modules": 0}, "top_modules must be an int >= 1, got 0"),
         ({"detailed": "yes"}, "detailed must be True or False, got 'yes'"),

@@ -140,7 +140,7 @@ class SessionCallback:
         flops_audit: int | Literal["auto"] = Options.flops_audit,
         profile_every: int | None = Options.profile_every,
         report: Report = Options.report,
-        comm_step: bool = Options.comm_step,
+        comm_steps: int | Literal["auto"] = Options.comm_steps,
     ) -> None:
         super().__init__()
         arguments = {name: value for name, value in locals().items() if name in _OPTION_NAMES}

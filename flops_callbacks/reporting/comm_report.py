@@ -48,11 +48,16 @@ def verdict(comm: CommFigures) -> str:
 
 
 def _steps_words(comm: CommFigures) -> str:
-    """Which step the figures come from: ``"step 6 of 5-7, the median by exposed time (the ranks'
-    mean)"``."""
+    """Which step the figures come from, and how far the steps were apart: ``"step 6 of 5-7, the median
+    by exposed time (the ranks' mean; the steps' 1.20 .. 2.40 ms)"``."""
     if len(comm.steps) == 1:
         return f"step {comm.steps[0]}"
-    return f"step {comm.median_step} of {step_list(comm.steps)}, the median by exposed time (the ranks' mean)"
+    read = [x for x in comm.step_exposed if x is not None]
+    spread = f"; the steps' {min(read) * 1e3:.2f} .. {max(read) * 1e3:.2f} ms" if len(read) > 1 else ""
+    return (
+        f"step {comm.median_step} of {step_list(comm.steps)}, the median by exposed time "
+        f"(the ranks' mean{spread})"
+    )
 
 
 def comm_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
@@ -105,6 +110,7 @@ def comm_data(comm: CommFigures | None) -> dict[str, Any] | None:
     return {
         "steps": list(comm.steps),
         "median_step": comm.median_step,
+        "step_exposed": list(comm.step_exposed),
         "world": comm.world,
         "device_timeline": comm.device,
         "iter_seconds": comm.iter_seconds,
@@ -146,6 +152,7 @@ def comm_from_data(data: dict[str, Any]) -> CommFigures:
         # a version-1 file had one step: "step"
         steps=tuple(data["steps"]) if "steps" in data else (data["step"],),
         median_step=data["median_step"] if "median_step" in data else data["step"],
+        step_exposed=tuple(data.get("step_exposed", ())),  # not in files of before it
         world=data["world"],
         step=split(data["whole_step"]),
         phases={phase: split(s) for phase, s in data["phases"].items()},

@@ -237,18 +237,21 @@ def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> 
     return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources, comm)
 
 
+def comm_means(exposed: Sequence[Sequence[float | None]]) -> list[float | None]:
+    """Each communication step's exposed seconds, the ranks' mean (None: no rank read its trace);
+    ``exposed``: each rank's exposed seconds per step (None: its trace unread)."""
+    steps = max((len(rank) for rank in exposed), default=0)
+    known = [[x for rank in exposed if i < len(rank) and (x := rank[i]) is not None] for i in range(steps)]
+    return [sum(k) / len(k) if k else None for k in known]
+
+
 def median_comm(exposed: Sequence[Sequence[float | None]]) -> int:
     """Of the communication steps, the one whose exposed time, the ranks' mean, is the median (the lower
-    one of an even count); ``exposed``: each rank's exposed seconds per step (None: its trace unread).
-    The same step on every rank, so that the job's figures are one step's. A step no rank read is no
-    candidate; where none was read, the first."""
-    steps = max((len(rank) for rank in exposed), default=0)
-    means = []
-    for i in range(steps):
-        known = [x for rank in exposed if i < len(rank) and (x := rank[i]) is not None]
-        if known:
-            means.append((sum(known) / len(known), i))
-    return sorted(means)[(len(means) - 1) // 2][1] if means else 0
+    one of an even count); ``exposed`` as :func:`comm_means` takes it. The same step on every rank, so
+    that the job's figures are one step's. A step no rank read is no candidate; where none was read,
+    the first."""
+    means = sorted((m, i) for i, m in enumerate(comm_means(exposed)) if m is not None)
+    return means[(len(means) - 1) // 2][1] if means else 0
 
 
 def phases(step: CleanStep) -> tuple[float, float, float]:
@@ -366,8 +369,9 @@ def _comm(local: LocalWindow, rows: Sequence[RankRow]) -> CommFigures | None:
     ran, or no rank could read its trace)."""
     if not local.comm_steps:
         return None
-    i = median_comm([[None if s is None else s.step.exposed for s in r.comm] for r in rows])
+    exposed = [[None if s is None else s.step.exposed for s in r.comm] for r in rows]
+    i = median_comm(exposed)
     splits = [r.comm[i] if i < len(r.comm) else None for r in rows]
     cost = max((r.comm_iters[i] for r in rows if i < len(r.comm_iters)), default=0.0)
     steps = tuple(s.number for s in local.comm_steps)
-    return comm_figures(splits, local.comm_steps[i].comm, steps, steps[i], cost)
+    return comm_figures(splits, local.comm_steps[i].comm, steps, steps[i], cost, comm_means(exposed))

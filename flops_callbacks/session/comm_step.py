@@ -1,14 +1,15 @@
 """The communication steps' figures for the job: every rank's split of its median step, combined.
 
 A multi-process step's backward holds the gradient all-reduce that compute did not hide, an FSDP
-forward its all-gathers: the phase latencies cannot say so. Three window steps
-(:data:`~flops_callbacks.session.window_plan.COMM_STEPS`), after the module-timing steps and only with
-several ranks, run under ``torch.profiler`` on every rank (:mod:`flops_callbacks.timing.comm_recorder`);
+forward its all-gathers: the phase latencies cannot say so. Three window steps, or up to nine while
+their exposed times disagree (:meth:`~flops_callbacks.session.window_plan.WindowPlan.comm_settled`),
+after the module-timing steps and only with several ranks, run under ``torch.profiler`` on every rank
+(:mod:`flops_callbacks.timing.comm_recorder`);
 each rank splits each of its steps (:mod:`flops_callbacks.timing.comm_breakdown`) and tells the others
 at the window's end; the job keeps one step, the same on every rank: the median by the ranks' mean
 exposed time (:func:`~flops_callbacks.session.builder.median_comm`). Here its splits become the job's:
 each figure the ranks' mean (a rank that waited on a slower one shows it as exposed time, as the sync costs
-it), the exposed time's range, and the collectives' table.
+it), the exposed time's range over the ranks and over the steps, and the collectives' table.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class CommFigures:
     device: bool  # a GPU's timeline (else the host's)
     iter_seconds: float  # its fwd + bwd + step on the phase clock, the slowest rank's: what it cost
     median_step: int  # of ``steps``, the one the figures are (the same on every rank)
+    step_exposed: tuple[float | None, ...] = ()  # each step's exposed seconds, the ranks' mean (None: unread)
     timeline: StepEvents | None = None  # this rank's classed intervals of it (the Chrome trace's)
 
     def responsible(self) -> CollectiveRow | None:
@@ -48,9 +50,11 @@ def comm_figures(
     steps: tuple[int, ...],
     median_step: int,
     iter_seconds: float,
+    step_exposed: Sequence[float | None] = (),
 ) -> CommFigures | None:
     """The job's figures of every rank's split of one step, global step ``median_step`` (None where no rank
-    recorded one); ``mine`` is this rank's."""
+    recorded one); ``mine`` is this rank's; ``step_exposed``: every step's exposed seconds, the ranks'
+    mean, as the figures' spread."""
     known = [r for r in ranks if r is not None]
     if not known:
         return None
@@ -66,5 +70,6 @@ def comm_figures(
         any(r.device for r in known),
         iter_seconds,
         median_step,
+        tuple(step_exposed),
         mine.events if mine is not None else None,
     )

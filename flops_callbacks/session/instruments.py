@@ -20,7 +20,7 @@ from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import WindowStep
-from flops_callbacks.timing.clock import CpuClock, CudaClock, NullClock, module_device
+from flops_callbacks.timing.clock import CpuClock, NullClock, module_device
 from flops_callbacks.timing.comm_recorder import CommRecorder
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
@@ -64,8 +64,9 @@ class Instruments:
             )
         elif step.kind == Kind.MODULE_TIMING:
             self.timer = step.timer = ModuleTimer(model, step.phases.clock)
-        elif step.kind == Kind.COMMUNICATION and self.recorder is None:  # else started at the last step's end
-            self._start_recorder(module_device(model).type == "cuda")
+        elif step.kind == Kind.COMMUNICATION:  # the ranks line up after its start-up (WindowPlan.lines_up)
+            self.recorder = CommRecorder(module_device(model).type == "cuda")
+            self.recorder.start()
 
     def shape_counting(self, model: torch.nn.Module) -> None:
         """The step became a check or a shape-counting one: an engine of its own, with no clock."""
@@ -135,21 +136,15 @@ class Instruments:
         failure, engine.failure = engine.failure, None
         return failure
 
-    def _start_recorder(self, cuda: bool) -> None:
-        self.recorder = CommRecorder(cuda)
-        self.recorder.start()
-
-    def step_ended(self, step: WindowStep, comm_next: bool = False) -> None:
+    def step_ended(self, step: WindowStep) -> None:
         """A window step ended: a module-timing step names the outermost modules clean steps mark; the
-        communication step's profiler stops, and with ``comm_next`` it starts for the next step."""
+        communication step's profiler stops and its split is read."""
         if step.kind == Kind.MODULE_TIMING and self.mark_outer and self.timer is not None:
             self.outermost = self.timer.outermost()
         recorder, self.counter, self.timer, self.recorder = self.recorder, None, None, None
         if recorder is not None:
             recorder.stop()
             step.comm = recorder.breakdown()
-        if comm_next:
-            self._start_recorder(isinstance(step.phases.clock, CudaClock))
 
     def drop(self) -> Any:
         """Forget every instrument (stopped already); returns the counting step's engine."""

@@ -100,7 +100,7 @@ class WindowSteps:
     model_forward: tuple[int, ...] = ()  # the clean steps that marked the model's own forward
     model_forward_shapes_match: bool = False  # whether they had the module-timing steps' batch shapes
     first: int | None = None
-    communication: tuple[int, ...] = ()  # the communication steps (several ranks only: Options.comm_step)
+    communication: tuple[int, ...] = ()  # the communication steps (several ranks only: Options.comm_steps)
 
     @property
     def reused(self) -> bool:

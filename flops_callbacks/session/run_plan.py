@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flops_callbacks.files import unwritable_reason
 from flops_callbacks.options import Options
-from flops_callbacks.session.window_plan import CLEAN_MIN, COMM_STEPS, MODULE_TIMING_STEPS, before_clean
+from flops_callbacks.session.window_plan import CLEAN_MIN, COMM_MAX, MODULE_TIMING_STEPS, before_clean
 from flops_callbacks.user_warning import warn
 
 __all__ = ["RunPlan", "unwritable_destinations"]
@@ -29,8 +29,8 @@ class RunPlan:
     max_steps: int | None
     steps_per_batch: int
     first: int  # the window's first step
-    last: int  # the step its last step starts at (with clean_steps="auto": at least)
-    comm: bool = False  # the window has communication steps (several ranks)
+    last: int  # the step its last step starts at (at least: with clean_steps="auto", or several ranks)
+    comm: int = 0  # the window's communication steps by place (several ranks; "auto" may add more)
 
     @classmethod
     def of(
@@ -39,7 +39,7 @@ class RunPlan:
         global_step: int,
         max_steps: int | None,
         steps_per_batch: int,
-        comm: bool = False,
+        comm: int = 0,
     ) -> RunPlan:
         clean = CLEAN_MIN if options.clean_steps == "auto" else options.clean_steps
         per = steps_per_batch
@@ -77,7 +77,9 @@ class RunPlan:
         elif max_steps is not None and max_steps <= self.last:
             head_steps = before_clean(comm=self.comm)
             clean = max(-(-(max_steps - self.first) // self.steps_per_batch) - head_steps, 0)
-            comm = f"{COMM_STEPS} x communication, " if self.comm else ""
+            auto = self.options.comm_steps == "auto"
+            count = f"{self.comm}-{max(COMM_MAX, self.comm)}" if auto else f"{self.comm}"
+            comm = f"{count} x communication, " if self.comm else ""
             warn(
                 f"{owner}: the profile window needs steps {self.first} .. {self.last} "
                 f"(counting, {MODULE_TIMING_STEPS} x module timing, {comm}a check, "

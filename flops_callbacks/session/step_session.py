@@ -28,7 +28,6 @@ import torch
 from flops_callbacks.guard import F, Guard, guarded_event
 from flops_callbacks.options import Options
 from flops_callbacks.peaks import given_bandwidth, given_peak
-from flops_callbacks.session import run_plan
 from flops_callbacks.session.adapter_api import Publish, Sink, TrainingContext
 from flops_callbacks.session.batch import BatchReader, Signature, shape_signature
 from flops_callbacks.session.instruments import Instruments
@@ -37,6 +36,7 @@ from flops_callbacks.session.meter import ThroughputMeter
 from flops_callbacks.session.off_clock import OffClock, Replay
 from flops_callbacks.session.ranks import Ranks
 from flops_callbacks.session.result import WindowResult
+from flops_callbacks.session.run_plan import RunPlan, unwritable_destinations
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_end import DROPPED, WindowEnd
 from flops_callbacks.session.window_plan import Kind, WindowPlan, Wish
@@ -164,7 +164,7 @@ class StepSession(WindowEnd):
         self._logging_rank = is_logging_rank
         self.batches.said_no_size = False
         self._unwritable = {}
-        plan = run_plan.RunPlan.of(self.options, global_step, max_steps, steps_per_batch)
+        plan = RunPlan.of(self.options, global_step, max_steps, steps_per_batch)
         self._resumed_past, self._unreachable = plan.resumed_past, plan.unreachable
         if not self.enabled:
             return
@@ -172,8 +172,8 @@ class StepSession(WindowEnd):
             self.ranks.setup()
         if not is_logging_rank:
             return
-        self._unwritable = run_plan.unwritable_destinations(self.owner, self.options.output_file, log_dir)
-        plan = run_plan.RunPlan.of(self.options, global_step, max_steps, steps_per_batch, self.plan.comm_step)
+        self._unwritable = unwritable_destinations(self.owner, self.options.output_file, log_dir)
+        plan = RunPlan.of(self.options, global_step, max_steps, steps_per_batch, self.plan.comm_steps)
         plan.warn(self.owner, profiled_before)  # the ranks are known now: with the communication steps
 
     @_own_work("ending the run")
@@ -352,8 +352,8 @@ class StepSession(WindowEnd):
                 if logs:
                     self.log_throughput(global_step, sink)
             return
-        done = bool(self._end_window_step()) if self._step is not None else False
-        decision = self.plan.vote(Wish(drop=self.plan.failed, done=done))
+        done, comm = (self._end_window_step() if self._step is not None else None) or (False, None)
+        decision = self.plan.vote(Wish(drop=self.plan.failed, done=done, comm=comm))
         if decision.drop:
             self._drop(decision)
         elif decision.done or self.plan.capped():
@@ -364,23 +364,23 @@ class StepSession(WindowEnd):
         self.job_meter.step_end()
 
     @_own_work("ending a step")
-    def _end_window_step(self) -> bool:
-        """This rank's window step ended: its instruments stop; whether it has the clean steps it wants."""
+    def _end_window_step(self) -> tuple[bool, tuple[float, float] | None]:
+        """This rank's window step ended: whether it has its clean steps, and its (exposed, span)."""
         step = self._step
         assert step is not None
         self._stop_instruments()
         if self._counting_failed():
-            return False
+            return False, None
         step.phases.stop()
         step.end_mark, step.ended = step.phases.clock.mark(), True
-        self.instruments.step_ended(step, comm_next=self.plan.comm_next)
+        self.instruments.step_ended(step)
         self._step = None
         if step.kind == Kind.COUNTING:
             collect_counting_garbage()  # now, outside every clock
         clean = [s for s in self._steps if s.kind == Kind.CLEAN]
-        if not self.plan.wants_iters(len(clean)):
-            return False
-        return self.plan.done_here(lambda: [s.seconds()["iter"] for s in clean if s.finished()])
+        iters = lambda: [s.seconds()["iter"] for s in clean if s.finished()]  # noqa: E731
+        done = self.plan.wants_iters(len(clean)) and self.plan.done_here(iters)
+        return done, (step.comm.step.exposed, step.comm.step.span) if step.comm is not None else None
 
     # --- throughput ----------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 by every rank.
 
 A first window is its fixed head (:func:`head`: the counting step, the module-timing steps, and with
-several ranks the communication steps under ``torch.profiler``), the check (a step counted again so that
+several ranks the communication steps under ``torch.profiler``; under ``comm_steps="auto"`` more of them
+while their exposed times disagree: :meth:`WindowPlan.comm_settled`), the check (a step counted again so that
 work depending on the batch's content shows), then clean steps until ``clean_steps`` are timed
 (``"auto"``: until their median is known). A batch shape the flops table cannot give is counted off the
 clock where a fake count runs, so its step stays clean; where none runs, its step is a shape-counting one
@@ -34,7 +35,8 @@ from flops_callbacks.session.ranks import RankFailure, Ranks
 __all__ = [
     "CLEAN_MAX",
     "CLEAN_MIN",
-    "COMM_STEPS",
+    "COMM_MAX",
+    "COMM_MIN",
     "MAX_SHAPE_COUNTS",
     "MODULE_TIMING_STEPS",
     "Decision",
@@ -49,11 +51,14 @@ __all__ = [
 
 CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
 MODULE_TIMING_STEPS = 3  # the tree is the median one's (by the model's time): a pause in one drops out
-# the figures are the median step's (by exposed time, the ranks' mean): on a CPU, gloo's threads share
-# the cores with the compute, so one step's split follows the scheduler, and a step where one rank
-# stalled drops out (benchmarks/README.md, "Exposed communication": a narrower spread than one step's,
-# not the goal)
-COMM_STEPS = 3
+# The communication figures are the median step's (by exposed time, the ranks' mean), of three steps, or
+# of up to nine while the steps' exposed times disagree: on a GPU NCCL's steps agree and three suffice; on
+# a CPU gloo's threads share the cores with the compute, one step's split follows the scheduler (single
+# steps 0.5-3x the truth: benchmarks/README.md, "Exposed communication"), and more steps narrow the
+# median's spread.
+COMM_MIN, COMM_MAX = 3, 9
+COMM_AGREE = 0.25  # the steps agree when each exposed time is within +-25% of their median...
+COMM_FLOOR = 0.01  # ...or within 1% of the step's time of it (a few microseconds of a long step)
 MAX_SHAPE_COUNTS = 8  # shape-counting steps a window may add (where no fake count runs)
 CONFIDENCE = 0.90  # of the median's interval for clean_steps="auto"
 
@@ -82,16 +87,16 @@ class Kind(str, Enum):
         return self in (Kind.COUNTING, Kind.CHECK, Kind.SHAPE_COUNTING)
 
 
-def head(reprofile: bool = False, comm: bool = False) -> tuple[Kind, ...]:
-    """The kinds of the window's first steps, given by their place (``comm``: with the communication
-    steps)."""
+def head(reprofile: bool = False, comm: int = 0) -> tuple[Kind, ...]:
+    """The kinds of the window's first steps, given by their place (``comm``: its communication steps
+    by place, :attr:`WindowPlan.comm_steps`)."""
     if reprofile:
         return (Kind.LEAD_IN,)
     timing = tuple(Kind.MODULE_TIMING for _ in range(MODULE_TIMING_STEPS))
-    return (Kind.COUNTING, *timing, *((Kind.COMMUNICATION,) * (COMM_STEPS if comm else 0)))
+    return (Kind.COUNTING, *timing, *((Kind.COMMUNICATION,) * comm))
 
 
-def before_clean(reprofile: bool = False, comm: bool = False) -> int:
+def before_clean(reprofile: bool = False, comm: int = 0) -> int:
     """Window steps before the first clean one when every shape is known or counted off the clock."""
     return len(head(reprofile, comm)) + (0 if reprofile else 1)  # the check
 
@@ -104,6 +109,7 @@ class Wish(NamedTuple):
     checkable: bool = False  # a count of its micro-batch can check the table (known, or fake-countable)
     content: bool = False  # its table found flops that depend on the batch's content
     done: bool = False  # the window has what it needs here (``clean_steps="auto"``'s median)
+    comm: tuple[float, float] | None = None  # its communication step's (exposed, span) seconds, if read
 
 
 class Decision(NamedTuple):
@@ -134,10 +140,12 @@ class WindowPlan:
         self.reprofile = False  # the open window reuses the previous one's profile (module doc)
         self.next_window: int | None = None  # where the next re-profile window starts (None: none)
         self._lined_up = 0  # the window step whose ranks last lined up (lines_up)
+        self.comm_seen: list[tuple[float, float]] = []  # each read communication step's, the ranks' mean
 
     def reset(self, run: bool = False) -> None:
         """The window ended (or was dropped); with ``run`` no other window starts in this run."""
         self.kinds, self.open, self.failed, self.reprofile, self._lined_up = [], False, False, False, 0
+        self.comm_seen = []
         if run:
             self.next_window = None
 
@@ -153,20 +161,31 @@ class WindowPlan:
 
     @property
     def before_clean(self) -> int:
-        return before_clean(self.reprofile, self.comm_step)
+        more = max(self.kinds.count(Kind.COMMUNICATION) - self.comm_steps, 0)  # "auto"'s, past its head
+        return before_clean(self.reprofile, self.comm_steps) + more
 
     @property
-    def comm_step(self) -> bool:
-        """Whether the window has communication steps: with several ranks, unless the options turn them
-        off; a re-profile window has none."""
-        return self.options.comm_step and self.ranks.several and not self.reprofile
+    def comm_steps(self) -> int:
+        """The communication steps the window's head holds: with several ranks, ``comm_steps`` (``"auto"``:
+        :data:`COMM_MIN`); a re-profile window has none."""
+        wanted = self.options.comm_steps
+        if not self.ranks.several or self.reprofile:
+            return 0
+        return COMM_MIN if wanted == "auto" else wanted
 
-    @property
-    def comm_next(self) -> bool:
-        """Whether the next step is a communication step: its profiler starts at this step's end,
-        before the vote, so that the vote lines the ranks up after the profiler's start-up."""
-        fixed = head(self.reprofile, self.comm_step)
-        return len(self.kinds) < len(fixed) and fixed[len(self.kinds)] == Kind.COMMUNICATION
+    def comm_settled(self) -> bool:
+        """Under ``comm_steps="auto"``, whether the communication steps so far are enough: :data:`COMM_MAX`
+        of them, or at least :data:`COMM_MIN` read ones whose exposed times (the ranks' mean) agree
+        within :data:`COMM_AGREE` of their median, or :data:`COMM_FLOOR` of the step's time. Every rank
+        answers the same: the figures are the votes' (:meth:`vote`)."""
+        if self.options.comm_steps != "auto" or self.kinds.count(Kind.COMMUNICATION) >= COMM_MAX:
+            return True
+        if len(self.comm_seen) < COMM_MIN:
+            return False
+        exposed = [e for e, _ in self.comm_seen]
+        median = statistics.median(exposed)
+        near = max(COMM_AGREE * median, COMM_FLOOR * statistics.median(s for _, s in self.comm_seen))
+        return all(abs(e - median) <= near for e in exposed)
 
     def lines_up(self) -> bool:
         """Whether the ranks vote before this micro-batch: a communication step's first (once a step),
@@ -177,10 +196,13 @@ class WindowPlan:
         return True
 
     def start_step(self) -> Kind | None:
-        """A window step starts: its kind by its place (:func:`head`), or None when its batches decide."""
+        """A window step starts: its kind by its place (:func:`head`), another communication step while
+        they disagree, or None when its batches decide."""
         self.open = True
-        fixed = head(self.reprofile, self.comm_step)
+        fixed = head(self.reprofile, self.comm_steps)
         kind = fixed[len(self.kinds)] if len(self.kinds) < len(fixed) else None
+        if kind is None and self.kind == Kind.COMMUNICATION and not self.comm_settled():
+            kind = Kind.COMMUNICATION
         self.kinds.append(kind)
         return kind
 
@@ -210,6 +232,10 @@ class WindowPlan:
         if failed:
             why = f"rank {failed[0]}'s profiler failed" if self.ranks.several else "the profiler failed"
             return Decision.dropped(why)
+        read = [w.comm for w in wishes if w.comm is not None]
+        if read:  # a communication step's end: its figures, the same on every rank
+            exposed, span = zip(*read, strict=True)
+            self.comm_seen.append((statistics.fmean(exposed), statistics.fmean(span)))
         return Decision(
             False,
             any(w.new_shape for w in wishes),

@@ -7,10 +7,12 @@ are on another time base than the profiler's; a mark recorded by the profiler is
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
+from flops_callbacks.timing.collector import collect_counting_garbage, collector_off
 from flops_callbacks.timing.comm_breakdown import CommBreakdown, breakdown
 from flops_callbacks.timing.comm_events import MARK, StepEvents, classify, trace_events
 from flops_callbacks.user_warning import warn
@@ -28,9 +30,11 @@ class CommRecorder:
         self._profiler: Any = torch.profiler.profile(activities=activities, record_shapes=True)
         self.running = False
         self.events: StepEvents | None = None
+        self._collector = contextlib.ExitStack()
 
     def start(self) -> None:
         self.running = True  # a start that fails part way is stopped by stop() all the same
+        self._collector.enter_context(collector_off())
         self._profiler.start()
 
     def mark(self, phase: str) -> None:
@@ -44,6 +48,13 @@ class CommRecorder:
         if not self.running:
             return
         profiler, self.running, self._profiler = self._profiler, False, None  # never tried twice
+        try:
+            self._stop(profiler, keep)
+        finally:
+            self._collector.close()
+            collect_counting_garbage()  # the trace's objects, before the next step's clock
+
+    def _stop(self, profiler: Any, keep: bool) -> None:
         try:
             profiler.stop()
         except Exception as error:  # a start that failed part way, a torch that changed: the run goes on

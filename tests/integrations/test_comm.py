@@ -22,6 +22,7 @@ from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.profile_file import json_data, load
 from flops_callbacks.reporting.report_rows import report_text
+from flops_callbacks.session.window_plan import COMM_MAX, COMM_MIN
 from tests.comm_workers import PROFILE_STEP
 from tests.support import comm_steps, run_bounded
 
@@ -45,12 +46,24 @@ def run(directory: Path, kind: str) -> list[dict[str, Any]]:
 
 
 def check_the_split(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Three communication steps, right after the module-timing steps, on every rank, and the same job's
-    figures everywhere; its metrics hold together. Returns rank 0's communication figures."""
+    """Three communication steps right after the module-timing steps, or up to nine where their exposed
+    times disagree, on every rank, and the same job's figures everywhere, from the median step; its
+    metrics hold together. Returns rank 0's communication figures."""
     assert ranks[0]["metrics"] == ranks[1]["metrics"] and ranks[0]["comm"] == ranks[1]["comm"]
     steps, metrics, comm = ranks[0]["steps"], ranks[0]["metrics"], ranks[0]["comm"]
-    assert steps["communication"] == comm["steps"] == list(comm_steps(PROFILE_STEP))
+    first, count = comm_steps(PROFILE_STEP)[0], len(steps["communication"])
+    assert COMM_MIN <= count <= COMM_MAX
+    assert steps["communication"] == comm["steps"] == list(range(first, first + count))
     assert min(steps["clean"]) > max(steps["communication"])
+    # the kept step is the median of the steps' exposed times (the ranks' mean), and the metric is it
+    exposed = comm["step_exposed"]
+    assert len(exposed) == count and None not in exposed
+    median = sorted(exposed)[(count - 1) // 2]
+    assert exposed[comm["steps"].index(comm["median_step"])] == median
+    assert metrics[names.EXPOSED_COMM_LATENCY] == pytest.approx(median)
+    if count < COMM_MAX:  # the steps agreed: each within 25% of their median, or of 1% of the step
+        near = max(0.25 * median, 0.02 * comm["whole_step"]["span"])  # (the kept step's span, 2x: slack)
+        assert all(abs(x - median) <= near for x in exposed), exposed
     assert 0 <= metrics[names.EXPOSED_COMM_LATENCY] <= metrics[names.COMM_LATENCY]
     assert metrics[names.COMM_LATENCY] > 0
     assert 0 <= metrics[names.COMM_OVERLAP] <= 1 and metrics[names.IDLE_LATENCY] >= 0
@@ -73,7 +86,8 @@ def ops(comm: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def check_ddp(directory: Path, kind: str, extra_bytes: int = 0) -> None:
     ranks = run(directory, kind)
-    table = ops(check_the_split(ranks))
+    comm = check_the_split(ranks)
+    table = ops(comm)
     grads = ranks[0]["grad_bytes"]  # 6 x (256 x 256 + 256) fp32 parameters: 1,579,008 bytes
     assert grads == 6 * (256 * 256 + 256) * 4
     # every gradient all-reduced once, in DDP's buckets (plus what the framework reduces itself)
@@ -83,6 +97,9 @@ def check_ddp(directory: Path, kind: str, extra_bytes: int = 0) -> None:
     report = (directory / f"flops_profile_step{PROFILE_STEP}.txt").read_text() if kind == "loop" else ""
     if report:
         assert "beyond compute, the step spends most on" in report and "all_reduce: calls" in report
+        low, high = min(comm["step_exposed"]) * 1e3, max(comm["step_exposed"]) * 1e3
+        spread = f"the median by exposed time (the ranks' mean; the steps' {low:.2f} .. {high:.2f} ms)"
+        assert spread in report
         path = directory / f"flops_profile_step{PROFILE_STEP}.json"
         saved = json.loads(path.read_text())
         assert saved["communication"]["collectives"][0]["bytes"] == table["all_reduce"]["bytes"]

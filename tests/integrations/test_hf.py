@@ -45,6 +45,7 @@ from flops_callbacks import FlopsProfiler
 from flops_callbacks import metrics as names
 from flops_callbacks.integrations.hf import HFFlopsCallback, parallel_sizes
 from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.session.window_plan import COMM_MIN
 from flops_callbacks.units import duration_to_string
 from tests.raising import RaiseInBackward
 from tests.sleepy import Sleepy, SleepySGD
@@ -897,7 +898,9 @@ def test_ddp_two_processes_report_data_parallel_size_from_world_process_zero(tmp
 
 def ddp_worker(directory: Path) -> None:
     """One process of the DDP test: trains on CPU with gloo and saves what its callback saw."""
-    callback = HFFlopsCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN_STEPS, peak_flops=1e9)
+    callback = HFFlopsCallback(
+        profile_step=PROFILE_STEP, clean_steps=CLEAN_STEPS, peak_flops=1e9, comm_steps=COMM_MIN
+    )  # a fixed window: its end is known
     trainer = train(directory, gpt2(), [callback], ddp_backend="gloo", max_steps=DDP_END)
     result = callback.result
     seen = {

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from flops_callbacks import metrics as names
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback, parallel_sizes
 from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.session.window_plan import COMM_MIN
 from flops_callbacks.units import duration_to_string, flops_to_string, number_to_string
 from tests.sleepy import Sleepy, SleepySGD
 from tests.support import (
@@ -1199,7 +1200,9 @@ def multiprocess_worker(directory: Path, mode: str) -> None:
         else DDPStrategy(timeout=timeout)
     )
     module = TensorParallelMLP() if mode == "tp" else MLP()
-    callback = FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN, peak_flops=1e9)
+    callback = FlopsProfilerCallback(
+        profile_step=PROFILE_STEP, clean_steps=CLEAN, peak_flops=1e9, comm_steps=COMM_MIN
+    )  # a fixed window: its end is known
     extra = [RaiseOnRankOne()] if mode == "ddp-fail" else []
     trainer = L.Trainer(
         accelerator="cpu",

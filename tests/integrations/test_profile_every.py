@@ -224,7 +224,7 @@ def test_two_ddp_ranks_with_skewed_batch_lengths_re_profile_on_the_same_steps(
     monkeypatch.setenv("FLOPS_PROFILE_EVERY", "15")
     # the first window (with rank 1's shape counts) must end before step 17: without the communication
     # steps, which this test is not about, it does
-    monkeypatch.setenv("FLOPS_COMM_STEP", "0")
+    monkeypatch.setenv("FLOPS_COMM_STEPS", "0")
     ranks = launch(tmp_path, "lightning", "skewed", "3", "ddp")  # bounded; every rank reached MAX_STEPS
     last = ranks[0]
     assert last["first"] == FIRST + 2 * 15 and last["steps"]["counting"] == FIRST  # 32: the last window's

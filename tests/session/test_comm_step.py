@@ -6,10 +6,10 @@ import pytest
 
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.comm_report import comm_data, comm_from_data, verdict
-from flops_callbacks.session.builder import median_comm
+from flops_callbacks.session.builder import comm_means, median_comm
 from flops_callbacks.session.comm_step import comm_figures
 from flops_callbacks.session.ranks import Ranks
-from flops_callbacks.session.window_plan import Kind, WindowPlan, before_clean
+from flops_callbacks.session.window_plan import COMM_MAX, COMM_MIN, Kind, WindowPlan, Wish, before_clean
 from flops_callbacks.timing.comm_breakdown import Collective, CommBreakdown, TimeSplit
 
 MT, COMM = Kind.MODULE_TIMING, Kind.COMMUNICATION
@@ -27,12 +27,86 @@ def test_one_process_has_no_communication_step_and_the_layout_it_had() -> None:
     assert kinds(1) == ([Kind.COUNTING, MT, MT, MT, None, None, None, None], before_clean())
 
 
-def test_several_ranks_time_communication_on_three_steps_after_the_module_timing_steps() -> None:
-    assert kinds(2) == ([Kind.COUNTING, MT, MT, MT, COMM, COMM, COMM, None], before_clean() + 3)
+MS = 1e-3
+SPAN = 20 * MS  # each communication step's time
+
+
+class TwoRanks(Ranks):
+    """Rank 0 of two; at each communication step's end the other rank tells ``theirs[i]`` (exposed ms,
+    None: its trace unread)."""
+
+    def __init__(self, theirs: list[float | None]) -> None:
+        super().__init__()
+        self.world, self.theirs, self.ended = 2, theirs, 0
+        self.plan: WindowPlan | None = None
+
+    def exchange(self, mine: Wish) -> list[Wish]:
+        if self.plan is None or self.plan.kind != COMM:
+            return [mine, Wish()]
+        theirs = self.theirs[self.ended] if self.ended < len(self.theirs) else None
+        self.ended += 1
+        return [mine, Wish(comm=None if theirs is None else (theirs * MS, SPAN))]
+
+
+def comm_window(
+    mine: list[float | None], theirs: list[float | None] | None = None, **options: object
+) -> list[Kind | None]:
+    """The kinds of a two-rank window's steps, as the session drives the plan: this rank's communication
+    steps read ``mine[i]`` ms of exposed time (None: unread), the other rank's ``theirs[i]`` (as mine
+    when not given); every step's end is a vote."""
+    ranks = TwoRanks(list(mine if theirs is None else theirs))
+    plan = ranks.plan = WindowPlan(Options(**options), ranks)  # type: ignore[arg-type]
+    seen = 0
+    for _ in range(20):
+        kind = plan.start_step()
+        comm = None
+        if kind == COMM:
+            exposed, seen = mine[seen] if seen < len(mine) else None, seen + 1
+            comm = None if exposed is None else (exposed * MS, SPAN)
+        plan.vote(Wish(comm=comm))
+        if kind is None:
+            break
+    return plan.kinds
+
+
+HEAD = [Kind.COUNTING, MT, MT, MT]
+
+
+def test_several_ranks_time_communication_on_three_steps_when_their_exposed_times_agree() -> None:
+    # 3.0, 3.5 and 2.5 ms: each within 25% of their median
+    assert comm_window([3.0, 3.5, 2.5]) == [*HEAD, COMM, COMM, COMM, None]
+    assert COMM_MIN == 3 and kinds(2)[0][: len(HEAD) + COMM_MIN] == [*HEAD, *[COMM] * COMM_MIN]
+
+
+def test_communication_steps_that_disagree_go_on_to_nine() -> None:
+    steps = [3.0, 3.0, 6.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0]  # 6 ms is 100% off the median of 3
+    assert comm_window(steps) == [*HEAD, *[COMM] * COMM_MAX, None] and COMM_MAX == 9
+
+
+def test_an_int_fixes_the_count_of_communication_steps() -> None:
+    assert comm_window([3.0, 9.0, 1.0, 7.0, 3.0], comm_steps=5) == [*HEAD, *[COMM] * 5, None]
+    assert comm_window([3.0, 3.0], comm_steps=2) == [*HEAD, COMM, COMM, None]
+    assert comm_window([], comm_steps=0) == [*HEAD, None]
+
+
+def test_the_steps_agree_by_the_ranks_mean_and_a_step_no_rank_read_is_no_figure() -> None:
+    # rank 0 reads 3 ms each time; rank 1 reads 5 on the third: the means 3, 3, 4 ms are 33% apart
+    assert comm_window([3.0] * 9, [3.0, 3.0, 5.0] + [3.0] * 6) == [*HEAD, *[COMM] * COMM_MAX, None]
+    # rank 0 reads 3, 1, 3; rank 1 reads 3, 5, 3: each step's mean is 3 ms
+    assert comm_window([3.0, 1.0, 3.0], [3.0, 5.0, 3.0]) == [*HEAD, COMM, COMM, COMM, None]
+    # the second step read by neither rank: one more step, so that three agree
+    assert comm_window([3.0, None, 3.0, 3.0], [3.0, None, 3.0, 3.0]) == [*HEAD, *[COMM] * 4, None]
+
+
+def test_exposed_times_of_a_few_microseconds_agree_within_a_hundredth_of_the_step() -> None:
+    # 10, 40 and 150 us: far apart from their median, but all within 1% of a 20 ms step (200 us) of it
+    assert comm_window([0.01, 0.04, 0.15]) == [*HEAD, COMM, COMM, COMM, None]
+    # 300 us is 260 us from the median: beyond it, so the steps go on to nine
+    assert comm_window([0.01, 0.04, 0.30] + [0.04] * 6) == [*HEAD, *[COMM] * COMM_MAX, None]
 
 
 def test_the_option_turns_the_communication_steps_off() -> None:
-    assert kinds(2, comm_step=False) == ([Kind.COUNTING, MT, MT, MT, None, None, None, None], before_clean())
+    assert kinds(2, comm_steps=0) == ([Kind.COUNTING, MT, MT, MT, None, None, None, None], before_clean())
 
 
 def test_the_job_keeps_one_communication_step_on_every_rank_the_median_by_the_ranks_mean() -> None:
@@ -44,6 +118,7 @@ def test_the_job_keeps_one_communication_step_on_every_rank_the_median_by_the_ra
     assert median_comm([[5 * ms, None, 1 * ms], [None, None, 1 * ms]]) == 2
     # none read: the first (its number still says where the window was)
     assert median_comm([[None, None, None], [None, None, None]]) == 0
+    assert comm_means([[2 * ms, None, None], [4 * ms, 1 * ms, None]]) == [pytest.approx(3 * ms), 1 * ms, None]
 
 
 def rank(exposed_ms: float, seconds: float) -> CommBreakdown:
@@ -86,7 +161,7 @@ def test_a_file_of_one_communication_step_reads_back_as_that_step() -> None:
     assert data is not None and (data["steps"], data["median_step"]) == ([5, 6, 7], 6)
     back = comm_from_data(data)
     assert (back.steps, back.median_step) == ((5, 6, 7), 6)
-    del data["steps"], data["median_step"]
+    del data["steps"], data["median_step"], data["step_exposed"]
     data["step"] = 5  # as a schema-version-1 file of the one-step window wrote it
     back = comm_from_data(data)
     assert (back.steps, back.median_step) == ((5,), 5)

@@ -189,7 +189,7 @@ def test_every_ranks_vote_ends_the_window_on_the_same_step_with_the_same_kinds()
     laid_out = []
     for r in range(2):
         # the communication step's place is tested in test_comm_step.py: this test is the vote's
-        plan = plan_of(Options(profile_step=10, clean_steps="auto", comm_step=False), behaviours, rank=r)
+        plan = plan_of(Options(profile_step=10, clean_steps="auto", comm_steps=0), behaviours, rank=r)
         laid_out.append(window(plan, 10))
     assert laid_out[0] == laid_out[1]
     assert laid_out[0] == {10: P, 11: M, 12: M, 13: M, 14: K, 15: C, 16: S, 17: C, 18: S, 19: C, 20: C}

@@ -4,6 +4,7 @@ NCCL one on a GPU, skipped without one)."""
 
 from __future__ import annotations
 
+import gc
 import tempfile
 from typing import Any
 
@@ -137,12 +138,17 @@ def test_a_trace_that_cannot_be_read_is_said_and_the_step_goes_on(monkeypatch: p
 def test_the_instruments_drop_stops_a_running_recorder() -> None:
     from flops_callbacks.options import Options
     from flops_callbacks.session.instruments import Instruments
+    from flops_callbacks.session.window_plan import Kind
+    from flops_callbacks.session.window_steps import WindowStep
+    from flops_callbacks.timing.clock import CpuClock
+    from flops_callbacks.timing.phases import StepPhases
 
     instruments = Instruments(Options())
-    instruments._start_recorder(cuda=False)  # as at the end of the step before the communication step
-    assert torch.autograd._profiler_enabled()
+    step = WindowStep(Kind.COMMUNICATION, 5, StepPhases(CpuClock()))
+    instruments.for_step(step, torch.nn.Linear(4, 4), None)  # the communication step started
+    assert torch.autograd._profiler_enabled() and not gc.isenabled()
     instruments.drop()  # an exception, a dropped window, the run's end
-    assert instruments.recorder is None and not torch.autograd._profiler_enabled()
+    assert instruments.recorder is None and not torch.autograd._profiler_enabled() and gc.isenabled()
 
 
 def test_a_start_that_fails_part_way_is_stopped_and_a_stop_that_fails_warns() -> None:
@@ -160,9 +166,9 @@ def test_a_start_that_fails_part_way_is_stopped_and_a_stop_that_fails_warns() ->
     recorder._profiler = HalfStarted()
     with pytest.raises(RuntimeError, match="then failed"):
         recorder.start()
-    assert torch.autograd._profiler_enabled()
+    assert torch.autograd._profiler_enabled() and not gc.isenabled()
     recorder.stop(keep=False)  # what the instruments' drop does on that exit path
-    assert not torch.autograd._profiler_enabled()
+    assert not torch.autograd._profiler_enabled() and gc.isenabled()  # the collector on again
 
     class Unstoppable:
         def start(self) -> None:
@@ -176,28 +182,39 @@ def test_a_start_that_fails_part_way_is_stopped_and_a_stop_that_fails_warns() ->
     broken.start()
     with pytest.warns(UserWarning, match=r"could not be stopped .*RuntimeError: no such profiler"):
         broken.stop()
-    assert broken.breakdown() is None and not broken.running
+    assert broken.breakdown() is None and not broken.running and gc.isenabled()
     broken.stop()  # never tried twice
+    gc.disable()  # a user who runs with the collector off keeps it off
+    try:
+        off = CommRecorder(cuda=False)
+        off.start()
+        off.stop()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_three_communication_steps_each_get_a_split_and_the_profiler_stops_after_the_last() -> None:
     from flops_callbacks.options import Options
     from flops_callbacks.session.instruments import Instruments
-    from flops_callbacks.session.window_plan import COMM_STEPS, Kind
+    from flops_callbacks.session.window_plan import COMM_MIN, Kind
     from flops_callbacks.session.window_steps import WindowStep
     from flops_callbacks.timing.clock import CpuClock
     from flops_callbacks.timing.phases import StepPhases
 
     instruments = Instruments(Options())
-    instruments._start_recorder(cuda=False)  # at the end of the last module-timing step
-    steps = [WindowStep(Kind.COMMUNICATION, 5 + i, StepPhases(CpuClock())) for i in range(COMM_STEPS)]
-    for i, step in enumerate(steps):
+    model = torch.nn.Linear(4, 4)
+    steps = [WindowStep(Kind.COMMUNICATION, 5 + i, StepPhases(CpuClock())) for i in range(COMM_MIN)]
+    enabled = gc.isenabled()
+    for step in steps:
+        instruments.for_step(step, model, None)  # each step its own profiler, from the step's start
         recorder = instruments.recorder
         assert recorder is not None and recorder.running and torch.autograd._profiler_enabled()
+        assert not gc.isenabled()  # no collection pauses a rank in the recorded step
         recorder.mark(FORWARD)
         torch.ones(64, 64).matmul(torch.ones(64, 64))
         recorder.mark("")
-        instruments.step_ended(step, comm_next=i < COMM_STEPS - 1)  # as WindowPlan.comm_next says
-        assert instruments.recorder is not recorder  # each step its own profiler
+        instruments.step_ended(step)
+        assert instruments.recorder is None and not torch.autograd._profiler_enabled()
+        assert gc.isenabled() == enabled
     assert all(s.comm is not None and s.comm.step.compute > 0 for s in steps)
-    assert instruments.recorder is None and not torch.autograd._profiler_enabled()
