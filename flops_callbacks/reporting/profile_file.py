@@ -43,7 +43,7 @@ __all__ = [
 
 SCHEMA = "flops_callbacks.profile"  # the "schema" key of every profile file: what tells it from other JSON
 SCHEMA_VERSION = 2  # raised when a key is renamed or removed, or changes meaning (a new key: not needed)
-# 2: three communication steps (steps.communication a list, the communication block's "steps" and
+# 2: several communication steps (steps.communication a list, the communication block's "steps" and
 # "median_step" for its "step"); version 1's files are read too
 READS = (1, 2)
 

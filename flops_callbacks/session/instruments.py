@@ -65,6 +65,8 @@ class Instruments:
         elif step.kind == Kind.MODULE_TIMING:
             self.timer = step.timer = ModuleTimer(model, step.phases.clock)
         elif step.kind == Kind.COMMUNICATION:  # the ranks line up after its start-up (WindowPlan.lines_up)
+            if self.recorder is not None:  # a step that never ended: nothing of it is read
+                self.recorder.stop(keep=False)
             self.recorder = CommRecorder(module_device(model).type == "cuda")
             self.recorder.start()
 

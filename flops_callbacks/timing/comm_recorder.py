@@ -8,6 +8,7 @@ are on another time base than the profiler's; a mark recorded by the profiler is
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any
 
 import torch
@@ -31,9 +32,11 @@ class CommRecorder:
         self.running = False
         self.events: StepEvents | None = None
         self._collector = contextlib.ExitStack()
+        self._collect = False
 
     def start(self) -> None:
         self.running = True  # a start that fails part way is stopped by stop() all the same
+        self._collect = gc.isenabled()  # a user who turned the collector off gets no collection either
         self._collector.enter_context(collector_off())
         self._profiler.start()
 
@@ -52,7 +55,8 @@ class CommRecorder:
             self._stop(profiler, keep)
         finally:
             self._collector.close()
-            collect_counting_garbage()  # the trace's objects, before the next step's clock
+            if self._collect:
+                collect_counting_garbage()  # the trace's objects, before the next step's clock
 
     def _stop(self, profiler: Any, keep: bool) -> None:
         try:

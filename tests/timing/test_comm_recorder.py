@@ -194,7 +194,7 @@ def test_a_start_that_fails_part_way_is_stopped_and_a_stop_that_fails_warns() ->
         gc.enable()
 
 
-def test_three_communication_steps_each_get_a_split_and_the_profiler_stops_after_the_last() -> None:
+def test_three_communication_steps_each_get_a_split_and_the_profiler_stops_after_each() -> None:
     from flops_callbacks.options import Options
     from flops_callbacks.session.instruments import Instruments
     from flops_callbacks.session.window_plan import COMM_MIN, Kind
