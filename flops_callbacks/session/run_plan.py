@@ -77,9 +77,8 @@ class RunPlan:
         elif max_steps is not None and max_steps <= self.last:
             head_steps = before_clean(comm=self.comm)
             clean = max(-(-(max_steps - self.first) // self.steps_per_batch) - head_steps, 0)
-            auto = self.options.comm_steps == "auto"
-            count = f"{self.comm}-{max(COMM_MAX, self.comm)}" if auto else f"{self.comm}"
-            comm = f"{count} x communication, " if self.comm else ""
+            more = f"-{COMM_MAX}" if self.options.comm_steps == "auto" else ""  # "auto" may add up to it
+            comm = f"{self.comm}{more} x communication, " if self.comm else ""
             warn(
                 f"{owner}: the profile window needs steps {self.first} .. {self.last} "
                 f"(counting, {MODULE_TIMING_STEPS} x module timing, {comm}a check, "
