@@ -17,6 +17,17 @@ loop, so there the same module is wrapped by a ``DistributedDataParallel`` of Li
 no_sync without the profiler and with every step under the communication steps' recorder, and the
 profiled synced steps' median exposed time.
 
+``--witness`` adds a second reference that needs no profiler: a DDP communication hook (the default
+all-reduce, timed from its launch to its completion with ``perf_counter``) records every bucket's
+all-reduce in the training run, by the step it ran in. The "hook ms" column is the union of those
+intervals in the window's kept communication step, the ranks' mean: what ``comm_latency`` measures
+("comm/hook"), and for the base model (one bucket, at the backward's end, under no compute) what
+``exposed_comm_latency`` measures too. It tells the method's error on the very step reported apart
+from the spread between that step and the 100 pairs' medians. With ``--perturbation`` it gives, of
+the plain loop's synced steps, the median all-reduce unprofiled and profiled, and the range of the
+medians of each 9 in a row (what a window of nine steps could read, with no profiler at all). The
+hook runs Python on gloo's thread: runs with it are not the runs without it.
+
 ``--device cuda`` runs the loop (and ``--perturbation``) over NCCL with the model on a GPU, the outside
 steps timed between synchronizations. With fewer GPUs than ranks, the ranks share a GPU: NCCL refuses
 two ranks on one device of one host, so each rank names a host of its own (``NCCL_HOSTID``) and NCCL
@@ -28,7 +39,7 @@ Why 100 pairs: the difference of two medians of 15 steps each moved 1.6-4.4 ms f
 machine's drift between runs included.
 
     python benchmarks/comm_truth.py [--frameworks loop,lightning,hf] [--pairs 100] [--repeats 1]
-                                    [--device cpu|cuda]
+                                    [--device cpu|cuda] [--witness]
 """
 
 from __future__ import annotations
@@ -69,11 +80,12 @@ def outside(
     batches: list[Any],
     pairs: int,
     profiled: bool = False,
+    clock: AllReduceClock | None = None,
 ) -> tuple[float, float | None]:
     """This rank's median synced step less its median no_sync step (seconds), over interleaved pairs.
     With ``profiled``, every step runs under the communication steps' recorder (started before the
     barrier, phases marked as the session marks them), and the synced steps' median exposed time comes
-    too (else None)."""
+    too (else None). A ``clock`` hooked on ``ddp`` files the i-th pair's synced step under step i."""
     from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
     from flops_callbacks.timing.comm_recorder import CommRecorder
 
@@ -87,6 +99,8 @@ def outside(
             if recorder is not None:
                 recorder.start()
             mark = recorder.mark if recorder is not None else lambda phase: None
+            if clock is not None:
+                clock.step = i
             torch.distributed.barrier()
             if cuda:
                 torch.cuda.synchronize()
@@ -110,6 +124,34 @@ def outside(
                     exposed.append(split.step.exposed)
     true = statistics.median(seconds[True]) - statistics.median(seconds[False])
     return true, statistics.median(exposed) if exposed else None
+
+
+class AllReduceClock:
+    """``hook``, a DDP communication hook: the default all-reduce (divided by the world size, as DDP's
+    own), each bucket's timed from launch to completion by the step it ran in (``step``, set by the loop)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.spans: dict[int | None, list[tuple[float, float]]] = {}
+
+    # unannotated: DDP compares a hook's annotations with its classes, and here they are strings
+    def hook(self, state, bucket):  # type: ignore[no-untyped-def]
+        start, step = time.perf_counter(), self.step
+        world = torch.distributed.get_world_size()
+        work = torch.distributed.all_reduce(bucket.buffer().div_(world), async_op=True)
+
+        def done(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            self.spans.setdefault(step, []).append((start, time.perf_counter()))
+            return future.value()[0]
+
+        return work.get_future().then(done)  # type: ignore[no-any-return]
+
+    def seconds(self, step: int) -> float | None:
+        """The union of step ``step``'s all-reduces (None: none ran in it)."""
+        from flops_callbacks.timing.intervals import merge, total
+
+        spans = self.spans.get(step)
+        return total(merge(spans)) if spans else None
 
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -138,41 +180,64 @@ def _ddp(width: int, bucket: int, device: torch.device) -> nn.parallel.Distribut
     )
 
 
-def perturbation(width: int, bucket: int, out: Path, pairs: int, device: str) -> None:
+def perturbation(width: int, bucket: int, out: Path, pairs: int, device: str, witness: bool) -> None:
     """One 2-process run of a plain DDP loop: sync - no_sync without the profiler and under it, and the
-    profiled synced steps' median exposed time: what ``torch.profiler`` itself costs the step's sync."""
+    profiled synced steps' median exposed time: what ``torch.profiler`` itself costs the step's sync.
+    With ``witness``, each synced step's all-reduces under :class:`AllReduceClock` too."""
     ddp = _ddp(width, bucket, _group(device))
+    clock = AllReduceClock() if witness else None
+    if clock is not None:
+        ddp.register_comm_hook(None, clock.hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     batches = [next(iter(torch.utils.data.DataLoader(Pairs(width), batch_size=BATCH)))]
     outside(ddp, _loss, optimizer, batches, 10)  # warm-up
-    plain, _ = outside(ddp, _loss, optimizer, batches, pairs)
-    profiled, exposed = outside(ddp, _loss, optimizer, batches, max(pairs // 2, 1), profiled=True)
+    hooked: list[list[float | None]] = []  # each synced step's all-reduces: unprofiled, profiled
+    half = max(pairs // 2, 1)
+    figures: list[tuple[float, float | None]] = []
+    for count, under in ((pairs, False), (half, True)):
+        if clock is not None:
+            clock.spans.clear()
+        figures.append(outside(ddp, _loss, optimizer, batches, count, profiled=under, clock=clock))
+        hooked.append([clock.seconds(i) for i in range(count)] if clock is not None else [])
+    (plain, _), (profiled, exposed) = figures
     every: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, (plain, profiled, exposed))
+    torch.distributed.all_gather_object(every, (plain, profiled, exposed, *hooked))
     if torch.distributed.get_rank() == 0:
-        columns = [[x for x in column if x is not None] for column in zip(*every, strict=True)]
+        figures = zip(*[e[:3] for e in every], strict=True)
+        columns = [[x for x in column if x is not None] for column in figures]
         means = [statistics.fmean(c) if c else math.nan for c in columns]  # a rank with no split: left out
-        seen = dict(zip(("true", "profiled", "exposed"), means, strict=True))
+        seen: dict[str, Any] = dict(zip(("true", "profiled", "exposed"), means, strict=True))
+        for key, at in (("hook", 3), ("hook_profiled", 4)):  # each step's, the ranks' mean
+            steps = zip(*[e[at] for e in every], strict=True)
+            seen[key] = [statistics.fmean(step) for step in steps if None not in step]
         (out / "seen.json").write_text(json.dumps(seen))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def worker(framework: str, width: int, bucket: int, out: Path, pairs: int, device: str) -> None:
-    """One 2-process run under torchrun: train with the profiler, then time sync against no_sync."""
+def worker(
+    framework: str, width: int, bucket: int, out: Path, pairs: int, device: str, witness: bool
+) -> None:
+    """One 2-process run under torchrun: train with the profiler, then time sync against no_sync (with
+    ``witness``, every all-reduce under :class:`AllReduceClock`, the outside steps' too)."""
     from flops_callbacks import FlopsProfilerCallback, HFFlopsCallback, StepProfiler
     from flops_callbacks import metrics as names
 
     data = Pairs(width)
     batches = [next(iter(torch.utils.data.DataLoader(data, batch_size=BATCH)))]
     options: dict[str, Any] = dict(profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False)
+    clock = AllReduceClock() if witness else None
     if framework == "loop":
         ddp: Any = _ddp(width, bucket, _group(device))
+        if clock is not None:
+            ddp.register_comm_hook(None, clock.hook)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
         prof = StepProfiler(ddp, **options)
         for step, batch in enumerate(torch.utils.data.DataLoader(data, batch_size=BATCH)):
             if step == STEPS:
                 break
+            if clock is not None:
+                clock.step = prof.global_step
             with prof.step(batch):
                 _loss(ddp, batch).backward()
                 optimizer.step()
@@ -194,19 +259,40 @@ def worker(framework: str, width: int, bucket: int, out: Path, pairs: int, devic
             def configure_optimizers(self) -> torch.optim.Optimizer:
                 return torch.optim.SGD(self.parameters(), lr=1e-4)
 
+        class Steps(L.Callback):
+            def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+                if clock is not None:  # Lightning registers a strategy's ddp_comm_hook on CUDA only
+                    trainer.strategy.model.register_comm_hook(None, clock.hook)
+
+            def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+                if clock is not None:
+                    clock.step = trainer.global_step
+
         callback = FlopsProfilerCallback(**options)
         module = Module()
+        strategy = DDPStrategy(timeout=TIMEOUT, bucket_cap_mb=bucket)
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=TIMEOUT, bucket_cap_mb=bucket),
-            max_steps=STEPS, callbacks=[callback], logger=False, enable_checkpointing=False,
+            accelerator="cpu", devices=2, strategy=strategy,
+            max_steps=STEPS, callbacks=[callback, Steps()], logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
         )  # fmt: skip
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
         result = callback.result
         ddp = nn.parallel.DistributedDataParallel(module.model, bucket_cap_mb=bucket)
+        if clock is not None:
+            ddp.register_comm_hook(None, clock.hook)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     else:
-        from transformers import Trainer, TrainingArguments
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+
+        class HFSteps(TrainerCallback):
+            def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+                if clock is not None:  # the Trainer wrapped its model in DDP just before
+                    trainer.model_wrapped.register_comm_hook(None, clock.hook)
+
+            def on_step_begin(self, args: Any, state: Any, *rest: Any, **kwargs: Any) -> None:
+                if clock is not None:
+                    clock.step = state.global_step
 
         callback = HFFlopsCallback(**options)
         args = TrainingArguments(
@@ -214,20 +300,27 @@ def worker(framework: str, width: int, bucket: int, out: Path, pairs: int, devic
             ddp_timeout=int(TIMEOUT.total_seconds()), per_device_train_batch_size=BATCH, max_steps=STEPS,
             save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
         )  # fmt: skip
-        trainer = Trainer(model=Regressor(width), args=args, train_dataset=data, callbacks=[callback])
+        trainer = Trainer(
+            model=Regressor(width), args=args, train_dataset=data, callbacks=[callback, HFSteps()]
+        )
         trainer.train()
         result = callback.result
         ddp = trainer.model_wrapped
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    comm = result.comm if result is not None else None
+    hook = clock.seconds(comm.median_step) if clock is not None and comm is not None else None
+    if clock is not None:
+        clock.step = None  # the outside steps'
     true, _ = outside(ddp, _loss, optimizer, batches, pairs)
     every: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, true)
+    torch.distributed.all_gather_object(every, (true, hook))
     if torch.distributed.get_rank() == 0:
         metrics = result.metrics() if result is not None else {}
-        comm = result.comm if result is not None else None
+        hooks = [h for _, h in every]
         seen = {
-            "true": statistics.fmean(every),
-            "true_ranks": every,
+            "true": statistics.fmean(t for t, _ in every),
+            "true_ranks": [t for t, _ in every],
+            "hook": statistics.fmean(hooks) if None not in hooks else None,
             "reported": metrics.get(names.EXPOSED_COMM_LATENCY),
             "comm": metrics.get(names.COMM_LATENCY),
             "overlap": metrics.get(names.COMM_OVERLAP),
@@ -239,11 +332,13 @@ def worker(framework: str, width: int, bucket: int, out: Path, pairs: int, devic
     torch.distributed.destroy_process_group()
 
 
-def run(framework: str, width: int, bucket: int, pairs: int, device: str) -> dict[str, Any]:
+def run(
+    framework: str, width: int, bucket: int, pairs: int, device: str, witness: bool = False
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                    __file__, "--worker", framework, str(width), str(bucket), folder, str(pairs),
-                   device]  # fmt: skip
+                   device, str(int(witness))]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, check=False)
         seen = Path(folder) / "seen.json"
@@ -259,22 +354,36 @@ def _setup(device: str) -> str:
     return f"NCCL on {gpus} x {torch.cuda.get_device_name()} (2 ranks), torch {torch.__version__}"
 
 
-def show_perturbation(pairs: int, repeats: int, device: str) -> None:
+def show_perturbation(pairs: int, repeats: int, device: str, witness: bool) -> None:
     print(f"2-process plain DDP loop over {_setup(device)}; ms, the ranks' mean")
     header = f"{'case':12} {'true':>6} {'profiled':>9} {'exposed':>8}"
-    print(f"{header} {'exposed/true':>12} {'exposed/profiled':>16}")
+    hook = f" {'hook':>6} {'hook profiled':>13} {'hook, 9 in a row':>16}" if witness else ""
+    print(f"{header} {'exposed/true':>12} {'exposed/profiled':>16}{hook}")
     for case, (width, bucket) in CASES.items():
         for _ in range(repeats):
-            seen = run("perturbation", width, bucket, pairs, device)
+            seen = run("perturbation", width, bucket, pairs, device, witness)
             if "error" in seen:
                 print(f"{case:12} error: {seen['error']}")
                 continue
             true, profiled, exposed = seen["true"], seen["profiled"], seen["exposed"]
+            hook = ""
+            if witness:
+                plain, nine = _medians(seen["hook"])[0], _medians(seen["hook"], of=9)
+                hook = (
+                    f" {plain * 1e3:6.2f} {_medians(seen['hook_profiled'])[0] * 1e3:13.2f} "
+                    f"{min(nine) * 1e3:7.2f} .. {max(nine) * 1e3:5.2f}"
+                )
             print(
                 f"{case:12} {true * 1e3:6.2f} {profiled * 1e3:9.2f} {exposed * 1e3:8.2f} "
                 f"{exposed / true if true > 0 else math.nan:12.2f} "
-                f"{exposed / profiled if profiled > 0 else math.nan:16.2f}"
+                f"{exposed / profiled if profiled > 0 else math.nan:16.2f}{hook}"
             )
+
+
+def _medians(seconds: list[float], of: int | None = None) -> list[float]:
+    """The median of ``seconds`` (``of``: of each run of ``of`` in a row, as a window's steps are)."""
+    of = of or len(seconds)
+    return [statistics.median(seconds[i : i + of]) for i in range(0, len(seconds) - of + 1, of)]
 
 
 def main() -> None:
@@ -290,37 +399,49 @@ def main() -> None:
         "--device", choices=("cpu", "cuda"), default="cpu",
         help="cuda: NCCL, the model on a GPU (the loop only; ranks share a GPU where there are fewer)",
     )  # fmt: skip
-    parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--witness", action="store_true",
+        help="time every all-reduce with a DDP comm hook too (module doc): a witness of each step",
+    )  # fmt: skip
+    parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        framework, width, bucket, out, pairs, device = args.worker
+        framework, width, bucket, out, pairs, device, witness = args.worker
         if framework == "perturbation":
-            return perturbation(int(width), int(bucket), Path(out), int(pairs), device)
-        return worker(framework, int(width), int(bucket), Path(out), int(pairs), device)
+            return perturbation(int(width), int(bucket), Path(out), int(pairs), device, witness == "1")
+        return worker(framework, int(width), int(bucket), Path(out), int(pairs), device, witness == "1")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU here")
     if args.device == "cuda" and not args.perturbation and args.frameworks != "loop":
         parser.error("--device cuda takes --frameworks loop (Lightning's and HF's DDP take a GPU a rank)")
+    if args.device == "cuda" and args.witness:
+        parser.error("--witness times gloo's all-reduces on the host: --device cpu")
     if args.perturbation:
-        return show_perturbation(args.pairs, args.repeats, args.device)
+        return show_perturbation(args.pairs, args.repeats, args.device, args.witness)
     print(f"2-process DDP over {_setup(args.device)}; true = median(sync) - median(no_sync)")
+    hook = f" {'hook ms':>7} {'comm/hook':>9}" if args.witness else ""
     print(f"{'framework':10} {'case':12} {'steps':>5} {'calls':>5} {'comm ms':>8} {'overlap':>7} "
-          f"{'true ms':>8} {'reported ms':>11} {'ratio':>6}")  # fmt: skip
+          f"{'true ms':>8} {'reported ms':>11} {'ratio':>6}{hook}")  # fmt: skip
     for framework in args.frameworks.split(","):
         for case, (width, bucket) in CASES.items():
             ratios = []
             for _ in range(args.repeats):
-                seen = run(framework, width, bucket, args.pairs, args.device)
+                seen = run(framework, width, bucket, args.pairs, args.device, args.witness)
                 if "error" in seen:
                     print(f"{framework:10} {case:12} error: {seen['error']}")
                     continue
                 true, reported = seen["true"], seen["reported"]
+                hook = ""
+                if args.witness:
+                    witness = seen["hook"]
+                    by_hook = seen["comm"] / witness if witness else math.nan
+                    hook = f" {witness * 1e3:7.2f} {by_hook:9.2f}" if witness else f" {'-':>7} {'-':>9}"
                 ratio = reported / true if reported is not None and true > 0 else math.nan
                 ratios.append(ratio)
                 print(
                     f"{framework:10} {case:12} {seen['steps']:>5} {seen['calls']:>5} "
                     f"{seen['comm'] * 1e3:8.2f} {seen['overlap']:7.2f} {true * 1e3:8.2f} "
-                    f"{(reported or 0) * 1e3:11.2f} {ratio:6.2f}"
+                    f"{(reported or 0) * 1e3:11.2f} {ratio:6.2f}{hook}"
                 )
             if len(ratios) > 1:
                 median = statistics.median(ratios)

@@ -105,6 +105,51 @@ def test_exposed_times_of_a_few_microseconds_agree_within_a_hundredth_of_the_ste
     assert comm_window([0.01, 0.04, 0.30] + [0.04] * 6) == [*HEAD, *[COMM] * COMM_MAX, None]
 
 
+def clean_after_comm(clean_steps: object) -> tuple[WindowPlan, list[tuple[Kind | None, int, bool, bool]]]:
+    """A two-rank window whose communication steps disagree (so run to nine), then its batch-decided
+    steps (the check, then clean ones); at each step's end from the communication steps on: (its kind,
+    before_clean, capped, done_here with five equal clean iters offered)."""
+    ranks = TwoRanks([3.0, 9.0] * 5)  # the ranks' means 3, 6, 3, 6 ms: never within 25%
+    plan = ranks.plan = WindowPlan(Options(clean_steps=clean_steps), ranks)  # type: ignore[arg-type]
+    seen = []
+    for _ in range(30):
+        kind = plan.start_step()
+        if kind is None:
+            plan.batch_kind(plan.vote(Wish(checkable=True)))
+        plan.vote(Wish(comm=(3 * MS, SPAN) if kind == COMM else None))
+        if plan.kind not in HEAD:
+            seen.append((plan.kind, plan.before_clean, plan.capped(), plan.done_here(lambda: [0.01] * 5)))
+        if plan.capped():
+            break
+    return plan, seen
+
+
+def test_the_steps_after_more_communication_steps_are_counted_from_the_last_of_them() -> None:
+    plan, seen = clean_after_comm(clean_steps=2)
+    assert plan.kinds == [*HEAD, *[COMM] * COMM_MAX, Kind.CHECK, Kind.CLEAN, Kind.CLEAN]
+    # at each communication step's end the window's steps before the clean ones reach past it: no end
+    comm = [(b, c, d) for k, b, c, d in seen if k == COMM]
+    assert [b for b, _, _ in comm] == [len(HEAD) + max(n, COMM_MIN) + 1 for n in range(1, COMM_MAX + 1)]
+    assert not any(c or d for _, c, d in comm)
+    # then counted from the last of the nine: capped after the check and two clean steps
+    assert [(k, b, c) for k, b, c, _ in seen[COMM_MAX:]] == [
+        (Kind.CHECK, len(HEAD) + COMM_MAX + 1, False),
+        (Kind.CLEAN, len(HEAD) + COMM_MAX + 1, False),
+        (Kind.CLEAN, len(HEAD) + COMM_MAX + 1, True),
+    ]
+
+
+def test_a_re_profile_window_has_no_communication_step_under_auto() -> None:
+    ranks = TwoRanks([3.0, 9.0] * 5)  # the means 3, 6, 3, 6 ms: never within 25%
+    plan = ranks.plan = WindowPlan(Options(profile_step=1, profile_every=20), ranks)
+    plan.comm_seen = [(3 * MS, SPAN)]  # a first window's figures: not carried over
+    plan.ended(last_step=15)
+    plan.reset()
+    assert plan.next_window == 21 and plan.due(21) and plan.comm_steps == 0
+    assert [plan.start_step() for _ in range(3)] == [Kind.LEAD_IN, None, None]
+    assert plan.before_clean == before_clean(reprofile=True) and Kind.COMMUNICATION not in plan.kinds
+
+
 def test_the_option_turns_the_communication_steps_off() -> None:
     assert kinds(2, comm_steps=0) == ([Kind.COUNTING, MT, MT, MT, None, None, None, None], before_clean())
 
