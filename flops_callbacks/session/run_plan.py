@@ -48,6 +48,12 @@ class RunPlan:
         return cls(options, global_step, max_steps, per, first, last, comm)
 
     @property
+    def most(self) -> int:
+        """The step its last step starts at when ``comm_steps="auto"`` runs all :data:`COMM_MAX`."""
+        more = COMM_MAX - self.comm if self.comm and self.options.comm_steps == "auto" else 0
+        return self.last + more * self.steps_per_batch
+
+    @property
     def resumed_past(self) -> bool:
         return self.global_step > self.options.profile_step
 
@@ -75,16 +81,27 @@ class RunPlan:
                 f"optimizer steps (0 .. {max_steps - 1}). Use a profile_step below {max_steps}.",
             )
         elif max_steps is not None and max_steps <= self.last:
-            head_steps = before_clean(comm=self.comm)
-            clean = max(-(-(max_steps - self.first) // self.steps_per_batch) - head_steps, 0)
             more = f"-{COMM_MAX}" if self.options.comm_steps == "auto" else ""  # "auto" may add up to it
             comm = f"{self.comm}{more} x communication, " if self.comm else ""
             warn(
                 f"{owner}: the profile window needs steps {self.first} .. {self.last} "
                 f"(counting, {MODULE_TIMING_STEPS} x module timing, {comm}a check, "
                 f"clean_steps={self.options.clean_steps!r}); the run has {max_steps} steps: "
-                f"the latencies will rest on {clean} clean step(s).",
+                f"the latencies will rest on {self._clean_left(self.comm)} clean step(s).",
             )
+        elif max_steps is not None and max_steps <= self.most:
+            warn(
+                f"{owner}: the profile window needs steps {self.first} .. {self.last}, or up to "
+                f"{self.most} if its first {self.comm} communication steps disagree (comm_steps='auto' "
+                f"then runs up to {COMM_MAX}); the run has {max_steps} steps: the latencies would then "
+                f"rest on {self._clean_left(COMM_MAX)} clean step(s). comm_steps={self.comm} fixes "
+                "the count.",
+            )
+
+    def _clean_left(self, comm: int) -> int:
+        """The clean steps the run leaves the window with ``comm`` communication steps."""
+        steps = -(-(self.max_steps - self.first) // self.steps_per_batch) if self.max_steps else 0
+        return max(steps - before_clean(comm=comm), 0)
 
 
 def unwritable_destinations(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings as warnings_module
+
 import pytest
 
 from flops_callbacks.options import Options
@@ -9,6 +11,7 @@ from flops_callbacks.reporting.comm_report import comm_data, comm_from_data, ver
 from flops_callbacks.session.builder import comm_means, median_comm
 from flops_callbacks.session.comm_step import comm_figures
 from flops_callbacks.session.ranks import Ranks
+from flops_callbacks.session.run_plan import RunPlan
 from flops_callbacks.session.window_plan import COMM_MAX, COMM_MIN, Kind, WindowPlan, Wish, before_clean
 from flops_callbacks.timing.comm_breakdown import Collective, CommBreakdown, TimeSplit
 
@@ -148,6 +151,26 @@ def test_a_re_profile_window_has_no_communication_step_under_auto() -> None:
     assert plan.next_window == 21 and plan.due(21) and plan.comm_steps == 0
     assert [plan.start_step() for _ in range(3)] == [Kind.LEAD_IN, None, None]
     assert plan.before_clean == before_clean(reprofile=True) and Kind.COMMUNICATION not in plan.kinds
+
+
+def test_a_run_too_short_for_nine_communication_steps_is_told_at_its_start() -> None:
+    def warnings(max_steps: int, comm_steps: object = "auto") -> list[str]:
+        options = Options(profile_step=1, clean_steps=2, comm_steps=comm_steps)  # type: ignore[arg-type]
+        plan = RunPlan.of(options, 0, max_steps, 1, comm=3)  # steps 1 .. 10: 8 before the clean ones
+        with warnings_module.catch_warnings(record=True) as seen:
+            warnings_module.simplefilter("always")
+            plan.warn("test", profiled_before=False)
+        return [str(w.message) for w in seen]
+
+    assert warnings(17) == [] and warnings(14, comm_steps=3) == []
+    # nine communication steps make the window 6 steps longer: it ends at step 16
+    (sure,) = warnings(16)
+    assert "needs steps 1 .. 10, or up to 16 if its first 3 communication steps disagree" in sure
+    assert "then rest on 1 clean step(s). comm_steps=3 fixes the count" in sure
+    assert "then rest on 0 clean step(s)" in warnings(14)[0]
+    (short,) = warnings(10)  # too short for three: the warning it had
+    assert "needs steps 1 .. 10 (counting, 3 x module timing, 3-9 x communication, a check" in short
+    assert "the latencies will rest on 1 clean step(s)" in short
 
 
 def test_the_option_turns_the_communication_steps_off() -> None:
