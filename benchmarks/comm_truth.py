@@ -21,11 +21,12 @@ profiled synced steps' median exposed time.
 all-reduce, timed from its launch to its completion with ``perf_counter``) records every bucket's
 all-reduce in the training run, by the step it ran in. The "hook ms" column is the union of those
 intervals in the window's kept communication step, the ranks' mean: what ``comm_latency`` measures
-("comm/hook"), and for the base model (one bucket, at the backward's end, under no compute) what
-``exposed_comm_latency`` measures too. It tells the method's error on the very step reported apart
+("comm/hook"; the HF Trainer's also counts collectives of its own, which the hook does not see), and
+for the base model in the loop and Lightning (one bucket, at the backward's end, under no compute)
+what ``exposed_comm_latency`` measures too. It tells the method's error on the very step reported apart
 from the spread between that step and the 100 pairs' medians. With ``--perturbation`` it gives, of
 the plain loop's synced steps, the median all-reduce unprofiled and profiled, and the range of the
-medians of each 9 in a row (what a window of nine steps could read, with no profiler at all). The
+medians of each 9 in a row (what a window of nine steps could read, with no profiler: the hook only). The
 hook runs Python on gloo's thread: runs with it are not the runs without it.
 
 ``--device cuda`` runs the loop (and ``--perturbation``) over NCCL with the model on a GPU, the outside
@@ -203,8 +204,8 @@ def perturbation(width: int, bucket: int, out: Path, pairs: int, device: str, wi
     every: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, (plain, profiled, exposed, *hooked))
     if torch.distributed.get_rank() == 0:
-        figures = zip(*[e[:3] for e in every], strict=True)
-        columns = [[x for x in column if x is not None] for column in figures]
+        ranks = zip(*[e[:3] for e in every], strict=True)
+        columns = [[x for x in column if x is not None] for column in ranks]
         means = [statistics.fmean(c) if c else math.nan for c in columns]  # a rank with no split: left out
         seen: dict[str, Any] = dict(zip(("true", "profiled", "exposed"), means, strict=True))
         for key, at in (("hook", 3), ("hook_profiled", 4)):  # each step's, the ranks' mean
@@ -381,8 +382,11 @@ def show_perturbation(pairs: int, repeats: int, device: str, witness: bool) -> N
 
 
 def _medians(seconds: list[float], of: int | None = None) -> list[float]:
-    """The median of ``seconds`` (``of``: of each run of ``of`` in a row, as a window's steps are)."""
+    """The median of ``seconds`` (``of``: of each run of ``of`` in a row, as a window's steps are);
+    NaN where there are too few."""
     of = of or len(seconds)
+    if not seconds or len(seconds) < of:
+        return [math.nan]
     return [statistics.median(seconds[i : i + of]) for i in range(0, len(seconds) - of + 1, of)]
 
 

@@ -62,7 +62,8 @@ class RunPlan:
         return self.max_steps is not None and self.max_steps <= self.first
 
     def warn(self, owner: str, profiled_before: bool) -> None:
-        """Say now if no profile can run in this run, or only a cut-short one."""
+        """Say now if no profile can run in this run, or only a cut-short one, or one cut short if
+        ``comm_steps="auto"`` runs all its communication steps."""
         profile_step, max_steps = self.options.profile_step, self.max_steps
         if self.resumed_past:
             before = (

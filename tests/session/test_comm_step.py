@@ -132,7 +132,8 @@ def test_the_steps_after_more_communication_steps_are_counted_from_the_last_of_t
     assert plan.kinds == [*HEAD, *[COMM] * COMM_MAX, Kind.CHECK, Kind.CLEAN, Kind.CLEAN]
     # at each communication step's end the window's steps before the clean ones reach past it: no end
     comm = [(b, c, d) for k, b, c, d in seen if k == COMM]
-    assert [b for b, _, _ in comm] == [len(HEAD) + max(n, COMM_MIN) + 1 for n in range(1, COMM_MAX + 1)]
+    # 4 head steps, the communication steps so far (three at least), the check
+    assert [b for b, _, _ in comm] == [8, 8, 8, 9, 10, 11, 12, 13, 14]
     assert not any(c or d for _, c, d in comm)
     # then counted from the last of the nine: capped after the check and two clean steps
     assert [(k, b, c) for k, b, c, _ in seen[COMM_MAX:]] == [
@@ -148,26 +149,31 @@ def test_a_re_profile_window_has_no_communication_step_under_auto() -> None:
     plan.comm_seen = [(3 * MS, SPAN)]  # a first window's figures: not carried over
     plan.ended(last_step=15)
     plan.reset()
-    assert plan.next_window == 21 and plan.due(21) and plan.comm_steps == 0
+    assert plan.comm_seen == [] and plan.next_window == 21 and plan.due(21) and plan.comm_steps == 0
     assert [plan.start_step() for _ in range(3)] == [Kind.LEAD_IN, None, None]
     assert plan.before_clean == before_clean(reprofile=True) and Kind.COMMUNICATION not in plan.kinds
 
 
 def test_a_run_too_short_for_nine_communication_steps_is_told_at_its_start() -> None:
-    def warnings(max_steps: int, comm_steps: object = "auto") -> list[str]:
+    def warnings(max_steps: int, comm_steps: object = "auto", comm: int = 3, per: int = 1) -> list[str]:
         options = Options(profile_step=1, clean_steps=2, comm_steps=comm_steps)  # type: ignore[arg-type]
-        plan = RunPlan.of(options, 0, max_steps, 1, comm=3)  # steps 1 .. 10: 8 before the clean ones
+        plan = RunPlan.of(options, 0, max_steps, per, comm=comm)  # steps 1 .. 10: 8 before the clean ones
         with warnings_module.catch_warnings(record=True) as seen:
             warnings_module.simplefilter("always")
             plan.warn("test", profiled_before=False)
         return [str(w.message) for w in seen]
 
     assert warnings(17) == [] and warnings(14, comm_steps=3) == []
+    assert warnings(14, comm=0) == []  # one process: no communication step, a window of steps 1 .. 7
     # nine communication steps make the window 6 steps longer: it ends at step 16
     (sure,) = warnings(16)
     assert "needs steps 1 .. 10, or up to 16 if its first 3 communication steps disagree" in sure
     assert "then rest on 1 clean step(s). comm_steps=3 fixes the count" in sure
     assert "then rest on 0 clean step(s)" in warnings(14)[0]
+    # two global steps per optimizer step: the window from step 2, 10 of its steps up to step 20, 16 to 32
+    (manual,) = warnings(32, per=2)
+    assert "needs steps 2 .. 20, or up to 32" in manual and "rest on 1 clean step(s)" in manual
+    assert warnings(34, per=2) == []
     (short,) = warnings(10)  # too short for three: the warning it had
     assert "needs steps 1 .. 10 (counting, 3 x module timing, 3-9 x communication, a check" in short
     assert "the latencies will rest on 1 clean step(s)" in short
