@@ -358,8 +358,8 @@ def _setup(device: str) -> str:
 def show_perturbation(pairs: int, repeats: int, device: str, witness: bool) -> None:
     print(f"2-process plain DDP loop over {_setup(device)}; ms, the ranks' mean")
     header = f"{'case':12} {'true':>6} {'profiled':>9} {'exposed':>8}"
-    hook = f" {'hook':>6} {'hook profiled':>13} {'hook, 9 in a row':>16}" if witness else ""
-    print(f"{header} {'exposed/true':>12} {'exposed/profiled':>16}{hook}")
+    hooks = f" {'hook':>6} {'hook profiled':>13} {'hook, 9 in a row':>16}" if witness else ""
+    print(f"{header} {'exposed/true':>12} {'exposed/profiled':>16}{hooks}")
     for case, (width, bucket) in CASES.items():
         for _ in range(repeats):
             seen = run("perturbation", width, bucket, pairs, device, witness)
@@ -423,9 +423,9 @@ def main() -> None:
     if args.perturbation:
         return show_perturbation(args.pairs, args.repeats, args.device, args.witness)
     print(f"2-process DDP over {_setup(args.device)}; true = median(sync) - median(no_sync)")
-    hook = f" {'hook ms':>7} {'comm/hook':>9}" if args.witness else ""
+    hooks = f" {'hook ms':>7} {'comm/hook':>9}" if args.witness else ""
     print(f"{'framework':10} {'case':12} {'steps':>5} {'calls':>5} {'comm ms':>8} {'overlap':>7} "
-          f"{'true ms':>8} {'reported ms':>11} {'ratio':>6}{hook}")  # fmt: skip
+          f"{'true ms':>8} {'reported ms':>11} {'ratio':>6}{hooks}")  # fmt: skip
     for framework in args.frameworks.split(","):
         for case, (width, bucket) in CASES.items():
             ratios = []
