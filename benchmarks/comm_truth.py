@@ -21,7 +21,8 @@ profiled synced steps' median exposed time.
 all-reduce, timed from its launch to its completion with ``perf_counter``) records every bucket's
 all-reduce in the training run, by the step it ran in. The "hook ms" column is the union of those
 intervals in the window's kept communication step, the ranks' mean: what ``comm_latency`` measures
-("comm/hook"; the HF Trainer's also counts collectives of its own, which the hook does not see), and
+("comm/hook"; the HF Trainer's also counts its DDP's all-reduce of the used-parameter map, made under
+``find_unused_parameters``, which the hook does not see), and
 for the base model in the loop and Lightning (one bucket, at the backward's end, under no compute)
 what ``exposed_comm_latency`` measures too. It tells the method's error on the very step reported apart
 from the spread between that step and the 100 pairs' medians. With ``--perturbation`` it gives, of
@@ -39,8 +40,11 @@ Why 100 pairs: the difference of two medians of 15 steps each moved 1.6-4.4 ms f
 2.8 ms within one run; of 100, one framework's runs spread 5-27% (benchmarks/README.md), the
 machine's drift between runs included.
 
+``--comm-steps N`` fixes the window's count of communication steps (default ``"auto"``): what a median
+of more steps buys (benchmarks/README.md, "Would more communication steps do?").
+
     python benchmarks/comm_truth.py [--frameworks loop,lightning,hf] [--pairs 100] [--repeats 1]
-                                    [--device cpu|cuda] [--witness]
+                                    [--device cpu|cuda] [--witness] [--comm-steps auto|N]
 """
 
 from __future__ import annotations
@@ -66,10 +70,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from flops_callbacks.session.window_plan import COMM_MAX, before_clean  # noqa: E402
 from tests.comm_workers import BATCH, Pairs, Regressor  # noqa: E402
+from tests.support import end_process  # noqa: E402
 
 PROFILE_STEP, CLEAN = 2, 3
-# the window ends by then, with as many communication steps as comm_steps="auto" may run
-STEPS = PROFILE_STEP + before_clean(comm=COMM_MAX) + CLEAN + 2
+
+
+def train_steps(comm_steps: str) -> int:
+    """Training steps: the window ends by then, with as many communication steps as ``comm_steps`` runs
+    (``"auto"``: as many as it may)."""
+    return PROFILE_STEP + before_clean(comm=COMM_MAX if comm_steps == "auto" else int(comm_steps)) + CLEAN + 2
+
+
 CASES = {"base": (256, 25), "slower comm": (768, 1)}  # width, DDP bucket MB
 TIMEOUT = timedelta(seconds=300)
 
@@ -213,11 +224,18 @@ def perturbation(width: int, bucket: int, out: Path, pairs: int, device: str, wi
             seen[key] = [statistics.fmean(step) for step in steps if None not in step]
         (out / "seen.json").write_text(json.dumps(seen))
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    end_process()  # no interpreter teardown for a gloo thread to abort in (tests/support.py)
 
 
 def worker(
-    framework: str, width: int, bucket: int, out: Path, pairs: int, device: str, witness: bool
+    framework: str,
+    width: int,
+    bucket: int,
+    out: Path,
+    pairs: int,
+    device: str,
+    witness: bool,
+    comm_steps: str = "auto",
 ) -> None:
     """One 2-process run under torchrun: train with the profiler, then time sync against no_sync (with
     ``witness``, every all-reduce under :class:`AllReduceClock`, the outside steps' too)."""
@@ -226,7 +244,11 @@ def worker(
 
     data = Pairs(width)
     batches = [next(iter(torch.utils.data.DataLoader(data, batch_size=BATCH)))]
-    options: dict[str, Any] = dict(profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False)
+    count = comm_steps if comm_steps == "auto" else int(comm_steps)
+    options: dict[str, Any] = dict(
+        profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False, comm_steps=count
+    )
+    last = train_steps(comm_steps)
     clock = AllReduceClock() if witness else None
     if framework == "loop":
         ddp: Any = _ddp(width, bucket, _group(device))
@@ -235,7 +257,7 @@ def worker(
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
         prof = StepProfiler(ddp, **options)
         for step, batch in enumerate(torch.utils.data.DataLoader(data, batch_size=BATCH)):
-            if step == STEPS:
+            if step == last:
                 break
             if clock is not None:
                 clock.step = prof.global_step
@@ -274,7 +296,7 @@ def worker(
         strategy = DDPStrategy(timeout=TIMEOUT, bucket_cap_mb=bucket)
         trainer = L.Trainer(
             accelerator="cpu", devices=2, strategy=strategy,
-            max_steps=STEPS, callbacks=[callback, Steps()], logger=False, enable_checkpointing=False,
+            max_steps=last, callbacks=[callback, Steps()], logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
         )  # fmt: skip
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
@@ -298,7 +320,7 @@ def worker(
         callback = HFFlopsCallback(**options)
         args = TrainingArguments(
             output_dir=str(out / "hf"), use_cpu=True, ddp_backend="gloo", ddp_bucket_cap_mb=bucket,
-            ddp_timeout=int(TIMEOUT.total_seconds()), per_device_train_batch_size=BATCH, max_steps=STEPS,
+            ddp_timeout=int(TIMEOUT.total_seconds()), per_device_train_batch_size=BATCH, max_steps=last,
             save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
         )  # fmt: skip
         trainer = Trainer(
@@ -330,21 +352,33 @@ def worker(
         }
         (out / "seen.json").write_text(json.dumps(seen))
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    end_process()  # no interpreter teardown for a gloo thread to abort in (tests/support.py)
 
 
 def run(
-    framework: str, width: int, bucket: int, pairs: int, device: str, witness: bool = False
+    framework: str,
+    width: int,
+    bucket: int,
+    pairs: int,
+    device: str,
+    witness: bool = False,
+    comm_steps: str = "auto",
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                    __file__, "--worker", framework, str(width), str(bucket), folder, str(pairs),
-                   device, str(int(witness))]  # fmt: skip
+                   device, str(int(witness)), comm_steps]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env.update(PYTHONFAULTHANDLER="1", TORCH_SHOW_CPP_STACKTRACES="1")  # a crash's stacks, if one comes
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, check=False)
         seen = Path(folder) / "seen.json"
         if done.returncode != 0 or not seen.exists():
-            return {"error": done.stderr[-800:]}
+            kept, log = tempfile.mkstemp(prefix="comm_truth-failed-", suffix=".log")
+            with os.fdopen(kept, "w") as file:  # the whole of it: the tail below is torchrun's summary
+                file.write(done.stdout + "\n" + done.stderr)
+            after = "after" if seen.exists() else "before"  # rank 0 writes it after the measurement
+            head = f"(ended {after} the results were written; whole output: {log})"
+            return {"error": f"{head} {done.stderr[-800:]}"}
         return json.loads(seen.read_text())
 
 
@@ -407,13 +441,19 @@ def main() -> None:
         "--witness", action="store_true",
         help="time every all-reduce with a DDP comm hook too (module doc): a witness of each step",
     )  # fmt: skip
-    parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--comm-steps", default="auto",
+        help="the window's communication steps: 'auto' (the default) or an int (a median of more steps)",
+    )  # fmt: skip
+    parser.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        framework, width, bucket, out, pairs, device, witness = args.worker
+        framework, width, bucket, out, pairs, device, witness, comm = args.worker
         if framework == "perturbation":
             return perturbation(int(width), int(bucket), Path(out), int(pairs), device, witness == "1")
-        return worker(framework, int(width), int(bucket), Path(out), int(pairs), device, witness == "1")
+        return worker(framework, int(width), int(bucket), Path(out), int(pairs), device, witness == "1", comm)
+    if args.comm_steps != "auto" and not (args.comm_steps.isdigit() and int(args.comm_steps) > 0):
+        parser.error(f"--comm-steps takes 'auto' or an int >= 1, got {args.comm_steps!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU here")
     if args.device == "cuda" and not args.perturbation and args.frameworks != "loop":
@@ -430,7 +470,7 @@ def main() -> None:
         for case, (width, bucket) in CASES.items():
             ratios = []
             for _ in range(args.repeats):
-                seen = run(framework, width, bucket, args.pairs, args.device, args.witness)
+                seen = run(framework, width, bucket, args.pairs, args.device, args.witness, args.comm_steps)
                 if "error" in seen:
                     print(f"{framework:10} {case:12} error: {seen['error']}")
                     continue

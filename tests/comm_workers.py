@@ -27,8 +27,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flops_callbacks.session.window_plan import COMM_MAX, COMM_MIN  # noqa: E402
-from tests.sharded_workers import end_process  # noqa: E402
-from tests.support import window_end  # noqa: E402
+from tests.support import end_process, window_end  # noqa: E402
 
 PROFILE_STEP, CLEAN, BATCH = 1, 2, 32
 # comm_steps="auto": 3 communication steps, or up to 9 where they disagree (as on a loaded CPU)

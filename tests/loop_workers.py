@@ -31,12 +31,11 @@ from tests.rank_workers import (  # noqa: E402
     TIMEOUT,
     PadToLongest,
     Sequences,
-    end_process,
     gpt2,
     rank,
     save,
 )
-from tests.support import window_end  # noqa: E402
+from tests.support import end_process, window_end  # noqa: E402
 
 CLEAN = 3
 LOOP_END = window_end(

@@ -134,7 +134,8 @@ def tokens(batch: Any) -> int:
 import lightning as L  # noqa: E402  (the LightningModule and callback are pickled by ddp_spawn: module level)
 
 from flops_callbacks.session.window_plan import COMM_MIN  # noqa: E402
-from tests.sharded_workers import end_process, zero_config  # noqa: E402  (the checkout is on the path)
+from tests.sharded_workers import zero_config  # noqa: E402  (the checkout is on the path)
+from tests.support import end_process  # noqa: E402
 
 
 class LM(L.LightningModule):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flops_callbacks.session.window_plan import COMM_MIN  # noqa: E402
-from tests.support import window_end  # noqa: E402
+from tests.support import end_process, window_end  # noqa: E402
 
 PROFILE_STEP = 2
 # the window up to its first clean step, after the communication steps and the check (the run ends
@@ -102,16 +101,6 @@ def save(directory: Path, rank: int, callback: Any, **extra: Any) -> None:
         **extra,
     }
     (directory / f"rank{rank}.json").write_text(json.dumps(seen))
-
-
-def end_process() -> None:
-    """Leave without interpreter teardown: gloo's threads still running at exit can abort it ("terminate
-    called without an active exception") after everything was written."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 # --- Lightning: ModelParallelStrategy with FSDP2 data-parallel sharding ----------------------------------

@@ -31,6 +31,18 @@ from flops_callbacks.timing.collector import collector_off
 from flops_callbacks.timing.module_timer import ModuleTimer
 
 
+def end_process() -> None:
+    """A multi-process worker's end, once everything is written: leave without interpreter teardown.
+    A gloo worker thread that drops a finished collective's Python-owned tensors while the interpreter
+    finalizes cannot take the GIL and aborts the process ("terminate called without an active
+    exception"; a core dump showed ``ProcessGroupGloo::runLoop`` freeing an all_gather under a barrier)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_bounded(
     args: list[str], timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:

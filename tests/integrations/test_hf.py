@@ -49,7 +49,7 @@ from flops_callbacks.session.window_plan import COMM_MIN
 from flops_callbacks.units import duration_to_string
 from tests.raising import RaiseInBackward
 from tests.sleepy import Sleepy, SleepySGD
-from tests.support import first_clean, laid_out, module_steps, window_end, window_steps
+from tests.support import end_process, first_clean, laid_out, module_steps, window_end, window_steps
 
 # The window: counting step 2, the module-timing steps, one clean step; published when that step has
 # ended, at WINDOW_END. Runs go one step past it unless a test is about where they end.
@@ -911,14 +911,7 @@ def ddp_worker(directory: Path) -> None:
         "published_at": result.published_at,
     }
     (directory / f"rank{trainer.args.process_index}.json").write_text(json.dumps(seen))
-    # The Trainer leaves the group up; gloo's threads still running at interpreter exit can abort it.
-    torch.distributed.destroy_process_group()
-    # Even so, about one run in twenty aborted in interpreter teardown ("terminate called without an
-    # active exception"), after everything above was written and no hook or mode was left: skip the
-    # teardown, whose C++ destructors are not what this test is about.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_process()  # the Trainer leaves the group up: no teardown to abort in (support.end_process)
 
 
 # --- bad input, missing transformers --------------------------------------------------------------------

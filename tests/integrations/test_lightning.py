@@ -44,6 +44,7 @@ from flops_callbacks.units import duration_to_string, flops_to_string, number_to
 from tests.sleepy import Sleepy, SleepySGD
 from tests.support import (
     check_step,
+    end_process,
     first_clean,
     laid_out,
     lightning_settings,
@@ -1226,8 +1227,7 @@ def multiprocess_worker(directory: Path, mode: str) -> None:
         "model_forward": result.model_forward,
     }
     (directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(seen))
-    if torch.distributed.is_initialized():  # gloo's threads still running at interpreter exit can abort it
-        torch.distributed.destroy_process_group()
+    end_process()  # no interpreter teardown for gloo's threads to abort in (support.end_process)
 
 
 def run_two_processes(directory: Path, mode: str) -> subprocess.CompletedProcess:
