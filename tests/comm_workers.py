@@ -103,7 +103,6 @@ def loop(kind: str, directory: Path, width: int, bucket_mb: float) -> None:
     prof.close()
     inner = model.module if hasattr(model, "module") else model
     save(directory, rank, prof.result, inner if kind != "fsdp2" else Regressor(width))
-    torch.distributed.destroy_process_group()
 
 
 def lightning(directory: Path, width: int) -> None:
