@@ -23,7 +23,7 @@ from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_pe
 from flops_callbacks.profile import Profile
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
-from flops_callbacks.session.comm_step import CommFigures, comm_figures
+from flops_callbacks.session.comm_step import CommFigures, comm_figures, comm_means, median_comm
 from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
@@ -235,23 +235,6 @@ def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> 
     figures = clean_figures(timed, counts, each)
     comm = tuple(s for s in steps if s.kind == Kind.COMMUNICATION and s.signatures)
     return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources, comm)
-
-
-def comm_means(exposed: Sequence[Sequence[float | None]]) -> list[float | None]:
-    """Each communication step's exposed seconds, the ranks' mean (None: no rank read its trace);
-    ``exposed``: each rank's exposed seconds per step (None: its trace unread)."""
-    steps = max((len(rank) for rank in exposed), default=0)
-    known = [[x for rank in exposed if i < len(rank) and (x := rank[i]) is not None] for i in range(steps)]
-    return [sum(k) / len(k) if k else None for k in known]
-
-
-def median_comm(exposed: Sequence[Sequence[float | None]]) -> int:
-    """Of the communication steps, the one whose exposed time, the ranks' mean, is the median (the lower
-    one of an even count); ``exposed`` as :func:`comm_means` takes it. The same step on every rank, so
-    that the job's figures are one step's. A step no rank read is no candidate; where none was read,
-    the first."""
-    means = sorted((m, i) for i, m in enumerate(comm_means(exposed)) if m is not None)
-    return means[(len(means) - 1) // 2][1] if means else 0
 
 
 def phases(step: CleanStep) -> tuple[float, float, float]:

@@ -7,7 +7,7 @@ after the module-timing steps and only with several ranks, run under ``torch.pro
 (:mod:`flops_callbacks.timing.comm_recorder`);
 each rank splits each of its steps (:mod:`flops_callbacks.timing.comm_breakdown`) and tells the others
 at the window's end; the job keeps one step, the same on every rank: the median by the ranks' mean
-exposed time (:func:`~flops_callbacks.session.builder.median_comm`). Here its splits become the job's:
+exposed time (:func:`median_comm`). Here its splits become the job's:
 each figure the ranks' mean (a rank that waited on a slower one shows it as exposed time, as the sync costs
 it), the exposed time's range over the ranks and over the steps, and the collectives' table.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from flops_callbacks.timing.comm_breakdown import CollectiveRow, CommBreakdown, TimeSplit, combine
 from flops_callbacks.timing.comm_events import StepEvents
 
-__all__ = ["CommFigures", "comm_figures"]
+__all__ = ["CommFigures", "comm_figures", "comm_means", "median_comm", "ranks_mean"]
 
 
 @dataclass(frozen=True)
@@ -73,3 +73,26 @@ def comm_figures(
         tuple(step_exposed),
         mine.events if mine is not None else None,
     )
+
+
+def ranks_mean(values: Sequence[float | None]) -> float | None:
+    """The mean of the ranks' ``values`` that were read (None: no rank's was): one communication step's
+    figure for the job, in the window's vote and at its end alike."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def comm_means(exposed: Sequence[Sequence[float | None]]) -> list[float | None]:
+    """Each communication step's exposed seconds, the ranks' mean (None: no rank read its trace);
+    ``exposed``: each rank's exposed seconds per step (None: its trace unread)."""
+    steps = max((len(rank) for rank in exposed), default=0)
+    return [ranks_mean([rank[i] if i < len(rank) else None for rank in exposed]) for i in range(steps)]
+
+
+def median_comm(exposed: Sequence[Sequence[float | None]]) -> int:
+    """Of the communication steps, the one whose exposed time, the ranks' mean, is the median (the lower
+    one of an even count); ``exposed`` as :func:`comm_means` takes it. The same step on every rank, so
+    that the job's figures are one step's. A step no rank read is no candidate; where none was read,
+    the first."""
+    means = sorted((m, i) for i, m in enumerate(comm_means(exposed)) if m is not None)
+    return means[(len(means) - 1) // 2][1] if means else 0

@@ -30,6 +30,7 @@ from enum import Enum
 from typing import NamedTuple
 
 from flops_callbacks.options import Options
+from flops_callbacks.session.comm_step import ranks_mean
 from flops_callbacks.session.ranks import RankFailure, Ranks
 
 __all__ = [
@@ -232,10 +233,11 @@ class WindowPlan:
         if failed:
             why = f"rank {failed[0]}'s profiler failed" if self.ranks.several else "the profiler failed"
             return Decision.dropped(why)
-        read = [w.comm for w in wishes if w.comm is not None]
-        if read:  # a communication step's end: its figures, the same on every rank
-            exposed, span = zip(*read, strict=True)
-            self.comm_seen.append((statistics.fmean(exposed), statistics.fmean(span)))
+        read = [w.comm for w in wishes]
+        exposed = ranks_mean([r[0] if r is not None else None for r in read])
+        span = ranks_mean([r[1] if r is not None else None for r in read])
+        if exposed is not None and span is not None:  # a communication step's end: the same on every rank
+            self.comm_seen.append((exposed, span))
         return Decision(
             False,
             any(w.new_shape for w in wishes),

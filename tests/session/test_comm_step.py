@@ -8,8 +8,7 @@ import pytest
 
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.comm_report import comm_data, comm_from_data, verdict
-from flops_callbacks.session.builder import comm_means, median_comm
-from flops_callbacks.session.comm_step import comm_figures
+from flops_callbacks.session.comm_step import comm_figures, comm_means, median_comm, ranks_mean
 from flops_callbacks.session.ranks import Ranks
 from flops_callbacks.session.run_plan import RunPlan
 from flops_callbacks.session.window_plan import COMM_MAX, COMM_MIN, Kind, WindowPlan, Wish, before_clean
@@ -193,6 +192,9 @@ def test_the_job_keeps_one_communication_step_on_every_rank_the_median_by_the_ra
     # none read: the first (its number still says where the window was)
     assert median_comm([[None, None, None], [None, None, None]]) == 0
     assert comm_means([[2 * ms, None, None], [4 * ms, 1 * ms, None]]) == [pytest.approx(3 * ms), 1 * ms, None]
+    # the vote's figure and the window end's are one function's: the ranks that read their trace
+    assert ranks_mean([2 * ms, None, 5 * ms]) == pytest.approx(3.5 * ms)
+    assert ranks_mean([None, None]) is None
 
 
 def rank(exposed_ms: float, seconds: float) -> CommBreakdown:
