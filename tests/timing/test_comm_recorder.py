@@ -117,8 +117,17 @@ def test_ddp_copies_on_a_gpu_are_communication_by_the_ops_that_launched_them() -
     kernels = [e for e in trace_events(prof.profiler.kineto_results) if e.device and not e.annotation]
     others = sum(k.end - k.start for k in kernels if collective_op(k.name) is None)
     assert events.device
-    assert total(events.compute) == pytest.approx(others - sum(staged), rel=1e-3)
+    # as many kernels left out of compute as torch pairs with staging ranges, and their time: the trace's
+    # kernel times come in steps of 0.25 us (an H100's), the paired kernels' to the nanosecond
+    apart = [k for k in kernels if collective_op(k.name) is None and not _covered(k.interval, events.compute)]
+    assert len(apart) == len(staged)
+    assert total(events.compute) == pytest.approx(others - sum(staged), abs=0.25 * len(staged))
     assert total(events.comm) >= max(staged)
+
+
+def _covered(span: tuple[float, float], merged: list[tuple[float, float]]) -> bool:
+    """Whether interval ``span`` lies within one of the ``merged`` intervals."""
+    return any(start <= span[0] and span[1] <= end for start, end in merged)
 
 
 def test_a_trace_that_cannot_be_read_is_said_and_the_step_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
