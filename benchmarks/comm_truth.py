@@ -5,7 +5,8 @@
 the median step under ``no_sync()``, over ``--pairs`` pairs of steps run interleaved (sync first, then
 no_sync first, in turn) after a barrier each, then the ranks' mean (the reported figure is the ranks'
 mean too). "Reported" is the profile's ``flops_profiler/exposed_comm_latency`` from the same processes'
-training run. Each framework runs twice: the base model (6 x Linear(256, 256), DDP's default buckets),
+training run; "ranks ms" its ranks' range (one far above the other: that rank waited on the other).
+Each framework runs twice: the base model (6 x Linear(256, 256), DDP's default buckets),
 and one whose communication is slower (6 x Linear(768, 768), 1 MB buckets: 9x the bytes in 6
 all-reduces), to show the figure follows. Goal: reported / true within [0.75, 1.33].
 
@@ -349,6 +350,7 @@ def worker(
             "overlap": metrics.get(names.COMM_OVERLAP),
             "calls": sum(r.calls for r in comm.collectives) if comm is not None else None,
             "steps": len(comm.steps) if comm is not None else None,
+            "ranks": list(comm.exposed_range) if comm is not None else None,
         }
         (out / "seen.json").write_text(json.dumps(seen))
     torch.distributed.barrier()
@@ -465,7 +467,7 @@ def main() -> None:
     print(f"2-process DDP over {_setup(args.device)}; true = median(sync) - median(no_sync)")
     hooks = f" {'hook ms':>7} {'comm/hook':>9}" if args.witness else ""
     print(f"{'framework':10} {'case':12} {'steps':>5} {'calls':>5} {'comm ms':>8} {'overlap':>7} "
-          f"{'true ms':>8} {'reported ms':>11} {'ratio':>6}{hooks}")  # fmt: skip
+          f"{'true ms':>8} {'reported ms':>11} {'ratio':>6} {'ranks ms':>11}{hooks}")  # fmt: skip
     for framework in args.frameworks.split(","):
         for case, (width, bucket) in CASES.items():
             ratios = []
@@ -482,10 +484,12 @@ def main() -> None:
                     hook = f" {witness * 1e3:7.2f} {by_hook:9.2f}" if witness else f" {'-':>7} {'-':>9}"
                 ratio = reported / true if reported is not None and true > 0 else math.nan
                 ratios.append(ratio)
+                low, high = seen["ranks"] or (math.nan, math.nan)
+                ranks = f"{low * 1e3:.2f}-{high * 1e3:.2f}"
                 print(
                     f"{framework:10} {case:12} {seen['steps']:>5} {seen['calls']:>5} "
                     f"{seen['comm'] * 1e3:8.2f} {seen['overlap']:7.2f} {true * 1e3:8.2f} "
-                    f"{(reported or 0) * 1e3:11.2f} {ratio:6.2f}{hook}"
+                    f"{(reported or 0) * 1e3:11.2f} {ratio:6.2f} {ranks:>11}{hook}"
                 )
             if len(ratios) > 1:
                 median = statistics.median(ratios)
