@@ -91,7 +91,7 @@ def test_ddp_copies_on_a_gpu_are_communication_by_the_ops_that_launched_them() -
     from torch.nn.parallel import DistributedDataParallel
 
     from flops_callbacks.timing.comm_events import STAGING, classify, collective_op, trace_events
-    from flops_callbacks.timing.intervals import total
+    from flops_callbacks.timing.intervals import subtract, total
 
     one_rank_group("nccl")
     try:
@@ -119,15 +119,10 @@ def test_ddp_copies_on_a_gpu_are_communication_by_the_ops_that_launched_them() -
     assert events.device
     # as many kernels left out of compute as torch pairs with staging ranges, and their time: the trace's
     # kernel times come in steps of 0.25 us (an H100's), the paired kernels' to the nanosecond
-    apart = [k for k in kernels if collective_op(k.name) is None and not _covered(k.interval, events.compute)]
+    apart = [k for k in kernels if collective_op(k.name) is None and subtract([k.interval], events.compute)]
     assert len(apart) == len(staged)
     assert total(events.compute) == pytest.approx(others - sum(staged), abs=0.25 * len(staged))
     assert total(events.comm) >= max(staged)
-
-
-def _covered(span: tuple[float, float], merged: list[tuple[float, float]]) -> bool:
-    """Whether interval ``span`` lies within one of the ``merged`` intervals."""
-    return any(start <= span[0] and span[1] <= end for start, end in merged)
 
 
 def test_a_trace_that_cannot_be_read_is_said_and_the_step_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
