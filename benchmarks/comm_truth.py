@@ -2,10 +2,15 @@
 (gloo on CPU) against the same step's cost of synchronizing, measured from outside.
 
 "True" is, on each rank, the median step (forward, backward, optimizer step) with gradient sync less
-the median step under ``no_sync()``, over ``--pairs`` pairs of steps run interleaved (sync first, then
-no_sync first, in turn) after a barrier each, then the ranks' mean (the reported figure is the ranks'
-mean too). "Reported" is the profile's ``flops_profiler/exposed_comm_latency`` from the same processes'
-training run; "ranks ms" its ranks' range (one far above the other: that rank waited on the other).
+the median step under ``no_sync()``, each in a run of its own kind: blocks of synced steps and blocks of
+no_sync steps in turn (``--pairs`` steps of each, a block's first step left out), after a barrier each,
+then the ranks' mean (the reported figure is the ranks' mean too). "Pairs ms" is the same difference
+over interleaved pairs (sync first, then no_sync first, in turn), run in the same rounds: a step's time
+depends on the step before it (a no_sync step runs 10-20% longer after a synced one), so pairs charge
+part of the sync to the no_sync steps, and a training run's steps, the window's among them, follow
+steps of their own kind. "Reported" is the profile's ``flops_profiler/exposed_comm_latency`` from the
+same processes' training run; "ranks ms" its ranks' range (one far above the other: that rank waited
+on the other).
 Each framework runs twice: the base model (6 x Linear(256, 256), DDP's default buckets),
 and one whose communication is slower (6 x Linear(768, 768), 1 MB buckets: 9x the bytes in 6
 all-reduces), to show the figure follows. Goal: reported / true within [0.75, 1.33].
@@ -26,7 +31,7 @@ intervals in the window's kept communication step, the ranks' mean: what ``comm_
 ``find_unused_parameters``, which the hook does not see), and
 for the base model in the loop and Lightning (one bucket, at the backward's end, under no compute)
 what ``exposed_comm_latency`` measures too. It tells the method's error on the very step reported apart
-from the spread between that step and the 100 pairs' medians. With ``--perturbation`` it gives, of
+from the spread between that step and the outside steps' medians. With ``--perturbation`` it gives, of
 the plain loop's synced steps, the median all-reduce unprofiled and profiled, and the range of the
 medians of each 9 in a row (what a window of nine steps could read, with no profiler: the hook only). The
 hook runs Python on gloo's thread: runs with it are not the runs without it.
@@ -37,9 +42,9 @@ two ranks on one device of one host, so each rank names a host of its own (``NCC
 moves the data over sockets. That exercises the NCCL path's recording and classing; its times are
 those of two processes taking turns on one GPU, not of a multi-GPU step.
 
-Why 100 pairs: the difference of two medians of 15 steps each moved 1.6-4.4 ms for the base model's
-2.8 ms within one run; of 100, one framework's runs spread 5-27% (benchmarks/README.md), the
-machine's drift between runs included.
+Why 100 steps of each kind: the difference of two medians of 15 steps each moved 1.6-4.4 ms for the
+base model's 2.8 ms within one run; of 100, one framework's runs spread 5-27% (benchmarks/README.md),
+the machine's drift between runs included.
 
 ``--comm-steps N`` fixes the window's count of communication steps (default ``"auto"``): what a median
 of more steps buys (benchmarks/README.md, "Would more communication steps do?").
@@ -86,6 +91,24 @@ CASES = {"base": (256, 25), "slower comm": (768, 1)}  # width, DDP bucket MB
 TIMEOUT = timedelta(seconds=300)
 
 
+BLOCK = 6  # steps of one kind in a row; a block's first step follows the other kind and is not counted
+
+
+def schedule(pairs: int) -> list[tuple[str, bool]]:
+    """(block, sync) of each outside step: rounds of a block of synced steps, one of no_sync steps and
+    one of ``BLOCK - 1`` interleaved pairs (sync first, then no_sync first, in turn), the three in a
+    rotating order so that the machine's drift falls on each alike; ``pairs`` counted steps of each kind
+    per truth. Block names: "S", "N" (a leading "0" marks a block's uncounted first step), "P"."""
+    rounds, kept = math.ceil(pairs / (BLOCK - 1)), BLOCK - 1
+    blocks = {
+        "S": [("S0", True)] + [("S", True)] * kept,
+        "N": [("N0", False)] + [("N", False)] * kept,
+        "P": [("P", sync) for i in range(kept) for sync in ((True, False) if i % 2 == 0 else (False, True))],
+    }
+    order = "SNP"
+    return [step for r in range(rounds) for b in order[r % 3 :] + order[: r % 3] for step in blocks[b]]
+
+
 def outside(
     ddp: nn.Module,
     loss: Any,
@@ -94,49 +117,57 @@ def outside(
     pairs: int,
     profiled: bool = False,
     clock: AllReduceClock | None = None,
-) -> tuple[float, float | None]:
-    """This rank's median synced step less its median no_sync step (seconds), over interleaved pairs.
+) -> tuple[float, float, float | None]:
+    """This rank's cost of synchronizing a step (seconds), two ways over one :func:`schedule`, each step
+    after a barrier: "blocks", the median synced step in a run of synced steps less the median no_sync
+    step in a run of no_sync steps (each block's first step left out), and "pairs", the median synced
+    less the median no_sync step of interleaved pairs. Why both: a step's time depends on the step
+    before it (a no_sync step after a synced one runs 10-20% longer than after a no_sync one,
+    benchmarks/README.md), and a training run is synced steps after synced steps, as the window's are.
     With ``profiled``, every step runs under the communication steps' recorder (started before the
     barrier, phases marked as the session marks them), and the synced steps' median exposed time comes
-    too (else None). A ``clock`` hooked on ``ddp`` files the i-th pair's synced step under step i."""
+    too (else None). A ``clock`` hooked on ``ddp`` files the i-th synced step under step i."""
     from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
     from flops_callbacks.timing.comm_recorder import CommRecorder
 
     cuda = next(ddp.parameters()).is_cuda
-    seconds: dict[bool, list[float]] = {True: [], False: []}
+    seconds: dict[tuple[str, bool], list[float]] = {}
     exposed: list[float] = []
-    for i in range(pairs):
-        for sync in (True, False) if i % 2 == 0 else (False, True):
-            batch = batches[i % len(batches)]
-            recorder = CommRecorder(cuda=cuda) if profiled else None
-            if recorder is not None:
-                recorder.start()
-            mark = recorder.mark if recorder is not None else lambda phase: None
-            if clock is not None:
-                clock.step = i
-            torch.distributed.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            with contextlib.nullcontext() if sync else ddp.no_sync():  # type: ignore[operator]
-                mark(FORWARD)
-                out = loss(ddp, batch)
-                mark(BACKWARD)
-                out.backward()
-            mark(OPTIMIZER_STEP)
-            optimizer.step()
-            optimizer.zero_grad()
-            if cuda:
-                torch.cuda.synchronize()
-            mark("")
-            seconds[sync].append(time.perf_counter() - start)
-            if recorder is not None:
-                recorder.stop()
-                split = recorder.breakdown()
-                if sync and split is not None:
-                    exposed.append(split.step.exposed)
-    true = statistics.median(seconds[True]) - statistics.median(seconds[False])
-    return true, statistics.median(exposed) if exposed else None
+    synced = 0
+    for i, (block, sync) in enumerate(schedule(pairs)):
+        batch = batches[i % len(batches)]
+        recorder = CommRecorder(cuda=cuda) if profiled else None
+        if recorder is not None:
+            recorder.start()
+        mark = recorder.mark if recorder is not None else lambda phase: None
+        if clock is not None:
+            clock.step = synced if sync else None
+        synced += sync
+        torch.distributed.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with contextlib.nullcontext() if sync else ddp.no_sync():  # type: ignore[operator]
+            mark(FORWARD)
+            out = loss(ddp, batch)
+            mark(BACKWARD)
+            out.backward()
+        mark(OPTIMIZER_STEP)
+        optimizer.step()
+        optimizer.zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
+        mark("")
+        seconds.setdefault((block, sync), []).append(time.perf_counter() - start)
+        if recorder is not None:
+            recorder.stop()
+            split = recorder.breakdown()
+            if sync and split is not None:
+                exposed.append(split.step.exposed)
+    med = statistics.median
+    blocks = med(seconds["S", True]) - med(seconds["N", False])
+    interleaved = med(seconds["P", True]) - med(seconds["P", False])
+    return blocks, interleaved, med(exposed) if exposed else None
 
 
 class AllReduceClock:
@@ -211,8 +242,9 @@ def perturbation(width: int, bucket: int, out: Path, pairs: int, device: str, wi
         if clock is not None:
             clock.spans.clear()
         figures.append(outside(ddp, _loss, optimizer, batches, count, profiled=under, clock=clock))
-        hooked.append([clock.seconds(i) for i in range(count)] if clock is not None else [])
-    (plain, _), (profiled, exposed) = figures
+        synced = sum(sync for _, sync in schedule(count))
+        hooked.append([clock.seconds(i) for i in range(synced)] if clock is not None else [])
+    (plain, _, _), (profiled, _, exposed) = figures
     every: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, (plain, profiled, exposed, *hooked))
     if torch.distributed.get_rank() == 0:
@@ -335,15 +367,16 @@ def worker(
     hook = clock.seconds(comm.median_step) if clock is not None and comm is not None else None
     if clock is not None:
         clock.step = None  # the outside steps'
-    true, _ = outside(ddp, _loss, optimizer, batches, pairs)
+    true, interleaved, _ = outside(ddp, _loss, optimizer, batches, pairs)
     every: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, (true, hook))
+    torch.distributed.all_gather_object(every, (true, interleaved, hook))
     if torch.distributed.get_rank() == 0:
         metrics = result.metrics() if result is not None else {}
-        hooks = [h for _, h in every]
+        hooks = [h for _, _, h in every]
         seen = {
-            "true": statistics.fmean(t for t, _ in every),
-            "true_ranks": [t for t, _ in every],
+            "true": statistics.fmean(t for t, _, _ in every),
+            "pairs": statistics.fmean(p for _, p, _ in every),
+            "true_ranks": [t for t, _, _ in every],
             "hook": statistics.fmean(hooks) if None not in hooks else None,
             "reported": metrics.get(names.EXPOSED_COMM_LATENCY),
             "comm": metrics.get(names.COMM_LATENCY),
@@ -429,7 +462,7 @@ def _medians(seconds: list[float], of: int | None = None) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--frameworks", default="loop,lightning,hf")
-    parser.add_argument("--pairs", type=int, default=100)
+    parser.add_argument("--pairs", type=int, default=100, help="outside steps of each kind, per truth")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each case: the median ratio")
     parser.add_argument(
         "--perturbation", action="store_true",
@@ -464,10 +497,11 @@ def main() -> None:
         parser.error("--witness times gloo's all-reduces on the host: --device cpu")
     if args.perturbation:
         return show_perturbation(args.pairs, args.repeats, args.device, args.witness)
-    print(f"2-process DDP over {_setup(args.device)}; true = median(sync) - median(no_sync)")
+    print(f"2-process DDP over {_setup(args.device)}; true = median(sync) - median(no_sync), in blocks")
     hooks = f" {'hook ms':>7} {'comm/hook':>9}" if args.witness else ""
     print(f"{'framework':10} {'case':12} {'steps':>5} {'calls':>5} {'comm ms':>8} {'overlap':>7} "
-          f"{'true ms':>8} {'reported ms':>11} {'ratio':>6} {'ranks ms':>11}{hooks}")  # fmt: skip
+          f"{'true ms':>8} {'reported ms':>11} {'ratio':>6} {'ranks ms':>11} {'pairs ms':>8} "
+          f"{'ratio':>5}{hooks}")  # fmt: skip
     for framework in args.frameworks.split(","):
         for case, (width, bucket) in CASES.items():
             ratios = []
@@ -483,13 +517,16 @@ def main() -> None:
                     by_hook = seen["comm"] / witness if witness else math.nan
                     hook = f" {witness * 1e3:7.2f} {by_hook:9.2f}" if witness else f" {'-':>7} {'-':>9}"
                 ratio = reported / true if reported is not None and true > 0 else math.nan
+                pairs = seen["pairs"]
+                by_pairs = reported / pairs if reported is not None and pairs > 0 else math.nan
                 ratios.append(ratio)
                 low, high = seen["ranks"] or (math.nan, math.nan)
                 ranks = f"{low * 1e3:.2f}-{high * 1e3:.2f}"
                 print(
                     f"{framework:10} {case:12} {seen['steps']:>5} {seen['calls']:>5} "
                     f"{seen['comm'] * 1e3:8.2f} {seen['overlap']:7.2f} {true * 1e3:8.2f} "
-                    f"{(reported or 0) * 1e3:11.2f} {ratio:6.2f} {ranks:>11}{hook}"
+                    f"{(reported or 0) * 1e3:11.2f} {ratio:6.2f} {ranks:>11} {pairs * 1e3:8.2f} "
+                    f"{by_pairs:5.2f}{hook}"
                 )
             if len(ratios) > 1:
                 median = statistics.median(ratios)

@@ -60,3 +60,24 @@ def test_the_benchmarks_window_is_the_run_plans_counting_module_timing_and_clean
     assert window_steps(10) == range(10, 15) == range(10, window_end(10, 0))
     laid = [1, *module_steps(1), check_step(1), first_clean(1), first_clean(1) + 1]
     assert list(window_steps(1, 2)) == laid
+
+
+def test_comm_truths_blocks_count_steps_that_follow_their_own_kind_and_pairs_alternate() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from comm_truth import schedule
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    steps = schedule(100)
+    kinds = {(block, sync): sum(1 for s in steps if s == (block, sync)) for block, sync in set(steps)}
+    # 100 counted steps of each kind per truth, one uncounted lead-in per block of 6 (20 rounds)
+    assert kinds == {("S", True): 100, ("N", False): 100, ("P", True): 100, ("P", False): 100,
+                     ("S0", True): 20, ("N0", False): 20}  # fmt: skip
+    for (block, sync), (_, before) in zip(steps[1:], steps, strict=False):
+        if block in ("S", "N"):  # a counted block step follows one of its own kind
+            assert before == sync
+    pairs = [sync for block, sync in steps if block == "P"]
+    assert all(pairs[i] != pairs[i + 1] for i in range(0, len(pairs), 2))  # each pair holds one of each
+    # each round holds the three blocks, their order rotating: the first steps of rounds 1-3
+    starts = [steps[22 * r][0] for r in range(3)]
+    assert starts == ["S0", "N0", "P"]
