@@ -6,11 +6,11 @@ the median step under ``no_sync()``, each in a run of its own kind: blocks of sy
 no_sync steps in turn (``--pairs`` steps of each, a block's first step left out), after a barrier each,
 then the ranks' mean (the reported figure is the ranks' mean too). "Pairs ms" is the same difference
 over interleaved pairs (sync first, then no_sync first, in turn), run in the same rounds: a step's time
-depends on the step before it (a no_sync step runs 10-20% longer after a synced one), so pairs charge
-part of the sync to the no_sync steps, and a training run's steps, the window's among them, follow
-steps of their own kind. "Reported" is the profile's ``flops_profiler/exposed_comm_latency`` from the
-same processes' training run; "ranks ms" its ranks' range (one far above the other: that rank waited
-on the other).
+depends on the step before it (the base model's no_sync step runs 9-26% longer after a synced one), so
+pairs charge part of the sync to the no_sync steps, and a training run's steps, the window's among
+them, follow steps of their own kind. "Reported" is the profile's
+``flops_profiler/exposed_comm_latency`` from the same processes' training run; "ranks ms" its ranks'
+range (one far above the other: that rank waited on the other).
 Each framework runs twice: the base model (6 x Linear(256, 256), DDP's default buckets),
 and one whose communication is slower (6 x Linear(768, 768), 1 MB buckets: 9x the bytes in 6
 all-reduces), to show the figure follows. Goal: reported / true within [0.75, 1.33].
@@ -43,8 +43,8 @@ moves the data over sockets. That exercises the NCCL path's recording and classi
 those of two processes taking turns on one GPU, not of a multi-GPU step.
 
 Why 100 steps of each kind: the difference of two medians of 15 steps each moved 1.6-4.4 ms for the
-base model's 2.8 ms within one run; of 100, one framework's runs spread 5-27% (benchmarks/README.md),
-the machine's drift between runs included.
+base model's 2.8 ms within one run; of 100 in blocks, one framework's truths spread 21-63% over seven
+runs (max / min, benchmarks/README.md, "Blocks, not pairs"), the machine's drift between runs included.
 
 ``--comm-steps N`` fixes the window's count of communication steps (default ``"auto"``): what a median
 of more steps buys (benchmarks/README.md, "Would more communication steps do?").
@@ -91,22 +91,25 @@ CASES = {"base": (256, 25), "slower comm": (768, 1)}  # width, DDP bucket MB
 TIMEOUT = timedelta(seconds=300)
 
 
-BLOCK = 6  # steps of one kind in a row; a block's first step follows the other kind and is not counted
+BLOCK = 6  # steps of one kind in a row; a block's first step, after another block's, is not counted
 
 
 def schedule(pairs: int) -> list[tuple[str, bool]]:
     """(block, sync) of each outside step: rounds of a block of synced steps, one of no_sync steps and
-    one of ``BLOCK - 1`` interleaved pairs (sync first, then no_sync first, in turn), the three in a
-    rotating order so that the machine's drift falls on each alike; ``pairs`` counted steps of each kind
-    per truth. Block names: "S", "N" (a leading "0" marks a block's uncounted first step), "P"."""
-    rounds, kept = math.ceil(pairs / (BLOCK - 1)), BLOCK - 1
-    blocks = {
-        "S": [("S0", True)] + [("S", True)] * kept,
-        "N": [("N0", False)] + [("N", False)] * kept,
-        "P": [("P", sync) for i in range(kept) for sync in ((True, False) if i % 2 == 0 else (False, True))],
-    }
-    order = "SNP"
-    return [step for r in range(rounds) for b in order[r % 3 :] + order[: r % 3] for step in blocks[b]]
+    one of ``BLOCK - 1`` interleaved pairs (sync first, then no_sync first, in turn across the rounds:
+    half the no_sync steps follow a synced one), the three in a rotating order so that the machine's
+    drift falls on each alike; at least ``pairs`` counted steps of each kind per truth (whole rounds).
+    Block names: "S", "N" (a leading "0" marks a block's uncounted first step), "P"."""
+    kept = BLOCK - 1
+    rounds, steps, order = math.ceil(pairs / kept), [], "SNP"
+    for r in range(rounds):
+        for b in order[r % 3 :] + order[: r % 3]:
+            if b == "P":
+                firsts = [(r * kept + i) % 2 == 0 for i in range(kept)]  # the pair's first is synced
+                steps += [("P", sync) for first in firsts for sync in (first, not first)]
+            else:
+                steps += [(b + "0", b == "S")] + [(b, b == "S")] * kept
+    return steps
 
 
 def outside(
@@ -122,18 +125,19 @@ def outside(
     after a barrier: "blocks", the median synced step in a run of synced steps less the median no_sync
     step in a run of no_sync steps (each block's first step left out), and "pairs", the median synced
     less the median no_sync step of interleaved pairs. Why both: a step's time depends on the step
-    before it (a no_sync step after a synced one runs 10-20% longer than after a no_sync one,
-    benchmarks/README.md), and a training run is synced steps after synced steps, as the window's are.
-    With ``profiled``, every step runs under the communication steps' recorder (started before the
-    barrier, phases marked as the session marks them), and the synced steps' median exposed time comes
-    too (else None). A ``clock`` hooked on ``ddp`` files the i-th synced step under step i."""
+    before it (for the base model a no_sync step after a synced one runs 9-26% longer than after a
+    no_sync one, benchmarks/README.md), and a training run is synced steps after synced steps, as the
+    window's are. With ``profiled``, every step runs under the communication steps' recorder (started
+    before the barrier, phases marked as the session marks them), and the counted synced block steps'
+    median exposed time comes too (else None). A ``clock`` hooked on ``ddp`` files the i-th counted
+    synced block step under step i (the other steps under None)."""
     from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
     from flops_callbacks.timing.comm_recorder import CommRecorder
 
     cuda = next(ddp.parameters()).is_cuda
     seconds: dict[tuple[str, bool], list[float]] = {}
     exposed: list[float] = []
-    synced = 0
+    counted = 0
     for i, (block, sync) in enumerate(schedule(pairs)):
         batch = batches[i % len(batches)]
         recorder = CommRecorder(cuda=cuda) if profiled else None
@@ -141,8 +145,8 @@ def outside(
             recorder.start()
         mark = recorder.mark if recorder is not None else lambda phase: None
         if clock is not None:
-            clock.step = synced if sync else None
-        synced += sync
+            clock.step = counted if block == "S" else None
+        counted += block == "S"
         torch.distributed.barrier()
         if cuda:
             torch.cuda.synchronize()
@@ -162,7 +166,7 @@ def outside(
         if recorder is not None:
             recorder.stop()
             split = recorder.breakdown()
-            if sync and split is not None:
+            if block == "S" and split is not None:
                 exposed.append(split.step.exposed)
     med = statistics.median
     blocks = med(seconds["S", True]) - med(seconds["N", False])
@@ -237,13 +241,13 @@ def perturbation(width: int, bucket: int, out: Path, pairs: int, device: str, wi
     outside(ddp, _loss, optimizer, batches, 10)  # warm-up
     hooked: list[list[float | None]] = []  # each synced step's all-reduces: unprofiled, profiled
     half = max(pairs // 2, 1)
-    figures: list[tuple[float, float | None]] = []
+    figures: list[tuple[float, float, float | None]] = []
     for count, under in ((pairs, False), (half, True)):
         if clock is not None:
             clock.spans.clear()
         figures.append(outside(ddp, _loss, optimizer, batches, count, profiled=under, clock=clock))
-        synced = sum(sync for _, sync in schedule(count))
-        hooked.append([clock.seconds(i) for i in range(synced)] if clock is not None else [])
+        counted = sum(block == "S" for block, _ in schedule(count))
+        hooked.append([clock.seconds(i) for i in range(counted)] if clock is not None else [])
     (plain, _, _), (profiled, _, exposed) = figures
     every: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(every, (plain, profiled, exposed, *hooked))

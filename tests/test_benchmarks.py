@@ -65,7 +65,7 @@ def test_the_benchmarks_window_is_the_run_plans_counting_module_timing_and_clean
 def test_comm_truths_blocks_count_steps_that_follow_their_own_kind_and_pairs_alternate() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from comm_truth import schedule
+        from comm_truth import BLOCK, schedule
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     steps = schedule(100)
@@ -77,7 +77,10 @@ def test_comm_truths_blocks_count_steps_that_follow_their_own_kind_and_pairs_alt
         if block in ("S", "N"):  # a counted block step follows one of its own kind
             assert before == sync
     pairs = [sync for block, sync in steps if block == "P"]
-    assert all(pairs[i] != pairs[i + 1] for i in range(0, len(pairs), 2))  # each pair holds one of each
+    # sync first, then no_sync first, in turn, across the rounds too: half the no_sync steps follow a sync
+    assert pairs == [True, False, False, True] * 50
     # each round holds the three blocks, their order rotating: the first steps of rounds 1-3
-    starts = [steps[22 * r][0] for r in range(3)]
-    assert starts == ["S0", "N0", "P"]
+    per_round = 2 * BLOCK + 2 * (BLOCK - 1)
+    assert [steps[per_round * r][0] for r in range(3)] == ["S0", "N0", "P"]
+    # whole rounds: at least the steps asked for, of each kind
+    assert sum(1 for s in schedule(7) if s == ("N", False)) == 10
