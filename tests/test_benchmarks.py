@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 from tests.support import check_step, first_clean, module_steps, window_end
@@ -69,9 +70,8 @@ def test_comm_truths_blocks_count_steps_that_follow_their_own_kind_and_pairs_alt
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     steps = schedule(100)
-    kinds = {(block, sync): sum(1 for s in steps if s == (block, sync)) for block, sync in set(steps)}
     # 100 counted steps of each kind per truth, one uncounted lead-in per block of 6 (20 rounds)
-    assert kinds == {("S", True): 100, ("N", False): 100, ("P", True): 100, ("P", False): 100,
+    assert Counter(steps) == {("S", True): 100, ("N", False): 100, ("P", True): 100, ("P", False): 100,
                      ("S0", True): 20, ("N0", False): 20}  # fmt: skip
     for (block, sync), (_, before) in zip(steps[1:], steps, strict=False):
         if block in ("S", "N"):  # a counted block step follows one of its own kind
@@ -83,4 +83,4 @@ def test_comm_truths_blocks_count_steps_that_follow_their_own_kind_and_pairs_alt
     per_round = 2 * BLOCK + 2 * (BLOCK - 1)
     assert [steps[per_round * r][0] for r in range(3)] == ["S0", "N0", "P"]
     # whole rounds: at least the steps asked for, of each kind
-    assert sum(1 for s in schedule(7) if s == ("N", False)) == 10
+    assert Counter(schedule(7))["N", False] == 10
