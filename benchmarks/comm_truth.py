@@ -8,9 +8,15 @@ then the ranks' mean (the reported figure is the ranks' mean too). "Pairs ms" is
 over interleaved pairs (sync first, then no_sync first, in turn), run in the same rounds: a step's time
 depends on the step before it (the base model's no_sync step runs 9-26% longer after a synced one), so
 pairs charge part of the sync to the no_sync steps, and a training run's steps, the window's among
-them, follow steps of their own kind. "Reported" is the profile's
-``flops_profiler/exposed_comm_latency`` from the same processes' training run; "ranks ms" its ranks'
-range (one far above the other: that rank waited on the other).
+them, follow steps of their own kind. "Free ms" is the blocks' difference with no barrier but before
+a block's first step: a training run has no barrier before each step, so a synced step there also
+waits for whatever made the other rank late in the step before (its optimizer step, its data, the end
+of the last all-reduce, which the ranks do not leave at once); a stopwatch over a run that
+synchronizes against one that does not counts that, and a barrier takes it out of the step.
+"Reported" is the profile's ``flops_profiler/exposed_comm_latency`` from the same processes' training
+run; "wait ms" the part of it that was compute waiting for a core while communication ran
+(``core_wait``, moved from overlapped to exposed: docs/communication.md); "ranks ms" its ranks' range
+(one far above the other: that rank waited on the other).
 Each framework runs twice: the base model (6 x Linear(256, 256), DDP's default buckets),
 and one whose communication is slower (6 x Linear(768, 768), 1 MB buckets: 9x the bytes in 6
 all-reduces), to show the figure follows. Goal: reported / true within [0.75, 1.33].
@@ -21,7 +27,7 @@ loop, so there the same module is wrapped by a ``DistributedDataParallel`` of Li
 
 ``--perturbation`` measures instead what ``torch.profiler`` itself costs: in a plain DDP loop, sync -
 no_sync without the profiler and with every step under the communication steps' recorder, and the
-profiled synced steps' median exposed time.
+profiled synced steps' median exposed time, with the wait for a core moved and ("ops only") without.
 
 ``--witness`` adds a second reference that needs no profiler: a DDP communication hook (the default
 all-reduce, timed from its launch to its completion with ``perf_counter``) records every bucket's
@@ -95,20 +101,21 @@ BLOCK = 6  # steps of one kind in a row; a block's first step, after another blo
 
 
 def schedule(pairs: int) -> list[tuple[str, bool]]:
-    """(block, sync) of each outside step: rounds of a block of synced steps, one of no_sync steps and
-    one of ``BLOCK - 1`` interleaved pairs (sync first, then no_sync first, in turn across the rounds:
-    half the no_sync steps follow a synced one), the three in a rotating order so that the machine's
-    drift falls on each alike; at least ``pairs`` counted steps of each kind per truth (whole rounds).
-    Block names: "S", "N" (a leading "0" marks a block's uncounted first step), "P"."""
+    """(block, sync) of each outside step: rounds of a block of synced steps, one of no_sync steps, one
+    of ``BLOCK - 1`` interleaved pairs (sync first, then no_sync first, in turn across the rounds: half
+    the no_sync steps follow a synced one) and the free-running blocks of each kind (no barrier but
+    before a block's first step), the five in a rotating order so that the machine's drift falls on
+    each alike; at least ``pairs`` counted steps of each kind per truth (whole rounds). Block names:
+    "S", "N", free "s", "n" (a trailing "0" marks a block's uncounted first step), "P"."""
     kept = BLOCK - 1
-    rounds, steps, order = math.ceil(pairs / kept), [], "SNP"
+    rounds, steps, order = math.ceil(pairs / kept), [], "SNPsn"
     for r in range(rounds):
-        for b in order[r % 3 :] + order[: r % 3]:
+        for b in order[r % 5 :] + order[: r % 5]:
             if b == "P":
                 firsts = [(r * kept + i) % 2 == 0 for i in range(kept)]  # the pair's first is synced
                 steps += [("P", sync) for first in firsts for sync in (first, not first)]
             else:
-                steps += [(b + "0", b == "S")] + [(b, b == "S")] * kept
+                steps += [(b + "0", b in "Ss")] + [(b, b in "Ss")] * kept
     return steps
 
 
@@ -120,23 +127,28 @@ def outside(
     pairs: int,
     profiled: bool = False,
     clock: AllReduceClock | None = None,
-) -> tuple[float, float, float | None]:
-    """This rank's cost of synchronizing a step (seconds), two ways over one :func:`schedule`, each step
-    after a barrier: "blocks", the median synced step in a run of synced steps less the median no_sync
-    step in a run of no_sync steps (each block's first step left out), and "pairs", the median synced
-    less the median no_sync step of interleaved pairs. Why both: a step's time depends on the step
+) -> tuple[float, float, float, float | None, float | None]:
+    """This rank's cost of synchronizing a step (seconds), three ways over one :func:`schedule`:
+    "blocks", the median synced step in a run of synced steps less the median no_sync step in a run of
+    no_sync steps (each block's first step left out), each step after a barrier; "pairs", the median
+    synced less the median no_sync step of interleaved pairs, after a barrier each; and "free", blocks
+    run as a training run runs them, a barrier before a block's first step only (module doc). Why
+    blocks and pairs: a step's time depends on the step
     before it (for the base model a no_sync step after a synced one runs 9-26% longer than after a
     no_sync one, benchmarks/README.md), and a training run is synced steps after synced steps, as the
     window's are. With ``profiled``, every step runs under the communication steps' recorder (started
     before the barrier, phases marked as the session marks them), and the counted synced block steps'
-    median exposed time comes too (else None). A ``clock`` hooked on ``ddp`` files the i-th counted
+    median exposed time comes too, and the same of the op intervals alone, no wait for a core moved
+    (else None, None). A ``clock`` hooked on ``ddp`` files the i-th counted
     synced block step under step i (the other steps under None)."""
     from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
+    from flops_callbacks.timing.comm_breakdown import breakdown
     from flops_callbacks.timing.comm_recorder import CommRecorder
 
     cuda = next(ddp.parameters()).is_cuda
     seconds: dict[tuple[str, bool], list[float]] = {}
     exposed: list[float] = []
+    ops_only: list[float] = []
     counted = 0
     for i, (block, sync) in enumerate(schedule(pairs)):
         batch = batches[i % len(batches)]
@@ -147,7 +159,8 @@ def outside(
         if clock is not None:
             clock.step = counted if block == "S" else None
         counted += block == "S"
-        torch.distributed.barrier()
+        if block not in ("s", "n"):  # a free-running block's steps follow each other as training's do
+            torch.distributed.barrier()
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -166,12 +179,14 @@ def outside(
         if recorder is not None:
             recorder.stop()
             split = recorder.breakdown()
-            if block == "S" and split is not None:
+            if block == "S" and split is not None and recorder.events is not None:
                 exposed.append(split.step.exposed)
+                ops_only.append(breakdown(recorder.events).step.exposed)  # type: ignore[union-attr]
     med = statistics.median
     blocks = med(seconds["S", True]) - med(seconds["N", False])
     interleaved = med(seconds["P", True]) - med(seconds["P", False])
-    return blocks, interleaved, med(exposed) if exposed else None
+    free = med(seconds["s", True]) - med(seconds["n", False])
+    return blocks, interleaved, free, med(exposed) if exposed else None, med(ops_only) if ops_only else None
 
 
 class AllReduceClock:
@@ -241,22 +256,22 @@ def perturbation(width: int, bucket: int, out: Path, pairs: int, device: str, wi
     outside(ddp, _loss, optimizer, batches, 10)  # warm-up
     hooked: list[list[float | None]] = []  # each synced step's all-reduces: unprofiled, profiled
     half = max(pairs // 2, 1)
-    figures: list[tuple[float, float, float | None]] = []
+    figures: list[tuple[float, float, float, float | None, float | None]] = []
     for count, under in ((pairs, False), (half, True)):
         if clock is not None:
             clock.spans.clear()
         figures.append(outside(ddp, _loss, optimizer, batches, count, profiled=under, clock=clock))
         counted = sum(block == "S" for block, _ in schedule(count))
         hooked.append([clock.seconds(i) for i in range(counted)] if clock is not None else [])
-    (plain, _, _), (profiled, _, exposed) = figures
+    (plain, _, _, _, _), (profiled, _, _, exposed, ops_only) = figures
     every: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, (plain, profiled, exposed, *hooked))
+    torch.distributed.all_gather_object(every, (plain, profiled, exposed, ops_only, *hooked))
     if torch.distributed.get_rank() == 0:
-        ranks = zip(*[e[:3] for e in every], strict=True)
+        ranks = zip(*[e[:4] for e in every], strict=True)
         columns = [[x for x in column if x is not None] for column in ranks]
         means = [statistics.fmean(c) if c else math.nan for c in columns]  # a rank with no split: left out
-        seen: dict[str, Any] = dict(zip(("true", "profiled", "exposed"), means, strict=True))
-        for key, at in (("hook", 3), ("hook_profiled", 4)):  # each step's, the ranks' mean
+        seen: dict[str, Any] = dict(zip(("true", "profiled", "exposed", "ops_only"), means, strict=True))
+        for key, at in (("hook", 4), ("hook_profiled", 5)):  # each step's, the ranks' mean
             steps = zip(*[e[at] for e in every], strict=True)
             seen[key] = [statistics.fmean(step) for step in steps if None not in step]
         (out / "seen.json").write_text(json.dumps(seen))
@@ -371,16 +386,17 @@ def worker(
     hook = clock.seconds(comm.median_step) if clock is not None and comm is not None else None
     if clock is not None:
         clock.step = None  # the outside steps'
-    true, interleaved, _ = outside(ddp, _loss, optimizer, batches, pairs)
+    true, interleaved, free, _, _ = outside(ddp, _loss, optimizer, batches, pairs)
     every: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, (true, interleaved, hook))
+    torch.distributed.all_gather_object(every, (true, interleaved, hook, free))
     if torch.distributed.get_rank() == 0:
         metrics = result.metrics() if result is not None else {}
-        hooks = [h for _, _, h in every]
+        hooks = [h for _, _, h, _ in every]
         seen = {
-            "true": statistics.fmean(t for t, _, _ in every),
-            "pairs": statistics.fmean(p for _, p, _ in every),
-            "true_ranks": [t for t, _, _ in every],
+            "true": statistics.fmean(t for t, _, _, _ in every),
+            "pairs": statistics.fmean(p for _, p, _, _ in every),
+            "free": statistics.fmean(f for _, _, _, f in every),
+            "true_ranks": [t for t, _, _, _ in every],
             "hook": statistics.fmean(hooks) if None not in hooks else None,
             "reported": metrics.get(names.EXPOSED_COMM_LATENCY),
             "comm": metrics.get(names.COMM_LATENCY),
@@ -388,6 +404,7 @@ def worker(
             "calls": sum(r.calls for r in comm.collectives) if comm is not None else None,
             "steps": len(comm.steps) if comm is not None else None,
             "ranks": list(comm.exposed_range) if comm is not None else None,
+            "wait": comm.step.core_wait if comm is not None else None,
         }
         (out / "seen.json").write_text(json.dumps(seen))
     torch.distributed.barrier()
@@ -430,7 +447,7 @@ def _setup(device: str) -> str:
 
 def show_perturbation(pairs: int, repeats: int, device: str, witness: bool) -> None:
     print(f"2-process plain DDP loop over {_setup(device)}; ms, the ranks' mean")
-    header = f"{'case':12} {'true':>6} {'profiled':>9} {'exposed':>8}"
+    header = f"{'case':12} {'true':>6} {'profiled':>9} {'exposed':>8} {'ops only':>8}"
     hooks = f" {'hook':>6} {'hook profiled':>13} {'hook, 9 in a row':>16}" if witness else ""
     print(f"{header} {'exposed/true':>12} {'exposed/profiled':>16}{hooks}")
     for case, (width, bucket) in CASES.items():
@@ -439,7 +456,12 @@ def show_perturbation(pairs: int, repeats: int, device: str, witness: bool) -> N
             if "error" in seen:
                 print(f"{case:12} error: {seen['error']}")
                 continue
-            true, profiled, exposed = seen["true"], seen["profiled"], seen["exposed"]
+            true, profiled, exposed, ops_only = (
+                seen["true"],
+                seen["profiled"],
+                seen["exposed"],
+                seen["ops_only"],
+            )
             hook = ""
             if witness:
                 plain, nine = _medians(seen["hook"])[0], _medians(seen["hook"], of=9)
@@ -449,6 +471,7 @@ def show_perturbation(pairs: int, repeats: int, device: str, witness: bool) -> N
                 )
             print(
                 f"{case:12} {true * 1e3:6.2f} {profiled * 1e3:9.2f} {exposed * 1e3:8.2f} "
+                f"{ops_only * 1e3:8.2f} "
                 f"{exposed / true if true > 0 else math.nan:12.2f} "
                 f"{exposed / profiled if profiled > 0 else math.nan:16.2f}{hook}"
             )
@@ -504,8 +527,8 @@ def main() -> None:
     print(f"2-process DDP over {_setup(args.device)}; true = median(sync) - median(no_sync), in blocks")
     hooks = f" {'hook ms':>7} {'comm/hook':>9}" if args.witness else ""
     print(f"{'framework':10} {'case':12} {'steps':>5} {'calls':>5} {'comm ms':>8} {'overlap':>7} "
-          f"{'true ms':>8} {'reported ms':>11} {'ratio':>6} {'ranks ms':>11} {'pairs ms':>8} "
-          f"{'ratio':>5}{hooks}")  # fmt: skip
+          f"{'true ms':>8} {'reported ms':>11} {'wait ms':>7} {'ratio':>6} {'ranks ms':>11} {'pairs ms':>8} "
+          f"{'ratio':>5} {'free ms':>7} {'ratio':>5}{hooks}")  # fmt: skip
     for framework in args.frameworks.split(","):
         for case, (width, bucket) in CASES.items():
             ratios = []
@@ -523,14 +546,17 @@ def main() -> None:
                 ratio = reported / true if reported is not None and true > 0 else math.nan
                 pairs = seen["pairs"]
                 by_pairs = reported / pairs if reported is not None and pairs > 0 else math.nan
+                free = seen["free"]
+                by_free = reported / free if reported is not None and free > 0 else math.nan
                 ratios.append(ratio)
                 low, high = seen["ranks"] or (math.nan, math.nan)
                 ranks = f"{low * 1e3:.2f}-{high * 1e3:.2f}"
                 print(
                     f"{framework:10} {case:12} {seen['steps']:>5} {seen['calls']:>5} "
                     f"{seen['comm'] * 1e3:8.2f} {seen['overlap']:7.2f} {true * 1e3:8.2f} "
-                    f"{(reported or 0) * 1e3:11.2f} {ratio:6.2f} {ranks:>11} {pairs * 1e3:8.2f} "
-                    f"{by_pairs:5.2f}{hook}"
+                    f"{(reported or 0) * 1e3:11.2f} {(seen['wait'] or 0) * 1e3:7.2f} {ratio:6.2f} "
+                    f"{ranks:>11} {pairs * 1e3:8.2f} "
+                    f"{by_pairs:5.2f} {free * 1e3:7.2f} {by_free:5.2f}{hook}"
                 )
             if len(ratios) > 1:
                 median = statistics.median(ratios)

@@ -72,15 +72,16 @@ def test_comm_truths_blocks_count_steps_that_follow_their_own_kind_and_pairs_alt
     steps = schedule(100)
     # 100 counted steps of each kind per truth, one uncounted lead-in per block of 6 (20 rounds)
     assert Counter(steps) == {("S", True): 100, ("N", False): 100, ("P", True): 100, ("P", False): 100,
-                     ("S0", True): 20, ("N0", False): 20}  # fmt: skip
+                     ("s", True): 100, ("n", False): 100,
+                     ("S0", True): 20, ("N0", False): 20, ("s0", True): 20, ("n0", False): 20}  # fmt: skip
     for (block, sync), (_, before) in zip(steps[1:], steps, strict=False):
-        if block in ("S", "N"):  # a counted block step follows one of its own kind
+        if block in ("S", "N", "s", "n"):  # a counted block step follows one of its own kind
             assert before == sync
     pairs = [sync for block, sync in steps if block == "P"]
     # sync first, then no_sync first, in turn, across the rounds too: half the no_sync steps follow a sync
     assert pairs == [True, False, False, True] * 50
-    # each round holds the three blocks, their order rotating: the first steps of rounds 1-3
-    per_round = 2 * BLOCK + 2 * (BLOCK - 1)
-    assert [steps[per_round * r][0] for r in range(3)] == ["S0", "N0", "P"]
+    # each round holds the five blocks, their order rotating: the first steps of rounds 1-5
+    per_round = 4 * BLOCK + 2 * (BLOCK - 1)
+    assert [steps[per_round * r][0] for r in range(5)] == ["S0", "N0", "P", "s0", "n0"]
     # whole rounds: at least the steps asked for, of each kind
     assert Counter(schedule(7))["N", False] == 10

@@ -20,14 +20,20 @@ from flops_callbacks.timing.intervals import subtract
 from flops_callbacks.timing.phases import PHASES
 from flops_callbacks.units import bytes_to_string, duration_to_string, percent
 
-__all__ = ["comm_data", "comm_from_data", "comm_lines", "comm_trace", "verdict"]
+__all__ = ["comm_data", "comm_from_data", "comm_lines", "comm_trace", "verdict", "waited_words"]
+
+
+def waited_words(split: TimeSplit) -> str:
+    """What of the exposed time was compute waiting for a core (a CPU's), where any was."""
+    if not split.core_wait:
+        return ""
+    return f" ({duration_to_string(split.core_wait)} of it compute waiting for a core)"
 
 
 def _split_text(split: TimeSplit) -> str:
-    return (
-        f"{duration_to_string(split.comm)} comm, {duration_to_string(split.exposed)} exposed, "
-        f"{duration_to_string(split.idle)} idle of {duration_to_string(split.span)}"
-    )
+    comm, exposed = duration_to_string(split.comm), duration_to_string(split.exposed)
+    idle, span = duration_to_string(split.idle), duration_to_string(split.span)
+    return f"{comm} comm, {exposed} exposed{waited_words(split)}, {idle} idle of {span}"
 
 
 def verdict(comm: CommFigures) -> str:
@@ -76,7 +82,7 @@ def comm_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[st
         (
             f"communication / exposed (ranks' mean; {low * 1e3:.2f} .. {high * 1e3:.2f} ms) / idle",
             f"{duration_to_string(metrics[names.COMM_LATENCY])} / "
-            f"{duration_to_string(metrics[names.EXPOSED_COMM_LATENCY])} / "
+            f"{duration_to_string(metrics[names.EXPOSED_COMM_LATENCY])}{waited_words(comm.step)} / "
             f"{duration_to_string(metrics[names.IDLE_LATENCY])} of {duration_to_string(comm.step.span)}",
         ),
         ("communication overlapped by compute", f"{100 * metrics[names.COMM_OVERLAP]:.1f}%"),
@@ -104,7 +110,7 @@ def comm_data(comm: CommFigures | None) -> dict[str, Any] | None:
     def split(s: TimeSplit) -> dict[str, float | None]:
         return {
             "span": s.span, "compute": s.compute, "comm": s.comm, "overlapped": s.overlapped,
-            "exposed": s.exposed, "idle": s.idle, "overlap": s.overlap,
+            "exposed": s.exposed, "idle": s.idle, "overlap": s.overlap, "core_wait": s.core_wait,
         }  # fmt: skip
 
     return {
@@ -136,7 +142,7 @@ def comm_from_data(data: dict[str, Any]) -> CommFigures:
     its ``.comm.trace.json``)."""
 
     def split(s: dict[str, Any]) -> TimeSplit:
-        return TimeSplit(s["span"], s["compute"], s["comm"], s["overlapped"])
+        return TimeSplit(s["span"], s["compute"], s["comm"], s["overlapped"], s.get("core_wait", 0.0))
 
     rows = [
         CollectiveRow(
@@ -165,7 +171,8 @@ def comm_from_data(data: dict[str, Any]) -> CommFigures:
 
 def comm_trace(comm: CommFigures) -> dict[str, Any]:
     """This rank's communication step as trace-event JSON: one track each for compute, communication
-    and exposed communication (their merged intervals), and the phases (times in microseconds)."""
+    and exposed communication (their merged intervals), and the phases (times in microseconds). A CPU's
+    wait for a core has no place in time: it is in the figures, not on the tracks."""
     events = comm.timeline
     if events is None:
         return {"traceEvents": []}

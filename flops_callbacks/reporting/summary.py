@@ -17,6 +17,7 @@ from flops_callbacks import metrics as names
 from flops_callbacks.module_tree import parent_in
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.reporting.comm_report import verdict as comm_verdict
+from flops_callbacks.reporting.comm_report import waited_words
 from flops_callbacks.reporting.report import TITLE
 from flops_callbacks.reporting.report_sections import rule
 from flops_callbacks.reporting.step_words import step_list, steps_named
@@ -262,7 +263,8 @@ def _comm_lines(result: WindowResult) -> list[str]:
     return [
         _row(
             "communication",
-            f"{duration_to_string(step.comm)} ({overlap}), exposed {duration_to_string(step.exposed)}, "
+            f"{duration_to_string(step.comm)} ({overlap}), exposed {duration_to_string(step.exposed)}"
+            f"{waited_words(step)}, "
             f"idle {duration_to_string(step.idle)} of {duration_to_string(step.span)} "
             f"(step {comm.median_step}, the median of {step_list(comm.steps)})",
         )

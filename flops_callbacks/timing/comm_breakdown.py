@@ -2,7 +2,8 @@
 
 From a step's classed events (:mod:`.comm_events`), per phase (the marks' windows) and for the whole
 step (first mark to last, to the last kernel's end on a GPU): communication time (its union), the part
-under compute (overlapped), the part alone (exposed: what the step waits on), and idle (neither). The
+under compute (overlapped), the part alone (exposed: what the step waits on), and idle (neither). On a
+CPU, the compute thread's wait for a core beside communication is exposed too (:meth:`TimeSplit.charged`). The
 method is HTA's temporal breakdown and comm/comp overlap and torchtitan's overlap analysis, online.
 Per collective: calls, bytes, seconds and bus bandwidth with nccl-tests' factors, so that figures of
 different ops and world sizes compare with the link's peak. The ranks' breakdowns combine here too.
@@ -16,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from flops_callbacks.timing.comm_events import StepEvents
-from flops_callbacks.timing.intervals import Interval, clip, intersect, merge, total
+from flops_callbacks.timing.intervals import Interval, clip, intersect, total
 from flops_callbacks.timing.phases import PHASES
 
 __all__ = [
@@ -59,6 +60,7 @@ class TimeSplit:
     compute: float
     comm: float
     overlapped: float  # communication while compute runs
+    core_wait: float = 0.0  # of the exposed time, the compute thread's wait for a core (:meth:`charged`)
 
     @property
     def exposed(self) -> float:
@@ -74,6 +76,18 @@ class TimeSplit:
     def overlap(self) -> float | None:
         """Overlapped / communication, 0..1 (None: no communication)."""
         return self.overlapped / self.comm if self.comm > 0 else None
+
+    def charged(self, waited: float) -> TimeSplit:
+        """The split with ``waited`` seconds of the compute thread's wait for a core (a CPU's: gloo's
+        threads held it) moved from overlapped communication to exposed, up to the overlapped time:
+        compute did not run then, and the op intervals counted it as running."""
+        moved = min(max(waited, 0.0), self.overlapped)
+        return dataclasses.replace(
+            self,
+            compute=self.compute - moved,
+            overlapped=self.overlapped - moved,
+            core_wait=self.core_wait + moved,
+        )
 
     @classmethod
     def of(cls, window: Interval, compute: list[Interval], comm: list[Interval]) -> TimeSplit:
@@ -112,36 +126,58 @@ class CommBreakdown:
     events: StepEvents | None = None  # the classed intervals it was made of (the trace's)
 
 
-def _windows(marks: list[tuple[str, float]]) -> list[tuple[str, Interval]]:
-    """Each phase's windows from the marks: a mark opens its phase until the next mark ("" opens none)."""
-    out: list[tuple[str, Interval]] = []
-    for (name, start), (_, end) in zip(marks, marks[1:], strict=False):
+def _windows(
+    marks: list[tuple[str, float]], waits: Sequence[float | None]
+) -> list[tuple[str, Interval, float]]:
+    """Each phase's windows from the marks (a mark opens its phase until the next one; "" opens none),
+    each with the seconds the compute thread waited for a core in it (0: unknown)."""
+    read = [w for w in waits if w is not None]
+    known = len(read) == len(waits) == len(marks)  # one reading a mark, or none is used
+    out: list[tuple[str, Interval, float]] = []
+    for i, ((name, start), (_, end)) in enumerate(zip(marks, marks[1:], strict=False)):
         if name in PHASES and end > start:
-            out.append((name, (start, end)))
+            out.append((name, (start, end), read[i + 1] - read[i] if known else 0.0))
     return out
 
 
-def breakdown(events: StepEvents) -> CommBreakdown | None:
-    """The split of a step's classed ``events`` (None: no phase mark, so no step to split)."""
-    windows = _windows(events.marks)
+def _quiet_wait_rate(windows: Sequence[tuple[TimeSplit, float]]) -> float:
+    """The compute thread's wait for a core per second of compute in the windows with no communication
+    (a DDP step's forward and optimizer step): the machine's other load, which is not communication's
+    and is taken out of each window's wait before it moves (0: no such window)."""
+    quiet = [(split.compute, waited) for split, waited in windows if split.comm == 0]
+    compute = sum(c for c, _ in quiet)
+    return sum(w for _, w in quiet) / compute if compute > 0 else 0.0
+
+
+def breakdown(events: StepEvents, waits: Sequence[float | None] = ()) -> CommBreakdown | None:
+    """The split of a step's classed ``events`` (None: no phase mark, so no step to split); ``waits``:
+    the compute thread's wait for a core at each mark, in seconds (on a CPU, where the recorder reads
+    them): each window's, less the quiet windows' rate (:func:`_quiet_wait_rate`), moves from
+    overlapped to exposed (:meth:`TimeSplit.charged`)."""
+    windows = _windows(events.marks, waits)
     if not windows:
         return None
     step_start = windows[0][1][0]
-    step_end = max(end for _, (_, end) in windows)
+    step_end = max(end for _, (_, end), _ in windows)
     if events.device:  # kernels run behind their launches: the step ends with its last one
         step_end = max([step_end] + [end for _, end in events.comm + events.compute])
+    plain = [(name, TimeSplit.of(w, events.compute, events.comm), waited) for name, w, waited in windows]
+    rate = _quiet_wait_rate([(split, waited) for _, split, waited in plain])
     phases: dict[str, TimeSplit] = {}
+    moved = 0.0
     for phase in PHASES:
-        mine = merge(w for name, w in windows if name == phase)
-        if mine:
-            splits = [TimeSplit.of(w, events.compute, events.comm) for w in mine]
+        splits = [
+            split.charged(waited - rate * split.compute) for name, split, waited in plain if name == phase
+        ]
+        if splits:
+            moved += sum(split.core_wait for split in splits)
             phases[phase] = _summed(splits)
     table: dict[str, Collective] = {}
     for call in events.calls:
         was = table.get(call.op, Collective(call.op, 0, 0, 0.0))
         nbytes = None if was.nbytes is None or call.nbytes is None else was.nbytes + call.nbytes
         table[call.op] = Collective(call.op, was.calls + 1, nbytes, was.seconds + call.seconds)
-    step = TimeSplit.of((step_start, step_end), events.compute, events.comm)
+    step = TimeSplit.of((step_start, step_end), events.compute, events.comm).charged(moved)
     return CommBreakdown(step, phases, tuple(table.values()), events.device, events)
 
 

@@ -241,3 +241,31 @@ def test_a_file_of_one_communication_step_reads_back_as_that_step() -> None:
     data["step"] = 5  # as a schema-version-1 file of the one-step window wrote it
     back = comm_from_data(data)
     assert (back.steps, back.median_step) == ((5,), 5)
+
+
+def test_a_cpus_wait_for_a_core_is_said_beside_the_exposed_time_and_kept_in_the_file() -> None:
+    """Two ranks whose backward's compute waited 1 and 3 ms for a core under overlapped communication:
+    the job's exposed time holds their mean, 2 ms, and says so (idle stays 10 - (6 + 5 - 4) = 3 ms: the
+    wait was the ops', never idle); a file of before the field reads 0."""
+    ms = 1e-3
+    ranks = []
+    for waited in (1 * ms, 3 * ms):
+        split = TimeSplit(10 * ms, 6 * ms, 5 * ms, 4 * ms).charged(waited)
+        table = (Collective("all_reduce", 1, 4_000_000, 0.004),)
+        ranks.append(CommBreakdown(split, {"backward": split}, table, device=False))
+    figures = comm_figures(ranks, None, (5,), 5, iter_seconds=0.011)
+    assert figures is not None
+    assert figures.step.exposed == pytest.approx(3 * ms) and figures.step.core_wait == pytest.approx(2 * ms)
+    assert figures.step.compute == pytest.approx(4 * ms)  # 6 less the 2 it did not run
+    data = comm_data(figures)
+    assert data is not None and data["whole_step"]["core_wait"] == pytest.approx(2 * ms)
+    assert comm_from_data(data).step == figures.step
+    del data["whole_step"]["core_wait"]
+    assert comm_from_data(data).step.core_wait == 0.0
+    from flops_callbacks.reporting.comm_report import _split_text, waited_words
+
+    assert _split_text(figures.phases["backward"]) == (
+        "5 ms comm, 3 ms exposed (2 ms of it compute waiting for a core), 3 ms idle of 10 ms"
+    )
+    assert waited_words(figures.step) == " (2 ms of it compute waiting for a core)"
+    assert waited_words(TimeSplit(10 * ms, 6 * ms, 5 * ms, 4 * ms)) == ""  # none waited: nothing said

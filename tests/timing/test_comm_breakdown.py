@@ -101,6 +101,46 @@ def test_breakdown_splits_the_step_and_each_phase():
     assert split.collectives == (Collective("all_reduce", 2, 6000, pytest.approx(65 * us)),)
 
 
+def test_a_cpu_threads_wait_for_a_core_under_overlapped_communication_is_exposed_not_compute():
+    """The marks' readings of the training thread's wait for a core (seconds, at forward 0, backward 100,
+    optimizer step 300 and the end 320): none in the forward and the step, 30 us in the backward, whose
+    communication is 51 us overlapped: the 30 us move from overlapped (and compute) to exposed."""
+    us = 1e-6
+    plain = breakdown(classify(ddp_step()))
+    split = breakdown(classify(ddp_step()), [0.0, 0.0, 30 * us, 30 * us])
+    assert plain is not None and split is not None
+    backward = split.phases["backward"]
+    assert backward.overlapped == pytest.approx(21 * us) and backward.exposed == pytest.approx(62 * us)
+    assert backward.compute == pytest.approx(plain.phases["backward"].compute - 30 * us)
+    assert split.phases["forward"] == plain.phases["forward"]
+    assert split.phases["optimizer_step"] == plain.phases["optimizer_step"]
+    assert split.step.exposed == pytest.approx(62 * us) and split.step.comm == pytest.approx(83 * us)
+    assert split.step.core_wait == backward.core_wait == pytest.approx(30 * us)
+    assert split.step.idle == pytest.approx(plain.step.idle)  # the wait was the ops': never idle
+    # a wait longer than the overlapped time moves all of it, no more
+    capped = breakdown(classify(ddp_step()), [0.0, 0.0, 500 * us, 500 * us])
+    assert capped is not None and capped.step.overlapped == 0.0
+    assert capped.step.exposed == pytest.approx(83 * us) and capped.step.core_wait == pytest.approx(51 * us)
+    # readings that do not pair with the marks (one missing, or unread) move nothing
+    assert breakdown(classify(ddp_step()), [0.0, 0.0, 30 * us]) == plain
+    assert breakdown(classify(ddp_step()), [0.0, None, 30 * us, 30 * us]) == plain
+
+
+def test_the_machines_other_load_seen_in_the_phases_without_communication_does_not_move():
+    """The forward (100 us of compute) waited 6 us and the step (20 us) none, with no communication: 6 us
+    per 120 us of compute, 0.05, is the machine's other load. The backward's 156 us of compute (0..190
+    less the forward's 100, 200..250, 260..265, 270..280, 290..291) would wait 7.8 us of it: of its 30
+    us, 22.2 move. A step whose phases all wait at that rate moves nothing."""
+    us = 1e-6
+    split = breakdown(classify(ddp_step()), [0.0, 6 * us, 36 * us, 36 * us])
+    assert split is not None
+    assert split.phases["backward"].core_wait == pytest.approx(30 * us - 0.05 * 156 * us)
+    assert split.step.core_wait == pytest.approx(22.2 * us)
+    assert split.phases["forward"].core_wait == 0.0
+    loaded = breakdown(classify(ddp_step()), [0.0, 5 * us, 12.8 * us, 13.8 * us])  # 0.05 throughout
+    assert loaded is not None and loaded.step.core_wait == pytest.approx(0.0, abs=1e-12)
+
+
 def test_gloo_reduce_scatter_is_named_by_its_launch_not_its_all_reduce_work():
     events = classify(
         [

@@ -60,6 +60,18 @@ def test_a_cpu_step_is_split_by_its_marks_and_its_all_reduce_found() -> None:
     assert split.phases[BACKWARD].comm > 0 and split.phases[FORWARD].comm == 0
 
 
+def test_a_cpu_recorder_reads_the_threads_wait_for_a_core_at_each_mark() -> None:
+    one_rank_group("gloo")
+    try:
+        recorder = recorded_step("cpu")
+    finally:
+        torch.distributed.destroy_process_group()
+    assert recorder.events is not None
+    assert len(recorder.waits) == len(recorder.events.marks) == 4
+    if recorder.waits[0] is not None:  # Linux with schedstat: cumulative seconds, never falling
+        assert recorder.waits == sorted(recorder.waits)
+
+
 def test_a_recorder_stopped_without_keeping_reads_nothing_and_stops_once() -> None:
     recorder = CommRecorder(cuda=False)
     recorder.start()

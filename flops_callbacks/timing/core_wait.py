@@ -1,0 +1,23 @@
+"""How long this thread has waited for a core: Linux's run delay (``/proc/thread-self/schedstat``).
+
+On a CPU an op's profiler interval holds the time its thread was ready but not running, and where
+gloo's threads hold the cores (a rank per core, as a 2-core machine runs two ranks) that wait is the
+communication's: compute did not run then. The profiler cannot see it; the scheduler counts it, to
+the nanosecond at each switch (its second field; the first, time on a core, lags by up to a tick).
+Why not ``time.thread_time``: it gives time on a core, not time waiting for one, and lags the same way.
+"""
+
+from __future__ import annotations
+
+__all__ = ["core_wait"]
+
+_PATH = "/proc/thread-self/schedstat"
+
+
+def core_wait() -> float | None:
+    """Seconds this thread has waited for a core since it started (None: no schedstat here)."""
+    try:
+        with open(_PATH) as file:
+            return int(file.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
