@@ -181,7 +181,8 @@ def outside(
             split = recorder.breakdown()
             if block == "S" and split is not None and recorder.events is not None:
                 exposed.append(split.step.exposed)
-                ops_only.append(breakdown(recorder.events).step.exposed)  # type: ignore[union-attr]
+                unmoved = breakdown(recorder.events._replace(waits=()))  # the op intervals alone
+                ops_only.append(unmoved.step.exposed if unmoved is not None else math.nan)
     med = statistics.median
     blocks = med(seconds["S", True]) - med(seconds["N", False])
     interleaved = med(seconds["P", True]) - med(seconds["P", False])

@@ -129,6 +129,7 @@ REAL_TOKENS_PER_SEC = PREFIX + "real_tokens_per_sec"  # non-padding tokens per s
 # step by exposed time, the ranks' mean):
 COMM_LATENCY = PREFIX + "comm_latency"  # seconds of communication in the step (union of streams, threads)
 EXPOSED_COMM_LATENCY = PREFIX + "exposed_comm_latency"  # communication while no compute runs: waited on
+# (on a CPU, compute waiting for a core beside communication does not run: docs/communication.md)
 COMM_OVERLAP = PREFIX + "comm_overlap"  # communication under compute / communication, 0..1
 IDLE_LATENCY = PREFIX + "idle_latency"  # seconds of the step with neither compute nor communication
 

@@ -25,7 +25,7 @@ __all__ = ["comm_data", "comm_from_data", "comm_lines", "comm_trace", "verdict",
 
 def waited_words(split: TimeSplit) -> str:
     """What of the exposed time was compute waiting for a core (a CPU's), where any was."""
-    if not split.core_wait:
+    if split.core_wait < 1e-6:  # less than a microsecond: the arithmetic's, not the scheduler's
         return ""
     return f" ({duration_to_string(split.core_wait)} of it compute waiting for a core)"
 

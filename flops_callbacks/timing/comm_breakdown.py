@@ -64,7 +64,8 @@ class TimeSplit:
 
     @property
     def exposed(self) -> float:
-        """Communication while no compute runs: what the step waits on."""
+        """Communication while no compute runs (on a CPU, compute waiting for a core counts as not
+        running: :meth:`charged`): what the step waits on."""
         return self.comm - self.overlapped
 
     @property
@@ -80,7 +81,8 @@ class TimeSplit:
     def charged(self, waited: float) -> TimeSplit:
         """The split with ``waited`` seconds of the compute thread's wait for a core (a CPU's: gloo's
         threads held it) moved from overlapped communication to exposed, up to the overlapped time:
-        compute did not run then, and the op intervals counted it as running."""
+        compute did not run then, and the op intervals counted it as running. Adds to ``core_wait``
+        (a step's split is charged with the sum its windows moved)."""
         moved = min(max(waited, 0.0), self.overlapped)
         return dataclasses.replace(
             self,
@@ -130,13 +132,13 @@ def _windows(
     marks: list[tuple[str, float]], waits: Sequence[float | None]
 ) -> list[tuple[str, Interval, float]]:
     """Each phase's windows from the marks (a mark opens its phase until the next one; "" opens none),
-    each with the seconds the compute thread waited for a core in it (0: unknown)."""
-    read = [w for w in waits if w is not None]
-    known = len(read) == len(waits) == len(marks)  # one reading a mark, or none is used
+    each with the seconds the compute thread waited for a core in it (0: a mark without a reading)."""
+    waits = list(waits) + [None] * (len(marks) - len(waits))
     out: list[tuple[str, Interval, float]] = []
-    for i, ((name, start), (_, end)) in enumerate(zip(marks, marks[1:], strict=False)):
+    for (name, start), (_, end), before, after in zip(marks, marks[1:], waits, waits[1:], strict=False):
         if name in PHASES and end > start:
-            out.append((name, (start, end), read[i + 1] - read[i] if known else 0.0))
+            waited = after - before if before is not None and after is not None else 0.0
+            out.append((name, (start, end), waited))
     return out
 
 
@@ -149,12 +151,11 @@ def _quiet_wait_rate(windows: Sequence[tuple[TimeSplit, float]]) -> float:
     return sum(w for _, w in quiet) / compute if compute > 0 else 0.0
 
 
-def breakdown(events: StepEvents, waits: Sequence[float | None] = ()) -> CommBreakdown | None:
-    """The split of a step's classed ``events`` (None: no phase mark, so no step to split); ``waits``:
-    the compute thread's wait for a core at each mark, in seconds (on a CPU, where the recorder reads
-    them): each window's, less the quiet windows' rate (:func:`_quiet_wait_rate`), moves from
-    overlapped to exposed (:meth:`TimeSplit.charged`)."""
-    windows = _windows(events.marks, waits)
+def breakdown(events: StepEvents) -> CommBreakdown | None:
+    """The split of a step's classed ``events`` (None: no phase mark, so no step to split). Where the
+    marks carry the compute thread's wait for a core (a CPU's), each window's, less the quiet windows'
+    rate (:func:`_quiet_wait_rate`), moves from overlapped to exposed (:meth:`TimeSplit.charged`)."""
+    windows = _windows(events.marks, events.waits)
     if not windows:
         return None
     step_start = windows[0][1][0]

@@ -34,6 +34,7 @@ from flops_callbacks.timing.intervals import Interval, merge, subtract
 
 __all__ = [
     "MARK",
+    "mark_name",
     "Call",
     "StepEvents",
     "TraceEvent",
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 MARK = "flops_callbacks/phase:"  # the prefix of the phase marks the communication step records
+WAITED = "@"  # in a mark's name, before the training thread's wait for a core then (nanoseconds)
 DTYPE_BYTES = {
     "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4, "short": 2,
     "signed char": 1, "unsigned char": 1, "bool": 1, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
@@ -159,6 +161,13 @@ def _staging_kernels(
     return [k for k in kernels if k.launched_by in inside]
 
 
+def mark_name(phase: str, waited: float | None = None) -> str:
+    """The name of the mark that ``phase`` starts now ("": the running phase ends), with ``waited``, the
+    seconds the marking thread has waited for a core (:mod:`.core_wait`), where read: in the name, so
+    that each reading stays with its mark whatever the trace's order."""
+    return MARK + phase + ("" if waited is None else f"{WAITED}{round(waited * 1e9)}")
+
+
 class StepEvents(NamedTuple):
     """A step's events classed: intervals of communication, compute and phase marks, and its calls."""
 
@@ -167,6 +176,7 @@ class StepEvents(NamedTuple):
     marks: list[tuple[str, float]]  # (phase, time), in order; "" closes the running phase
     calls: list[Call]
     device: bool  # an accelerator's kernels were recorded (their timeline is the one classed)
+    waits: tuple[float | None, ...] = ()  # at each mark, the marking thread's wait for a core (seconds)
 
 
 def _outermost(events: Sequence[TraceEvent]) -> list[TraceEvent]:
@@ -200,9 +210,12 @@ def _calls(launches: list[TraceEvent], works: list[TraceEvent], sizes: list[Trac
 def classify(events: Iterable[TraceEvent]) -> StepEvents:
     """The communication, compute, marks and calls of one step's ``events`` (module doc)."""
     events = list(events)
-    marks = sorted(
-        ((e.name[len(MARK) :], e.start) for e in events if e.name.startswith(MARK)), key=lambda m: m[1]
-    )
+    marks: list[tuple[str, float]] = []
+    readings: list[float | None] = []  # the thread's wait for a core at each mark
+    for e in sorted((e for e in events if e.name.startswith(MARK)), key=lambda e: e.start):
+        phase, _, waited = e.name[len(MARK) :].partition(WAITED)
+        marks.append((phase, e.start))
+        readings.append(int(waited) / 1e9 if waited.isdigit() else None)
     host = [e for e in events if not e.device and not e.name.startswith(MARK)]
     # a range drawn on a stream is no kernel: flagged as a user's, or named as a host range is
     ranges = {e.name for e in host if e.annotation}
@@ -232,7 +245,7 @@ def classify(events: Iterable[TraceEvent]) -> StepEvents:
         busy = [e.interval for e in _outermost(mine) if not e.name.startswith("c10d::")]
         comm = merge([w.interval for w in works] + waits + staging)
         compute = subtract(busy, waits + staging)
-    return StepEvents(comm, compute, marks, _calls(launches, works, sizes), bool(kernels))
+    return StepEvents(comm, compute, marks, _calls(launches, works, sizes), bool(kernels), tuple(readings))
 
 
 def trace_events(results: Any) -> list[TraceEvent]:

@@ -15,7 +15,7 @@ import torch
 
 from flops_callbacks.timing.collector import collect_counting_garbage, collector_off
 from flops_callbacks.timing.comm_breakdown import CommBreakdown, breakdown
-from flops_callbacks.timing.comm_events import MARK, StepEvents, classify, trace_events
+from flops_callbacks.timing.comm_events import StepEvents, classify, mark_name, trace_events
 from flops_callbacks.timing.core_wait import core_wait
 from flops_callbacks.user_warning import warn
 
@@ -32,8 +32,7 @@ class CommRecorder:
         self._profiler: Any = torch.profiler.profile(activities=activities, record_shapes=True)
         self.running = False
         self.events: StepEvents | None = None
-        self._cpu = not cuda
-        self.waits: list[float | None] = []  # this thread's wait for a core at each mark (CPU only)
+        self._host = not cuda  # the host's timeline: its thread's wait for a core is read at each mark
         self._collector = contextlib.ExitStack()
         self._collect = False
 
@@ -46,9 +45,8 @@ class CommRecorder:
     def mark(self, phase: str) -> None:
         """Phase ``phase`` starts now ("": the running phase ends)."""
         if self.running:
-            if self._cpu:  # read before the mark: the mark's own cost is on the phase it closes
-                self.waits.append(core_wait())
-            handle = torch.ops.profiler._record_function_enter_new(MARK + phase, None)
+            name = mark_name(phase, core_wait() if self._host else None)
+            handle = torch.ops.profiler._record_function_enter_new(name, None)
             torch.ops.profiler._record_function_exit._RecordFunction(handle)
 
     def stop(self, keep: bool = True) -> None:
@@ -84,4 +82,4 @@ class CommRecorder:
 
     def breakdown(self) -> CommBreakdown | None:
         """The recorded step's split (None: nothing recorded, or no phase in it)."""
-        return breakdown(self.events, self.waits) if self.events is not None else None
+        return breakdown(self.events) if self.events is not None else None

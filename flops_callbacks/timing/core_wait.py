@@ -15,9 +15,11 @@ _PATH = "/proc/thread-self/schedstat"
 
 
 def core_wait() -> float | None:
-    """Seconds this thread has waited for a core since it started (None: no schedstat here)."""
+    """Seconds this thread has waited for a core since it started (None: no schedstat here, or a kernel
+    that keeps none: its line reads all zeros, though this thread has run)."""
     try:
         with open(_PATH) as file:
-            return int(file.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
+            on_core, waited = (int(field) for field in file.read().split()[:2])
+    except (OSError, ValueError):
         return None
+    return waited / 1e9 if on_core > 0 else None

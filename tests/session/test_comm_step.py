@@ -7,7 +7,13 @@ import warnings as warnings_module
 import pytest
 
 from flops_callbacks.options import Options
-from flops_callbacks.reporting.comm_report import comm_data, comm_from_data, verdict
+from flops_callbacks.reporting.comm_report import (
+    _split_text,
+    comm_data,
+    comm_from_data,
+    verdict,
+    waited_words,
+)
 from flops_callbacks.session.comm_step import comm_figures, comm_means, median_comm, ranks_mean
 from flops_callbacks.session.ranks import Ranks
 from flops_callbacks.session.run_plan import RunPlan
@@ -262,8 +268,6 @@ def test_a_cpus_wait_for_a_core_is_said_beside_the_exposed_time_and_kept_in_the_
     assert comm_from_data(data).step == figures.step
     del data["whole_step"]["core_wait"]
     assert comm_from_data(data).step.core_wait == 0.0
-    from flops_callbacks.reporting.comm_report import _split_text, waited_words
-
     assert _split_text(figures.phases["backward"]) == (
         "5 ms comm, 3 ms exposed (2 ms of it compute waiting for a core), 3 ms idle of 10 ms"
     )

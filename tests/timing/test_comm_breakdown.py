@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from flops_callbacks.timing.comm_breakdown import Collective, TimeSplit, breakdown, bus_factor, combine
-from flops_callbacks.timing.comm_events import MARK, TraceEvent, classify, collective_op
+from flops_callbacks.timing.comm_events import TraceEvent, classify, collective_op, mark_name
 from flops_callbacks.timing.intervals import total
 
 MAIN, GLOO = 1, 7  # host threads
@@ -15,21 +15,22 @@ STREAM, NCCL = 30, 31  # a GPU's compute stream and NCCL's
 F1, F2 = ("float",), ("float", "float")
 
 
-def mark(phase, at):
-    return TraceEvent(MARK + phase, at, at, MAIN, annotation=True)
+def mark(phase, at, waited=None):
+    return TraceEvent(mark_name(phase, waited), at, at, MAIN, annotation=True)
 
 
-def ddp_step():
+def ddp_step(waits=(None, None, None, None)):
     """A forward 0..100, a backward 100..300, a step 300..320 on the main thread. The backward's ops run
     100..250 and 260..280, each copying a ready gradient into its bucket (DDP's reducer: 190..199 and
     265..269) and launching an all-reduce (199..200, 269..270); gloo's all-reduces run 200..240 (under
     the backward's ops) and 270..295 (10 us under them, 15 alone); the main thread waits 280..290 inside
     an op that ends at 291 (the wait is not compute: HTA's users' case), then copies the bucket back to
-    the gradients 295..298; nothing runs 250..260 and 298..300."""
+    the gradients 295..298; nothing runs 250..260 and 298..300. ``waits``: the training thread's wait
+    for a core at each of the four marks (seconds; None: not read)."""
     return [
-        mark("forward", 0),
+        mark("forward", 0, waits[0]),
         TraceEvent("aten::addmm", 0, 100, MAIN),
-        mark("backward", 100),
+        mark("backward", 100, waits[1]),
         TraceEvent("autograd::engine::evaluate_function: AddmmBackward0", 100, 250, MAIN),
         TraceEvent("torch::distributed::reducer::mul_out", 190, 199, MAIN),
         TraceEvent("c10d::allreduce_", 199, 200, MAIN, shapes=((),), dtypes=("TensorList",)),
@@ -43,9 +44,9 @@ def ddp_step():
         TraceEvent("c10d::wait", 280, 290, MAIN),  # nested: the op waits on the collective
         TraceEvent("torch.distributed.ddp.reducer::copy_bucket_to_grad", 295, 298, MAIN),
         TraceEvent("my span", 0, 320, MAIN, annotation=True),  # a user's range covers everything: ignored
-        mark("optimizer_step", 300),
+        mark("optimizer_step", 300, waits[2]),
         TraceEvent("Optimizer.step#SGD.step", 300, 320, MAIN),
-        mark("", 320),
+        mark("", 320, waits[3]),
     ]
 
 
@@ -107,7 +108,7 @@ def test_a_cpu_threads_wait_for_a_core_under_overlapped_communication_is_exposed
     communication is 51 us overlapped: the 30 us move from overlapped (and compute) to exposed."""
     us = 1e-6
     plain = breakdown(classify(ddp_step()))
-    split = breakdown(classify(ddp_step()), [0.0, 0.0, 30 * us, 30 * us])
+    split = breakdown(classify(ddp_step((0.0, 0.0, 30 * us, 30 * us))))
     assert plain is not None and split is not None
     backward = split.phases["backward"]
     assert backward.overlapped == pytest.approx(21 * us) and backward.exposed == pytest.approx(62 * us)
@@ -118,12 +119,38 @@ def test_a_cpu_threads_wait_for_a_core_under_overlapped_communication_is_exposed
     assert split.step.core_wait == backward.core_wait == pytest.approx(30 * us)
     assert split.step.idle == pytest.approx(plain.step.idle)  # the wait was the ops': never idle
     # a wait longer than the overlapped time moves all of it, no more
-    capped = breakdown(classify(ddp_step()), [0.0, 0.0, 500 * us, 500 * us])
+    capped = breakdown(classify(ddp_step((0.0, 0.0, 500 * us, 500 * us))))
     assert capped is not None and capped.step.overlapped == 0.0
     assert capped.step.exposed == pytest.approx(83 * us) and capped.step.core_wait == pytest.approx(51 * us)
-    # readings that do not pair with the marks (one missing, or unread) move nothing
-    assert breakdown(classify(ddp_step()), [0.0, 0.0, 30 * us]) == plain
-    assert breakdown(classify(ddp_step()), [0.0, None, 30 * us, 30 * us]) == plain
+    # each reading travels in its mark's name: events out of order split the same
+    shuffled = breakdown(classify(reversed(ddp_step((0.0, 0.0, 30 * us, 30 * us)))))
+    assert shuffled is not None and (shuffled.step, shuffled.phases) == (split.step, split.phases)
+    # a mark without a reading (the backward's) moves nothing of the windows it bounds
+    unread = breakdown(classify(ddp_step((0.0, None, 30 * us, 30 * us))))
+    assert unread is not None and (unread.step, unread.phases) == (plain.step, plain.phases)
+
+
+def test_each_micro_batchs_window_moves_its_own_wait_up_to_its_own_overlapped_time():
+    """Two micro-batches' backwards (gradient accumulation), 0..100 and 100..200, each 80 us of compute
+    with a gloo all-reduce, 40 us under the first's compute and 10 under the second's (and 10 after
+    it); the thread waited 30 us for a core in each. The first moves 30, the second only its 10."""
+    us = 1e-6
+    events = classify([
+        mark("backward", 0, 0.0),
+        TraceEvent("aten::mm", 0, 80, MAIN),
+        TraceEvent("gloo:all_reduce", 20, 60, GLOO),
+        mark("backward", 100, 30 * us),
+        TraceEvent("aten::mm", 100, 180, MAIN),
+        TraceEvent("gloo:all_reduce", 170, 190, GLOO),
+        mark("", 200, 60 * us),
+    ])  # fmt: skip
+    split = breakdown(events)
+    assert split is not None
+    backward = split.phases["backward"]
+    assert backward.core_wait == pytest.approx(40 * us) and split.step.core_wait == pytest.approx(40 * us)
+    # of 60 us of communication, 50 overlapped before: 10 left (the first's 40 less 30, the second's 0)
+    assert backward.overlapped == pytest.approx(10 * us) and backward.exposed == pytest.approx(50 * us)
+    assert backward.compute == pytest.approx(120 * us)  # 160 less the 40 that waited
 
 
 def test_the_machines_other_load_seen_in_the_phases_without_communication_does_not_move():
@@ -132,12 +159,12 @@ def test_the_machines_other_load_seen_in_the_phases_without_communication_does_n
     less the forward's 100, 200..250, 260..265, 270..280, 290..291) would wait 7.8 us of it: of its 30
     us, 22.2 move. A step whose phases all wait at that rate moves nothing."""
     us = 1e-6
-    split = breakdown(classify(ddp_step()), [0.0, 6 * us, 36 * us, 36 * us])
+    split = breakdown(classify(ddp_step((0.0, 6 * us, 36 * us, 36 * us))))
     assert split is not None
     assert split.phases["backward"].core_wait == pytest.approx(30 * us - 0.05 * 156 * us)
     assert split.step.core_wait == pytest.approx(22.2 * us)
     assert split.phases["forward"].core_wait == 0.0
-    loaded = breakdown(classify(ddp_step()), [0.0, 5 * us, 12.8 * us, 13.8 * us])  # 0.05 throughout
+    loaded = breakdown(classify(ddp_step((0.0, 5 * us, 12.8 * us, 13.8 * us))))  # 0.05 throughout
     assert loaded is not None and loaded.step.core_wait == pytest.approx(0.0, abs=1e-12)
 
 

@@ -3,37 +3,31 @@ busy processes waits for it about three quarters of the time."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import subprocess
 import sys
 import time
-from typing import Any
 
 import pytest
 
 from flops_callbacks.timing.core_wait import core_wait
 
-
-def _spin(core: int, ready: Any, seconds: float) -> None:
-    os.sched_setaffinity(0, {core})
-    ready.put(os.getpid())
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+# a bare interpreter pinned to one core: says so, then spins (no test module to import: a loaded
+# machine starts it in a moment)
+SPIN = "import os; os.sched_setaffinity(0, {%d}); print(flush=True)\nwhile True: pass"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or core_wait() is None, reason="Linux schedstat")
 def test_a_thread_sharing_its_core_with_three_busy_processes_waits_most_of_the_time() -> None:
     before = os.sched_getaffinity(0)
     core = min(before)
-    spawn = multiprocessing.get_context("spawn")
-    ready = spawn.Queue()
-    spinners = [spawn.Process(target=_spin, args=(core, ready, 60.0)) for _ in range(3)]
-    for p in spinners:
-        p.start()
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", SPIN % core], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
     try:
-        for _ in spinners:  # each pinned to the core and spinning (a loaded machine starts them slowly)
-            ready.get(timeout=60)
+        for p in spinners:  # each pinned to the core and about to spin
+            assert p.stdout is not None and p.stdout.readline() == "\n"
         os.sched_setaffinity(0, {core})
         waited, start = core_wait(), time.perf_counter()
         end = start + 1.0
@@ -44,7 +38,7 @@ def test_a_thread_sharing_its_core_with_three_busy_processes_waits_most_of_the_t
         os.sched_setaffinity(0, before)
         for p in spinners:
             p.kill()
-            p.join()
+            p.wait()
     assert waited is not None and after is not None
     # a fair scheduler runs each of four on the core a quarter of the time: 0.75 s of the second waiting
     assert 0.5 * elapsed < after - waited < elapsed
