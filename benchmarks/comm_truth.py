@@ -73,7 +73,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -119,6 +119,18 @@ def schedule(pairs: int) -> list[tuple[str, bool]]:
     return steps
 
 
+class Truths(NamedTuple):
+    """One rank's outside figures (seconds): :func:`outside`'s three differences, and where its steps
+    were profiled, the counted synced block steps' median exposed time, with the wait for a core moved
+    and from the op intervals alone (else None)."""
+
+    blocks: float
+    pairs: float
+    free: float
+    exposed: float | None = None
+    ops_only: float | None = None
+
+
 def outside(
     ddp: nn.Module,
     loss: Any,
@@ -127,20 +139,19 @@ def outside(
     pairs: int,
     profiled: bool = False,
     clock: AllReduceClock | None = None,
-) -> tuple[float, float, float, float | None, float | None]:
+) -> Truths:
     """This rank's cost of synchronizing a step (seconds), three ways over one :func:`schedule`:
     "blocks", the median synced step in a run of synced steps less the median no_sync step in a run of
     no_sync steps (each block's first step left out), each step after a barrier; "pairs", the median
     synced less the median no_sync step of interleaved pairs, after a barrier each; and "free", blocks
     run as a training run runs them, a barrier before a block's first step only (module doc). Why
-    blocks and pairs: a step's time depends on the step
-    before it (for the base model a no_sync step after a synced one runs 9-26% longer than after a
-    no_sync one, benchmarks/README.md), and a training run is synced steps after synced steps, as the
-    window's are. With ``profiled``, every step runs under the communication steps' recorder (started
-    before the barrier, phases marked as the session marks them), and the counted synced block steps'
-    median exposed time comes too, and the same of the op intervals alone, no wait for a core moved
-    (else None, None). A ``clock`` hooked on ``ddp`` files the i-th counted
-    synced block step under step i (the other steps under None)."""
+    blocks and pairs: a step's time depends on the step before it (for the base model a no_sync step
+    after a synced one runs 9-26% longer than after a no_sync one, benchmarks/README.md), and a
+    training run is synced steps after synced steps, as the window's are. With ``profiled``, every step
+    runs under the communication steps' recorder (started before the barrier, phases marked as the
+    session marks them), and the counted synced block steps' median exposed time comes too, with the
+    wait for a core moved and from the op intervals alone. A ``clock`` hooked on ``ddp`` files the
+    i-th counted synced block step under step i (the other steps under None)."""
     from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
     from flops_callbacks.timing.comm_breakdown import breakdown
     from flops_callbacks.timing.comm_recorder import CommRecorder
@@ -184,10 +195,13 @@ def outside(
                 unmoved = breakdown(recorder.events._replace(waits=()))  # the op intervals alone
                 ops_only.append(unmoved.step.exposed if unmoved is not None else math.nan)
     med = statistics.median
-    blocks = med(seconds["S", True]) - med(seconds["N", False])
-    interleaved = med(seconds["P", True]) - med(seconds["P", False])
-    free = med(seconds["s", True]) - med(seconds["n", False])
-    return blocks, interleaved, free, med(exposed) if exposed else None, med(ops_only) if ops_only else None
+    return Truths(
+        blocks=med(seconds["S", True]) - med(seconds["N", False]),
+        pairs=med(seconds["P", True]) - med(seconds["P", False]),
+        free=med(seconds["s", True]) - med(seconds["n", False]),
+        exposed=med(exposed) if exposed else None,
+        ops_only=med(ops_only) if ops_only else None,
+    )
 
 
 class AllReduceClock:
@@ -257,16 +271,17 @@ def perturbation(width: int, bucket: int, out: Path, pairs: int, device: str, wi
     outside(ddp, _loss, optimizer, batches, 10)  # warm-up
     hooked: list[list[float | None]] = []  # each synced step's all-reduces: unprofiled, profiled
     half = max(pairs // 2, 1)
-    figures: list[tuple[float, float, float, float | None, float | None]] = []
+    figures: list[Truths] = []
     for count, under in ((pairs, False), (half, True)):
         if clock is not None:
             clock.spans.clear()
         figures.append(outside(ddp, _loss, optimizer, batches, count, profiled=under, clock=clock))
         counted = sum(block == "S" for block, _ in schedule(count))
         hooked.append([clock.seconds(i) for i in range(counted)] if clock is not None else [])
-    (plain, _, _, _, _), (profiled, _, _, exposed, ops_only) = figures
+    plain, profiled = figures
     every: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, (plain, profiled, exposed, ops_only, *hooked))
+    mine = (plain.blocks, profiled.blocks, profiled.exposed, profiled.ops_only, *hooked)
+    torch.distributed.all_gather_object(every, mine)
     if torch.distributed.get_rank() == 0:
         ranks = zip(*[e[:4] for e in every], strict=True)
         columns = [[x for x in column if x is not None] for column in ranks]
@@ -387,17 +402,17 @@ def worker(
     hook = clock.seconds(comm.median_step) if clock is not None and comm is not None else None
     if clock is not None:
         clock.step = None  # the outside steps'
-    true, interleaved, free, _, _ = outside(ddp, _loss, optimizer, batches, pairs)
+    truths = outside(ddp, _loss, optimizer, batches, pairs)
     every: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, (true, interleaved, hook, free))
+    torch.distributed.all_gather_object(every, (truths, hook))
     if torch.distributed.get_rank() == 0:
         metrics = result.metrics() if result is not None else {}
-        hooks = [h for _, _, h, _ in every]
+        hooks = [h for _, h in every]
         seen = {
-            "true": statistics.fmean(t for t, _, _, _ in every),
-            "pairs": statistics.fmean(p for _, p, _, _ in every),
-            "free": statistics.fmean(f for _, _, _, f in every),
-            "true_ranks": [t for t, _, _, _ in every],
+            "true": statistics.fmean(t.blocks for t, _ in every),
+            "pairs": statistics.fmean(t.pairs for t, _ in every),
+            "free": statistics.fmean(t.free for t, _ in every),
+            "true_ranks": [t.blocks for t, _ in every],
             "hook": statistics.fmean(hooks) if None not in hooks else None,
             "reported": metrics.get(names.EXPOSED_COMM_LATENCY),
             "comm": metrics.get(names.COMM_LATENCY),
@@ -457,12 +472,7 @@ def show_perturbation(pairs: int, repeats: int, device: str, witness: bool) -> N
             if "error" in seen:
                 print(f"{case:12} error: {seen['error']}")
                 continue
-            true, profiled, exposed, ops_only = (
-                seen["true"],
-                seen["profiled"],
-                seen["exposed"],
-                seen["ops_only"],
-            )
+            true, profiled, exposed, ops_only = (seen[k] for k in ("true", "profiled", "exposed", "ops_only"))
             hook = ""
             if witness:
                 plain, nine = _medians(seen["hook"])[0], _medians(seen["hook"], of=9)
