@@ -125,7 +125,7 @@ WALL_TOKENS_PER_SEC = PREFIX + "wall_tokens_per_sec"  # the same of tokens, if k
 PADDING_FRACTION = PREFIX + "padding_fraction"  # padding positions / all positions (clean steps)
 REAL_TOKENS_PER_SEC = PREFIX + "real_tokens_per_sec"  # non-padding tokens per step x dp size / iter latency
 
-# With several ranks, the communication steps (three to nine under torch.profiler, every rank; of their median
+# With several ranks, the communication steps (three to 25 under torch.profiler, every rank; of their median
 # step by exposed time, the ranks' mean):
 COMM_LATENCY = PREFIX + "comm_latency"  # seconds of communication in the step (union of streams, threads)
 EXPOSED_COMM_LATENCY = PREFIX + "exposed_comm_latency"  # communication while no compute runs: waited on

@@ -108,7 +108,7 @@ class Options:
             ``torch.profiler`` on every rank: where the step's time goes (compute, communication hidden
             under it, exposed, idle) and each collective's bytes and bus bandwidth, from their median
             step (by exposed time, the ranks' mean; the same step on every rank). ``"auto"`` runs 3, or
-            up to 9 while their exposed times disagree (beyond +-25% of their median); an int fixes
+            up to 25 while their exposed times disagree (beyond +-10% of their median); an int fixes
             the count; 0 runs none.
     """
 

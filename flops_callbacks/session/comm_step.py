@@ -1,7 +1,7 @@
 """The communication steps' figures for the job: every rank's split of its median step, combined.
 
 A multi-process step's backward holds the gradient all-reduce that compute did not hide, an FSDP
-forward its all-gathers: the phase latencies cannot say so. Three window steps, or up to nine while
+forward its all-gathers: the phase latencies cannot say so. Three window steps, or up to 25 while
 their exposed times disagree (:meth:`~flops_callbacks.session.window_plan.WindowPlan.comm_settled`),
 after the module-timing steps and only with several ranks, run under ``torch.profiler`` on every rank
 (:mod:`flops_callbacks.timing.comm_recorder`);
