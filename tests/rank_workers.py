@@ -222,8 +222,9 @@ def hf(data: str, clean: Any, directory: Path) -> None:
 
     collator, ends = PadToLongest(data), Ends()
     callback = HFFlopsCallback(
-        profile_step=PROFILE_STEP, clean_steps=clean, print_profile=False, peak_flops=1e12
-    )
+        profile_step=PROFILE_STEP, clean_steps=clean, print_profile=False, peak_flops=1e12,
+        comm_steps=int(os.environ.get("FLOPS_COMM_STEPS", COMM_MIN)),  # "auto"'s up to 25: test_comm
+    )  # fmt: skip
     zero = os.environ.get("FLOPS_ZERO_STAGE")  # test_ranks: the same run sharded by DeepSpeed ZeRO
     args = TrainingArguments(
         output_dir=str(directory / "out"),
