@@ -13,6 +13,12 @@ a block's first step: a training run has no barrier before each step, so a synce
 waits for whatever made the other rank late in the step before (its optimizer step, its data, the end
 of the last all-reduce, which the ranks do not leave at once); a stopwatch over a run that
 synchronizes against one that does not counts that, and a barrier takes it out of the step.
+"Stretch ms" is the blocks' difference taken while the window runs (:class:`Stretch`): after each
+training step from the first communication step until the profile is published, a block of three
+synced and one of three no_sync outside steps, a barrier before each. On a shared CPU the same
+all-reduce's cost moves by up to 1.5x between stretches of a second or two (benchmarks/README.md), so
+a truth taken after training is of another stretch than the window's; this one is of the same (and
+the window's steps of these runs follow outside steps rather than training steps).
 "Reported" is the profile's ``flops_profiler/exposed_comm_latency`` from the same processes' training
 run; "wait ms" the part of it that was compute waiting for a core while communication ran
 (``core_wait``, moved from overlapped to exposed: docs/communication.md); "ranks ms" its ranks' range
@@ -80,7 +86,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from flops_callbacks.session.window_plan import COMM_MAX, before_clean  # noqa: E402
+from flops_callbacks.session.window_plan import COMM_MAX, MODULE_TIMING_STEPS, before_clean  # noqa: E402
 from tests.comm_workers import BATCH, Pairs, Regressor  # noqa: E402
 from tests.support import end_process  # noqa: E402
 
@@ -98,6 +104,7 @@ TIMEOUT = timedelta(seconds=300)
 
 
 BLOCK = 6  # steps of one kind in a row; a block's first step, after another block's, is not counted
+STRETCH = 3  # counted steps of each kind after each window step (Stretch)
 
 
 def schedule(pairs: int) -> list[tuple[str, bool]]:
@@ -232,6 +239,49 @@ class AllReduceClock:
         return total(merge(spans)) if spans else None
 
 
+class Stretch:
+    """The truth of the window's own stretch of the run: after each training step from the first
+    communication step until the profile is published, a block of :data:`STRETCH` synced and one of
+    no_sync outside steps (a barrier before each, a block's first step left out; which comes first
+    alternates), so that the sync's cost is sampled while the window runs (module doc: the same
+    all-reduce's cost moves by up to 1.5x between stretches of a second or two on a shared CPU)."""
+
+    def __init__(self, loss: Any, batch: Any, clock: AllReduceClock | None) -> None:
+        self.loss, self.batch, self.clock = loss, batch, clock
+        self.ddp: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.seconds: dict[bool, list[float]] = {True: [], False: []}
+
+    def use(self, ddp: nn.Module) -> None:
+        self.ddp, self.optimizer = ddp, torch.optim.SGD(ddp.parameters(), lr=1e-4)
+
+    def after(self, step: int, published: bool) -> None:
+        """Training step ``step`` (0-based) ended; ``published``: the window's figures are out."""
+        if published or step < PROFILE_STEP + MODULE_TIMING_STEPS or self.optimizer is None:
+            return
+        kept = self.clock.step if self.clock is not None else None
+        if self.clock is not None:
+            self.clock.step = None  # the witness files the window's own steps only
+        for sync in (True, False) if step % 2 else (False, True):
+            for i in range(STRETCH + 1):
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                    self.loss(self.ddp, self.batch).backward()
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+                if i:
+                    self.seconds[sync].append(time.perf_counter() - start)
+        if self.clock is not None:
+            self.clock.step = kept
+
+    def truth(self) -> float | None:
+        """Median synced less median no_sync step (seconds; None: no block ran)."""
+        if not self.seconds[True] or not self.seconds[False]:
+            return None
+        return statistics.median(self.seconds[True]) - statistics.median(self.seconds[False])
+
+
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**{k: v.to(next(model.parameters()).device) for k, v in batch.items()})["loss"]
 
@@ -318,11 +368,13 @@ def worker(
     )
     last = train_steps(comm_steps)
     clock = AllReduceClock() if witness else None
+    stretch = Stretch(_loss, batches[0], clock)
     if framework == "loop":
         ddp: Any = _ddp(width, bucket, _group(device))
         if clock is not None:
             ddp.register_comm_hook(None, clock.hook)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+        stretch.use(ddp)
         prof = StepProfiler(ddp, **options)
         for step, batch in enumerate(torch.utils.data.DataLoader(data, batch_size=BATCH)):
             if step == last:
@@ -333,6 +385,7 @@ def worker(
                 _loss(ddp, batch).backward()
                 optimizer.step()
                 optimizer.zero_grad()
+            stretch.after(step, prof.result is not None)
         prof.close()
         result = prof.result
     elif framework == "lightning":
@@ -354,10 +407,19 @@ def worker(
             def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
                 if clock is not None:  # Lightning registers a strategy's ddp_comm_hook on CUDA only
                     trainer.strategy.model.register_comm_hook(None, clock.hook)
+                # the outside steps' own DDP of the same module (module doc); Lightning's reducer, not
+                # prepared by its own forward, lets these backwards be
+                outer = nn.parallel.DistributedDataParallel(module.model, bucket_cap_mb=bucket)
+                if clock is not None:
+                    outer.register_comm_hook(None, clock.hook)
+                stretch.use(outer)
 
             def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
                 if clock is not None:
                     clock.step = trainer.global_step
+
+            def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+                stretch.after(trainer.global_step - 1, callback.result is not None)
 
         callback = FlopsProfilerCallback(**options)
         module = Module()
@@ -369,9 +431,7 @@ def worker(
         )  # fmt: skip
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
         result = callback.result
-        ddp = nn.parallel.DistributedDataParallel(module.model, bucket_cap_mb=bucket)
-        if clock is not None:
-            ddp.register_comm_hook(None, clock.hook)
+        ddp = stretch.ddp
         optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-4)
     else:
         from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -380,10 +440,14 @@ def worker(
             def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
                 if clock is not None:  # the Trainer wrapped its model in DDP just before
                     trainer.model_wrapped.register_comm_hook(None, clock.hook)
+                stretch.use(trainer.model_wrapped)
 
             def on_step_begin(self, args: Any, state: Any, *rest: Any, **kwargs: Any) -> None:
                 if clock is not None:
                     clock.step = state.global_step
+
+            def on_step_end(self, args: Any, state: Any, *rest: Any, **kwargs: Any) -> None:
+                stretch.after(state.global_step - 1, callback.result is not None)
 
         callback = HFFlopsCallback(**options)
         args = TrainingArguments(
@@ -404,15 +468,17 @@ def worker(
         clock.step = None  # the outside steps'
     truths = outside(ddp, _loss, optimizer, batches, pairs)
     every: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, (truths, hook))
+    torch.distributed.all_gather_object(every, (truths, hook, stretch.truth()))
     if torch.distributed.get_rank() == 0:
         metrics = result.metrics() if result is not None else {}
-        hooks = [h for _, h in every]
+        hooks = [h for _, h, _ in every]
+        stretches = [t for _, _, t in every]
         seen = {
-            "true": statistics.fmean(t.blocks for t, _ in every),
-            "pairs": statistics.fmean(t.pairs for t, _ in every),
-            "free": statistics.fmean(t.free for t, _ in every),
-            "true_ranks": [t.blocks for t, _ in every],
+            "true": statistics.fmean(t.blocks for t, _, _ in every),
+            "pairs": statistics.fmean(t.pairs for t, _, _ in every),
+            "free": statistics.fmean(t.free for t, _, _ in every),
+            "true_ranks": [t.blocks for t, _, _ in every],
+            "stretch": statistics.fmean(stretches) if None not in stretches else None,
             "hook": statistics.fmean(hooks) if None not in hooks else None,
             "reported": metrics.get(names.EXPOSED_COMM_LATENCY),
             "comm": metrics.get(names.COMM_LATENCY),
@@ -539,7 +605,7 @@ def main() -> None:
     hooks = f" {'hook ms':>7} {'comm/hook':>9}" if args.witness else ""
     print(f"{'framework':10} {'case':12} {'steps':>5} {'calls':>5} {'comm ms':>8} {'overlap':>7} "
           f"{'true ms':>8} {'reported ms':>11} {'wait ms':>7} {'ratio':>6} {'ranks ms':>11} {'pairs ms':>8} "
-          f"{'ratio':>5} {'free ms':>7} {'ratio':>5}{hooks}")  # fmt: skip
+          f"{'ratio':>5} {'free ms':>7} {'ratio':>5} {'stretch ms':>10} {'ratio':>5}{hooks}")  # fmt: skip
     for framework in args.frameworks.split(","):
         for case, (width, bucket) in CASES.items():
             ratios = []
@@ -559,6 +625,8 @@ def main() -> None:
                 by_pairs = reported / pairs if reported is not None and pairs > 0 else math.nan
                 free = seen["free"]
                 by_free = reported / free if reported is not None and free > 0 else math.nan
+                stretch = seen["stretch"] or math.nan
+                by_stretch = reported / stretch if reported is not None and stretch > 0 else math.nan
                 ratios.append(ratio)
                 low, high = seen["ranks"] or (math.nan, math.nan)
                 ranks = f"{low * 1e3:.2f}-{high * 1e3:.2f}"
@@ -567,7 +635,8 @@ def main() -> None:
                     f"{seen['comm'] * 1e3:8.2f} {seen['overlap']:7.2f} {true * 1e3:8.2f} "
                     f"{(reported or 0) * 1e3:11.2f} {(seen['wait'] or 0) * 1e3:7.2f} {ratio:6.2f} "
                     f"{ranks:>11} {pairs * 1e3:8.2f} "
-                    f"{by_pairs:5.2f} {free * 1e3:7.2f} {by_free:5.2f}{hook}"
+                    f"{by_pairs:5.2f} {free * 1e3:7.2f} {by_free:5.2f} "
+                    f"{stretch * 1e3:10.2f} {by_stretch:5.2f}{hook}"
                 )
             if len(ratios) > 1:
                 median = statistics.median(ratios)
