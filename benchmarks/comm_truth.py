@@ -138,6 +138,36 @@ class Truths(NamedTuple):
     ops_only: float | None = None
 
 
+def timed_step(
+    ddp: Any,
+    loss: Any,
+    batch: Any,
+    optimizer: torch.optim.Optimizer,
+    sync: bool,
+    mark: Any = lambda phase: None,
+) -> float:
+    """One outside step (forward, backward, optimizer step), synced or under ``no_sync()``, its phases
+    marked by ``mark`` as the session marks them: its seconds, between synchronizations on a GPU."""
+    from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
+
+    cuda = next(ddp.parameters()).is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with contextlib.nullcontext() if sync else ddp.no_sync():
+        mark(FORWARD)
+        out = loss(ddp, batch)
+        mark(BACKWARD)
+        out.backward()
+    mark(OPTIMIZER_STEP)
+    optimizer.step()
+    optimizer.zero_grad()
+    if cuda:
+        torch.cuda.synchronize()
+    mark("")
+    return time.perf_counter() - start
+
+
 def outside(
     ddp: nn.Module,
     loss: Any,
@@ -159,7 +189,6 @@ def outside(
     session marks them), and the counted synced block steps' median exposed time comes too, with the
     wait for a core moved and from the op intervals alone. A ``clock`` hooked on ``ddp`` files the
     i-th counted synced block step under step i (the other steps under None)."""
-    from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
     from flops_callbacks.timing.comm_breakdown import breakdown
     from flops_callbacks.timing.comm_recorder import CommRecorder
 
@@ -179,21 +208,7 @@ def outside(
         counted += block == "S"
         if block not in ("s", "n"):  # a free-running block's steps follow each other as training's do
             torch.distributed.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with contextlib.nullcontext() if sync else ddp.no_sync():  # type: ignore[operator]
-            mark(FORWARD)
-            out = loss(ddp, batch)
-            mark(BACKWARD)
-            out.backward()
-        mark(OPTIMIZER_STEP)
-        optimizer.step()
-        optimizer.zero_grad()
-        if cuda:
-            torch.cuda.synchronize()
-        mark("")
-        seconds.setdefault((block, sync), []).append(time.perf_counter() - start)
+        seconds.setdefault((block, sync), []).append(timed_step(ddp, loss, batch, optimizer, sync, mark))
         if recorder is not None:
             recorder.stop()
             split = recorder.breakdown()
@@ -265,13 +280,9 @@ class Stretch:
         for sync in (True, False) if step % 2 else (False, True):
             for i in range(STRETCH + 1):
                 torch.distributed.barrier()
-                start = time.perf_counter()
-                with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                    self.loss(self.ddp, self.batch).backward()
-                self.optimizer.step()
-                self.optimizer.zero_grad()
+                seconds = timed_step(self.ddp, self.loss, self.batch, self.optimizer, sync)
                 if i:
-                    self.seconds[sync].append(time.perf_counter() - start)
+                    self.seconds[sync].append(seconds)
         if self.clock is not None:
             self.clock.step = kept
 
