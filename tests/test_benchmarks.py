@@ -85,3 +85,24 @@ def test_comm_truths_blocks_count_steps_that_follow_their_own_kind_and_pairs_alt
     assert [steps[per_round * r][0] for r in range(5)] == ["S0", "N0", "P", "s0", "n0"]
     # whole rounds: at least the steps asked for, of each kind
     assert Counter(schedule(7))["N", False] == 10
+
+
+def test_comm_truths_training_blocks_bracket_the_window_and_count_each_kind_alike() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from comm_truth import BLOCK, WARMUP, TrainBlocks
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    train = TrainBlocks(100)
+    plan = list(train.plan)
+    # 20 rounds of a synced and a no_sync block of 6, each block's first step uncounted
+    assert len(plan) == train.steps == 20 * 2 * BLOCK
+    assert Counter(plan) == {(True, True): 20, (True, False): 20, (False, True): 100, (False, False): 100}
+    blocks = [plan[i : i + BLOCK] for i in range(0, len(plan), BLOCK)]
+    assert all(b[0][0] and not any(first for first, _ in b[1:]) for b in blocks)
+    assert all(len({sync for _, sync in b}) == 1 for b in blocks)
+    # which kind comes first alternates by round: synced, no_sync, no_sync, synced, synced, ...
+    assert [b[0][1] for b in blocks[:6]] == [True, False, False, True, True, False]
+    # the first ten rounds run before the window, after the warm-up steps
+    assert train.profile_step == WARMUP + 10 * 2 * BLOCK
+    assert TrainBlocks(1).profile_step == WARMUP + 2 * BLOCK  # two rounds at least: one each side
