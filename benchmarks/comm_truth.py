@@ -9,7 +9,9 @@ block's first step only, as a training run's steps follow each other; half the b
 window and half after it, so that they bracket its stretch of the run; then the ranks' mean (the
 reported figure is the ranks' mean too). It is the very step the window profiles, with the
 framework's data, optimizer and callbacks (which cancel out), and what a stopwatch over a run that
-synchronizes against one that does not would count, the wait for a late rank included.
+synchronizes against one that does not would count, the wait for a late rank included. "Aligned ms"
+is the same over training blocks run in the same rounds with a barrier before every step (after its
+batch is read, as the window's vote lines the ranks up before a communication step).
 
 The other truths, printed beside it, time outside steps instead (forward, backward and an SGD step of
 the same DDP model, called by the benchmark after training or between the window's steps).
@@ -113,8 +115,8 @@ GOAL = (0.75, 1.33)  # reported / true
 # the truths printed (module doc): the key in a run's figures, its column's name and width; the first
 # is the truth of the goal
 TRUTHS = (
-    ("true", "true", 8), ("after", "after", 8), ("stretch", "stretch", 10), ("stretch_free", "s.free", 9),
-    ("pairs", "pairs", 8), ("free", "free", 7),
+    ("true", "true", 8), ("aligned", "aligned", 10), ("after", "after", 8), ("stretch", "stretch", 10),
+    ("stretch_free", "s.free", 9), ("pairs", "pairs", 8), ("free", "free", 7),
 )  # fmt: skip
 TIMEOUT = timedelta(seconds=300)
 
@@ -331,46 +333,57 @@ class TrainBlocks:
     synced and under no_sync in turn (DDP's ``require_backward_grad_sync``, the flag ``no_sync()``
     sets), a barrier before a block's first step only (left out), each timed from the framework's
     step-begin event to its step-end event: ``sync - no_sync`` of the very step the window profiles
-    (its data, optimizer and framework work cancel out), as a training run runs it. Half the blocks
-    run before the window (from step :data:`WARMUP` to ``profile_step``), half once it is published,
-    so that the two bracket the window's stretch of the run."""
+    (its data, optimizer and framework work cancel out), as a training run runs it. Each round also
+    runs a synced and a no_sync block "aligned", a barrier before every step (after its batch is read,
+    as the window's vote lines the ranks up before a communication step): that difference leaves out
+    a rank made late by its data or the step before. Half the rounds run before the window (from step
+    :data:`WARMUP` to ``profile_step``), half once it is published, so that the two bracket the
+    window's stretch of the run."""
 
     def __init__(self, pairs: int) -> None:
-        rounds = max(2, math.ceil(pairs / (BLOCK - 1)))  # a round: a synced block and a no_sync one
-        kinds = [(r % 2 == 0, r % 2 == 1) for r in range(rounds)]  # which comes first alternates
-        self.plan = [(i == 0, sync) for pair in kinds for sync in pair for i in range(BLOCK)]
+        rounds = max(2, math.ceil(pairs / (BLOCK - 1)))  # a round: a synced and a no_sync block of each
+        orders = [(r % 2 == 0, r % 2 == 1) for r in range(rounds)]  # which comes first alternates
+        self.plan = [
+            (i == 0, sync, aligned)
+            for order in orders
+            for aligned in (False, True)
+            for sync in order
+            for i in range(BLOCK)
+        ]
         self.steps = len(self.plan)
-        self.profile_step = WARMUP + rounds // 2 * 2 * BLOCK  # the window starts after the first half
-        self.current: tuple[bool, bool, Any, float] | None = None
-        self.seconds: dict[bool, list[float]] = {True: [], False: []}
+        self.profile_step = WARMUP + self.steps // rounds * (rounds // 2)  # the window after half the rounds
+        self.current: tuple[bool, bool, bool, Any, float] | None = None
+        self.seconds: dict[tuple[bool, bool], list[float]] = {}
 
     def begin(self, ddp: Any, step: int, published: bool) -> None:
         """Training step ``step`` (0-based) starts; ``published``: the window's figures are out."""
         if not self.plan or not (published or WARMUP <= step < self.profile_step):
             return
-        first, sync = self.plan.pop(0)
-        if first:
+        first, sync, aligned = self.plan.pop(0)
+        if first or aligned:
             torch.distributed.barrier()
         ddp.require_backward_grad_sync = sync
         _synchronize(ddp)
-        self.current = (first, sync, ddp, time.perf_counter())
+        self.current = (first, sync, aligned, ddp, time.perf_counter())
 
     def end(self) -> None:
         """The step that :meth:`begin` started ended (nothing if it started none)."""
         if self.current is None:
             return
-        first, sync, ddp, start = self.current
+        first, sync, aligned, ddp, start = self.current
         _synchronize(ddp)
         seconds, self.current = time.perf_counter() - start, None
         ddp.require_backward_grad_sync = True
         if not first:
-            self.seconds[sync].append(seconds)
+            self.seconds.setdefault((sync, aligned), []).append(seconds)
 
-    def truth(self) -> float | None:
-        """Median synced less median no_sync training step (seconds; None: no block ran)."""
-        if not self.seconds[True] or not self.seconds[False]:
+    def truth(self, aligned: bool = False) -> float | None:
+        """Median synced less median no_sync training step (seconds; ``aligned``: of the blocks with a
+        barrier before each step; None: no block ran)."""
+        synced, unsynced = self.seconds.get((True, aligned)), self.seconds.get((False, aligned))
+        if not synced or not unsynced:
             return None
-        return statistics.median(self.seconds[True]) - statistics.median(self.seconds[False])
+        return statistics.median(synced) - statistics.median(unsynced)
 
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -567,7 +580,7 @@ def worker(
         clock.step = None  # the outside steps'
     truths = outside(ddp, _loss, optimizer, batches, pairs)
     every: list[Any] = [None] * torch.distributed.get_world_size()
-    mine = (truths, hook, stretch.truth(), stretch.truth(free=True), train.truth())
+    mine = (truths, hook, stretch.truth(), stretch.truth(free=True), train.truth(), train.truth(aligned=True))
     torch.distributed.all_gather_object(every, mine)
     if torch.distributed.get_rank() == 0:
         metrics = result.metrics() if result is not None else {}
@@ -579,6 +592,7 @@ def worker(
 
         seen = {
             "true": mean(4),  # the training step's
+            "aligned": mean(5),
             "after": statistics.fmean(e[0].blocks for e in every),
             "pairs": statistics.fmean(e[0].pairs for e in every),
             "free": statistics.fmean(e[0].free for e in every),

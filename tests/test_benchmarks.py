@@ -94,15 +94,22 @@ def test_comm_truths_training_blocks_bracket_the_window_and_count_each_kind_alik
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     train = TrainBlocks(100)
-    plan = list(train.plan)
-    # 20 rounds of a synced and a no_sync block of 6, each block's first step uncounted
-    assert len(plan) == train.steps == 20 * 2 * BLOCK
-    assert Counter(plan) == {(True, True): 20, (True, False): 20, (False, True): 100, (False, False): 100}
+    plan = list(train.plan)  # (a block's first step, synced, aligned)
+    # 20 rounds of a synced and a no_sync block of 6, free-running and aligned: each block's first
+    # step uncounted, 100 counted steps of each of the four kinds
+    assert len(plan) == train.steps == 20 * 4 * BLOCK
+    assert Counter(plan) == {
+        **{(True, sync, aligned): 20 for sync in (True, False) for aligned in (True, False)},
+        **{(False, sync, aligned): 100 for sync in (True, False) for aligned in (True, False)},
+    }
     blocks = [plan[i : i + BLOCK] for i in range(0, len(plan), BLOCK)]
-    assert all(b[0][0] and not any(first for first, _ in b[1:]) for b in blocks)
-    assert all(len({sync for _, sync in b}) == 1 for b in blocks)
-    # which kind comes first alternates by round: synced, no_sync, no_sync, synced, synced, ...
-    assert [b[0][1] for b in blocks[:6]] == [True, False, False, True, True, False]
+    assert all(b[0][0] and not any(step[0] for step in b[1:]) for b in blocks)
+    assert all(len({step[1:] for step in b}) == 1 for b in blocks)  # one kind a block
+    # in each round the free-running blocks, then the aligned ones, each pair in the round's order:
+    # synced first in even rounds, no_sync first in odd ones
+    kinds = [b[0][1:] for b in blocks[:8]]
+    assert kinds == [(True, False), (False, False), (True, True), (False, True),
+                     (False, False), (True, False), (False, True), (True, True)]  # fmt: skip
     # the first ten rounds run before the window, after the warm-up steps
-    assert train.profile_step == WARMUP + 10 * 2 * BLOCK
-    assert TrainBlocks(1).profile_step == WARMUP + 2 * BLOCK  # two rounds at least: one each side
+    assert train.profile_step == WARMUP + 10 * 4 * BLOCK
+    assert TrainBlocks(1).profile_step == WARMUP + 4 * BLOCK  # two rounds at least: one each side
