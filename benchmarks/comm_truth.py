@@ -342,6 +342,7 @@ class TrainBlocks:
 
     def __init__(self, pairs: int) -> None:
         rounds = max(2, math.ceil(pairs / (BLOCK - 1)))  # a round: a synced and a no_sync block of each
+        rounds += rounds % 2  # even: as many rounds, and of each order, before the window as after it
         orders = [(r % 2 == 0, r % 2 == 1) for r in range(rounds)]  # which comes first alternates
         self.plan = [
             (i == 0, sync, aligned)
@@ -739,6 +740,8 @@ def main() -> None:
             comm,
             stretch == "1",
         )
+    if not set(args.cases.split(",")) <= {"base", "slower"}:
+        parser.error(f"--cases takes base, slower or both (comma-separated), got {args.cases!r}")
     if args.comm_steps != "auto" and not (args.comm_steps.isdigit() and int(args.comm_steps) > 0):
         parser.error(f"--comm-steps takes 'auto' or an int >= 1, got {args.comm_steps!r}")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -29,7 +29,7 @@ check cuda-tests 60 "$PY" -m pytest -q -p no:cacheprovider -rs tests/timing/test
 # the CPU's gloo goal on a machine with more cores than ranks x threads (the shared CI machine has 2):
 # whether the 2-core machine's spread is the machine's (it is not only: benchmarks/README.md, "On 16 cores"), against
 # the training step's own sync - no_sync ("The framework's own step as the truth"; the outside steps' beside it)
-check comm-truth-gloo-cores 300 "$PY" benchmarks/comm_truth.py --frameworks lightning,hf --repeats 2
+check comm-truth-gloo-cores 300 "$PY" benchmarks/comm_truth.py --frameworks lightning,hf --repeats 2 --pairs 50
 check window-and-mfu 90 "$PY" benchmarks/gpu_window.py --repeats 2
 check timing-truth-124m 70 "$PY" benchmarks/timing_truth.py --device cuda --bf16 --cases gpt2-124m --repeats 3
 check timing-truth-small 40 "$PY" benchmarks/timing_truth.py --device cuda --bf16 --cases gpt2-small,mlp --repeats 1

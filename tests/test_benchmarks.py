@@ -113,3 +113,4 @@ def test_comm_truths_training_blocks_bracket_the_window_and_count_each_kind_alik
     # the first ten rounds run before the window, after the warm-up steps
     assert train.profile_step == WARMUP + 10 * 4 * BLOCK
     assert TrainBlocks(1).profile_step == WARMUP + 4 * BLOCK  # two rounds at least: one each side
+    assert TrainBlocks(11).steps == 4 * 4 * BLOCK  # three rounds' worth: four, two each side
