@@ -162,6 +162,15 @@ def _synchronize(model: Any) -> None:
         torch.cuda.synchronize()
 
 
+def sync_cost(seconds: dict[tuple[bool, bool], list[float]], kind: bool) -> float | None:
+    """Median synced less median no_sync step of ``seconds``, keyed (synced, ``kind``) (seconds;
+    None: a kind with no step)."""
+    synced, unsynced = seconds.get((True, kind)), seconds.get((False, kind))
+    if not synced or not unsynced:
+        return None
+    return statistics.median(synced) - statistics.median(unsynced)
+
+
 def timed_step(
     ddp: Any,
     loss: Any,
@@ -174,9 +183,7 @@ def timed_step(
     marked by ``mark`` as the session marks them: its seconds, between synchronizations on a GPU."""
     from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
 
-    cuda = next(ddp.parameters()).is_cuda
-    if cuda:
-        torch.cuda.synchronize()
+    _synchronize(ddp)
     start = time.perf_counter()
     with contextlib.nullcontext() if sync else ddp.no_sync():
         mark(FORWARD)
@@ -186,8 +193,7 @@ def timed_step(
     mark(OPTIMIZER_STEP)
     optimizer.step()
     optimizer.zero_grad()
-    if cuda:
-        torch.cuda.synchronize()
+    _synchronize(ddp)
     mark("")
     return time.perf_counter() - start
 
@@ -322,10 +328,7 @@ class Stretch:
     def truth(self, free: bool = False) -> float | None:
         """Median synced less median no_sync step (seconds; ``free``: of the blocks with no barrier but
         before their first step; None: no block ran)."""
-        synced, unsynced = self.seconds.get((True, free)), self.seconds.get((False, free))
-        if not synced or not unsynced:
-            return None
-        return statistics.median(synced) - statistics.median(unsynced)
+        return sync_cost(self.seconds, free)
 
 
 class TrainBlocks:
@@ -381,10 +384,7 @@ class TrainBlocks:
     def truth(self, aligned: bool = False) -> float | None:
         """Median synced less median no_sync training step (seconds; ``aligned``: of the blocks with a
         barrier before each step; None: no block ran)."""
-        synced, unsynced = self.seconds.get((True, aligned)), self.seconds.get((False, aligned))
-        if not synced or not unsynced:
-            return None
-        return statistics.median(synced) - statistics.median(unsynced)
+        return sync_cost(self.seconds, aligned)
 
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -5,15 +5,26 @@ window the benchmarks leave out of their unprofiled tables is the run plan's, st
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from types import ModuleType
 
 from tests.support import check_step, first_clean, module_steps, window_end
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLES = ("### Forward", "### Forward + backward (one training step)")
+
+
+def benchmark(name: str) -> ModuleType:
+    """A script of ``benchmarks/``, imported as its siblings import each other (that folder on the path)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def table(output: str, title: str) -> tuple[list[str], list[list[str]]]:
@@ -52,11 +63,7 @@ def test_compare_quick_runs_and_our_dense_counts_are_exact() -> None:
 
 
 def test_the_benchmarks_window_is_the_run_plans_counting_module_timing_and_clean_steps() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from common import window_steps
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    window_steps = benchmark("common").window_steps
     # counting at 10, three module-timing steps, the check, no clean step: 10-14; the first after it is 15
     assert window_steps(10) == range(10, 15) == range(10, window_end(10, 0))
     laid = [1, *module_steps(1), check_step(1), first_clean(1), first_clean(1) + 1]
@@ -64,11 +71,8 @@ def test_the_benchmarks_window_is_the_run_plans_counting_module_timing_and_clean
 
 
 def test_comm_truths_blocks_count_steps_that_follow_their_own_kind_and_pairs_alternate() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from comm_truth import BLOCK, schedule
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    comm_truth = benchmark("comm_truth")
+    BLOCK, schedule = comm_truth.BLOCK, comm_truth.schedule
     steps = schedule(100)
     # 100 counted steps of each kind per truth, one uncounted lead-in per block of 6 (20 rounds)
     assert Counter(steps) == {("S", True): 100, ("N", False): 100, ("P", True): 100, ("P", False): 100,
@@ -88,11 +92,8 @@ def test_comm_truths_blocks_count_steps_that_follow_their_own_kind_and_pairs_alt
 
 
 def test_comm_truths_training_blocks_bracket_the_window_and_count_each_kind_alike() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from comm_truth import BLOCK, WARMUP, TrainBlocks
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    comm_truth = benchmark("comm_truth")
+    BLOCK, WARMUP, TrainBlocks = comm_truth.BLOCK, comm_truth.WARMUP, comm_truth.TrainBlocks
     train = TrainBlocks(100)
     plan = list(train.plan)  # (a block's first step, synced, aligned)
     # 20 rounds of a synced and a no_sync block of 6, free-running and aligned: each block's first
