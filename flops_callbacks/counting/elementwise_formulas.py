@@ -236,7 +236,8 @@ def _bucketize_flop(args: tuple, kwargs: dict, out: Any) -> int:
 # ReLU6, Hardsigmoid, Mish, Softshrink and Hardshrink, in-place Mish, and Hardswish, RReLU, PReLU and GLU
 # both ways: MobileNet's and EfficientNet's activations among them. GLU, a sigmoid and a multiply fused,
 # counts one flop per output element as SiLU does. RReLU's random slope is drawn free, its multiply
-# counted, as dropout's mask.)
+# counted, as dropout's mask. LeakyReLU's forward and the in-place ELU / CELU / SELU, LeakyReLU, Hardtanh
+# and Hardsigmoid: torch 2.13 tags them pointwise, torch 2.11 does not, so each is named here.)
 
 
 @elementwise(
@@ -247,6 +248,7 @@ def _bucketize_flop(args: tuple, kwargs: dict, out: Any) -> int:
         *("mish_", "mish_backward", "hardswish", "hardswish_", "hardswish_backward"),
         *("softshrink_backward", "hardshrink_backward", "_prelu_kernel", "glu", "glu_backward"),
         *("rrelu_with_noise", "rrelu_with_noise_", "rrelu_with_noise_backward"),
+        *("leaky_relu", "leaky_relu_", "elu_", "celu_", "selu_", "hardtanh_", "hardsigmoid_"),
     )
 )
 def _untagged_pointwise_flop(args: tuple, kwargs: dict, out: Any) -> int:

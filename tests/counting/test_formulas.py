@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from flops_callbacks import FlopsProfiler, Profile, get_model_profile
-from flops_callbacks.counting.registry import entry_for
+from flops_callbacks.counting.registry import entry_for, registered
 
 
 class Call(nn.Module):
@@ -503,6 +503,24 @@ def test_mish_in_place_counts_as_mish() -> None:
     # the scaling and the activation, each one flop per element both ways
     assert (profile.fwd_flops, profile.bwd_flops) == (2 * x.numel(), 2 * x.numel())
     assert profile.coverage.uncounted == []
+
+
+IN_PLACE = {f.__name__: f for f in (F.elu, F.celu, F.selu, F.leaky_relu, F.hardtanh, F.hardsigmoid)}
+
+
+@pytest.mark.parametrize("activation", IN_PLACE.values(), ids=IN_PLACE.keys())
+def test_in_place_activations_count_as_their_out_of_place_forms(activation: Callable) -> None:
+    x = leaf(3, 4, 7)
+    profile = profile_of(Call(lambda t: activation(t * 2.0, inplace=True)), x, backward=True)
+    assert (profile.fwd_flops, profile.bwd_flops) == (2 * x.numel(), 2 * x.numel())
+    assert profile.coverage.uncounted == []
+
+
+def test_activations_torch_2_11_does_not_tag_pointwise_are_counted_by_a_rule_of_our_own() -> None:
+    # torch 2.13 tags these pointwise and 2.11 does not (read off both versions' op tags on a GPU
+    # machine): a count from the tag alone would leave them uncounted on the older torch
+    names = ("leaky_relu", "leaky_relu_", "elu_", "celu_", "selu_", "hardtanh_", "hardsigmoid_")
+    assert [name for name in names if registered(getattr(torch.ops.aten, name)) is None] == []
 
 
 @pytest.mark.parametrize("training", [True, False])
