@@ -9,6 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+# torch.Tag.reduction (the counting's rule for reductions) and the saved-tensor hooks' stack came in 2.10;
+# an older torch would fail later, inside a user's run, so it is said here
+if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 10):
+    raise ImportError(f"flops_callbacks needs torch >= 2.10, found {torch.__version__}")
+
 from flops_callbacks.counting.registry import OpKind, register_formula, register_op_kind
 from flops_callbacks.integrations.deepspeed_api import (
     FlopsProfiler,

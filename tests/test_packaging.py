@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 BLOCK_FRAMEWORKS = textwrap.dedent(
     """
@@ -51,3 +52,14 @@ def test_missing_framework_names_the_extra() -> None:
         assert result.returncode != 0
         assert "ImportError" in result.stderr
         assert install in result.stderr and f"pip install '.[{extra}]'" in result.stderr, result.stderr
+
+
+def test_a_torch_older_than_the_floor_is_said_at_import() -> None:
+    # torch 2.9 lacks torch.Tag.reduction, 2.8 and older the saved-tensor hooks' stack (both tried):
+    # the floor pyproject.toml declares is the one the import checks
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert '"torch>=2.10"' in pyproject
+    result = run("import torch\ntorch.__version__ = '2.9.1+cpu'\nimport flops_callbacks")
+    assert result.returncode != 0
+    assert "ImportError: flops_callbacks needs torch >= 2.10, found 2.9.1+cpu" in result.stderr, result.stderr
+    assert run("import torch\ntorch.__version__ = '2.10.0+cpu'\nimport flops_callbacks").returncode == 0
