@@ -50,6 +50,9 @@ def main() -> None:
     args = parser.parse_args()
 
     set_seed(0)
+    # transformers 5 renamed gradient_checkpointing (4.46, the floor, knows only that name)
+    new_name = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    checkpointing = "activation_checkpointing" if new_name else "gradient_checkpointing"
     config = GPT2Config(
         vocab_size=VOCAB, n_positions=CONTEXT, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
         bos_token_id=0, eos_token_id=0,
@@ -58,7 +61,7 @@ def main() -> None:
         output_dir=args.output_dir,
         use_cpu=args.device == "cpu",
         bf16=args.bf16,
-        activation_checkpointing=args.activation_checkpointing,
+        **{checkpointing: args.activation_checkpointing},
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         per_device_train_batch_size=args.batch_size,
         max_steps=args.max_steps,
