@@ -135,7 +135,7 @@ import lightning as L  # noqa: E402  (the LightningModule and callback are pickl
 
 from flops_callbacks.session.window_plan import COMM_MIN  # noqa: E402
 from tests.sharded_workers import zero_config  # noqa: E402  (the checkout is on the path)
-from tests.support import end_process  # noqa: E402
+from tests.support import end_group_at_exit, end_process  # noqa: E402
 
 
 class LM(L.LightningModule):
@@ -162,6 +162,7 @@ class Saves(L.Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         save(self.directory, self.profiler, self.collator, trainer.global_step, self.ends, [])
+        end_group_at_exit()  # a spawned rank ends by returning, through the interpreter's teardown
 
 
 def lightning(data: str, clean: Any, directory: Path, strategy: str, processes: int) -> None:

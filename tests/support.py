@@ -3,6 +3,7 @@ the fault suites inject, and a step session driven as an adapter drives it."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
 import os
@@ -41,6 +42,18 @@ def end_process() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def end_group_at_exit() -> None:
+    """For a process that must end by returning (a ddp_spawn rank hands Lightning its results after its
+    training ends): destroy the process group at exit, before the interpreter finalizes, so no gloo thread
+    is left to free tensors then (the abort ``end_process`` avoids)."""
+
+    def destroy() -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def run_bounded(
