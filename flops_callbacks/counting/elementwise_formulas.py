@@ -237,7 +237,7 @@ def _bucketize_flop(args: tuple, kwargs: dict, out: Any) -> int:
 # both ways: MobileNet's and EfficientNet's activations among them. GLU, a sigmoid and a multiply fused,
 # counts one flop per output element as SiLU does. RReLU's random slope is drawn free, its multiply
 # counted, as dropout's mask. LeakyReLU's forward and the in-place ELU / CELU / SELU, LeakyReLU, Hardtanh
-# and Hardsigmoid: torch 2.13 tags them pointwise, torch 2.11 does not, so each is named here.)
+# and Hardsigmoid: torch 2.13 tags them pointwise, 2.10 and 2.11 do not, so each is named here.)
 
 
 @elementwise(
