@@ -581,26 +581,27 @@ def worker(
         clock.step = None  # the outside steps'
     truths = outside(ddp, _loss, optimizer, batches, pairs)
     every: list[Any] = [None] * torch.distributed.get_world_size()
-    mine = (truths, hook, stretch.truth(), stretch.truth(free=True), train.truth(), train.truth(aligned=True))
+    mine = {  # this rank's figures, seconds (None: not taken): each printed as the ranks' mean
+        "true": train.truth(),  # the training step's
+        "aligned": train.truth(aligned=True),
+        "after": truths.blocks,
+        "pairs": truths.pairs,
+        "free": truths.free,
+        "stretch": stretch.truth(),
+        "stretch_free": stretch.truth(free=True),
+        "hook": hook,
+    }
     torch.distributed.all_gather_object(every, mine)
     if torch.distributed.get_rank() == 0:
         metrics = result.metrics() if result is not None else {}
-        hooks = [e[1] for e in every]
 
-        def mean(at: int) -> float | None:
-            values = [e[at] for e in every]
+        def mean(key: str) -> float | None:
+            values = [e[key] for e in every]
             return statistics.fmean(values) if None not in values else None
 
         seen = {
-            "true": mean(4),  # the training step's
-            "aligned": mean(5),
-            "after": statistics.fmean(e[0].blocks for e in every),
-            "pairs": statistics.fmean(e[0].pairs for e in every),
-            "free": statistics.fmean(e[0].free for e in every),
-            "after_ranks": [e[0].blocks for e in every],
-            "stretch": mean(2),
-            "stretch_free": mean(3),
-            "hook": statistics.fmean(hooks) if None not in hooks else None,
+            **{key: mean(key) for key in mine},
+            "after_ranks": [e["after"] for e in every],
             "reported": metrics.get(names.EXPOSED_COMM_LATENCY),
             "comm": metrics.get(names.COMM_LATENCY),
             "overlap": metrics.get(names.COMM_OVERLAP),

@@ -37,23 +37,23 @@ def end_process() -> None:
     A gloo worker thread that drops a finished collective's Python-owned tensors while the interpreter
     finalizes cannot take the GIL and aborts the process ("terminate called without an active
     exception"; a core dump showed ``ProcessGroupGloo::runLoop`` freeing an all_gather under a barrier)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    destroy_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def destroy_group() -> None:
+    """Destroy the default process group, if there is one."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def end_group_at_exit() -> None:
     """For a process that must end by returning (a ddp_spawn rank hands Lightning its results after its
     training ends): destroy the process group at exit, before the interpreter finalizes, so no gloo thread
     is left to free tensors then (the abort ``end_process`` avoids)."""
-
-    def destroy() -> None:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-    atexit.register(destroy)
+    atexit.register(destroy_group)
 
 
 def run_bounded(
