@@ -269,7 +269,8 @@ def test_lightning_fsdp_hybrid_shard_reader_counts_every_device_as_a_data_replic
 
 
 def test_context_parallel_size_from_accelerate_parallelism_config_is_a_summary_row() -> None:
-    from accelerate.parallelism_config import ParallelismConfig
+    # accelerate added ParallelismConfig (and TrainingArguments its argument) in 1.10
+    ParallelismConfig = pytest.importorskip("accelerate.parallelism_config").ParallelismConfig
     from transformers import TrainingArguments
 
     from flops_callbacks.integrations.hf import parallel_sizes
