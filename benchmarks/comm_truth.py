@@ -30,6 +30,10 @@ same all-reduce's cost moves by up to 1.5x between stretches of a second or two
 (benchmarks/README.md), so a truth taken after training is of another stretch than the window's; with
 ``--stretch`` the window's steps follow outside steps rather than training steps. The last line counts
 the Lightning and HF runs within the goal against each truth.
+"Halves" is the truth of the blocks before the window over that of the blocks after it (half the
+steps each): the reference's own repeatability within one run, against which the reported figure's
+misses can be weighed (a truth whose halves disagree by more than the goal's band cannot hold a
+single window within it every time).
 "Reported" is the profile's ``flops_profiler/exposed_comm_latency`` from the same processes' training
 run; "wait ms" the part of it that was compute waiting for a core while communication ran
 (``core_wait``, moved from overlapped to exposed: docs/communication.md); "ranks ms" its ranks' range
@@ -356,8 +360,9 @@ class TrainBlocks:
         ]
         self.steps = len(self.plan)
         self.profile_step = WARMUP + self.steps // rounds * (rounds // 2)  # the window after half the rounds
-        self.current: tuple[bool, bool, bool, Any, float] | None = None
+        self.current: tuple[bool, bool, bool, bool, Any, float] | None = None
         self.seconds: dict[tuple[bool, bool], list[float]] = {}
+        self.halves: dict[bool, dict[tuple[bool, bool], list[float]]] = {False: {}, True: {}}
 
     def begin(self, ddp: Any, step: int, published: bool) -> None:
         """Training step ``step`` (0-based) starts; ``published``: the window's figures are out."""
@@ -368,23 +373,29 @@ class TrainBlocks:
             torch.distributed.barrier()
         ddp.require_backward_grad_sync = sync
         _synchronize(ddp)
-        self.current = (first, sync, aligned, ddp, time.perf_counter())
+        self.current = (first, sync, aligned, published, ddp, time.perf_counter())
 
     def end(self) -> None:
         """The step that :meth:`begin` started ended (nothing if it started none)."""
         if self.current is None:
             return
-        first, sync, aligned, ddp, start = self.current
+        first, sync, aligned, after, ddp, start = self.current
         _synchronize(ddp)
         seconds, self.current = time.perf_counter() - start, None
         ddp.require_backward_grad_sync = True
         if not first:
             self.seconds.setdefault((sync, aligned), []).append(seconds)
+            self.halves[after].setdefault((sync, aligned), []).append(seconds)
 
     def truth(self, aligned: bool = False) -> float | None:
         """Median synced less median no_sync training step (seconds; ``aligned``: of the blocks with a
         barrier before each step; None: no block ran)."""
         return sync_cost(self.seconds, aligned)
+
+    def half(self, after: bool) -> float | None:
+        """:meth:`truth` of the free-running blocks before the window (``after`` False) or after it:
+        the two halves' agreement is the reference's own repeatability (module doc)."""
+        return sync_cost(self.halves[after], False)
 
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -583,6 +594,8 @@ def worker(
     every: list[Any] = [None] * torch.distributed.get_world_size()
     mine = {  # this rank's figures, seconds (None: not taken): each printed as the ranks' mean
         "true": train.truth(),  # the training step's
+        "true_before": train.half(after=False),
+        "true_after": train.half(after=True),
         "aligned": train.truth(aligned=True),
         "after": truths.blocks,
         "pairs": truths.pairs,
@@ -760,9 +773,10 @@ def main() -> None:
     hooks = f" {'hook ms':>7} {'comm/hook':>9}" if args.witness else ""
     others = " ".join(f"{label + ' ms':>{width}} {'ratio':>5}" for _, label, width in TRUTHS[1:])
     print(f"{'framework':10} {'case':12} {'steps':>5} {'calls':>5} {'comm ms':>8} {'overlap':>7} "
-          f"{'true ms':>8} {'reported ms':>11} {'wait ms':>7} {'ratio':>6} {'ranks ms':>11} "
+          f"{'true ms':>8} {'reported ms':>11} {'wait ms':>7} {'ratio':>6} {'ranks ms':>11} {'halves':>6} "
           f"{others}{hooks}")  # fmt: skip
     within: dict[str, list[bool]] = {}  # each truth's runs: within the goal, Lightning's and HF's
+    halves_within: list[bool] = []  # the same runs' truth halves: within the goal of each other
     for framework in args.frameworks.split(","):
         for case, (width, bucket) in CASES.items():
             if case.split()[0] not in args.cases.split(","):
@@ -791,6 +805,9 @@ def main() -> None:
                 for key, _, _ in TRUTHS:
                     if framework != "loop" and seen[key] is not None:
                         within.setdefault(key, []).append(GOAL[0] <= _ratio(reported, seen[key]) <= GOAL[1])
+                halves = _ratio(seen["true_before"], seen["true_after"])
+                if framework != "loop" and not math.isnan(halves):
+                    halves_within.append(GOAL[0] <= halves <= GOAL[1])
                 ratio = _ratio(reported, seen["true"])
                 ratios.append(ratio)
                 low, high = seen["ranks"] or (math.nan, math.nan)
@@ -801,7 +818,7 @@ def main() -> None:
                     f"{seen['comm'] * 1e3:8.2f} {seen['overlap']:7.2f} "
                     f"{(seen['true'] or math.nan) * 1e3:8.2f} "
                     f"{(reported or 0) * 1e3:11.2f} {(seen['wait'] or 0) * 1e3:7.2f} {ratio:6.2f} "
-                    f"{ranks:>11} {rest}{hook}"
+                    f"{ranks:>11} {halves:6.2f} {rest}{hook}"
                 )
             if len(ratios) > 1:
                 median = statistics.median(ratios)
@@ -809,6 +826,11 @@ def main() -> None:
     if within:
         counts = ", ".join(f"{name} {sum(w)} of {len(w)}" for k, name, _ in TRUTHS if (w := within.get(k)))
         print(f"Lightning and HF runs within [{GOAL[0]}, {GOAL[1]}] of each truth: {counts}")
+    if halves_within:
+        print(
+            f"their truth's halves (before / after the window) within [{GOAL[0]}, {GOAL[1]}] of each "
+            f"other: {sum(halves_within)} of {len(halves_within)}"
+        )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch.nn as nn
 
 from tests.support import check_step, first_clean, module_steps, window_end
 
@@ -115,3 +118,25 @@ def test_comm_truths_training_blocks_bracket_the_window_and_count_each_kind_alik
     assert train.profile_step == WARMUP + 10 * 4 * BLOCK
     assert TrainBlocks(1).profile_step == WARMUP + 4 * BLOCK  # two rounds at least: one each side
     assert TrainBlocks(11).steps == 4 * 4 * BLOCK  # three rounds' worth: four, two each side
+
+
+def test_comm_truths_halves_are_the_training_blocks_before_and_after_the_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    comm_truth = benchmark("comm_truth")
+    monkeypatch.setattr(comm_truth.torch.distributed, "barrier", lambda: None)
+    now = [0.0]
+    monkeypatch.setattr(comm_truth, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    train, model = comm_truth.TrainBlocks(100), nn.Linear(2, 2)
+    # a synced step takes 2 s before the window and 4 s after it, a no_sync step 1 s throughout
+    for step in range(comm_truth.WARMUP, train.profile_step + train.steps):
+        published = step >= train.profile_step
+        train.begin(model, step, published)
+        if train.current is None:
+            continue
+        synced = train.current[1]
+        now[0] += (4.0 if published else 2.0) if synced else 1.0
+        train.end()
+    assert not train.plan and model.require_backward_grad_sync
+    assert train.half(after=False) == 1.0 and train.half(after=True) == 3.0
+    assert train.truth() == 2.0  # the median synced step of both halves, (2 + 4) / 2, less 1
