@@ -136,8 +136,18 @@ def train(tmp_path: Path, model: torch.nn.Module, callbacks: list[TrainerCallbac
     return trainer
 
 
+def profile_file(output_dir: str | Path, suffix: str) -> Path:
+    """The window's ``flops_profile_step{N}.{suffix}``: in the output dir (transformers 5), or in 4.x in
+    the Trainer's logging dir, where the callback writes (by default the run's folder under ``runs/``)."""
+    name = f"flops_profile_step{PROFILE_STEP}.{suffix}"
+    for folder in (Path(output_dir), *sorted(Path(output_dir).glob("runs/*"))):
+        if (folder / name).exists():
+            return folder / name
+    return Path(output_dir) / name
+
+
 def saved_profile(trainer: Trainer) -> dict[str, Any]:
-    return json.loads((Path(trainer.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.json").read_text())
+    return json.loads(profile_file(trainer.args.output_dir, "json").read_text())
 
 
 def dense_flops(model: torch.nn.Module, backward: bool) -> int:
@@ -232,7 +242,7 @@ def test_metrics_reach_tensorboard_once_at_the_window_end_and_losses_are_unchang
     events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
     events.Reload()
     (text,) = events.Tensors("flops_profiler/report/text_summary")
-    report = (Path(profiled.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    report = profile_file(profiled.args.output_dir, "txt").read_text()
     assert text.step == WINDOW_END
     assert [line[4:] for line in text.tensor_proto.string_val[0].decode().splitlines()] == report.splitlines()
 
@@ -262,7 +272,7 @@ def test_metrics_reach_tensorboard_once_at_the_window_end_and_losses_are_unchang
 
     # the report, written next to the run, with the Trainer's own estimate (what total_flos sums) and
     # the steps each figure comes from
-    report = (Path(profiled.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    report = profile_file(profiled.args.output_dir, "txt").read_text()
     assert f"Profile Summary at step {PROFILE_STEP}:" in report
     estimate = 6 * BATCH * SEQ * profiled.model.num_parameters(exclude_embeddings=True)
     assert estimate == profiled.floating_point_ops(micro_batch())
@@ -361,7 +371,7 @@ def test_a_run_ending_inside_the_window_warns_at_train_start_and_publishes_at_tr
     assert [step for step, _ in logged(trainer, names.FWD_FLOPS)] == [FIRST_CLEAN]
     ((step, _),) = tensorboard_scalars(trainer.args.output_dir)["train/" + names.FWD_FLOPS]
     assert step == FIRST_CLEAN
-    report = (Path(trainer.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    report = profile_file(trainer.args.output_dir, "txt").read_text()
     assert "alone (no clean step ran" in report and result.steps.latency_source in report
     assert_nothing_left(trainer)
 
@@ -623,7 +633,7 @@ def test_the_console_gets_the_report_above_the_bar_and_no_metrics_dict(
     assert [step for step, _ in scalars["train/" + names.FWD_FLOPS]] == [WINDOW_END]
     assert [step for step, _ in scalars["train/" + names.THROUGHPUT_SAMPLES_PER_SEC]] == [WINDOW_END + 1]
     # the report's first rule line begins a line of the terminal: written above the bar, not after it
-    report = (Path(trainer.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    report = profile_file(trainer.args.output_dir, "txt").read_text()
     rule = next(line for line in report.splitlines() if line.startswith("---"))
     assert rule in re.split(r"[\r\n]", out)
     assert out.count(rule) == 1
@@ -658,10 +668,11 @@ def test_gradient_checkpointing_reports_recompute_apart(tmp_path: Path) -> None:
     train(tmp_path / "plain", gpt2(), [plain], report_to=(), max_steps=WINDOW_END)
     peak = 3e10
     callback = quiet(peak_flops=peak)
-    # activation_checkpointing: transformers 5's name for gradient_checkpointing (a deprecated alias)
-    trainer = train(
-        tmp_path / "checkpointed", gpt2(), [callback], activation_checkpointing=True, max_steps=WINDOW_END
-    )
+    # activation_checkpointing: transformers 5's name for gradient_checkpointing (there a deprecated
+    # alias; 4.x knows only the old name)
+    new_name = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    checkpointing = {"activation_checkpointing" if new_name else "gradient_checkpointing": True}
+    trainer = train(tmp_path / "checkpointed", gpt2(), [callback], max_steps=WINDOW_END, **checkpointing)
     profile, baseline = callback.result.profile, plain.result.profile
     assert (profile.fwd_flops, profile.fwd_macs, profile.bwd_macs) == (
         baseline.fwd_flops, baseline.fwd_macs, baseline.bwd_macs
@@ -688,7 +699,7 @@ def test_gradient_checkpointing_reports_recompute_apart(tmp_path: Path) -> None:
         ((step, value),) = scalars["train/" + name]
         assert step == WINDOW_END and value == pytest.approx(expected, rel=1e-6)
     assert hfu > mfu
-    report = (Path(trainer.args.output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    report = profile_file(trainer.args.output_dir, "txt").read_text()
     assert "peak FLOPS per device (peak_flops argument):" in report
     assert f"{100 * mfu:.2f}%" in report and f"{100 * hfu:.2f}%" in report
 
@@ -766,7 +777,7 @@ def test_exception_in_the_counting_step_propagates_and_the_next_train_profiles(
     assert trainer.state.global_step == PROFILE_STEP
     assert callback.result is None
     assert_nothing_left(trainer)
-    assert not list(Path(trainer.args.output_dir).glob("flops_profile_*"))
+    assert not list(Path(trainer.args.output_dir).rglob("flops_profile_*"))
 
     trainer.train()  # the next run profiles its window as usual
     assert callback.result is not None and laid_out(callback.result.steps) == STEPS
@@ -877,13 +888,13 @@ def test_ddp_two_processes_report_data_parallel_size_from_world_process_zero(tmp
         model_flops = metrics[names.FWD_FLOPS] + metrics[names.BWD_FLOPS]
         assert metrics[names.MFU] == pytest.approx(model_flops / metrics[names.ITER_LATENCY] / 1e9)
     output_dir = str(tmp_path / "out")
-    saved = json.loads((Path(output_dir) / f"flops_profile_step{PROFILE_STEP}.json").read_text())
+    saved = json.loads(profile_file(output_dir, "json").read_text())
     assert saved["metrics"] == ranks[0]["metrics"]
     scalars = tensorboard_scalars(output_dir)  # written by world process zero's TensorBoardCallback
     for name in names.ALL + names.WITH_PEAK + names.COMM:  # the communication step's too
         ((step, value),) = scalars["train/" + name]  # one set of metrics: rank 1 logged none
         assert step == DDP_END and value == pytest.approx(ranks[0]["metrics"][name], rel=1e-6)
-    report = (Path(output_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
+    report = profile_file(output_dir, "txt").read_text()
     lines = dict(line.split(":", 1) for line in report.splitlines() if ":" in line)
     assert [lines[k].strip() for k in ("world size", "data parallel size", "model parallel size")] == [
         "2",
@@ -956,7 +967,8 @@ def test_parallel_sizes_from_deepspeed_autotp_and_megatron_plugins() -> None:
 
 
 def test_parallel_sizes_from_the_models_distributed_config() -> None:
-    from transformers.distributed import DistributedConfig
+    # transformers 5 added the model's DistributedConfig
+    DistributedConfig = pytest.importorskip("transformers.distributed").DistributedConfig
 
     model = gpt2()
     model.config.distributed_config = DistributedConfig(tp_size=4)
