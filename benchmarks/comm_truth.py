@@ -361,7 +361,7 @@ class TrainBlocks:
         self.steps = len(self.plan)
         self.profile_step = WARMUP + self.steps // rounds * (rounds // 2)  # the window after half the rounds
         self.current: tuple[bool, bool, bool, bool, Any, float] | None = None
-        self.seconds: dict[tuple[bool, bool], list[float]] = {}
+        # before the window (False) and after it (True): (synced, aligned) -> counted steps' seconds
         self.halves: dict[bool, dict[tuple[bool, bool], list[float]]] = {False: {}, True: {}}
 
     def begin(self, ddp: Any, step: int, published: bool) -> None:
@@ -384,13 +384,14 @@ class TrainBlocks:
         seconds, self.current = time.perf_counter() - start, None
         ddp.require_backward_grad_sync = True
         if not first:
-            self.seconds.setdefault((sync, aligned), []).append(seconds)
             self.halves[after].setdefault((sync, aligned), []).append(seconds)
 
     def truth(self, aligned: bool = False) -> float | None:
         """Median synced less median no_sync training step (seconds; ``aligned``: of the blocks with a
         barrier before each step; None: no block ran)."""
-        return sync_cost(self.seconds, aligned)
+        before, after = self.halves[False], self.halves[True]
+        both = {key: before.get(key, []) + after.get(key, []) for key in {*before, *after}}
+        return sync_cost(both, aligned)
 
     def half(self, after: bool) -> float | None:
         """:meth:`truth` of the free-running blocks before the window (``after`` False) or after it:

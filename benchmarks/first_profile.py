@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import torch
 
@@ -32,13 +34,13 @@ SKIPPED = (
 )
 
 
-def calls_inside(run: object) -> list[tuple[float, str]]:
+def calls_inside(run: Callable[[], object]) -> list[tuple[float, str]]:
     """The 8 slowest Python calls under ``run()`` into torch, skipping the model's and our own hot path."""
     starts: dict[int, tuple[float, str]] = {}
     spent: list[tuple[float, str]] = []
 
-    def hook(frame: object, event: str, arg: object) -> None:
-        code = frame.f_code  # type: ignore[attr-defined]
+    def hook(frame: FrameType, event: str, arg: object) -> None:
+        code = frame.f_code
         if "torch" not in code.co_filename or any(s in code.co_filename for s in SKIPPED):
             return
         if event == "call":
@@ -52,7 +54,7 @@ def calls_inside(run: object) -> list[tuple[float, str]]:
 
     sys.setprofile(hook)
     try:
-        run()  # type: ignore[operator]
+        run()
     finally:
         sys.setprofile(None)
     return sorted(spent, reverse=True)[:8]

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import _get_current_function_mode_stack
@@ -137,13 +138,12 @@ def train(tmp_path: Path, model: torch.nn.Module, callbacks: list[TrainerCallbac
 
 
 def profile_file(output_dir: str | Path, suffix: str) -> Path:
-    """The window's ``flops_profile_step{N}.{suffix}``: in the output dir (transformers 5), or in 4.x in
-    the Trainer's logging dir, where the callback writes (by default the run's folder under ``runs/``)."""
-    name = f"flops_profile_step{PROFILE_STEP}.{suffix}"
-    for folder in (Path(output_dir), *sorted(Path(output_dir).glob("runs/*"))):
-        if (folder / name).exists():
-            return folder / name
-    return Path(output_dir) / name
+    """The window's ``flops_profile_step{N}.{suffix}`` where the callback writes it: the output dir in
+    transformers 5, the Trainer's logging dir in 4.x (by default the run's one folder under ``runs/``)."""
+    folder = Path(output_dir)
+    if int(transformers.__version__.split(".")[0]) < 5:
+        (folder,) = folder.glob("runs/*")
+    return folder / f"flops_profile_step{PROFILE_STEP}.{suffix}"
 
 
 def saved_profile(trainer: Trainer) -> dict[str, Any]:
