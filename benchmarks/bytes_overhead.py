@@ -27,7 +27,7 @@ from unittest import mock
 import torch
 
 from flops_callbacks.counting import engine as tracer_module
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.counting.saved_activations import SavedActivations
 
 
@@ -68,7 +68,7 @@ def main() -> None:
         model(ids, labels=ids).loss.backward()
 
     def counting() -> None:
-        tracer = Tracer(model)
+        tracer = CountingEngine(model)
         tracer.start()
         try:
             step()

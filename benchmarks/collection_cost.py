@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "examples" / "lightning"))
 
 import train  # noqa: E402  (the Lightning example's model)
 
-from flops_callbacks.counting.engine import Tracer  # noqa: E402
+from flops_callbacks.counting.engine import CountingEngine  # noqa: E402
 
 VARIANTS = {"none": None, "full (generation 2)": 2, "young (generation 1)": 1}
 AFTER = 4  # steps timed after the collection
@@ -43,7 +43,7 @@ def main() -> None:
     x = torch.randint(0, train.VOCAB, (8, train.CONTEXT))
     y = torch.randint(0, train.VOCAB, (8, train.CONTEXT))
 
-    def step(tracer: Tracer | None = None) -> float:
+    def step(tracer: CountingEngine | None = None) -> float:
         """One training step; the seconds of its forward."""
         if tracer is not None:
             tracer.start()
@@ -64,7 +64,7 @@ def main() -> None:
     for _ in range(args.cycles):
         for name, generation in VARIANTS.items():
             before = statistics.median(step() for _ in range(6))
-            tracer = Tracer(model)
+            tracer = CountingEngine(model)
             step(tracer)
             tracer.profile()
             del tracer

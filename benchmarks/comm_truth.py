@@ -223,8 +223,8 @@ def outside(
     session marks them), and the counted synced block steps' median exposed time comes too, with the
     wait for a core moved and from the op intervals alone. A ``clock`` hooked on ``ddp`` files the
     i-th counted synced block step under step i (the other steps under None)."""
-    from flops_callbacks.timing.comm_breakdown import breakdown
-    from flops_callbacks.timing.comm_recorder import CommRecorder
+    from flops_callbacks.communication.breakdown import breakdown
+    from flops_callbacks.communication.recorder import CommRecorder
 
     cuda = next(ddp.parameters()).is_cuda
     seconds: dict[tuple[str, bool], list[float]] = {}
@@ -282,7 +282,7 @@ class AllReduceClock:
 
     def seconds(self, step: int) -> float | None:
         """The union of step ``step``'s all-reduces (None: none ran in it)."""
-        from flops_callbacks.timing.intervals import merge, total
+        from flops_callbacks.communication.intervals import merge, total
 
         spans = self.spans.get(step)
         return total(merge(spans)) if spans else None

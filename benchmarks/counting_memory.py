@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 
 __all__ = ["main", "peak_meter", "step_peaks"]
 
@@ -117,7 +117,7 @@ def step_peaks(
     def one(counted: bool) -> int:
         model.zero_grad(set_to_none=True)  # both steps allocate their gradients
         gc.collect()
-        tracer = Tracer(model) if counted else None
+        tracer = CountingEngine(model) if counted else None
         reset()
         if tracer is not None:
             tracer.start()

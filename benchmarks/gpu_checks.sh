@@ -26,7 +26,7 @@ check environment 20 bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.
   $PY -c 'import torch, lightning, transformers, accelerate; print(torch.__version__, torch.version.cuda,
   torch.cuda.get_device_name(), lightning.__version__, transformers.__version__, accelerate.__version__)'"
 check cuda-tests 60 "$PY" -m pytest -q -p no:cacheprovider -rs tests/timing/test_clock.py \
-    tests/timing/test_phase_memory.py tests/timing/test_comm_recorder.py tests/test_peaks.py
+    tests/timing/test_phase_memory.py tests/communication/test_recorder.py tests/test_peaks.py
 # the CPU's gloo goal on a machine with more cores than ranks x threads (the shared CI machine has 2):
 # whether the 2-core machine's spread is the machine's (it is not only: benchmarks/README.md, "On 16 cores"), against
 # the training step's own sync - no_sync ("The framework's own step as the truth"; the outside steps' beside it)

@@ -133,7 +133,7 @@ def _row(
     }
     own = getattr(result, "model_forward", None)  # the report's row (not in the "before" package)
     if own:
-        from flops_callbacks.reporting.report_rows import tree_doubts
+        from flops_callbacks.reporting.window_rows import tree_doubts
 
         row["own"], row["root_own"] = own / stopwatch, root_fwd / own
         # the report's "in doubt" row, for the forward (a backward's note says nothing of the root's forward)

@@ -38,7 +38,7 @@ from transformers import (
 
 import flops_callbacks.integrations.hf as hf_adapter
 from flops_callbacks import HFFlopsCallback
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.counting.fake_count import fake_count
 
 PROFILE_STEP, STEPS, VOCAB = 10, 60, 101
@@ -73,7 +73,7 @@ def fake_count_cost(name: str, model: torch.nn.Module, batch: int, length: int, 
         start = time.perf_counter()
         faked = fake_count(model, lm_step, data)
         fake_seconds.append(time.perf_counter() - start)
-        tracer = Tracer(model)
+        tracer = CountingEngine(model)
         start = time.perf_counter()
         tracer.start()
         try:

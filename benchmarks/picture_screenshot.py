@@ -23,8 +23,9 @@ import transformers
 from common import window_steps
 
 from flops_callbacks.options import Options
+from flops_callbacks.phase_names import BACKWARD, OPTIMIZER_STEP
 from flops_callbacks.reporting.publish import picture
-from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession
+from flops_callbacks.session.step_session import StepSession
 
 
 class Quiet:

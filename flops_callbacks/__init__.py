@@ -17,17 +17,13 @@ if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 10):
     raise ImportError(f"flops_callbacks needs torch >= 2.10, found {torch.__version__}")
 
 from flops_callbacks.counting.registry import OpKind, register_formula, register_op_kind
+from flops_callbacks.generation.profiling import GenerationProfile, profile_decode_loop, profile_generation
+from flops_callbacks.generation.run import GenerationRun
 from flops_callbacks.integrations.deepspeed_api import (
     FlopsProfiler,
     get_module_duration,
     get_module_flops,
     get_module_macs,
-)
-from flops_callbacks.integrations.generation import (
-    GenerationProfile,
-    GenerationRun,
-    profile_decode_loop,
-    profile_generation,
 )
 from flops_callbacks.integrations.model_profile import get_model_profile
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp

@@ -1,8 +1,8 @@
-"""``python -m flops_callbacks``: the command line (:mod:`flops_callbacks.reporting.cli`)."""
+"""``python -m flops_callbacks``: the command line (:mod:`flops_callbacks.cli`)."""
 
 from __future__ import annotations
 
-from flops_callbacks.reporting.cli import main
+from flops_callbacks.cli import main
 
 __all__ = ["main"]
 

@@ -1,6 +1,6 @@
 """The metric names both callbacks and the generation profile log, in one place (names only: the window's
 result computes the dict once, :meth:`flops_callbacks.session.result.WindowResult.metrics`, and a
-generation's result its own, :meth:`flops_callbacks.session.generation_result.GenerationResult.metrics`).
+generation's result its own, :meth:`flops_callbacks.generation.result.GenerationResult.metrics`).
 
 Flops and latencies are per device; ``samples_per_sec`` and ``tokens_per_sec`` count every
 data-parallel replica. Latencies are in seconds, rates per second, MFU and HFU fractions of the

@@ -103,7 +103,7 @@ class Options:
             the first window only.
         report: What the console shows: ``"summary"``, the figures read in ten seconds (rates, the
             step's split, what bounds it, the top modules, the sizes), or ``"full"``, DeepSpeed's layout
-            (every summary row, the aggregated profile, the coverage). The report file is always full.
+            (every row of its head, the aggregated profile, the coverage). The report file is always full.
         comm_steps: With several ranks, window steps after the module-timing ones under
             ``torch.profiler`` on every rank: where the step's time goes (compute, communication hidden
             under it, exposed, idle) and each collective's bytes and bus bandwidth, from their median

@@ -1,8 +1,6 @@
 """The datasheet table: each device's dense peak FLOPS per compute dtype and its peak DRAM bandwidth,
-with the datasheet named, and the device-name patterns that pick an entry (:func:`chip_for`).
-
-Apart from :mod:`flops_callbacks.peaks`, which resolves a run's peaks (given, environment, this table),
-so that adding a device is an edit of this file alone.
+with the datasheet named, and the device-name patterns that pick an entry (:func:`chip_for`). Adding a
+device is an edit of this file alone (:mod:`flops_callbacks.peaks` resolves a run's peaks from it).
 """
 
 from __future__ import annotations

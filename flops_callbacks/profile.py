@@ -11,6 +11,7 @@ once). Latencies are in seconds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
@@ -235,6 +236,20 @@ class Profile:
                     index.setdefault(parent_in(m.name, modules), []).append(m)
             cached = self.__dict__["_children"] = (modules, index)
         return list(cached[1].get(name, []))
+
+    def own_latency(self, name: str, passes: Sequence[str] = ("fwd", "bwd")) -> float:
+        """Module ``name``'s own seconds over ``passes`` (field prefixes: "fwd", "bwd", "recompute"): its
+        latency less its children's, never below 0 (the children's hooks may overlap their parent's).
+
+        Args:
+            name: a module's qualified name ("" for the model).
+            passes: the passes whose latencies are summed.
+        """
+
+        def seconds(m: ModuleProfile) -> float:
+            return sum(getattr(m, f"{p}_latency") for p in passes)
+
+        return max(seconds(self.modules[name]) - sum(seconds(c) for c in self.children(name)), 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything, as JSON-ready plain data (derived totals included)."""

@@ -60,7 +60,7 @@ class Pairs(torch.utils.data.Dataset):
 
 
 def save(directory: Path, rank: int, result: Any, model: nn.Module) -> None:
-    from flops_callbacks.reporting.comm_report import comm_data
+    from flops_callbacks.communication.report import comm_data
 
     comm = result.comm if result is not None else None
     seen = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +51,12 @@ def no_accelerator_state_stays() -> Iterator[None]:
     yield
     if "accelerate.state" in sys.modules:
         sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Four real Lightning runs' profile files, by name (tests/saved_runs.py), for the readers of saved
+    profiles: the JSON file's tests, the picture's diff and the command line."""
+    from tests.saved_runs import saved_runs
+
+    return saved_runs(tmp_path_factory)

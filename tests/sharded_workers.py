@@ -83,7 +83,7 @@ def zero_config(stage: int) -> dict[str, Any]:
 
 def save(directory: Path, rank: int, callback: Any, **extra: Any) -> None:
     """What this rank's callback published, through its public surface only."""
-    from flops_callbacks.reporting.comm_report import comm_data
+    from flops_callbacks.communication.report import comm_data
 
     result = callback.result
     p = result.profile

@@ -24,8 +24,10 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.phase_names import BACKWARD, OPTIMIZER_STEP
+from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.result import WindowSteps
-from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
+from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.session.window_plan import COMM_MIN, Kind, head
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.collector import collector_off

@@ -14,7 +14,7 @@ from flops_callbacks import metrics as names
 from flops_callbacks.integrations.callback_base import SessionCallback
 from flops_callbacks.integrations.step_profiler import StepProfiler
 from flops_callbacks.options import Options
-from flops_callbacks.reporting.summary import MAX_LINES
+from flops_callbacks.reporting.console_summary import MAX_LINES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

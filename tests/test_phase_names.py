@@ -26,6 +26,6 @@ def test_the_short_passes_are_the_prefixes_of_the_profiles_flops_macs_bytes_and_
 
 
 def test_the_timing_modules_use_these_names_and_hold_none_of_their_own() -> None:
-    assert phases.PHASES is STEP_PHASES
-    assert (spans.FORWARD, spans.BACKWARD, spans.RECOMPUTE) == MODULE_PASSES
-    assert (phases.FORWARD, phases.BACKWARD, phases.OPTIMIZER_STEP) == STEP_PHASES
+    assert phases.STEP_PHASES is STEP_PHASES
+    assert spans.MODULE_PASSES is MODULE_PASSES
+    assert STEP_PHASES[:2] == (phases.FORWARD, phases.BACKWARD)

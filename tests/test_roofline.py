@@ -13,7 +13,7 @@ from torch import nn
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.profile_file import json_data
 from flops_callbacks.reporting.publish import publish
-from flops_callbacks.reporting.report_rows import report_text
+from flops_callbacks.reporting.window_rows import report_text
 from flops_callbacks.roofline import COMPUTE, MEMORY, roofline
 from flops_callbacks.session.step_session import StepSession
 from tests.support import Sink, run, window_end

@@ -52,7 +52,7 @@ from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.timing.clock import Clock, clock_for, module_device
 from flops_callbacks.user_warning import warn
 
-__all__ = ["Tracer"]
+__all__ = ["CountingEngine"]
 
 _current_autograd_node = torch._C._current_autograd_node
 
@@ -66,7 +66,7 @@ class _Frame:
     key: tuple[str, ...]  # the distinct module names of the stack up to this frame
 
 
-class Tracer:
+class CountingEngine:
     """Counts and times one model while started; produces a :class:`Profile`.
 
     Only work in the thread that called :meth:`start` (and autograd's threads serving it) is seen:

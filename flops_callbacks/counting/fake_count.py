@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.profile import Counts
 from flops_callbacks.timing.clock import NullClock, module_device
@@ -99,7 +99,7 @@ def fake_count(
         why = _first_line(error)
         raise FakeCountUnavailable(f"the batch or parameters cannot be faked ({why})") from None
     leaves = [t for t in state.values() if t.requires_grad and t.is_leaf]
-    tracer = Tracer(model, causal_attention=causal_attention, clock=NullClock(), fake=True)
+    engine = CountingEngine(model, causal_attention=causal_attention, clock=NullClock(), fake=True)
     device = module_device(model)
     devices = [device] if device.type == "cuda" else []
     try:
@@ -108,11 +108,11 @@ def fake_count(
             if later:
                 for leaf in leaves:
                     leaf.grad = torch.empty_like(leaf)  # as the micro-batches before left them
-            tracer.start()
+            engine.start()
             try:
                 step(model, batch)
             finally:
-                tracer.stop()
+                engine.stop()
     except FakeCountUnavailable:
         raise
     except Exception as error:  # noqa: BLE001  (no fake kernel, data-dependent shapes, a real tensor read)
@@ -120,7 +120,7 @@ def fake_count(
     finally:
         for module, was in training:
             module.training = was
-    if tracer.failure is not None:
-        what, failed = tracer.failure
+    if engine.failure is not None:
+        what, failed = engine.failure
         raise FakeCountUnavailable(f"{what}: {_first_line(failed)}")
-    return tracer.totals()[0]
+    return engine.totals()[0]

@@ -1,9 +1,9 @@
 """The two modes that route a counted model's work to the counting engine: a ``TorchFunctionMode`` for
 the functionals (named and tagged) and a ``TorchDispatchMode`` for the aten ops (counted).
 
-Apart from the engine because they decide which tensors' ops are counted at all: DTensor's ops are
-counted on their local shards, fake tensors' only in a fake count (:mod:`.fake_count`), where an op on
-the batch's real tensors alone runs for real, as on the real step.
+They decide which tensors' ops are counted at all: DTensor's ops are counted on their local shards, fake
+tensors' only in a fake count (:mod:`.fake_count`), where an op on the batch's real tensors alone runs
+for real, as on the real step.
 """
 
 from __future__ import annotations
@@ -20,22 +20,22 @@ __all__ = ["DispatchMode", "FunctionMode"]
 
 
 class FunctionMode(TorchFunctionMode):
-    """Hands each functional call to the tracer (``run_functional``)."""
+    """Hands each functional call to the counting engine (``run_functional``)."""
 
-    def __init__(self, tracer: Any) -> None:
+    def __init__(self, engine: Any) -> None:
         super().__init__()
-        self.tracer = tracer
+        self.engine = engine
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return self.tracer.run_functional(func, args, kwargs or {})
+        return self.engine.run_functional(func, args, kwargs or {})
 
 
 class DispatchMode(TorchDispatchMode):
-    """Hands each aten op to the tracer (``run_op``), unless it is a tensor subclass's to dispatch."""
+    """Hands each aten op to the counting engine (``run_op``), unless a tensor subclass dispatches it."""
 
-    def __init__(self, tracer: Any) -> None:
+    def __init__(self, engine: Any) -> None:
         super().__init__()
-        self.tracer = tracer
+        self.engine = engine
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if types and _is_subclass_of(types, "torch.distributed.tensor", "DTensor"):
@@ -43,16 +43,16 @@ class DispatchMode(TorchDispatchMode):
             # back here: counted there, flops are this device's, not the global tensor's.
             return NotImplemented
         fake = bool(types) and _is_subclass_of(types, "torch._subclasses.fake_tensor", "FakeTensor")
-        if fake and not self.tracer.fake:
+        if fake and not self.engine.fake:
             return func(*args, **(kwargs or {}))  # DTensor's shape propagation: runs nothing
-        if self.tracer.fake and not fake and _real_inputs(args, kwargs):
+        if self.engine.fake and not fake and _real_inputs(args, kwargs):
             # a fake count (:mod:`.fake_count`): an op on the batch's real tensors alone runs for real,
             # as on the real step (a model's check of its mask's content takes the same branch)
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily():
-                return self.tracer.run_op(func, args, kwargs or {})
-        return self.tracer.run_op(func, args, kwargs or {})
+                return self.engine.run_op(func, args, kwargs or {})
+        return self.engine.run_op(func, args, kwargs or {})
 
 
 def _real_inputs(args: tuple, kwargs: dict | None) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
-from flops_callbacks.integrations.one_call import OneCall
+from flops_callbacks.integrations.wrapped_method import WrappedMethod
 from flops_callbacks.options import CausalAttention, Options, Report, check_flag
 from flops_callbacks.reporting.publish import publish
 from flops_callbacks.session.result import WindowResult
@@ -153,13 +153,13 @@ class SessionCallback:
         if "__init__" not in vars(cls):
             cls.__init__ = _renamed(SessionCallback.__init__, f"{cls.__name__}.__init__")  # type: ignore[method-assign]
 
-    _training_step: OneCall | None = None  # the framework's training_step, wrapped for its next call
+    _training_step: WrappedMethod | None = None  # the framework's training_step, wrapped for its next call
 
     def _unwrap(self) -> None:
         """Put back the wrapped ``training_step`` whose call never came (idempotent)."""
-        one_call, self._training_step = self._training_step, None
-        if one_call is not None:
-            one_call.remove()
+        wrapped, self._training_step = self._training_step, None
+        if wrapped is not None:
+            wrapped.remove()
 
     @property
     def result(self) -> WindowResult | None:

@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.files import write_text
 from flops_callbacks.module_tree import ModuleTree
 from flops_callbacks.options import CausalAttention, check_causal_attention, check_flag, check_report_args
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import ModuleProfile, Profile
-from flops_callbacks.reporting.report import EngineRows, render_profile
-from flops_callbacks.reporting.report_sections import render_aggregated
+from flops_callbacks.reporting.profile_report import EngineRows, render_profile
+from flops_callbacks.reporting.profile_sections import render_aggregated
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
 
 __all__ = [
@@ -65,7 +65,7 @@ def _record(module: torch.nn.Module, getter: str) -> ModuleProfile | None:
     that has no record of its own (its type was in ``ignore_list``)."""
     entry = _REGISTRY.get(module)
     profiler = entry[0]() if entry else None
-    if entry is None or profiler is None or profiler._tracer is None:
+    if entry is None or profiler is None or profiler._engine is None:
         raise ValueError(
             f"{getter}: module {type(module).__name__} has no profile: call it between start_profile() "
             "and end_profile() of a FlopsProfiler of its model"
@@ -142,21 +142,21 @@ class FlopsProfiler:
         self.recompute_fwd_factor = recompute_fwd_factor
         self.causal_attention = causal_attention
         self.started = False
-        self._tracer: Tracer | None = None
+        self._engine: CountingEngine | None = None
 
     # --- DeepSpeed lifecycle ---------------------------------------------------------------------
 
     def start_profile(self, ignore_list: Iterable[type] | None = None) -> None:
         """Start counting (and reset earlier counts). Modules whose type is in ``ignore_list`` get no
         record of their own; their work counts towards their parent."""
-        if self._tracer is not None:
-            self._tracer.stop()
-        self._tracer = Tracer(
+        if self._engine is not None:
+            self._engine.stop()
+        self._engine = CountingEngine(
             self.model,
             ignore_types=tuple(ignore_list or ()),
             causal_attention=self.causal_attention,
         )
-        self._tracer.start()
+        self._engine.start()
         self.started = True
         me = weakref.ref(self)
         for name, module in _profiled_names(self.model):
@@ -165,18 +165,18 @@ class FlopsProfiler:
     def stop_profile(self) -> None:
         """Stop counting and remove every hook and mode; the counts stay readable and ``started`` stays
         True until :meth:`end_profile` (as DeepSpeed)."""
-        if self._tracer is not None:
-            self._tracer.stop()
+        if self._engine is not None:
+            self._engine.stop()
 
     def reset_profile(self) -> None:
         """Zero the counts (profiling continues if it was on)."""
-        if self._tracer is not None:
-            self._tracer.reset()
+        if self._engine is not None:
+            self._engine.reset()
 
     def end_profile(self) -> None:
         """Stop and drop everything (DeepSpeed's end: nothing of the profiler stays)."""
         self.stop_profile()
-        self._tracer = None
+        self._engine = None
         self.started = False
 
     def __enter__(self) -> FlopsProfiler:
@@ -192,10 +192,10 @@ class FlopsProfiler:
         """The structured result: totals, every module, per-functional breakdown and coverage."""
         return self._traced().profile()
 
-    def _traced(self) -> Tracer:
-        if self._tracer is None:
+    def _traced(self) -> CountingEngine:
+        if self._engine is None:
             raise RuntimeError("no profile: call start_profile() and run the model first")
-        return self._tracer
+        return self._engine
 
     def get_total_flops(self, as_string: bool = False) -> int | str:
         """Forward flops of the model (DeepSpeed's meaning); backward is in :meth:`get_profile`."""
@@ -257,7 +257,7 @@ class FlopsProfiler:
         DeepSpeed)."""
         check_report_args(module_depth, top_modules)
         check_flag("detailed", detailed)
-        if not self.started or self._tracer is None:
+        if not self.started or self._engine is None:
             return None
         args = (profile_step, module_depth, top_modules, detailed, output_file)
         return self._print(self.get_profile(), COUNTING_PASS_SOURCE, *args)
@@ -292,7 +292,7 @@ class FlopsProfiler:
     def print_model_aggregated_profile(self, module_depth: int = -1, top_modules: int = 1) -> str | None:
         """Print the top modules per depth; nothing (and None) without a profile."""
         check_report_args(module_depth, top_modules)
-        if self._tracer is None:
+        if self._engine is None:
             return None
         text = render_aggregated(self.get_profile(), module_depth=module_depth, top_modules=top_modules)
         print(text)

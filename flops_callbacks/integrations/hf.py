@@ -32,10 +32,12 @@ except ImportError as err:  # the core needs only torch; the HF callback is an e
 from flops_callbacks import metrics as names
 from flops_callbacks.integrations.accelerate_state import compute_dtype, parallel_sizes
 from flops_callbacks.integrations.callback_base import SessionCallback, input_ids_tokens
-from flops_callbacks.integrations.one_call import OneCall
+from flops_callbacks.integrations.wrapped_method import WrappedMethod
 from flops_callbacks.metrics import FWD_FLOPS
+from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
 from flops_callbacks.profile import Profile
-from flops_callbacks.session.step_session import BACKWARD, FORWARD, OPTIMIZER_STEP, Replay, TrainingContext
+from flops_callbacks.session.adapter_api import TrainingContext
+from flops_callbacks.session.off_clock import Replay
 from flops_callbacks.units import number_to_string
 from flops_callbacks.user_warning import warn
 
@@ -124,8 +126,8 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     The Trainer has no event that carries the batch, none between forward and backward, and none for
     an exception, so for each micro-batch of a window step (and of metered steps) the adapter sets
     ``trainer.training_step`` to a wrapper, an instance attribute that removes itself when the call
-    starts (:class:`~flops_callbacks.integrations.one_call.OneCall`); inside it, ``trainer.compute_loss``
-    likewise marks the start and the end of the forward. Everything the
+    starts (:class:`~flops_callbacks.integrations.wrapped_method.WrappedMethod`); inside it,
+    ``trainer.compute_loss`` likewise marks the start and the end of the forward. Everything the
     profiler runs lives inside that call and is removed in its ``finally``: an exception anywhere
     (forward, backward, clipping, ``optimizer.step()``, another callback) leaves nothing behind.
     ``batch_size_fn`` and ``tokens_fn`` receive the Trainer's ``inputs`` dict; without ``tokens_fn``,
@@ -263,7 +265,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         """Wrap ``trainer.training_step`` for one call when the session wants the micro-batch."""
         self._unwrap()
         if self.session.wants_batches:
-            self._training_step = OneCall(
+            self._training_step = WrappedMethod(
                 trainer, "training_step", lambda step, a, kw: self._micro_batch(trainer, step, a, kw)
             )
 
@@ -278,14 +280,14 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
             session.phase(BACKWARD)
             return out
 
-        marked: OneCall | None = None  # compute_loss, wrapped for the whole training_step
+        marked: WrappedMethod | None = None  # compute_loss, wrapped for the whole training_step
         try:
             inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
             session.micro_batch_start(
                 inputs, _replay(trainer, inputs, args[2:3] or (kwargs.get("num_items_in_batch"),))
             )
             if session.window_open:
-                marked = OneCall(trainer, "compute_loss", forward_then_backward, once=False)
+                marked = WrappedMethod(trainer, "compute_loss", forward_then_backward, once=False)
             return training_step(*args, **kwargs)
         except BaseException:
             session.close()

@@ -27,10 +27,12 @@ except ImportError as err:  # the core needs only torch; the Lightning callback 
 
 from flops_callbacks import metrics as names
 from flops_callbacks.integrations.callback_base import SessionCallback
-from flops_callbacks.integrations.one_call import OneCall
 from flops_callbacks.integrations.strategy_state import precision_dtype, strategy_sizes
+from flops_callbacks.integrations.wrapped_method import WrappedMethod
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.session.step_session import BACKWARD, FORWARD, OPTIMIZER_STEP, Replay, TrainingContext
+from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
+from flops_callbacks.session.adapter_api import TrainingContext
+from flops_callbacks.session.off_clock import Replay
 
 __all__ = ["compute_dtype", "FlopsProfilerCallback", "parallel_sizes"]
 
@@ -100,7 +102,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     Phases, on the device's synchronized clock, as Lightning 2.6 calls the hooks:
 
     * forward: the strategy's ``training_step`` (the user's forward and loss, in the precision's
-      autocast), wrapped for one call (:class:`~flops_callbacks.integrations.one_call.OneCall`).
+      autocast), wrapped for one call (:class:`~flops_callbacks.integrations.wrapped_method.WrappedMethod`).
       Lightning's work around it (the optimizer's closure, ``zero_grad``) is no phase's.
     * backward: ``on_before_backward`` -> ``on_before_optimizer_step`` (or the end of a micro-batch
       that only accumulates): the backward with its gradient all-reduce, ``on_after_backward``,
@@ -153,7 +155,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         session.micro_batch_start(batch, _replay(trainer, pl_module, batch, batch_idx))
         self._unwrap()
         if session.window_open:
-            self._training_step = OneCall(trainer.strategy, "training_step", self._user_code)
+            self._training_step = WrappedMethod(trainer.strategy, "training_step", self._user_code)
 
     def _user_code(self, training_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The strategy's ``training_step``: the forward restarts at the user's code and the phases stop
@@ -264,7 +266,7 @@ class _TrainingStep:
         module = cast(pl.LightningModule, model)
         if not is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2):
             args = args[:1]
-        quiet = [OneCall(module, name, _nothing, once=False) for name in ("log", "log_dict")]
+        quiet = [WrappedMethod(module, name, _nothing, once=False) for name in ("log", "log_dict")]
         try:
             with self.trainer.precision_plugin.train_step_context():
                 out = module.training_step(*args)

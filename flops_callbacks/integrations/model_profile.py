@@ -1,7 +1,7 @@
 """DeepSpeed's ``get_model_profile`` on our engine: one call of a model (forward, ``generate`` or any
 method; with ``backward=True`` a step) counted, then timed on clean passes, in eval mode, with the
-model's modes and every ``.grad`` left as they were. Apart from :mod:`.deepspeed_api` because it owns
-the loop (warm-up, counting pass, clean passes), where ``FlopsProfiler`` only starts and stops.
+model's modes and every ``.grad`` left as they were: the loop of warm-up, counting pass and clean passes
+(``FlopsProfiler``, :mod:`.deepspeed_api`, only starts and stops).
 """
 
 from __future__ import annotations

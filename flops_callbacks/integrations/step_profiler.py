@@ -9,7 +9,7 @@ the profiler finds the phases itself, with hooks that live only inside that bloc
 * backward: where the loop calls ``accelerator.backward`` / ``fabric.backward``, else where autograd
   starts: ``torch.autograd.backward``, which ``loss.backward()`` calls, so the loss's own backward is
   the backward's whatever computed the loss (each call marked,
-  :class:`~flops_callbacks.integrations.one_call.OneCall`); else (``torch.autograd.grad``) where
+  :class:`~flops_callbacks.integrations.wrapped_method.WrappedMethod`); else (``torch.autograd.grad``) where
   autograd first reaches the model's output (a hook on each output tensor);
 * optimizer step: the optimizer's ``step`` (torch's global optimizer step pre- and post-hooks), or the
   framework's wrapper of it where the loop calls that (``AcceleratedOptimizer.step``, Fabric's strategy's
@@ -45,10 +45,11 @@ from flops_callbacks.integrations.loop_adapters import (
     fabric_adapter,
     plain_adapter,
 )
-from flops_callbacks.integrations.one_call import OneCall
+from flops_callbacks.integrations.wrapped_method import WrappedMethod
 from flops_callbacks.options import check_int
+from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
 from flops_callbacks.session.result import WindowResult
-from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, check_phase
+from flops_callbacks.timing.phases import check_phase
 
 __all__ = ["StepProfiler"]
 
@@ -232,7 +233,7 @@ class _Iteration:
         self.stepped = False
         self.phase: str = FORWARD
         self._handles: list[Any] = []
-        self._calls: list[OneCall] = []  # autograd's and the framework's backward, its optimizer step
+        self._calls: list[WrappedMethod] = []  # autograd's and the framework's backward, its optimizer step
         self._thread = threading.get_ident()  # the loop's: autograd called from another is not its
         self._marks = False  # a step of the window: its phases are marked
 
@@ -246,17 +247,17 @@ class _Iteration:
             adapter = profiler.adapter
             self._handles.append(register_optimizer_step_post_hook(self._step_ended))
             for owner, name in adapter.step_calls():  # also outside the window: they say a step ended
-                self._calls.append(OneCall(owner, name, self._framework_step, once=False))
+                self._calls.append(WrappedMethod(owner, name, self._framework_step, once=False))
             self._marks = profiler.session.window_open
             if self._marks:
                 self._handles.append(register_optimizer_step_pre_hook(self._step_starts))
                 self._handles.append(adapter.model.register_forward_pre_hook(self._model_called))
                 self._handles.append(adapter.model.register_forward_hook(self._model_returned))
-                self._calls.append(OneCall(torch.autograd, "backward", self._autograd_backward, once=False))
+                autograd = WrappedMethod(torch.autograd, "backward", self._autograd_backward, once=False)
+                self._calls.append(autograd)
                 if adapter.backward_owner is not None:
-                    self._calls.append(
-                        OneCall(adapter.backward_owner, "backward", self._framework_backward, once=False)
-                    )
+                    owner = adapter.backward_owner
+                    self._calls.append(WrappedMethod(owner, "backward", self._framework_backward, once=False))
                 profiler.session.phase(FORWARD)  # the loop's own code starts now, past these hooks
         except BaseException:
             self.remove_hooks()

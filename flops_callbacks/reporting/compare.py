@@ -1,6 +1,6 @@
 """Two saved profiles compared: the headline figures with their ranges, the modules by their own time,
 and the gate's rules. Pure functions of :class:`~flops_callbacks.reporting.profile_file.SavedProfile`;
-the command line (:mod:`~flops_callbacks.reporting.cli`) prints and draws what they return.
+the command line (:mod:`~flops_callbacks.cli`) prints and draws what they return.
 
 What counts as noise, in one place (:func:`is_noise`): a latency's range is its min .. max over the
 clean steps (the JSON's ``spread``); a rate's is the same steps' range turned into a rate (the rate
@@ -28,7 +28,7 @@ __all__ = [
     "Figure",
     "ModuleChange",
     "Rule",
-    "Verdict",
+    "Check",
     "changes",
     "figure_text",
     "figures",
@@ -206,20 +206,12 @@ class ModuleChange:
 
 
 def own_seconds(profile: Profile) -> dict[str, dict[str, float]]:
-    """Each module's own latency in each pass: its latency less its children's (never below 0: the
-    children's hooks may overlap their parent's by a little).
+    """Each module's own latency in each pass (:meth:`~flops_callbacks.profile.Profile.own_latency`).
 
     Args:
         profile: the profile whose modules are read.
     """
-    own = {}
-    for name, m in profile.modules.items():
-        kids = profile.children(name)
-        own[name] = {
-            p: max(getattr(m, f"{p}_latency") - sum(getattr(k, f"{p}_latency") for k in kids), 0.0)
-            for p in PROFILE_PASSES
-        }
-    return own
+    return {name: {p: profile.own_latency(name, (p,)) for p in PROFILE_PASSES} for name in profile.modules}
 
 
 def _own(profile: Profile) -> dict[str, tuple[str, float, int, int]]:
@@ -299,7 +291,7 @@ class Rule:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Check:
     """A rule applied: whether it failed, and why, in one line."""
 
     rule: Rule
@@ -308,7 +300,7 @@ class Verdict:
     reason: str
 
 
-def gate(base: SavedProfile, new: SavedProfile, rules: list[Rule]) -> list[Verdict]:
+def gate(base: SavedProfile, new: SavedProfile, rules: list[Rule]) -> list[Check]:
     """Each rule applied to ``new`` against ``base``; ValueError naming a figure a file does not have.
 
     Args:
@@ -317,7 +309,7 @@ def gate(base: SavedProfile, new: SavedProfile, rules: list[Rule]) -> list[Verdi
         rules: the rules, as the command line parsed them.
     """
     fa, fb = figures(base), figures(new)
-    verdicts = []
+    checks = []
     for rule in rules:
         for saved, found in ((base, fa), (new, fb)):
             if rule.figure not in found:
@@ -340,8 +332,8 @@ def gate(base: SavedProfile, new: SavedProfile, rules: list[Rule]) -> list[Verdi
             reason = f"{rule.figure}: {moved}, beyond {rule} but inside both runs' ranges (noise)"
         else:
             reason = f"{rule.figure}: {moved}, within {rule}"
-        verdicts.append(Verdict(rule, change, failed, reason))
-    return verdicts
+        checks.append(Check(rule, change, failed, reason))
+    return checks
 
 
 # --- how figures read: the report's number formats --------------------------------------------------

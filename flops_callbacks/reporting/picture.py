@@ -25,14 +25,14 @@ from flops_callbacks.reporting.tree_check import TreeCheck
 
 __all__ = ["render_html"]
 
-_SLOTS = re.compile(r"\{\{(title|summary|notes|data)\}\}")
+_SLOTS = re.compile(r"\{\{(title|headline|notes|data)\}\}")
 
 
 def render_html(
     profile: Profile,
     *,
     title: str = "flops_callbacks profile",
-    summary: Sequence[tuple[str, str]] = (),
+    headline: Sequence[tuple[str, str]] = (),
     roofline: Mapping[str, Any] | None = None,
     no_roofline: str = "",
     doubts: TreeCheck | None = None,
@@ -43,7 +43,7 @@ def render_html(
     Args:
         profile: the profile drawn.
         title: the page's title.
-        summary: (label, value) rows shown above the chart.
+        headline: (label, value) rows shown above the chart.
         roofline: ``peak_flops``, ``peak_bandwidth``, their ``*_source`` and, as ``modules``, per module
             name and pass the :class:`~flops_callbacks.roofline.Roofline` fields: draws the roofline
             chart (None: the chart's place says ``no_roofline``).
@@ -59,11 +59,11 @@ def render_html(
     doubts = doubts or TreeCheck()
     notes = ([against["note"]] if against and against.get("note") else []) + list(doubts.notes)
     rows = "".join(
-        f"<div><dt>{html.escape(label)}</dt><dd>{html.escape(value)}</dd></div>" for label, value in summary
+        f"<div><dt>{html.escape(label)}</dt><dd>{html.escape(value)}</dd></div>" for label, value in headline
     )
     slots = {
         "title": html.escape(title),
-        "summary": f'<dl class="summary">{rows}</dl>' if rows else "",
+        "headline": f'<dl class="headline">{rows}</dl>' if rows else "",
         "notes": (
             '<ul class="doubts">' + "".join(f"<li>{html.escape(n)}</li>" for n in notes) + "</ul>"
             if notes

@@ -4,7 +4,7 @@ One module owns the layout both ways: :func:`json_data` is what ``flops_profile_
 (:mod:`~flops_callbacks.reporting.publish` writes it), :func:`load` turns such a file back into the
 :class:`~flops_callbacks.session.result.WindowResult` it was made from, so that a saved run is shown,
 diffed and gated through the same renderers and the same metrics as a live one (the command line,
-:mod:`~flops_callbacks.reporting.cli`). What is not read back: the module spans (the Chrome trace
+:mod:`~flops_callbacks.cli`). What is not read back: the module spans (the Chrome trace
 file holds them). Why JSON and not pickle: the file is read by other tools and years later, and a
 pickle ties it to this package's classes; the version says which layout a reader has in hand.
 """
@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from flops_callbacks import metrics as names
+from flops_callbacks.communication.report import comm_data, comm_from_data
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
-from flops_callbacks.reporting.comm_report import comm_data, comm_from_data
 from flops_callbacks.roofline import as_data
 from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.result import WindowResult, WindowSteps
@@ -43,9 +43,6 @@ __all__ = [
 
 SCHEMA = "flops_callbacks.profile"  # the "schema" key of every profile file: what tells it from other JSON
 SCHEMA_VERSION = 2  # raised when a key is renamed or removed, or changes meaning (a new key: not needed)
-# 2: several communication steps (steps.communication a list, the communication block's "steps" and
-# "median_step" for its "step"); version 1's files are read too
-READS = (1, 2)
 
 
 class ProfileFileError(ValueError):
@@ -165,12 +162,12 @@ def from_json(data: Any, source: str = "<data>") -> SavedProfile:
             "is the flops_profile_step{N}.json a profiled run writes into its log folder)"
         )
     version = data.get("schema_version")
-    if version not in READS:
+    if version != SCHEMA_VERSION:
         newer = isinstance(version, int) and version > SCHEMA_VERSION
         why = "written by a newer flops_callbacks: upgrade to read it" if newer else "unknown"
         raise ProfileFileError(
             f"{source}: profile schema version {version!r} is {why} (this flops_callbacks reads "
-            f"versions {', '.join(map(str, READS))})"
+            f"version {SCHEMA_VERSION})"
         )
     try:
         metrics = {str(k): float(v) for k, v in data["metrics"].items()}
@@ -187,14 +184,6 @@ def _tuples(entry: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()}
 
 
-def _steps(entry: dict[str, Any]) -> WindowSteps:
-    """The window's steps; a version-1 file names its one communication step as a number."""
-    steps = _tuples(entry)
-    if isinstance(steps.get("communication"), int):
-        steps["communication"] = (steps["communication"],)
-    return WindowSteps(**steps)
-
-
 def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
     peak, bandwidth = data["peak"], data["bandwidth"]
     clean = CleanFigures(
@@ -205,7 +194,7 @@ def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
     )
     return WindowResult(
         profile=Profile.from_dict(data["profile"]),
-        steps=_steps(data["steps"]),
+        steps=WindowSteps(**_tuples(data["steps"])),
         # the phase latencies are the metrics' (window_metrics writes them as they are)
         fwd_latency=metrics[names.FWD_LATENCY],
         bwd_latency=metrics[names.BWD_LATENCY],

@@ -1,7 +1,8 @@
 """Publishing a window's result: the console (the summary, or the full report), the report file, the
 JSON (its layout, written and read back, is :mod:`~flops_callbacks.reporting.profile_file`'s), the
 picture, the trace, and the one writer of files. The full report's rows are
-:mod:`~flops_callbacks.reporting.report_rows`', the summary :mod:`~flops_callbacks.reporting.summary`'s.
+:mod:`~flops_callbacks.reporting.window_rows`', the console summary
+:mod:`~flops_callbacks.reporting.console_summary`'s.
 """
 
 from __future__ import annotations
@@ -11,18 +12,18 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from flops_callbacks import metrics as names
+from flops_callbacks.communication.report import comm_trace
 from flops_callbacks.files import write_text
 from flops_callbacks.guard import Guard
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.chrome_trace import chrome_trace
-from flops_callbacks.reporting.comm_report import comm_trace
+from flops_callbacks.reporting.console_summary import render_console_summary
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_file import json_data, roofline_entries
-from flops_callbacks.reporting.report_rows import module_source, report_text, tree_doubts
-from flops_callbacks.reporting.step_words import step_list
-from flops_callbacks.reporting.summary import render_console_summary
+from flops_callbacks.reporting.window_rows import module_source, report_text, tree_doubts
 from flops_callbacks.session.adapter_api import Sink
 from flops_callbacks.session.result import WindowResult
+from flops_callbacks.step_lists import step_list
 from flops_callbacks.units import duration_to_string, flops_to_string
 
 __all__ = ["console_text", "markdown_block", "picture", "publish"]
@@ -116,7 +117,7 @@ def picture(result: WindowResult) -> str:
     """The profile's HTML picture, with the headline figures and the steps they come from above it."""
     metrics = result.metrics()
     steps = result.steps
-    summary = [
+    headline = [
         ("fwd latency", duration_to_string(metrics[names.FWD_LATENCY])),
         *(
             [("the model's own forward (clean steps)", duration_to_string(result.model_forward))]
@@ -132,14 +133,14 @@ def picture(result: WindowResult) -> str:
         ),
     ]
     if names.WALL_LATENCY in metrics:
-        summary += [
+        headline += [
             ("samples/second (wall)", f"{metrics.get(names.WALL_SAMPLES_PER_SEC, float('nan')):.2f}"),
             ("wall step", duration_to_string(metrics[names.WALL_LATENCY])),
             ("waiting for data", duration_to_string(metrics[names.DATA_LATENCY])),
         ]
     if names.MFU in metrics:
-        summary.append(("MFU", f"{100 * metrics[names.MFU]:.2f}%"))
-    summary += [
+        headline.append(("MFU", f"{100 * metrics[names.MFU]:.2f}%"))
+    headline += [
         ("module flops: the batch of", f"step {steps.counting}"),
         ("module latencies", module_source(result)),
         ("phases: median of", step_list(steps.clean) if steps.clean else "no clean step"),
@@ -161,7 +162,7 @@ def picture(result: WindowResult) -> str:
     return render_html(
         result.profile,
         title=title,
-        summary=summary,
+        headline=headline,
         roofline=roofline,
         no_roofline=why,
         doubts=tree_doubts(result),

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flops_callbacks.module_tree import parent_in
 from flops_callbacks.profile import ModuleProfile, Profile
-from flops_callbacks.reporting.step_words import steps_named
+from flops_callbacks.step_lists import steps_named
 from flops_callbacks.units import duration_to_string
 
 __all__ = ["TreeCheck", "check_tree"]
@@ -61,19 +60,15 @@ def check_tree(
     check = TreeCheck()
     if not module_steps:
         return check
-    children: dict[str, list[ModuleProfile]] = {name: [] for name in profile.modules}
-    for name, m in profile.modules.items():  # once: Profile.children walks every module per call
-        if name:
-            children[parent_in(name, profile.modules)].append(m)
     for kind, phase in (("fwd", fwd_phase), ("bwd", bwd_phase)):
         if kind == "fwd" and model_forward:
             own = (model_forward, "the model's own forward")
             spread = (model_forward_high or model_forward) / model_forward
             slack = min(max(PHASE_SLACK, spread), OWN_SLACK_CAP)
-            _check_root(profile, children, kind, own, module_steps, check, both_ways=True, slack=slack)
+            _check_root(profile, kind, own, module_steps, check, both_ways=True, slack=slack)
         else:
-            _check_root(profile, children, kind, (phase, f"the {_words(kind)} phase"), module_steps, check)
-        _check_parents(profile, children, kind, check)
+            _check_root(profile, kind, (phase, f"the {_words(kind)} phase"), module_steps, check)
+        _check_parents(profile, kind, check)
     return check
 
 
@@ -85,12 +80,8 @@ def _words(kind: str) -> str:
     return "forward" if kind == "fwd" else "backward"
 
 
-Children = dict[str, list[ModuleProfile]]
-
-
 def _check_root(
     profile: Profile,
-    children: Children,
     kind: str,
     reference: tuple[float, str],
     steps: tuple[int, ...],
@@ -117,7 +108,7 @@ def _check_root(
         hooks = ", or their hooks cost more than was taken out" if both_ways else ""
         note += f"the steps that timed the modules were slowed{hooks}, so their {words} widths "
         note += "are not to be trusted"
-        culprit = _largest_own_time(profile, children, kind)
+        culprit = _largest_own_time(profile, kind)
         if culprit is not None and culprit[1] >= 0.5 * (root - seconds):
             name, own = culprit
             note += f"; most of the excess lies in {name} ({duration_to_string(own)} of its own)"
@@ -126,23 +117,23 @@ def _check_root(
     check.flagged.setdefault("", f"{words} {ratio:.2f}x {against}")
 
 
-def _largest_own_time(profile: Profile, children: Children, kind: str) -> tuple[str, float] | None:
+def _largest_own_time(profile: Profile, kind: str) -> tuple[str, float] | None:
     """The module (not the model) whose time less its children's is largest."""
     best: tuple[str, float] | None = None
-    for name, m in profile.modules.items():
+    for name in profile.modules:
         if not name:
             continue
-        own = _latency(m, kind) - sum(_latency(c, kind) for c in children[name])
+        own = profile.own_latency(name, (kind,))
         if best is None or own > best[1]:
             best = (name, own)
     return best
 
 
-def _check_parents(profile: Profile, children: Children, kind: str, check: TreeCheck) -> None:
+def _check_parents(profile: Profile, kind: str, check: TreeCheck) -> None:
     longer = []
     for name, parent in profile.modules.items():
         limit = _latency(parent, kind) * PARENT_SLACK + ABSOLUTE_SLACK
-        longer += [(c, parent) for c in children[name] if _latency(c, kind) > limit]
+        longer += [(c, parent) for c in profile.children(name) if _latency(c, kind) > limit]
     if not longer:
         return
     words = _words(kind)

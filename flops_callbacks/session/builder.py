@@ -1,9 +1,6 @@
 """The window's steps -> one :class:`~flops_callbacks.session.result.WindowResult`, built once at the
-window's end.
-
-Apart from :mod:`flops_callbacks.session.step_session` (which decides what each step does) because this is the
-other half of the job: which steps stand for what, what a rank tells the others (:class:`RankRow`), the
-job's figures of every rank's (the slowest rank's times, the ranks' mean work per device), the peak, and
+window's end, for a first window and a re-profile window alike: which steps stand for what, the job's
+figures of every rank's rows (the slowest rank's times, the ranks' mean work per device), the peaks, and
 where each figure comes from, in words.
 """
 
@@ -12,49 +9,29 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.communication.figures import CommFigures, comm_figures, comm_means, median_comm
 from flops_callbacks.counting.estimate import estimate_rows
 from flops_callbacks.parallel import sharded_params
 from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_peak
-from flops_callbacks.profile import Profile
+from flops_callbacks.phase_names import STEP_PHASES
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
-from flops_callbacks.session.comm_step import CommFigures, comm_figures, comm_means, median_comm
-from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
+from flops_callbacks.session.rank_part import LocalWindow, RankRow, ReusedWindow
 from flops_callbacks.session.result import WindowResult, WindowSteps
-from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.session.shape_flops import ShapeFlops
 from flops_callbacks.session.window_plan import Kind
-from flops_callbacks.session.window_steps import (
-    CleanFigures,
-    CleanStep,
-    StepWork,
-    WindowStep,
-    clean_figures,
-    mean,
-)
+from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepWork, WindowStep, mean
 from flops_callbacks.timing.clock import CpuClock
-from flops_callbacks.timing.comm_breakdown import CommBreakdown
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.hook_probe import hook_cost
 from flops_callbacks.timing.module_timer import ModuleTimes, median_step
 from flops_callbacks.timing.outer_calls import OuterCalls
-from flops_callbacks.timing.phases import PHASES
 
-__all__ = [
-    "COUNTED",
-    "LocalWindow",
-    "RankRow",
-    "build_result",
-    "clean_peak_memory",
-    "job_figures",
-    "local_window",
-    "phases",
-    "window_shapes",
-]
+__all__ = ["build_result", "clean_peak_memory", "job_figures", "phases", "window_shapes"]
 
 
 def _model_config(model: torch.nn.Module) -> Any:
@@ -84,7 +61,7 @@ def clean_peak_memory(steps: list[WindowStep]) -> dict[str, int] | None:
     recorded = [s.phases.memory.peaks for s in steps if s.phases.memory is not None]
     if not recorded:
         return None
-    return {phase: max(peaks.get(phase, 0) for peaks in recorded) for phase in PHASES}
+    return {phase: max(peaks.get(phase, 0) for peaks in recorded) for phase in STEP_PHASES}
 
 
 def _own_forwards(clean: list[WindowStep]) -> list[tuple[WindowStep, OuterCalls]]:
@@ -152,91 +129,6 @@ def _module_times(
     return next((times, c, number) for number, c, t in each if t is times)
 
 
-COUNTED = (
-    "fwd_flops",
-    "bwd_flops",
-    "recompute_flops",
-    "fwd_macs",
-    "bwd_macs",
-    "recompute_macs",
-    "fwd_bytes",
-    "bwd_bytes",
-    "recompute_bytes",
-    "saved_bytes",
-)  # the counting step's totals the job sums
-
-
-def counted_totals(profile: Profile) -> dict[str, int]:
-    """The counting step's totals a rank tells the others, by name."""
-    return {name: getattr(profile, name) for name in COUNTED}
-
-
-class RankRow(NamedTuple):
-    """What one rank tells the others at the window's end: each clean step's work and times, and its
-    counting step's totals (by :data:`COUNTED`) and samples and tokens."""
-
-    steps: tuple[CleanStep, ...]  # each clean step's, in order
-    counted: dict[str, int]  # the counting step's totals, by name (:data:`COUNTED`)
-    counted_samples: int | float | None
-    counted_tokens: int | float | None
-    counting_iter: float  # the counting step's fwd + bwd + step seconds (what a count costs)
-    comm: tuple[CommBreakdown | None, ...] = ()  # each communication step's split (None: unread trace)
-    comm_iters: tuple[float, ...] = ()  # each one's fwd + bwd + step seconds (what one costs)
-
-
-@dataclasses.dataclass
-class LocalWindow:
-    """This rank's part of the window, before the ranks exchange their rows."""
-
-    profile: Profile
-    ran: list[WindowStep]  # the module-timing steps that ran
-    module_steps: list[WindowStep]  # those of them with the counting step's batch shapes
-    clean: list[WindowStep]
-    figures: CleanFigures  # this rank's
-    source: str  # where the latencies come from, in words
-    counting: WindowStep
-    sources: FlopsSources | None  # where each clean step's flops come from (this rank's)
-    comm_steps: tuple[WindowStep, ...] = ()  # the communication steps that ran
-
-    def row(self) -> RankRow:
-        f, c, comm = self.figures, self.counting, self.comm_steps
-        return RankRow(
-            f.steps, counted_totals(self.profile), c.samples, c.tokens, c.seconds()["iter"],
-            tuple(s.comm for s in comm), tuple(s.seconds()["iter"] for s in comm),
-        )  # fmt: skip
-
-
-def local_window(steps: list[WindowStep], tracer: Tracer, flops: ShapeFlops) -> LocalWindow:
-    """This rank's profile and clean-step figures (module latencies are added in :func:`build_result`)."""
-    counting = steps[0]
-    profile = tracer.profile()
-    ran = [s for s in steps if s.kind == Kind.MODULE_TIMING and s.signatures and s.timer is not None]
-    module_steps = [s for s in ran if s.signatures == counting.signatures]
-    if ran and not module_steps:  # another batch's latencies would mix two batches
-        profile.modules = {
-            name: dataclasses.replace(m, fwd_latency=0.0, bwd_latency=0.0, recompute_latency=0.0)
-            for name, m in profile.modules.items()
-        }
-    clean = [s for s in steps if s.kind == Kind.CLEAN and s.counts is not None]
-    sources: FlopsSources | None = None
-    each: list[BatchCounts] | None = None
-    counts: BatchCounts | None = None  # each timed step's own
-    if clean:
-        timed, source = clean, f"median of {len(clean)} clean step(s)"  # the median step: by FLOPS
-        each, sources = clean_step_flops(steps, clean, flops)  # counted, predicted, or estimated
-    else:
-        known = [s for s in ran if s.counts is not None]
-        timed = known or ran[:1] or [counting]
-        source = (
-            f"the {timed[0].kind} step{'s' if len(timed) > 1 else ''} alone (no clean step ran: inflated "
-            f"by {'module hooks' if ran else 'counting'})"
-        )
-        counts = None if known else BatchCounts.of(profile)
-    figures = clean_figures(timed, counts, each)
-    comm = tuple(s for s in steps if s.kind == Kind.COMMUNICATION and s.signatures)
-    return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources, comm)
-
-
 def phases(step: CleanStep) -> tuple[float, float, float]:
     return step.latency("fwd"), step.latency("bwd"), step.latency("step")
 
@@ -257,18 +149,63 @@ def job_figures(rows: Sequence[RankRow]) -> CleanFigures:
 
 
 def build_result(
+    local: LocalWindow | ReusedWindow,
     steps: list[WindowStep],
-    local: LocalWindow,
     rows: Sequence[RankRow],
     model: torch.nn.Module,
     context: TrainingContext,
     flops: ShapeFlops,
     global_step: int,
-    *,
     peaks: tuple[Peak | None, Bandwidth | None],
 ) -> WindowResult:
-    """The job's result of a window: this rank's profile and module times, every rank's ``rows`` (by
-    rank); ``peaks``: the user's peak FLOPS and bandwidth, if given."""
+    """The job's result of the window that ended: this rank's part (a first window's, or a re-profile
+    window's on the result it reuses) and every rank's ``rows`` (by rank); ``peaks``: the user's peak
+    FLOPS and bandwidth, if given. The clean steps' figures are built here for both."""
+    figures = job_figures(rows)
+    fwd, bwd, step = phases(figures.median_step())
+    if isinstance(local, ReusedWindow):  # no clean step of a re-profile window marks the model's forward
+        base = local.base
+        kept = dataclasses.replace(base.steps, model_forward=(), model_forward_shapes_match=False)
+        base = dataclasses.replace(base, steps=kept, model_forward=None, model_forward_high=None)
+    else:
+        base = _counted(local, rows, model, context, peaks, (fwd, bwd, step))
+    clean = local.clean
+    shapes, counted, predicted = window_shapes(steps, flops)
+    window = dataclasses.replace(  # this window's own steps, on what it counted or reuses
+        base.steps,
+        first=steps[0].number,
+        clean=tuple(s.number for s in clean),
+        skipped=tuple(s.number for s in steps if s.kind in (Kind.CLEAN, Kind.SKIPPED) and s not in clean),
+        latency_source=local.source,
+        shape_counting=tuple(s.number for s in steps if s.kind in (Kind.CHECK, Kind.SHAPE_COUNTING)),
+        shapes=shapes,
+        shapes_counted=counted,
+        shapes_predicted=predicted,
+    )
+    return dataclasses.replace(
+        base,
+        profile=dataclasses.replace(base.profile, fwd_latency=fwd, bwd_latency=bwd),
+        steps=window,
+        fwd_latency=fwd, bwd_latency=bwd, step_latency=step,  # fmt: skip
+        peak_memory=clean_peak_memory(clean),
+        rank_latencies=[phases(CleanFigures(r.steps).median_step()) for r in rows],
+        published_at=global_step,
+        clean=figures,
+        flops_sources=local.sources,
+    )
+
+
+def _counted(
+    local: LocalWindow,
+    rows: Sequence[RankRow],
+    model: torch.nn.Module,
+    context: TrainingContext,
+    peaks: tuple[Peak | None, Bandwidth | None],
+    latencies: tuple[float, float, float],
+) -> WindowResult:
+    """What a first window counted and timed on its own steps: the profile with its module times, the
+    peaks, the sizes, the model's forward, the communication steps (:func:`build_result` puts in the
+    clean steps' figures)."""
     counting, profile, ran, module_steps, clean = (
         local.counting,
         local.profile,
@@ -283,9 +220,7 @@ def build_result(
         times, cost, trace_step = _module_times(module_steps, clean)
         spans = times.spans
         profile = times.applied_to(profile)
-    figures = job_figures(rows)
-    median = figures.median_step()
-    fwd, bwd, step = (median.latency(name) for name in ("fwd", "bwd", "step"))
+    fwd, bwd, step = latencies
     device = torch.device(profile.device)
     peak, no_peak_reason = resolve_peak(peaks[0], device, context.compute_dtype)
     bandwidth, no_bandwidth_reason = resolve_bandwidth(peaks[1], device)
@@ -295,23 +230,17 @@ def build_result(
         extra += estimate_rows(
             profile, counting.tokens, _model_config(model), model=model, samples=counting.samples
         )
-    shapes, counted, predicted = window_shapes(steps, flops)
     model_forward, forward_steps, forward_shapes_match = _model_forward(
         clean, module_steps[0].signatures if module_steps else None
     )
     return WindowResult(
         profile=profile,
         steps=WindowSteps(
-            first=counting.number,
             counting=counting.number,
             module_timing=tuple(s.number for s in module_steps or ran),
-            clean=tuple(s.number for s in clean),
-            skipped=tuple(s.number for s in steps if s.kind in (Kind.CLEAN, Kind.SKIPPED) and s not in clean),
-            latency_source=local.source,
-            shape_counting=tuple(s.number for s in steps if s.kind in (Kind.CHECK, Kind.SHAPE_COUNTING)),
-            shapes=shapes,
-            shapes_counted=counted,
-            shapes_predicted=predicted,
+            clean=(),  # this window's clean steps and where the latencies come from: build_result's
+            skipped=(),
+            latency_source="",
             module_shapes_match=bool(module_steps) or not ran,
             module_trace=trace_step,
             model_forward=forward_steps,
@@ -330,18 +259,13 @@ def build_result(
         no_peak_reason=no_peak_reason,
         bandwidth=bandwidth,
         no_bandwidth_reason=no_bandwidth_reason,
-        peak_memory=clean_peak_memory(clean),
-        rank_latencies=[phases(CleanFigures(r.steps).median_step()) for r in rows],
         rank_counts=[r.counted for r in rows],
         sharded_model_params=sharded_params(model),
         extra_lines=extra,
         spans=spans,
-        published_at=global_step,
-        clean=figures,
         hook_cost=cost,
         model_forward=model_forward[0] if model_forward else None,
         model_forward_high=model_forward[1] if model_forward else None,
-        flops_sources=local.sources,
         counting_iter=max(r.counting_iter for r in rows),  # audits fall on the same steps on every rank
         comm=_comm(local, rows),
     )

@@ -9,9 +9,6 @@ the table is stale for every batch, so the window counts every other step and a 
 are *estimated* from its counted neighbours (the nearest counted step before and after it, per
 sample). How sure: the largest error of that estimate on the counted steps themselves (each one
 estimated from its own neighbours, itself left out), over the estimated share of the total.
-
-Apart from the builder because it is one question with its own answer (per step, plus a total's
-bound), read by the report and the JSON.
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ class FlopsSources:
     spread: tuple[float, float, float] | None = None
     on_steps: str = ""  # the shapes counted on training steps, as no fake count could give them, and why
 
-    def summary(self) -> str:
+    def in_words(self) -> str:
         """One line: what is exact, what is estimated, and how sure."""
         kinds = {k: self.sources.count(k) for k in (COUNTED, PREDICTED, ESTIMATED) if k in self.sources}
         parts = ", ".join(f"{n} {kind}" for kind, n in kinds.items())

@@ -1,10 +1,8 @@
 """The instruments of the window's steps, started and stopped as one unit: the counting engine (the
 counting step's, kept for its profile; a check's or shape-counting step's, with no clock), the module
 timer, the clean steps' marks of the model's outermost calls (what the timer's hooks cost, in place), and
-each communication step's ``torch.profiler`` (:mod:`flops_callbacks.timing.comm_recorder`).
-
-Apart from the step session (which decides what each step does and when) so that one object owns what
-runs inside a micro-batch and its teardown on every exit path: the session stops them in one call.
+each communication step's ``torch.profiler`` (:mod:`flops_callbacks.communication.recorder`). One object
+owns what runs inside a micro-batch and its teardown on every exit path: the session stops it in one call.
 """
 
 from __future__ import annotations
@@ -13,25 +11,25 @@ from typing import Any
 
 import torch
 
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.communication.recorder import CommRecorder
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.module_tree import dynamo_compiled_anything, has_compiled
 from flops_callbacks.options import Options
+from flops_callbacks.phase_names import BACKWARD, FORWARD
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.clock import CpuClock, NullClock, module_device
-from flops_callbacks.timing.comm_recorder import CommRecorder
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
-from flops_callbacks.timing.phases import BACKWARD, FORWARD
 
 __all__ = ["Instruments", "totals"]
 
 COUNTERS = (Kind.CHECK, Kind.SHAPE_COUNTING)  # steps counted with an engine of their own (no clock)
 
 
-def totals(engine: Tracer) -> BatchCounts:
+def totals(engine: CountingEngine) -> BatchCounts:
     """The model's counts an engine has seen so far."""
     return BatchCounts.of(engine.totals()[0])
 
@@ -41,8 +39,8 @@ class Instruments:
 
     def __init__(self, options: Options) -> None:
         self.options = options
-        self.tracer: Tracer | None = None  # the counting step's engine: its profile at the window's end
-        self.counter: Tracer | None = None  # a check's or shape-counting step's engine (no clock)
+        self.engine: CountingEngine | None = None  # the counting step's: its profile at the window's end
+        self.shape_engine: CountingEngine | None = None  # a check's or shape-counting step's (no clock)
         self.timer: ModuleTimer | None = None
         self.outer: OuterCalls | None = None  # a clean step's outermost calls, while marked
         self.outermost: list[torch.nn.Module] = []  # the modules whose calls they are
@@ -54,12 +52,13 @@ class Instruments:
         """A window step starts: the counting step's engine, or a module-timing step's timer."""
         if step.kind == Kind.COUNTING:
             compiled = None if runs is None else has_compiled(runs.modules())
-            self.tracer = Tracer(model, causal_attention=self.options.causal_attention, compiled=compiled)
+            causal = self.options.causal_attention
+            self.engine = CountingEngine(model, causal_attention=causal, compiled=compiled)
             # the clean steps mark the outermost module calls (what the module timer's hooks cost, in
             # place) where a CPU clock times them and no hook can change what dynamo compiles
             self.mark_outer = (
                 isinstance(step.phases.clock, CpuClock)
-                and not self.tracer.compiled
+                and not self.engine.compiled
                 and not dynamo_compiled_anything()
             )
         elif step.kind == Kind.MODULE_TIMING:
@@ -72,13 +71,14 @@ class Instruments:
 
     def shape_counting(self, model: torch.nn.Module) -> None:
         """The step became a check or a shape-counting one: an engine of its own, with no clock."""
-        self.counter = Tracer(model, causal_attention=self.options.causal_attention, clock=NullClock())
+        causal = self.options.causal_attention
+        self.shape_engine = CountingEngine(model, causal_attention=causal, clock=NullClock())
 
     def start(self, step: WindowStep, signature: Signature, later: bool) -> None:
         """A micro-batch of ``step`` starts: its kind's instrument."""
-        engine = (
-            self.tracer if step.kind == Kind.COUNTING else self.counter if step.kind in COUNTERS else None
-        )
+        engine = self.shape_engine if step.kind in COUNTERS else None
+        if step.kind == Kind.COUNTING:
+            engine = self.engine
         if engine is not None:
             self._counting = (signature, later, totals(engine))
             engine.start()
@@ -110,7 +110,7 @@ class Instruments:
         """Stop what runs; with ``flops`` a counted micro-batch's counts go in the table (not after an
         exception)."""
         try:
-            for engine in (self.tracer, self.counter):
+            for engine in (self.engine, self.shape_engine):
                 if engine is not None and engine.running:
                     engine.stop()
                     if flops is not None:
@@ -124,7 +124,7 @@ class Instruments:
                 self.outer.stop()
                 self.outer = None
 
-    def _record(self, engine: Tracer, flops: ShapeFlops, step: WindowStep | None) -> None:
+    def _record(self, engine: CountingEngine, flops: ShapeFlops, step: WindowStep | None) -> None:
         counting, self._counting = self._counting, None
         if counting is not None:
             signature, later, before = counting
@@ -132,7 +132,7 @@ class Instruments:
 
     def failure(self) -> tuple[str, BaseException] | None:
         """A formula's failure while counting, taken (once)."""
-        engine = next((e for e in (self.tracer, self.counter) if e is not None and e.failure), None)
+        engine = next((e for e in (self.engine, self.shape_engine) if e is not None and e.failure), None)
         if engine is None or engine.failure is None:
             return None
         failure, engine.failure = engine.failure, None
@@ -143,16 +143,16 @@ class Instruments:
         communication step's profiler stops and its split is read."""
         if step.kind == Kind.MODULE_TIMING and self.mark_outer and self.timer is not None:
             self.outermost = self.timer.outermost()
-        recorder, self.counter, self.timer, self.recorder = self.recorder, None, None, None
+        recorder, self.shape_engine, self.timer, self.recorder = self.recorder, None, None, None
         if recorder is not None:
             recorder.stop()
             step.comm = recorder.breakdown()
 
     def drop(self) -> Any:
         """Forget every instrument (stopped already); returns the counting step's engine."""
-        tracer, recorder = self.tracer, self.recorder
-        self.tracer = self.counter = self.timer = self.outer = self.recorder = None
+        engine, recorder = self.engine, self.recorder
+        self.engine = self.shape_engine = self.timer = self.outer = self.recorder = None
         if recorder is not None:
             recorder.stop(keep=False)  # an exception or a dropped window: nothing of it is read
         self.outermost, self._counting = [], None
-        return tracer
+        return engine

@@ -1,9 +1,7 @@
 """The throughput meter after the window, on every rank: this rank's :class:`ThroughputMeter`, and the
 exchange of every rank's interval at the logging steps, which every rank reaches, for the job's
-``throughput/*``.
-
-Apart from the step session so that the rule of a multi-process meter lives in one place: a rank whose
-meter failed keeps joining the exchanges with nothing, and at the next one every rank stops.
+``throughput/*``. A rank whose meter failed keeps joining the exchanges with nothing, and at the next
+one every rank stops.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from flops_callbacks import metrics as names
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.session.batch import Signature, shape_signature
 from flops_callbacks.session.off_clock import OffClock, Replay
@@ -54,7 +54,7 @@ from flops_callbacks.timing.clock import NullClock, clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
 from flops_callbacks.user_warning import warn
 
-__all__ = ["AUDIT_COST", "Interval", "ThroughputMeter", "audit_every", "throughput_metrics"]
+__all__ = ["AUDIT_COST", "LoggingInterval", "ThroughputMeter", "audit_every", "throughput_metrics"]
 
 AUDIT_COST = 0.01  # flops_audit="auto": the audits' share of the run's time, at most
 MIN_AUDIT_EVERY = 10  # steps between audits, at the least (a count that costs nothing is still an event)
@@ -71,7 +71,7 @@ def audit_every(audit: int | Literal["auto"], step_seconds: float, count_seconds
     return max(math.ceil(extra / (AUDIT_COST * step_seconds)), MIN_AUDIT_EVERY)
 
 
-class Interval(NamedTuple):
+class LoggingInterval(NamedTuple):
     """What one rank did between two logging steps: its micro-batches' samples, tokens (None: unknown)
     and model flops (None: a shape's flops unknown), over its seconds."""
 
@@ -82,7 +82,7 @@ class Interval(NamedTuple):
 
 
 def throughput_metrics(
-    intervals: Sequence[Interval], data_parallel: int, peak: float | None
+    intervals: Sequence[LoggingInterval], data_parallel: int, peak: float | None
 ) -> dict[str, float]:
     """The job's ``throughput/*`` of every rank's interval (module doc); empty when no step ran."""
     seconds = max(i.seconds for i in intervals)
@@ -127,7 +127,7 @@ class ThroughputMeter:
         self.every: int | None = None  # steps between audits (None: never)
         self._until: int | None = None  # steps until the next audit
         self._scheduled = False  # the step counted now is an audit (not a shape's count on arrival)
-        self._tracer: Tracer | None = None  # the audited step's engine
+        self._engine: CountingEngine | None = None  # the audited step's engine
         self._counting: tuple[Signature, bool, BatchCounts] | None = None  # the micro-batch counted now
         self._said_mismatch = False
         self._unknown: list[bool] = []  # micro-batches of the counted step whose flops await its count
@@ -163,13 +163,13 @@ class ThroughputMeter:
         if not self._started:
             return
         signature = shape_signature(batch)
-        if self._tracer is None and self.flops.current(signature, later) is None:
+        if self._engine is None and self.flops.current(signature, later) is None:
             self._count_off_clock(signature, later, replay)
         if not later and self._paused_at is None:
             self._audit_due(self.flops.current(signature, later) is None)
-        if self._tracer is not None:  # an audited step: counted
-            self._counting = (signature, later, _totals(self._tracer))
-            self._tracer.start()
+        if self._engine is not None:  # an audited step: counted
+            self._counting = (signature, later, _totals(self._engine))
+            self._engine.start()
         if self._paused_at is not None:
             return
         self._samples += int(self.batch_size_fn(batch))
@@ -177,7 +177,7 @@ class ThroughputMeter:
             tokens = self.tokens_fn(batch) if self.tokens_fn is not None else None
             self._tokens = None if tokens is None else self._tokens + int(tokens)
         counts = self.flops.current(signature, later)
-        if counts is None and self._tracer is not None:
+        if counts is None and self._engine is not None:
             self._unknown.append(later)  # counted now: its flops are added at its end
         elif counts is None:
             self._flops = None
@@ -219,21 +219,21 @@ class ThroughputMeter:
             return
         if self._scheduled:
             self.pause()  # the audited step's time and work are no interval's
-        self._tracer = Tracer(self._model, causal_attention=self.causal_attention, clock=NullClock())
+        self._engine = CountingEngine(self._model, causal_attention=self.causal_attention, clock=NullClock())
 
     def micro_batch_end(self) -> None:
         """After a micro-batch: an audited one's count is compared with the table (a mismatch said once)."""
-        tracer, counting, self._counting = self._tracer, self._counting, None
-        if tracer is None or counting is None or not tracer.running:
+        engine, counting, self._counting = self._engine, self._counting, None
+        if engine is None or counting is None or not engine.running:
             return
-        tracer.stop()
-        if tracer.failure is not None:
-            what, error = tracer.failure
+        engine.stop()
+        if engine.failure is not None:
+            what, error = engine.failure
             self._until = self.every = None
             warn(f"flops_callbacks: counting an audited step failed ({what}: {error!r}); no more audits.")
             return
         signature, later, before = counting
-        counts = _totals(tracer).minus(before)
+        counts = _totals(engine).minus(before)
         if self._unknown and self._flops is not None:
             self._unknown.pop()
             self._flops += counts.model_flops
@@ -250,7 +250,7 @@ class ThroughputMeter:
     def step_end(self) -> None:
         """After an optimizer step: the next micro-batch is a step's first; an audit ends here."""
         self._later = False
-        if self._tracer is not None:
+        if self._engine is not None:
             self._stop_audit()
             collect_counting_garbage()
             if self._scheduled:
@@ -259,19 +259,19 @@ class ThroughputMeter:
             self.resume()
 
     def _stop_audit(self) -> None:
-        tracer, self._tracer, self._counting = self._tracer, None, None
-        if tracer is not None and tracer.running:
-            tracer.stop()
+        engine, self._engine, self._counting = self._engine, None, None
+        if engine is not None and engine.running:
+            engine.stop()
 
-    def interval(self) -> Interval:
+    def interval(self) -> LoggingInterval:
         """This rank's interval since the last call (or the start), and a new interval from now."""
         if not self._started:
-            return Interval(0.0, 0, 0, 0.0)
+            return LoggingInterval(0.0, 0, 0, 0.0)
         now = self._now()
         seconds = now - self._start - self._paused
         if self._paused_at is not None:  # asked while paused: count up to the pause only
             seconds -= now - self._paused_at
-        done = Interval(seconds, self._samples, self._tokens, self._flops)
+        done = LoggingInterval(seconds, self._samples, self._tokens, self._flops)
         self._restart(now)
         if self._paused_at is not None:
             self._paused_at = now
@@ -308,6 +308,6 @@ class ThroughputMeter:
         return time.perf_counter()
 
 
-def _totals(engine: Tracer) -> BatchCounts:
+def _totals(engine: CountingEngine) -> BatchCounts:
     """The model's counts an engine has seen so far."""
     return BatchCounts.of(engine.totals()[0])

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from flops_callbacks.communication.figures import CommFigures
 from flops_callbacks.metrics import (
     BWD_BYTES,
     BWD_FLOPS,
@@ -43,7 +44,6 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
 from flops_callbacks.roofline import Roofline, module_rooflines
-from flops_callbacks.session.comm_step import CommFigures
 from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepSeconds, StepWork
@@ -53,7 +53,6 @@ from flops_callbacks.timing.spans import ModuleSpan
 Latencies = tuple[float, float, float]  # (fwd, bwd, step) seconds
 
 __all__ = [
-    "HookCost",
     "Latencies",
     "phase_rates",
     "PhaseRates",

@@ -1,8 +1,7 @@
 """What a run's start says about its profile window: where the window falls in the run, the warnings due
 now rather than at the window's end (a profile_step the run never reaches, a window it cuts short, a run
-resumed past it), and the destinations that cannot be written.
-
-Apart from the step session because it is asked once per run and holds no state of the window.
+resumed past it), and the destinations that cannot be written. Asked once per run; it holds no state of
+the window.
 """
 
 from __future__ import annotations

@@ -28,33 +28,36 @@ import torch
 from flops_callbacks.guard import F, Guard, guarded_event
 from flops_callbacks.options import Options
 from flops_callbacks.peaks import given_bandwidth, given_peak
+from flops_callbacks.phase_names import FORWARD
 from flops_callbacks.session.adapter_api import Publish, Sink, TrainingContext
 from flops_callbacks.session.batch import BatchReader, Signature, shape_signature
+from flops_callbacks.session.builder import build_result
 from flops_callbacks.session.instruments import Instruments
 from flops_callbacks.session.job_meter import JobMeter
 from flops_callbacks.session.meter import ThroughputMeter
 from flops_callbacks.session.off_clock import OffClock, Replay
-from flops_callbacks.session.ranks import Ranks
+from flops_callbacks.session.rank_part import RankRow, local_part
+from flops_callbacks.session.ranks import RankFailure, Ranks
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.run_plan import RunPlan, unwritable_destinations
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_end import DROPPED, WindowEnd
-from flops_callbacks.session.window_plan import Kind, WindowPlan, Wish
+from flops_callbacks.session.window_plan import Decision, Kind, WindowPlan, Wish
 from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.clock import clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
 from flops_callbacks.timing.phase_memory import phase_memory_for
-from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
+from flops_callbacks.timing.phases import StepPhases
 from flops_callbacks.user_warning import warn
+
+__all__ = ["StepSession"]
+
+DROPPED = "the profile window is dropped and nothing of the profiler stays; this run goes on unprofiled"
 
 
 def _own_work(what: str, abandon: bool = True) -> Callable[[F], F]:
     """An event of the session, run as the profiler's own work (with ``abandon``, a failure drops the
     window for the rest of the run)."""
     return guarded_event(what, DROPPED if abandon else "training goes on", "_abandon" if abandon else None)
-
-
-__all__ = ["BACKWARD", "FORWARD", "OPTIMIZER_STEP", "Sink", "Replay", "TrainingContext", "StepSession"]
 
 
 class _Read(NamedTuple):
@@ -65,7 +68,7 @@ class _Read(NamedTuple):
     counts: BatchCounts | None
 
 
-class StepSession(WindowEnd):
+class StepSession:
     """The profile window and the throughput meter of one callback (module doc).
 
     ``owner`` names the callback in messages; ``tokens_fn`` defaults to the options' (an adapter may
@@ -381,6 +384,68 @@ class StepSession(WindowEnd):
         iters = lambda: [s.seconds()["iter"] for s in clean if s.finished()]  # noqa: E731
         done = self.plan.wants_iters(len(clean)) and self.plan.done_here(iters)
         return done, (step.comm.step.exposed, step.comm.step.span) if step.comm is not None else None
+
+    # --- the window's end ------------------------------------------------------------------------------
+
+    def _drop(self, decision: Decision) -> None:
+        """Every rank agreed to drop the window: said once, by the logging rank, unless this rank's own
+        failure was said already. No other window starts in this run."""
+        self.plan.reset(run=True)
+        self._window_ran = True
+        if self._logging_rank and not self._abandoned:
+            warn(f"{self.owner}: {decision.why}; {DROPPED} on every rank. Training goes on.")
+        self._abandoned = True
+        self.close()
+
+    def _stop_instruments(self) -> None:
+        """Stop what runs; a counted micro-batch's counts go in the table."""
+        self.instruments.stop(self.flops, self._step)
+
+    def _counting_failed(self) -> bool:
+        """Whether a formula failed while counting (said here, and the window dropped)."""
+        failure = self.instruments.failure()
+        if failure is None:
+            return False
+        what, error = failure
+        self.guard.fail(what, error, DROPPED)
+        self._abandon()
+        return True
+
+    def _finish(self, global_step: int, sink: Sink) -> None:
+        """The window's agreed end (every rank): exchange each rank's figures, build the job's result,
+        publish it on the logging rank, and start (or resume) the throughput meter on every rank."""
+        steps, self._steps, self._step = self._steps, [], None
+        engine = self.instruments.drop()
+        model, self._model = self._model, None
+        reprofile, base = self.plan.reprofile, self.result
+        self.plan.reset()
+        self.plan.ended(steps[-1].number if steps else global_step)  # agreed: the steps are every rank's
+        self._window_ran = True
+        local = None
+        if model is not None:
+            with self.guard.own_work("counting the window's new shapes", DROPPED, self._abandon):
+                self.off_clock.finish(model, self.flops)  # before the exchange: no step's time
+            with self.guard.own_work("building the profile", DROPPED, self._abandon):
+                local = local_part(steps, self.flops, engine, base if reprofile else None)
+        mine: RankRow | str = local.row() if local is not None else "failed" if self._abandoned else "empty"
+        try:
+            rows = self.ranks.exchange(mine)
+        except RankFailure as failure:
+            return self._drop(Decision.dropped(f"exchanging every rank's figures failed ({failure})"))
+        if any(row == "failed" for row in rows):
+            return self._drop(Decision.dropped(f"rank {rows.index('failed')}'s profile failed"))
+        if local is None or model is None or any(isinstance(row, str) for row in rows):
+            return self.job_meter.resume() if reprofile else None  # no micro-batch: nothing to say
+        with self.guard.own_work("asking the log dir", "the files in the log dir are not written"):
+            log_dir = sink.log_dir()  # on every rank: Lightning's log_dir is a collective
+        built = None
+        with self.guard.own_work("building the profile", "no profile is published"):
+            peaks = (self.given_peak, self.given_bandwidth)
+            built = build_result(local, steps, rows, model, self._context, self.flops, global_step, peaks)
+        self.result = built or self.result  # a failed re-profile keeps the last result to build on
+        if built is not None and sink.is_logging_rank and self.publish is not None:
+            self.publish(built, self.options, log_dir, sink, self.guard, set(self._unwritable))
+        self.job_meter.start(self.result, model, self.flops, again=reprofile)
 
     # --- throughput ----------------------------------------------------------------------------------
 

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from enum import Enum
 from typing import NamedTuple
 
+from flops_callbacks.communication.figures import ranks_mean
 from flops_callbacks.options import Options
-from flops_callbacks.session.comm_step import ranks_mean
 from flops_callbacks.session.ranks import RankFailure, Ranks
 
 __all__ = [

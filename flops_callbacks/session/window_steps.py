@@ -25,10 +25,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from flops_callbacks.communication.breakdown import CommBreakdown
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_plan import Kind
-from flops_callbacks.timing.comm_breakdown import CommBreakdown
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
 from flops_callbacks.timing.phases import StepPhases

@@ -8,9 +8,10 @@ import time
 
 import torch
 
+from flops_callbacks.phase_names import FORWARD
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
-from flops_callbacks.timing.module_timer import FORWARD, ModuleTimer
+from flops_callbacks.timing.module_timer import ModuleTimer
 
 __all__ = ["hook_cost"]
 

@@ -42,13 +42,14 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from flops_callbacks.module_tree import ModuleTree, ancestors, depth_of, eager_compiled_code
+from flops_callbacks.phase_names import BACKWARD, FORWARD, RECOMPUTE
 from flops_callbacks.profile import Profile
 from flops_callbacks.timing.clock import Clock
 from flops_callbacks.timing.collector import collector_off
 from flops_callbacks.timing.hook_cost import HookCost
-from flops_callbacks.timing.spans import BACKWARD, FORWARD, RECOMPUTE, ModuleSpan, Phase
+from flops_callbacks.timing.spans import ModuleSpan, Phase
 
-__all__ = ["BACKWARD", "FORWARD", "fill_containers", "median_step", "ModuleTimer", "ModuleTimes", "RECOMPUTE"]
+__all__ = ["fill_containers", "median_step", "ModuleTimer", "ModuleTimes"]
 
 _current_autograd_node = torch._C._current_autograd_node
 

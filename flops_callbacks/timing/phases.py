@@ -13,13 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP, STEP_PHASES
+from flops_callbacks.phase_names import BACKWARD, FORWARD, STEP_PHASES
 from flops_callbacks.timing.clock import Clock
 from flops_callbacks.timing.phase_memory import PhaseMemory
 
-__all__ = ["BACKWARD", "check_phase", "FORWARD", "OPTIMIZER_STEP", "PHASES", "StepPhases"]
-
-PHASES = STEP_PHASES  # NB: the name session/builder.py imports; STEP_PHASES is the one to use
+__all__ = ["check_phase", "StepPhases"]
 
 
 def check_phase(name: str) -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flops_callbacks.phase_names import BACKWARD, FORWARD, MODULE_PASSES, RECOMPUTE, ModulePass
+from flops_callbacks.phase_names import MODULE_PASSES, ModulePass
 
-__all__ = ["BACKWARD", "FORWARD", "ModuleSpan", "Phase", "RECOMPUTE"]
+__all__ = ["ModuleSpan", "Phase"]
 
 Phase = ModulePass  # a span's phase is one of the module's passes
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from flops_callbacks.counting.bytes_moved import bytes_rule
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.profile import Profile
 
 F32 = 4
@@ -19,7 +19,7 @@ B, D_IN, D_OUT = 4, 8, 16
 
 
 def traced(model: nn.Module, x: torch.Tensor) -> Profile:
-    tracer = Tracer(model)
+    tracer = CountingEngine(model)
     tracer.start()
     try:
         model(x).sum().backward()
@@ -181,7 +181,7 @@ def test_a_saved_tensor_changed_in_place_still_fails_the_backward_as_without_the
     message = "modified by an inplace operation"
     with pytest.raises(RuntimeError, match=message):
         model(x).sum().backward()
-    tracer = Tracer(model)
+    tracer = CountingEngine(model)
     tracer.start()
     try:
         with pytest.raises(RuntimeError, match=message):

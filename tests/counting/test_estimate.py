@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.counting.estimate import Attention, attention_of, embedding_params, estimate_rows
 from flops_callbacks.profile import Profile
 from flops_callbacks.units import number_to_string, params_to_string
@@ -52,7 +52,7 @@ def counted(config: Any) -> tuple[torch.nn.Module, Profile]:
         warnings.simplefilter("ignore")  # transformers' notes on the config's token ids
         model = transformers.AutoModelForCausalLM.from_config(config).train()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    tracer = Tracer(model)
+    tracer = CountingEngine(model)
     tracer.start()
     try:
         model(input_ids=ids, labels=ids).loss.backward()

@@ -22,7 +22,7 @@ import pytest
 from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.profile_file import json_data, load
-from flops_callbacks.reporting.report_rows import report_text
+from flops_callbacks.reporting.window_rows import report_text
 from flops_callbacks.session.window_plan import COMM_AGREE, COMM_MAX, COMM_MIN
 from tests.comm_workers import PROFILE_STEP
 from tests.support import comm_steps, run_bounded

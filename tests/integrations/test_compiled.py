@@ -20,7 +20,7 @@ import transformers
 from torch._dynamo.utils import counters
 
 from flops_callbacks import FlopsProfilerCallback, HFFlopsCallback
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.module_tree import has_compiled
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.module_timer import ModuleTimer
@@ -101,7 +101,7 @@ def test_a_model_compiled_in_place_is_counted_and_timed_eagerly_with_no_new_grap
     model(x).sum().backward()
     graphs = compiled_graphs()
     assert graphs >= 1
-    tracer = Tracer(model)
+    tracer = CountingEngine(model)
     with pytest.warns(UserWarning, match=EAGER_NOTE):
         tracer.start()
     try:

@@ -1051,7 +1051,7 @@ def terminal_screen(args: list[str], columns: int = 200, rows: int = 300, timeou
 def test_the_report_printed_under_a_progress_bar_leaves_the_bar_lines_intact(
     tmp_path: Path, bar: str
 ) -> None:
-    from flops_callbacks.reporting.report import TITLE
+    from flops_callbacks.reporting.profile_report import TITLE
 
     # wide enough for the report's longest row (a doubt about a tiny model's tree runs past 300 columns)
     screen = terminal_screen([sys.executable, __file__, str(tmp_path), bar], columns=500)

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback
-from flops_callbacks.session.meter import Interval
+from flops_callbacks.session.meter import LoggingInterval
 from flops_callbacks.session.window_plan import CLEAN_MAX, MODULE_TIMING_STEPS
 from tests.support import check_step, lightning_settings, module_steps
 
@@ -69,7 +69,7 @@ def _offline(trainer: Trainer, batch: dict[str, torch.Tensor]) -> int:
     model of the same config."""
     model = _gpt2().train()
     items = (batch["labels"] != -100).sum()
-    tracer = Tracer(model)
+    tracer = CountingEngine(model)
     tracer.start()
     try:
         trainer.training_step(model, batch, items)
@@ -158,7 +158,7 @@ def _truth(batch: tuple[torch.Tensor, torch.Tensor]) -> int:
     """The batch's model flops, counted by the engine on a real step of a fresh model."""
     module = Branching()
     module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  # no Trainer to log to
-    tracer = Tracer(module)
+    tracer = CountingEngine(module)
     tracer.start()
     try:
         module.training_step(batch, 0).backward()
@@ -174,10 +174,10 @@ def test_a_model_that_branches_on_length_keeps_exact_flops_when_batches_cross_it
     trainer = L.Trainer(callbacks=[callback], **lightning_settings(tmp_path, steps))
     meter = callback.session.meter
     assert meter is not None
-    intervals: list[Interval] = []
+    intervals: list[LoggingInterval] = []
     interval = meter.interval
 
-    def kept() -> Interval:
+    def kept() -> LoggingInterval:
         intervals.append(interval())
         return intervals[-1]
 

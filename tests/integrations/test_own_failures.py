@@ -370,7 +370,7 @@ def test_a_failing_report_renderer_is_said_once_and_the_metrics_json_and_picture
     def broken(*args: Any, **kwargs: Any) -> str:
         raise KeyError("renderer")
 
-    monkeypatch.setattr("flops_callbacks.reporting.report_rows.render_profile", broken)
+    monkeypatch.setattr("flops_callbacks.reporting.window_rows.render_profile", broken)
     done = run(framework, tmp_path)
     assert done.steps == MAX_STEPS
     (warning,) = done.warnings

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from flops_callbacks import metrics as names
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from tests.loop_workers import LOOP_END, LOOP_STEPS
 from tests.rank_workers import LOG_EVERY, MAX_STEPS, PROFILE_STEP, gpt2
 from tests.support import run_bounded
@@ -81,7 +81,7 @@ def batch(made: dict[str, Any]) -> dict[str, torch.Tensor]:
 def counted_fwd(made: dict[str, Any], **kwargs: Any) -> int:
     """The forward flops of one batch, counted again here on a fresh model (as the run's model sees it)."""
     model = gpt2()
-    tracer = Tracer(model)
+    tracer = CountingEngine(model)
     tracer.start()
     try:
         model(**batch(made), **kwargs).loss.backward()

@@ -3,7 +3,7 @@
 Real 2-process runs (workers in sharded_workers.py) of Lightning's ModelParallelStrategy with FSDP2
 data-parallel sharding and of the HF Trainer with DeepSpeed ZeRO-2 / ZeRO-3 (DeepSpeed's CPU
 accelerator). Each profile must hold the flops of the same model unsharded on the same batch (counted
-here, in this process, by the Tracer on a fresh copy and by torch's FlopCounterMode for the matmuls):
+here, in this process, by the CountingEngine on a fresh copy and by torch's FlopCounterMode for the matmuls):
 all-gathers and reduce-scatters add nothing. Parameters per device are the shard, parameters of the
 model the global size, samples/s counts both replicas.
 
@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from flops_callbacks import metrics as names
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.parallel import ParallelSizes, global_numel, sharded_params, stored_numel
 from flops_callbacks.units import params_to_string
 
@@ -42,8 +42,8 @@ DEEPSPEED_ENV = {"DS_ACCELERATOR": "cpu"}  # DeepSpeed's CPU accelerator, whatev
 
 def unsharded(model: torch.nn.Module, step: Any) -> dict[str, int]:
     """Flops of one forward + backward (``step(model)`` returns the loss) of the unsharded ``model``:
-    the Tracer's totals, and FlopCounterMode's (matmuls and attention only, SDPA on its math backend)."""
-    tracer = Tracer(model)
+    the engine's totals, and FlopCounterMode's (matmuls and attention only, SDPA on its math backend)."""
+    tracer = CountingEngine(model)
     tracer.start()
     try:
         step(model).backward()

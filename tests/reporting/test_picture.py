@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.cli import main
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.profile import Profile
-from flops_callbacks.reporting.cli import main
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.roofline import as_data, module_rooflines
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
@@ -43,12 +43,12 @@ WINDOW = (1200, 800)
 
 @pytest.fixture(scope="module")
 def profile() -> Profile:
-    """One training step of a 2-layer GPT-2, counted and timed by the Tracer."""
+    """One training step of a 2-layer GPT-2, counted and timed by the CountingEngine."""
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=32)
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 512, (2, 16))
-    tracer = Tracer(model)
+    tracer = CountingEngine(model)
     tracer.start()
     try:
         model(ids, labels=ids).loss.backward()
@@ -61,7 +61,7 @@ def profile() -> Profile:
 def page(profile: Profile, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("picture") / "profile.html"
     summary = [("model", "GPT-2, 2 layers"), ("fwd latency", duration_to_string(profile.fwd_latency))]
-    path.write_text(render_html(profile, title="GPT-2 <2 layers>", summary=summary))
+    path.write_text(render_html(profile, title="GPT-2 <2 layers>", headline=summary))
     return path
 
 
@@ -142,7 +142,7 @@ def test_a_module_name_cannot_close_the_script_that_holds_the_data() -> None:
     evil = "x</script><script>alert(1)</script>"
     model = torch.nn.Sequential()
     model.add_module(evil, torch.nn.Linear(2, 3))
-    tracer = Tracer(model)
+    tracer = CountingEngine(model)
     tracer.start()
     try:
         model(torch.ones(1, 2))
@@ -336,7 +336,7 @@ SLOWER_RED, SAME_GREY = (0x67, 0x00, 0x1F), (0xF7, 0xF7, 0xF7)  # the ends and m
 
 @pytest.fixture
 def diff_page(runs: dict[str, Path], tmp_path: Path) -> Path:
-    """``flops-callbacks diff A B --html``: B (tests/reporting/conftest.py: A with ``slow`` slowed)."""
+    """``flops-callbacks diff A B --html``: B (tests/saved_runs.py: A with ``slow`` slowed)."""
     page = tmp_path / "diff.html"
     assert main(["diff", str(runs["A"]), str(runs["B"]), "--html", str(page)]) == 0
     return page

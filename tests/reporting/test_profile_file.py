@@ -23,8 +23,8 @@ from flops_callbacks.reporting.profile_file import (
     load,
 )
 from flops_callbacks.reporting.publish import picture
-from flops_callbacks.reporting.report_rows import report_text
-from tests.reporting.conftest import CLEAN, FWD_FLOPS, PAUSE, PEAK, PROFILE_STEP
+from flops_callbacks.reporting.window_rows import report_text
+from tests.saved_runs import CLEAN, FWD_FLOPS, PAUSE, PEAK, PROFILE_STEP
 
 
 def test_a_real_runs_file_loads_back_into_the_result_it_was_written_from(runs: dict[str, Path]) -> None:
@@ -40,7 +40,7 @@ def test_a_real_runs_file_loads_back_into_the_result_it_was_written_from(runs: d
     assert json.loads(json.dumps(json_data(saved.result))) == written  # every key, every value
     assert saved.metrics == written["metrics"]
     assert saved.result.metrics() == saved.metrics  # recomputed from what was read: the same figures
-    assert saved.metrics[names.FWD_FLOPS] == FWD_FLOPS == 19712  # by hand (tests/reporting/conftest.py)
+    assert saved.metrics[names.FWD_FLOPS] == FWD_FLOPS == 19712  # by hand (tests/saved_runs.py)
     assert saved.result.peak is not None and saved.result.peak.flops == PEAK
     spread = saved.result.figures().spreads["fwd"]
     assert spread.steps == CLEAN and 2 * PAUSE <= spread.low <= spread.median <= spread.high
@@ -86,11 +86,9 @@ def test_a_file_that_is_not_a_profile_is_refused_with_its_name_and_why(
     assert all(reasons[n].startswith(not_ours) for n in ("foreign.json", "list.json", "trace.json"))
 
 
-def test_a_version_1_file_still_loads_its_one_communication_step_as_a_tuple(runs: dict[str, Path]) -> None:
+def test_a_one_process_file_has_no_communication_steps_and_reads_back_none(runs: dict[str, Path]) -> None:
     data = json.loads(runs["A"].read_text())
     assert "communication" not in data["steps"]  # one process: no communication step, no key
-    old = {**data, "schema_version": 1, "steps": {**data["steps"], "communication": 5}}
-    assert from_json(old, "old.json").result.steps.communication == (5,)
     assert from_json(data, "new.json").result.steps.communication == ()
 
 

@@ -16,7 +16,7 @@ from flops_callbacks.peaks import Peak
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
 from flops_callbacks.reporting.profile_file import json_data
 from flops_callbacks.reporting.publish import markdown_block, publish
-from flops_callbacks.reporting.report_rows import report_text, source_lines, tree_doubts
+from flops_callbacks.reporting.window_rows import report_text, source_lines, tree_doubts
 from flops_callbacks.session.result import WindowResult, WindowSteps
 from flops_callbacks.timing.spans import ModuleSpan
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from flops_callbacks import FlopsProfiler
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import Profile
-from flops_callbacks.reporting.report import EngineRows, render_profile
+from flops_callbacks.reporting.profile_report import EngineRows, render_profile
 from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string, number_to_string
 
 B, IN, HID, OUT = 4, 8, 16, 3

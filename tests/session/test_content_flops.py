@@ -12,13 +12,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.options import Options
+from flops_callbacks.phase_names import BACKWARD, OPTIMIZER_STEP
 from flops_callbacks.reporting.publish import publish
 from flops_callbacks.session.batch import leading_batch_size
 from flops_callbacks.session.meter import ThroughputMeter
 from flops_callbacks.session.shape_flops import BatchCounts
-from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession
+from flops_callbacks.session.step_session import StepSession
 from tests.session.test_throughput import Quiet
 
 D, VOCAB = 16, 32
@@ -115,7 +116,7 @@ def batch_of(length: int, real: int | None = None, size: int = 4, vocab: int = V
 def truth(model: nn.Module, batch: Batch) -> int:
     """Our engine on a copy of the model with this step's weights: the batch's model flops."""
     twin = copy.deepcopy(model)
-    tracer = Tracer(twin)
+    tracer = CountingEngine(twin)
     tracer.start()
     try:
         twin(*batch).backward()

@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from flops_callbacks import metrics as names
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from flops_callbacks.session.shape_flops import BatchCounts
@@ -87,7 +87,7 @@ def engine_counts(batch: dict[str, torch.Tensor], hf: bool) -> BatchCounts:
     called as the Trainer calls the model (the HF Trainer divides the loss by the real labels' count)."""
     model = gpt2()
     extra = {"num_items_in_batch": (batch["labels"][:, 1:] != -100).sum()} if hf else {}
-    tracer = Tracer(model)
+    tracer = CountingEngine(model)
     tracer.start()
     try:
         model(**batch, **extra).loss.backward()

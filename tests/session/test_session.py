@@ -19,7 +19,7 @@ from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.reporting.publish import console_text, publish
-from flops_callbacks.reporting.report_rows import report_text
+from flops_callbacks.reporting.window_rows import report_text
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.timing.collector import COLLECTED
 from flops_callbacks.timing.hook_cost import MIN_CALLS

@@ -6,7 +6,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.session.batch import shape_signature
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 
@@ -24,7 +24,7 @@ def batch(length: int, size: int = 2) -> dict[str, torch.Tensor]:
 
 def counted(model: GPT2LMHeadModel, inputs: dict[str, torch.Tensor]) -> BatchCounts:
     model.zero_grad(set_to_none=True)  # a step's first micro-batch: no gradient to add to
-    tracer = Tracer(model)
+    tracer = CountingEngine(model)
     tracer.start()
     try:
         model(**inputs).loss.backward()

@@ -12,10 +12,12 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from flops_callbacks import metrics as names
 from flops_callbacks.options import Options
 from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.phase_names import BACKWARD, OPTIMIZER_STEP
 from flops_callbacks.reporting.publish import publish
+from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import leading_batch_size, shape_signature
 from flops_callbacks.session.meter import ThroughputMeter
-from flops_callbacks.session.step_session import BACKWARD, OPTIMIZER_STEP, StepSession, TrainingContext
+from flops_callbacks.session.step_session import StepSession
 from tests.support import first_clean
 
 IN, OUT = 6, 2

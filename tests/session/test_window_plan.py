@@ -188,7 +188,7 @@ def test_every_ranks_vote_ends_the_window_on_the_same_step_with_the_same_kinds()
     behaviours = [rank(16, 17), rank(18, 20)]
     laid_out = []
     for r in range(2):
-        # the communication step's place is tested in test_comm_step.py: this test is the vote's
+        # the communication step's place is tested in test_figures.py: this test is the vote's
         plan = plan_of(Options(profile_step=10, clean_steps="auto", comm_steps=0), behaviours, rank=r)
         laid_out.append(window(plan, 10))
     assert laid_out[0] == laid_out[1]

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+from flops_callbacks.phase_names import FORWARD
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import MIN_CALLS, PROBE_CEILING, HookCost
 from flops_callbacks.timing.hook_probe import hook_cost
-from flops_callbacks.timing.module_timer import FORWARD, ModuleTimer, ModuleTimes, median_step
+from flops_callbacks.timing.module_timer import ModuleTimer, ModuleTimes, median_step
 from flops_callbacks.timing.outer_calls import OuterCalls
 from tests.sleepy import Sleepy
 from tests.support import forward_timed, hooks_of

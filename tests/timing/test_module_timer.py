@@ -9,9 +9,10 @@ from torch.nn.modules import module as torch_module
 from torch.utils.checkpoint import checkpoint
 
 from flops_callbacks.module_tree import ancestors
+from flops_callbacks.phase_names import BACKWARD, FORWARD
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
-from flops_callbacks.timing.module_timer import BACKWARD, FORWARD, ModuleTimer
+from flops_callbacks.timing.module_timer import ModuleTimer
 from tests.sleepy import Sleepy
 from tests.support import forward_timed, holds_sleep
 

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from flops_callbacks.options import Options
+from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
 from flops_callbacks.reporting.profile_file import json_data
 from flops_callbacks.reporting.publish import publish
-from flops_callbacks.reporting.report_rows import report_text
+from flops_callbacks.reporting.window_rows import report_text
 from flops_callbacks.session.step_session import StepSession
-from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP
 from tests.support import Sink, run, window_end
 
 MIB = 2**20

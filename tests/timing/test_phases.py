@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flops_callbacks.timing.phases import BACKWARD, FORWARD, OPTIMIZER_STEP, StepPhases
+from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
+from flops_callbacks.timing.phases import StepPhases
 
 
 class TickClock:

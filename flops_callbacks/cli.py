@@ -1,0 +1,380 @@
+"""The command line, ``flops-callbacks`` (or ``python -m flops_callbacks``): show, diff and gate saved
+profiles (the ``flops_profile_step{N}.json`` a profiled run writes, or a generation's saved profile).
+
+An entry point over the reporting layer and the generation room, and a reader of their JSON and nothing
+more: files are read by :mod:`~flops_callbacks.reporting.profile_file` (a generation's by
+:mod:`~flops_callbacks.generation.json_file`), the report printed by the renderers the live run printed
+it with (:mod:`~flops_callbacks.reporting.publish`), figures compared by
+:mod:`~flops_callbacks.reporting.compare`, pictures drawn by :mod:`~flops_callbacks.reporting.picture`.
+It imports no framework. Exit codes: 0 done (or the gate passed), 1 the gate failed, 2 bad input (a
+missing file, a file that is not a profile, an unknown figure, a bad rule: argparse's code for usage
+errors too). Colours only on a terminal (and never with ``NO_COLOR`` set), so CI logs stay plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from flops_callbacks.files import write_text
+from flops_callbacks.generation.json_file import read_generation
+from flops_callbacks.generation.report import generation_picture, render_generation
+from flops_callbacks.options import Options
+from flops_callbacks.reporting.compare import (
+    Change,
+    Figure,
+    ModuleChange,
+    Rule,
+    changes,
+    figure_text,
+    gate,
+    module_changes,
+    own_seconds,
+    percent_text,
+    range_text,
+    work_note,
+)
+from flops_callbacks.reporting.picture import render_html
+from flops_callbacks.reporting.profile_file import SavedProfile, load
+from flops_callbacks.reporting.publish import picture
+from flops_callbacks.reporting.window_rows import report_text, tree_doubts
+from flops_callbacks.units import bytes_to_string, duration_to_string, number_to_string
+
+__all__ = ["main"]
+
+PROG = "flops-callbacks"
+EXIT_OK, EXIT_WORSE, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _Paint:
+    """ANSI colours for a terminal; plain text elsewhere."""
+
+    def __init__(self, mode: str, out: TextIO) -> None:
+        tty = hasattr(out, "isatty") and out.isatty()
+        self.on = mode == "always" or (mode == "auto" and tty and not os.environ.get("NO_COLOR"))
+
+    def __call__(self, text: str, code: str) -> str:
+        return f"\033[{code}m{text}\033[0m" if self.on and text else text
+
+
+RED, GREEN, DIM, BOLD = "31", "32", "2", "1"
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Run the command line on ``argv`` (``sys.argv[1:]`` by default); returns the exit code."""
+    out = out or sys.stdout
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.run(args, out, _Paint(args.color, out)))
+    except ValueError as error:  # ProfileFileError, a bad rule, an unknown figure, a bad option
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as error:  # an --html file that cannot be written
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Show, compare and gate saved flops profiles.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    show = commands.add_parser("show", help="print a profile's report again")
+    show.add_argument("profile", help="a flops_profile_step{N}.json, or a generation's saved profile")
+    show.add_argument("--html", metavar="OUT", help="also write the profile's picture to OUT")
+    show.add_argument("--module-depth", type=int, default=-1, help="depth of the module tree (-1: all)")
+    show.add_argument(
+        "--top-modules", type=int, default=1, help="modules per depth in the aggregated profile"
+    )
+    show.add_argument("--brief", action="store_true", help="leave the detailed module tree out")
+    show.set_defaults(run=_show)
+
+    diff = commands.add_parser("diff", help="compare two profiles: headline figures, then modules")
+    diff.add_argument("a", help="the profile compared against (e.g. main's)")
+    diff.add_argument("b", help="the profile compared")
+    diff.add_argument("--top", type=int, default=10, help="modules listed (default 10)")
+    diff.add_argument("--html", metavar="OUT", help="write B's picture coloured by its change against A")
+    diff.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    diff.set_defaults(run=_diff)
+
+    gate_ = commands.add_parser("gate", help="exit 1 when a figure of NEW got worse than BASE's")
+    gate_.add_argument("base", help="the reference profile (e.g. main's)")
+    gate_.add_argument("new", help="the profile checked (e.g. the pull request's)")
+    gate_.add_argument(
+        "--fail-on", action="append", required=True, metavar="FIGURE:+N%|FIGURE:-N%",
+        help="fail when FIGURE (a metric name without flops_profiler/) grows (+) or falls (-) by more "
+        "than N percent and by more than the runs' noise; repeatable",
+    )  # fmt: skip
+    gate_.add_argument("--json", action="store_true", help="print the checks as JSON")
+    gate_.set_defaults(run=_gate)
+
+    for sub in (show, diff, gate_):
+        sub.add_argument(
+            "--color", choices=("auto", "always", "never"), default="auto",
+            help="colours: on a terminal without NO_COLOR set (auto, the default), always or never",
+        )  # fmt: skip
+    return parser
+
+
+# --- show -------------------------------------------------------------------------------------------
+
+
+def _show(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
+    generation = read_generation(args.profile)  # a generation's profile, or None: a window's
+    if generation is not None:
+        print(render_generation(generation, args.module_depth, detailed=not args.brief), file=out)
+        if args.html:
+            write_text(args.html, generation_picture(generation))
+        return EXIT_OK
+    saved = load(args.profile)
+    options = Options(module_depth=args.module_depth, top_modules=args.top_modules)
+    print(report_text(saved.result, options, detailed=not args.brief), file=out)
+    if args.html:
+        write_text(args.html, picture(saved.result))
+    return EXIT_OK
+
+
+# --- diff -------------------------------------------------------------------------------------------
+
+
+def _window(path: str) -> SavedProfile:
+    """A training window's profile; a generation's is refused with what reads it (``show``)."""
+    if read_generation(path) is not None:
+        raise ValueError(
+            f"{path}: a generation's profile: diff and gate compare training windows; show prints it"
+        )
+    return load(path)
+
+
+def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
+    if args.top < 0:
+        raise ValueError(f"--top must be an int >= 0, got {args.top}")
+    a, b = _window(args.a), _window(args.b)
+    note, figures, modules = work_note(a, b), changes(a, b), module_changes(a, b)
+    if args.json:
+        print(json.dumps(_diff_json(a, b, note, figures, modules), indent=2), file=out)
+    else:
+        print(_diff_text(a, b, note, figures, modules[: args.top], len(modules), paint), file=out)
+    if args.html:
+        write_text(args.html, _diff_html(a, b, note, figures))
+    return EXIT_OK
+
+
+def _run_line(label: str, saved: SavedProfile) -> str:
+    r = saved.result
+    window = f"window at step {r.step}, counts of " if r.steps.reused else ""
+    steps = f"{window}counting step {r.steps.counting}, {len(r.steps.clean)} clean step(s)"
+    return f"{label}: {saved.source} ({steps}, {r.profile.device})"
+
+
+def _mark(change: Change) -> tuple[str, str]:
+    """The word after a figure's change, and its colour."""
+    if change.direction == 0:
+        return "", ""
+    if change.noise:
+        return "noise", DIM
+    return ("worse", RED) if change.direction < 0 else ("better", GREEN)
+
+
+def _with_range(f: Figure) -> str:
+    return figure_text(f) if f.low == f.high else f"{figure_text(f)} ({range_text(f)})"
+
+
+def _table(rows: list[list[str]], plain: list[list[str]]) -> list[str]:
+    """Rows in columns padded by their plain text (``rows`` may hold colour codes)."""
+    widths = [max(len(row[i]) for row in plain) for i in range(len(plain[0]))]
+    return [
+        "  ".join(cell + " " * (w - len(p)) for cell, p, w in zip(row, prow, widths, strict=True)).rstrip()
+        for row, prow in zip(rows, plain, strict=True)
+    ]
+
+
+def _figure_rows(figures: list[Change], paint: _Paint) -> list[str]:
+    head = ["figure", "A", "B", "change", ""]
+    rows, plain = [head], [head]
+    for c in figures:
+        moved = percent_text(c.relative) if c.relative else "="
+        cells = [c.name, _with_range(c.a), _with_range(c.b), moved]
+        mark, colour = _mark(c)
+        rows.append([*cells, paint(mark, colour)])
+        plain.append([*cells, mark])
+    return _table(rows, plain)
+
+
+def _pair(pair: tuple[Any, Any], text: Any) -> str:
+    a, b = (("absent" if v is None else text(v)) for v in pair)
+    return f"= {a}" if pair[0] == pair[1] else f"{a} -> {b}"
+
+
+def _module_rows(modules: list[ModuleChange], paint: _Paint) -> list[str]:
+    head = ["module", "class", "own time A -> B", "change", "own flops", "own bytes", ""]
+    rows, plain = [head], [head]
+    for m in modules:
+        delta = m.delta_seconds
+        moved = ("+" if delta > 0 else "-" if delta < 0 else "") + duration_to_string(abs(delta))
+        cells = [
+            m.name or "(model)",
+            m.class_name,
+            _pair(m.seconds, duration_to_string),
+            moved,
+            _pair(m.flops, lambda v: number_to_string(v).strip()),
+            _pair(m.bytes, bytes_to_string),
+        ]
+        mark = "noise" if m.noise else ""
+        rows.append([*cells, paint(mark, DIM)])
+        plain.append([*cells, mark])
+    return _table(rows, plain)
+
+
+def _diff_text(
+    a: SavedProfile,
+    b: SavedProfile,
+    note: str | None,
+    figures: list[Change],
+    modules: list[ModuleChange],
+    total: int,
+    paint: _Paint,
+) -> str:
+    lines = [paint("flops_callbacks diff", BOLD), _run_line("A", a), _run_line("B", b)]
+    if note:
+        lines += ["", paint(f"NOTE: {note}.", RED)]
+    for label, saved in (("A", a), ("B", b)):
+        if not saved.result.steps.module_timing:
+            why = "the run ended before its module-timing steps: its module times are the counting step's"
+            lines += ["", paint(f"NOTE: {label} timed no module ({why}, slowed by counting).", RED)]
+    lines += [
+        "",
+        "Headline figures: each latency's median (min .. max over the clean steps), each rate over the "
+        "same steps (its range: those steps' range as a rate); noise: inside both runs' ranges",
+        *_figure_rows(figures, paint),
+        "",
+        f"Modules by the change of their own time (fwd + bwd + recompute, their children's left out), "
+        f"largest first: {len(modules)} of the {total} that changed; noise: within both runs' fwd + bwd "
+        "latency ranges",
+    ]
+    lines += _module_rows(modules, paint) if modules else ["    (no module changed)"]
+    return "\n".join(lines)
+
+
+def _number(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no infinity
+
+
+def _figure_json(f: Figure) -> dict[str, float]:
+    return {"value": f.value, "low": f.low, "high": f.high}
+
+
+def _diff_json(
+    a: SavedProfile, b: SavedProfile, note: str | None, figures: list[Change], modules: list[ModuleChange]
+) -> dict[str, Any]:
+    return {
+        "a": a.source,
+        "b": b.source,
+        "same_work": note is None,
+        "work_note": note,
+        "module_times_measured": {
+            "a": bool(a.result.steps.module_timing),
+            "b": bool(b.result.steps.module_timing),
+        },
+        "figures": [
+            {
+                "name": c.name,
+                "a": _figure_json(c.a),
+                "b": _figure_json(c.b),
+                "relative": _number(c.relative),
+                "noise": c.noise,
+                "direction": {1: "better", -1: "worse", 0: None}[c.direction],
+            }  # fmt: skip
+            for c in figures
+        ],
+        "modules": [
+            {
+                "name": m.name,
+                "class_name": m.class_name,
+                "own_seconds": m.seconds,
+                "own_flops": m.flops,
+                "own_bytes": m.bytes,
+                "delta_seconds": m.delta_seconds,
+                "noise": m.noise,
+            }  # fmt: skip
+            for m in modules
+        ],
+    }
+
+
+def _diff_html(a: SavedProfile, b: SavedProfile, note: str | None, figures: list[Change]) -> str:
+    """B's picture, each module coloured by the change of its own time against A's same-named module."""
+    shown = ("fwd_latency", "bwd_latency", "step_latency", "iter_latency", "flops_per_sec", "mfu")
+    headline = [("A (compared against)", a.source), ("B (drawn)", b.source)]
+    headline += [
+        (c.name.replace("_", " "), f"{figure_text(c.b)} ({percent_text(c.relative)}, A {figure_text(c.a)})")
+        for c in figures
+        if c.name in shown
+    ]
+    own = own_seconds(a.result.profile)
+    base = {
+        name: {
+            "fwd": m.fwd_latency,
+            "bwd": m.bwd_latency,
+            "own_fwd": own[name]["fwd"],
+            "own_bwd": own[name]["bwd"],
+        }
+        for name, m in a.result.profile.modules.items()
+        if name in b.result.profile.modules
+    }
+    return render_html(
+        b.result.profile,
+        title=f"flops_callbacks diff: {b.source} against {a.source}",
+        headline=headline,
+        no_roofline=f"a diff draws no roofline (flops-callbacks show {b.source} --html OUT draws B's)",
+        doubts=tree_doubts(b.result),
+        against={"label": "A", "note": note or "", "modules": base},
+    )
+
+
+# --- gate -------------------------------------------------------------------------------------------
+
+
+def _gate(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
+    rules = [Rule.parse(text) for text in args.fail_on]  # before the files: a typo is said first
+    base, new = _window(args.base), _window(args.new)
+    checks = gate(base, new, rules)
+    note = work_note(base, new)
+    failed = [v for v in checks if v.failed]
+    code = EXIT_WORSE if failed else EXIT_OK
+    if args.json:
+        data = {
+            "passed": not failed,
+            "exit_code": code,
+            "base": base.source,
+            "new": new.source,
+            "same_work": note is None,
+            "work_note": note,
+            "checks": [
+                {
+                    "rule": str(v.rule),
+                    "figure": v.rule.figure,
+                    "limit": v.rule.limit,
+                    "base": _figure_json(v.change.a),
+                    "new": _figure_json(v.change.b),
+                    "relative": _number(v.change.relative),
+                    "noise": v.change.noise,
+                    "failed": v.failed,
+                    "reason": v.reason,
+                }  # fmt: skip
+                for v in checks
+            ],
+        }
+        print(json.dumps(data, indent=2), file=out)
+        return code
+    if note:
+        print(f"{PROG} gate: note: {note}", file=sys.stderr)
+    if failed:
+        print(paint("FAIL", RED) + ": " + "; ".join(v.reason for v in failed), file=out)
+    else:
+        print(paint("ok", GREEN) + ": " + "; ".join(v.reason for v in checks), file=out)
+    return code

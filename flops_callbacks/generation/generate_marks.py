@@ -1,0 +1,77 @@
+"""HF ``generate()`` as a marked generation loop: its model calls are the steps, its logits are the tokens.
+
+A pre-hook and a hook on the model alone (its outermost calls: every other module keeps torch's fast call
+path) mark each step (an encoder-decoder's prefill begins at its encoder's call, which ``generate()``
+makes first, and ends with the decoder's first call); a logits processor, appended to the caller's,
+marks each token, as ``generate()`` calls it once per token on every decoding strategy. All are removed
+when ``generate()`` returns or raises. transformers is imported here only, when a generation is profiled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flops_callbacks.generation.run import GenerationRun
+
+__all__ = ["generate_loop", "prompt_shape"]
+
+
+def prompt_shape(kwargs: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
+    """(sequences, prompt positions per sequence, padding positions in all) of ``generate()``'s input."""
+    found = (kwargs.get(key) for key in ("input_ids", "inputs", "inputs_embeds"))
+    prompt = next((t for t in found if isinstance(t, torch.Tensor)), None)
+    if prompt is None or prompt.dim() < 2:
+        return None, None, None
+    mask = kwargs.get("attention_mask")
+    padding = int((mask == 0).sum()) if isinstance(mask, torch.Tensor) else 0
+    return int(prompt.shape[0]), int(prompt.shape[1]), padding
+
+
+class _TokenMarks:
+    """A logits processor that marks a token on ``run`` and hands the scores on untouched."""
+
+    def __init__(self, run: GenerationRun) -> None:
+        self.run = run
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.run.token()
+        return scores
+
+
+def generate_loop(model: torch.nn.Module, kwargs: dict[str, Any]) -> Callable[[GenerationRun], Any]:
+    """The loop that runs ``model.generate(**kwargs)`` once with its steps and tokens marked on ``run``."""
+    from transformers import LogitsProcessorList
+
+    encoder = _encoder(model)
+
+    def loop(run: GenerationRun) -> Any:
+        def before(module: torch.nn.Module, args: Any) -> None:
+            run.step_started(forget_between=False)  # inside the model's call: the engine's stack stays
+
+        def after(module: torch.nn.Module, args: Any, output: Any) -> None:
+            run.step_ended(output)
+
+        processors = LogitsProcessorList([*(kwargs.get("logits_processor") or ()), _TokenMarks(run)])
+        handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+        if encoder is not None:  # the prefill begins with the encoder's call
+            handles.append(encoder.register_forward_pre_hook(before))
+        try:
+            return model.generate(**{**kwargs, "logits_processor": processors})  # type: ignore[operator]
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    return loop
+
+
+def _encoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """An encoder-decoder model's encoder (``generate()`` calls it before the decoder's first call)."""
+    config = getattr(model, "config", None)
+    get_encoder = getattr(model, "get_encoder", None)
+    if not getattr(config, "is_encoder_decoder", False) or not callable(get_encoder):
+        return None
+    encoder = get_encoder()
+    return encoder if isinstance(encoder, torch.nn.Module) else None

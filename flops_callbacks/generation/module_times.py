@@ -1,0 +1,42 @@
+"""Module latencies of single generation steps, from one run timed module by module.
+
+The module timer (:class:`~flops_callbacks.timing.module_timer.ModuleTimer`: clock marks only, the hooks'
+cost taken out) marks every module call of a whole run of its own; its spans are split here by the
+model's own calls, one per step, so that the prefill's tree and the middle decode step's carry the
+latencies of that very step. Why not the counting run's module latencies: every op runs through Python
+there, several times a clean run's time on a model of small ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flops_callbacks.phase_names import FORWARD
+from flops_callbacks.timing.module_timer import fill_containers
+from flops_callbacks.timing.spans import ModuleSpan
+
+__all__ = ["COUNTING_RUN_SOURCE", "MODULE_TIMING_SOURCE", "step_module_times"]
+
+# where a generation's module latencies come from (the result's ``module_latencies``)
+MODULE_TIMING_SOURCE = "a run of their own with clock marks on every module (the hooks' cost taken out)"
+COUNTING_RUN_SOURCE = "the counting run (inflated by counting: proportions only)"
+
+
+def step_module_times(spans: Sequence[ModuleSpan], steps: Sequence[int]) -> dict[int, dict[str, float]]:
+    """Forward seconds per module name in each of ``steps`` (indices of the model's outermost calls),
+    modules never called themselves (a ``ModuleList``) given their called submodules' sum."""
+    forward = [s for s in spans if s.phase == FORWARD]
+    calls = [s for s in forward if s.name == ""]
+    found: dict[int, dict[str, float]] = {}
+    for step in steps:
+        if not 0 <= step < len(calls):
+            continue
+        call = calls[step]
+        end = call.start + call.duration
+        table = {"": call.duration}  # the model's own call: not the next one, which may start at its end
+        for span in forward:
+            if span.name and call.start <= span.start <= end:
+                table[span.name] = table.get(span.name, 0.0) + span.duration
+        fill_containers(table)
+        found[step] = table
+    return found

@@ -1,0 +1,260 @@
+"""Generation profiled: ``profile_generation(model, **generate_kwargs)`` for HF ``generate()``, and
+``profile_decode_loop(model, loop)`` for a loop of one's own that marks its prefill and decode steps.
+
+Both run the generation several times, as training's window runs steps: warm-up runs, timed runs with
+clock marks only (the model's outermost call and each token), a module-timing run (the trees' module
+latencies, each of its own step) and one counting run apart, in which the engine counts every op of each
+step. ``profile_generation`` is ``profile_decode_loop`` with a loop that
+calls ``generate()``: its steps are the model's outermost calls (a pre-hook and a hook on the model
+alone) and its tokens are marked by a logits processor, the one place ``generate()`` calls back once
+per token on every decoding strategy. The model runs in eval mode and its mode and every ``.grad`` are
+given back on every exit path. Why not DeepSpeed's ``get_model_profile(mode="generate")``: it counts the
+whole call as one forward, with no prefill / decode split and no latency per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flops_callbacks.counting.engine import CountingEngine
+from flops_callbacks.files import write_text
+from flops_callbacks.generation.generate_marks import generate_loop, prompt_shape
+from flops_callbacks.generation.json_file import generation_json
+from flops_callbacks.generation.module_times import (
+    COUNTING_RUN_SOURCE,
+    MODULE_TIMING_SOURCE,
+    step_module_times,
+)
+from flops_callbacks.generation.report import generation_picture, render_generation
+from flops_callbacks.generation.result import CountedStep, GenerationResult
+from flops_callbacks.generation.run import GenerationRun
+from flops_callbacks.guard import Guard
+from flops_callbacks.options import CausalAttention, check_causal_attention, check_int
+from flops_callbacks.peaks import (
+    check_peak_bandwidth,
+    check_peak_flops,
+    given_bandwidth,
+    given_peak,
+    parameters_dtype,
+    resolve_bandwidth,
+    resolve_peak,
+)
+from flops_callbacks.profile import Profile
+from flops_callbacks.timing.clean_pass import eval_mode, grads_set_aside
+from flops_callbacks.timing.clock import Clock, CpuClock, clock_for, module_device
+from flops_callbacks.timing.collector import collect_counting_garbage, collector_off
+from flops_callbacks.timing.hook_probe import hook_cost
+from flops_callbacks.timing.module_timer import ModuleTimer, ModuleTimes
+from flops_callbacks.user_warning import warn
+
+__all__ = ["GenerationProfile", "profile_decode_loop", "profile_generation"]
+
+OWNER = "flops_callbacks generation profile"
+
+
+@dataclass(frozen=True)
+class GenerationProfile:
+    """A profiled generation: ``metrics`` (the ``generation/`` names of :mod:`flops_callbacks.metrics`),
+    ``report`` (the text), ``result`` (the plain data), ``output`` (what the last timed run returned:
+    ``generate()``'s output), and its JSON and picture, saved with :meth:`save` and :meth:`save_picture`
+    (``flops-callbacks show FILE`` prints a saved one again)."""
+
+    result: GenerationResult
+    output: Any = None
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return self.result.metrics()
+
+    @cached_property
+    def report(self) -> str:
+        """The text report ("" and a warning if rendering it failed)."""
+        text = ""
+        with Guard(OWNER).own_work("rendering the report", "the metrics are kept"):
+            text = render_generation(self.result)
+        return text
+
+    def json_data(self) -> dict[str, Any]:
+        return generation_json(self.result)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the JSON to ``path``; returns the path."""
+        import json
+
+        return write_text(path, json.dumps(self.json_data(), indent=1) + "\n")
+
+    def save_picture(self, path: str | Path) -> Path:
+        """Write the HTML picture (the middle decode step's module tree) to ``path``; returns the path."""
+        return write_text(path, generation_picture(self.result))
+
+
+def profile_decode_loop(
+    model: torch.nn.Module,
+    loop: Callable[[GenerationRun], Any],
+    *,
+    warm_up: int = 1,
+    runs: int = 3,
+    peak_flops: float | None = None,
+    peak_bandwidth: float | None = None,
+    batch_size: int | None = None,
+    prompt_tokens: int | None = None,
+    padding_tokens: int | None = None,
+    causal_attention: CausalAttention = "full",
+) -> GenerationProfile:
+    """Profile a generation loop of one's own: ``loop(run)`` generates once, marking its prefill and each
+    decode step on ``run``::
+
+        def loop(run):
+            with run.prefill():
+                out = model(prompt, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(31):
+                with run.decode_step():
+                    out = model(token, past_key_values=out.past_key_values, use_cache=True)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+            run.kv_cache(out.past_key_values)  # optional: the cache's bytes at the end
+
+        profile = profile_decode_loop(model, loop, batch_size=2, peak_bandwidth=3.35e12)
+
+    It is called ``warm_up + runs + 2`` times: warm-up, timed runs (marks only: each token is out at the
+    end of its block), a module-timing run and the counting run. ``batch_size`` (sequences) gives tokens
+    per second; ``prompt_tokens`` (per sequence) and ``padding_tokens`` (all sequences) are shown in the
+    report.
+    ``peak_flops`` / ``peak_bandwidth`` (per device; else the peak table's or the environment's) give MFU
+    and MBU. What ``loop`` raises passes through, with the model as it was.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_int("warm_up", warm_up, 0)
+    check_int("runs", runs, 1)
+    check_causal_attention(causal_attention)
+    check_peak_flops(peak_flops)
+    check_peak_bandwidth(peak_bandwidth)
+    device = module_device(model)
+    clock = clock_for(device)
+    timed: list[GenerationRun] = []
+    output = None
+    with eval_mode(model), grads_set_aside(model.parameters()):
+        for _ in range(warm_up):
+            loop(GenerationRun(clock))
+        collect_counting_garbage()  # the warm-ups': not in a timed run
+        with collector_off():
+            for _ in range(runs):
+                run = GenerationRun(clock)
+                run.begin()
+                output = loop(run)
+                run.end()
+                timed.append(run)
+        timer = ModuleTimer(model, clock)  # a run of its own: every module call marked, nothing counted
+        timer.start()
+        try:
+            loop(GenerationRun(clock))
+        finally:
+            timer.stop()
+        counting = GenerationRun(clock, CountingEngine(model, causal_attention=causal_attention))
+        counting.begin()
+        try:
+            loop(counting)
+        finally:
+            counting.end()
+    dtype = parameters_dtype(model)
+    peak, no_peak = resolve_peak(given_peak(peak_flops), device, dtype)
+    bandwidth, no_bandwidth = resolve_bandwidth(given_bandwidth(peak_bandwidth), device)
+    failure = _counting_failure(counting)
+    profiles = [] if failure else counting.profiles
+    first = counting.prefill_steps  # the first decode step's index
+    middle = (len(profiles) - first - 1) // 2 if len(profiles) > first else None  # among the decode steps
+    prefill = profiles[0] if profiles else None
+    decode = profiles[first + middle] if middle is not None else None
+    prefill, decode, module_source = _with_module_times(timer, clock, prefill, decode, first + (middle or 0))
+    result = GenerationResult(
+        device=str(device),
+        compute_dtype=dtype,
+        batch_size=batch_size,
+        prompt_tokens=prompt_tokens,
+        padding_tokens=padding_tokens,
+        work=tuple(CountedStep.of(p) for p in profiles),
+        prefill=prefill,
+        decode=decode,
+        decode_shown=middle,
+        runs=tuple(run.times() for run in timed),
+        warm_up=warm_up,
+        kv_cache_bytes=None if failure else counting.kv_cache_bytes,
+        peak=peak,
+        no_peak_reason=no_peak,
+        bandwidth=bandwidth,
+        no_bandwidth_reason=no_bandwidth,
+        prefill_steps=first,
+        counting_failure=failure,
+        module_latencies=module_source,
+    )
+    return GenerationProfile(result, output)
+
+
+def _with_module_times(
+    timer: ModuleTimer, clock: Clock, prefill: Profile | None, decode: Profile | None, decode_call: int
+) -> tuple[Profile | None, Profile | None, str]:
+    """The two trees with the module-timing run's latencies of their own steps (the model's first call,
+    and its ``decode_call``-th), and where the latencies come from. If that fails (the profiler's own
+    work), a warning says so and the counting run's stay."""
+    try:
+        cost = hook_cost() if isinstance(clock, CpuClock) else None  # CUDA events hold no host time
+        times = timer.times(timer.fitted(cost) if cost is not None else None)
+        tables = step_module_times(times.spans, [0, decode_call])
+        trees = []
+        for call, tree in ((0, prefill), (decode_call, decode)):
+            table = tables.get(call)
+            if tree is not None and table is not None:
+                timed = ModuleTimes(table, {}, {}, []).applied_to(tree)
+                tree = dataclasses.replace(timed, fwd_latency=table.get("", 0.0))
+            trees.append(tree)
+        return trees[0], trees[1], MODULE_TIMING_SOURCE
+    except Exception as error:  # the profiler's own work: the generation's figures stand without it
+        warn(f"{OWNER}: timing the modules failed ({type(error).__name__}: {error}); the trees keep the "
+             "counting run's module latencies")  # fmt: skip
+        return prefill, decode, COUNTING_RUN_SOURCE
+
+
+def _counting_failure(run: GenerationRun) -> str:
+    """What stopped the counting run's counts ("" when nothing did), said once as a warning."""
+    failure = run.failure
+    if not failure and run.engine is not None and run.engine.failure is not None:
+        what, error = run.engine.failure
+        failure = f"{what} ({type(error).__name__}: {error})"
+    if failure:
+        warn(f"{OWNER}: {failure}; flops and bytes are not reported, the latencies are. Generation went on.")
+    return failure
+
+
+def profile_generation(
+    model: torch.nn.Module,
+    *,
+    warm_up: int = 1,
+    runs: int = 3,
+    peak_flops: float | None = None,
+    peak_bandwidth: float | None = None,
+    causal_attention: CausalAttention = "full",
+    **generate_kwargs: Any,
+) -> GenerationProfile:
+    """Profile ``model.generate(**generate_kwargs)`` (a transformers model): prefill and decode measured.
+
+    ``generate()`` is called ``warm_up + runs + 2`` times with ``generate_kwargs`` as given (a
+    ``logits_processor`` of the caller's is kept). The prefill is the model's calls before the first token
+    (one, or its chunks), each later call a decode step; batch size, prompt length and padding are read
+    from ``input_ids`` (``inputs``, ``inputs_embeds``) and ``attention_mask``. The result's ``output`` is
+    the last timed run's output.
+    """
+    batch, prompt, padding = prompt_shape(generate_kwargs)
+    loop = generate_loop(model, generate_kwargs)
+    return profile_decode_loop(
+        model, loop, warm_up=warm_up, runs=runs, causal_attention=causal_attention,
+        peak_flops=peak_flops, peak_bandwidth=peak_bandwidth,
+        batch_size=batch, prompt_tokens=prompt, padding_tokens=padding,
+    )  # fmt: skip

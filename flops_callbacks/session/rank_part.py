@@ -1,0 +1,163 @@
+"""This rank's part of a window at its end, and what it tells the other ranks (:class:`RankRow`).
+
+A first window's part is its counting step's profile and its clean steps (:class:`LocalWindow`). A
+re-profile window (``profile_every``) needs new times, not new counts: a model's flops per batch shape and
+its module tree do not change during training (the shape table holds them, and checks them with its
+audits), so it runs no counting engine and no module timer: its part is the previous window's result and
+this window's clean steps (:class:`ReusedWindow`), their flops from the table
+(:func:`~flops_callbacks.session.flops_sources.clean_step_flops`). Both are built into the job's result
+by one builder (:func:`~flops_callbacks.session.builder.build_result`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from flops_callbacks.communication.breakdown import CommBreakdown
+from flops_callbacks.counting.engine import CountingEngine
+from flops_callbacks.profile import Profile
+from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
+from flops_callbacks.session.result import WindowResult
+from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.session.window_plan import Kind
+from flops_callbacks.session.window_steps import CleanFigures, CleanStep, WindowStep, clean_figures
+
+__all__ = [
+    "COUNTED",
+    "LocalWindow",
+    "RankRow",
+    "ReusedWindow",
+    "counted_totals",
+    "local_part",
+    "local_window",
+    "reused_window",
+]
+
+COUNTED = (
+    "fwd_flops",
+    "bwd_flops",
+    "recompute_flops",
+    "fwd_macs",
+    "bwd_macs",
+    "recompute_macs",
+    "fwd_bytes",
+    "bwd_bytes",
+    "recompute_bytes",
+    "saved_bytes",
+)  # the counting step's totals the job sums
+
+
+def counted_totals(profile: Profile) -> dict[str, int]:
+    """The counting step's totals a rank tells the others, by name."""
+    return {name: getattr(profile, name) for name in COUNTED}
+
+
+class RankRow(NamedTuple):
+    """What one rank tells the others at the window's end: each clean step's work and times, and its
+    counting step's totals (by :data:`COUNTED`) and samples and tokens."""
+
+    steps: tuple[CleanStep, ...]  # each clean step's, in order
+    counted: dict[str, int]  # the counting step's totals, by name (:data:`COUNTED`)
+    counted_samples: int | float | None
+    counted_tokens: int | float | None
+    counting_iter: float  # the counting step's fwd + bwd + step seconds (what a count costs)
+    comm: tuple[CommBreakdown | None, ...] = ()  # each communication step's split (None: unread trace)
+    comm_iters: tuple[float, ...] = ()  # each one's fwd + bwd + step seconds (what one costs)
+
+
+@dataclasses.dataclass
+class LocalWindow:
+    """This rank's part of a first window, before the ranks exchange their rows."""
+
+    profile: Profile
+    ran: list[WindowStep]  # the module-timing steps that ran
+    module_steps: list[WindowStep]  # those of them with the counting step's batch shapes
+    clean: list[WindowStep]
+    figures: CleanFigures  # this rank's
+    source: str  # where the latencies come from, in words
+    counting: WindowStep
+    sources: FlopsSources | None  # where each clean step's flops come from (this rank's)
+    comm_steps: tuple[WindowStep, ...] = ()  # the communication steps that ran
+
+    def row(self) -> RankRow:
+        f, c, comm = self.figures, self.counting, self.comm_steps
+        return RankRow(
+            f.steps, counted_totals(self.profile), c.samples, c.tokens, c.seconds()["iter"],
+            tuple(s.comm for s in comm), tuple(s.seconds()["iter"] for s in comm),
+        )  # fmt: skip
+
+
+@dataclasses.dataclass
+class ReusedWindow:
+    """This rank's part of a re-profile window, before the ranks exchange their rows."""
+
+    base: WindowResult  # the previous window's result (this rank's profile)
+    clean: list[WindowStep]
+    figures: CleanFigures  # this rank's
+    sources: FlopsSources
+
+    @property
+    def source(self) -> str:
+        """Where the latencies come from, in words."""
+        return f"median of {len(self.clean)} clean step(s)"
+
+    def row(self) -> RankRow:
+        """What this rank tells the others: its clean steps' figures; the counted part is the base's
+        (the same on every rank: the job's figures of the window it reuses)."""
+        f, base = self.figures, self.base
+        totals = counted_totals(base.profile)
+        return RankRow(f.steps, totals, base.samples, base.tokens, base.counting_iter or 0.0)
+
+
+def local_window(steps: list[WindowStep], engine: CountingEngine, flops: ShapeFlops) -> LocalWindow:
+    """This rank's profile and clean-step figures (module latencies are added by the builder)."""
+    counting = steps[0]
+    profile = engine.profile()
+    ran = [s for s in steps if s.kind == Kind.MODULE_TIMING and s.signatures and s.timer is not None]
+    module_steps = [s for s in ran if s.signatures == counting.signatures]
+    if ran and not module_steps:  # another batch's latencies would mix two batches
+        profile.modules = {
+            name: dataclasses.replace(m, fwd_latency=0.0, bwd_latency=0.0, recompute_latency=0.0)
+            for name, m in profile.modules.items()
+        }
+    clean = [s for s in steps if s.kind == Kind.CLEAN and s.counts is not None]
+    sources: FlopsSources | None = None
+    each: list[BatchCounts] | None = None
+    counts: BatchCounts | None = None  # each timed step's own
+    if clean:
+        timed, source = clean, f"median of {len(clean)} clean step(s)"  # the median step: by FLOPS
+        each, sources = clean_step_flops(steps, clean, flops)  # counted, predicted, or estimated
+    else:
+        known = [s for s in ran if s.counts is not None]
+        timed = known or ran[:1] or [counting]
+        source = (
+            f"the {timed[0].kind} step{'s' if len(timed) > 1 else ''} alone (no clean step ran: inflated "
+            f"by {'module hooks' if ran else 'counting'})"
+        )
+        counts = None if known else BatchCounts.of(profile)
+    figures = clean_figures(timed, counts, each)
+    comm = tuple(s for s in steps if s.kind == Kind.COMMUNICATION and s.signatures)
+    return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources, comm)
+
+
+def reused_window(steps: list[WindowStep], base: WindowResult, flops: ShapeFlops) -> ReusedWindow | None:
+    """This rank's part of a re-profile window over ``steps`` on ``base``; None when no clean step ran
+    (a window the run's end cut short, or one whose every batch shape was new: nothing to publish)."""
+    clean = [s for s in steps if s.kind == Kind.CLEAN and s.counts is not None]
+    if not clean:
+        return None
+    each, sources = clean_step_flops(steps, clean, flops)
+    return ReusedWindow(base, clean, clean_figures(clean, each=each), sources)
+
+
+def local_part(
+    steps: list[WindowStep], flops: ShapeFlops, engine: CountingEngine | None, base: WindowResult | None
+) -> LocalWindow | ReusedWindow | None:
+    """This rank's part of the window that ended: a re-profile window's on ``base`` (the previous
+    result), else the counting step's engine's; None when it has nothing (no micro-batch, no clean step)."""
+    if base is not None:
+        return reused_window(steps, base, flops)
+    if engine is None or not steps or not steps[0].signatures:
+        return None
+    return local_window(steps, engine, flops)

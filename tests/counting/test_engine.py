@@ -1,0 +1,213 @@
+"""The counting engine: forward, backward and recompute attributed to modules, nothing left behind on stop,
+totals equal to the profile's, and the running sums laid out as Counts. Counts are matmuls by hand."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import fields
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as module_globals
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils.checkpoint import checkpoint
+
+from flops_callbacks.counting.engine import CountingEngine
+from flops_callbacks.counting.recording import CALLS, SLOTS, Site
+from flops_callbacks.counting.registry import OpCount
+from flops_callbacks.options import CausalAttention
+from flops_callbacks.profile import Counts
+
+B, D_IN, D_HID, D_OUT = 4, 8, 16, 2
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D_IN, D_HID, bias=False)
+        self.act = nn.ReLU()
+        self.down = nn.Linear(D_HID, D_OUT, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+UP, DOWN = 2 * B * D_IN * D_HID, 2 * B * D_HID * D_OUT  # forward matmul flops
+
+
+def traced(model: nn.Module, x: torch.Tensor, **options: object) -> CountingEngine:
+    tracer = CountingEngine(model, **options)
+    tracer.start()
+    try:
+        model(x).sum().backward()
+    finally:
+        tracer.stop()
+    return tracer
+
+
+def test_forward_and_backward_are_attributed_to_their_modules() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(B, D_IN)  # no grad: the first layer's input gradient is never computed
+    profile = traced(Mlp(), x).profile()
+    up, down = profile.modules["up"], profile.modules["down"]
+    assert (up.fwd_macs * 2, up.bwd_macs * 2) == (UP, UP)  # the weight gradient only
+    assert (down.fwd_macs * 2, down.bwd_macs * 2) == (DOWN, 2 * DOWN)
+    assert profile.modules["act"].fwd_flops == B * D_HID  # one comparison per element
+    assert profile.fwd_macs == up.fwd_macs + down.fwd_macs
+    assert (up.calls, down.calls, profile.model.calls) == (1, 1, 1)
+    params = D_IN * D_HID + D_HID * D_OUT
+    assert (up.params, profile.params, profile.trainable_params) == (D_IN * D_HID, params, params)
+
+
+def test_totals_equal_the_profile_without_building_it() -> None:
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(B, D_IN)
+    tracer = CountingEngine(model)
+    tracer.start()
+    model(x).sum().backward()
+    counts, seconds = tracer.totals()  # while running: from the sums
+    tracer.stop()
+    profile = tracer.profile()
+    assert (counts.fwd_flops, counts.bwd_flops, counts.fwd_macs, counts.calls) == (
+        profile.fwd_flops,
+        profile.bwd_flops,
+        profile.fwd_macs,
+        1,
+    )
+    assert seconds == pytest.approx(profile.fwd_latency)
+    assert tracer.totals()[0] is profile.model  # once built, read from the profile
+
+
+def test_stop_leaves_no_hook_mode_or_tag_and_reset_forgets_counts() -> None:
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(B, D_IN, requires_grad=True)
+    hooks = (len(module_globals._global_forward_pre_hooks), len(module_globals._global_forward_hooks))
+    tracer = CountingEngine(model)
+    tracer.start()
+    assert tracer.running
+    out = model(x)
+    tracer.stop()
+    assert not tracer.running
+    assert (len(module_globals._global_forward_pre_hooks), len(module_globals._global_forward_hooks)) == hooks
+    assert _get_current_dispatch_mode_stack() == []
+    node, seen = out.grad_fn, []
+    while node is not None:  # every autograd node of the graph, none tagged any more
+        seen.append(dict(node.metadata))
+        node = next((n for n, _ in node.next_functions if n is not None), None)
+    assert seen and all(meta == {} for meta in seen)
+    assert tracer.profile().fwd_macs * 2 == UP + DOWN
+    tracer.reset()
+    assert tracer.profile().fwd_flops == 0
+
+
+def test_recompute_under_activation_checkpointing_is_apart() -> None:
+    torch.manual_seed(0)
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = Mlp()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.mlp, x, use_reentrant=False)
+
+    profile = traced(Checkpointed(), torch.randn(B, D_IN, requires_grad=True)).profile()
+    assert 2 * profile.fwd_macs == UP + DOWN
+    # non-reentrant checkpointing re-runs the forward only as far as the backward needs saved
+    # tensors: up and its ReLU (down's weight gradient reads the ReLU's output); down's own output
+    # is needed by nobody
+    assert 2 * profile.recompute_macs == UP
+    assert 2 * profile.bwd_macs == 2 * (UP + DOWN)
+    assert profile.modules["mlp.up"].recompute_macs * 2 == UP
+
+
+def test_the_tracer_holds_no_activation_a_graph_frees_and_its_recompute_is_freed_too() -> None:
+    torch.manual_seed(0)
+    model = Mlp()
+    activations: list[weakref.ref[torch.Tensor]] = []  # each ReLU output: saved by its node for the backward
+    handle = model.act.register_forward_hook(lambda m, args, out: activations.append(weakref.ref(out)))
+    tracer = CountingEngine(model)
+    tracer.start()
+    try:
+        out = model(torch.randn(B, D_IN, requires_grad=True))
+        assert activations[0]() is not None  # the graph holds it
+        del out  # the graph goes: so does what its nodes saved, while the tracer still runs
+        assert activations[0]() is None
+        # checkpointed: the recompute's nodes hold the recomputed ReLU output; torch drops them once the
+        # backward has read it, and the tracer must not keep them to the end
+        checkpoint(model, torch.randn(B, D_IN, requires_grad=True), use_reentrant=False).sum().backward()
+        assert len(activations) == 3 and all(ref() is None for ref in activations)
+    finally:
+        tracer.stop()
+        handle.remove()
+    assert 2 * tracer.profile().recompute_macs == UP  # the recompute ran (up and its ReLU), and was counted
+
+
+def test_ignored_types_count_towards_their_parent() -> None:
+    torch.manual_seed(0)
+    profile = traced(Mlp(), torch.randn(B, D_IN), ignore_types=(nn.Linear,)).profile()
+    assert set(profile.modules) == {"", "act"}
+    assert profile.model.fwd_macs * 2 == UP + DOWN
+
+
+def test_work_in_another_thread_is_not_counted() -> None:
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(B, D_IN)
+    tracer = CountingEngine(model)
+    tracer.start()
+    try:
+        worker = threading.Thread(target=lambda: model(x))
+        worker.start()
+        worker.join()
+    finally:
+        tracer.stop()
+    assert tracer.profile().fwd_flops == 0
+
+
+def test_causal_half_counts_the_kept_part_of_causal_attention() -> None:
+    q = torch.randn(1, 2, 8, 4)
+
+    class Attention(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    def attention_flops(causal_attention: CausalAttention) -> int:
+        tracer = CountingEngine(Attention(), causal_attention=causal_attention)
+        tracer.start()
+        try:
+            tracer.model(q)
+        finally:
+            tracer.stop()
+        return tracer.profile().model.functionals["scaled_dot_product_attention"].fwd_flops
+
+    full = 2 * 2 * 8 * 8 * (4 + 4)
+    assert attention_flops("full") == full
+    assert attention_flops("half") == full * sum(range(1, 9)) // 64  # row i keeps i + 1 of 8 keys
+
+
+def test_the_running_sums_are_laid_out_as_counts() -> None:
+    assert tuple(f.name for f in fields(Counts)) == SLOTS
+    ctx = Site(("",), "linear")
+    ctx.add(1, "linear", OpCount(flops=10, macs=4, recompute_flops=3, recompute_macs=1), 0)
+    ctx.sums_of("linear")[CALLS] += 1
+    assert Counts(*ctx.sums["linear"]) == Counts(
+        bwd_flops=10, bwd_macs=4, recompute_flops=3, recompute_macs=1, calls=1
+    )
+
+
+def test_no_tag_stays_on_a_parameters_gradient_accumulator_that_outlives_the_step() -> None:
+    # DDP's reducer holds every parameter's AccumulateGrad node: a tag left on one after stop() would
+    # attribute a later step's backward ops (and is something of the profiler's left behind)
+    from flops_callbacks.counting.node_tags import TAG
+
+    model = nn.Linear(3, 2)
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters()]
+    tracer = CountingEngine(model)
+    tracer.start()
+    try:
+        model(torch.ones(4, 3)).sum().backward()
+    finally:
+        tracer.stop()
+    assert all(TAG not in node.metadata for node in accumulators)

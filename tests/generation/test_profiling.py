@@ -1,0 +1,406 @@
+"""Generation profiled on real HF models built from configs (a tiny GPT-2, a tiny Llama with grouped-query
+attention), batch 2, prompt 64, 32 new tokens, greedy, on CPU; nothing downloaded.
+
+Truth for the work: torch's ``FlopCounterMode`` with SDPA on the math backend around ``generate()`` itself:
+``generate(max_new_tokens=1)`` is the prefill's forward, and ``generate(max_new_tokens=k + 1)`` less
+``generate(max_new_tokens=k)`` is the k-th decode step's. Dense flops (2 x MACs) must equal it exactly,
+total flops (elementwise work added, the package's convention) within 2%. Timing is checked with known
+sleeps (a one-layer model whose forward sleeps 100 ms on a prompt and 30 ms per decode step), exactly on
+a clock only the sleeps move; the comparison with outside timers on a real model is
+``benchmarks/generation_truth.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from flops_callbacks import GenerationProfile, GenerationRun, metrics, profile_decode_loop, profile_generation
+
+transformers = pytest.importorskip("transformers")
+
+# the cache's name in a model's outputs and arguments: ``cache`` from transformers 5.24 (``past_key_values``
+# still works there, with a FutureWarning), ``past_key_values`` before
+OUTPUT_FIELDS = transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__
+CACHE = "cache" if "cache" in OUTPUT_FIELDS else "past_key_values"
+
+BATCH, PROMPT, NEW = 2, 64, 32
+DECODE_STEPS = NEW - 1  # the prefill's forward gives the first token
+MIDDLE = (DECODE_STEPS - 1) // 2  # decode step 15: the cache holds PROMPT + 15 positions before it
+
+
+def gpt2() -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=4, n_embd=128, vocab_size=512, n_positions=128, bos_token_id=1, eos_token_id=2
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama() -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,  # grouped-query attention
+        vocab_size=512,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {"gpt2": gpt2, "llama-gqa": llama}
+
+
+def prompt(padded: int = 8) -> dict[str, torch.Tensor]:
+    """Two prompts of 64 positions, the second left-padded by ``padded`` positions."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 512, (BATCH, PROMPT), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :padded] = 0
+    ids[1, :padded] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+GREEDY = {"do_sample": False, "pad_token_id": 0}
+
+
+def dense_truth(model: torch.nn.Module, new_tokens: int) -> int:
+    """FlopCounterMode's flops of ``generate(max_new_tokens=new_tokens)``, SDPA on the math backend."""
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model.generate(**prompt(), max_new_tokens=new_tokens, **GREEDY)
+    return counter.get_total_flops()
+
+
+def built(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name]().eval()
+
+
+_PROFILES: dict[str, tuple[GenerationProfile, torch.nn.Module]] = {}
+
+
+def profiled(name: str) -> tuple[GenerationProfile, torch.nn.Module]:
+    if name not in _PROFILES:
+        model = built(name)
+        result = profile_generation(
+            model, **prompt(), max_new_tokens=NEW, **GREEDY, runs=1, peak_flops=1e12, peak_bandwidth=1e11
+        )
+        _PROFILES[name] = (result, model)
+    return _PROFILES[name]
+
+
+def kv_bytes(model: torch.nn.Module, positions: int) -> int:
+    """Keys and values of every layer for ``positions`` positions of the batch (fp32)."""
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * BATCH * heads * positions * head_dim * 4
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_prefill_and_mid_decode_step_flops_are_flop_counter_modes(name: str) -> None:
+    profile, model = profiled(name)
+    prefill, decode = profile.result.prefill_work, profile.result.decode_work
+    assert prefill is not None and decode is not None and decode.steps == DECODE_STEPS
+    truth_prefill = dense_truth(model, 1)
+    truth_step = dense_truth(model, MIDDLE + 2) - dense_truth(model, MIDDLE + 1)  # decode step MIDDLE
+    assert 2 * prefill.macs == truth_prefill
+    assert 2 * decode.macs == truth_step  # the mean over the steps: attention grows linearly with the cache
+    m = profile.metrics
+    assert 1.0 <= m[metrics.PREFILL_FLOPS] / truth_prefill <= 1.02
+    assert 1.0 <= m[metrics.DECODE_FLOPS_PER_TOKEN] / truth_step <= 1.02
+    # the tree shown is the middle step's, the cache at mid-length
+    assert profile.result.decode_shown == MIDDLE
+    assert profile.result.decode is not None and 2 * profile.result.decode.fwd_macs == truth_step
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_decode_bytes_hold_the_weights_and_the_kv_cache_read(name: str) -> None:
+    profile, model = profiled(name)
+    weights = sum(p.nbytes for p in dict.fromkeys(model.parameters()))
+    m = profile.metrics
+    assert m[metrics.DECODE_BYTES_PER_TOKEN] >= weights + kv_bytes(model, PROMPT + MIDDLE)
+    assert m[metrics.KV_CACHE_BYTES] == kv_bytes(model, PROMPT + NEW - 1)  # the last token is never fed back
+    assert m[metrics.PREFILL_BYTES] > weights
+
+
+def test_the_rates_are_the_printed_quotients() -> None:
+    profile, _ = profiled("gpt2")
+    m = profile.metrics
+    assert m[metrics.PREFILL_MFU] == m[metrics.PREFILL_FLOPS] / m[metrics.PREFILL_LATENCY] / 1e12
+    assert m[metrics.PREFILL_MBU] == m[metrics.PREFILL_BYTES] / m[metrics.PREFILL_LATENCY] / 1e11
+    per_token = m[metrics.DECODE_LATENCY_PER_TOKEN]
+    assert m[metrics.DECODE_MFU] == m[metrics.DECODE_FLOPS_PER_TOKEN] / per_token / 1e12
+    assert m[metrics.DECODE_MBU] == m[metrics.DECODE_BYTES_PER_TOKEN] / per_token / 1e11
+    # ... and from the printed numbers: "<flops> / <latency> / <peak> = <percent>%"
+    for rate in ("MFU", "MBU"):
+        lines = [line for line in profile.report.splitlines() if line.strip().startswith(f"{rate} =")]
+        assert len(lines) == 2  # the prefill's and the decode's
+        for line in lines:
+            numerator, seconds, peak, printed = parse_rate(line)
+            assert numerator / seconds / peak == pytest.approx(printed, rel=0.015)
+
+
+_SCALE = {"T": 1e12, "G": 1e9, "M": 1e6, "K": 1e3, "": 1.0, "m": 1e-3, "u": 1e-6}
+
+
+def parse_rate(line: str) -> tuple[float, float, float, float]:
+    """``MFU = ...: 30.21 Mflops / 4.23 ms / 1 TFLOPS = 0.714%`` as its four numbers, prefixes applied."""
+    quantity = r"([\d.]+) ([TGMKmu]?)"
+    found = re.search(rf"{quantity}\w* / {quantity}s / {quantity}\w*(?:/s)? = ([\d.e+-]+)%", line)
+    assert found is not None, line
+    values = [float(found[i]) * _SCALE[found[i + 1]] for i in (1, 3, 5)]
+    return values[0], values[1], values[2], float(found[7]) / 100
+
+
+def test_the_report_says_the_verdict_per_phase_and_decode_is_memory_bound() -> None:
+    profile, _ = profiled("gpt2")
+    verdicts = profile.result.rooflines()
+    assert set(verdicts) == {"prefill", "decode"}
+    assert verdicts["decode"].limiter == "memory"
+    assert verdicts["decode"].intensity is not None and verdicts["decode"].intensity < 1  # flops per byte
+    assert f"roofline: {verdicts['decode'].intensity:.3g} flops/B, {verdicts['decode'].verdict()}" in (
+        " ".join(profile.report.split())
+    )
+    assert "Prefill" in profile.report and f"decode step {MIDDLE} of {DECODE_STEPS}" in profile.report
+
+
+def test_without_peaks_no_fraction_is_logged_and_the_report_says_why() -> None:
+    model = built("gpt2")
+    profile = profile_generation(model, **prompt(), max_new_tokens=3, **GREEDY, runs=1, warm_up=0)
+    assert not set(metrics.GENERATION_WITH_PEAK) & set(profile.metrics)
+    assert set(profile.metrics) == set(metrics.GENERATION)
+    assert "no peak FLOPS for a cpu device" in profile.report
+
+
+# --- timing, with known sleeps ---------------------------------------------------------------------
+
+PREFILL_SLEEP, DECODE_SLEEP = 0.100, 0.030
+
+
+class VirtualTime:
+    """A clock that only the model's sleeps move: every mark the profiler takes reads it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class SleepyGPT2(transformers.GPT2LMHeadModel):
+    """A GPT-2 whose forward sleeps 100 ms on a prompt and 30 ms on a decode step (``clock.sleep``)."""
+
+    clock: Any = time
+
+    def forward(self, input_ids: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        assert input_ids is not None
+        type(self).clock.sleep(PREFILL_SLEEP if input_ids.shape[1] > 1 else DECODE_SLEEP)
+        return super().forward(input_ids, **kwargs)
+
+
+def sleepy() -> SleepyGPT2:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=512, n_positions=128)
+    return SleepyGPT2(config).eval()
+
+
+def test_latencies_are_the_known_sleeps_on_a_clock_only_the_sleeps_move(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import flops_callbacks.timing.clock as clock_module
+
+    virtual = VirtualTime()
+    monkeypatch.setattr(clock_module, "time", virtual)
+    monkeypatch.setattr(SleepyGPT2, "clock", virtual)
+    profile = profile_generation(sleepy(), **prompt(), max_new_tokens=6, **GREEDY, runs=3)
+    runs = profile.result.runs
+    for run in runs:  # the same to the last bit but the float sums' rounding
+        assert run.steps == pytest.approx((PREFILL_SLEEP, *[DECODE_SLEEP] * 5))
+        assert run.token_gaps == pytest.approx([DECODE_SLEEP] * 5)
+        assert (run.first_token, run.tokens) == (pytest.approx(PREFILL_SLEEP), 6)
+    # the trees' latencies: the module-timing run's, each of its own step (the hooks' real cost taken out)
+    assert profile.result.prefill is not None and profile.result.decode is not None
+    assert profile.result.prefill.model.fwd_latency == pytest.approx(PREFILL_SLEEP, abs=0.005)
+    assert profile.result.decode.model.fwd_latency == pytest.approx(DECODE_SLEEP, abs=0.005)
+    assert profile.metrics == pytest.approx(
+        {
+            **{name: profile.metrics[name] for name in (metrics.PREFILL_FLOPS, metrics.PREFILL_BYTES)},
+            **{
+                name: profile.metrics[name]
+                for name in (metrics.DECODE_FLOPS_PER_TOKEN, metrics.DECODE_BYTES_PER_TOKEN)
+            },
+            metrics.KV_CACHE_BYTES: profile.metrics[metrics.KV_CACHE_BYTES],
+            metrics.PREFILL_LATENCY: PREFILL_SLEEP,
+            metrics.TIME_TO_FIRST_TOKEN: PREFILL_SLEEP,
+            metrics.DECODE_LATENCY_PER_TOKEN: DECODE_SLEEP,
+            metrics.DECODE_LATENCY_P90: DECODE_SLEEP,
+            metrics.DECODE_FORWARD_LATENCY: DECODE_SLEEP,
+            metrics.GENERATION_LATENCY: PREFILL_SLEEP + 5 * DECODE_SLEEP,
+            metrics.GENERATION_TOKENS_PER_SEC: BATCH * 6 / (PREFILL_SLEEP + 5 * DECODE_SLEEP),
+        }
+    )
+
+
+def test_latencies_hold_the_real_sleeps() -> None:
+    """On the real clock (a loaded machine delays a wake-up by up to hundreds of ms: lower bounds only)."""
+    profile = profile_generation(sleepy(), **prompt(), max_new_tokens=6, **GREEDY, runs=2)
+    m, runs = profile.metrics, profile.result.runs
+    assert [len(run.steps) for run in runs] == [6, 6] and [run.tokens for run in runs] == [6, 6]
+    assert PREFILL_SLEEP <= m[metrics.PREFILL_LATENCY] <= m[metrics.TIME_TO_FIRST_TOKEN]
+    assert DECODE_SLEEP <= m[metrics.DECODE_FORWARD_LATENCY] <= m[metrics.DECODE_LATENCY_PER_TOKEN]
+    assert m[metrics.DECODE_LATENCY_PER_TOKEN] <= m[metrics.DECODE_LATENCY_P90]
+    assert m[metrics.GENERATION_LATENCY] >= PREFILL_SLEEP + 5 * DECODE_SLEEP
+    assert m[metrics.GENERATION_TOKENS_PER_SEC] == pytest.approx(2 * BATCH * 6 / sum(r.total for r in runs))
+
+
+# --- a loop of one's own ---------------------------------------------------------------------------
+
+
+def own_loop(model: torch.nn.Module, steps: int = NEW) -> Callable[[GenerationRun], Any]:
+    inputs = prompt()
+
+    def loop(run: GenerationRun) -> torch.Tensor:
+        ids, mask = inputs["input_ids"], inputs["attention_mask"]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            with run.prefill():
+                out = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens = [token]
+            for _ in range(steps - 1):
+                mask = torch.cat([mask, torch.ones_like(token)], dim=-1)
+                positions = positions[:, -1:] + 1
+                with run.decode_step():
+                    out = model(
+                        input_ids=token,
+                        attention_mask=mask,
+                        position_ids=positions,
+                        **{CACHE: getattr(out, CACHE)},
+                        logits_to_keep=1,
+                    )
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(token)
+            run.kv_cache(getattr(out, CACHE))
+        return torch.cat(tokens, dim=-1)
+
+    return loop
+
+
+def test_a_loop_of_ones_own_counts_what_generate_counts() -> None:
+    generated, model = profiled("llama-gqa")
+    profile = profile_decode_loop(model, own_loop(model), runs=1, warm_up=0, batch_size=BATCH)
+    assert profile.result.work == generated.result.work  # the same steps, op for op
+    assert profile.metrics[metrics.KV_CACHE_BYTES] == generated.metrics[metrics.KV_CACHE_BYTES]
+    expected = model.generate(**prompt(), max_new_tokens=NEW, **GREEDY)[:, PROMPT:]
+    assert torch.equal(profile.output, expected)
+    assert profile.result.runs[0].tokens == NEW and len(profile.result.runs[0].token_gaps) == NEW - 1
+
+
+def test_a_decode_step_before_the_prefill_is_refused() -> None:
+    model = built("gpt2")
+
+    def loop(run: GenerationRun) -> None:
+        with run.decode_step():
+            pass
+
+    with pytest.raises(RuntimeError, match="after the run's prefill"):
+        profile_decode_loop(model, loop)
+
+
+# --- the model as it was --------------------------------------------------------------------------
+
+
+def test_the_model_keeps_its_modes_grads_and_hooks_also_when_generate_raises() -> None:
+    model = built("gpt2").train()
+    model.transformer.h[0].eval()  # a mixed mode, given back as it was
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    modes = {name: m.training for name, m in model.named_modules()}
+
+    def as_it_was() -> None:
+        assert {name: m.training for name, m in model.named_modules()} == modes
+        assert all(p.grad is grads[name] for name, p in model.named_parameters())
+        assert all(torch.all(p.grad == 0.5) for p in model.parameters() if p.grad is not None)
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+    profile_generation(model, **prompt(), max_new_tokens=3, **GREEDY, runs=1, warm_up=0)
+    as_it_was()
+
+    # each run makes 2 tokens: the warm-up's, the timed run's, the module-timing run's, the counting run's
+    for failing_call in (5, 7):  # the module-timing run's first token, the counting run's
+        calls: list[int] = []
+
+        def fails(
+            input_ids: torch.Tensor, scores: torch.Tensor, at: int = failing_call, calls: list[int] = calls
+        ) -> torch.Tensor:
+            calls.append(1)
+            if len(calls) == at:
+                raise ValueError("the user's processor")
+            return scores
+
+        processors = transformers.LogitsProcessorList([fails])
+        with pytest.raises(ValueError, match="the user's processor"):
+            profile_generation(
+                model, **prompt(), max_new_tokens=2, **GREEDY, logits_processor=processors, runs=1, warm_up=1
+            )
+        assert len(calls) == failing_call
+        as_it_was()
+
+
+def test_a_failure_of_the_profiler_warns_and_the_latencies_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flops_callbacks.counting.engine import CountingEngine
+
+    def broken(self: CountingEngine) -> Any:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(CountingEngine, "profile", broken)
+    model = built("gpt2")
+    with pytest.warns(UserWarning, match="injected.*latencies are"):
+        profile = profile_generation(model, **prompt(), max_new_tokens=3, **GREEDY, runs=1, warm_up=0)
+    assert metrics.PREFILL_FLOPS not in profile.metrics and metrics.PREFILL_LATENCY in profile.metrics
+    assert "NOT COUNTED" in profile.report
+
+
+def test_an_encoder_decoders_prefill_is_its_encoder_and_first_decoder_call() -> None:
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=512, decoder_start_token_id=0
+    )
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    inputs = prompt()
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model.generate(**inputs, max_new_tokens=1, do_sample=False)
+    profile = profile_generation(model, **inputs, max_new_tokens=4, do_sample=False, runs=1, warm_up=0)
+    prefill = profile.result.prefill_work
+    assert prefill is not None and 2 * prefill.macs == counter.get_total_flops()  # the encoder's included
+    m = profile.metrics
+    assert m[metrics.PREFILL_LATENCY] <= m[metrics.TIME_TO_FIRST_TOKEN]
+    assert [len(run.steps) for run in profile.result.runs] == [4]  # the encoder opened the first step
+
+
+def test_a_prefill_in_chunks_is_every_call_before_the_first_token() -> None:
+    model = built("gpt2")
+    chunked = {"prefill_chunk_size": 16}
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model.generate(**prompt(), max_new_tokens=1, **GREEDY, **chunked)
+    profile = profile_generation(model, **prompt(), max_new_tokens=4, **GREEDY, **chunked, runs=1, warm_up=0)
+    result = profile.result
+    assert result.prefill_steps == 4 and result.runs[0].prefill_steps == 4  # 64 positions in chunks of 16
+    assert result.prefill_work is not None and 2 * result.prefill_work.macs == counter.get_total_flops()
+    assert result.decode_work is not None and result.decode_work.steps == 3
+    assert "in 4 chunks" in profile.report

@@ -1,0 +1,148 @@
+"""The console summary: a window's figures in at most 25 lines, every value the metrics dict's, worked out
+by hand on a window of known latencies and a three-module tree."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.peaks import Bandwidth, Peak
+from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
+from flops_callbacks.reporting.console_summary import MAX_LINES, Split, bound_by, render_console_summary
+from flops_callbacks.reporting.tree_check import TreeCheck
+from flops_callbacks.session.result import WindowResult, WindowSteps
+
+PEAK = Peak(1000.0, "peak_flops argument")
+
+
+def window(peak: Peak | None = PEAK) -> WindowResult:
+    """fwd / bwd / step 0.25 / 0.5 / 0.25 s; the model (100 + 200 flops) holds ``a`` (60 + 120) and ``b``
+    (30 + 60); its module-timing step's latencies: the model 0.2 + 0.4 s, a 0.05 + 0.1 s, b 0.1 + 0.2 s."""
+    modules = {
+        "": ModuleProfile(fwd_flops=100, bwd_flops=200, params=1000, name="", class_name="Net"),
+        "a": ModuleProfile(fwd_flops=60, bwd_flops=120, params=600, name="a", class_name="Linear", depth=1),
+        "b": ModuleProfile(fwd_flops=30, bwd_flops=60, params=300, name="b", class_name="Linear", depth=1),
+    }
+    times = {"": (0.2, 0.4), "a": (0.05, 0.1), "b": (0.1, 0.2)}
+    modules = {
+        n: dataclasses.replace(m, fwd_latency=times[n][0], bwd_latency=times[n][1])
+        for n, m in modules.items()
+    }
+    return WindowResult(
+        profile=Profile(0.25, 0.5, "cpu", modules, Counts(), Coverage()),
+        steps=WindowSteps(10, (11, 12, 13), (15, 16, 17), (), "median of 3 clean step(s)", module_trace=12),
+        fwd_latency=0.25,
+        bwd_latency=0.5,
+        step_latency=0.25,
+        samples=8,
+        tokens=1024,
+        micro_batches=2,
+        parallel=ParallelSizes(world_size=2, data_parallel=2),
+        compute_dtype="bf16",
+        peak=peak,
+        no_peak_reason="no peak FLOPS for a cpu device",
+    )
+
+
+def test_the_summary_holds_the_rates_the_split_the_verdict_the_top_modules_and_the_sizes() -> None:
+    text = render_console_summary(window(), TreeCheck(), "logs/flops_profile_step10.txt")
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    top = slice(11, 14)  # the top modules' rows: their words (the columns' widths aside)
+    assert [" ".join(line.split()) for line in lines[top]] == [
+        "b 300 ms 50% a 180 60%",
+        "(Net) 150 ms 25% b 90 30%",
+        "a 150 ms 25% (Net) 30 10%",
+    ]
+    lines[top] = [" ".join(line.split()) for line in lines[top]]
+    assert lines == [
+        f"{' flops_callbacks Flops Profiler ':-^78}",
+        "Profile Summary at step 10 (full report: logs/flops_profile_step10.txt)",
+        "FLOPS         300 FLOPS per device",  # (100 + 200) flops / (0.25 + 0.5 + 0.25) s
+        "MFU / HFU     MFU 30.00%, HFU 30.00%",  # 300 / 1000, no recompute
+        "samples/s     16.00 (step)",  # 8 a step x 2 replicas / 1 s; no wall step was timed
+        "tokens/s      2048.00 (step)",
+        "median step   fwd        bwd        step       iter",
+        "              250 ms     500 ms     250 ms     1 s",
+        "              25%        50%        25%        100%",
+        "bound by      the model's fwd + bwd (75% of the step); roofline: n/a (no peak bandwidth or FLOPS)",
+        "top modules   by own time (fwd + bwd)                     by own flops (fwd + bwd)",
+        # own: b 0.3 s of 0.6 and 90 flops of 300; the model 0.6 - 0.45 s and 300 - 270 flops; a 0.15 s, 180
+        "b 300 ms 50% a 180 60%",
+        "(Net) 150 ms 25% b 90 30%",
+        "a 150 ms 25% (Net) 30 10%",
+        "model         1 K params, cpu, bf16; flops per step: fwd 100, bwd 200; batch 4 x 2 micro-batches",
+        "sizes         world 2, data parallel 2, model parallel 1",
+        "from          flops: step 10; modules: steps 11-13; phases: median of 3 clean step(s), steps 15-17",
+        "-" * 78,
+    ]
+
+
+def test_without_a_peak_the_mfu_line_says_why_and_without_a_file_where_the_full_report_is() -> None:
+    lines = render_console_summary(window(peak=None), TreeCheck(), "").splitlines()
+    assert lines[1] == "Profile Summary at step 10 (full report: report='full')"
+    assert lines[3] == "MFU / HFU     n/a: no peak FLOPS for a cpu device"
+
+
+def test_without_a_batch_size_samples_per_second_says_why_and_tokens_are_left_out() -> None:
+    result = dataclasses.replace(window(), samples=None, tokens=None)
+    lines = render_console_summary(result, TreeCheck(), "").splitlines()
+    assert lines[4] == "samples/s     n/a: the batch size was not found (pass batch_size_fn)"
+    assert not any(line.startswith("tokens/s") for line in lines)
+
+
+def test_the_verdict_names_the_part_of_30_percent_or_more_in_order_data_other_step() -> None:
+    result = window()
+
+    def split(data: float, fwd: float, bwd: float, step: float, other: float) -> Split:
+        parts = {"data": data, "fwd": fwd, "bwd": bwd, "step": step, "other": other}
+        return Split(parts, sum(parts.values()), timed_wall=True)
+
+    assert bound_by(split(0.4, 0.2, 0.2, 0.1, 0.1), result) == (
+        "the input pipeline: 40% of the step waits for data "
+        "(more DataLoader num_workers, pin_memory=True, prefetch_factor)"
+    )
+    assert bound_by(split(0.1, 0.2, 0.2, 0.15, 0.35), result) == (
+        "the loop's own work: 35% of the step is outside the phases"
+    )
+    assert bound_by(split(0.1, 0.2, 0.2, 0.3, 0.2), result) == "the optimizer step: 30% of the step"
+    assert bound_by(split(0.05, 0.4, 0.4, 0.1, 0.05), result).startswith(
+        "the model's fwd + bwd (80% of the step)"
+    )
+
+
+def test_each_doubt_is_one_line_naming_the_file_and_the_summary_stays_within_25_lines() -> None:
+    note = (
+        "module tree: the model's forward on steps 11-13 (median) (176.93 ms) is 1.52x the model's own "
+        "forward (116.65 ms, clean steps): the steps that timed the modules were slowed"
+    )
+    one = render_console_summary(window(), TreeCheck(notes=[note]), "logs/flops_profile_step10.txt")
+    assert one.splitlines()[-2] == (
+        "doubt: the module tree's forward is 1.52x the model's own forward; "
+        "details in flops_profile_step10.txt"
+    )
+    many = render_console_summary(window(), TreeCheck(notes=[note] * 20), "logs/flops_profile_step10.txt")
+    lines = many.splitlines()
+    assert len(lines) == MAX_LINES == 25
+    shown = MAX_LINES - 18 - 1  # 18 lines before the warnings, one saying how many more
+    assert lines[-2] == f"and {20 - shown} more warning(s) in the full report"
+    assert lines[-1] == "-" * 78
+
+
+def test_with_both_peaks_the_verdict_is_the_roofline_limiter_of_most_of_the_modules_time() -> None:
+    """Peak 1000 flop/s and 100 B/s. ``a`` moves 20 + 40 bytes: 0.2 s and 0.4 s at the memory roof, more
+    than its 0.06 s and 0.12 s of flops: memory-bound, 0.05 + 0.1 s. ``b`` moves 1 + 2 bytes: its 0.03 s and
+    0.06 s of flops are the bound, 0.3x its 0.1 + 0.2 s: compute-bound. The model has children: left out."""
+    result = window()
+    modules = dict(result.profile.modules)
+    modules["a"] = dataclasses.replace(modules["a"], fwd_bytes=20, bwd_bytes=40)
+    modules["b"] = dataclasses.replace(modules["b"], fwd_bytes=1, bwd_bytes=2)
+    result = dataclasses.replace(
+        result,
+        profile=dataclasses.replace(result.profile, modules=modules),
+        bandwidth=Bandwidth(100.0, "peak_bandwidth argument"),
+    )
+    parts = {"fwd": 0.25, "bwd": 0.5, "step": 0.25, "data": 0.0, "other": 0.0}
+    assert bound_by(Split(parts, 1.0, timed_wall=False), result) == (
+        "compute-bound (75% of the step in fwd + bwd; module time compute-bound 67%, memory-bound 33%)"
+    )

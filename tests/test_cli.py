@@ -1,0 +1,246 @@
+"""The command line on real runs' files (tests/saved_runs.py: A, A2 the same configuration, B with
+the module ``slow`` slowed by SLOWER seconds, C with twice the batch), run as a real process:
+``python -m flops_callbacks`` and the ``flops-callbacks`` console script's entry point.
+
+``show`` prints the report the run printed; ``diff A B`` names the slowed module first; ``gate`` exits 1
+on B, 0 on A2 and 2 on bad input, naming it; no colour when the output is not a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flops_callbacks.cli import main
+from tests.saved_runs import BATCH, SLOWER
+
+ROOT = Path(__file__).resolve().parents[1]
+ANSI = "\033["
+
+
+def run(*args: str, entry: str = "module", timeout: float = 120) -> subprocess.CompletedProcess:
+    """The command line in a process of its own (its whole group killed if it outlives ``timeout``):
+    ``python -m flops_callbacks``, or the console script's entry point as its wrapper calls it."""
+    if entry == "module":
+        return in_group([sys.executable, "-m", "flops_callbacks", *args], timeout)
+    # what pip's console-script wrapper does: sys.exit(main()), with the arguments in sys.argv
+    call = f"import sys; from pkgutil import resolve_name; sys.exit(resolve_name({entry!r})())"
+    return in_group([sys.executable, "-c", call, *args], timeout)
+
+
+def in_group(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``command`` run from the repository, its process group killed if it outlives ``timeout``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def test_show_prints_the_report_the_run_wrote_and_its_picture(runs: dict[str, Path], tmp_path: Path) -> None:
+    page = tmp_path / "a.html"
+    done = run("show", str(runs["A"]), "--html", str(page))
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == runs["A"].with_suffix(".txt").read_text()  # the report, every line of it
+    assert page.read_text() == runs["A"].with_suffix(".html").read_text()
+
+
+def module_rows(text: str) -> list[list[str]]:
+    """The module table of ``diff``'s text: each row's columns (split on runs of 2+ spaces)."""
+    lines = text.splitlines()
+    start = next(
+        i for i, line in enumerate(lines) if line.startswith("Modules by the change of their own time")
+    )
+    assert re.split(r" {2,}", lines[start + 1]) == [
+        "module",
+        "class",
+        "own time A -> B",
+        "change",
+        "own flops",
+        "own bytes",
+    ]
+    return [re.split(r" {2,}", line) for line in lines[start + 2 :]]
+
+
+def test_diff_names_the_slowed_module_first_by_its_own_time(runs: dict[str, Path]) -> None:
+    done = run("diff", str(runs["A"]), str(runs["B"]))
+    assert (done.returncode, done.stderr) == (0, "")
+    assert ANSI not in done.stdout  # not a terminal: no colours
+    assert "NOTE" not in done.stdout  # the same work: times are comparable
+    first = module_rows(done.stdout)[0]
+    # the slowed module's own time, not its parent's (the model's time grew by as much)
+    assert first[:2] == ["slow", "Pause"] and first[3].startswith("+") and first[3].endswith(" ms")
+    assert 0.66 * SLOWER * 1e3 <= float(first[3][1:-3]) <= 2 * SLOWER * 1e3
+    # its own flops and bytes (its Linear's left out), the same in both runs: the ReLU's 4 x 32 forward
+    # and 4 x 32 backward flops; it reads and writes 512 B forward, reads 1 KB and writes 512 B backward
+    assert first[4:6] == ["= 256", "= 2.56 KB"]
+    assert len(first) == 6  # not marked noise
+    fwd = next(line for line in done.stdout.splitlines() if line.startswith("fwd_latency "))
+    assert fwd.endswith("worse")
+
+    data = json.loads(run("diff", str(runs["A"]), str(runs["B"]), "--json").stdout)
+    slow = data["modules"][0]
+    assert (slow["name"], slow["noise"], data["same_work"]) == ("slow", False, True)
+    assert data["module_times_measured"] == {"a": True, "b": True}
+    assert 0.66 * SLOWER <= slow["delta_seconds"] <= 2 * SLOWER
+    assert slow["own_flops"] == [256, 256] and slow["own_bytes"] == [2560, 2560]
+    figures = {f["name"]: f for f in data["figures"]}
+    assert figures["fwd_latency"]["direction"] == "worse" and not figures["fwd_latency"]["noise"]
+    assert figures["fwd_flops"]["relative"] == 0 and figures["fwd_flops"]["direction"] is None
+
+
+def test_diff_of_runs_that_did_other_work_says_so_first(runs: dict[str, Path]) -> None:
+    done = run("diff", str(runs["A"]), str(runs["C"]))
+    lines = done.stdout.splitlines()
+    note = next(i for i, line in enumerate(lines) if line.startswith("NOTE: the runs did different work"))
+    assert note < next(i for i, line in enumerate(lines) if line.startswith("Headline figures"))
+    assert f"samples per device {BATCH} -> {2 * BATCH}" in lines[note]
+    assert "(+100.0%;" in lines[note]  # every op of this model scales with the batch
+
+
+def test_gate_fails_the_slowed_run_with_a_one_line_reason(runs: dict[str, Path]) -> None:
+    done = run("gate", str(runs["A"]), str(runs["B"]), "--fail-on", "fwd_latency:+10%")
+    assert (done.returncode, done.stderr) == (1, "")
+    assert len(done.stdout.splitlines()) == 1
+    assert done.stdout.startswith("FAIL: fwd_latency got worse: ")
+    assert "beyond fwd_latency:+10% and outside both runs' ranges (A " in done.stdout
+    both = run(
+        "gate", str(runs["A"]), str(runs["B"]), "--fail-on", "fwd_latency:+10%", "--fail-on", "mfu:-5%"
+    )
+    assert both.returncode == 1 and "; mfu got worse: " in both.stdout
+
+
+def test_gate_passes_a_run_of_the_same_configuration(runs: dict[str, Path]) -> None:
+    done = run("gate", str(runs["A"]), str(runs["A2"]), "--fail-on", "fwd_latency:+10%")
+    assert (done.returncode, done.stderr) == (0, ""), done.stdout
+    assert done.stdout.startswith("ok: fwd_latency: ") and len(done.stdout.splitlines()) == 1
+
+
+def test_gate_json_says_each_check(runs: dict[str, Path]) -> None:
+    done = run("gate", str(runs["A"]), str(runs["B"]), "--fail-on", "fwd_latency:+10%", "--json")
+    data = json.loads(done.stdout)
+    assert (done.returncode, data["passed"], data["exit_code"]) == (1, False, 1)
+    (check,) = data["checks"]
+    assert (check["rule"], check["limit"], check["failed"], check["noise"]) == (
+        "fwd_latency:+10%",
+        0.1,
+        True,
+        False,
+    )
+    assert check["new"]["low"] > check["base"]["high"]  # every step of B slower than every step of A
+    assert check["relative"] > 0.1
+
+
+def test_gate_exits_2_on_a_file_that_is_not_a_profile_and_names_it(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    broken, foreign = tmp_path / "broken.json", tmp_path / "foreign.json"
+    broken.write_text(runs["A"].read_text()[:500])
+    foreign.write_text(json.dumps({"eval_loss": 0.4}))
+    a = str(runs["A"])
+    cases = {
+        (a, str(broken), "fwd_latency:+10%"): f"{broken}: not a profile: not valid JSON",
+        (a, str(foreign), "fwd_latency:+10%"): f'{foreign}: not a flops_callbacks profile (no "schema"',
+        (
+            str(tmp_path / "missing.json"),
+            a,
+            "fwd_latency:+10%",
+        ): f"{tmp_path / 'missing.json'}: cannot be read (No such file or directory)",
+    }
+    for (base, new, rule), message in cases.items():
+        done = run("gate", base, new, "--fail-on", rule)
+        assert (done.returncode, done.stdout) == (2, ""), (rule, done.stdout)
+        assert done.stderr.startswith(f"flops-callbacks gate: error: {message}"), done.stderr
+
+
+def test_gate_exits_2_on_an_unknown_figure_or_a_bad_rule_and_names_it(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    a = str(runs["A"])
+    cases = {
+        "fwd_lat:+10%": f"--fail-on fwd_lat:+10%: {a} has no figure 'fwd_lat' (it has: fwd_flops, bwd_flops,",
+        "tokens_per_sec:-5%": f"--fail-on tokens_per_sec:-5%: {a} has no figure 'tokens_per_sec' (it has: ",
+        "fwd_latency:10%": "--fail-on 'fwd_latency:10%': expected FIGURE:+N%",
+        "fwd_latency:+ten%": "--fail-on 'fwd_latency:+ten%': expected FIGURE:+N%",
+        "fwd_latency+10%": "--fail-on 'fwd_latency+10%': expected FIGURE:+N%",
+    }
+    for rule, message in cases.items():
+        assert main(["gate", a, a, "--fail-on", rule]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"flops-callbacks gate: error: {message}"), err
+    # the prefix may be given: any metric of the dict, by its logged name too
+    assert main(["gate", a, a, "--fail-on", "flops_profiler/samples_per_sec:-5%"]) == 0
+    assert capsys.readouterr().out.startswith("ok: samples_per_sec: ")
+
+
+def test_the_console_script_runs_main_and_imports_no_framework(runs: dict[str, Path]) -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()  # (tomllib is Python 3.11+)
+    scripts = re.search(r"^\[project\.scripts\]\n(.*?)\n\n", pyproject, re.M | re.S)[1]
+    entry = "flops_callbacks.cli:main"
+    assert scripts == f'flops-callbacks = "{entry}"'
+    done = run("gate", str(runs["A"]), str(runs["B"]), "--fail-on", "fwd_latency:+10%", entry=entry)
+    assert done.returncode == 1 and done.stdout.startswith("FAIL: fwd_latency got worse")
+    check = (
+        "import sys; from flops_callbacks.cli import main; code = main(sys.argv[1:]); "
+        "frameworks = ('lightning', 'pytorch_lightning', 'transformers', 'accelerate', 'deepspeed'); "
+        "print(sorted(m for m in frameworks if m in sys.modules))"
+    )
+    done = in_group([sys.executable, "-c", check, "diff", str(runs["A"]), str(runs["B"])], timeout=120)
+    assert "Modules by the change of their own time" in done.stdout
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
+def test_colours_only_when_asked_or_on_a_terminal(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["diff", str(runs["A"]), str(runs["B"]), "--color", "always"]) == 0
+    out = capsys.readouterr().out
+    assert "\033[31mworse\033[0m" in out  # fwd_latency, in red
+    assert main(["diff", str(runs["A"]), str(runs["B"])]) == 0  # captured: not a terminal
+    assert ANSI not in capsys.readouterr().out
+
+
+def own_fwd(modules: dict[str, dict]) -> dict[str, float]:
+    """Each module's forward latency less its children's, from the JSON's module entries by name."""
+
+    def children(name: str) -> list[str]:
+        return [n for n in modules if n and n.rpartition(".")[0] == name]
+
+    return {
+        n: max(m["fwd_latency"] - sum(modules[c]["fwd_latency"] for c in children(n)), 0.0)
+        for n, m in modules.items()
+    }
+
+
+def test_diff_picture_draws_b_with_a_own_times_to_colour_by(runs: dict[str, Path], tmp_path: Path) -> None:
+    page = tmp_path / "diff.html"
+    assert main(["diff", str(runs["A"]), str(runs["B"]), "--html", str(page), "--json"]) == 0
+    html = page.read_text()
+    data = json.loads(re.search(r'<script type="application/json" id="profile-data">(.*?)</script>', html)[1])
+    a, b = (json.loads(runs[n].read_text())["profile"]["modules"] for n in ("A", "B"))
+    assert [m["name"] for m in data["modules"]][:1] == [""] and {m["name"] for m in data["modules"]} == set(b)
+    assert data["against"]["label"] == "A" and data["against"]["note"] == ""
+    base = data["against"]["modules"]
+    assert set(base) == set(a) and set(base["slow"]) == {"fwd", "bwd", "own_fwd", "own_bwd"}
+    own_a, own_b = own_fwd(a), own_fwd(b)
+    for name, m in a.items():
+        assert (base[name]["fwd"], base[name]["bwd"]) == (m["fwd_latency"], m["bwd_latency"])
+        assert base[name]["own_fwd"] == pytest.approx(own_a[name], abs=1e-12)
+    # the module whose own time changed most, the one the page paints in the full red
+    changes = {name: own_b[name] - own_a[name] for name in a}
+    assert max(changes, key=lambda n: abs(changes[n])) == "slow"
+    assert 0.66 * SLOWER <= changes["slow"] <= 2 * SLOWER
