@@ -11,7 +11,9 @@ too, so that no op that does arithmetic is left out of an MoE model's count:
   the algorithm the kernel picks;
 * histograms and accumulating writes (``histc``, ``bincount``, ``index_put(accumulate=True)``,
   ``scatter_add``, ``index_add``, ``cumsum``) count one add per element accumulated; writes that
-  only overwrite are free.
+  only overwrite are free;
+* on integer tensors alone (``bincount`` of expert indices, without weights) they count 0 flops, as
+  every integer or bool call does (:mod:`flops_callbacks.counting.registry`).
 """
 
 from __future__ import annotations
@@ -100,6 +102,22 @@ def _batch_norm_backward_flop(args: tuple, kwargs: dict, out: Any) -> int:
     return 2 * _norm_flops(args[1], args[2], 5, 4)
 
 
+# Weight normalization (HuBERT's and SpeechT5's positional convolution; torch's registry has no formula):
+# w = g * v / ||v||, one norm per element of g.
+
+
+@elementwise(present("_weight_norm_interface"))
+def _weight_norm_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    """Square and add per element of v, sqrt and g / norm per norm, then a multiply per element."""
+    return 3 * args[0].numel() + 2 * args[1].numel()
+
+
+@elementwise(present("_weight_norm_interface_backward"))
+def _weight_norm_backward_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    """grad_g = sum(grad_w v) / norm, grad_v = g / norm (grad_w - v grad_g / norm): 5 per element, 3 per g."""
+    return 5 * args[1].numel() + 3 * args[2].numel()
+
+
 # --- softmax, pooling, interpolation, dropout ---------------------------------------------------------
 
 
@@ -179,6 +197,27 @@ def _regression_loss_flop(args: tuple, kwargs: dict, out: Any) -> int:
 @elementwise([aten.mse_loss_backward, aten.smooth_l1_loss_backward, aten.huber_loss_backward])
 def _regression_loss_backward_flop(args: tuple, kwargs: dict, out: Any) -> int:
     return 2 * args[1].numel()
+
+
+# CTC (the speech models' CTC heads; torch's registry has no formula), on the lattice the kernel allocates:
+# log_alpha's (batch, longest input, 2 x longest target + 1) states, as the lengths are tensors a count must
+# not read (a fake count cannot, a GPU read synchronizes). Per state, as torch's CPU kernel computes it: a
+# log-sum-exp of up to three predecessors plus the emission (2 comparisons, 3 subtractions, 3 exps, 2 adds, a
+# log, 2 adds: 13); in the backward, beta likewise (13), alpha + beta folded into its label's gradient by a
+# two-term log-sum-exp (9), then 2 exps, 3 adds and a multiply per log-prob. The log-softmax is its own op.
+
+
+@elementwise(present("_ctc_loss"))
+def _ctc_loss_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    """The alpha recursion: 13 flops per state."""
+    return 13 * out[1].numel()
+
+
+@elementwise(present("_ctc_loss_backward"))
+def _ctc_loss_backward_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    """The beta recursion and the gradient's gathering: 22 flops per state, and 6 per log-prob."""
+    log_probs, log_alpha = args[1], args[6]
+    return 22 * log_alpha.numel() + 6 * log_probs.numel()
 
 
 # --- accumulation and routing -------------------------------------------------------------------------

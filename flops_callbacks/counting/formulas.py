@@ -1,11 +1,11 @@
 """Built-in formulas for the dense aten ops: matmuls, grouped (mixture-of-experts) matmuls,
-attention kernels, triangular solves, convolution backward and RNN kernels.
+attention kernels, triangular solves, FFTs, convolution backward and RNN kernels.
 
 Most dense ops are counted by torch's own ``flop_registry`` (through
 :mod:`flops_callbacks.counting.registry`),
 so our counts are FlopCounterMode's by construction. This module registers only what that registry
-lacks or gets wrong: the CPU SDPA kernel and RNN kernels (torch counts 0), grouped matmuls and
-triangular solves (torch has no formula), vector products, a grouped convolution's backward (torch
+lacks or gets wrong: the CPU SDPA kernel and RNN kernels (torch counts 0), grouped matmuls,
+triangular solves and FFTs (torch has no formula), vector products, a grouped convolution's backward (torch
 overcounts it), and the most frequent matmuls restated without torch's per-call shape mapping, which
 costs 50x their arithmetic. Each formula is a function of the call's arguments.
 """
@@ -193,6 +193,37 @@ def _solve_triangular_flop(args: tuple, kwargs: dict, out: Any) -> int:
     batch = math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     per_element = n - 1 if kwargs.get("unitriangular", False) else n
     return batch * b.shape[-2] * b.shape[-1] * per_element
+
+
+# --- FFTs (FNet's token mixing) ------------------------------------------------------------------------
+# torch's registry has no FFT. n is the product of the transformed sizes: a transform over several dims
+# is 1-D ones along each, N / n_i transforms of 5 n_i log2 n_i on N elements, 5 N log2 n in all. The
+# normalization (a multiply per element) is left out, as in FFTW's count. Flops without MACs: a
+# butterfly's multiplies and adds do not pair.
+
+
+def _points(x: torch.Tensor, dims: Any) -> int:
+    return math.prod(x.shape[d] for d in dims)
+
+
+@register_formula(aten._fft_c2c, kind="elementwise")
+def _fft_c2c_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    """5 n log2 n real flops per complex transform of n points (the radix-2 count FFTW's benchmarks use)."""
+    x = args[0]
+    return round(5 * x.numel() * math.log2(max(_points(x, args[1]), 1)))
+
+
+@register_formula(aten._fft_r2c, kind="elementwise")
+def _fft_r2c_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    """A real-input transform: half a complex one, 2.5 n log2 n per transform of n real points."""
+    x = args[0]
+    return round(2.5 * x.numel() * math.log2(max(_points(x, args[1]), 1)))
+
+
+@register_formula(aten._fft_c2r, kind="elementwise")
+def _fft_c2r_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    """A real-output transform: half a complex one, 2.5 n log2 n per transform of n real points (out's)."""
+    return round(2.5 * out.numel() * math.log2(max(_points(out, args[1]), 1)))
 
 
 # --- convolution backward ----------------------------------------------------------------------

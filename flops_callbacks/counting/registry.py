@@ -6,7 +6,8 @@ whether its flops shrink under a causal mask or partly recompute forward work. L
 and a second registration of an op is refused; unlike it, :meth:`FormulaEntry.count` returns MACs
 beside flops, formulas see the call's own arguments (no shape mapping per call), and an op with no
 entry is not silently 0: ops torch's registry knows get its formula, pointwise and reduction ops
-one flop per element, views and random draws none, and anything else is listed as uncounted.
+one flop per element, views and random draws none, and anything else is listed as uncounted. A call
+whose tensors are all integer or bool counts no flops, whatever its entry (mask and index arithmetic).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class FormulaEntry:
             out: its output.
             causal_half: whether a causal call counts its kept share only.
         """
-        if self.formula is None:
+        # NB: a call on integer and bool tensors only does no floating-point operation: 0 flops, bytes kept
+        if self.formula is None or _integer_only(args, kwargs, out):
             return _NOTHING
         flops = int(self.formula(args, kwargs, out))
         if causal_half and self.causal_share is not None:
@@ -106,6 +108,25 @@ class FormulaEntry:
         rec_flops = round(flops * self.recompute_share(func, args, kwargs))
         rec_macs = rec_flops // 2 if dense else 0
         return OpCount(flops - rec_flops, macs - rec_macs, rec_flops, rec_macs)
+
+
+_INTEGER = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+    | {getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)}
+)
+
+
+def _not_integer(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype not in _INTEGER
+
+
+def _integer_only(args: tuple, kwargs: dict, out: Any) -> bool:
+    """Whether a call has tensors and all of them, inputs and outputs, are integer or bool."""
+    if _not_integer(out) or (type(out) in (tuple, list) and any(_not_integer(o) for o in out)):
+        return False  # most calls: a floating output, no walk over the arguments
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs, out))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    return bool(tensors) and not any(_not_integer(t) for t in tensors)
 
 
 _ENTRIES: dict[Any, FormulaEntry] = {}  # by overload packet or overload, as registered

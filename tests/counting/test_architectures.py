@@ -516,6 +516,64 @@ def test_current_architectures_have_no_uncounted_op_and_count_their_solves(name:
     assert (solves.flops > 0) == (name == "qwen3-next")
 
 
+# --- Fourier and speech families: FFTs, CTC loss, weight normalization --------------------------------
+
+# two conv layers: 800 samples -> (800 - 10) / 5 + 1 = 159 -> (159 - 3) / 2 + 1 = 79 frames
+SPEECH_COMMON = dict(
+    hidden_size=32, intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+    num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, vocab_size=12, mask_time_prob=0.0,
+)  # fmt: skip
+FRAMES, LABELS, TARGET = 79, 12, 5  # CTC's time steps, its labels (vocab), the targets' length
+# the positional convolution's weight norm: v is (32, 8, 16), normalized over dim 2 (16 norms)
+WEIGHT_NORM = (3 * 32 * 8 * 16 + 2 * 16, 5 * 32 * 8 * 16 + 3 * 16)
+
+
+def fnet() -> nn.Module:
+    config = transformers.FNetConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64, max_position_embeddings=64
+    )
+    return transformers.FNetForMaskedLM(config)
+
+
+def hubert() -> nn.Module:
+    return transformers.HubertForCTC(
+        transformers.HubertConfig(**SPEECH_COMMON, num_hidden_layers=2, num_attention_heads=2)
+    )
+
+
+def speecht5() -> nn.Module:
+    config = transformers.SpeechT5Config(
+        **{k: v for k, v in SPEECH_COMMON.items() if k != "intermediate_size"},
+        encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, max_speech_positions=400, max_text_positions=64,
+    )  # fmt: skip
+    return transformers.SpeechT5ForSpeechToText(config)
+
+
+def test_fnet_counts_its_fourier_mixing_and_leaves_no_op_uncounted() -> None:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (2, 16))
+    profile = measure(fnet().train(), lambda m: m(input_ids=tokens, labels=tokens))
+    assert profile.coverage.uncounted == []
+    for layer in (0, 1):  # a 2-D FFT over (16 positions x 32 features) per sequence: 5 n log2 n, n = 512
+        assert profile.modules[f"fnet.encoder.layer.{layer}.fourier.self"].fwd_flops == 2 * 5 * 512 * 9
+
+
+@pytest.mark.parametrize(("build", "ctc"), [(hubert, True), (speecht5, False)], ids=["hubert", "speecht5"])
+def test_speech_models_count_ctc_and_weight_norm_with_no_op_uncounted(build: Callable, ctc: bool) -> None:
+    torch.manual_seed(0)
+    audio, labels = torch.randn(2, 800), torch.randint(1, LABELS, (2, TARGET))
+    profile = measure(build().train(), lambda m: m(input_values=audio, labels=labels))
+    assert profile.coverage.uncounted == []
+    prenet = "hubert.encoder" if ctc else "speecht5.encoder.prenet"
+    norm = profile.modules[f"{prenet}.pos_conv_embed.conv"].functionals["_weight_norm"]
+    assert (norm.fwd_flops, norm.bwd_flops) == WEIGHT_NORM
+    if ctc:  # the lattice: 2 sequences x 79 frames x (2 x 5 + 1) states; the loss summed over 2 sequences
+        states = 2 * FRAMES * (2 * TARGET + 1)
+        loss = profile.modules[""].functionals["ctc_loss"]
+        assert (loss.fwd_flops, loss.bwd_flops) == (13 * states + 2, 22 * states + 6 * FRAMES * 2 * LABELS)
+
+
 # --- fine-tuning and activation checkpointing ----------------------------------------------------
 
 

@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from flops_callbacks.counting.engine import Tracer
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.counting.fake_count import FakeCountUnavailable, fake_count
 from flops_callbacks.profile import Counts
 
@@ -24,7 +26,7 @@ def _lm_step(model: nn.Module, batch: Any) -> None:
 def _real(model: nn.Module, batch: Any, later: bool) -> Counts:
     if later:
         _lm_step(model, batch)  # the micro-batch before: the gradients this one adds to
-    tracer = Tracer(model)
+    tracer = CountingEngine(model)
     tracer.start()
     try:
         _lm_step(model, batch)
@@ -112,3 +114,51 @@ def test_a_failure_in_the_step_function_is_said_and_the_model_left_as_it_was() -
     with pytest.raises(FakeCountUnavailable, match="ValueError: the user's step"):
         fake_count(model, step, torch.randn(4, 8))
     assert model.training and isinstance(model.up.weight, nn.Parameter)
+
+
+class _IntegerCalls(TorchDispatchMode):
+    """The ops called on integer and bool tensors only, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        if tensors and not any(t.is_floating_point() for t in tensors):
+            self.names.add(str(func))
+        return out
+
+
+def test_a_gpt2_batch_of_input_ids_and_labels_counts_the_same_flops_faked_and_real() -> None:
+    # With no attention mask and no cache (HF Trainer's use_cache=False), transformers 5 looks for packed
+    # sequences in the position ids: a real step reads them and skips the mask; fake ones cannot be read,
+    # so the fake step builds it (integer comparisons, bitwise_and). Integer and bool ops count no flops.
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False)
+    model = GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 64, (2, 16))
+    batch = {"input_ids": ids, "labels": ids}
+    seen = {"fake": _IntegerCalls(), "real": _IntegerCalls()}
+
+    def step(which: str) -> Any:
+        def run(m: nn.Module, b: Any) -> None:
+            with seen[which]:
+                _lm_step(m, b)
+
+        return run
+
+    counted = fake_count(model, step("fake"), batch)
+    engine = CountingEngine(model)
+    engine.start()
+    try:
+        step("real")(model, batch)
+    finally:
+        engine.stop()
+    real = engine.totals()[0]
+    assert "aten.bitwise_and.Tensor" in seen["fake"].names - seen["real"].names  # the two paths differ
+    flops_and_macs = ("fwd_flops", "bwd_flops", "recompute_flops", "fwd_macs", "bwd_macs", "recompute_macs")
+    # the figures a fake count is checked on before the run counts off the clock (session.off_clock)
+    assert [getattr(counted, f) for f in flops_and_macs] == [getattr(real, f) for f in flops_and_macs]
+    assert counted.fwd_macs == real.fwd_macs > 0

@@ -53,9 +53,10 @@ def profile_of(model: nn.Module, *inputs: torch.Tensor, backward: bool = False, 
     return profile
 
 
-def count_flops(func: torch._ops.OpOverload, args: tuple) -> int:
-    """Flops of one call of ``func`` on ``args`` by its registry entry, recomputed work included."""
-    count = entry_for(func).count(func, args, {}, None, causal_half=False)
+def count_flops(func: torch._ops.OpOverload, args: tuple, out: object = None) -> int:
+    """Flops of one call of ``func`` on ``args`` (giving ``out``) by its registry entry, recomputed work
+    included."""
+    count = entry_for(func).count(func, args, {}, out, causal_half=False)
     return count.flops + count.recompute_flops
 
 
@@ -553,6 +554,65 @@ def test_interpolate_counts_output_elements(options: dict, out_hw: tuple[int, in
     assert profile.modules[""].functionals["interpolate"].fwd_flops == out_numel
 
 
+# --- FFTs (FNet), CTC loss and weight normalization (speech models) ------------------------------
+
+
+def test_fnet_fourier_mixing_counts_five_n_log2_n_per_transform_each_way() -> None:
+    # FNet's token mixing: a 2-D FFT over (sequence, hidden) of every batch element, its real part kept.
+    x = leaf(2, 16, 32)
+    profile = profile_of(Call(lambda t: torch.fft.fftn(t, dim=(1, 2)).real), x, backward=True)
+    n = 16 * 32  # points per transform, log2(512) = 9
+    assert profile.fwd_flops == 2 * 5 * n * 9  # 46,080: 2 transforms of 5 n log2 n
+    assert profile.bwd_flops == 2 * 5 * n * 9  # the gradient: an inverse transform of the same size
+    assert dense(profile) == (0, 0)  # flops, no multiply-accumulate pairs
+    assert profile.coverage.uncounted == []
+
+
+def test_real_input_and_real_output_ffts_count_half_a_complex_one() -> None:
+    aten = torch.ops.aten
+    x = torch.randn(4, 8)
+    spectrum = torch.fft.rfft(x)  # 5 frequencies of each 8-point row
+    back = torch.fft.irfft(spectrum, n=8)
+    r2c = count_flops(aten._fft_r2c.default, (x, [1], 0, True), spectrum)
+    c2r = count_flops(aten._fft_c2r.default, (spectrum, [1], 2, 8), back)
+    assert r2c == c2r == 4 * 2.5 * 8 * 3  # 4 rows of 2.5 n log2 n, n = 8: 240
+    odd = torch.randn(3, 12)  # 12 points, log2(12) = 3.585: 2.5 * 36 * 3.585 = 322.6
+    assert count_flops(aten._fft_r2c.default, (odd, [1], 0, True)) == 323
+    profile = profile_of(Call(lambda t: torch.fft.irfft(torch.fft.rfft(t), n=8)), leaf(4, 8), backward=True)
+    assert profile.fwd_flops == 240 + 240
+    assert profile.coverage.uncounted == []
+
+
+@pytest.mark.parametrize("lengths_as", ["ints", "tensors"])
+def test_ctc_loss_counts_its_lattice_of_states_each_way(lengths_as: str) -> None:
+    t, n, c, s = 50, 3, 20, 10  # time steps, batch, labels, longest target
+    log_probs = leaf(t, n, c)
+    targets = torch.randint(1, c, (n, s))
+    input_lengths, target_lengths = [50, 40, 30], [10, 7, 4]
+    if lengths_as == "tensors":  # as transformers' CTC heads call it
+        input_lengths, target_lengths = torch.tensor(input_lengths), torch.tensor(target_lengths)
+
+    def ctc(lp: torch.Tensor) -> torch.Tensor:
+        return F.ctc_loss(lp, targets, input_lengths, target_lengths, reduction="sum")
+
+    profile = profile_of(Call(ctc), log_probs, backward=True)
+    states = n * t * (2 * s + 1)  # the kernel's lattice: batch x longest input x (2 x longest target + 1)
+    assert profile.fwd_flops == 13 * states + n  # the alpha recursion, then the sum of the 3 losses
+    assert profile.bwd_flops == 22 * states + 6 * t * n * c  # beta and the gathering, then the gradient
+    assert profile.coverage.uncounted == []
+
+
+@pytest.mark.parametrize(("v_shape", "g_shape", "dim"), [((32, 8, 16), (1, 1, 16), 2), ((6, 10), (6, 1), 0)])
+def test_weight_norm_counts_the_norm_and_the_scaling(v_shape: tuple, g_shape: tuple, dim: int) -> None:
+    # HuBERT's positional convolution normalizes its (32, 8, 16) kernel over dim 2; a Linear's over dim 0
+    v, g = leaf(*v_shape), leaf(*g_shape)
+    profile = profile_of(Call(lambda a, b: torch._weight_norm(a, b, dim)), v, g, backward=True)
+    elements, norms = v.numel(), g.numel()
+    assert profile.fwd_flops == 3 * elements + 2 * norms  # square, add, scale; sqrt and g / norm
+    assert profile.bwd_flops == 5 * elements + 3 * norms
+    assert profile.coverage.uncounted == []
+
+
 # --- Ops without arithmetic, and ops without a formula ------------------------------------------
 
 
@@ -575,7 +635,7 @@ def test_views_cat_and_indexing_are_free() -> None:
 
 def test_op_without_formula_is_listed_with_its_calls(tmp_path) -> None:
     def transform_and_scale(x: torch.Tensor) -> torch.Tensor:
-        return torch.fft.rfft(x).real * 2  # aten._fft_r2c: an FFT, no flop formula
+        return torch.linalg.qr(x).R * 2  # aten.linalg_qr: a factorization, no flop formula
 
     model = Call(transform_and_scale)
     x = leaf(4, 8)
@@ -586,15 +646,15 @@ def test_op_without_formula_is_listed_with_its_calls(tmp_path) -> None:
     prof.stop_profile()
     profile = prof.get_profile()
 
-    assert profile.fwd_flops == 3 * 4 * 5  # the multiply only, on the 5 frequencies of each row
-    [fft] = profile.coverage.uncounted
-    assert (fft.op, fft.calls) == ("aten._fft_r2c", 3)
-    assert fft.seconds > 0 and 0 < fft.time_share <= 1
+    assert profile.fwd_flops == 3 * 4 * 8  # the multiply only, on R's 4 x 8 elements
+    [qr] = profile.coverage.uncounted
+    assert (qr.op, qr.calls) == ("aten.linalg_qr", 3)
+    assert qr.seconds > 0 and 0 < qr.time_share <= 1
 
     report_file = tmp_path / "report.txt"
     prof.print_model_profile(output_file=report_file)
     report = report_file.read_text()
     coverage = report.split(" Coverage ", 1)[1]
     assert "Ops with no flop formula" in coverage
-    [line] = [line for line in coverage.splitlines() if "aten._fft_r2c" in line]
-    assert line.split()[:3] == ["aten._fft_r2c", "3", "calls"]
+    [line] = [line for line in coverage.splitlines() if "aten.linalg_qr" in line]
+    assert line.split()[:3] == ["aten.linalg_qr", "3", "calls"]

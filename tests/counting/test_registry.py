@@ -176,6 +176,37 @@ def test_dense_counts_macs_as_half_the_flops_and_elementwise_none() -> None:
     assert (exp.flops, exp.macs) == (12, 0)
 
 
+def test_calls_on_integer_and_bool_tensors_count_no_flops_but_their_bytes() -> None:
+    # mask and index arithmetic (a mask built from position ids, an expert histogram): no floating point
+    x, y = torch.arange(12).reshape(3, 4), torch.full((3, 4), 5)
+
+    def masks_and_sum(y: torch.Tensor) -> Call:
+        return Call(lambda t: ((t == y) & (t <= y), t + y))
+
+    ints = profile_step(masks_and_sum(y), x, backward=False)
+    assert ints.fwd_flops == 0
+    # eq and le read 2 x 96 bytes of int64 and write 12 of bool each, & reads 24 and writes 12, + 3 x 96
+    assert ints.fwd_bytes == 2 * (2 * 96 + 12) + (24 + 12) + 3 * 96
+    floats = profile_step(masks_and_sum(y.float()), x.float(), backward=False)
+    # comparing floats is floating-point work (bool out, float in): eq, le and + one flop per element;
+    # the & of their two bool masks none
+    assert floats.fwd_flops == 3 * 12
+    assert floats.fwd_bytes == 2 * (2 * 48 + 12) + (24 + 12) + 3 * 48
+
+
+def test_routing_histograms_count_no_flops_on_integer_indices_alone() -> None:
+    experts = torch.tensor([0, 2, 2, 1, 3, 2])
+    weights = torch.rand(6)
+    for func, args, flops in [
+        (aten.bincount.default, (experts,), 0),  # expert indices in, counts out: integers only
+        (aten.bincount.default, (experts, weights), 6),  # weighted: one float add per element
+        (aten.histc.default, (experts.float(), 4, 0, 4), 6),  # histc takes floats only
+        (aten.cumsum.default, (experts, 0), 0),  # token offsets per expert
+    ]:
+        out = func(*args)
+        assert entry_for(func).count(func, args, {}, out, causal_half=False).flops == flops, (func, args)
+
+
 def test_attention_entries_carry_their_causal_and_recompute_shares() -> None:
     b, h, s, d = 1, 2, 4, 8
     q = k = v = torch.empty(b, h, s, d, device="meta")
