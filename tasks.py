@@ -2,8 +2,10 @@
 
 demo     the main job: the Lightning example on CPU (profile at step 10, TensorBoard logs)
 test     ruff, mypy and the test suite (what CI runs)
-docs     build the docs site into site/ (mkdocs --strict: a broken link or a page not in the nav fails)
+docs     write the pages' generated parts (docs/generate.py), then build the site into site/ (mkdocs
+         --strict: a broken link or a page not in the nav fails)
 console  run the demo and keep its console summary as the README's and the docs' sample
+picture  draw docs/profile.png from today's renderer (needs chromium on PATH)
 wheel    build the wheel, install it with only torch into a fresh virtualenv, profile a small model
 bench    the overhead and timing benchmarks
 """
@@ -25,8 +27,9 @@ TORCH = os.environ.get("FLOPS_CALLBACKS_TORCH", "torch==2.13.0")
 JOBS = {
     "demo": [["examples/lightning/train.py"]],
     "test": [["-m", "ruff", "check", "."], ["-m", "mypy"], ["-m", "pytest", "-q"]],
-    "docs": [["-m", "mkdocs", "build", "--strict"]],
+    "docs": [["docs/generate.py"], ["-m", "mkdocs", "build", "--strict"]],
     "console": [["docs/console_sample.py"]],
+    "picture": [["benchmarks/picture_screenshot.py"]],
     "bench": [
         ["benchmarks/overhead.py"],
         ["benchmarks/lightning_overhead.py"],

@@ -1,4 +1,4 @@
-"""What counting bytes moved and saved activations adds to the counting step (issue 21).
+"""What counting bytes moved and saved activations adds to the counting step.
 
 Three variants of one GPT-2 training step run side by side in one process, interleaved round by round
 (a noisy shared machine slows them alike), and the medians are compared as ratios:

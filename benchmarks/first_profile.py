@@ -1,6 +1,6 @@
-"""What a fresh process's first profile times that its second does not: on a lent H100 (torch 2.11) the
-first ``FlopsProfiler`` profile of a 0.1 s forward read 0.130 s against the second's 0.104, not so on a
-CPU-only machine (tests/integrations/test_deepspeed_api.py allows 1.1x).
+"""What a fresh process's first profile times that its second does not: on an H100 (torch 2.11) the first
+``FlopsProfiler`` profile of a 0.1 s forward reads 0.130 s against the second's 0.104; on a CPU they
+agree (tests/integrations/test_deepspeed_api.py allows 1.1x).
 
 Run in a fresh process, per profile: the timed duration, modules first imported inside the timed
 forward, whether CUDA was initialized by then, and with ``--calls`` the slowest calls made inside the

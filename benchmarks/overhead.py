@@ -5,7 +5,7 @@ Every variant runs side by side in one process, interleaved round by round (so a
 machine slows them alike), and the medians are compared as ratios. A "profile" here is everything a
 user pays for one: creating the profiler, installing it, the profiled pass, removing it and
 reading the results (in a forward profile, DeepSpeed's getters for both; in a training step,
-our whole per-module profile). Goals (issue 2): a forward profile costs no more than DeepSpeed's (ratio
+our whole per-module profile). Goals: a forward profile costs no more than DeepSpeed's (ratio
 <= 1.0); a full fwd+bwd profile with per-module timing costs <= 1.5x a plain training step of
 GPT-2 small on CPU. DeepSpeed is compared when it can be imported, and skipped otherwise; in a
 training step it profiles the forward only (as its engine does) and estimates the backward.

@@ -1,8 +1,13 @@
-"""The README's screenshot of the profile picture: GPT-2 124M (12 layers) trained on CPU, profiled by
-the step session as a callback would (a counting step, a module-timing step, a clean step), so the
-widths are module latencies measured with marks only, nothing counting. Builds the model from its
-config (random weights, nothing downloaded) and screenshots the window's page with headless Chromium
-(Debian: ``apt-get install chromium``).
+"""The docs' picture of a profile, made from today's renderer: GPT-2 124M (12 layers) trained on CPU,
+profiled by the step session as a callback would (a counting step, the module-timing steps, the check
+and 3 clean steps), so the widths are module latencies measured with marks only, nothing counting.
+
+MFU is against the CPU's measured matmul rate (``peak_flops="measure"``) and the roofline against its
+copy bandwidth, measured here (the best of 5 copies of 64 MB), so that the picture shows every part.
+The model is built from its config (random weights, nothing downloaded); headless Chromium shoots the
+window's page (Debian: ``apt-get install chromium``). The PNG keeps, in two zTXt chunks, the page it
+shows and the window's JSON: ``tests/test_docs.py`` checks that the page is what today's renderer draws
+of that window. ``python3 tasks.py picture`` runs it.
 
     python benchmarks/picture_screenshot.py [--out docs/profile.png] [--html profile.html]
     python benchmarks/picture_screenshot.py --device cuda --html gpu.html --no-shot  # no Chromium there
@@ -12,10 +17,14 @@ config (random weights, nothing downloaded) and screenshots the window's page wi
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
+import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -23,8 +32,11 @@ import transformers
 from common import window_steps
 
 from flops_callbacks.options import Options
+from flops_callbacks.peaks import BF16, parameters_dtype
 from flops_callbacks.phase_names import BACKWARD, OPTIMIZER_STEP
+from flops_callbacks.reporting.profile_file import json_data
 from flops_callbacks.reporting.publish import picture
+from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.step_session import StepSession
 
 
@@ -58,6 +70,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the model trains (cuda: bf16 autocast)")
     parser.add_argument("--no-shot", action="store_true", help="write --html only, take no screenshot")
     parser.add_argument("--from-html", type=Path, help="screenshot this page; train nothing")
+    parser.add_argument(
+        "--peak-bandwidth", type=float, help="bytes/s for the roofline (default on cpu: measured by copies)"
+    )
     args = parser.parse_args()
     if args.no_shot and (args.html is None or args.from_html is not None):
         parser.error("--no-shot writes the page only: it needs --html and takes no --from-html")
@@ -74,10 +89,23 @@ def main() -> None:
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=args.device)
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=args.device == "cuda")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    session = StepSession(Options(profile_step=1, clean_steps=1, tokens_fn=lambda b: b.numel()), "screenshot")
+    bandwidth = args.peak_bandwidth or (copy_bandwidth() if args.device == "cpu" else None)
+    options = Options(
+        profile_step=1,
+        clean_steps=3,
+        tokens_fn=lambda b: b.numel(),
+        peak_flops="measure" if args.device == "cpu" else None,
+        peak_bandwidth=bandwidth,
+    )
+    session = StepSession(options, "screenshot")
+    dtype = BF16 if args.device == "cuda" else parameters_dtype(model)  # what a loop adapter says
+
+    def context() -> TrainingContext:
+        return TrainingContext(compute_dtype=dtype)
+
     session.train_start(0)
-    for step in range(window_steps(1, 1).stop):  # step 0 warms up; then the window, as the run plan lays it
-        session.step_start(step, model)
+    for step in range(window_steps(1, 3).stop):  # step 0 warms up; then the window, as the run plan lays it
+        session.step_start(step, model, context)
         session.micro_batch_start(ids)
         with autocast:
             loss = model(ids, labels=ids).loss
@@ -95,6 +123,35 @@ def main() -> None:
         html.write_text(page, encoding="utf-8")
         if not args.no_shot:
             shoot(chromium, html, args.out, args.size)
+            keep(args.out, {PAGE: page, PROFILE: json.dumps(json_data(session.result))})
+
+
+PAGE, PROFILE = "flops_callbacks page", "flops_callbacks profile"  # the zTXt chunks' keywords
+
+
+def copy_bandwidth(megabytes: int = 64, repeats: int = 5) -> float:
+    """This CPU's copy bandwidth: bytes read and written per second by the best of ``repeats`` copies."""
+    source = torch.ones(megabytes * 2**20 // 4)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.nbytes / best
+
+
+def keep(png: Path, texts: dict[str, str]) -> None:
+    """``texts`` written into ``png`` as compressed text chunks (zTXt) before its end."""
+    blob = png.read_bytes()
+    end = blob.rindex(b"IEND") - 4  # the IEND chunk's length field
+    chunks = b""
+    for keyword, text in texts.items():
+        body = keyword.encode("latin-1") + b"\0\0" + zlib.compress(text.encode("utf-8"), 9)
+        chunks += struct.pack(">I", len(body)) + b"zTXt" + body
+        chunks += struct.pack(">I", zlib.crc32(b"zTXt" + body) & 0xFFFFFFFF)
+    png.write_bytes(blob[:end] + chunks + blob[end:])
+    print(f"{png}: {png.stat().st_size // 1024} KB with the page and the window it shows")
 
 
 def shoot(chromium: str | None, html: Path, out: Path, size: str) -> None:

@@ -1,6 +1,6 @@
 """Run the demo (``examples/lightning/train.py`` on CPU) and keep the console summary it prints as the
-docs' and the README's sample: ``docs/snippets/console.txt`` and the README's block between its
-``console`` markers. ``python3 tasks.py console`` runs it; the sample is never pasted by hand.
+docs' and the README's sample: ``docs/snippets/console.txt``, then the pages' ``console`` blocks rewritten
+from it (``docs/generate.py``). ``python3 tasks.py console`` runs it; the sample is never pasted by hand.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SNIPPET = ROOT / "docs" / "snippets" / "console.txt"
-README = ROOT / "README.md"
-START, END = "<!-- console: start (python3 tasks.py console) -->", "<!-- console: end -->"
 TITLE = "flops_callbacks Flops Profiler"
 
 
@@ -27,9 +25,10 @@ def summary(stdout: str) -> list[str]:
 
 
 def run_demo() -> list[str]:
-    """The demo's summary, run in a scratch folder (its log dir reads as the example's default)."""
+    """The demo's summary, run in a scratch folder (its log dir reads as the example's default), on one
+    torch thread: on a machine other jobs share, a second thread waits for a core at every matmul."""
     example = ROOT / "examples" / "lightning" / "train.py"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as scratch:
         done = subprocess.run(
             [sys.executable, str(example)], cwd=scratch, env=env, capture_output=True, text=True, check=True
@@ -41,11 +40,8 @@ def main() -> None:
     lines = run_demo()
     SNIPPET.parent.mkdir(parents=True, exist_ok=True)
     SNIPPET.write_text("\n".join(lines) + "\n")
-    text = README.read_text()
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    README.write_text(f"{head}{START}\n```text\n" + "\n".join(lines) + f"\n```\n{END}{tail}")
-    print(f"{len(lines)} lines -> {SNIPPET.relative_to(ROOT)} and README.md")
+    print(f"{len(lines)} lines -> {SNIPPET.relative_to(ROOT)}")
+    subprocess.run([sys.executable, str(ROOT / "docs" / "generate.py")], check=True)
 
 
 if __name__ == "__main__":

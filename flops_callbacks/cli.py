@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     gate_.add_argument(
         "--fail-on", action="append", required=True, metavar="FIGURE:+N%|FIGURE:-N%",
         help="fail when FIGURE (a metric name without flops_profiler/) grows (+) or falls (-) by more "
-        "than N percent and by more than the runs' noise; repeatable",
+        "than N percent and beyond BASE's range over its clean steps; repeatable",
     )  # fmt: skip
     gate_.add_argument("--json", action="store_true", help="print the checks as JSON")
     gate_.set_defaults(run=_gate)
@@ -248,12 +248,13 @@ def _diff_text(
             lines += ["", paint(f"NOTE: {label} timed no module ({why}, slowed by counting).", RED)]
     lines += [
         "",
-        "Headline figures: each latency's median (min .. max over the clean steps), each rate over the "
-        "same steps (its range: those steps' range as a rate); noise: inside both runs' ranges",
+        "Headline figures: each latency's median (its range over the clean steps, their fastest and slowest "
+        "tenth left out), each rate over the same steps (its range: theirs as a rate); noise: B within A's "
+        "range",
         *_figure_rows(figures, paint),
         "",
         f"Modules by the change of their own time (fwd + bwd + recompute, their children's left out), "
-        f"largest first: {len(modules)} of the {total} that changed; noise: within both runs' fwd + bwd "
+        f"largest first: {len(modules)} of the {total} that changed; noise: within A's fwd + bwd "
         "latency ranges",
     ]
     lines += _module_rows(modules, paint) if modules else ["    (no module changed)"]

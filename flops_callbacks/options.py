@@ -88,9 +88,11 @@ class Options:
             DeepSpeed, PaLM's MFU); ``"half"`` only the unmasked part of kernels called with
             ``is_causal=True``.
         throughput: Log ``throughput/*`` at every logging step after the window.
-        peak_flops: Dense peak FLOPS of one device, for MFU and HFU (default: the
-            ``FLOPS_CALLBACKS_PEAK_FLOPS`` environment variable, else the peak table for the GPU and the
-            compute dtype).
+        peak_flops: Dense peak FLOPS of one device, for MFU and HFU: a number, or ``"measure"``, the
+            device's dense matmul rate in the compute dtype, measured in at most 2 s at the window's end
+            (for a CPU or a device the table lacks; the report says "measured"). Default: the
+            ``FLOPS_CALLBACKS_PEAK_FLOPS`` environment variable (a number or ``measure``), else the
+            datasheet's figure from the peak table for the GPU and the compute dtype.
         peak_bandwidth: Peak memory bandwidth of one device in bytes/s, for the per-module roofline
             (default: ``FLOPS_CALLBACKS_PEAK_BANDWIDTH``, else the peak table for the GPU).
         flops_audit: After the window, count one step every N steps and compare it with the shape table
@@ -123,7 +125,7 @@ class Options:
     tokens_fn: Callable[[Any], int | None] | None = None
     causal_attention: CausalAttention = "full"
     throughput: bool = True
-    peak_flops: float | None = None
+    peak_flops: float | Literal["measure"] | None = None
     peak_bandwidth: float | None = None
     flops_audit: int | Literal["auto"] = "auto"
     profile_every: int | None = None

@@ -4,7 +4,8 @@
 Datasheets' "with sparsity" figures are halved, never used as they are; where one name covers parts
 with different memory (A100 40 / 80 GB), the device name picks the part. A name that matches nothing,
 a MIG slice or a CPU gives no peak: we do not guess; ``peak_flops=`` / ``FLOPS_CALLBACKS_PEAK_FLOPS``
-and ``peak_bandwidth=`` / ``FLOPS_CALLBACKS_PEAK_BANDWIDTH`` (bytes/s) set them instead. Why not
+(a number, or ``measure``: the device's dense matmul rate, measured by ``peak_measure.py``) and
+``peak_bandwidth=`` / ``FLOPS_CALLBACKS_PEAK_BANDWIDTH`` (bytes/s) set them instead. Why not
 Lightning's ``get_available_flops``: the core depends on torch only, and its table has no B200, GB200,
 GH200, AMD or fp8 entries, gives H200 with sparsity, an H100 NVL pair and the RTX 4090's FP32 rate
 for bf16, and only warns on an unknown device.
@@ -12,13 +13,15 @@ for bf16, and only warns on an unknown device.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
+from flops_callbacks.peak_measure import measured_matmul
 from flops_callbacks.peak_table import (
     BANDWIDTHS,
     BF16,
@@ -49,6 +52,8 @@ __all__ = [
     "device_name",
     "DTYPES",
     "ENV_VAR",
+    "MEASURE",
+    "MEASURED",
     "FP16",
     "FP32",
     "fp32_matmul_dtype",
@@ -56,9 +61,11 @@ __all__ = [
     "GB",
     "given_bandwidth",
     "given_peak",
+    "measure_peak",
     "parameters_dtype",
     "Peak",
     "peak_from_env",
+    "PeakToMeasure",
     "resolve_bandwidth",
     "resolve_peak",
     "T",
@@ -68,9 +75,12 @@ __all__ = [
 ]
 
 ENV_VAR = "FLOPS_CALLBACKS_PEAK_FLOPS"
+MEASURE = "measure"  # peak_flops="measure", FLOPS_CALLBACKS_PEAK_FLOPS=measure: the matmul rate, measured
+MEASURED = "measured: "  # how a measured peak's source starts
 BANDWIDTH_ENV_VAR = "FLOPS_CALLBACKS_PEAK_BANDWIDTH"
 
 _Figure = TypeVar("_Figure")  # Peak or Bandwidth
+_Value = TypeVar("_Value")  # what an argument's check returns
 
 
 def fp32_matmul_dtype() -> str:
@@ -95,20 +105,21 @@ def parameters_dtype(model: torch.nn.Module) -> str | None:
     return {torch.bfloat16: BF16, torch.float16: FP16}.get(dtype)
 
 
-def _positive(value: Any, name: str, what: str, example: str) -> float | None:
-    """``value`` as a positive float, None for None; a ValueError naming ``name`` and ``what`` otherwise."""
+def _positive(value: Any, name: str, what: str, example: str, also: str = "") -> float | None:
+    """``value`` as a positive float, None for None; a ValueError naming ``name`` and ``what`` otherwise
+    (``also``: another value the argument takes, said in the error)."""
     if value is None:
         return None
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not number or not 0 < value < float("inf"):
         raise ValueError(
-            f"{name} must be {what}, a positive number (e.g. {example}), or None to look the device up; "
-            f"got {value!r}"
+            f"{name} must be {what}, a positive number (e.g. {example}){also}, or None to look the device "
+            f"up; got {value!r}"
         )
     return float(value)
 
 
-def _from_env(variable: str, check: Callable[[Any, str], float | None]) -> float | None:
+def _from_env(variable: str, check: Callable[[Any, str], _Value]) -> _Value | None:
     """The number an environment variable sets, checked as its argument is (None when unset)."""
     raw = os.environ.get(variable, "").strip()
     if not raw:
@@ -120,18 +131,22 @@ def _from_env(variable: str, check: Callable[[Any, str], float | None]) -> float
     return check(value, variable)
 
 
-def check_peak_flops(value: Any, name: str = "peak_flops") -> float | None:
-    """``value`` as a positive float, None for None; ValueError naming ``name`` otherwise.
+def check_peak_flops(value: Any, name: str = "peak_flops") -> float | Literal["measure"] | None:
+    """``value`` as a positive float, ``"measure"`` as it is, None for None; ValueError naming ``name``
+    otherwise.
 
     Args:
-        value: the user's peak FLOPS.
+        value: the user's peak FLOPS, or ``"measure"``.
         name: the argument's name, as the error says it.
     """
-    return _positive(value, name, "the dense peak FLOPS of one device", "989e12")
+    if value == MEASURE:
+        return "measure"
+    also = f", {MEASURE!r} to measure the device's dense matmul rate"
+    return _positive(value, name, "the dense peak FLOPS of one device", "989e12", also)
 
 
-def peak_from_env() -> float | None:
-    """The peak set by ``FLOPS_CALLBACKS_PEAK_FLOPS`` (FLOPS per device, e.g. ``989e12``), if any."""
+def peak_from_env() -> float | Literal["measure"] | None:
+    """The peak set by ``FLOPS_CALLBACKS_PEAK_FLOPS`` (FLOPS per device, e.g. ``989e12``, or ``measure``)."""
     return _from_env(ENV_VAR, check_peak_flops)
 
 
@@ -140,16 +155,43 @@ class Peak:
     """The peak FLOPS of one device that MFU is computed against, and where it came from."""
 
     flops: float
-    source: str  # "peak_flops argument", the environment variable, or "<chip> <dtype> dense, <datasheet>"
+    # "peak_flops argument", the environment variable, "<chip> <dtype> dense, <datasheet>", or
+    # "measured: <dtype> dense matmul ..."
+    source: str
+
+    @property
+    def kind(self) -> str:
+        """Where the figure came from, in a word: ``measured``, ``given`` (the argument or the environment
+        variable) or ``datasheet`` (the peak table)."""
+        if self.source.startswith(MEASURED):
+            return "measured"
+        return "given" if self.source.endswith(("argument", "environment variable")) else "datasheet"
 
 
-def given_peak(peak_flops: float | None) -> Peak | None:
-    """The user's peak: the argument, else the environment variable (both validated already).
+@dataclass(frozen=True)
+class PeakToMeasure(Peak):
+    """A peak asked to be measured at the window's end, on the model's device in its compute dtype (no
+    figure until :func:`resolve_peak` measures it); ``source``: what asked."""
+
+    flops: float = math.nan
+    source: str = f"peak_flops={MEASURE!r}"
+
+
+def given_peak(peak_flops: float | str | None) -> Peak | None:
+    """The user's peak: the argument, else the environment variable (both validated already); a
+    :class:`PeakToMeasure` where the one that applies says ``measure``.
 
     Args:
-        peak_flops: the ``peak_flops=`` argument, or None.
+        peak_flops: the ``peak_flops=`` argument: a number, ``"measure"`` or None.
     """
-    return _given(peak_flops, "peak_flops", peak_from_env, ENV_VAR, Peak)
+    value: float | str | None
+    if peak_flops is not None:
+        value, source, asked = peak_flops, "peak_flops argument", f"peak_flops={MEASURE!r}"
+    else:
+        value, source, asked = peak_from_env(), f"{ENV_VAR} environment variable", f"{ENV_VAR}={MEASURE}"
+    if value is None:
+        return None
+    return PeakToMeasure(source=asked) if value == MEASURE else Peak(float(value), source)
 
 
 def device_name(device: torch.device) -> str | None:
@@ -198,7 +240,9 @@ def resolve_peak(given: Peak | None, device: torch.device, dtype: str | None) ->
         device: the device the model runs on.
         dtype: the compute dtype, or None when unknown.
     """
-    how = f"pass peak_flops= or set {ENV_VAR}"
+    if isinstance(given, PeakToMeasure):
+        return measure_peak(device, dtype, given.source)
+    how = f"pass peak_flops= (a number, or {MEASURE!r}) or set {ENV_VAR}"
     name, why = _name_or_why(device, "peak FLOPS", how)
     if given is not None or name is None:
         return given, "" if given is not None else why
@@ -206,6 +250,32 @@ def resolve_peak(given: Peak | None, device: torch.device, dtype: str | None) ->
         return None, f"unknown compute dtype on {name!r}: {how}"
     peak, why = table_peak(name, dtype)
     return peak, f"{why}: {how}" if peak is None else ""
+
+
+def measure_peak(device: torch.device, dtype: str | None, asked_by: str) -> tuple[Peak | None, str]:
+    """The device's dense matmul rate in ``dtype``, measured (once per process, device and dtype, in at
+    most 2 s: ``peak_measure.py``), as a peak whose source says "measured"; or None and why not.
+
+    Args:
+        device: the device the model runs on.
+        dtype: the compute dtype, or None when unknown.
+        asked_by: what asked for the measure (the argument or the environment variable).
+    """
+    how = f"pass peak_flops= a number instead of {MEASURE!r}"
+    if device.type == "meta":
+        return None, f"no matmul to measure on a meta device ({asked_by}): {how}"
+    if dtype is None:
+        return None, f"unknown compute dtype, no matmul to measure ({asked_by}): {how}"
+    try:
+        found = measured_matmul(device, dtype)
+    except (ValueError, RuntimeError) as error:  # fp8, a dtype the device lacks, out of memory
+        return None, f"could not measure a {dtype} matmul on {device} ({error}; {asked_by}): {how}"
+    on = device_name(device) or device.type
+    source = (
+        f"{MEASURED}{dtype} dense matmul {found.size}x{found.size} on {on}, best of {found.trials} "
+        f"in {found.seconds:.1f} s, {asked_by}"
+    )
+    return Peak(found.flops, source), ""
 
 
 @dataclass(frozen=True)

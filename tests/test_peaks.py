@@ -166,7 +166,8 @@ def test_no_peak_on_cpu_unless_given() -> None:
     cpu = torch.device("cpu")
     peak, why = resolve_peak(None, cpu, FP32)
     assert peak is None
-    assert why == f"no peak FLOPS for a cpu device: pass peak_flops= or set {ENV_VAR}"
+    how = f"pass peak_flops= (a number, or 'measure') or set {ENV_VAR}"
+    assert why == f"no peak FLOPS for a cpu device: {how}"
     given = Peak(5e12, "peak_flops argument")
     assert resolve_peak(given, cpu, FP32) == (given, "")
     assert check_peak_flops(None) is None

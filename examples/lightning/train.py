@@ -1,7 +1,8 @@
 """A small GPT trained with Lightning on synthetic tokens, profiled at step 10 by FlopsProfilerCallback.
 
-    python examples/lightning/train.py                       # CPU, under a minute
+    python examples/lightning/train.py                       # CPU, under a minute; MFU of the measured peak
     python examples/lightning/train.py --report full         # DeepSpeed's layout on the console
+    python examples/lightning/train.py --max-steps 40 --clean-steps 20   # a steadier profile, for a gate
     python examples/lightning/train.py --accelerator gpu --devices 2 --strategy ddp --precision bf16-mixed
     tensorboard --logdir runs/lightning                      # the flops_profiler/* scalars
 
@@ -109,14 +110,28 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per device and micro-batch")
     parser.add_argument("--default-root-dir", default="runs/lightning")
     parser.add_argument("--report", default="summary", choices=["summary", "full"], help="console report")
+    parser.add_argument(
+        "--clean-steps", default="auto", help="steps timed clean: 'auto' (3 to 20) or a number"
+    )
+    parser.add_argument(
+        "--peak-flops", default=None,
+        help="MFU's peak per device: a number, 'measure' (the device's matmul rate, measured; the default "
+        "on cpu) or 'datasheet' (the peak table's; the default elsewhere)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     L.seed_everything(0, verbose=False)
     devices = args.devices if args.devices == "auto" else int(args.devices)
     sequences = args.batch_size * args.accumulate_grad_batches * (args.max_steps + 1)
     data = torch.utils.data.DataLoader(SyntheticTokens(sequences), batch_size=args.batch_size, shuffle=True)
+    peak = args.peak_flops or ("measure" if args.accelerator == "cpu" else "datasheet")
     profiler = FlopsProfilerCallback(
-        profile_step=args.profile_step, top_modules=3, tokens_fn=count_tokens, report=args.report
+        profile_step=args.profile_step,
+        clean_steps=args.clean_steps if args.clean_steps == "auto" else int(args.clean_steps),
+        top_modules=3,
+        tokens_fn=count_tokens,
+        report=args.report,
+        peak_flops=None if peak == "datasheet" else "measure" if peak == "measure" else float(peak),
     )
     trainer = L.Trainer(
         accelerator=args.accelerator,

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -101,7 +101,7 @@ def profile_decode_loop(
     *,
     warm_up: int = 1,
     runs: int = 3,
-    peak_flops: float | None = None,
+    peak_flops: float | Literal["measure"] | None = None,
     peak_bandwidth: float | None = None,
     batch_size: int | None = None,
     prompt_tokens: int | None = None,
@@ -127,8 +127,9 @@ def profile_decode_loop(
     end of its block), a module-timing run and the counting run. ``batch_size`` (sequences) gives tokens
     per second; ``prompt_tokens`` (per sequence) and ``padding_tokens`` (all sequences) are shown in the
     report.
-    ``peak_flops`` / ``peak_bandwidth`` (per device; else the peak table's or the environment's) give MFU
-    and MBU. What ``loop`` raises passes through, with the model as it was.
+    ``peak_flops`` (a number, or ``"measure"``: the device's matmul rate, measured) and ``peak_bandwidth``
+    (per device; else the peak table's or the environment's) give MFU and MBU. What ``loop`` raises
+    passes through, with the model as it was.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -238,7 +239,7 @@ def profile_generation(
     *,
     warm_up: int = 1,
     runs: int = 3,
-    peak_flops: float | None = None,
+    peak_flops: float | Literal["measure"] | None = None,
     peak_bandwidth: float | None = None,
     causal_attention: CausalAttention = "full",
     **generate_kwargs: Any,

@@ -135,7 +135,7 @@ class SessionCallback:
         tokens_fn: Callable[[Any], int | None] | None = Options.tokens_fn,
         causal_attention: CausalAttention = Options.causal_attention,
         throughput: bool = Options.throughput,
-        peak_flops: float | None = Options.peak_flops,
+        peak_flops: float | Literal["measure"] | None = Options.peak_flops,
         peak_bandwidth: float | None = Options.peak_bandwidth,
         flops_audit: int | Literal["auto"] = Options.flops_audit,
         profile_every: int | None = Options.profile_every,

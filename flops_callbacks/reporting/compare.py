@@ -1,14 +1,15 @@
 """Two saved profiles compared: the headline figures with their ranges, the modules by their own time,
-and the gate's rules. Pure functions of :class:`~flops_callbacks.reporting.profile_file.SavedProfile`;
-the command line (:mod:`~flops_callbacks.cli`) prints and draws what they return.
+and the gate's rules. Pure functions of a saved profile (``reporting.profile_file.SavedProfile``); the
+command line (``flops_callbacks.cli``) prints and draws what they return.
 
-What counts as noise, in one place (:func:`is_noise`): a latency's range is its min .. max over the
-clean steps (the JSON's ``spread``); a rate's is the same steps' range turned into a rate (the rate
-if every step had taken the fastest or the slowest step's time); a count (flops, bytes, params) is
-exact and has none. A change is noise when it lies inside both runs' ranges: each run's median falls
-within the other's range. A module's own time has no range of its own (its latency is the median of
-the module-timing steps), so its change is noise when it is within the phases' wobble in both runs:
-the range of fwd latency plus that of bwd latency.
+What counts as noise, in one place (:func:`is_noise`): a latency's range is what its clean steps spread
+over, their fastest and slowest tenth left out (:data:`TRIM`: a step a neighbour's job stalled is not the
+configuration's spread; under 10 steps, min .. max); a rate's is the same steps' range turned into a rate
+(the rate if every step had taken the fastest or the slowest step's time); a count (flops, bytes, params)
+is exact and has none. A change is noise when the new run's figure lies within the base run's range: the
+base run's own steps spread that far with nothing changed. A module's own time has no range of its own
+(its latency is the median of the module-timing steps), so its change is noise when it is within the
+base run's phase wobble: the range of its fwd latency plus that of its bwd latency.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ __all__ = [
     "figures",
     "gate",
     "is_noise",
+    "judge",
     "module_changes",
     "own_seconds",
     "percent_text",
     "range_text",
     "short",
+    "spread_range",
     "work_note",
 ]
 
@@ -60,6 +63,7 @@ _RANGE_OF: dict[str, tuple[str, bool]] = {
 }
 # the figures in the report's order; any other metric of a file follows them
 ORDER = (*names.ALL, *names.PADDING, *names.WITH_PEAK)
+TRIM = 0.1  # of a figure's clean steps, the fastest and the slowest tenth are left out of its range
 
 
 def short(name: str) -> str:
@@ -81,36 +85,57 @@ class Figure:
     high: float
 
 
+def spread_range(values: list[float]) -> tuple[float, float]:
+    """What ``values`` (one latency over the clean steps) spread over: their lowest and highest once the
+    fastest and slowest :data:`TRIM` of them are left out (all of them under 10).
+
+    Args:
+        values: the latency of each clean step, seconds.
+    """
+    ranked = sorted(values)
+    cut = int(len(ranked) * TRIM)
+    return ranked[cut], ranked[-1 - cut]
+
+
+def _ranges(saved: SavedProfile) -> dict[str, tuple[float, float, float]]:
+    """Each latency of the clean steps (the JSON's ``spread`` keys): its median and its range."""
+    clean = saved.result.figures()
+    return {
+        key: (s.median, *spread_range([step.latency(key) for step in clean.steps]))
+        for key, s in clean.spreads.items()
+    }
+
+
 def figures(saved: SavedProfile) -> dict[str, Figure]:
     """Every metric of ``saved`` with its range, by name without the prefix, in the report's order.
 
     Args:
         saved: the saved profile to read.
     """
-    spreads = saved.result.figures().spreads
+    ranges = _ranges(saved)
     ordered = [n for n in ORDER if n in saved.metrics] + [n for n in saved.metrics if n not in ORDER]
     found = {}
     for name in ordered:
         value = saved.metrics[name]
         low = high = value
-        if name in _RANGE_OF and _RANGE_OF[name][0] in spreads:
-            s = spreads[_RANGE_OF[name][0]]
+        if name in _RANGE_OF and _RANGE_OF[name][0] in ranges:
+            median, fastest, slowest = ranges[_RANGE_OF[name][0]]
             if not _RANGE_OF[name][1]:
-                low, high = s.low, s.high
-            elif s.low > 0 and s.high > 0:  # a rate: fastest step -> highest rate
-                low, high = value * s.median / s.high, value * s.median / s.low
+                low, high = fastest, slowest
+            elif fastest > 0 and slowest > 0:  # a rate: fastest step -> highest rate
+                low, high = value * median / slowest, value * median / fastest
         found[short(name)] = Figure(short(name), value, min(low, value), max(high, value))
     return found
 
 
 def is_noise(a: Figure, b: Figure) -> bool:
-    """Whether the change from ``a`` to ``b`` lies inside both runs' ranges.
+    """Whether ``b`` lies within ``a``'s range: the base run's own clean steps spread that far.
 
     Args:
-        a: the figure in the first run.
-        b: the same figure in the second run.
+        a: the figure in the base run.
+        b: the same figure in the new run.
     """
-    return a.low <= b.value <= a.high and b.low <= a.value <= b.high
+    return a.low <= b.value <= a.high
 
 
 def _relative(a: float, b: float) -> float:
@@ -228,8 +253,14 @@ def _own(profile: Profile) -> dict[str, tuple[str, float, int, int]]:
 
 
 def _wobble(saved: SavedProfile) -> float:
-    spreads = saved.result.figures().spreads
-    return sum(spreads[p].high - spreads[p].low for p in ("fwd", "bwd") if p in spreads)
+    """The run's fwd latency range plus its bwd latency range: how far a module's own time moves with
+    nothing changed.
+
+    Args:
+        saved: the run (the base) whose clean steps are read.
+    """
+    ranges = _ranges(saved)
+    return sum(ranges[p][2] - ranges[p][1] for p in ("fwd", "bwd") if p in ranges)
 
 
 def module_changes(a: SavedProfile, b: SavedProfile) -> list[ModuleChange]:
@@ -241,7 +272,7 @@ def module_changes(a: SavedProfile, b: SavedProfile) -> list[ModuleChange]:
         b: the second run.
     """
     own_a, own_b = _own(a.result.profile), _own(b.result.profile)
-    wobble = min(_wobble(a), _wobble(b))
+    noise = _wobble(a)
     found = []
     for name in [*own_b, *(n for n in own_a if n not in own_b)]:
         ea, eb = own_a.get(name), own_b.get(name)
@@ -253,7 +284,7 @@ def module_changes(a: SavedProfile, b: SavedProfile) -> list[ModuleChange]:
         same_work = flops[0] == flops[1] and moved[0] == moved[1]
         delta = abs((seconds[1] or 0.0) - (seconds[0] or 0.0))
         class_name = (eb or ea or ("", 0.0, 0, 0))[0]
-        found.append(ModuleChange(name, class_name, seconds, flops, moved, same_work and delta <= wobble))
+        found.append(ModuleChange(name, class_name, seconds, flops, moved, same_work and delta <= noise))
     return sorted(found, key=ModuleChange.sort_key, reverse=True)
 
 
@@ -265,7 +296,7 @@ _RULE = re.compile(r"^([A-Za-z0-9_/]+):([+-])(\d+(?:\.\d*)?|\.\d+)%$")
 @dataclass(frozen=True)
 class Rule:
     """``figure:+N%`` fails when the figure grows by more than N percent, ``figure:-N%`` when it falls
-    by more (and, either way, by more than the runs' noise)."""
+    by more; either way only when it also lies beyond the base run's range (:func:`is_noise`)."""
 
     figure: str  # without the prefix
     limit: float  # signed fraction: +0.10, -0.05
@@ -303,6 +334,10 @@ class Check:
 def gate(base: SavedProfile, new: SavedProfile, rules: list[Rule]) -> list[Check]:
     """Each rule applied to ``new`` against ``base``; ValueError naming a figure a file does not have.
 
+    A rule fails when the new run's figure is worse than the base's by more than the rule's limit and
+    lies beyond the base run's range on the worse side (above its slowest clean step for a latency,
+    below its slowest step's rate for a rate): both, or it passes.
+
     Args:
         base: the run compared against.
         new: the run the rules judge.
@@ -317,23 +352,31 @@ def gate(base: SavedProfile, new: SavedProfile, rules: list[Rule]) -> list[Check
                 raise ValueError(
                     f"--fail-on {rule}: {saved.source} has no figure {rule.figure!r} (it has: {known})"
                 )
-        change = Change(fa[rule.figure], fb[rule.figure])
-        sign = 1 if rule.limit >= 0 else -1
-        worse_by = sign * change.relative  # > 0: moved the way the rule calls worse
-        over = worse_by > abs(rule.limit)
-        failed = over and not change.noise
-        moved = f"{figure_text(change.a)} -> {figure_text(change.b)} ({percent_text(change.relative)})"
-        if failed:
-            ranges = f"A {range_text(change.a)}, B {range_text(change.b)}"
-            reason = (
-                f"{rule.figure} got worse: {moved}, beyond {rule} and outside both runs' ranges ({ranges})"
-            )
-        elif over:
-            reason = f"{rule.figure}: {moved}, beyond {rule} but inside both runs' ranges (noise)"
-        else:
-            reason = f"{rule.figure}: {moved}, within {rule}"
-        checks.append(Check(rule, change, failed, reason))
+        checks.append(judge(rule, Change(fa[rule.figure], fb[rule.figure])))
     return checks
+
+
+def judge(rule: Rule, change: Change) -> Check:
+    """One rule on one change: failed when worse beyond the limit and beyond the base run's range.
+
+    Args:
+        rule: the rule.
+        change: the rule's figure from the base run (``a``) to the new run (``b``).
+    """
+    a, b = change.a, change.b
+    grows = rule.limit >= 0  # the rule calls a rise worse
+    over = (1 if grows else -1) * change.relative > abs(rule.limit)
+    beyond = b.value > a.high if grows else b.value < a.low
+    moved = f"{figure_text(a)} -> {figure_text(b)} ({percent_text(change.relative)})"
+    side = "above" if grows else "below"
+    base_range = f"the base run's range over its clean steps (A {range_text(a)})"
+    if over and beyond:
+        reason = f"{rule.figure} got worse: {moved}, beyond {rule} and {side} {base_range}"
+    elif over:
+        reason = f"{rule.figure}: {moved}, beyond {rule} but within {base_range}: noise"
+    else:
+        reason = f"{rule.figure}: {moved}, within {rule}"
+    return Check(rule, change, over and beyond, reason)
 
 
 # --- how figures read: the report's number formats --------------------------------------------------
@@ -366,7 +409,7 @@ def figure_text(f: Figure, value: float | None = None) -> str:
 
 
 def range_text(f: Figure) -> str:
-    """The figure's range over the clean steps, ``low .. high``.
+    """The figure's range over the clean steps (:func:`spread_range`), ``low .. high``.
 
     Args:
         f: the figure.

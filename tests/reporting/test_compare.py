@@ -1,0 +1,80 @@
+"""The gate's rule on figures worked out by hand: a figure fails only when the new run is worse than the
+base by more than the limit and beyond the base run's own range over its clean steps; the message says
+which of the two held."""
+
+from __future__ import annotations
+
+import pytest
+
+from flops_callbacks.reporting.compare import Change, Figure, Rule, is_noise, judge, spread_range
+
+MS = 1e-3
+
+
+def latency(value: float, low: float, high: float) -> Figure:
+    return Figure("fwd_latency", value * MS, low * MS, high * MS)
+
+
+def test_a_median_inside_the_base_runs_range_is_noise_whatever_the_new_runs_own_range() -> None:
+    # the runs of the report that asked for this rule: B's median inside A's range, A's outside B's
+    a, b = latency(1.12, 0.72833, 1.33), latency(1.30, 1.17, 1.46)
+    assert is_noise(a, b) and not is_noise(b, a)
+    check = judge(Rule.parse("fwd_latency:+10%"), Change(a, b))
+    assert not check.failed
+    assert check.reason == (
+        "fwd_latency: 1.12 ms -> 1.3 ms (+16.1%), beyond fwd_latency:+10% but within the base run's "
+        "range over its clean steps (A 728.33 us .. 1.33 ms): noise"
+    )
+
+
+def test_a_median_above_the_base_runs_slowest_step_and_beyond_the_limit_fails() -> None:
+    a, b = latency(1.12, 0.72833, 1.33), latency(1.40, 1.35, 1.46)
+    check = judge(Rule.parse("fwd_latency:+10%"), Change(a, b))
+    assert check.failed
+    assert check.reason == (
+        "fwd_latency got worse: 1.12 ms -> 1.4 ms (+25.0%), beyond fwd_latency:+10% and above the base "
+        "run's range over its clean steps (A 728.33 us .. 1.33 ms)"
+    )
+
+
+def test_beyond_the_range_but_within_the_limit_passes() -> None:
+    # a steady base (1.00 .. 1.02 ms): 1.05 ms is beyond its range, but only +5%
+    a, b = latency(1.01, 1.00, 1.02), latency(1.05, 1.04, 1.06)
+    check = judge(Rule.parse("fwd_latency:+10%"), Change(a, b))
+    assert not check.failed
+    assert check.reason == "fwd_latency: 1.01 ms -> 1.05 ms (+4.0%), within fwd_latency:+10%"
+
+
+def test_a_rate_fails_when_it_falls_below_the_base_runs_slowest_steps_rate() -> None:
+    a = Figure("samples_per_sec", 100.0, 90.0, 110.0)
+    inside, below = Figure("samples_per_sec", 91.0, 85.0, 95.0), Figure("samples_per_sec", 80.0, 78.0, 82.0)
+    rule = Rule.parse("samples_per_sec:-5%")
+    assert not judge(rule, Change(a, inside)).failed  # -9%, but a step of A was as slow
+    failed = judge(rule, Change(a, below))
+    assert failed.failed
+    assert failed.reason == (
+        "samples_per_sec got worse: 100.00 -> 80.00 (-20.0%), beyond samples_per_sec:-5% and below the "
+        "base run's range over its clean steps (A 90.00 .. 110.00)"
+    )
+    # a rise is better for a -N% rule, however far it goes
+    assert not judge(rule, Change(a, Figure("samples_per_sec", 150.0, 140.0, 160.0))).failed
+
+
+def test_an_exact_count_has_no_range_so_any_growth_beyond_the_limit_fails() -> None:
+    a, b = Figure("fwd_flops", 1000.0, 1000.0, 1000.0), Figure("fwd_flops", 1001.0, 1001.0, 1001.0)
+    check = judge(Rule.parse("fwd_flops:+0%"), Change(a, b))
+    assert check.failed and check.reason.startswith("fwd_flops got worse: 1 K -> 1 K (+0.1%)")
+    assert not judge(Rule.parse("fwd_flops:+0%"), Change(a, a)).failed
+
+
+@pytest.mark.parametrize("text", ["fwd_latency:+10%", "mfu:-5%", "iter_latency:+0.5%"])
+def test_a_rule_reads_back_as_written(text: str) -> None:
+    assert str(Rule.parse(text)) == text
+
+
+def test_a_range_leaves_out_the_fastest_and_slowest_tenth_of_ten_steps_or_more() -> None:
+    # 20 steps: the 3rd fastest .. the 3rd slowest; one stalled step (95 ms) does not widen it
+    twenty = [50.0 + i for i in range(19)] + [95.0]
+    assert spread_range(twenty) == (52.0, 67.0)
+    assert spread_range([5.0, 1.0, 3.0, 2.0, 4.0]) == (1.0, 5.0)  # under 10 steps: all of them
+    assert spread_range([float(v) for v in range(10)]) == (1.0, 8.0)

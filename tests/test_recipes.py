@@ -1,0 +1,80 @@
+"""The docs' recipes run as written on a CPU: the gate recipe of ``docs/comparing-runs.md`` (two runs of
+the demo, then ``flops-callbacks gate``) exits 0, and its gate exits 1 on a run of the demo made slower
+(its forward waits half a step more; ``benchmarks/gate_noise.py`` measures 20%); the demo's MFU on a CPU
+is against a measured peak, said as measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_benchmarks import benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = Path("gpt") / "version_0" / "flops_profile_step10.json"
+
+
+def recipe(page: str, heading: str) -> str:
+    """The first ``bash`` block under ``heading`` of a docs page."""
+    text = (ROOT / "docs" / page).read_text()
+    section = text[text.index(heading) :]
+    found = re.search(r"```bash\n(.*?)```", section, re.DOTALL)
+    assert found is not None, (page, heading)
+    return found[1]
+
+
+def shell(script: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``script`` in bash, from ``cwd`` (made, with the repository's ``examples/`` in it), with this
+    Python as ``python`` and this checkout's command line as ``flops-callbacks`` first on the PATH (what
+    the console script runs, ``tests/test_cli.py`` checks; an installed one may be another checkout's)."""
+    cwd.mkdir(parents=True)
+    (cwd / "examples").symlink_to(ROOT / "examples")
+    bin_dir = cwd / "bin"
+    bin_dir.mkdir()
+    for name, runs in (("python", ""), ("flops-callbacks", " -m flops_callbacks")):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{runs} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "PATH": path, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        ["bash", "-e", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_the_gate_recipe_passes_two_runs_of_the_demo_and_fails_one_made_slower(tmp_path: Path) -> None:
+    """Real runs on a machine others may share: a gate the load made fail (exit 1) is tried once more,
+    as is a slowed run the load hid; any other outcome counts at once."""
+    script = recipe("comparing-runs.md", "## A gate in CI")
+    assert "python examples/lightning/train.py" in script and "flops-callbacks gate" in script
+    for attempt in range(2):
+        runs = tmp_path / f"recipe{attempt}"
+        done = shell(script, runs)
+        if done.returncode != 1:
+            break
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1].startswith("ok: iter_latency: ")
+    # the demo on a CPU: MFU against the measured peak, said so beside it in the report
+    base = json.loads((runs / "base" / PROFILE).read_text())
+    assert base["peak"]["source"].startswith("measured: fp32 dense matmul ")
+    assert base["metrics"]["flops_profiler/mfu"] > 0
+    assert re.search(r"^MFU / HFU +MFU \d+\.\d\d%, HFU \d+\.\d\d% of .* measured$", done.stdout, re.MULTILINE)
+    report = (runs / "base" / PROFILE).with_suffix(".txt").read_text()
+    assert re.search(r"peak FLOPS per device \(measured: fp32 dense matmul .*\n.*MFU = ", report)
+    # the same gate on a run whose forward waits half the base's median step more
+    gate_noise = benchmark("gate_noise")
+    rules = [part for rule in re.findall(r"--fail-on (\S+)", script) for part in ("--fail-on", rule)]
+    assert rules == gate_noise.RULES  # the benchmark measures the recipe's rules
+    run = next(line for line in script.splitlines() if line.startswith("python examples/lightning/train.py"))
+    arguments = run.split()[2:]
+    arguments = arguments[: arguments.index("--default-root-dir")]
+    wait = 0.5 * base["spread"]["iter"]["median"]
+    for attempt in range(2):
+        slower = gate_noise.run_demo(runs / f"slower{attempt}", arguments, threads=1, sleep=wait)
+        code, line = gate_noise.gate(runs / "base" / PROFILE, slower, rules)
+        if code == 1:
+            break
+    assert code == 1 and line.startswith("FAIL: iter_latency got worse: "), line
