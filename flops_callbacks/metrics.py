@@ -74,6 +74,7 @@ __all__ = [
     "THROUGHPUT_FLOPS_PER_SEC",
     "THROUGHPUT_MFU",
     "THROUGHPUT_PREFIX",
+    "THROUGHPUT_PROFILER_SECONDS",
     "THROUGHPUT_SAMPLES_PER_SEC",
     "THROUGHPUT_TOKENS_PER_SEC",
     "TIME_TO_FIRST_TOKEN",
@@ -92,9 +93,9 @@ PICTURE = PREFIX + "profile"  # the profile picture as HTML media (W&B), at the 
 
 FWD_FLOPS = PREFIX + "fwd_flops"  # forward flops, measured
 BWD_FLOPS = PREFIX + "bwd_flops"  # backward flops, measured (not 2 x fwd)
-RECOMPUTE_FLOPS = PREFIX + "recompute_flops"  # forwards re-run by activation checkpointing
+RECOMPUTE_FLOPS = PREFIX + "recompute_flops"  # forward work redone in the backward: checkpointing, attention
 FWD_MACS = PREFIX + "fwd_macs"  # forward multiply-accumulates (matmul, conv, attention)
-# bytes the forward's ops read and write (flops_callbacks.counting.bytes_moved)
+# bytes the forward's ops read and write (each op's inputs and outputs)
 FWD_BYTES = PREFIX + "fwd_bytes"
 BWD_BYTES = PREFIX + "bwd_bytes"  # bytes the backward's ops read and write (recompute apart)
 # saved for the backward, params excluded, per micro-batch (the step's over its micro-batches)
@@ -104,7 +105,7 @@ FWD_LATENCY = PREFIX + "fwd_latency"  # seconds in the forward phase(s): median 
 BWD_LATENCY = PREFIX + "bwd_latency"  # seconds in the backward phase(s)
 STEP_LATENCY = PREFIX + "step_latency"  # seconds in the optimizer step
 ITER_LATENCY = PREFIX + "iter_latency"  # fwd + bwd + step latency
-CLEAN_STEPS = PREFIX + "clean_steps"  # clean steps the latencies rest on (0: a cut window's, inflated)
+CLEAN_STEPS = PREFIX + "clean_steps"  # clean steps the latencies rest on (0: none ran, latencies inflated)
 # Achieved FLOPS: the median clean step's flops over the median latency (the printed report's rates are
 # these: flops_callbacks.session.result.phase_rates). Model flops (fwd + bwd) unless named hardware.
 FWD_FLOPS_PER_SEC = PREFIX + "fwd_flops_per_sec"  # fwd flops / fwd latency
@@ -140,10 +141,19 @@ THROUGHPUT_SAMPLES_PER_SEC = THROUGHPUT_PREFIX + "samples_per_sec"  # all data-p
 THROUGHPUT_TOKENS_PER_SEC = THROUGHPUT_PREFIX + "tokens_per_sec"  # all replicas, when tokens are known
 THROUGHPUT_FLOPS_PER_SEC = THROUGHPUT_PREFIX + "flops_per_sec"  # model flops (fwd + bwd) per device per sec
 THROUGHPUT_MFU = THROUGHPUT_PREFIX + "mfu"  # flops_per_sec / peak FLOPS, when a peak is known
+# seconds the profiler's own counting took in the interval (new shapes and sequence lengths, counted off the
+# clock: not in the rates above), the slowest rank's
+THROUGHPUT_PROFILER_SECONDS = THROUGHPUT_PREFIX + "profiler_seconds"
 
 WALL = (WALL_LATENCY, DATA_LATENCY, WALL_SAMPLES_PER_SEC, WALL_TOKENS_PER_SEC)  # with a step before
 PADDING = (PADDING_FRACTION, REAL_TOKENS_PER_SEC)  # when the batches have an attention_mask
-THROUGHPUT = (THROUGHPUT_SAMPLES_PER_SEC, THROUGHPUT_TOKENS_PER_SEC, THROUGHPUT_FLOPS_PER_SEC, THROUGHPUT_MFU)
+THROUGHPUT = (
+    THROUGHPUT_SAMPLES_PER_SEC,
+    THROUGHPUT_TOKENS_PER_SEC,
+    THROUGHPUT_FLOPS_PER_SEC,
+    THROUGHPUT_MFU,
+    THROUGHPUT_PROFILER_SECONDS,
+)
 WITH_PEAK = (MFU, HFU)  # at the window's end, only when a peak is known
 COMM = (COMM_LATENCY, EXPOSED_COMM_LATENCY, COMM_OVERLAP, IDLE_LATENCY)  # when communication steps ran
 

@@ -85,8 +85,7 @@ class CountingEngine:
         fake: bool = False,
     ) -> None:
         self.model = model
-        # ``fake``: the step runs on fake tensors (:mod:`.fake_count`): their ops are the ones counted,
-        # and nothing is read of their (absent) storage
+        # ``fake``: the step runs on fake tensors (:mod:`.fake_count`): their ops are the ones counted
         self.fake = fake
         self.causal_attention = causal_attention
         self.causal_half = causal_attention == "half"
@@ -152,8 +151,7 @@ class CountingEngine:
             stack.close()
             raise
         self._exit = stack
-        if not self.fake:
-            self._saved.start(self.model)
+        self._saved.start(self.model)
         self._thread = threading.get_ident()
 
     def stop(self) -> None:
@@ -222,7 +220,7 @@ class CountingEngine:
             return
         recompute = bool(self._stack and self._stack[-1].recompute)
         recompute = recompute or _current_autograd_node() is not None
-        if not recompute and torch.is_grad_enabled() and not self.fake:  # a checkpoint holds its inputs
+        if not recompute and torch.is_grad_enabled():  # a checkpoint holds its inputs
             self._saved.enter(args, self._context_for(None))
         start = self.clock.mark()
         for ancestor in self._virtual_ancestors(name):
@@ -300,7 +298,7 @@ class CountingEngine:
         """Tag the autograd nodes this call created with its context, and count what a forward's nodes
         save for the backward (a recompute's and a backward's are freed in it)."""
         forward = _current_autograd_node() is None and not (self._stack and self._stack[-1].recompute)
-        self._tags.tag(out, ctx, self._saved.watch if forward and not self.fake else None)
+        self._tags.tag(out, ctx, self._saved.watch if forward else None)
 
     # --- ops: the hot path ---------------------------------------------------------------------------
 

@@ -26,10 +26,10 @@ from torch.utils._pytree import tree_map
 
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.options import CausalAttention
-from flops_callbacks.profile import Counts
+from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.timing.clock import NullClock, module_device
 
-__all__ = ["FakeCountUnavailable", "StepFunction", "fake_count", "sharded_reason"]
+__all__ = ["FakeCountUnavailable", "StepFunction", "fake_count", "fake_profile", "sharded_reason"]
 
 # runs one micro-batch's forward, loss and backward on ``model`` with ``args`` (the adapter's)
 StepFunction = Callable[[torch.nn.Module, Any], Any]
@@ -71,6 +71,28 @@ def fake_count(
     counting engine on (module doc); ``later``: a later micro-batch of its optimizer step (its gradients
     add to the ones before). Raises :class:`FakeCountUnavailable` with the reason when it cannot run; the
     model's parameters, gradients, modes and the random state are as before, on every exit path."""
+    return _fake_engine(model, step, [(args, later)], causal_attention).totals()[0]
+
+
+def fake_profile(
+    model: torch.nn.Module,
+    step: StepFunction,
+    calls: list[tuple[Any, bool]],
+    *,
+    causal_attention: CausalAttention = "full",
+) -> Profile:
+    """The profile (every module's counts) of a step's micro-batches, each ``(args, later)``, counted
+    under fake tensors as :func:`fake_count` counts one: a timed step's module tree, its batch's own."""
+    return _fake_engine(model, step, calls, causal_attention).profile()
+
+
+def _fake_engine(
+    model: torch.nn.Module,
+    step: StepFunction,
+    calls: list[tuple[Any, bool]],
+    causal_attention: CausalAttention,
+) -> CountingEngine:
+    """An engine that has seen ``step`` run on each call's arguments under fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
@@ -94,7 +116,10 @@ def fake_count(
     training = [(module, module.training) for module in model.modules()]
     try:
         state = {name: fake(tensor) for name, tensor in named}
-        batch = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, args)
+        batches = [
+            (tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, args), later)
+            for args, later in calls
+        ]
     except Exception as error:  # noqa: BLE001  (a tensor fake tensors cannot stand for)
         why = _first_line(error)
         raise FakeCountUnavailable(f"the batch or parameters cannot be faked ({why})") from None
@@ -105,14 +130,16 @@ def fake_count(
     try:
         # the batch's own ops run for real (the engine): one drawing random numbers draws from a fork
         with torch.random.fork_rng(devices), _reparametrize_module(model, state, tie_weights=True), mode:
-            if later:
-                for leaf in leaves:
-                    leaf.grad = torch.empty_like(leaf)  # as the micro-batches before left them
-            engine.start()
-            try:
-                step(model, batch)
-            finally:
-                engine.stop()
+            for batch, later in batches:
+                if later:
+                    for leaf in leaves:
+                        if leaf.grad is None:
+                            leaf.grad = torch.empty_like(leaf)  # as the micro-batches before left them
+                engine.start()
+                try:
+                    step(model, batch)
+                finally:
+                    engine.stop()
     except FakeCountUnavailable:
         raise
     except Exception as error:  # noqa: BLE001  (no fake kernel, data-dependent shapes, a real tensor read)
@@ -123,4 +150,4 @@ def fake_count(
     if engine.failure is not None:
         what, failed = engine.failure
         raise FakeCountUnavailable(f"{what}: {_first_line(failed)}")
-    return engine.totals()[0]
+    return engine

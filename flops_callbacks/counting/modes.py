@@ -2,8 +2,8 @@
 the functionals (named and tagged) and a ``TorchDispatchMode`` for the aten ops (counted).
 
 They decide which tensors' ops are counted at all: DTensor's ops are counted on their local shards, fake
-tensors' only in a fake count (:mod:`.fake_count`), where an op on the batch's real tensors alone runs
-for real, as on the real step.
+tensors' only in a fake count (:mod:`.fake_count`), where an op on the batch's real tensors alone (or a
+range, as position ids are made) runs for real, as on the real step.
 """
 
 from __future__ import annotations
@@ -45,14 +45,18 @@ class DispatchMode(TorchDispatchMode):
         fake = bool(types) and _is_subclass_of(types, "torch._subclasses.fake_tensor", "FakeTensor")
         if fake and not self.engine.fake:
             return func(*args, **(kwargs or {}))  # DTensor's shape propagation: runs nothing
-        if self.engine.fake and not fake and _real_inputs(args, kwargs):
+        if self.engine.fake and not fake and (_real_inputs(args, kwargs) or func.overloadpacket in _RANGES):
             # a fake count (:mod:`.fake_count`): an op on the batch's real tensors alone runs for real,
-            # as on the real step (a model's check of its mask's content takes the same branch)
+            # as on the real step (a model's check of its mask's content takes the same branch), and so
+            # does a range (the positions a model makes when the batch gives none: the same check)
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily():
                 return self.engine.run_op(func, args, kwargs or {})
         return self.engine.run_op(func, args, kwargs or {})
+
+
+_RANGES = (torch.ops.aten.arange,)  # factories a fake count runs for real: small, and read by models
 
 
 def _real_inputs(args: tuple, kwargs: dict | None) -> bool:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 if TYPE_CHECKING:
     from flops_callbacks.counting.recording import Site
@@ -36,6 +37,8 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     tensor = getattr(tensor, "_local_tensor", tensor)
     try:
         storage = tensor.untyped_storage()
+        if isinstance(tensor, FakeTensor):  # no memory behind it: the storage object stands for it
+            return storage._cdata, storage.nbytes()
         return storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):  # e.g. "an invalid python storage" (TP)
         return 0, 0

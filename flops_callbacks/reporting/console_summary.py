@@ -187,7 +187,7 @@ def _top_lines(result: WindowResult) -> list[str]:
 def _sources(result: WindowResult) -> str:
     s = result.steps
     modules = f"modules: {steps_named(s.module_timing)}" if s.module_timing else "modules: none timed"
-    counted = f"flops: step {s.counting}" + (" (an earlier window's)" if s.reused else "")
+    counted = f"flops: step {s.profiled}" + (" (an earlier window's)" if s.reused else "")
     return f"{counted}; {modules}; phases: {s.latency_source}, {steps_named(s.clean)}"
 
 
@@ -228,6 +228,18 @@ def _sizes(result: WindowResult) -> str:
     return text
 
 
+def _as_run(result: WindowResult) -> str:
+    """What the hardware's flops hold beyond the model's, on the median step: recompute, padding,
+    packed rows' attention across sequences."""
+    counts, layout = result.figures().median_step().work.counts, result.layout
+    held = ["recompute"] if counts.recompute_flops else []
+    if layout is not None and layout.padding > 0:
+        held.append("padding")
+    if layout is not None and layout.packed:
+        held.append("packed rows")
+    return ", ".join(held) or "the kernels' own work"
+
+
 def _model(result: WindowResult, metrics: dict[str, float]) -> str:
     profile = result.per_gpu_profile()
     dtype = result.compute_dtype or "dtype unknown"
@@ -261,12 +273,14 @@ def render_console_summary(result: WindowResult, doubts: TreeCheck, details: str
     split = _split(metrics)
     if names.MFU in metrics:
         mfu = f"MFU {100 * metrics[names.MFU]:.2f}%, HFU {100 * metrics[names.HFU]:.2f}%"
+        if result.peak is not None:  # which peak: a datasheet's, the user's, or measured here
+            mfu += f" of {flops_to_string(result.peak.flops)} {result.peak.kind}"
     else:
         mfu = f"n/a: {result.no_peak_reason}"
     hardware = metrics[names.HARDWARE_FLOPS_PER_SEC]
     flops = flops_to_string(metrics[names.FLOPS_PER_SEC])
     if hardware != metrics[names.FLOPS_PER_SEC]:
-        flops += f" (with recompute {flops_to_string(hardware)})"
+        flops += f" (hardware {flops_to_string(hardware)}: with {_as_run(result)})"
     head = [
         rule(TITLE, WIDTH),
         f"Profile Summary at step {result.step}"

@@ -24,7 +24,7 @@ from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
 from flops_callbacks.roofline import as_data
 from flops_callbacks.session.flops_sources import FlopsSources
-from flops_callbacks.session.result import WindowResult, WindowSteps
+from flops_callbacks.session.result import AfterWindow, BatchLayout, WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_steps import SUMS, CleanFigures, CleanStep, StepSeconds, StepWork
 from flops_callbacks.timing.hook_cost import HookCost
@@ -66,8 +66,12 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "step": result.step,
         "published_at_step": result.published_at,
-        # a one-process window has no communication steps: its file is as it was
-        "steps": {k: v for k, v in dataclasses.asdict(result.steps).items() if v or k != "communication"},
+        # a one-process window has no communication steps, a fixed-shape one profiles its counting step
+        "steps": {
+            k: v
+            for k, v in dataclasses.asdict(result.steps).items()
+            if v or k not in ("communication", "profile_step")
+        },
         "model_forward": result.model_forward,  # seconds; steps: steps.model_forward
         "model_forward_high": result.model_forward_high,  # the slowest of those steps'
         "hook_cost": None if result.hook_cost is None else dataclasses.asdict(result.hook_cost),
@@ -99,6 +103,11 @@ def json_data(result: WindowResult) -> dict[str, Any]:
             {"work": _work_json(step.work), "seconds": dict(zip(SUMS, step.seconds, strict=True))}
             for step in figures.steps
         ],
+        # the clean steps' token batches: rows, sequences (packing), real tokens and positions (padding), and
+        # why the model's work could not be told from the run's ("" where it was)
+        "batch_layout": None if result.layout is None else result.layout._asdict(),
+        # the profiler's own counting after the window (off the clock): how many times, its seconds
+        "after_window": result.after._asdict(),
         "extra_lines": result.extra_lines,  # the report rows the framework's adapter added
         "profile": profile_json(result),
     }
@@ -119,7 +128,7 @@ def _work_json(work: StepWork) -> dict[str, Any]:
 
 def _work(data: dict[str, Any]) -> StepWork:
     return StepWork(
-        BatchCounts(**data["counts"]), data["samples"], data["tokens"], data["real_tokens"],
+        BatchCounts.from_dict(data["counts"]), data["samples"], data["tokens"], data["real_tokens"],
         data["token_positions"],
     )  # fmt: skip
 
@@ -223,4 +232,6 @@ def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
         model_forward=data["model_forward"],
         model_forward_high=data["model_forward_high"],
         comm=None if data.get("communication") is None else comm_from_data(data["communication"]),
+        layout=None if data.get("batch_layout") is None else BatchLayout(**data["batch_layout"]),
+        after=AfterWindow(**data.get("after_window", {})),
     )

@@ -114,9 +114,11 @@ def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
         root = dataclasses.replace(p.model, bwd_flops=int(factor * p.fwd_flops), recompute_flops=0)
         counted = dataclasses.replace(p, modules={**p.modules, "": root})
     other = measured and run.step_counts is not None and run.step_counts != BatchCounts.of(p)
-    step = run.step_counts if other and run.step_counts is not None else counted
+    step = run.step_counts if other and run.step_counts is not None else BatchCounts.of(counted)
     rates = phase_rates(step, fwd_latency, bwd_latency, run.step_latency or 0.0)
     of = "clean step's " if other else ""  # the rates' flops: a clean step's (median), printed below
+    padded = step.model_flops != step.run_flops  # padding or packing: the model's work is less than run
+    model = "model " if padded else ""
     rows += [
         ("params per GPU", units.params_to_string(p.params)),
         ("params of model = params per GPU * mp_size", units.params_to_string(model_params)),
@@ -134,13 +136,22 @@ def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
                 ),
             )
         )
-    rows.append((f"fwd FLOPS per GPU = {of}fwd flops per GPU / fwd latency", _rate(rates.fwd, fwd_latency)))
+    if padded:
+        rows.append(
+            (
+                f"{of}model fwd / bwd flops per GPU (real tokens, each sequence alone)",
+                " / ".join(units.number_to_string(n) for n in (step.model_fwd_flops, step.model_bwd_flops)),
+            )
+        )
+    rows.append(
+        (f"fwd FLOPS per GPU = {of}{model}fwd flops per GPU / fwd latency", _rate(rates.fwd, fwd_latency))
+    )
     if not measured and run.bwd_latency is None:
         return rows  # no backward was profiled or timed: DeepSpeed prints none of its rows either
-    if measured:  # model flops: recompute apart (hardware FLOPS)
-        bwd_label = f"bwd FLOPS per GPU = {of}bwd flops per GPU / bwd latency"
-        both_label = f"fwd+bwd FLOPS per GPU = {of}fwd+bwd flops per GPU / (fwd+bwd latency)"
-        iter_label = f"FLOPS per GPU = {of}fwd+bwd flops per GPU / iter latency"
+    if measured:  # model flops: recompute and padding apart (hardware FLOPS)
+        bwd_label = f"bwd FLOPS per GPU = {of}{model}bwd flops per GPU / bwd latency"
+        both_label = f"fwd+bwd FLOPS per GPU = {of}{model}fwd+bwd flops per GPU / (fwd+bwd latency)"
+        iter_label = f"FLOPS per GPU = {of}{model}fwd+bwd flops per GPU / iter latency"
     else:  # DeepSpeed's estimate, in its words
         bwd_label = f"bwd FLOPS per GPU = {factor:g} * fwd flops per GPU / bwd latency"
         both_label = f"fwd+bwd FLOPS per GPU = {factor + 1:g} * fwd flops per GPU / (fwd+bwd latency)"
@@ -157,7 +168,7 @@ def _deepspeed_rows(p: Profile, run: EngineRows) -> list[tuple[str, object]]:
             ("iter latency", units.duration_to_string(iter_latency)),  # fwd + bwd + step (the notations)
             (iter_label, _rate(rates.iter, iter_latency)),
         ]
-        if measured and step.recompute_flops:  # else it is FLOPS per GPU (the metric is logged as always)
+        if measured and (step.recompute_flops or padded):  # else FLOPS per GPU (the metric is logged)
             rows.append(
                 (
                     f"hardware FLOPS per GPU = {of}fwd+bwd+recompute flops per GPU / iter latency",

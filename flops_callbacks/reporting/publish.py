@@ -49,6 +49,8 @@ def publish(
     sink: Sink,
     guard: Guard,
     skip: Collection[str] = (),
+    *,
+    files_only: bool = False,
 ) -> None:
     """On the logging rank: the report to the console (or ``output_file``), the report, JSON, picture
     and trace into ``log_dir``, and the metrics to the loggers.
@@ -56,8 +58,11 @@ def publish(
     Each output is the profiler's own work (``guard``): one that fails is said and the others still
     go out; the metrics are logged whatever failed. ``skip`` names destinations ("output_file",
     "log_dir") already said to be unwritable at the start of the run. The loggers are the user's:
-    their exceptions pass.
+    their exceptions pass. With ``files_only`` (the run's end, after the profiler counted off the clock
+    since the window), only the report and JSON files are written again.
     """
+    if files_only:
+        return _rewrite(result, options, log_dir, guard, skip)
     metrics = result.metrics()
     full = html = None
     with guard.own_work("rendering the report", "the metrics are logged"):
@@ -95,6 +100,21 @@ def publish(
     _write_all(files, guard)
     guard.user(sink.log_metrics, metrics, result.published_at)
     guard.user(sink.log_report, None if full is None else markdown_block(full), html, result.published_at)
+
+
+def _rewrite(
+    result: WindowResult, options: Options, log_dir: str | Path | None, guard: Guard, skip: Collection[str]
+) -> None:
+    """The report and JSON files written again, as :func:`publish` wrote them (the result has grown)."""
+    full = report_text(result, options, detailed=True)
+    files: list[tuple[Path, Callable[[], str]]] = []
+    if options.output_file is not None and "output_file" not in skip:
+        files.append((Path(options.output_file), lambda: full + "\n"))
+    if log_dir is not None and "log_dir" not in skip:
+        stem = Path(log_dir) / f"flops_profile_step{result.step}"
+        files.append((stem.with_suffix(".txt"), lambda: full + "\n"))
+        files.append((stem.with_suffix(".json"), lambda: json.dumps(json_data(result), indent=2)))
+    _write_all(files, guard)
 
 
 def _write_all(files: list[tuple[Path, Callable[[], str]]], guard: Guard) -> None:
@@ -138,10 +158,10 @@ def picture(result: WindowResult) -> str:
             ("wall step", duration_to_string(metrics[names.WALL_LATENCY])),
             ("waiting for data", duration_to_string(metrics[names.DATA_LATENCY])),
         ]
-    if names.MFU in metrics:
-        headline.append(("MFU", f"{100 * metrics[names.MFU]:.2f}%"))
+    if names.MFU in metrics and result.peak is not None:  # the peak's kind beside it: measured, not silent
+        headline.append((f"MFU ({result.peak.kind} peak)", f"{100 * metrics[names.MFU]:.2f}%"))
     headline += [
-        ("module flops: the batch of", f"step {steps.counting}"),
+        ("module flops: the batch of", f"step {steps.profiled}"),
         ("module latencies", module_source(result)),
         ("phases: median of", step_list(steps.clean) if steps.clean else "no clean step"),
     ]

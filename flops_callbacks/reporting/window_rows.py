@@ -27,6 +27,7 @@ from flops_callbacks.units import (
 )
 
 __all__ = [
+    "layout_lines",
     "model_forward_lines",
     "module_source",
     "rank_count_lines",
@@ -75,8 +76,13 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
     lines = [
         (
             "flops, MACs, params from",
-            f"step {s.counting} (counting step"
-            + (f"; reused: this window (step {result.step}) counted no module)" if s.reused else ")"),
+            (
+                f"step {s.profile_step} (a module-timing step: its batches counted off the clock, as "
+                f"its batch shapes were not counting step {s.counting}'s)"
+                if s.profile_step is not None
+                else f"step {s.counting} (counting step"
+                + (f"; reused: this window (step {result.step}) counted no module)" if s.reused else ")")
+            ),
         ),
         ("module latencies from", module_source(result)),
         (
@@ -196,6 +202,36 @@ def wall_lines(metrics: dict[str, float]) -> list[tuple[str, str]]:
     return lines
 
 
+def layout_lines(result: WindowResult) -> list[tuple[str, str]]:
+    """The model's work and the hardware's on the median clean step, and the padding and packing that
+    separate them (token batches only; an after-window line where the profiler counted since).
+
+    Args:
+        result: the window's result.
+    """
+    layout, counts, lines = result.layout, result.figures().median_step().work.counts, []
+    if layout is not None:
+        if layout.packed:
+            per_row = f"{layout.sequences / layout.rows:.2f}"
+            lines.append(("sequences per row (packed; each a sample)", per_row))
+        lines.append(
+            (
+                "model / hardware flops per step (model: real tokens, each sequence alone; hardware: as run)",
+                f"{number_to_string(counts.model_flops)} / {number_to_string(counts.hardware_flops)}",
+            )
+        )
+        if layout.not_apart:
+            lines.append(("model flops: the run's (padding and packing not apart)", layout.not_apart))
+    if result.after.counts:
+        lines.append(
+            (
+                "profiler's own counting after the window (off throughput's clock)",
+                f"{result.after.counts} count(s), {duration_to_string(result.after.seconds)}",
+            )
+        )
+    return lines
+
+
 def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
     """Rows after DeepSpeed's and the profile's own: tokens, rank spread, MFU, where figures come from.
 
@@ -226,6 +262,7 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
                 f"{metrics[names.REAL_TOKENS_PER_SEC]:.2f}",
             ),
         ]
+    lines += layout_lines(result)
     lines += [*wall_lines(metrics), *spread_lines(result), *model_forward_lines(result)]
     lines += comm_lines(result.comm, metrics)
     if len(result.rank_latencies) > 1:
@@ -241,9 +278,10 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
         lines.append(("MFU", f"n/a: {result.no_peak_reason}"))
     else:  # of the flops the FLOPS rows divide: the clean step's where it is not the counting step's
         of = "clean step's " if each.counts != BatchCounts.of(result.per_gpu_profile()) else ""
+        model = "model " if each.counts.model_flops != each.counts.run_flops else ""
         lines += [
             (f"peak FLOPS per device ({result.peak.source})", flops_to_string(result.peak.flops)),
-            (f"MFU = ({of}fwd+bwd flops) / iter latency / peak", f"{100 * metrics[names.MFU]:.2f}%"),
+            (f"MFU = ({of}{model}fwd+bwd flops) / iter latency / peak", f"{100 * metrics[names.MFU]:.2f}%"),
             (
                 f"HFU = ({of}fwd+bwd+recompute flops) / iter latency / peak",
                 f"{100 * metrics[names.HFU]:.2f}%",

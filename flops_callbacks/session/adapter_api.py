@@ -65,6 +65,19 @@ class Sink(Protocol):
         that show them (None: it could not be rendered)."""
 
 
-# Publishes a window's result on the logging rank: (result, options, log dir, sink, guard, destinations
-# said unwritable at the run's start): flops_callbacks.reporting.publish.publish.
-Publish = Callable[["WindowResult", "Options", "str | Path | None", Sink, "Guard", Collection[str]], None]
+class Publish(Protocol):
+    """Publishes a window's result on the logging rank (:func:`flops_callbacks.reporting.publish.publish`):
+    its report, files and metrics; with ``files_only``, its report and JSON files again (the run's end
+    adds what the profiler did after the window)."""
+
+    def __call__(
+        self,
+        result: WindowResult,
+        options: Options,
+        log_dir: str | Path | None,
+        sink: Sink,
+        guard: Guard,
+        skip: Collection[str] = (),
+        *,
+        files_only: bool = False,
+    ) -> None: ...

@@ -21,7 +21,7 @@ from flops_callbacks.phase_names import STEP_PHASES
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.rank_part import LocalWindow, RankRow, ReusedWindow
-from flops_callbacks.session.result import WindowResult, WindowSteps
+from flops_callbacks.session.result import BatchLayout, WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import ShapeFlops
 from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepWork, WindowStep, mean
@@ -157,10 +157,12 @@ def build_result(
     flops: ShapeFlops,
     global_step: int,
     peaks: tuple[Peak | None, Bandwidth | None],
+    not_apart: str = "",
 ) -> WindowResult:
     """The job's result of the window that ended: this rank's part (a first window's, or a re-profile
     window's on the result it reuses) and every rank's ``rows`` (by rank); ``peaks``: the user's peak
-    FLOPS and bandwidth, if given. The clean steps' figures are built here for both."""
+    FLOPS and bandwidth, if given; ``not_apart``: why a padded or packed batch's model work is its run's.
+    The clean steps' figures are built here for both."""
     figures = job_figures(rows)
     fwd, bwd, step = phases(figures.median_step())
     if isinstance(local, ReusedWindow):  # no clean step of a re-profile window marks the model's forward
@@ -192,7 +194,19 @@ def build_result(
         published_at=global_step,
         clean=figures,
         flops_sources=local.sources,
+        layout=batch_layout(clean, not_apart),
     )
+
+
+def batch_layout(clean: list[WindowStep], not_apart: str) -> BatchLayout | None:
+    """The clean steps' token batches as laid out (None: no batch told its layout)."""
+    read = [lo for s in clean for lo in s.laid_out if lo is not None]
+    if not read:
+        return None
+    rows, sequences = sum(lo.rows for lo in read), sum(lo.sequences for lo in read)
+    real, positions = sum(lo.real_tokens for lo in read), sum(lo.positions for lo in read)
+    separated = all(lo.plain for lo in read) or not not_apart
+    return BatchLayout(rows, sequences, real, positions, "" if separated else not_apart)
 
 
 def _counted(
@@ -225,10 +239,12 @@ def _counted(
     peak, no_peak_reason = resolve_peak(peaks[0], device, context.compute_dtype)
     bandwidth, no_bandwidth_reason = resolve_bandwidth(peaks[1], device)
     profile = dataclasses.replace(profile, fwd_latency=fwd, bwd_latency=bwd)
-    extra = context.extra_lines(counting.batches, profile) if context.extra_lines is not None else []
-    if counting.tokens:  # what "6 x params x tokens" claims (with active parameters, for an MoE)
+    counted = local.profile_step  # the step whose batches the profile counted
+    batches = [b for b in counted.batches if b is not None]
+    extra = context.extra_lines(batches, profile) if context.extra_lines is not None else []
+    if counted.tokens:  # what "6 x params x tokens" claims (with active parameters, for an MoE)
         extra += estimate_rows(
-            profile, counting.tokens, _model_config(model), model=model, samples=counting.samples
+            profile, counted.tokens, _model_config(model), model=model, samples=counted.samples
         )
     model_forward, forward_steps, forward_shapes_match = _model_forward(
         clean, module_steps[0].signatures if module_steps else None
@@ -237,7 +253,7 @@ def _counted(
         profile=profile,
         steps=WindowSteps(
             counting=counting.number,
-            module_timing=tuple(s.number for s in module_steps or ran),
+            module_timing=tuple(s.number for s in (ran if local.profiled else module_steps or ran)),
             clean=(),  # this window's clean steps and where the latencies come from: build_result's
             skipped=(),
             latency_source="",
@@ -246,13 +262,14 @@ def _counted(
             model_forward=forward_steps,
             model_forward_shapes_match=forward_shapes_match,
             communication=tuple(s.number for s in local.comm_steps),
+            profile_step=local.profiled.number if local.profiled is not None else None,
         ),
         fwd_latency=fwd,
         bwd_latency=bwd,
         step_latency=step,
         samples=mean([r.counted_samples for r in rows]),
         tokens=mean([r.counted_tokens for r in rows]),
-        micro_batches=len(counting.signatures),
+        micro_batches=len(counted.signatures),
         parallel=context.parallel,
         compute_dtype=context.compute_dtype,
         peak=peak,

@@ -84,6 +84,16 @@ def _corrected(said: BatchCounts, ratios: list[float]) -> BatchCounts:
     return BatchCounts(*(round(v * factor) for v in said))
 
 
+def _model_share(estimate: BatchCounts, own: BatchCounts | None) -> BatchCounts:
+    """An estimate as run, its model slots in the share of the step's own (its padding and packing:
+    the table's counts are of batches as run)."""
+    if own is None or own.model_flops == own.run_flops:
+        return estimate
+    fwd = estimate.fwd_flops * own.model_fwd_flops // own.fwd_flops if own.fwd_flops else 0
+    bwd = estimate.bwd_flops * own.model_bwd_flops // own.bwd_flops if own.bwd_flops else 0
+    return estimate.with_model(fwd, bwd)
+
+
 def on_steps_line(table: ShapeFlops) -> str:
     """The shapes counted on training steps (no fake count could give them), grouped by why."""
     by_why: dict[str, list[str]] = {}
@@ -158,7 +168,8 @@ def _clean_step_flops(
     estimates = []
     for s in clean:
         estimate = guess(s.number, s, s.counts, counted)
-        estimates.append(estimate if estimate is not None else s.counts or BatchCounts.zero())
+        own = s.counts or BatchCounts.zero()
+        estimates.append(_model_share(estimate, s.counts) if estimate is not None else own)
     per_sample = sorted(_per_sample(by_number[n], totals[n]) for n in counted)
     spread = (per_sample[len(per_sample) // 2], per_sample[0], per_sample[-1]) if per_sample else None
     if errors_used:

@@ -14,17 +14,20 @@ exchanges them at the logging step, which every rank reaches).
 
 A micro-batch's flops come from the window's table of shape signatures
 (:class:`~flops_callbacks.session.shape_flops.ShapeFlops`): counted there, or predicted exactly inside
-the range the shapes counted there verified, so batches of every padded length have their own flops
-and no step runs slower. One step in a while is *audited* (``flops_audit``): counted, its time and work
-left out of its interval (as evaluation is), and compared with the table; a mismatch (work that depends
-on the content, a mode the model switched to, a drift of MoE routing) is said once with its ratio, and
-from then on that shape reads the count and the others the table times its ratio. ``"auto"`` audits
-as rarely as keeps the counting within ``AUDIT_COST`` of the run's time: the window's counting step
-against its clean steps tells what a count costs. A shape the table can neither give nor predict (a
-model whose counts are no polynomial of its shapes, a batch outside what the window saw) is counted under
-fake tensors with the interval's clock paused (:mod:`.off_clock`), where that runs; else it gets no flops
-until an audit counts it: an interval with one logs samples and tokens per second, not flops, and a
-warning says so once.
+the range the shapes counted there verified (outside it, where one polynomial fits every counted shape),
+so batches of every padded length have their own flops and no step runs slower. A token batch's samples
+and model flops are its sequences' (:mod:`.sequence_flops`), read when its layout reaches the host. One
+step in a while is *audited* (``flops_audit``): counted, its time and work left out of its interval (as
+evaluation is), and compared with the table; a mismatch (work that depends on the content, a mode the
+model switched to, a drift of MoE routing) is said once with its ratio, and from then on that shape
+reads the count and the others the table times its ratio. ``"auto"`` audits as rarely as keeps the
+counting within ``AUDIT_COST`` of the run's time: the window's counting step against its clean steps
+tells what the first count costs, each audit's own time the next one's place. A shape the table can
+neither give nor predict (a model whose counts are no polynomial of its shapes, a batch size the window
+never saw) is counted under fake tensors with the interval's clock paused (:mod:`.off_clock`; its
+seconds logged as ``throughput/profiler_seconds``), where that runs; else it gets no flops until an
+audit counts it: an interval with one logs samples and tokens per second, not flops, and a warning says
+so once.
 
 Time is the wall time between logging steps, read after one device synchronize per logging interval
 (and one at each pause and resume), every step of the interval included, the slowest rank's; flops are
@@ -36,9 +39,10 @@ every rank (the window's agreed figures set their rhythm).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -48,8 +52,10 @@ from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.session.batch import Signature, shape_signature
 from flops_callbacks.session.off_clock import OffClock, Replay
-from flops_callbacks.session.result import WindowResult
+from flops_callbacks.session.result import AfterWindow, WindowResult
+from flops_callbacks.session.sequence_flops import LaidOut, SequenceFlops
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.session.token_layout import HeldLayout, layout_tensors
 from flops_callbacks.timing.clock import NullClock, clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
 from flops_callbacks.user_warning import warn
@@ -73,12 +79,14 @@ def audit_every(audit: int | Literal["auto"], step_seconds: float, count_seconds
 
 class LoggingInterval(NamedTuple):
     """What one rank did between two logging steps: its micro-batches' samples, tokens (None: unknown)
-    and model flops (None: a shape's flops unknown), over its seconds."""
+    and model flops (None: a shape's flops unknown), over its seconds; and the seconds the profiler's own
+    counts took in it, out of its clock."""
 
     seconds: float
     samples: int
     tokens: int | None
     flops: float | None
+    own_seconds: float = 0.0
 
 
 def throughput_metrics(
@@ -103,7 +111,20 @@ def throughput_metrics(
         metrics[names.THROUGHPUT_FLOPS_PER_SEC] = per_device
         if peak is not None:
             metrics[names.THROUGHPUT_MFU] = per_device / peak
+    metrics[names.THROUGHPUT_PROFILER_SECONDS] = max(i.own_seconds for i in intervals)
     return metrics
+
+
+class _Pending(NamedTuple):
+    """A token micro-batch whose layout is on its way to the host: its flops as run (None: unknown),
+    whether its samples are its sequences, and what a count of one of its sequences needs."""
+
+    held: HeldLayout
+    run: float | None
+    samples: bool
+    batch: Any
+    signature: Signature
+    replay: Replay | str | None
 
 
 class ThroughputMeter:
@@ -127,6 +148,8 @@ class ThroughputMeter:
         self.every: int | None = None  # steps between audits (None: never)
         self._until: int | None = None  # steps until the next audit
         self._scheduled = False  # the step counted now is an audit (not a shape's count on arrival)
+        self._audit_start = 0.0  # when the audit now counted started (its whole time sets the next's place)
+        self._step_seconds = 0.0  # the window's step: what an audit's time is weighed against
         self._engine: CountingEngine | None = None  # the audited step's engine
         self._counting: tuple[Signature, bool, BatchCounts] | None = None  # the micro-batch counted now
         self._said_mismatch = False
@@ -141,6 +164,11 @@ class ThroughputMeter:
         self._later = False  # the next micro-batch is not its step's first
         self._warned_unknown = False
         self.off_clock: OffClock | None = None  # the session's fake counts (None: none)
+        self.sequences: SequenceFlops | None = None  # the model's work on real tokens (None: as run)
+        self.layout_samples = True  # a token batch's samples are its sequences (no user batch_size_fn)
+        self._pending: list[_Pending] = []  # token micro-batches whose layout is not read yet
+        self._own = 0.0  # the profiler's own counting in this interval, seconds (out of its clock)
+        self.after = AfterWindow()  # the profiler's own work since the window, for the report
 
     def start(self, result: WindowResult, model: torch.nn.Module, flops: ShapeFlops) -> None:
         """Take the window's flops table and sizes, and start the first interval now."""
@@ -151,9 +179,11 @@ class ThroughputMeter:
         self._model = model
         self.every = audit_every(self.audit, result.iter_latency, result.counting_iter)
         self._until = self.every
+        self._step_seconds = result.iter_latency  # what an audited step's time is weighed against
         self._started = True
         self._later = False
         self._paused_at: float | None = None
+        self.after = AfterWindow()
         self._restart(self._now())
 
     def micro_batch_start(self, batch: Any, replay: Replay | str | None = None) -> None:
@@ -162,6 +192,7 @@ class ThroughputMeter:
         later, self._later = self._later, True
         if not self._started:
             return
+        self._settle(wait=False)
         signature = shape_signature(batch)
         if self._engine is None and self.flops.current(signature, later) is None:
             self._count_off_clock(signature, later, replay)
@@ -172,11 +203,19 @@ class ThroughputMeter:
             self._engine.start()
         if self._paused_at is not None:
             return
-        self._samples += int(self.batch_size_fn(batch))
+        layout = layout_tensors(batch) if self.sequences is not None else None
+        by_layout = layout is not None and self.layout_samples
+        if not by_layout:
+            self._samples += int(self.batch_size_fn(batch))
         if self._tokens is not None:
             tokens = self.tokens_fn(batch) if self.tokens_fn is not None else None
             self._tokens = None if tokens is None else self._tokens + int(tokens)
         counts = self.flops.current(signature, later)
+        if layout is not None:  # its samples and model work read when its layout reaches the host
+            run = counts if self._engine is None else None
+            self._pending.append(_Pending(layout.to_host(), run, by_layout, batch, signature, replay))
+            if counts is not None:
+                return
         if counts is None and self._engine is not None:
             self._unknown.append(later)  # counted now: its flops are added at its end
         elif counts is None:
@@ -197,15 +236,48 @@ class ThroughputMeter:
         off_clock = self.off_clock
         if off_clock is None or not isinstance(replay, Replay) or not off_clock.usable(replay):
             return
-        running = self._paused_at is None
+        with self._own_work():
+            counts = off_clock.count(self._model, replay, later)
+        if counts is not None:
+            self.flops.audit(signature, later, counts)
+
+    @contextlib.contextmanager
+    def _own_work(self) -> Iterator[None]:
+        """The profiler's own counting: out of the interval's clock, its seconds kept apart."""
+        running, start = self._paused_at is None, time.perf_counter()
         self.pause()
         try:
-            counts = off_clock.count(self._model, replay, later)
+            yield
         finally:
             if running:
                 self.resume()
-        if counts is not None:
-            self.flops.audit(signature, later, counts)
+            seconds = time.perf_counter() - start
+            self._own += seconds
+            self.after = self.after.plus(seconds)
+
+    def _settle(self, wait: bool) -> None:
+        """The token micro-batches whose layouts reached the host (all of them with ``wait``): their
+        samples (their sequences) and model work (their sequences' own, :mod:`.sequence_flops`; a length
+        the table cannot give is counted, out of the clock)."""
+        while self._pending and (wait or self._pending[0].held.ready()):
+            p = self._pending.pop(0)
+            layout = p.held.read()
+            if p.samples:
+                self._samples += layout.sequences
+            if p.run is None or self._flops is None:
+                continue
+            model = p.run
+            sequences = self.sequences
+            if sequences is not None and not layout.plain:
+                item = LaidOut(layout, p.batch, p.signature, p.replay)
+                alone = sequences.model_flops(item, beyond=True)
+                if alone is None and self.off_clock is not None:
+                    with self._own_work():
+                        sequences.settle(self._model, self.off_clock, [item], beyond=True)
+                    alone = sequences.model_flops(item, beyond=True)
+                if alone is not None:
+                    model = alone * self.flops.correction
+            self._flops += model
 
     def _audit_due(self, unknown: bool) -> None:
         """At a step's first micro-batch: start an audit when one is due (out of the interval, as an
@@ -219,6 +291,7 @@ class ThroughputMeter:
             return
         if self._scheduled:
             self.pause()  # the audited step's time and work are no interval's
+            self._audit_start = time.perf_counter()
         self._engine = CountingEngine(self._model, causal_attention=self.causal_attention, clock=NullClock())
 
     def micro_batch_end(self) -> None:
@@ -253,8 +326,9 @@ class ThroughputMeter:
         if self._engine is not None:
             self._stop_audit()
             collect_counting_garbage()
-            if self._scheduled:
-                self._until = self.every
+            if self._scheduled and self.every is not None:  # what this audit cost sets the next one's place
+                spent = time.perf_counter() - self._audit_start
+                self._until = self.every = audit_every(self.audit, self._step_seconds, spent)
             self._unknown = []
             self.resume()
 
@@ -267,11 +341,12 @@ class ThroughputMeter:
         """This rank's interval since the last call (or the start), and a new interval from now."""
         if not self._started:
             return LoggingInterval(0.0, 0, 0, 0.0)
+        self._settle(wait=True)
         now = self._now()
         seconds = now - self._start - self._paused
         if self._paused_at is not None:  # asked while paused: count up to the pause only
             seconds -= now - self._paused_at
-        done = LoggingInterval(seconds, self._samples, self._tokens, self._flops)
+        done = LoggingInterval(seconds, self._samples, self._tokens, self._flops, self._own)
         self._restart(now)
         if self._paused_at is not None:
             self._paused_at = now
@@ -297,11 +372,11 @@ class ThroughputMeter:
         """Stop metering (an audit in progress stops: nothing of it remains)."""
         self._stop_audit()
         self._started = False
-        self._samples, self._flops, self._tokens = 0, 0.0, 0
+        self._samples, self._flops, self._tokens, self._pending, self._own = 0, 0.0, 0, [], 0.0
 
     def _restart(self, now: float) -> None:
         self._start, self._paused = now, 0.0
-        self._samples, self._flops, self._tokens = 0, 0.0, 0
+        self._samples, self._flops, self._tokens, self._own = 0, 0.0, 0, 0.0
 
     def _now(self) -> float:
         self._clock.synchronize()  # the device has done the work queued so far

@@ -14,14 +14,16 @@ micro-batches' inputs are held until then). The check step's unknown micro-batch
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 import torch
 
-from flops_callbacks.counting.fake_count import FakeCountUnavailable, StepFunction, fake_count
+from flops_callbacks.counting.fake_count import FakeCountUnavailable, StepFunction, fake_count, fake_profile
 from flops_callbacks.options import CausalAttention
+from flops_callbacks.profile import Profile
 from flops_callbacks.session.batch import Signature
-from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops, extremes_first
 from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import WindowStep
 
@@ -55,10 +57,12 @@ class OffClock:
         self.why_not: str | None = None  # None: not tried yet; "": fake counts run; else why they do not
         self.trial: tuple[Replay, Signature, bool] | None = None  # the counting step's first micro-batch
         self._pending: list[_Pending] = []
+        self.counts, self.seconds = 0, 0.0  # fake counts run in this run, and their time (the profiler's)
 
     def forget(self) -> None:
         """A new run: nothing tried yet."""
         self.why_not, self.trial, self._pending = None, None, []
+        self.counts, self.seconds = 0, 0.0
 
     def drop(self) -> None:
         """The window is dropped: nothing waits for a count."""
@@ -120,11 +124,30 @@ class OffClock:
 
     def count(self, model: torch.nn.Module, replay: Replay, later: bool) -> BatchCounts | None:
         """A micro-batch's fake count; None where it cannot run (then no other is tried: ``why_not``)."""
+        start = time.perf_counter()
         try:
             return self._count(model, replay, later)
         except FakeCountUnavailable as error:
             self.why_not = str(error)
             return None
+        finally:
+            self.counts += 1
+            self.seconds += time.perf_counter() - start
+
+    def profile(self, model: torch.nn.Module, replays: list[Any]) -> Profile | None:
+        """The module tree of a step's micro-batches (each one's replay) counted under fake tensors; None
+        where a fake count cannot run (a micro-batch without its replay, or ``why_not``)."""
+        if not replays or not all(isinstance(r, Replay) and self.usable(r) for r in replays):
+            return None
+        start = time.perf_counter()
+        try:
+            calls = [(r.args, i > 0) for i, r in enumerate(replays)]
+            return fake_profile(model, replays[0].step, calls, causal_attention=self.causal_attention)
+        except FakeCountUnavailable:
+            return None  # this step's batch only: other shapes may still count
+        finally:
+            self.counts += 1
+            self.seconds += time.perf_counter() - start
 
     def count_now(
         self, model: torch.nn.Module, replay: Replay, signature: Signature, later: bool, flops: ShapeFlops
@@ -143,10 +166,13 @@ class OffClock:
         """The window ends: each waiting micro-batch's counts, from the table (predicted from the points
         counted since) or a fake count; a step whose count fails keeps unknown flops (left out)."""
         pending, self._pending = self._pending, []
+        first = {(p.later, tuple(d for shape, _ in p.signature for d in shape)): p for p in pending}
+        for key in extremes_first(list(first)):  # the fewest counts that verify a fit over the rest
+            p = first[key]
+            if flops.get(p.signature, p.later) is None and model is not None and self.why_not == "":
+                self.count_now(model, p.replay, p.signature, p.later, flops)
         for p in pending:
             counts = flops.get(p.signature, p.later)
-            if counts is None and model is not None and self.why_not == "":
-                counts = self.count_now(model, p.replay, p.signature, p.later, flops)
             if counts is None:
                 flops.counted_on_steps.setdefault((p.later, p.signature), f"not counted: {self.why_not}")
             elif p.step.kind == Kind.CLEAN:

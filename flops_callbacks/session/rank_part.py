@@ -12,6 +12,7 @@ by one builder (:func:`~flops_callbacks.session.builder.build_result`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 from flops_callbacks.communication.breakdown import CommBreakdown
@@ -22,6 +23,7 @@ from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, WindowStep, clean_figures
+from flops_callbacks.timing.module_timer import median_step
 
 __all__ = [
     "COUNTED",
@@ -72,18 +74,25 @@ class LocalWindow:
 
     profile: Profile
     ran: list[WindowStep]  # the module-timing steps that ran
-    module_steps: list[WindowStep]  # those of them with the counting step's batch shapes
+    module_steps: list[WindowStep]  # those of them whose batches the profile counted
     clean: list[WindowStep]
     figures: CleanFigures  # this rank's
     source: str  # where the latencies come from, in words
     counting: WindowStep
     sources: FlopsSources | None  # where each clean step's flops come from (this rank's)
     comm_steps: tuple[WindowStep, ...] = ()  # the communication steps that ran
+    # the step whose batches the profile counted: the counting step's, or where the module-timing steps had
+    # other shapes, the one timed (its batches counted off the clock)
+    profiled: WindowStep | None = None
+
+    @property
+    def profile_step(self) -> WindowStep:
+        return self.profiled or self.counting
 
     def row(self) -> RankRow:
-        f, c, comm = self.figures, self.counting, self.comm_steps
+        f, p, comm = self.figures, self.profile_step, self.comm_steps
         return RankRow(
-            f.steps, counted_totals(self.profile), c.samples, c.tokens, c.seconds()["iter"],
+            f.steps, counted_totals(self.profile), p.samples, p.tokens, self.counting.seconds()["iter"],
             tuple(s.comm for s in comm), tuple(s.seconds()["iter"] for s in comm),
         )  # fmt: skip
 
@@ -110,12 +119,34 @@ class ReusedWindow:
         return RankRow(f.steps, totals, base.samples, base.tokens, base.counting_iter or 0.0)
 
 
-def local_window(steps: list[WindowStep], engine: CountingEngine, flops: ShapeFlops) -> LocalWindow:
-    """This rank's profile and clean-step figures (module latencies are added by the builder)."""
+def _median_timed(ran: list[WindowStep]) -> WindowStep:
+    """The module-timing step of the median model time (as the tree's times are chosen)."""
+    times = [s.timer.times(None) for s in ran if s.timer is not None]
+    chosen = median_step(times)
+    return next(s for s, t in zip(ran, times, strict=True) if t is chosen)
+
+
+def local_window(
+    steps: list[WindowStep],
+    engine: CountingEngine,
+    flops: ShapeFlops,
+    count_step: Callable[[WindowStep], Profile | None] | None = None,
+) -> LocalWindow:
+    """This rank's profile and clean-step figures (module latencies are added by the builder).
+    ``count_step``: a step's module tree counted off the clock, for module-timing steps of other shapes
+    than the counting step's (then the tree is the timed step's own batch's)."""
     counting = steps[0]
     profile = engine.profile()
     ran = [s for s in steps if s.kind == Kind.MODULE_TIMING and s.signatures and s.timer is not None]
     module_steps = [s for s in ran if s.signatures == counting.signatures]
+    profiled = None
+    if ran and not module_steps and count_step is not None:
+        chosen = _median_timed(ran)
+        counted = count_step(chosen)
+        if counted is not None:
+            profile, profiled, module_steps = counted, chosen, [chosen]
+            if len(chosen.signatures) == 1:  # its one micro-batch's counts: a point of the shape table
+                flops.record(chosen.signatures[0], BatchCounts.of(counted.model))
     if ran and not module_steps:  # another batch's latencies would mix two batches
         profile.modules = {
             name: dataclasses.replace(m, fwd_latency=0.0, bwd_latency=0.0, recompute_latency=0.0)
@@ -138,7 +169,7 @@ def local_window(steps: list[WindowStep], engine: CountingEngine, flops: ShapeFl
         counts = None if known else BatchCounts.of(profile)
     figures = clean_figures(timed, counts, each)
     comm = tuple(s for s in steps if s.kind == Kind.COMMUNICATION and s.signatures)
-    return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources, comm)
+    return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources, comm, profiled)
 
 
 def reused_window(steps: list[WindowStep], base: WindowResult, flops: ShapeFlops) -> ReusedWindow | None:
@@ -152,7 +183,11 @@ def reused_window(steps: list[WindowStep], base: WindowResult, flops: ShapeFlops
 
 
 def local_part(
-    steps: list[WindowStep], flops: ShapeFlops, engine: CountingEngine | None, base: WindowResult | None
+    steps: list[WindowStep],
+    flops: ShapeFlops,
+    engine: CountingEngine | None,
+    base: WindowResult | None,
+    count_step: Callable[[WindowStep], Profile | None] | None = None,
 ) -> LocalWindow | ReusedWindow | None:
     """This rank's part of the window that ended: a re-profile window's on ``base`` (the previous
     result), else the counting step's engine's; None when it has nothing (no micro-batch, no clean step)."""
@@ -160,4 +195,4 @@ def local_part(
         return reused_window(steps, base, flops)
     if engine is None or not steps or not steps[0].signatures:
         return None
-    return local_window(steps, engine, flops)
+    return local_window(steps, engine, flops, count_step)

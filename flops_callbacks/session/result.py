@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from flops_callbacks.communication.figures import CommFigures
 from flops_callbacks.metrics import (
@@ -63,6 +63,38 @@ __all__ = [
 ]
 
 
+class BatchLayout(NamedTuple):
+    """The clean steps' token batches as laid out (this rank's): rows, the sequences in them, their real
+    tokens and all positions; ``not_apart``: why the model's work could not be told from the run's
+    ("" where it was, or nothing separates them)."""
+
+    rows: int
+    sequences: int
+    real_tokens: int
+    positions: int
+    not_apart: str = ""
+
+    @property
+    def packed(self) -> bool:
+        return self.sequences > self.rows
+
+    @property
+    def padding(self) -> float:
+        """Padding positions / all positions."""
+        return 1 - self.real_tokens / self.positions if self.positions else 0.0
+
+
+class AfterWindow(NamedTuple):
+    """The profiler's own counting after a window (shapes and sequences the table could not give,
+    counted off the clock): how many times, and its seconds, out of ``throughput/*``'s clock."""
+
+    counts: int = 0
+    seconds: float = 0.0
+
+    def plus(self, seconds: float) -> AfterWindow:
+        return AfterWindow(self.counts + 1, self.seconds + seconds)
+
+
 @dataclass(frozen=True)
 class WindowSteps:
     """Which global step each figure comes from.
@@ -100,6 +132,14 @@ class WindowSteps:
     model_forward_shapes_match: bool = False  # whether they had the module-timing steps' batch shapes
     first: int | None = None
     communication: tuple[int, ...] = ()  # the communication steps (several ranks only: Options.comm_steps)
+    # the module-timing step whose batches the profile counted off the clock (None: the counting step's):
+    # its module-timing steps had other batch shapes than the counting step
+    profile_step: int | None = None
+
+    @property
+    def profiled(self) -> int:
+        """The step whose batches the profile (flops, MACs, the module tree) counted."""
+        return self.counting if self.profile_step is None else self.profile_step
 
     @property
     def reused(self) -> bool:
@@ -155,6 +195,8 @@ class WindowResult:
     flops_sources: FlopsSources | None = None
     counting_iter: float | None = None  # the counting step's fwd + bwd + step seconds (what counting costs)
     comm: CommFigures | None = None  # where the communication steps' time went (several ranks only)
+    layout: BatchLayout | None = None  # the clean steps' padding and packing (token batches only)
+    after: AfterWindow = field(default_factory=lambda: AfterWindow())  # the profiler's own work since
     _metrics: dict[str, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -233,10 +275,11 @@ def _per_sec(amount: float, seconds: float) -> float:
 @dataclass(frozen=True)
 class PhaseRates:
     """Achieved FLOPS of each phase (0 where a latency is 0): the one definition the report and the
-    metrics both use. Model flops (fwd, bwd) except ``hardware``, which adds the recompute."""
+    metrics both use. Model flops (fwd, bwd: on the real tokens) except ``hardware``: as the kernels ran,
+    padding and recompute included."""
 
-    fwd: float  # fwd flops / fwd latency
-    bwd: float  # bwd flops / bwd latency
+    fwd: float  # model fwd flops / fwd latency
+    bwd: float  # model bwd flops / bwd latency
     fwd_bwd: float  # (fwd + bwd flops) / (fwd + bwd latency)
     iter: float  # (fwd + bwd flops) / iter latency: FLOPS, MFU's numerator
     hardware: float  # (fwd + bwd + recompute flops) / iter latency: HFU's numerator
@@ -245,14 +288,15 @@ class PhaseRates:
 def phase_rates(
     profile: Profile | BatchCounts, fwd_latency: float, bwd_latency: float, step_latency: float
 ) -> PhaseRates:
-    """One step's flops (``profile``'s) over its phases' latencies."""
+    """One step's flops (``profile``'s, a batch as run) over its phases' latencies."""
     iter_latency = fwd_latency + bwd_latency + step_latency
+    counts = profile if isinstance(profile, BatchCounts) else BatchCounts.of(profile)
     return PhaseRates(
-        fwd=_per_sec(profile.fwd_flops, fwd_latency),
-        bwd=_per_sec(profile.bwd_flops, bwd_latency),
-        fwd_bwd=_per_sec(profile.model_flops, fwd_latency + bwd_latency),
-        iter=_per_sec(profile.model_flops, iter_latency),
-        hardware=_per_sec(profile.hardware_flops, iter_latency),
+        fwd=_per_sec(counts.model_fwd_flops, fwd_latency),
+        bwd=_per_sec(counts.model_bwd_flops, bwd_latency),
+        fwd_bwd=_per_sec(counts.model_flops, fwd_latency + bwd_latency),
+        iter=_per_sec(counts.model_flops, iter_latency),
+        hardware=_per_sec(counts.hardware_flops, iter_latency),
     )
 
 

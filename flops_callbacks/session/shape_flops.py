@@ -31,41 +31,72 @@ ones before it: the same shapes cost more there, so later micro-batches are a ta
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from fractions import Fraction
 from itertools import product
 from typing import Any, NamedTuple
 
-from flops_callbacks.profile import hardware_flops, model_flops
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.user_warning import warn
 
-__all__ = ["BatchCounts", "ContentFinding", "ShapeFlops"]
+__all__ = ["BatchCounts", "ContentFinding", "ShapeFlops", "extremes_first"]
 
 MAX_DEGREE = 3  # per variable: attention is quadratic in L; cubic leaves room, more needs many points
 
 
-# The flops and MACs fields of flops_callbacks.profile.Counts, per pass, as a tuple (the fit solves for
-# each slot).
-class _PassCounts(NamedTuple):
+class _Slots(NamedTuple):
     fwd_flops: int
     bwd_flops: int
     recompute_flops: int
     fwd_macs: int
     bwd_macs: int
     recompute_macs: int
+    model_fwd_flops: int
+    model_bwd_flops: int
 
 
-class BatchCounts(_PassCounts):
-    """What a micro-batch (or a sum of them) costs: the counts the window's rates are made of."""
+class BatchCounts(_Slots):
+    """What a micro-batch (or a sum of them) costs: the counts the window's rates are made of (the fit
+    solves for each slot). The pass counts are the hardware's, as the kernels ran (padding, masked-out
+    attention and recompute included); the model slots are the model's work on the batch's real
+    tokens, each sequence as if run alone (:mod:`.sequence_flops`): the passes' own for a batch that
+    holds no padding or packing, as when they are not given."""
+
+    def __new__(
+        cls,
+        fwd_flops: int,
+        bwd_flops: int,
+        recompute_flops: int,
+        fwd_macs: int,
+        bwd_macs: int,
+        recompute_macs: int,
+        model_fwd_flops: int | None = None,
+        model_bwd_flops: int | None = None,
+    ) -> BatchCounts:
+        model_fwd = fwd_flops if model_fwd_flops is None else model_fwd_flops
+        model_bwd = bwd_flops if model_bwd_flops is None else model_bwd_flops
+        passes = (fwd_flops, bwd_flops, recompute_flops, fwd_macs, bwd_macs, recompute_macs)
+        return super().__new__(cls, *passes, model_fwd, model_bwd)
 
     @classmethod
     def zero(cls) -> BatchCounts:
-        return cls(*(0 for _ in cls._fields))
+        return cls(0, 0, 0, 0, 0, 0)
 
     @classmethod
     def of(cls, counts: Any) -> BatchCounts:
-        """The counts of a :class:`~flops_callbacks.profile.Counts` (or a profile's model totals)."""
-        return cls(*(getattr(counts, name) for name in cls._fields))
+        """The counts of a :class:`~flops_callbacks.profile.Counts` (or a profile's model totals): a
+        batch as it ran, its model work its passes' own."""
+        return cls(*(getattr(counts, name) for name in cls._fields[:6]))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, int]) -> BatchCounts:
+        """Read back from JSON (a file without the model slots: the passes' own)."""
+        return cls(**data)
+
+    def with_model(self, fwd: int, bwd: int) -> BatchCounts:
+        """These counts with the model's forward and backward work on the real tokens."""
+        return self._replace(model_fwd_flops=fwd, model_bwd_flops=bwd)
 
     def plus(self, other: BatchCounts) -> BatchCounts:
         return BatchCounts(*(a + b for a, b in zip(self, other, strict=True)))
@@ -73,8 +104,20 @@ class BatchCounts(_PassCounts):
     def minus(self, other: BatchCounts) -> BatchCounts:
         return BatchCounts(*(a - b for a, b in zip(self, other, strict=True)))
 
-    model_flops = property(model_flops, doc="Forward + backward.")
-    hardware_flops = property(hardware_flops, doc="Forward + backward + recompute.")
+    @property
+    def model_flops(self) -> int:
+        """The model's forward + backward on the real tokens (MFU's numerator)."""
+        return self.model_fwd_flops + self.model_bwd_flops
+
+    @property
+    def hardware_flops(self) -> int:
+        """Forward + backward + recompute as the kernels ran (HFU's numerator)."""
+        return self.fwd_flops + self.bwd_flops + self.recompute_flops
+
+    @property
+    def run_flops(self) -> int:
+        """Forward + backward as the kernels ran (recompute apart): what the shape table keys."""
+        return self.fwd_flops + self.bwd_flops
 
 
 Key = tuple[bool, Signature]  # (a later micro-batch of its step, its shapes)
@@ -102,26 +145,32 @@ class _Fit:
     ) -> None:
         self.constants, self.groups = constants, groups
         self.exponents, self.coefficients, self.ranges = exponents, coefficients, ranges
+        # each count's coefficients over one denominator: a prediction in integers (the meter makes one for
+        # every new shape after the window, where Fraction sums cost a step's time)
+        self._integers = []
+        for column in coefficients:
+            denominator = math.lcm(*(c.denominator for c in column))
+            self._integers.append(([int(c * denominator) for c in column], denominator))
 
-    def predict(self, dims: tuple[int, ...]) -> BatchCounts | None:
+    def predict(self, dims: tuple[int, ...], beyond: bool = False) -> BatchCounts | None:
         """The counts at ``dims``; None outside the verified range (a longer sequence, a larger batch than
-        any counted one may cross a branch of the model's code: it is counted first)."""
+        any counted one may cross a branch of the model's code: it is counted first), unless ``beyond``."""
         if any(dims[p] != v for p, v in self.constants.items()):
             return None  # a dim that never varied among the counted points: no variable for it
         values = []
         for group, (low, high) in zip(self.groups, self.ranges, strict=True):
             if any(dims[p] != dims[group[0]] for p in group):
                 return None  # dims that were always equal are not: another kind of batch
-            if not low <= dims[group[0]] <= high:
+            if not beyond and not low <= dims[group[0]] <= high:
                 return None
             values.append(dims[group[0]])
         row = _monomials(values, self.exponents)
         counts = []
-        for coefficients in self.coefficients:
-            value = sum((c * m for c, m in zip(coefficients, row, strict=True)), Fraction(0))
-            if value.denominator != 1 or value < 0:
+        for numerators, denominator in self._integers:
+            value, rest = divmod(sum(n * m for n, m in zip(numerators, row, strict=True)), denominator)
+            if rest or value < 0:
                 return None
-            counts.append(int(value))
+            counts.append(value)
         return BatchCounts(*counts)
 
 
@@ -242,6 +291,23 @@ def _predict(points: list[tuple[tuple[int, ...], BatchCounts]], dims: tuple[int,
     return fit.predict(dims) if fit is not None else None
 
 
+def extremes_first(values: Sequence[Any]) -> list[Any]:
+    """Distinct ``values`` sorted, in the order that widens a fit's verified range fastest: the lowest,
+    the highest, then the middle of each remaining gap in turn."""
+    ordered = sorted(set(values))
+    if len(ordered) <= 2:
+        return ordered
+    order, gaps = [ordered[0], ordered[-1]], [(0, len(ordered) - 1)]
+    while gaps:
+        low, high = gaps.pop(0)
+        if high - low < 2:
+            continue
+        middle = (low + high) // 2
+        order.append(ordered[middle])
+        gaps += [(low, middle), (middle, high)]
+    return order
+
+
 class ContentFinding(NamedTuple):
     """A batch counted again did other work than the table said for its shapes: the model's flops depend
     on the batch's content (or on a mode it keeps), not on its shapes alone."""
@@ -279,6 +345,9 @@ class ShapeFlops:
         self.checked_step: int | None = None  # its window step
         self.content: ContentFinding | None = None  # the first count that differed from it
         self._known: dict[Key, BatchCounts | None] = {}  # lookups so far (None: unpredictable)
+        self._beyond: dict[Key, BatchCounts | None] = {}  # lookups that may extrapolate
+        # each family's polynomial over all its counted points (None: none fits them all), and the points
+        self._fits: dict[tuple, tuple[_Fit | None, list[tuple[tuple[int, ...], BatchCounts]]]] = {}
         self.audited: dict[Key, BatchCounts] = {}  # after the window: the latest count of each signature
         self.correction = 1.0  # after the window: the latest count over the table's value, for the rest
         self.counted_on_steps: dict[Key, str] = {}  # shapes no fake count could give: why (the report's)
@@ -302,33 +371,43 @@ class ShapeFlops:
                     "steps' flops are estimated from their counted neighbours (the report says how sure).",
                 )
         self.counted[key] = counts
+        self._known, self._beyond, self._fits = {}, {}, {}
         if step is not None:
             total, n, before = self.by_step.get(step, (BatchCounts.zero(), 0, BatchCounts.zero()))
             table = None if said is None or before is None else before.plus(said)
             self.by_step[step] = (total.plus(counts), n + 1, table)
-        self._known = {}
 
-    def get(self, signature: Signature, later: bool = False) -> BatchCounts | None:
+    def get(self, signature: Signature, later: bool = False, beyond: bool = False) -> BatchCounts | None:
         """The counts of a micro-batch with this signature, or None when neither counted nor predictable
-        inside the range its family's counted points verified."""
+        inside the range its family's counted points verified; with ``beyond``, also outside it where one
+        polynomial reproduces every counted point of the family with one to spare (after the window, where
+        a count costs the run's time; the meter's audits check it)."""
         key = (later, signature)
+        known = self._beyond if beyond else self._known
         try:
-            return self._known[key]
+            return known[key]
         except KeyError:
             pass
         counts = self.counted.get(key)
         if counts is None:
-            family = _family(key)
-            points = [(_dims(s), c) for s, c in self.counted.items() if _family(s) == family]
-            counts = _predict(points, _dims(key)) if points else None
-        self._known[key] = counts
+            family, dims = _family(key), _dims(key)
+            if family not in self._fits:  # one polynomial over the family's every counted point
+                points = [(_dims(s), c) for s, c in self.counted.items() if _family(s) == family]
+                self._fits[family] = (_fit(points) if len(points) >= 3 else None, points)
+            fit, points = self._fits[family]
+            counts = fit.predict(dims, beyond) if fit is not None else None
+            if counts is None and points:  # piecewise: each range between a model's branches on its own
+                counts = _predict(points, dims)
+        known[key] = counts
         return counts
 
     def source(self, signature: Signature, later: bool = False) -> str:
-        """How a signature's counts were obtained: "counted", "predicted" or "unknown"."""
+        """How a signature's counts were obtained: "counted", "predicted", "extrapolated" or "unknown"."""
         if (later, signature) in self.counted:
             return "counted"
-        return "predicted" if self.get(signature, later) is not None else "unknown"
+        if self.get(signature, later) is not None:
+            return "predicted"
+        return "extrapolated" if self.get(signature, later, beyond=True) is not None else "unknown"
 
     def audit(self, signature: Signature, later: bool, counts: BatchCounts) -> float | None:
         """A micro-batch counted after the window (:mod:`.meter`): from now on its signature reads this
@@ -336,21 +415,22 @@ class ShapeFlops:
         the counted value). Returns counted / what was read before, where they differ."""
         key = (later, signature)
         before = self.current(signature, later)
-        table = self.get(signature, later)
-        if table is None:
-            self.record(signature, counts, later)  # a new shape: a point of its family from now on
-        elif table.model_flops:
-            self.correction = counts.model_flops / table.model_flops
+        table = self.get(signature, later, beyond=True)
+        if table is None or key not in self.counted and self.get(signature, later) is None:
+            self.record(signature, counts, later)  # a new (or extrapolated) shape: a point of its family
+        if table is not None and table.run_flops:
+            self.correction = counts.run_flops / table.run_flops
         self.audited[key] = counts
-        if before is None or before == counts.model_flops:
+        if before is None or before == counts.run_flops:
             return None
-        return counts.model_flops / before
+        return counts.run_flops / before
 
     def current(self, signature: Signature, later: bool = False) -> float | None:
-        """The model flops (fwd + bwd) the meter reads for a signature: its latest audited count, else
-        the table's value times the latest audit's correction; None when unknown."""
+        """The flops (fwd + bwd as run) the meter reads for a signature: its latest audited count, else
+        the table's value (extrapolated where the family allows) times the latest audit's correction;
+        None when unknown."""
         audited = self.audited.get((later, signature))
         if audited is not None:
-            return float(audited.model_flops)
-        counts = self.get(signature, later)
-        return None if counts is None else counts.model_flops * self.correction
+            return float(audited.run_flops)
+        counts = self.get(signature, later, beyond=True)
+        return None if counts is None else counts.run_flops * self.correction

@@ -40,6 +40,7 @@ from flops_callbacks.session.rank_part import RankRow, local_part
 from flops_callbacks.session.ranks import RankFailure, Ranks
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.run_plan import RunPlan, unwritable_destinations
+from flops_callbacks.session.sequence_flops import SequenceFlops
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_plan import Decision, Kind, WindowPlan, Wish
 from flops_callbacks.session.window_steps import WindowStep
@@ -100,7 +101,9 @@ class StepSession:
         self.result: WindowResult | None = None
         self.flops = ShapeFlops()  # flops per micro-batch shape: counted in the window, read after it
         self.off_clock = OffClock(options.causal_attention)
-        meter.off_clock = self.off_clock
+        self.sequences = SequenceFlops()  # the model's work on real tokens: each sequence alone
+        meter.off_clock, meter.sequences = self.off_clock, self.sequences
+        meter.layout_samples = options.batch_size_fn is None
         self._steps: list[WindowStep] = []  # the window's steps so far (this rank's record of them)
         self._step: WindowStep | None = None  # the window step in progress
         self.instruments = Instruments(options)
@@ -112,6 +115,7 @@ class StepSession:
         self._abandoned = False  # the profiler's own work failed in this run: it goes on unprofiled
         self._logging_rank = True
         self._unwritable: dict[str, str] = {}  # "output_file" / "log_dir" -> why, said at train start
+        self._log_dir: str | Path | None = None  # where the window's files went
         self.enabled = True
 
     def disable(self) -> None:
@@ -163,6 +167,7 @@ class StepSession:
         self.result = None
         self.flops = ShapeFlops()
         self.off_clock.forget()
+        self.sequences.forget()
         self._window_ran = self._abandoned = False
         self._logging_rank = is_logging_rank
         self.batches.said_no_size = False
@@ -184,6 +189,7 @@ class StepSession:
         """The run ended (on every rank): publish a window it cut short, or say that none ran."""
         self._stop_instruments()
         self._step = None
+        self._after_window(sink)
         self.job_meter.close()
         if self.plan.open:
             self._finish(global_step, sink)
@@ -193,6 +199,17 @@ class StepSession:
                 f"profile_step={self.options.profile_step} (training ended at global step {global_step}): "
                 "no profile ran.",
             )
+
+    def _after_window(self, sink: Sink) -> None:
+        """The profiler's own counting since the window, written into its files (logging rank)."""
+        after = self.meter.after if self.meter is not None else None
+        if after is None or not after.counts or self.result is None or self.publish is None:
+            return
+        self.result.after = after
+        if sink.is_logging_rank:
+            with self.guard.own_work("writing the counting after the window", "its files do not say it"):
+                skip, log_dir = set(self._unwritable), self._log_dir
+                self.publish(self.result, self.options, log_dir, sink, self.guard, skip, files_only=True)
 
     def _should_have_run(self) -> bool:
         """A window was expected and no warning at train start said otherwise (a run shorter than
@@ -303,9 +320,19 @@ class StepSession:
             where = (step, read.signature, read.later)
             counts = self.off_clock.micro_batch(model, self.flops, kind, *where, counts, replay)
         samples, tokens = self.batches.samples(batch, say_unknown=True), self.batches.tokens(batch)
-        step.add(batch, read.signature, samples, tokens, counts)
+        step.layout_samples = self.options.batch_size_fn is None
+        step.add(batch, read.signature, samples, tokens, counts, replay, keep=self._other_shapes(step, read))
         self.instruments.start(step, read.signature, read.later)
         step.phases.start(FORWARD)
+
+    def _other_shapes(self, step: WindowStep, read: _Read) -> bool:
+        """Whether a module-timing step's micro-batch has other shapes than the counting step's at its
+        place: its batch is kept, counted at the window's end for the module tree it times."""
+        if step.kind != Kind.MODULE_TIMING or not self._steps:
+            return False
+        counted = self._steps[0].signatures
+        place = len(step.signatures)
+        return place >= len(counted) or counted[place] != read.signature
 
     @_own_work("marking a phase")
     def phase(self, name: str) -> None:
@@ -425,8 +452,10 @@ class StepSession:
         if model is not None:
             with self.guard.own_work("counting the window's new shapes", DROPPED, self._abandon):
                 self.off_clock.finish(model, self.flops)  # before the exchange: no step's time
+                self.sequences.window_end(steps, model, self.off_clock)
             with self.guard.own_work("building the profile", DROPPED, self._abandon):
-                local = local_part(steps, self.flops, engine, base if reprofile else None)
+                count = lambda step: self.off_clock.profile(model, step.replays)  # noqa: E731
+                local = local_part(steps, self.flops, engine, base if reprofile else None, count)
         mine: RankRow | str = local.row() if local is not None else "failed" if self._abandoned else "empty"
         try:
             rows = self.ranks.exchange(mine)
@@ -437,11 +466,12 @@ class StepSession:
         if local is None or model is None or any(isinstance(row, str) for row in rows):
             return self.job_meter.resume() if reprofile else None  # no micro-batch: nothing to say
         with self.guard.own_work("asking the log dir", "the files in the log dir are not written"):
-            log_dir = sink.log_dir()  # on every rank: Lightning's log_dir is a collective
+            log_dir = self._log_dir = sink.log_dir()  # on every rank: Lightning's log_dir is a collective
         built = None
         with self.guard.own_work("building the profile", "no profile is published"):
-            peaks = (self.given_peak, self.given_bandwidth)
-            built = build_result(local, steps, rows, model, self._context, self.flops, global_step, peaks)
+            peaks, apart = (self.given_peak, self.given_bandwidth), self.sequences.why_not
+            context = self._context
+            built = build_result(local, steps, rows, model, context, self.flops, global_step, peaks, apart)
         self.result = built or self.result  # a failed re-profile keeps the last result to build on
         if built is not None and sink.is_logging_rank and self.publish is not None:
             self.publish(built, self.options, log_dir, sink, self.guard, set(self._unwritable))

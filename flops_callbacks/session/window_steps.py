@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
-
-import torch
 
 from flops_callbacks.communication.breakdown import CommBreakdown
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.shape_flops import BatchCounts
+from flops_callbacks.session.token_layout import Layout, LayoutTensors, layout_tensors
 from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
@@ -115,12 +114,20 @@ class WindowStep:
     end_mark: Any = None
     ended: bool = False  # its end marked (a meta clock's marks are None)
     signatures: list[Signature] = field(default_factory=list)
-    batches: list[Any] = field(default_factory=list)  # the counting step's, for the Trainer's estimate
+    # each micro-batch, and how the adapter's step runs it again, where the window's end may count it
+    # (a token batch's sequences; a module-timing step's batch of other shapes than the counting step's)
+    batches: list[Any] = field(default_factory=list)
+    replays: list[Any] = field(default_factory=list)
     samples: int | None = 0  # None when a micro-batch's size could not be found
     tokens: int | None = None
     counts: BatchCounts | None = field(default_factory=BatchCounts.zero)  # None: a micro-batch's are unknown
     each: list[BatchCounts | None] = field(default_factory=list)  # each micro-batch's (None: unknown)
-    masks: list[torch.Tensor] = field(default_factory=list)  # attention masks (padding)
+    # each micro-batch's padding and packing: the tensors (read at the window's end, no synchronize in a
+    # timed step), then their layout; and its samples as read (a layout's sequences replace them)
+    layouts: list[LayoutTensors | None] = field(default_factory=list)
+    laid_out: list[Layout | None] = field(default_factory=list)
+    each_samples: list[int | None] = field(default_factory=list)
+    layout_samples: bool = True  # samples are a layout's sequences (no batch_size_fn of the user's)
     timer: ModuleTimer | None = None  # a module-timing step's marks
     outer: OuterCalls | None = None  # a clean step's outermost module calls (CPU: the hooks' cost)
     comm: CommBreakdown | None = None  # the communication step's split of its time
@@ -132,20 +139,32 @@ class WindowStep:
         samples: int | None,
         tokens: int | None,
         counts: BatchCounts | None,
+        replay: Any = None,
+        keep: bool = False,
     ) -> None:
-        """A micro-batch of this step (its kind decided): what it holds, its samples, tokens and flops."""
+        """A micro-batch of this step (its kind decided): what it holds, its samples, tokens and flops;
+        ``replay``: its step again, kept with the batch where it is a token batch or ``keep`` says so."""
         self.signatures.append(signature)
+        self.each_samples.append(samples)
         self.samples = None if samples is None or self.samples is None else self.samples + samples
         if tokens is not None:
             self.tokens = (self.tokens or 0) + tokens
         self.each.append(counts)
         self.counts = None if counts is None or self.counts is None else self.counts.plus(counts)
-        if self.kind == Kind.CLEAN:
-            mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-                self.masks.append(mask)  # read after the window: no synchronize in a timed step
-        if self.kind == Kind.COUNTING:
-            self.batches.append(batch)
+        layout = layout_tensors(batch)
+        self.layouts.append(layout)
+        held = keep or layout is not None or self.kind == Kind.COUNTING  # the counting step's: the estimate's
+        self.batches.append(batch if held else None)
+        self.replays.append(replay if held else None)
+
+    def read_layouts(self) -> None:
+        """Read each micro-batch's layout (after the window: it waits for the device); a layout's
+        sequences are the micro-batch's samples."""
+        self.laid_out = [t.read() if t is not None else None for t in self.layouts]
+        if self.layout_samples and any(self.laid_out):
+            read = zip(self.laid_out, self.each_samples, strict=True)
+            each = [lo.sequences if lo is not None else n for lo, n in read]
+            self.samples = None if any(n is None for n in each) else sum(n or 0 for n in each)
 
     def fill(self, index: int, counts: BatchCounts) -> None:
         """Micro-batch ``index``'s counts, found after it ran (counted off the clock)."""
@@ -174,8 +193,9 @@ class WindowStep:
 
     def work(self, counts: BatchCounts | None = None) -> StepWork:
         """What this step did; ``counts``: its flops when its own are not known (the profile's)."""
-        real = sum(int(m.sum()) for m in self.masks) if self.masks else None
-        positions = sum(m.numel() for m in self.masks) if self.masks else None
+        read = [lo for lo in self.laid_out if lo is not None]
+        real = sum(lo.real_tokens for lo in read) if read else None
+        positions = sum(lo.positions for lo in read) if read else None
         own = counts if counts is not None else self.counts or BatchCounts.zero()
         return StepWork(own, self.samples, self.tokens, real, positions)
 

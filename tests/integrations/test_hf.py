@@ -397,7 +397,8 @@ class StepClock(Probe):
 
 def test_throughput_is_logged_at_every_later_logging_step_over_every_steps_wall_time(tmp_path: Path) -> None:
     # batches of 4 and a last one of 2 in each epoch, first just after the window: a shape outside what
-    # the window verified is counted when it first arrives (in its interval): every interval logs flops
+    # the window verified is counted under fake tensors when it first arrives, out of its interval's
+    # clock (throughput/profiler_seconds says how long): every interval logs flops
     peak, clock, short, max_steps = 3e10, StepClock(), WINDOW_END + 1, WINDOW_END + 8
     callback = quiet(peak_flops=peak)
     trainer = make_trainer(
@@ -417,10 +418,14 @@ def test_throughput_is_logged_at_every_later_logging_step_over_every_steps_wall_
     scalars = tensorboard_scalars(trainer.args.output_dir)
     samples_logged = scalars["train/" + names.THROUGHPUT_SAMPLES_PER_SEC]
     flops_logged = dict(scalars.get("train/" + names.THROUGHPUT_FLOPS_PER_SEC, []))
+    own = dict(scalars["train/" + names.THROUGHPUT_PROFILER_SECONDS])
     logging = list(range(3, max_steps + 1, 3))
     assert [step for step, _ in samples_logged] == [s for s in logging if s > WINDOW_END]  # after the window
     sizes = {step: 2 if step % (short + 1) == short else BATCH for step in range(max_steps)}
     flops = callback.result.profile.model_flops  # of a 4-sequence step
+    first_short = min(s for s in range(WINDOW_END, max_steps) if sizes[s] == 2)
+    counted_in = min(step for step in own if step > first_short)
+    assert own[counted_in] > 0 and all(own[step] == 0 for step in own if step != counted_in)  # once
     previous = WINDOW_END
     for step, rate in samples_logged:
         interval = range(previous, step)
@@ -429,10 +434,16 @@ def test_throughput_is_logged_at_every_later_logging_step_over_every_steps_wall_
         # per sample as a 4-sequence step's (the loss's normalisation apart: a few flops in a million)
         assert flops_logged[step] / rate == pytest.approx(flops / BATCH, rel=1e-3)
         if previous > WINDOW_END:  # as in the Lightning test: both clocks include one log write
-            assert rate == pytest.approx(samples / (clock.ended[step] - clock.ended[previous]), rel=0.2)
+            wall = clock.ended[step] - clock.ended[previous] - own[step]
+            assert rate == pytest.approx(samples / wall, rel=0.2)
         previous = step
     # the loss is logged as without the callback, beside its own entries
     assert [step for step, _ in losses(trainer)] == logging
+    # the profile's files say what the profiler took after the window, at the run's end
+    after = saved_profile(trainer)["after_window"]
+    assert after["counts"] == 1 and after["seconds"] == pytest.approx(sum(own.values()), rel=1e-3)
+    report = profile_file(trainer.args.output_dir, "txt").read_text()
+    assert "profiler's own counting after the window (off throughput's clock)" in report
 
 
 def profiled_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:

@@ -65,8 +65,8 @@ def _gpt2() -> GPT2LMHeadModel:
 
 
 def _offline(trainer: Trainer, batch: dict[str, torch.Tensor]) -> int:
-    """The batch's model flops (fwd + bwd), counted by the engine on a real training step of a fresh
-    model of the same config."""
+    """The batch's flops as run (fwd + bwd, padding included), counted by the engine on a real training
+    step of a fresh model of the same config."""
     model = _gpt2().train()
     items = (batch["labels"] != -100).sum()
     tracer = CountingEngine(model)
@@ -104,8 +104,8 @@ def test_a_grouped_length_run_counts_its_new_shapes_off_the_clock(tmp_path: Path
     assert steps.shapes >= 10  # every clean step a length of its own, counted off the clock
     assert result.flops_sources.checked and result.flops_sources.uncertainty == 0
     assert result.flops_sources.on_steps == ""
-    for number, step in zip(steps.clean, result.clean.steps, strict=True):
-        assert step.work.counts.model_flops == _offline(trainer, collator.batches[number]), number
+    for number, step in zip(steps.clean, result.clean.steps, strict=True):  # each padded batch as run
+        assert step.work.counts.run_flops == _offline(trainer, collator.batches[number]), number
 
 
 VOCAB_L, WIDTH, BRANCH = 50, 16, 48  # the model's extra block runs on sequences longer than BRANCH

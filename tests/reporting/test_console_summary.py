@@ -59,7 +59,7 @@ def test_the_summary_holds_the_rates_the_split_the_verdict_the_top_modules_and_t
         f"{' flops_callbacks Flops Profiler ':-^78}",
         "Profile Summary at step 10 (full report: logs/flops_profile_step10.txt)",
         "FLOPS         300 FLOPS per device",  # (100 + 200) flops / (0.25 + 0.5 + 0.25) s
-        "MFU / HFU     MFU 30.00%, HFU 30.00%",  # 300 / 1000, no recompute
+        "MFU / HFU     MFU 30.00%, HFU 30.00% of 1 KFLOPS given",  # 300 / 1000, no recompute; the argument's
         "samples/s     16.00 (step)",  # 8 a step x 2 replicas / 1 s; no wall step was timed
         "tokens/s      2048.00 (step)",
         "median step   fwd        bwd        step       iter",

@@ -138,6 +138,14 @@ def formulas(rows: dict[str, str]) -> dict[str, Callable[[Callable[[str], float]
     flops (their median), printed in a row of their own and named in the labels."""
     clean = next((label for label in rows if label.startswith("clean step's fwd / bwd / recompute")), None)
     of = "clean step's " if clean else ""
+    padded = next((label for label in rows if label.startswith(f"{of}model fwd / bwd flops")), None)
+    m = "model " if padded else ""
+
+    def model_flops(v: Callable[[str], float], name: str) -> float:
+        """The model's work on the real tokens (padding or packing: printed apart), else the run's."""
+        if padded is not None and name != "recompute":
+            return number(rows[padded].split(" / ")[("fwd", "bwd").index(name)])
+        return flops(v, name)
 
     def flops(v: Callable[[str], float], name: str) -> float:
         if clean is not None:
@@ -151,10 +159,10 @@ def formulas(rows: dict[str, str]) -> dict[str, Callable[[Callable[[str], float]
         return v("fwd latency") + v("bwd latency") + v("step latency")
 
     def fwd_bwd(v: Callable[[str], float]) -> float:
-        return flops(v, "fwd") + flops(v, "bwd")
+        return model_flops(v, "fwd") + model_flops(v, "bwd")
 
     def hardware(v: Callable[[str], float]) -> float:
-        return fwd_bwd(v) + flops(v, "recompute")
+        return flops(v, "fwd") + flops(v, "bwd") + flops(v, "recompute")
 
     def per_dp(v: Callable[[str], float], label: str) -> float:
         return v(label) * (v("data parallel size") if "data parallel size" in rows else 1) / iter_latency(v)
@@ -167,17 +175,19 @@ def formulas(rows: dict[str, str]) -> dict[str, Callable[[Callable[[str], float]
         "fwd flops of model = fwd flops per GPU * mp_size": lambda v: (
             v("fwd flops per GPU") * v("model parallel size")
         ),
-        f"fwd FLOPS per GPU = {of}fwd flops per GPU / fwd latency": lambda v: (
-            flops(v, "fwd") / v("fwd latency")
+        f"fwd FLOPS per GPU = {of}{m}fwd flops per GPU / fwd latency": lambda v: (
+            model_flops(v, "fwd") / v("fwd latency")
         ),
-        f"bwd FLOPS per GPU = {of}bwd flops per GPU / bwd latency": lambda v: (
-            flops(v, "bwd") / v("bwd latency")
+        f"bwd FLOPS per GPU = {of}{m}bwd flops per GPU / bwd latency": lambda v: (
+            model_flops(v, "bwd") / v("bwd latency")
         ),
-        f"fwd+bwd FLOPS per GPU = {of}fwd+bwd flops per GPU / (fwd+bwd latency)": lambda v: (
+        f"fwd+bwd FLOPS per GPU = {of}{m}fwd+bwd flops per GPU / (fwd+bwd latency)": lambda v: (
             fwd_bwd(v) / (v("fwd latency") + v("bwd latency"))
         ),
         "iter latency": iter_latency,  # the notations' definition: fwd + bwd + step latency
-        f"FLOPS per GPU = {of}fwd+bwd flops per GPU / iter latency": lambda v: fwd_bwd(v) / iter_latency(v),
+        f"FLOPS per GPU = {of}{m}fwd+bwd flops per GPU / iter latency": lambda v: (
+            fwd_bwd(v) / iter_latency(v)
+        ),
         f"hardware FLOPS per GPU = {of}fwd+bwd+recompute flops per GPU / iter latency": lambda v: (
             hardware(v) / iter_latency(v)
         ),
@@ -191,7 +201,9 @@ def formulas(rows: dict[str, str]) -> dict[str, Callable[[Callable[[str], float]
             v, "tokens per step per GPU"
         ),
         "bwd / fwd flops": lambda v: v("bwd flops per GPU (measured)") / v("fwd flops per GPU"),
-        f"MFU = ({of}fwd+bwd flops) / iter latency / peak": lambda v: fwd_bwd(v) / iter_latency(v) / v(peak),
+        f"MFU = ({of}{m}fwd+bwd flops) / iter latency / peak": lambda v: (
+            fwd_bwd(v) / iter_latency(v) / v(peak)
+        ),
         f"HFU = ({of}fwd+bwd+recompute flops) / iter latency / peak": lambda v: (
             hardware(v) / iter_latency(v) / v(peak)
         ),

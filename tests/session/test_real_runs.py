@@ -96,6 +96,34 @@ def engine_counts(batch: dict[str, torch.Tensor], hf: bool) -> BatchCounts:
     return BatchCounts.of(tracer.profile().model)
 
 
+def rows_alone(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Each row of a padded batch cut to its real tokens: the sequences as if run alone."""
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    return [{k: v[r : r + 1, :n] for k, v in batch.items()} for r, n in enumerate(lengths)]
+
+
+def model_passes(batch: dict[str, torch.Tensor], hf: bool) -> tuple[int, int]:
+    """The forward and backward flops of a padded batch's rows, each counted alone on its real tokens
+    (the HF Trainer's loss divisor is the batch's, as its step passes it to every row)."""
+    extra = {"num_items_in_batch": (batch["labels"][:, 1:] != -100).sum()} if hf else {}
+    fwd = bwd = 0
+    for row in rows_alone(batch):
+        model = gpt2()
+        engine = CountingEngine(model)
+        engine.start()
+        try:
+            model(**row, **extra).loss.backward()
+        finally:
+            engine.stop()
+        fwd, bwd = fwd + engine.profile().model.fwd_flops, bwd + engine.profile().model.bwd_flops
+    return fwd, bwd
+
+
+def work(batch: dict[str, torch.Tensor], hf: bool) -> BatchCounts:
+    """A padded batch's counts as run, its model slots its rows' own."""
+    return engine_counts(batch, hf).with_model(*model_passes(batch, hf))
+
+
 def torch_dense_flops(batch: dict[str, torch.Tensor]) -> int:
     """torch's own count of the same forward and backward (SDPA's math backend: attention as matmuls)."""
     model = gpt2()
@@ -114,21 +142,26 @@ def check_window(
     clean = [batches[s] for s in steps["clean"]]
     assert len({b["input_ids"].shape for b in clean}) > 1  # the clean steps had other shapes
     # the flops of the clean steps' batches, as the engine counts each of them on its own
+    each = [work(batch, hf) for batch in clean]
     counted = BatchCounts.zero()
-    for batch in clean:
-        counted = counted.plus(engine_counts(batch, hf))
-    assert BatchCounts(**totals["counts"]) == counted  # predicted = counted, exactly
+    for counts in each:
+        counted = counted.plus(counts)
+    # predicted = counted, exactly: the batches as run, and the model's work on their rows alone
+    assert BatchCounts.from_dict(totals["counts"]) == counted
     # and independently: torch's counter sees the dense work, 2 x our MACs (the fused attention's
     # backward re-running its forward is recompute, which the math backend has not)
     dense = sum(torch_dense_flops(b) for b in clean)
     assert dense == 2 * (counted.fwd_macs + counted.bwd_macs)
+    # the model flops leave the padding out: torch's count of the rows alone, and our elementwise work
+    alone = sum(torch_dense_flops(row) for b in clean for row in rows_alone(b))
+    ratio = counted.model_flops / alone
+    assert alone < counted.model_flops < dense and ratio < 1.3, ratio
     # the latencies and rates: the clean step of the median FLOPS (its own flops over its own time)
-    each = [engine_counts(batch, hf) for batch in clean]
     iters = totals["iter_seconds_per_step"]
     rates = [c.model_flops / t for c, t in zip(each, iters, strict=True)]
     at = rates.index(sorted(rates)[(len(rates) - 1) // 2])
     median = each[at]
-    assert BatchCounts(**saved["clean_median_step"]["counts"]) == median
+    assert BatchCounts.from_dict(saved["clean_median_step"]["counts"]) == median
     seconds, iter_latency = totals["seconds"], metrics[names.ITER_LATENCY]
     assert iter_latency == pytest.approx(iters[at], rel=1e-12)
     assert (
@@ -163,12 +196,13 @@ def check_window(
         in report
     )
     check_arithmetic(report)  # every formula row, from the printed values (the clean step's flops, printed)
-    # per-module latencies only from a module-timing step with the counting step's batch shapes
+    # per-module latencies whatever the module-timing steps' shapes: the tree is the timed step's batch's
     timed = [m["fwd_latency"] for m in saved["profile"]["modules"].values()]
-    if steps["module_shapes_match"]:
-        assert any(t > 0 for t in timed)
-    else:
-        assert timed == [0.0] * len(timed) and "had other batch shapes than step" in report
+    assert steps["module_shapes_match"] and any(t > 0 for t in timed)
+    profiled = steps["counting"] if steps["profile_step"] is None else steps["profile_step"]
+    assert profiled == steps["counting"] or profiled in steps["module_timing"]
+    root = saved["profile"]["modules"][""]
+    assert 2 * (root["fwd_macs"] + root["bwd_macs"]) == torch_dense_flops(batches[profiled])
 
 
 def tensorboard_steps(directory: Path, tag: str) -> list[int]:

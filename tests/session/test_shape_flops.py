@@ -71,3 +71,30 @@ def test_counts_that_are_no_polynomial_keep_being_counted() -> None:
     for length in (8, 9, 10, 11, 12, 13):  # padded internally to a multiple of 8: a step, no polynomial
         table.record((((1, length), torch.int64),), BatchCounts(-(-length // 8) * 8, 0, 0, 0, 0, 0))
     assert table.get((((1, 30), torch.int64),)) is None
+
+
+def test_after_the_window_a_length_beyond_every_counted_one_is_extrapolated_on_one_fit_of_all() -> None:
+    model, table = tiny_gpt2(), ShapeFlops()
+    for length in (16, 24, 40, 72):
+        inputs = batch(length)
+        table.record(shape_signature(inputs), counted(model, inputs))
+    for length in (8, 100):  # below and above every counted length
+        inputs = batch(length)
+        signature = shape_signature(inputs)
+        assert table.get(signature) is None  # in the window: counted first
+        assert table.source(signature) == "extrapolated"
+        assert table.get(signature, beyond=True) == counted(model, inputs)  # one parabola fits all four
+        assert table.current(signature) == float(counted(model, inputs).run_flops)
+
+
+def test_no_extrapolation_where_no_one_polynomial_fits_every_counted_point() -> None:
+    table = ShapeFlops()
+    for length in (2, 3, 5, 6, 10, 11, 13, 14):  # counts = 3 L below 8, 3 L + 100 above: a branch
+        ids = torch.zeros(1, length, dtype=torch.long)
+        flops = 3 * length + (100 if length > 8 else 0)
+        table.record(shape_signature({"input_ids": ids}), BatchCounts(flops, 0, 0, 0, 0, 0))
+    beyond = shape_signature({"input_ids": torch.zeros(1, 20, dtype=torch.long)})
+    assert table.get(beyond, beyond=True) is None and table.source(beyond) == "unknown"
+    for length, flops in ((4, 12), (12, 136)):  # each side of the branch fits on its own, in its range
+        inside = shape_signature({"input_ids": torch.zeros(1, length, dtype=torch.long)})
+        assert table.get(inside) == BatchCounts(flops, 0, 0, 0, 0, 0)

@@ -1,0 +1,198 @@
+"""The model's work on a batch's real tokens: each sequence of a padded batch counted as if run alone,
+under fake tensors, the fewest lengths counted (the extremes first) and the rest predicted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+from flops_callbacks import metrics as names
+from flops_callbacks.counting.engine import CountingEngine
+from flops_callbacks.options import Options
+from flops_callbacks.phase_names import BACKWARD, OPTIMIZER_STEP
+from flops_callbacks.reporting.publish import publish
+from flops_callbacks.session.batch import shape_signature
+from flops_callbacks.session.off_clock import OffClock, Replay
+from flops_callbacks.session.sequence_flops import LaidOut, SequenceFlops
+from flops_callbacks.session.shape_flops import BatchCounts
+from flops_callbacks.session.step_session import StepSession
+from flops_callbacks.session.token_layout import layout_tensors
+
+VOCAB, WIDTH = 50, 16
+
+
+class Attending(nn.Module):
+    """Tokens attending to each other over their mask: its work is quadratic in the sequence's length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        scores = (h @ h.transpose(-1, -2)).masked_fill(attention_mask[:, None, :] == 0, -1e9)
+        return self.out(scores.softmax(-1) @ h)
+
+
+def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    model(batch["input_ids"], batch["attention_mask"]).sum().backward()
+
+
+def counted(model: nn.Module, batch: dict[str, torch.Tensor]) -> BatchCounts:
+    """The engine's count of one step's first micro-batch (no gradient to add to)."""
+    model.zero_grad(set_to_none=True)
+    engine = CountingEngine(model)
+    engine.start()
+    try:
+        step(model, batch)
+    finally:
+        engine.stop()
+    model.zero_grad(set_to_none=True)
+    return BatchCounts.of(engine.totals()[0])
+
+
+def padded(lengths: list[int]) -> dict[str, torch.Tensor]:
+    longest = max(lengths)
+    ids = torch.randint(1, VOCAB, (len(lengths), longest), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1] * n + [0] * (longest - n) for n in lengths])
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+def laid_out(batch: dict[str, Any], replay: Any) -> LaidOut:
+    held = layout_tensors(batch)
+    assert held is not None
+    return LaidOut(held.read(), batch, shape_signature(batch), replay)
+
+
+def test_a_padded_batchs_model_work_is_its_rows_alone_four_lengths_counted_for_eight() -> None:
+    torch.manual_seed(0)
+    model = Attending()
+    lengths = [2, 3, 4, 5, 6, 7, 8, 9]
+    batch = padded(lengths)
+    off_clock = OffClock()
+    off_clock.why_not = ""  # a fake count matched the real one (the counting step's trial)
+    sequences = SequenceFlops()
+    item = laid_out(batch, Replay(step, batch))
+    sequences.settle(model, off_clock, [item])
+    # the ends first (2 and 9), then the middle: a quadratic and its check, the other four predicted
+    assert sequences.counts == 4
+    as_run = counted(model, batch)
+    model_counts = sequences.model_counts(as_run, item)
+    assert model_counts is not None
+    alone = [counted(model, {k: v[r : r + 1, :n] for k, v in batch.items()}) for r, n in enumerate(lengths)]
+    assert model_counts.model_fwd_flops == sum(c.fwd_flops for c in alone)
+    assert model_counts.model_bwd_flops == sum(c.bwd_flops for c in alone)
+    assert model_counts.run_flops == as_run.run_flops > model_counts.model_flops  # padding: run, not model's
+
+
+def test_without_a_step_to_replay_the_model_work_is_the_runs_and_why_is_said() -> None:
+    batch = padded([2, 5])
+    sequences = SequenceFlops()
+    off_clock = OffClock()
+    item = laid_out(batch, "the loop gives no step function")
+    sequences.settle(Attending(), off_clock, [item])
+    assert sequences.counts == 0 and sequences.why_not == "the loop gives no step function"
+    assert sequences.model_counts(BatchCounts(10, 20, 0, 5, 10, 0), item) is None
+
+
+def test_a_plain_batch_is_its_own_model_work_with_nothing_counted() -> None:
+    batch = padded([4, 4])
+    sequences = SequenceFlops()
+    item = laid_out(batch, None)
+    sequences.settle(Attending(), OffClock(), [item])
+    counts = BatchCounts(10, 20, 0, 5, 10, 0)
+    assert sequences.counts == 0 and sequences.model_counts(counts, item) == counts
+
+
+class Sink:
+    """Keeps the metrics logged; no files, no console."""
+
+    is_logging_rank = True
+
+    def __init__(self) -> None:
+        self.logged: list[dict[str, float]] = []
+
+    def log_dir(self) -> None:
+        return None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.logged.append(metrics)
+
+    def console(self, text: str) -> None:
+        pass
+
+    def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
+        pass
+
+
+def packed(lengths: list[int]) -> dict[str, torch.Tensor]:
+    """One row of sequences of ``lengths``, packed: position ids restart at each."""
+    total = sum(lengths)
+    ids = torch.randint(1, VOCAB, (1, total), generator=torch.Generator().manual_seed(total))
+    positions = torch.cat([torch.arange(n) for n in lengths]).view(1, total)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": positions}
+
+
+def packed_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    step(model, {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
+
+
+def test_packed_rows_after_the_window_meter_sequences_as_samples_and_their_work_alone() -> None:
+    torch.manual_seed(0)
+    model = Attending()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = Options(profile_step=0, clean_steps=2, flops_audit=0)
+    session = StepSession(options, "test", publish=publish)
+    session.train_start(0)
+    rows = [[3, 5, 2], [4, 4], [6, 1, 3], [2, 2, 2, 2], [5, 5], [7, 3], [1, 8], [3, 3, 3]]
+    window = len(laid_out_window(session, model, optimizer, rows))
+    assert session.result is not None and session.result.layout is not None
+    assert session.result.layout.packed
+    after = [[2, 8], [4, 3, 3], [9, 1], [1, 1, 8]]  # rows the window counted; lengths it can predict
+    sink = Sink()
+    for i, lengths in enumerate(after):
+        run_step(session, model, optimizer, packed(lengths), window + i, sink)
+    session.log_throughput(window + len(after), sink)
+    (metrics,) = sink.logged
+    sequences = sum(len(lengths) for lengths in after)
+    alone = sum(counted(model, packed([n])).run_flops for lengths in after for n in lengths)
+    per_sample = metrics[names.THROUGHPUT_FLOPS_PER_SEC] / metrics[names.THROUGHPUT_SAMPLES_PER_SEC]
+    assert per_sample == pytest.approx(alone / sequences, rel=1e-9)  # a sequence is a sample: its own work
+    assert metrics[names.THROUGHPUT_PROFILER_SECONDS] == 0.0  # every length predicted: nothing counted
+    session.train_end(window + len(after), sink)
+
+
+def run_step(
+    session: StepSession,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    number: int,
+    sink: Sink,
+) -> None:
+    session.step_start(number, model)
+    optimizer.zero_grad()
+    session.micro_batch_start(batch, Replay(packed_step, batch))
+    loss = model(batch["input_ids"], batch["attention_mask"]).sum()
+    session.phase(BACKWARD)
+    loss.backward()
+    session.micro_batch_end()
+    session.phase(OPTIMIZER_STEP)
+    optimizer.step()
+    session.step_end(number + 1, sink)
+
+
+def laid_out_window(
+    session: StepSession, model: nn.Module, optimizer: torch.optim.Optimizer, rows: list[list[int]]
+) -> list[int]:
+    """Steps of packed rows until the window ended; their numbers."""
+    ran = []
+    for number, lengths in enumerate(rows):
+        if session.result is not None:
+            break
+        run_step(session, model, optimizer, packed(lengths), number, Sink())
+        ran.append(number)
+    return ran

@@ -1,0 +1,94 @@
+"""A token batch's layout: padding from ``attention_mask``, packing from ``position_ids`` that restart,
+``cu_seq_lens_*`` or ``seq_idx``; and one of its sequences cut out as a batch of its own."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from flops_callbacks.session.token_layout import layout_tensors, one_sequence
+
+
+def test_right_and_left_padding_give_each_row_its_real_tokens() -> None:
+    ids = torch.arange(14).view(2, 7)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]])
+    held = layout_tensors({"input_ids": ids, "attention_mask": mask, "labels": ids})
+    assert held is not None
+    layout = held.to_host().read()
+    assert (layout.rows, layout.length, layout.lengths) == (2, 7, Counter({5: 2}))
+    assert (layout.sequences, layout.real_tokens, layout.positions) == (2, 10, 14)
+    assert not layout.plain and layout.where[5] == (0, 0)  # the first row's run of five
+
+
+def test_position_ids_that_restart_are_packed_sequences() -> None:
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0]])
+    held = layout_tensors({"input_ids": torch.arange(10).view(1, 10), "position_ids": positions})
+    assert held is not None
+    layout = held.read()
+    assert layout.lengths == Counter({3: 1, 2: 1, 4: 1, 1: 1}) and layout.sequences == 4
+    assert layout.where == {3: (0, 0), 2: (0, 3), 4: (0, 5), 1: (0, 9)}
+    assert (layout.real_tokens, layout.positions) == (10, 10)  # packed: no padding
+
+
+def test_flash_attention_boundaries_and_sequence_ids_tell_the_same_sequences() -> None:
+    ids = torch.arange(10).view(1, 10)
+    cumulative = torch.tensor([0, 3, 5, 9, 10])
+    by_bounds = layout_tensors({"input_ids": ids, "cu_seq_lens_q": cumulative, "cu_seq_lens_k": cumulative})
+    by_index = layout_tensors({"input_ids": ids, "seq_idx": torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3]])})
+    assert by_bounds is not None and by_index is not None
+    assert by_bounds.read().lengths == by_index.read().lengths == Counter({3: 1, 2: 1, 4: 1, 1: 1})
+
+
+def test_a_packed_row_padded_at_its_end_leaves_the_padding_out() -> None:
+    batch = {
+        "input_ids": torch.arange(8).view(1, 8),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 0, 0]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0]]),
+    }
+    held = layout_tensors(batch)
+    assert held is not None
+    layout = held.read()
+    assert layout.lengths == Counter({3: 1, 2: 1}) and (layout.real_tokens, layout.positions) == (5, 8)
+
+
+def test_a_full_mask_is_plain_and_a_batch_without_one_tells_nothing() -> None:
+    ids = torch.ones(2, 3, dtype=torch.long)
+    held = layout_tensors({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert held is not None and held.read().plain
+    assert layout_tensors({"input_ids": ids, "labels": ids}) is None
+    assert layout_tensors((ids, ids)) is None  # not a mapping: no names to read
+    assert layout_tensors({"pixel_values": torch.ones(2, 3, 4, 4), "labels": torch.ones(2)}) is None
+
+
+def test_one_sequence_cuts_every_token_tensor_and_rewrites_the_boundaries() -> None:
+    ids = torch.arange(10).view(1, 10)
+    batch = {
+        "input_ids": ids,
+        "labels": ids + 100,
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 0]]),
+        "cu_seq_lens_q": torch.tensor([0, 3, 5, 9, 10]),
+        "max_length_q": 4,
+    }
+    held = layout_tensors(batch)
+    assert held is not None
+    layout = held.read()
+    args = (batch, torch.tensor(7))  # the HF Trainer's step: the inputs and num_items_in_batch
+    inputs, items = one_sequence(args, layout, 4)
+    assert inputs["input_ids"].tolist() == [[5, 6, 7, 8]]
+    assert inputs["labels"].tolist() == [[105, 106, 107, 108]]
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 3]]
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 4] and inputs["max_length_q"] == 4
+    assert int(items) == 7  # no token tensor: as it was
+
+
+def test_one_sequence_of_a_padded_batch_takes_its_row_and_per_row_tensors() -> None:
+    ids = torch.arange(14).view(2, 7)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1]])
+    batch = {"input_ids": ids, "attention_mask": mask, "score": torch.tensor([0.5, 2.0])}
+    held = layout_tensors(batch)
+    assert held is not None
+    layout = held.read()
+    cut = one_sequence(batch, layout, 5)
+    assert cut["input_ids"].tolist() == [[9, 10, 11, 12, 13]] and cut["attention_mask"].tolist() == [[1] * 5]
+    assert cut["score"].tolist() == [2.0]
