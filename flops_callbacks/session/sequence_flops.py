@@ -15,7 +15,6 @@ model's config: the sequence's own count is measured, whatever the model.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -61,25 +60,27 @@ class SequenceFlops:
         self.table = ShapeFlops()
         self.why_not = ""  # why a batch's model work could not be told apart from its run ("": it could)
         self.counts = 0  # one-sequence fake counts run
-        self.seconds = 0.0  # their time
         self._alone: dict[tuple[tuple, int], Signature] = {}
 
     def forget(self) -> None:
         """A new run: nothing counted yet."""
-        self.table, self.why_not, self.counts, self.seconds, self._alone = ShapeFlops(), "", 0, 0.0, {}
+        self.table, self.why_not, self.counts, self._alone = ShapeFlops(), "", 0, {}
 
-    def alone_signature(self, item: LaidOut, n: int) -> Signature:
+    def alone_signature(self, item: LaidOut, n: int, kind: tuple | None = None) -> Signature:
         """The signature of one sequence of ``n`` tokens cut out of ``item``'s batch (found once for
-        batches alike but for their rows and length: a padded batch's length changes every step)."""
-        key = (_kind(item.signature, item.layout.rows, item.layout.length), n)
+        batches alike but for their rows and length, ``kind``: a padded batch's length changes every
+        step)."""
+        key = (kind or _kind(item.signature, item.layout.rows, item.layout.length), n)
         found = self._alone.get(key)
         if found is None:
             found = self._alone[key] = shape_signature(one_sequence(item.batch, item.layout, n))
         return found
 
-    def lookup(self, item: LaidOut, n: int, beyond: bool = False) -> BatchCounts | None:
+    def lookup(
+        self, item: LaidOut, n: int, beyond: bool = False, kind: tuple | None = None
+    ) -> BatchCounts | None:
         """A sequence's counts from the table (counted or predicted; ``beyond``: extrapolated too)."""
-        return self.table.get(self.alone_signature(item, n), beyond=beyond)
+        return self.table.get(self.alone_signature(item, n, kind), beyond=beyond)
 
     def count(self, model: torch.nn.Module, off_clock: OffClock, item: LaidOut, n: int) -> BatchCounts | None:
         """One sequence of ``n`` tokens of ``item`` counted under fake tensors, kept in the table; None
@@ -88,10 +89,8 @@ class SequenceFlops:
         if not isinstance(replay, Replay) or not off_clock.usable(replay):
             self.why_not = self.why_not or off_clock.reason(replay)
             return None
-        start = time.perf_counter()
         counts = off_clock.count(model, Replay(replay.step, one_sequence(replay.args, item.layout, n)), False)
         self.counts += 1
-        self.seconds += time.perf_counter() - start
         if counts is None:
             self.why_not = self.why_not or off_clock.reason(replay)
             return None
@@ -122,8 +121,9 @@ class SequenceFlops:
         """The forward and backward flops of ``item``'s sequences, each alone; None where one's are
         unknown."""
         fwd = bwd = 0
+        kind = _kind(item.signature, item.layout.rows, item.layout.length)
         for n, k in item.layout.lengths.items():
-            alone = self.lookup(item, n, beyond)
+            alone = self.lookup(item, n, beyond, kind)
             if alone is None:
                 return None
             fwd, bwd = fwd + k * alone.fwd_flops, bwd + k * alone.bwd_flops

@@ -4,8 +4,9 @@ A profile is a short window of steps, each doing one job on its own clock, laid 
 :mod:`.window_plan`: the counting step counts every op (its times feed no figure), the module-timing steps
 mark module calls only, the check counts a known shape again, the clean steps mark the phases. Each
 batch's flops come from :class:`~flops_callbacks.session.shape_flops.ShapeFlops`, or off the clock
-(:mod:`.off_clock`); :mod:`.builder` builds the figures; after the window,
-:mod:`flops_callbacks.session.meter` logs ``throughput/*`` with the same table.
+(:mod:`.off_clock`), a token batch's model work from its sequences (:mod:`.sequence_flops`);
+:mod:`.builder` builds the figures; after the window, :mod:`flops_callbacks.session.meter` logs
+``throughput/*`` with the same tables.
 
 An adapter maps its framework's events onto this object: :mod:`flops_callbacks.session.adapter_api`.
 

@@ -113,9 +113,8 @@ def _padded_rows(mask: torch.Tensor) -> Layout | None:
     """The layout of a padded batch whose every row holds one run of real tokens (padded on the right or
     the left); None where a row holds several (then read as packed)."""
     real = mask.to(torch.bool)
-    runs = real[:, 0].long() + (real[:, 1:] & ~real[:, :-1]).sum(1)  # runs of real tokens, each row
-    first = torch.where(real.any(1), real.long().argmax(1), 0)
-    lengths, counted, starts = real.sum(1).tolist(), runs.tolist(), first.tolist()
+    runs = real[:, 0] + (real[:, 1:] > real[:, :-1]).sum(1)  # runs of real tokens, each row
+    lengths, counted, starts = torch.stack((real.sum(1), runs, real.byte().argmax(1))).tolist()
     if any(n > 1 for n in counted):
         return None
     counts: Counter[int] = Counter()
