@@ -36,6 +36,7 @@ JOBS = {
         ["benchmarks/hf_overhead.py"],
         ["benchmarks/throughput_overhead.py"],
         ["benchmarks/timing_truth.py"],
+        ["benchmarks/energy_cost.py"],
     ],
 }
 

@@ -26,7 +26,13 @@ check environment 20 bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.
   $PY -c 'import torch, lightning, transformers, accelerate; print(torch.__version__, torch.version.cuda,
   torch.cuda.get_device_name(), lightning.__version__, transformers.__version__, accelerate.__version__)'"
 check cuda-tests 60 "$PY" -m pytest -q -p no:cacheprovider -rs tests/timing/test_clock.py \
-    tests/timing/test_phase_memory.py tests/communication/test_recorder.py tests/test_peaks.py
+    tests/timing/test_phase_memory.py tests/communication/test_recorder.py tests/test_peaks.py \
+    tests/timing/test_kernel_clock.py
+# the module tree against an unhooked run's kernels, the device's idle share (GPU-bound and launch-bound)
+check module-kernels 150 "$PY" benchmarks/module_kernels.py --cases gpt2-124m-8x1024,gpt2-124m-2x128,mlp
+# the real traces the CPU tests read (tests/timing/kernel_traces), one archive back
+check kernel-traces 60 bash -c "$PY benchmarks/module_kernels.py --record $OUT/kernel_traces &&
+  tar -czf $OUT/kernel_traces.tar.gz -C $OUT kernel_traces && rm -r $OUT/kernel_traces"
 # the CPU's gloo goal on a machine with more cores than ranks x threads (the shared CI machine has 2):
 # whether the 2-core machine's spread is the machine's (it is not only: benchmarks/README.md, "On 16 cores"), against
 # the training step's own sync - no_sync ("The framework's own step as the truth"; the outside steps' beside it)
@@ -35,6 +41,9 @@ check window-and-mfu 90 "$PY" benchmarks/gpu_window.py --repeats 2
 check timing-truth-124m 70 "$PY" benchmarks/timing_truth.py --device cuda --bf16 --cases gpt2-124m --repeats 3
 check timing-truth-small 40 "$PY" benchmarks/timing_truth.py --device cuda --bf16 --cases gpt2-small,mlp --repeats 1
 check step-profiler-truth 45 "$PY" benchmarks/step_profiler_truth.py --device cuda
+# joules per step from the window against NVML's counter read by the loop around the same clean steps, and
+# the mean power against the GPU's limit (needs nvidia-ml-py: the energy extra; exit 2 says what is missing)
+check energy 40 "$PY" benchmarks/energy_truth.py --device cuda
 check generation-truth 45 "$PY" benchmarks/generation_truth.py --device cuda --bf16 --models gpt2,gpt2-124m --repeats 3
 check comm-truth-nccl 90 "$PY" benchmarks/comm_truth.py --device cuda --frameworks loop --pairs 50
 # what a fresh process's first profile times that its second does not (0.130 against 0.104 s on one H100)

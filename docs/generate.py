@@ -62,6 +62,12 @@ BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- /generated -->)", r
 PLAN = re.compile(r"(<!-- plan: (\w+) -->)(.*?)(<!-- /plan -->)")
 # a metric's unit, by the end of its name (the first that matches)
 UNITS = (
+    ("per_joule", "tokens/J"),
+    ("energy_per_step", "J"),
+    ("energy_per_sample", "J"),
+    ("energy_per_token", "J"),
+    ("energy", "J"),
+    ("power", "W"),
     ("flops_per_sec", "flop/s"),
     ("samples_per_sec", "samples/s"),
     ("tokens_per_sec", "tokens/s"),
@@ -77,11 +83,16 @@ UNITS = (
     ("bytes", "byte"),
     ("fraction", "fraction"),
     ("overlap", "fraction"),
+    ("busy_fwd", "fraction"),
+    ("busy_bwd", "fraction"),
+    ("busy_step", "fraction"),
+    ("device_idle", "fraction"),
     ("mfu", "fraction"),
     ("hfu", "fraction"),
     ("mbu", "fraction"),
     ("params", "count"),
     ("steps", "count"),
+    ("slow_rank", "rank"),
     ("report", "text"),
     ("profile", "HTML"),
 )

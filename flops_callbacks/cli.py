@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from flops_callbacks.communication.slow_rank_report import slow_rank_text
 from flops_callbacks.files import write_text
 from flops_callbacks.generation.json_file import read_generation
 from flops_callbacks.generation.report import generation_picture, render_generation
@@ -240,6 +241,9 @@ def _diff_text(
     paint: _Paint,
 ) -> str:
     lines = [paint("flops_callbacks diff", BOLD), _run_line("A", a), _run_line("B", b)]
+    for label, saved in (("A", a), ("B", b)):  # several ranks: the rank the others wait for, or none
+        if saved.result.slow_rank is not None:
+            lines.append(f"slow rank, {label}: {slow_rank_text(saved.result.slow_rank)}")
     if note:
         lines += ["", paint(f"NOTE: {note}.", RED)]
     for label, saved in (("A", a), ("B", b)):

@@ -30,12 +30,22 @@ __all__ = [
     "COMM_OVERLAP",
     "DATA_LATENCY",
     "DECODE_BYTES_PER_TOKEN",
+    "DECODE_ENERGY_PER_TOKEN",
     "DECODE_FLOPS_PER_TOKEN",
     "DECODE_FORWARD_LATENCY",
     "DECODE_LATENCY_P90",
     "DECODE_LATENCY_PER_TOKEN",
     "DECODE_MBU",
     "DECODE_MFU",
+    "DEVICE",
+    "DEVICE_BUSY_BWD",
+    "DEVICE_BUSY_FWD",
+    "DEVICE_BUSY_STEP",
+    "DEVICE_IDLE",
+    "ENERGY",
+    "ENERGY_PER_SAMPLE",
+    "ENERGY_PER_STEP",
+    "ENERGY_PER_TOKEN",
     "EXPOSED_COMM_LATENCY",
     "FLOPS_PER_SEC",
     "FWD_BYTES",
@@ -44,8 +54,12 @@ __all__ = [
     "FWD_LATENCY",
     "FWD_MACS",
     "GENERATION",
+    "GENERATION_ENERGY",
+    "GENERATION_ENERGY_PER_TOKEN",
     "GENERATION_LATENCY",
+    "GENERATION_POWER",
     "GENERATION_PREFIX",
+    "GENERATION_TOKENS_PER_JOULE",
     "GENERATION_TOKENS_PER_SEC",
     "GENERATION_WITH_PEAK",
     "HARDWARE_FLOPS_PER_SEC",
@@ -57,7 +71,9 @@ __all__ = [
     "PADDING",
     "PADDING_FRACTION",
     "PARAMS",
+    "POWER",
     "PREFILL_BYTES",
+    "PREFILL_ENERGY",
     "PREFILL_FLOPS",
     "PREFILL_LATENCY",
     "PREFILL_MBU",
@@ -69,15 +85,23 @@ __all__ = [
     "RECOMPUTE_FLOPS",
     "SAMPLES_PER_SEC",
     "SAVED_ACTIVATION_BYTES",
+    "SLOW",
+    "SLOW_RANK",
+    "SLOW_RANK_EXTRA_LATENCY",
+    "SLOW_RANK_WAIT_LATENCY",
     "STEP_LATENCY",
     "THROUGHPUT",
+    "THROUGHPUT_ENERGY",
     "THROUGHPUT_FLOPS_PER_SEC",
     "THROUGHPUT_MFU",
+    "THROUGHPUT_POWER",
     "THROUGHPUT_PREFIX",
     "THROUGHPUT_PROFILER_SECONDS",
     "THROUGHPUT_SAMPLES_PER_SEC",
+    "THROUGHPUT_TOKENS_PER_JOULE",
     "THROUGHPUT_TOKENS_PER_SEC",
     "TIME_TO_FIRST_TOKEN",
+    "TOKENS_PER_JOULE",
     "TOKENS_PER_SEC",
     "WALL",
     "WALL_LATENCY",
@@ -134,6 +158,30 @@ EXPOSED_COMM_LATENCY = PREFIX + "exposed_comm_latency"  # communication while no
 COMM_OVERLAP = PREFIX + "comm_overlap"  # communication under compute / communication, 0..1
 IDLE_LATENCY = PREFIX + "idle_latency"  # seconds of the step with neither compute nor communication
 
+# With several ranks, the rank the others wait for (docs/several-processes.md), from every rank's own time in
+# each part of its step (data, forward, backward, optimizer step: the part less its waiting):
+SLOW_RANK = PREFIX + "slow_rank"  # the rank the others wait for; -1: none stands out beyond the ranks' noise
+# the slow rank's own seconds a step in the part where it stands out, beyond the other ranks' median (0: none)
+SLOW_RANK_EXTRA_LATENCY = PREFIX + "slow_rank_extra_latency"
+# seconds a step each other rank waits for the slow rank, their mean: the job's time lost a step (0: none)
+SLOW_RANK_WAIT_LATENCY = PREFIX + "slow_rank_wait_latency"
+
+# On a CUDA device, the device's kernels launched in each phase of a module-timing step (torch.profiler's
+# activity records) over the phase's latency: how busy the device is (fractions, 0..1; the same batch shapes)
+DEVICE_BUSY_FWD = PREFIX + "device_busy_fwd"  # kernel time launched in the forward / fwd latency
+DEVICE_BUSY_BWD = PREFIX + "device_busy_bwd"  # kernel time launched in the backward / bwd latency
+DEVICE_BUSY_STEP = PREFIX + "device_busy_step"  # kernel time launched in the optimizer step / step latency
+# 1 - kernel time / latency of fwd + bwd: the share the device waits for the host (launches, Python)
+DEVICE_IDLE = PREFIX + "device_idle"
+
+# Energy over the clean steps, where the device's energy counter can be read (NVML's on a GPU, RAPL's
+# package and DRAM on a CPU: docs/energy.md): the job's, every GPU and every host counted once.
+ENERGY_PER_STEP = PREFIX + "energy_per_step"  # joules of one clean step: the job's devices, its wall step
+ENERGY_PER_SAMPLE = PREFIX + "energy_per_sample"  # energy_per_step / the job's samples per step
+ENERGY_PER_TOKEN = PREFIX + "energy_per_token"  # energy_per_step / the job's tokens per step (if known)
+TOKENS_PER_JOULE = PREFIX + "tokens_per_joule"  # the job's tokens per step / energy_per_step (if known)
+POWER = PREFIX + "power"  # mean watts of the job's devices over the clean steps
+
 # Continuous throughput, at every logging step after the profile window (flops_callbacks.session.meter):
 # rates over the wall time since the previous logging step, flops from the measured flops per batch.
 THROUGHPUT_PREFIX = "throughput/"
@@ -144,6 +192,10 @@ THROUGHPUT_MFU = THROUGHPUT_PREFIX + "mfu"  # flops_per_sec / peak FLOPS, when a
 # seconds the profiler's own counting took in the interval (new shapes and sequence lengths, counted off the
 # clock: not in the rates above), the slowest rank's
 THROUGHPUT_PROFILER_SECONDS = THROUGHPUT_PREFIX + "profiler_seconds"
+# where the counter is cheap to read (RAPL, NVML's total energy: one read per interval; not sampled power)
+# and the interval spans 20 of its resolutions
+THROUGHPUT_POWER = THROUGHPUT_PREFIX + "power"  # mean watts of the job's devices over the interval
+THROUGHPUT_TOKENS_PER_JOULE = THROUGHPUT_PREFIX + "tokens_per_joule"  # all replicas' tokens / job's joules
 
 WALL = (WALL_LATENCY, DATA_LATENCY, WALL_SAMPLES_PER_SEC, WALL_TOKENS_PER_SEC)  # with a step before
 PADDING = (PADDING_FRACTION, REAL_TOKENS_PER_SEC)  # when the batches have an attention_mask
@@ -156,6 +208,10 @@ THROUGHPUT = (
 )
 WITH_PEAK = (MFU, HFU)  # at the window's end, only when a peak is known
 COMM = (COMM_LATENCY, EXPOSED_COMM_LATENCY, COMM_OVERLAP, IDLE_LATENCY)  # when communication steps ran
+SLOW = (SLOW_RANK, SLOW_RANK_EXTRA_LATENCY, SLOW_RANK_WAIT_LATENCY)  # with several ranks and clean steps
+ENERGY = (ENERGY_PER_STEP, ENERGY_PER_SAMPLE, ENERGY_PER_TOKEN, TOKENS_PER_JOULE, POWER)  # with a counter
+THROUGHPUT_ENERGY = (THROUGHPUT_POWER, THROUGHPUT_TOKENS_PER_JOULE)  # with a cheap counter
+DEVICE = (DEVICE_BUSY_FWD, DEVICE_BUSY_BWD, DEVICE_BUSY_STEP, DEVICE_IDLE)  # CUDA, modules timed by kernels
 
 # At the window's end, always (samples_per_sec and wall_samples_per_sec only when the batch size is known,
 # tokens_per_sec and wall_tokens_per_sec only when tokens are; the WALL ones when the timed steps had a
@@ -207,6 +263,13 @@ PREFILL_MFU = GENERATION_PREFIX + "prefill_mfu"  # prefill flops / prefill laten
 PREFILL_MBU = GENERATION_PREFIX + "prefill_mbu"  # prefill bytes / prefill latency / peak bandwidth
 DECODE_MFU = GENERATION_PREFIX + "decode_mfu"  # decode flops per token / latency per token / peak FLOPS
 DECODE_MBU = GENERATION_PREFIX + "decode_mbu"  # decode bytes per token / latency per token / peak bandwidth
+# Energy of the timed runs, where the device's energy counter can be read; a phase's only where it spans 20
+# of the counter's resolutions (the report says when it does not)
+GENERATION_POWER = GENERATION_PREFIX + "power"  # mean watts over the timed runs
+GENERATION_ENERGY_PER_TOKEN = GENERATION_PREFIX + "energy_per_token"  # joules per new token of all sequences
+GENERATION_TOKENS_PER_JOULE = GENERATION_PREFIX + "tokens_per_joule"  # new tokens of all sequences per joule
+PREFILL_ENERGY = GENERATION_PREFIX + "prefill_energy"  # joules of the prefill (start -> first token)
+DECODE_ENERGY_PER_TOKEN = GENERATION_PREFIX + "decode_energy_per_token"  # joules of a decode step (mean)
 
 # Always (flops and bytes unless counting failed, the KV cache's when the model returns one; tokens_per_sec
 # when the batch size is known), and the four fractions each when its peak is known.
@@ -225,3 +288,10 @@ GENERATION = (
     KV_CACHE_BYTES,
 )
 GENERATION_WITH_PEAK = (PREFILL_MFU, PREFILL_MBU, DECODE_MFU, DECODE_MBU)
+GENERATION_ENERGY = (
+    GENERATION_POWER,
+    GENERATION_ENERGY_PER_TOKEN,
+    GENERATION_TOKENS_PER_JOULE,
+    PREFILL_ENERGY,
+    DECODE_ENERGY_PER_TOKEN,
+)  # with a counter

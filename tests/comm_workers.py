@@ -61,6 +61,7 @@ class Pairs(torch.utils.data.Dataset):
 
 def save(directory: Path, rank: int, result: Any, model: nn.Module) -> None:
     from flops_callbacks.communication.report import comm_data
+    from flops_callbacks.communication.slow_rank_report import slow_rank_data
 
     comm = result.comm if result is not None else None
     seen = {
@@ -69,6 +70,7 @@ def save(directory: Path, rank: int, result: Any, model: nn.Module) -> None:
         "metrics": result.metrics() if result is not None else None,
         "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "comm": comm_data(comm),  # as the JSON file holds it
+        "slow_rank": slow_rank_data(result.slow_rank) if result is not None else None,
         "profiler_left": torch.autograd._profiler_enabled(),
     }
     (directory / f"rank{rank}.json").write_text(json.dumps(seen))

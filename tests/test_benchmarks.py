@@ -140,3 +140,23 @@ def test_comm_truths_halves_are_the_training_blocks_before_and_after_the_window(
     assert not train.plan and model.require_backward_grad_sync
     assert train.half(after=False) == 1.0 and train.half(after=True) == 3.0
     assert train.truth() == 2.0  # the median synced step of both halves, (2 + 4) / 2, less 1
+
+
+def test_energy_truths_cpu_path_meets_its_goal_on_a_rapl_tree_and_without_one_says_why_and_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.fake_rapl import install, remove
+
+    energy_truth = benchmark("energy_truth")
+    rapl = install(tmp_path, monkeypatch)
+    with rapl.burning(30.0):  # a CPU at 30 W: the loop's reads and the profiler's see the same counter
+        args = ["--device", "cpu", "--clean", "10", "--profile-step", "1", "--width", "768", "--batch", "256"]
+        code = energy_truth.main(args)  # steps of tens of ms: many of the fake counter's few-ms updates
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "| joules per step |" in out and "goal: ratio within (0.95, 1.05): met" in out
+    missing = remove(tmp_path, monkeypatch)
+    assert energy_truth.main(["--device", "cpu"]) == 2
+    assert capsys.readouterr().out == (
+        f"energy_truth: no RAPL counter: {missing} does not exist (no powercap interface on this machine)\n"
+    )

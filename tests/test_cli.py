@@ -8,6 +8,8 @@ on B, 0 on A2 and 2 on bad input, naming it; no colour when the output is not a 
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import re
@@ -19,6 +21,9 @@ from pathlib import Path
 import pytest
 
 from flops_callbacks.cli import main
+from flops_callbacks.communication.slow_rank import find_slow_rank
+from flops_callbacks.reporting.profile_file import json_data, load
+from tests.communication.test_slow_rank import forward_sleep
 from tests.saved_runs import BATCH, SLOWER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,3 +249,32 @@ def test_diff_picture_draws_b_with_a_own_times_to_colour_by(runs: dict[str, Path
     changes = {name: own_b[name] - own_a[name] for name in a}
     assert max(changes, key=lambda n: abs(changes[n])) == "slow"
     assert 0.66 * SLOWER <= changes["slow"] <= 2 * SLOWER
+
+
+def test_show_and_diff_say_the_slow_rank_of_a_several_rank_file(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A's file as a 2-rank run would write it: rank 1 asleep 20 ms in its forward (A), then no rank
+    standing out (B); read back, ``show`` prints the slow rank's rows, ``diff`` both verdicts and figures."""
+    base = load(runs["A"]).result
+    paths = []
+    for name, ranks in (("a", forward_sleep()), ("b", [forward_sleep()[0]] * 2)):
+        result = dataclasses.replace(base, slow_rank=find_slow_rank(ranks))
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(json_data(result)))
+    out = io.StringIO()
+    assert main(["show", str(paths[0])], out) == 0
+    shown = out.getvalue()
+    verdict = "1 of 2, fwd +20 ms over the median; the others wait 20 ms a step in all_reduce"
+    assert "rank 1 of 2: fwd +20 ms a step over the other ranks' median (beyond the noise: 1.19 ms)" in shown
+    assert "  rank 1 (slow): " in shown
+    out = io.StringIO()
+    assert main(["diff", str(paths[0]), str(paths[1])], out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[3:5] == [
+        f"slow rank, A: {verdict}",
+        "slow rank, B: none stands out (the ranks agree within their step-to-step noise)",
+    ]
+    rows = {re.split(r" {2,}", line)[0]: re.split(r" {2,}", line) for line in lines}
+    assert rows["slow_rank"][1:3] == ["rank 1", "none"]
+    assert rows["slow_rank_extra_latency"][1:3] == ["20 ms", "0 s"]

@@ -20,6 +20,7 @@ from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
 from flops_callbacks.reporting.profile_file import ProfileFileError
 from flops_callbacks.roofline import as_data
+from flops_callbacks.timing.energy_figures import CounterName, Reading
 
 __all__ = [
     "GENERATION_SCHEMA",
@@ -50,6 +51,7 @@ def generation_json(result: GenerationResult) -> dict[str, Any]:
         "kv_cache_bytes": result.kv_cache_bytes,
         "counting_failure": result.counting_failure,
         "module_latencies": result.module_latencies,
+        "no_energy_reason": result.no_energy_reason,  # each run's "energy": (joules, time, counter) x 3
         "peak": dataclasses.asdict(result.peak) if result.peak else {"none": result.no_peak_reason},
         "bandwidth": dataclasses.asdict(result.bandwidth)
         if result.bandwidth
@@ -88,6 +90,7 @@ def generation_from_json(data: dict[str, Any]) -> GenerationResult:
         mode=data["mode"],
         counting_failure=data["counting_failure"],
         module_latencies=data["module_latencies"],
+        no_energy_reason=data.get("no_energy_reason", ""),
     )
 
 
@@ -123,4 +126,5 @@ def _run_times(run: dict[str, Any]) -> RunTimes:
         prefill_steps=run["prefill_steps"],
         steps=tuple(run["steps"]),
         token_gaps=tuple(run["token_gaps"]),
+        energy=tuple(Reading(j, at, CounterName(*c)) for j, at, c in run.get("energy", [])),
     )

@@ -15,7 +15,8 @@ whole call as one forward, with no prefill / decode split and no latency per tok
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -50,6 +51,7 @@ from flops_callbacks.profile import Profile
 from flops_callbacks.timing.clean_pass import eval_mode, grads_set_aside
 from flops_callbacks.timing.clock import Clock, CpuClock, clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage, collector_off
+from flops_callbacks.timing.energy import EnergyCounter, energy_counter
 from flops_callbacks.timing.hook_probe import hook_cost
 from flops_callbacks.timing.module_timer import ModuleTimer, ModuleTimes
 from flops_callbacks.user_warning import warn
@@ -142,13 +144,14 @@ def profile_decode_loop(
     clock = clock_for(device)
     timed: list[GenerationRun] = []
     output = None
+    counter = _energy_counter(device)
     with eval_mode(model), grads_set_aside(model.parameters()):
         for _ in range(warm_up):
             loop(GenerationRun(clock))
         collect_counting_garbage()  # the warm-ups': not in a timed run
-        with collector_off():
+        with collector_off(), _running(counter):
             for _ in range(runs):
-                run = GenerationRun(clock)
+                run = GenerationRun(clock, energy=None if isinstance(counter, str) else counter)
                 run.begin()
                 output = loop(run)
                 run.end()
@@ -195,8 +198,38 @@ def profile_decode_loop(
         prefill_steps=first,
         counting_failure=failure,
         module_latencies=module_source,
+        no_energy_reason=_no_energy(counter, timed),
     )
     return GenerationProfile(result, output)
+
+
+def _energy_counter(device: torch.device) -> EnergyCounter | str:
+    """The device's energy counter for the timed runs, or why there is none (the profiler's own work: a
+    failure is a reason, and the generation goes on)."""
+    try:
+        return energy_counter(device)
+    except Exception as error:
+        return f"finding the energy counter failed ({type(error).__name__}: {error})"
+
+
+def _no_energy(counter: EnergyCounter | str, timed: list[GenerationRun]) -> str:
+    """Why the timed runs have no energy figure ("": they have one)."""
+    if isinstance(counter, str):
+        return counter
+    return next((run.energy_failure for run in timed if run.energy_failure), "")
+
+
+@contextmanager
+def _running(counter: EnergyCounter | str) -> Iterator[None]:
+    """What the counter runs (sampled power's thread) runs through the timed runs, and only then."""
+    if isinstance(counter, str):
+        yield
+        return
+    counter.start()
+    try:
+        yield
+    finally:
+        counter.stop()
 
 
 def _with_module_times(

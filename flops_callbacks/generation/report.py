@@ -11,6 +11,7 @@ from collections.abc import Callable
 from flops_callbacks import metrics as names
 from flops_callbacks.generation.result import GenerationResult
 from flops_callbacks.profile import Profile
+from flops_callbacks.reporting.energy_rows import joules_text, watts_text
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_sections import (
     render_aggregated,
@@ -152,7 +153,39 @@ def generation_head(result: GenerationResult) -> str:
         lines.append(_row("output tokens/s (all sequences)", f"{m[names.GENERATION_TOKENS_PER_SEC]:.2f}"))
     if names.KV_CACHE_BYTES in m:
         lines.append(_row("KV cache at the end", bytes_to_string(m[names.KV_CACHE_BYTES])))
+    lines += _energy_rows(result)
     return "\n".join(lines)
+
+
+def _energy_rows(result: GenerationResult) -> list[str]:
+    """The timed runs' energy: the mean power, per new token, and each phase's where it spans enough of the
+    counter's resolution (else why not); one row saying why where no counter was read."""
+    spans, m = result.energy(), result.metrics()
+    if not spans:
+        return [_row("energy", f"n/a: {result.no_energy_reason or 'no timed run read the counter'}")]
+    whole = spans["run"]
+    rows = [
+        _row("mean power (timed runs)", watts_text(m[names.GENERATION_POWER])),
+    ]
+    if names.GENERATION_ENERGY_PER_TOKEN in m:
+        per_token = joules_text(m[names.GENERATION_ENERGY_PER_TOKEN])
+        rows.append(
+            _row(
+                "energy per new token (all sequences)",
+                f"{per_token}; {m[names.GENERATION_TOKENS_PER_JOULE]:.2f} tokens/J",
+            )
+        )
+    for phase, name, label in (
+        ("prefill", names.PREFILL_ENERGY, "prefill energy (start -> first token)"),
+        ("decode", names.DECODE_ENERGY_PER_TOKEN, "decode energy per token (a step)"),
+    ):
+        why = spans[phase].note(f"the {phase}") or "no step"
+        rows.append(_row(label, joules_text(m[name]) if name in m else f"n/a: {why}"))
+    if not whole.long_enough:
+        rows.append(_row("energy in doubt", whole.note("the timed runs")))
+    counter = f"{whole.source}, resolution {duration_to_string(whole.resolution)}"
+    head = f"Energy (the device's own counter: {counter}; host, network, cooling left out):"
+    return ["", head, *("    " + row for row in rows)]
 
 
 def _tree(
@@ -238,6 +271,8 @@ def _headline_pairs(result: GenerationResult) -> list[tuple[str, str]]:
         names.DECODE_LATENCY_PER_TOKEN: duration_to_string,
         names.DECODE_MBU: _fraction,
         names.GENERATION_TOKENS_PER_SEC: lambda v: f"{v:.2f}",
+        names.GENERATION_ENERGY_PER_TOKEN: joules_text,
+        names.GENERATION_POWER: watts_text,
         names.KV_CACHE_BYTES: bytes_to_string,
     }
     pairs = [

@@ -22,6 +22,7 @@ from flops_callbacks.generation.run import RunTimes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
 from flops_callbacks.roofline import Roofline, module_rooflines, roofline
+from flops_callbacks.timing.energy_figures import EnergySpan, span_over
 
 __all__ = ["GenerationResult", "PhaseWork", "CountedStep", "quantile"]
 
@@ -106,6 +107,7 @@ class GenerationResult:
     mode: str = "eval"
     counting_failure: str = ""  # what stopped counting ("": nothing did)
     module_latencies: str = ""  # where the trees' module latencies come from
+    no_energy_reason: str = ""  # why the timed runs read no energy counter ("": they did, or none ran)
 
     # --- work ----------------------------------------------------------------------------------------
 
@@ -138,6 +140,39 @@ class GenerationResult:
         """Tokens per sequence of each timed run (the first run's; every run has its own in ``runs``)."""
         return self.runs[0].tokens if self.runs else len(self.work)
 
+    # --- energy --------------------------------------------------------------------------------------
+
+    def energy(self) -> dict[str, EnergySpan]:
+        """The energy counter over the timed runs: "run" (start to end), "prefill" (start to the first
+        token) and "decode" (first token to end), each over every run; empty where a run read none."""
+        readings = [run.energy for run in self.runs]
+        if not readings or any(len(r) != 3 for r in readings):
+            return {}
+        try:
+            return {
+                phase: span_over([(r[a], r[b]) for r in readings])
+                for phase, a, b in (("run", 0, 2), ("prefill", 0, 1), ("decode", 1, 2))
+            }
+        except ValueError:  # a counter that went back (a driver reset)
+            return {}
+
+    def _energy_metrics(self) -> dict[str, float]:
+        spans, runs = self.energy(), self.runs
+        if not spans or spans["run"].seconds <= 0:
+            return {}
+        whole, prefill, decode = spans["run"], spans["prefill"], spans["decode"]
+        m = {names.GENERATION_POWER: whole.joules / whole.seconds}
+        tokens = sum(self.batch_size * run.tokens for run in runs) if self.batch_size is not None else 0
+        if tokens > 0 and whole.joules > 0:
+            m[names.GENERATION_ENERGY_PER_TOKEN] = whole.joules / tokens
+            m[names.GENERATION_TOKENS_PER_JOULE] = tokens / whole.joules
+        if prefill.long_enough:
+            m[names.PREFILL_ENERGY] = prefill.joules / len(runs)
+        decode_steps = sum(run.tokens - 1 for run in runs)
+        if decode.long_enough and decode_steps > 0:
+            m[names.DECODE_ENERGY_PER_TOKEN] = decode.joules / decode_steps
+        return m
+
     # --- figures -------------------------------------------------------------------------------------
 
     @cached_property
@@ -165,6 +200,7 @@ class GenerationResult:
                 m[names.GENERATION_TOKENS_PER_SEC] = tokens / sum(run.total for run in runs)
         if self.kv_cache_bytes is not None:
             m[names.KV_CACHE_BYTES] = float(self.kv_cache_bytes)
+        m.update(self._energy_metrics())
         for flops, moved, seconds, mfu, mbu in _RATES:
             if seconds not in m or not m[seconds] > 0:
                 continue

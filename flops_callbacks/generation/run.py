@@ -21,6 +21,8 @@ import torch
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.profile import Profile
 from flops_callbacks.timing.clock import Clock
+from flops_callbacks.timing.energy import EnergyCounter, read_failure
+from flops_callbacks.timing.energy_figures import Reading, read
 
 __all__ = ["GenerationRun", "RunTimes", "cache_bytes", "output_cache_bytes"]
 
@@ -36,14 +38,23 @@ class RunTimes:
     prefill_steps: int  # the steps before the first token: the prefill (in chunks when more than one)
     steps: tuple[float, ...]  # the prefill's first, then each decode step's
     token_gaps: tuple[float, ...]  # token k+1's time less token k's: the inter-token latencies
+    # the energy counter at the run's start, its first token and its end (empty: not read)
+    energy: tuple[Reading, ...] = ()
 
 
 class GenerationRun:
-    """The marks (timed) or the per-step profiles (``engine`` given: the counting run) of one run."""
+    """The marks (timed) or the per-step profiles (``engine`` given: the counting run) of one run;
+    ``energy``: a timed run's energy counter, read at its start (the device's queue drained), its first
+    token (on the host, without waiting) and its end (the queue drained after its end mark)."""
 
-    def __init__(self, clock: Clock, engine: CountingEngine | None = None) -> None:
+    def __init__(
+        self, clock: Clock, engine: CountingEngine | None = None, energy: EnergyCounter | None = None
+    ) -> None:
         self.clock = clock
         self.engine = engine
+        self.energy = energy
+        self.energy_failure = ""  # why a read of the counter failed ("": none did)
+        self._readings: list[Reading] = []
         self.failure = ""  # what went wrong in the counting ("": nothing): counting stops there
         self.profiles: list[Profile] = []  # the counting run's, one per step
         self.kv_cache_bytes: int | None = None
@@ -67,12 +78,28 @@ class GenerationRun:
     def begin(self) -> None:
         if self.engine is not None:
             self.engine.start()
+        if self.energy is not None:
+            self.clock.synchronize()
+            self._read_energy()
         self._start = self.clock.mark()
 
     def end(self) -> None:
         self._end = self.clock.mark()
         if self.engine is not None:
             self.engine.stop()
+        if self.energy is not None:
+            self.clock.synchronize()
+            self._read_energy()
+
+    def _read_energy(self) -> None:
+        """The counter now; a failure (the profiler's own work) is kept, and the run reads no more."""
+        if self.energy is None:
+            return
+        try:
+            self._readings.append(read(self.energy))
+        except Exception as error:
+            self.energy_failure = read_failure(self.energy, error)
+            self.energy, self._readings = None, []
 
     def step_started(self, *, forget_between: bool = True) -> None:
         """A step begins. ``forget_between``: drop what was counted since the last step (False from inside
@@ -111,6 +138,8 @@ class GenerationRun:
         self._tokens_out += 1
         if self.engine is None:
             self._tokens.append(self.clock.mark())
+            if self._tokens_out == 1:
+                self._read_energy()  # the prefill's end
 
     # --- a loop of the caller's marks its steps with these -------------------------------------------
 
@@ -152,6 +181,7 @@ class GenerationRun:
             prefill_steps=self.prefill_steps,
             steps=tuple(seconds(a, b) for a, b in self._steps),
             token_gaps=tuple(seconds(a, b) for a, b in zip(tokens, tokens[1:], strict=False)),
+            energy=tuple(self._readings) if len(self._readings) == 3 else (),
         )
 
 

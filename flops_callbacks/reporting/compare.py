@@ -5,11 +5,13 @@ command line (``flops_callbacks.cli``) prints and draws what they return.
 What counts as noise, in one place (:func:`is_noise`): a latency's range is what its clean steps spread
 over, their fastest and slowest tenth left out (:data:`TRIM`: a step a neighbour's job stalled is not the
 configuration's spread; under 10 steps, min .. max); a rate's is the same steps' range turned into a rate
-(the rate if every step had taken the fastest or the slowest step's time); a count (flops, bytes, params)
-is exact and has none. A change is noise when the new run's figure lies within the base run's range: the
-base run's own steps spread that far with nothing changed. A module's own time has no range of its own
-(its latency is the median of the module-timing steps), so its change is noise when it is within the
-base run's phase wobble: the range of its fwd latency plus that of its bwd latency.
+(the rate if every step had taken the fastest or the slowest step's time); a step's energy (per step,
+sample, token) is the wall step's range scaled, the same power over a faster or a slower step, and tokens
+per joule its inverse; a count (flops, bytes, params) and the mean power are exact and have none. A
+change is noise when the new run's figure lies within the base run's range: the base run's own steps
+spread that far with nothing changed. A module's own time has no range of its own (its latency is the
+median of the module-timing steps), so its change is noise when it is within the base run's phase wobble:
+the range of its fwd latency plus that of its bwd latency.
 """
 
 from __future__ import annotations
@@ -60,7 +62,11 @@ _RANGE_OF: dict[str, tuple[str, bool]] = {
     **{name: ("iter", True) for name in (names.REAL_TOKENS_PER_SEC, names.MFU, names.HFU)},
     names.WALL_SAMPLES_PER_SEC: ("wall", True),
     names.WALL_TOKENS_PER_SEC: ("wall", True),
+    names.TOKENS_PER_JOULE: ("wall", True),
 }
+# the energy of a step, a sample, a token: at the window's power a slower wall step burns longer, so its
+# range is the wall step's, scaled (lower is better)
+_ENERGY_OF = dict.fromkeys((names.ENERGY_PER_STEP, names.ENERGY_PER_SAMPLE, names.ENERGY_PER_TOKEN), "wall")
 # the figures in the report's order; any other metric of a file follows them
 ORDER = (*names.ALL, *names.PADDING, *names.WITH_PEAK)
 TRIM = 0.1  # of a figure's clean steps, the fastest and the slowest tenth are left out of its range
@@ -124,6 +130,10 @@ def figures(saved: SavedProfile) -> dict[str, Figure]:
                 low, high = fastest, slowest
             elif fastest > 0 and slowest > 0:  # a rate: fastest step -> highest rate
                 low, high = value * median / slowest, value * median / fastest
+        elif name in _ENERGY_OF and _ENERGY_OF[name] in ranges:
+            median, fastest, slowest = ranges[_ENERGY_OF[name]]
+            if median > 0:  # the same power over the fastest and the slowest step
+                low, high = value * fastest / median, value * slowest / median
         found[short(name)] = Figure(short(name), value, min(low, value), max(high, value))
     return found
 
@@ -170,7 +180,7 @@ class Change:
         if self.a.value == self.b.value:
             return 0
         up = 1 if self.b.value > self.a.value else -1
-        if self.name.endswith("_latency"):
+        if self.name.endswith("_latency") or f"{names.PREFIX}{self.name}" in _ENERGY_OF:
             return -up
         return up if f"{names.PREFIX}{self.name}" in _RANGE_OF else 0
 
@@ -349,8 +359,11 @@ def gate(base: SavedProfile, new: SavedProfile, rules: list[Rule]) -> list[Check
         for saved, found in ((base, fa), (new, fb)):
             if rule.figure not in found:
                 known = ", ".join(found)
+                why = saved.result.no_energy_reason if f"{names.PREFIX}{rule.figure}" in names.ENERGY else ""
                 raise ValueError(
-                    f"--fail-on {rule}: {saved.source} has no figure {rule.figure!r} (it has: {known})"
+                    f"--fail-on {rule}: {saved.source} has no figure {rule.figure!r}"
+                    + (f": {why}" if why else "")
+                    + f" (it has: {known})"
                 )
         checks.append(judge(rule, Change(fa[rule.figure], fb[rule.figure])))
     return checks
@@ -397,6 +410,8 @@ def figure_text(f: Figure, value: float | None = None) -> str:
         return units.flops_to_string(v)
     if name in ("mfu", "hfu", "padding_fraction"):  # as the report writes them; a tiny one, readable
         return f"{100 * v:.2f}%" if v == 0 or abs(v) >= 1e-4 else f"{100 * v:.3g}%"
+    if f"{names.PREFIX}{name}" in (*_ENERGY_OF, names.POWER):
+        return f"{units.number_to_string(v)}{'W' if name == 'power' else 'J'}"
     if name.endswith("_bytes"):
         return units.bytes_to_string(v)
     if name.endswith("_macs"):
@@ -405,6 +420,8 @@ def figure_text(f: Figure, value: float | None = None) -> str:
         return units.params_to_string(v)
     if name.endswith("_flops"):
         return units.number_to_string(v)
+    if name == "slow_rank":  # a rank, or -1: none stands out
+        return "none" if v < 0 else f"rank {v:.0f}"
     return f"{v:.2f}"
 
 

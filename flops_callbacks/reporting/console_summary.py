@@ -15,8 +15,10 @@ from pathlib import Path
 
 from flops_callbacks import metrics as names
 from flops_callbacks.communication.report import beyond_compute, comm_console_row
+from flops_callbacks.communication.slow_rank_report import slow_rank_text
 from flops_callbacks.module_tree import parent_in
 from flops_callbacks.profile import ModuleProfile, Profile
+from flops_callbacks.reporting.energy_rows import energy_console_row
 from flops_callbacks.reporting.profile_report import TITLE
 from flops_callbacks.reporting.profile_sections import rule
 from flops_callbacks.reporting.tree_check import TreeCheck
@@ -90,8 +92,9 @@ def _split_lines(split: Split) -> list[str]:
 
 
 def bound_by(split: Split, result: WindowResult) -> str:
-    """What bounds the step: the input pipeline, the loop's own work, the optimizer step, or the model's
-    fwd + bwd (by the roofline, when both peaks are known: the limiter of most of the modules' time).
+    """What bounds the step: the input pipeline, the loop's own work, the optimizer step, the host (a GPU
+    idle for much of fwd + bwd, read from its kernels), or the model's fwd + bwd (by the roofline, when both
+    peaks are known: the limiter of most of the modules' time).
 
     Args:
         split: the step's time split into its parts.
@@ -101,6 +104,12 @@ def bound_by(split: Split, result: WindowResult) -> str:
         return (
             f"the input pipeline: {split.share('data'):.0%} of the step waits for data "
             "(more DataLoader num_workers, pin_memory=True, prefetch_factor)"
+        )
+    idle = result.device_idle()
+    if idle is not None and idle >= BOUND_SHARE:  # before the loop's and the step's: their host time too
+        return (
+            f"the host: the GPU idle {idle:.0%} of fwd + bwd, waiting for launches "
+            "(torch.compile, CUDA graphs or a larger batch usually help)"
         )
     if split.timed_wall and split.share("other") >= BOUND_SHARE:
         return f"the loop's own work: {split.share('other'):.0%} of the step is outside the phases"
@@ -260,6 +269,12 @@ def _comm_lines(result: WindowResult) -> list[str]:
     return [] if result.comm is None else [_row("communication", comm_console_row(result.comm))]
 
 
+def _slow_rank_lines(result: WindowResult) -> list[str]:
+    """The rank the others wait for, or that none stands out, one line (none in a one-process run)."""
+    slow = result.slow_rank
+    return [] if slow is None else [_row("slow rank", slow_rank_text(slow))]
+
+
 def render_console_summary(result: WindowResult, doubts: TreeCheck, details: str = "") -> str:
     """The summary of ``result`` for the console, at most :data:`MAX_LINES` lines from rule to rule;
     ``doubts``: the module tree's check; ``details``: where the full report is (a path, "" if nowhere).
@@ -291,10 +306,12 @@ def render_console_summary(result: WindowResult, doubts: TreeCheck, details: str
     ]
     if names.TOKENS_PER_SEC in metrics:
         head.append(_row("tokens/s", _rate(metrics, names.TOKENS_PER_SEC, names.WALL_TOKENS_PER_SEC)))
+    head.append(_row("energy", energy_console_row(result, metrics)))
     body = [
         *_split_lines(split),
         _row("bound by", bound_by(split, result)),
         *_comm_lines(result),
+        *_slow_rank_lines(result),
         *_top_lines(result),
         _row("model", _model(result, metrics)),
         _row("sizes", _sizes(result)),

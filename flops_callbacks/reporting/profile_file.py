@@ -19,6 +19,7 @@ from typing import Any
 
 from flops_callbacks import metrics as names
 from flops_callbacks.communication.report import comm_data, comm_from_data
+from flops_callbacks.communication.slow_rank_report import slow_rank_data, slow_rank_from_data
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
@@ -27,6 +28,7 @@ from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.result import AfterWindow, BatchLayout, WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_steps import SUMS, CleanFigures, CleanStep, StepSeconds, StepWork
+from flops_callbacks.timing.energy_figures import EnergySpan
 from flops_callbacks.timing.hook_cost import HookCost
 
 __all__ = [
@@ -66,11 +68,12 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "step": result.step,
         "published_at_step": result.published_at,
-        # a one-process window has no communication steps, a fixed-shape one profiles its counting step
+        # a one-process window has no communication steps, a fixed-shape one profiles its counting step, a
+        # CPU times its modules by their hooks
         "steps": {
             k: v
             for k, v in dataclasses.asdict(result.steps).items()
-            if v or k not in ("communication", "profile_step")
+            if v or k not in ("communication", "profile_step", "module_kernels")
         },
         "model_forward": result.model_forward,  # seconds; steps: steps.model_forward
         "model_forward_high": result.model_forward_high,  # the slowest of those steps'
@@ -108,11 +111,20 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "batch_layout": None if result.layout is None else result.layout._asdict(),
         # the profiler's own counting after the window (off the clock): how many times, its seconds
         "after_window": result.after._asdict(),
+        # a CUDA device's kernel seconds launched in each phase of the module-timing step (None: not read)
+        "device_busy": result.device_busy,
+        # every rank's energy counter over its clean steps (joules, seconds; each GPU or host's counter once
+        # in the job's figures), or why there is none
+        "energy": {"ranks": [s._asdict() for s in result.energy]}
+        if result.energy
+        else {"none": result.no_energy_reason},
         "extra_lines": result.extra_lines,  # the report rows the framework's adapter added
         "profile": profile_json(result),
     }
     if result.comm is not None:  # the median communication step's split (several ranks)
         data["communication"] = comm_data(result.comm)
+    if result.slow_rank is not None:  # the rank the others wait for, or none (several ranks)
+        data["slow_rank"] = slow_rank_data(result.slow_rank)
     return data
 
 
@@ -232,6 +244,10 @@ def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
         model_forward=data["model_forward"],
         model_forward_high=data["model_forward_high"],
         comm=None if data.get("communication") is None else comm_from_data(data["communication"]),
+        slow_rank=None if data.get("slow_rank") is None else slow_rank_from_data(data["slow_rank"]),
         layout=None if data.get("batch_layout") is None else BatchLayout(**data["batch_layout"]),
         after=AfterWindow(**data.get("after_window", {})),
+        energy=tuple(EnergySpan(**s) for s in data.get("energy", {}).get("ranks", [])),
+        no_energy_reason=data.get("energy", {}).get("none", ""),
+        device_busy=data.get("device_busy"),
     )

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from flops_callbacks import metrics as names
 from flops_callbacks.communication.report import comm_lines
+from flops_callbacks.communication.slow_rank_report import slow_rank_lines
 from flops_callbacks.options import Options
 from flops_callbacks.phase_names import STEP_PHASES
+from flops_callbacks.reporting.energy_rows import energy_lines
 from flops_callbacks.reporting.profile_report import EngineRows, render_profile
 from flops_callbacks.reporting.profile_sections import render_roofline
 from flops_callbacks.reporting.tree_check import TreeCheck, check_tree
@@ -27,6 +29,7 @@ from flops_callbacks.units import (
 )
 
 __all__ = [
+    "device_busy_lines",
     "layout_lines",
     "model_forward_lines",
     "module_source",
@@ -63,7 +66,8 @@ def module_source(result: WindowResult) -> str:
     if cost is not None:
         taken = f"; less {duration_to_string(cost.per_call)} a call for the hooks, {cost.source}"
     reused = f"; reused: this window (step {result.step}) timed no module" if s.reused else ""
-    return f"{steps} (module hooks, no counting{median}{taken}){reused}"
+    how = "the device's kernels each call launched (torch.profiler)" if s.module_kernels else "module hooks"
+    return f"{steps} ({how}, no counting{median}{taken}){reused}"
 
 
 def source_lines(result: WindowResult) -> list[tuple[str, str]]:
@@ -232,6 +236,41 @@ def layout_lines(result: WindowResult) -> list[tuple[str, str]]:
     return lines
 
 
+def device_busy_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
+    """How busy the device is in each phase: the kernels the module-timing step launched in it against the
+    phase's latency, and the rest of fwd + bwd, the device's idle time (a CUDA device only).
+
+    Args:
+        result: the window's result.
+        metrics: its metrics dict.
+    """
+    busy = result.device_busy
+    if busy is None or names.DEVICE_IDLE not in metrics:
+        return []
+    cells = []
+    for phase, latency, share in zip(
+        STEP_PHASES,
+        (result.fwd_latency, result.bwd_latency, result.step_latency),
+        (names.DEVICE_BUSY_FWD, names.DEVICE_BUSY_BWD, names.DEVICE_BUSY_STEP),
+        strict=True,
+    ):
+        cells.append(
+            f"{duration_to_string(busy.get(phase, 0.0))} of {duration_to_string(latency)} "
+            f"({percent(metrics[share], 1.0)})"
+        )
+    return [
+        (
+            f"device busy fwd / bwd / step (kernels launched on step {result.steps.module_trace} / "
+            "the phase's latency)",
+            " / ".join(cells),
+        ),
+        (
+            "device idle in fwd + bwd (waiting for the host: launches, Python)",
+            percent(metrics[names.DEVICE_IDLE], 1.0),
+        ),
+    ]
+
+
 def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
     """Rows after DeepSpeed's and the profile's own: tokens, rank spread, MFU, where figures come from.
 
@@ -264,7 +303,9 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
         ]
     lines += layout_lines(result)
     lines += [*wall_lines(metrics), *spread_lines(result), *model_forward_lines(result)]
+    lines += device_busy_lines(result, metrics)
     lines += comm_lines(result.comm, metrics)
+    lines += slow_rank_lines(result.slow_rank)
     if len(result.rank_latencies) > 1:
         iters = [sum(latencies) for latencies in result.rank_latencies]
         spread = f"{duration_to_string(min(iters))} .. {duration_to_string(max(iters))}"
@@ -287,6 +328,7 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
                 f"{100 * metrics[names.HFU]:.2f}%",
             ),
         ]
+    lines += energy_lines(result, metrics)
     doubts = [("module latencies in doubt", note) for note in tree_doubts(result).notes]
     return lines + source_lines(result) + doubts + result.extra_lines
 

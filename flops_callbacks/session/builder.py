@@ -14,12 +14,14 @@ from typing import Any
 import torch
 
 from flops_callbacks.communication.figures import CommFigures, comm_figures, comm_means, median_comm
+from flops_callbacks.communication.slow_rank import RankTimes, SlowRank, find_slow_rank
 from flops_callbacks.counting.estimate import estimate_rows
 from flops_callbacks.parallel import sharded_params
 from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_peak
 from flops_callbacks.phase_names import STEP_PHASES
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
+from flops_callbacks.session.energy_reads import job_energy
 from flops_callbacks.session.rank_part import LocalWindow, RankRow, ReusedWindow
 from flops_callbacks.session.result import BatchLayout, WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import ShapeFlops
@@ -28,10 +30,11 @@ from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepWo
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.hook_probe import hook_cost
+from flops_callbacks.timing.kernel_clock import KernelClock
 from flops_callbacks.timing.module_timer import ModuleTimes, median_step
 from flops_callbacks.timing.outer_calls import OuterCalls
 
-__all__ = ["build_result", "clean_peak_memory", "job_figures", "phases", "window_shapes"]
+__all__ = ["build_result", "clean_peak_memory", "job_figures", "phases", "slow_rank", "window_shapes"]
 
 
 def _model_config(model: torch.nn.Module) -> Any:
@@ -129,6 +132,23 @@ def _module_times(
     return next((times, c, number) for number, c, t in each if t is times)
 
 
+def _device_busy(
+    module_steps: list[WindowStep], clean: list[WindowStep], trace: int | None
+) -> dict[str, float] | None:
+    """The device's kernel seconds launched in each phase of the module-timing step whose tree is shown
+    (a CUDA device's kernel clock), where every clean step ran its batch shapes: what the phases' latencies
+    are set against (None: no kernel clock, or other shapes)."""
+    step = next((s for s in module_steps if s.number == trace), None)
+    if step is None or step.timer is None or not isinstance(step.timer.clock, KernelClock):
+        return None
+    if not clean or any(s.signatures != step.signatures for s in clean):
+        return None
+    return step.timer.clock.phase_seconds()
+
+
+PHASE_FIELDS = dict(zip(STEP_PHASES, ("fwd", "bwd", "step"), strict=True))  # a clean step's, by phase
+
+
 def phases(step: CleanStep) -> tuple[float, float, float]:
     return step.latency("fwd"), step.latency("bwd"), step.latency("step")
 
@@ -164,6 +184,7 @@ def build_result(
     FLOPS and bandwidth, if given; ``not_apart``: why a padded or packed batch's model work is its run's.
     The clean steps' figures are built here for both."""
     figures = job_figures(rows)
+    energy, no_energy = job_energy([r.energy for r in rows])
     fwd, bwd, step = phases(figures.median_step())
     if isinstance(local, ReusedWindow):  # no clean step of a re-profile window marks the model's forward
         base = local.base
@@ -188,14 +209,36 @@ def build_result(
         base,
         profile=dataclasses.replace(base.profile, fwd_latency=fwd, bwd_latency=bwd),
         steps=window,
-        fwd_latency=fwd, bwd_latency=bwd, step_latency=step,  # fmt: skip
+        fwd_latency=fwd,
+        bwd_latency=bwd,
+        step_latency=step,  # fmt: skip
         peak_memory=clean_peak_memory(clean),
         rank_latencies=[phases(CleanFigures(r.steps).median_step()) for r in rows],
         published_at=global_step,
         clean=figures,
         flops_sources=local.sources,
+        energy=energy,
+        slow_rank=slow_rank(rows, model),
+        no_energy_reason=no_energy,
         layout=batch_layout(clean, not_apart),
     )
+
+
+def slow_rank(rows: Sequence[RankRow], model: torch.nn.Module) -> SlowRank | None:
+    """The rank the others wait for (:mod:`~flops_callbacks.communication.slow_rank`), from every rank's
+    clean steps, with its waits in the profiler's votes, and communication steps (None: one rank, or a
+    rank's figures are not its clean steps'); the clean steps alone tell the forward only when no
+    parameter is sharded (FSDP and ZeRO-3 gather in the forward)."""
+    times = [
+        RankTimes(
+            tuple(s.latency("data") for s in r.steps) if len(r.waits) == len(r.steps) else (),
+            {p: tuple(s.latency(f) for s in r.steps) for p, f in PHASE_FIELDS.items()},
+            r.waits,
+            r.comm,
+        )
+        for r in rows
+    ]
+    return find_slow_rank(times, forward_told=sharded_params(model) is None)
 
 
 def batch_layout(clean: list[WindowStep], not_apart: str) -> BatchLayout | None:
@@ -230,10 +273,12 @@ def _counted(
     spans: list[Any] = []
     cost: HookCost | None = None
     trace_step: int | None = None
+    busy: dict[str, float] | None = None
     if module_steps:
         times, cost, trace_step = _module_times(module_steps, clean)
         spans = times.spans
         profile = times.applied_to(profile)
+        busy = _device_busy(module_steps, clean, trace_step)
     fwd, bwd, step = latencies
     device = torch.device(profile.device)
     peak, no_peak_reason = resolve_peak(peaks[0], device, context.compute_dtype)
@@ -263,6 +308,9 @@ def _counted(
             model_forward_shapes_match=forward_shapes_match,
             communication=tuple(s.number for s in local.comm_steps),
             profile_step=local.profiled.number if local.profiled is not None else None,
+            module_kernels=any(
+                s.timer is not None and isinstance(s.timer.clock, KernelClock) for s in module_steps
+            ),
         ),
         fwd_latency=fwd,
         bwd_latency=bwd,
@@ -285,6 +333,7 @@ def _counted(
         model_forward_high=model_forward[1] if model_forward else None,
         counting_iter=max(r.counting_iter for r in rows),  # audits fall on the same steps on every rank
         comm=_comm(local, rows),
+        device_busy=busy,
     )
 
 

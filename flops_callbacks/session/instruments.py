@@ -1,6 +1,7 @@
 """The instruments of the window's steps, started and stopped as one unit: the counting engine (the
 counting step's, kept for its profile; a check's or shape-counting step's, with no clock), the module
-timer, the clean steps' marks of the model's outermost calls (what the timer's hooks cost, in place), and
+timer (on a CUDA device, on the clock of its kernels: :mod:`flops_callbacks.timing.kernel_clock`), the
+clean steps' marks of the model's outermost calls (what the timer's hooks cost, in place), and
 each communication step's ``torch.profiler`` (:mod:`flops_callbacks.communication.recorder`). One object
 owns what runs inside a micro-batch and its teardown on every exit path: the session stops it in one call.
 """
@@ -17,12 +18,15 @@ from flops_callbacks.module_tree import dynamo_compiled_anything, has_compiled
 from flops_callbacks.options import Options
 from flops_callbacks.phase_names import BACKWARD, FORWARD
 from flops_callbacks.session.batch import Signature
+from flops_callbacks.session.energy_reads import WindowEnergy
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import WindowStep
-from flops_callbacks.timing.clock import CpuClock, NullClock, module_device
+from flops_callbacks.timing.clock import Clock, CpuClock, CudaClock, NullClock, module_device
+from flops_callbacks.timing.kernel_clock import KernelClock, kernel_clock_unavailable
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
+from flops_callbacks.user_warning import warn
 
 __all__ = ["Instruments", "totals"]
 
@@ -47,9 +51,12 @@ class Instruments:
         self.mark_outer = False  # whether clean steps mark them (a CPU clock, nothing compiled)
         self._counting: tuple[Signature, bool, BatchCounts] | None = None  # (signature, later, before)
         self.recorder: CommRecorder | None = None  # a communication step's, from its start to its end
+        self.energy = WindowEnergy()  # the device's energy counter, read at each window step's end
+        self.kernels: KernelClock | None = None  # a CUDA module-timing step's, from its start to its end
 
     def for_step(self, step: WindowStep, model: torch.nn.Module, runs: torch.nn.Module | None) -> None:
         """A window step starts: the counting step's engine, or a module-timing step's timer."""
+        self.energy.start(model)  # at the window's first step: its device's counter
         if step.kind == Kind.COUNTING:
             compiled = None if runs is None else has_compiled(runs.modules())
             causal = self.options.causal_attention
@@ -62,12 +69,33 @@ class Instruments:
                 and not dynamo_compiled_anything()
             )
         elif step.kind == Kind.MODULE_TIMING:
-            self.timer = step.timer = ModuleTimer(model, step.phases.clock)
+            self.timer = step.timer = ModuleTimer(model, self._module_clock(step.phases.clock))
         elif step.kind == Kind.COMMUNICATION:  # the ranks line up after its start-up (WindowPlan.lines_up)
             if self.recorder is not None:  # a step that never ended: nothing of it is read
                 self.recorder.stop(keep=False)
             self.recorder = CommRecorder(module_device(model).type == "cuda")
             self.recorder.start()
+
+    def _module_clock(self, clock: Clock) -> Clock:
+        """The module timer's clock: on a CUDA device its kernels' (started now), unless another profiler
+        runs; elsewhere the phases'."""
+        if not isinstance(clock, CudaClock):
+            return clock
+        why = kernel_clock_unavailable()
+        if why is not None:
+            warn(f"module latencies from CUDA events at the module hooks, not the kernels: {why}")
+            return clock
+        if self.kernels is not None:  # a step that never ended: nothing of it is read
+            self.kernels.end(keep=False)
+        kernels = KernelClock(clock.device)
+        try:
+            kernels.begin()
+        except Exception as error:  # a torch built without CUPTI, a profiler that changed: events instead
+            kernels.end(keep=False)
+            warn(f"module latencies from CUDA events at the hooks (torch.profiler did not start: {error})")
+            return clock
+        self.kernels = kernels
+        return kernels
 
     def shape_counting(self, model: torch.nn.Module) -> None:
         """The step became a check or a shape-counting one: an engine of its own, with no clock."""
@@ -89,6 +117,8 @@ class Instruments:
             self.outer.start()
         elif self.recorder is not None:
             self.recorder.mark(FORWARD)
+        if self.kernels is not None:
+            self.kernels.phase(FORWARD)
 
     def phase(self, step: WindowStep, name: str) -> None:
         """A phase starts: the timer walks to the backward's hooks (nobody's time), the outer calls stop."""
@@ -101,6 +131,8 @@ class Instruments:
             self.outer.stop()
         if self.recorder is not None:
             self.recorder.mark(name)
+        if self.kernels is not None:
+            self.kernels.phase(name)
 
     def phase_end(self) -> None:
         if self.outer is not None:  # what follows may be a forward (a GAN's second model): marked again
@@ -118,6 +150,8 @@ class Instruments:
         finally:
             if self.recorder is not None:
                 self.recorder.mark("")  # the micro-batch ended: its phase too (the profiler runs on)
+            if self.kernels is not None:
+                self.kernels.phase("")
             if self.timer is not None:
                 self.timer.stop()
             if self.outer is not None:
@@ -141,18 +175,25 @@ class Instruments:
     def step_ended(self, step: WindowStep) -> None:
         """A window step ended: a module-timing step names the outermost modules clean steps mark; the
         communication step's profiler stops and its split is read."""
+        self.energy.read(step)  # right after its end mark
         if step.kind == Kind.MODULE_TIMING and self.mark_outer and self.timer is not None:
             self.outermost = self.timer.outermost()
         recorder, self.shape_engine, self.timer, self.recorder = self.recorder, None, None, None
+        kernels, self.kernels = self.kernels, None
+        if kernels is not None:
+            kernels.end()  # its trace is read at the window's end
         if recorder is not None:
             recorder.stop()
             step.comm = recorder.breakdown()
 
     def drop(self) -> Any:
         """Forget every instrument (stopped already); returns the counting step's engine."""
-        engine, recorder = self.engine, self.recorder
-        self.engine = self.shape_engine = self.timer = self.outer = self.recorder = None
+        self.energy.stop()
+        engine, recorder, kernels = self.engine, self.recorder, self.kernels
+        self.engine = self.shape_engine = self.timer = self.outer = self.recorder = self.kernels = None
         if recorder is not None:
             recorder.stop(keep=False)  # an exception or a dropped window: nothing of it is read
+        if kernels is not None:
+            kernels.end(keep=False)
         self.outermost, self._counting = [], None
         return engine

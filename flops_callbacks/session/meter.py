@@ -34,7 +34,9 @@ Time is the wall time between logging steps, read after one device synchronize p
 model flops (fwd + bwd, recompute excluded) per device: the ranks' mean, as
 ``flops_profiler/flops_per_sec``; samples and tokens are the job's: the ranks' mean times the
 data-parallel size (every rank's own batches, summed over the replicas). Audits fall on the same steps on
-every rank (the window's agreed figures set their rhythm).
+every rank (the window's agreed figures set their rhythm). Where the device's energy counter is cheap to
+read (RAPL; NVML's total energy), it is read at each interval's ends and around its pauses: the job's
+power and tokens per joule (:mod:`.energy_reads`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from flops_callbacks import metrics as names
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.session.batch import Signature, shape_signature
+from flops_callbacks.session.energy_reads import IntervalEnergy, throughput_energy
 from flops_callbacks.session.off_clock import OffClock, Replay
 from flops_callbacks.session.result import AfterWindow, WindowResult
 from flops_callbacks.session.sequence_flops import LaidOut, SequenceFlops
@@ -58,6 +61,7 @@ from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.token_layout import HeldLayout, layout_tensors
 from flops_callbacks.timing.clock import NullClock, clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
+from flops_callbacks.timing.energy_figures import EnergySpan
 from flops_callbacks.user_warning import warn
 
 __all__ = ["AUDIT_COST", "LoggingInterval", "ThroughputMeter", "audit_every", "throughput_metrics"]
@@ -80,13 +84,14 @@ def audit_every(audit: int | Literal["auto"], step_seconds: float, count_seconds
 class LoggingInterval(NamedTuple):
     """What one rank did between two logging steps: its micro-batches' samples, tokens (None: unknown)
     and model flops (None: a shape's flops unknown), over its seconds; and the seconds the profiler's own
-    counts took in it, out of its clock."""
+    counts took in it, out of its clock; the energy counter over it (None: none cheap to read)."""
 
     seconds: float
     samples: int
     tokens: int | None
     flops: float | None
     own_seconds: float = 0.0
+    energy: EnergySpan | None = None
 
 
 def throughput_metrics(
@@ -101,10 +106,10 @@ def throughput_metrics(
         names.THROUGHPUT_SAMPLES_PER_SEC: sum(i.samples for i in intervals) / world * data_parallel / seconds
     }
     tokens = [i.tokens for i in intervals]
+    job_tokens = None
     if all(t is not None for t in tokens):
-        metrics[names.THROUGHPUT_TOKENS_PER_SEC] = (
-            sum(t or 0 for t in tokens) / world * data_parallel / seconds
-        )
+        job_tokens = sum(t or 0 for t in tokens) / world * data_parallel
+        metrics[names.THROUGHPUT_TOKENS_PER_SEC] = job_tokens / seconds
     flops = [i.flops for i in intervals]
     if all(f is not None for f in flops):
         per_device = sum(f or 0.0 for f in flops) / world / seconds
@@ -112,6 +117,7 @@ def throughput_metrics(
         if peak is not None:
             metrics[names.THROUGHPUT_MFU] = per_device / peak
     metrics[names.THROUGHPUT_PROFILER_SECONDS] = max(i.own_seconds for i in intervals)
+    metrics.update(throughput_energy([i.energy for i in intervals], job_tokens))
     return metrics
 
 
@@ -169,6 +175,7 @@ class ThroughputMeter:
         self._pending: list[_Pending] = []  # token micro-batches whose layout is not read yet
         self._own = 0.0  # the profiler's own counting in this interval, seconds (out of its clock)
         self.after = AfterWindow()  # the profiler's own work since the window, for the report
+        self.energy: IntervalEnergy | None = None  # the energy counter over each interval, where cheap
 
     def start(self, result: WindowResult, model: torch.nn.Module, flops: ShapeFlops) -> None:
         """Take the window's flops table and sizes, and start the first interval now."""
@@ -180,11 +187,14 @@ class ThroughputMeter:
         self.every = audit_every(self.audit, result.iter_latency, result.counting_iter)
         self._until = self.every
         self._step_seconds = result.iter_latency  # what an audited step's time is weighed against
+        self.energy = IntervalEnergy.of(module_device(model))  # None where no counter is cheap to read
         self._started = True
         self._later = False
         self._paused_at: float | None = None
         self.after = AfterWindow()
         self._restart(self._now())
+        if self.energy is not None:
+            self.energy.restart()
 
     def micro_batch_start(self, batch: Any, replay: Replay | str | None = None) -> None:
         """Add a micro-batch's samples, tokens and flops (None for the interval when they are unknown);
@@ -346,7 +356,8 @@ class ThroughputMeter:
         seconds = now - self._start - self._paused
         if self._paused_at is not None:  # asked while paused: count up to the pause only
             seconds -= now - self._paused_at
-        done = LoggingInterval(seconds, self._samples, self._tokens, self._flops, self._own)
+        energy = self.energy.take() if self.energy is not None else None
+        done = LoggingInterval(seconds, self._samples, self._tokens, self._flops, self._own, energy)
         self._restart(now)
         if self._paused_at is not None:
             self._paused_at = now
@@ -362,16 +373,20 @@ class ThroughputMeter:
             return
         if self._paused_at is None:
             self._paused_at = self._now()
+            if self.energy is not None:
+                self.energy.pause()
 
     def resume(self) -> None:
         if self._started and self._paused_at is not None:
             self._paused += self._now() - self._paused_at
             self._paused_at = None
+            if self.energy is not None:
+                self.energy.resume()
 
     def close(self) -> None:
         """Stop metering (an audit in progress stops: nothing of it remains)."""
         self._stop_audit()
-        self._started = False
+        self._started, self.energy = False, None
         self._samples, self._flops, self._tokens, self._pending, self._own = 0, 0.0, 0, [], 0.0
 
     def _restart(self, now: float) -> None:

@@ -12,17 +12,19 @@ by one builder (:func:`~flops_callbacks.session.builder.build_result`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from flops_callbacks.communication.breakdown import CommBreakdown
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.profile import Profile
+from flops_callbacks.session.energy_reads import rank_energy
 from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, WindowStep, clean_figures
+from flops_callbacks.timing.energy_figures import EnergySpan
 from flops_callbacks.timing.module_timer import median_step
 
 __all__ = [
@@ -66,6 +68,10 @@ class RankRow(NamedTuple):
     counting_iter: float  # the counting step's fwd + bwd + step seconds (what a count costs)
     comm: tuple[CommBreakdown | None, ...] = ()  # each communication step's split (None: unread trace)
     comm_iters: tuple[float, ...] = ()  # each one's fwd + bwd + step seconds (what one costs)
+    # each clean step's seconds in the profiler's votes before its forward (in its data time; () where the
+    # figures are not the clean steps')
+    waits: tuple[float, ...] = ()
+    energy: EnergySpan | str = ""  # the energy counter over its clean steps, or why none ("": not read)
 
 
 @dataclasses.dataclass
@@ -84,6 +90,7 @@ class LocalWindow:
     # the step whose batches the profile counted: the counting step's, or where the module-timing steps had
     # other shapes, the one timed (its batches counted off the clock)
     profiled: WindowStep | None = None
+    energy: EnergySpan | str = "no clean step ran"  # the energy counter over the clean steps, or why none
 
     @property
     def profile_step(self) -> WindowStep:
@@ -94,6 +101,8 @@ class LocalWindow:
         return RankRow(
             f.steps, counted_totals(self.profile), p.samples, p.tokens, self.counting.seconds()["iter"],
             tuple(s.comm for s in comm), tuple(s.seconds()["iter"] for s in comm),
+            tuple(s.waited for s in self.clean),
+            energy=self.energy,
         )  # fmt: skip
 
 
@@ -105,6 +114,7 @@ class ReusedWindow:
     clean: list[WindowStep]
     figures: CleanFigures  # this rank's
     sources: FlopsSources
+    energy: EnergySpan | str = "no clean step ran"  # the energy counter over the clean steps, or why none
 
     @property
     def source(self) -> str:
@@ -116,7 +126,9 @@ class ReusedWindow:
         (the same on every rank: the job's figures of the window it reuses)."""
         f, base = self.figures, self.base
         totals = counted_totals(base.profile)
-        return RankRow(f.steps, totals, base.samples, base.tokens, base.counting_iter or 0.0)
+        waits = tuple(s.waited for s in self.clean)
+        row = RankRow(f.steps, totals, base.samples, base.tokens, base.counting_iter or 0.0, waits=waits)
+        return row._replace(energy=self.energy)
 
 
 def _median_timed(ran: list[WindowStep]) -> WindowStep:
@@ -169,7 +181,10 @@ def local_window(
         counts = None if known else BatchCounts.of(profile)
     figures = clean_figures(timed, counts, each)
     comm = tuple(s for s in steps if s.kind == Kind.COMMUNICATION and s.signatures)
-    return LocalWindow(profile, ran, module_steps, clean, figures, source, counting, sources, comm, profiled)
+    energy = rank_energy(steps, clean)
+    return LocalWindow(
+        profile, ran, module_steps, clean, figures, source, counting, sources, comm, profiled, energy
+    )
 
 
 def reused_window(steps: list[WindowStep], base: WindowResult, flops: ShapeFlops) -> ReusedWindow | None:
@@ -179,7 +194,7 @@ def reused_window(steps: list[WindowStep], base: WindowResult, flops: ShapeFlops
     if not clean:
         return None
     each, sources = clean_step_flops(steps, clean, flops)
-    return ReusedWindow(base, clean, clean_figures(clean, each=each), sources)
+    return ReusedWindow(base, clean, clean_figures(clean, each=each), sources, rank_energy(steps, clean))
 
 
 def local_part(
@@ -188,9 +203,13 @@ def local_part(
     engine: CountingEngine | None,
     base: WindowResult | None,
     count_step: Callable[[WindowStep], Profile | None] | None = None,
+    waits: Sequence[float] = (),
 ) -> LocalWindow | ReusedWindow | None:
     """This rank's part of the window that ended: a re-profile window's on ``base`` (the previous
-    result), else the counting step's engine's; None when it has nothing (no micro-batch, no clean step)."""
+    result), else the counting step's engine's; None when it has nothing (no micro-batch, no clean step).
+    ``waits``: each step's seconds in the profiler's votes before its forward, in order."""
+    for step, waited in zip(steps, waits, strict=False):
+        step.waited = waited
     if base is not None:
         return reused_window(steps, base, flops)
     if engine is None or not steps or not steps[0].signatures:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
 from flops_callbacks.communication.figures import CommFigures
+from flops_callbacks.communication.slow_rank import SlowRank
 from flops_callbacks.metrics import (
     BWD_BYTES,
     BWD_FLOPS,
@@ -16,6 +17,10 @@ from flops_callbacks.metrics import (
     COMM_LATENCY,
     COMM_OVERLAP,
     DATA_LATENCY,
+    DEVICE_BUSY_BWD,
+    DEVICE_BUSY_FWD,
+    DEVICE_BUSY_STEP,
+    DEVICE_IDLE,
     EXPOSED_COMM_LATENCY,
     FLOPS_PER_SEC,
     FWD_BYTES,
@@ -42,11 +47,14 @@ from flops_callbacks.metrics import (
 )
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
+from flops_callbacks.phase_names import STEP_PHASES
 from flops_callbacks.profile import Profile
 from flops_callbacks.roofline import Roofline, module_rooflines
+from flops_callbacks.session.energy_reads import energy_metrics
 from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepSeconds, StepWork
+from flops_callbacks.timing.energy_figures import EnergySpan
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.spans import ModuleSpan
 
@@ -135,6 +143,9 @@ class WindowSteps:
     # the module-timing step whose batches the profile counted off the clock (None: the counting step's):
     # its module-timing steps had other batch shapes than the counting step
     profile_step: int | None = None
+    # the module latencies are the device's kernels launched in each call (a CUDA device, torch.profiler's
+    # activity records), not the clock between the hooks
+    module_kernels: bool = False
 
     @property
     def profiled(self) -> int:
@@ -195,8 +206,15 @@ class WindowResult:
     flops_sources: FlopsSources | None = None
     counting_iter: float | None = None  # the counting step's fwd + bwd + step seconds (what counting costs)
     comm: CommFigures | None = None  # where the communication steps' time went (several ranks only)
+    slow_rank: SlowRank | None = None  # the rank the others wait for, or none (several ranks only)
     layout: BatchLayout | None = None  # the clean steps' padding and packing (token batches only)
     after: AfterWindow = field(default_factory=lambda: AfterWindow())  # the profiler's own work since
+    # a CUDA device's kernel seconds launched in each phase (forward, backward, optimizer_step) of the
+    # module-timing step whose tree is shown, read from its kernels; None: not read (timing/kernel_clock.py)
+    device_busy: dict[str, float] | None = None
+    # every rank's energy counter over its clean steps, by rank (:mod:`flops_callbacks.session.energy_reads`)
+    energy: tuple[EnergySpan, ...] = ()
+    no_energy_reason: str = ""  # why there are none (said in one line of the summary and of the report)
     _metrics: dict[str, float] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -259,6 +277,14 @@ class WindowResult:
         return CleanFigures(
             (CleanStep(StepWork(BatchCounts.of(self.profile), self.samples, self.tokens), seconds),)
         )
+
+    def device_idle(self) -> float | None:
+        """The share of fwd + bwd the device sits idle (waiting for the host): 1 - the kernels' time
+        launched in them over their latency (None: not read)."""
+        busy, latency = self.device_busy, self.fwd_latency + self.bwd_latency
+        if busy is None or latency <= 0:
+            return None
+        return max(0.0, 1.0 - (busy.get("forward", 0.0) + busy.get("backward", 0.0)) / latency)
 
     def metrics(self) -> dict[str, float]:
         """The ``flops_profiler/*`` metrics (names in :mod:`flops_callbacks.metrics`), computed once:
@@ -357,4 +383,18 @@ def window_metrics(step: WindowResult) -> dict[str, float]:
         metrics[EXPOSED_COMM_LATENCY] = split.exposed
         metrics[COMM_OVERLAP] = split.overlap if split.overlap is not None else 1.0
         metrics[IDLE_LATENCY] = split.idle
+    if step.slow_rank is not None:
+        metrics.update(step.slow_rank.metrics())
+    idle = step.device_idle()
+    if step.device_busy is not None and idle is not None:
+        latencies = (step.fwd_latency, step.bwd_latency, step.step_latency)
+        for name, phase, latency in zip(
+            (DEVICE_BUSY_FWD, DEVICE_BUSY_BWD, DEVICE_BUSY_STEP), STEP_PHASES, latencies, strict=True
+        ):
+            metrics[name] = _per_sec(step.device_busy.get(phase, 0.0), latency)
+        metrics[DEVICE_IDLE] = idle
+    n = len(c.steps)  # the job's tokens and samples in one clean step (every replica's), for its energy
+    tokens = None if total.tokens is None else total.tokens * dp / n
+    samples = None if total.samples is None else total.samples * dp / n
+    metrics.update(energy_metrics(step.energy, tokens, samples))
     return metrics

@@ -384,7 +384,7 @@ class StepSession:
                     self.log_throughput(global_step, sink)
             return
         done, comm = (self._end_window_step() if self._step is not None else None) or (False, None)
-        decision = self.plan.vote(Wish(drop=self.plan.failed, done=done, comm=comm))
+        decision = self.plan.vote(Wish(drop=self.plan.failed, done=done, comm=comm), ended=True)
         if decision.drop:
             self._drop(decision)
         elif decision.done or self.plan.capped():
@@ -403,8 +403,8 @@ class StepSession:
         if self._counting_failed():
             return False, None
         step.phases.stop()
+        self.instruments.step_ended(step)  # a trace read now is this step's time, not the next one's
         step.end_mark, step.ended = step.phases.clock.mark(), True
-        self.instruments.step_ended(step)
         self._step = None
         if step.kind == Kind.COUNTING:
             collect_counting_garbage()  # now, outside every clock
@@ -445,7 +445,7 @@ class StepSession:
         steps, self._steps, self._step = self._steps, [], None
         engine = self.instruments.drop()
         model, self._model = self._model, None
-        reprofile, base = self.plan.reprofile, self.result
+        reprofile, base, waits = self.plan.reprofile, self.result, self.plan.waits
         self.plan.reset()
         self.plan.ended(steps[-1].number if steps else global_step)  # agreed: the steps are every rank's
         self._window_ran = True
@@ -456,7 +456,7 @@ class StepSession:
                 self.sequences.window_end(steps, model, self.off_clock)
             with self.guard.own_work("building the profile", DROPPED, self._abandon):
                 count = lambda step: self.off_clock.profile(model, step.replays)  # noqa: E731
-                local = local_part(steps, self.flops, engine, base if reprofile else None, count)
+                local = local_part(steps, self.flops, engine, base if reprofile else None, count, waits)
         mine: RankRow | str = local.row() if local is not None else "failed" if self._abandoned else "empty"
         try:
             rows = self.ranks.exchange(mine)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable
 from enum import Enum
 from typing import NamedTuple
@@ -143,11 +144,14 @@ class WindowPlan:
         self.next_window: int | None = None  # where the next re-profile window starts (None: none)
         self._lined_up = 0  # the window step whose ranks last lined up (lines_up)
         self.comm_seen: list[tuple[float, float]] = []  # each read communication step's, the ranks' mean
+        # each window step's seconds this rank waited in the votes before its forward (:meth:`vote`)
+        self.waits: list[float] = []
+        self._after_end = 0.0  # the last step's end vote's: the next step's wait starts with it
 
     def reset(self, run: bool = False) -> None:
         """The window ended (or was dropped); with ``run`` no other window starts in this run."""
         self.kinds, self.open, self.failed, self.reprofile, self._lined_up = [], False, False, False, 0
-        self.comm_seen = []
+        self.comm_seen, self.waits, self._after_end = [], [], 0.0
         if run:
             self.next_window = None
 
@@ -222,14 +226,17 @@ class WindowPlan:
         """Whether the current step's micro-batches vote on its kind (every rank answers the same)."""
         return self.open and bool(self.kinds) and self.kind in (None, Kind.CLEAN)
 
-    def vote(self, wish: Wish) -> Decision:
+    def vote(self, wish: Wish, ended: bool = False) -> Decision:
         """Every rank's wishes, agreed: a drop if any rank wants one (or a rank does not answer), a
         count, a check or the content's rhythm if any rank's batch asks, the end only when every rank
-        is done."""
+        is done. ``ended``: the vote at a window step's end (else a micro-batch's); the seconds this rank
+        waits in it are kept (:meth:`_waited`)."""
+        start = time.perf_counter()
         try:
             wishes = self.ranks.exchange(wish)
         except RankFailure as failure:
             return Decision.dropped(f"the ranks' vote failed ({failure})")
+        self._waited(time.perf_counter() - start, ended)
         failed = [rank for rank, w in enumerate(wishes) if w is None or w.drop]
         if failed:
             why = f"rank {failed[0]}'s profiler failed" if self.ranks.several else "the profiler failed"
@@ -246,6 +253,18 @@ class WindowPlan:
             any(w.content for w in wishes),
             all(w.done for w in wishes),
         )
+
+    def _waited(self, seconds: float, ended: bool) -> None:
+        """A vote took ``seconds`` on this rank: a vote is a barrier, so a rank that reached it first waited
+        there for the last (a rank slow to read its batch or in its optimizer step). A step's wait is its
+        previous step's end vote and its own first micro-batch's vote: both lie between the previous step's
+        end and its forward, in its data time (``waits``, by window step; 0 for a step with no
+        micro-batch vote); a later micro-batch's lies outside the phases."""
+        if ended:
+            self._after_end = seconds
+        elif len(self.waits) < len(self.kinds):  # the step's first micro-batch: its forward starts next
+            self.waits += [0.0] * (len(self.kinds) - 1 - len(self.waits)) + [self._after_end + seconds]
+            self._after_end = 0.0
 
     def batch_kind(self, decision: Decision) -> Kind:
         """The current step's agreed kind after a micro-batch's vote. At its first micro-batch: the check

@@ -209,6 +209,7 @@ def steps_of(result: Any, clean: Any) -> int:
 def test_gpt2_fed_input_ids_and_labels_counts_new_shapes_off_the_clock(tmp_path: Path) -> None:
     """transformers 5 builds GPT-2's mask with integer ops under fake tensors (it reads its position ids
     on a real step): they do no floating-point work, so the fake count is the real one."""
+
     def padded(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         longest = max(len(s["input_ids"]) for s in samples)
         ids = torch.tensor([s["input_ids"] + [1] * (longest - len(s["input_ids"])) for s in samples])

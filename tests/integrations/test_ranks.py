@@ -101,6 +101,8 @@ def check_one_window_and_the_jobs_figures(ranks: list[dict[str, Any]], hf: bool 
     steps, metrics = ranks[0]["steps"], ranks[0]["metrics"]
     assert steps["counting"] == PROFILE_STEP and steps["clean"]
     assert ranks[0]["world"] == world
+    # who the others wait for, or that none stands out (the ranks' lengths differ: either may be said)
+    assert names.SLOW_RANK in metrics and names.SLOW_RANK_EXTRA_LATENCY in metrics
 
     def fwd(seen: dict[str, Any], step: int) -> int:
         extra = {"num_items_in_batch": torch.tensor(seen["items"][step])} if hf else {}

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from flops_callbacks.communication.slow_rank import find_slow_rank
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
 from flops_callbacks.reporting.console_summary import MAX_LINES, Split, bound_by, render_console_summary
 from flops_callbacks.reporting.tree_check import TreeCheck
 from flops_callbacks.session.result import WindowResult, WindowSteps
+from flops_callbacks.timing.energy_figures import EnergySpan
+from tests.communication.test_slow_rank import forward_sleep
 
 PEAK = Peak(1000.0, "peak_flops argument")
 
@@ -48,7 +51,7 @@ def test_the_summary_holds_the_rates_the_split_the_verdict_the_top_modules_and_t
     text = render_console_summary(window(), TreeCheck(), "logs/flops_profile_step10.txt")
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 100
-    top = slice(11, 14)  # the top modules' rows: their words (the columns' widths aside)
+    top = slice(12, 15)  # the top modules' rows: their words (the columns' widths aside)
     assert [" ".join(line.split()) for line in lines[top]] == [
         "b 300 ms 50% a 180 60%",
         "(Net) 150 ms 25% b 90 30%",
@@ -62,6 +65,7 @@ def test_the_summary_holds_the_rates_the_split_the_verdict_the_top_modules_and_t
         "MFU / HFU     MFU 30.00%, HFU 30.00% of 1 KFLOPS given",  # 300 / 1000, no recompute; the argument's
         "samples/s     16.00 (step)",  # 8 a step x 2 replicas / 1 s; no wall step was timed
         "tokens/s      2048.00 (step)",
+        "energy        n/a: no energy counter was read",  # a result built without one, or a file without
         "median step   fwd        bwd        step       iter",
         "              250 ms     500 ms     250 ms     1 s",
         "              25%        50%        25%        100%",
@@ -124,7 +128,7 @@ def test_each_doubt_is_one_line_naming_the_file_and_the_summary_stays_within_25_
     many = render_console_summary(window(), TreeCheck(notes=[note] * 20), "logs/flops_profile_step10.txt")
     lines = many.splitlines()
     assert len(lines) == MAX_LINES == 25
-    shown = MAX_LINES - 18 - 1  # 18 lines before the warnings, one saying how many more
+    shown = MAX_LINES - 19 - 1  # 19 lines before the warnings, one saying how many more
     assert lines[-2] == f"and {20 - shown} more warning(s) in the full report"
     assert lines[-1] == "-" * 78
 
@@ -146,3 +150,44 @@ def test_with_both_peaks_the_verdict_is_the_roofline_limiter_of_most_of_the_modu
     assert bound_by(Split(parts, 1.0, timed_wall=False), result) == (
         "compute-bound (75% of the step in fwd + bwd; module time compute-bound 67%, memory-bound 33%)"
     )
+
+
+def test_with_several_ranks_one_line_names_the_slow_rank_or_says_none_stands_out() -> None:
+    for ranks, said in (
+        (forward_sleep(), "1 of 2, fwd +20 ms over the median; the others wait 20 ms a step in all_reduce"),
+        ([forward_sleep()[0]] * 2, "none stands out (the ranks agree within their step-to-step noise)"),
+    ):
+        result = dataclasses.replace(window(), slow_rank=find_slow_rank(ranks))
+        lines = render_console_summary(result, TreeCheck(), "").splitlines()
+        assert lines[lines.index(next(line for line in lines if line.startswith("bound by"))) + 1] == (
+            f"slow rank     {said}"
+        )
+        assert max(len(line) for line in lines) <= 100
+    assert not any(
+        line.startswith("slow rank") for line in render_console_summary(window(), TreeCheck()).split("\n")
+    )
+
+
+def test_the_energy_line_is_the_metrics_per_step_per_token_and_power_each_counter_once_or_why_none() -> None:
+    """Two ranks on two GPUs over 3 clean steps: 600 J and 540 J in 3 s each: 200 + 180 = 380 J a step and
+    200 + 180 = 380 W; the job's tokens per step 1024 x 2 replicas: 380 / 2048 = 185.55 mJ a token, 5.39
+    tokens per joule. A third rank on the first GPU reads its counter again: counted once."""
+    spans = (
+        EnergySpan("GPU-a", "NVML total energy", 0.1, 600.0, 3.0, 3),
+        EnergySpan("GPU-b", "NVML total energy", 0.1, 540.0, 3.0, 3),
+        EnergySpan("GPU-a", "NVML total energy", 0.1, 601.0, 3.0, 3),
+    )
+    result = dataclasses.replace(window(), energy=spans)
+    lines = render_console_summary(result, TreeCheck(), "").splitlines()
+    assert lines[6] == (
+        "energy        380 J per step, 185.55 mJ per token, 5.39 tokens/J; 380 W "
+        "(NVML total energy of 2 GPUs)"
+    )
+    short = tuple(s._replace(seconds=1.0) for s in spans)  # 1 s is 10 of NVML's 0.1 s: off by up to 10%
+    lines = render_console_summary(dataclasses.replace(window(), energy=short), TreeCheck(), "").splitlines()
+    assert lines[6].endswith("; off by up to 10% (too short for the counter)")
+    why = "no RAPL counter: /sys/class/powercap does not exist"
+    lines = render_console_summary(
+        dataclasses.replace(window(), no_energy_reason=why), TreeCheck()
+    ).splitlines()
+    assert lines[6] == f"energy        n/a: {why}"

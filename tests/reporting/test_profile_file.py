@@ -89,6 +89,7 @@ def test_a_file_that_is_not_a_profile_is_refused_with_its_name_and_why(
 def test_a_one_process_file_has_no_communication_steps_and_reads_back_none(runs: dict[str, Path]) -> None:
     data = json.loads(runs["A"].read_text())
     assert "communication" not in data["steps"]  # one process: no communication step, no key
+    assert "slow_rank" not in data and names.SLOW_RANK not in data["metrics"]  # and no slow rank
     assert from_json(data, "new.json").result.steps.communication == ()
 
 

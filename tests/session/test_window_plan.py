@@ -203,3 +203,45 @@ def test_a_rank_that_failed_drops_the_window_on_every_rank() -> None:
     plan.ranks.vote.step = 12  # type: ignore[attr-defined]
     decision = plan.vote(Wish())
     assert decision.drop and decision.why == "rank 1's profiler failed"
+
+
+class WaitingRanks:
+    """One rank among two whose exchanges take the seconds ``waits`` lists, one per vote, on a fake clock."""
+
+    several, world = True, 2
+
+    def __init__(self, waits: list[float]) -> None:
+        self.waits, self.now = waits, 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def exchange(self, mine: Wish) -> list[Wish]:
+        self.now += self.waits.pop(0)
+        return [mine, Wish()]
+
+
+def test_a_steps_wait_in_the_votes_before_its_forward_is_its_previous_steps_end_vote_and_its_own_first(
+    monkeypatch: Any,
+) -> None:
+    """The counting step and the module-timing steps have no micro-batch vote; each clean step's first
+    micro-batch votes, a later one too (outside the phases: not the step's wait)."""
+    ranks = WaitingRanks([0.5, 0.25, 0.5, 0.125, 1.0, 2.0, 0.25, 4.0, 8.0])
+    monkeypatch.setattr("flops_callbacks.session.window_plan.time.perf_counter", ranks.clock)
+    plan = WindowPlan(Options(profile_step=10, clean_steps=2, comm_steps=0), ranks)  # type: ignore[arg-type]
+    for _ in range(3):  # counting, module timing, module timing: their end votes
+        plan.start_step()
+        plan.vote(Wish(), ended=True)  # 0.5, 0.25, 0.5
+    plan.start_step()  # the last module-timing step
+    plan.vote(Wish(), ended=True)  # 0.125
+    plan.start_step()  # the check: its first micro-batch's vote
+    plan.batch_kind(plan.vote(KNOWN))  # 1.0
+    plan.vote(Wish(), ended=True)  # 2.0
+    plan.start_step()  # a clean step: two micro-batches
+    plan.batch_kind(plan.vote(KNOWN))  # 0.25
+    plan.batch_kind(plan.vote(KNOWN))  # 4.0: between its micro-batches
+    plan.vote(Wish(), ended=True)  # 8.0
+    assert plan.kinds == [P, M, M, M, K, C]
+    assert plan.waits == [0.0, 0.0, 0.0, 0.0, 0.125 + 1.0, 2.0 + 0.25]
+    plan.reset()
+    assert plan.waits == []

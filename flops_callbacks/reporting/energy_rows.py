@@ -1,0 +1,134 @@
+"""The window's energy as people read it: the console summary's one line and the full report's rows.
+
+Every number is read from the window's metrics dict (:mod:`flops_callbacks.session.energy_reads` computes
+it once) and its spans; where no counter could be read, one line says why and nothing else is printed.
+"""
+
+from __future__ import annotations
+
+from flops_callbacks import metrics as names
+from flops_callbacks.session.result import WindowResult
+from flops_callbacks.timing.energy_figures import LONG_ENOUGH_RESOLUTIONS, EnergySpan, job_spans
+from flops_callbacks.units import duration_to_string, number_to_string
+
+__all__ = ["counters_text", "energy_console_row", "energy_lines", "joules_text", "watts_text"]
+
+
+def joules_text(joules: float) -> str:
+    """Joules as the report writes them: ``'412.5 J'``, ``'2.41 mJ'``, ``'1.2 KJ'``.
+
+    Args:
+        joules: the energy.
+    """
+    return f"{number_to_string(joules)}J"
+
+
+def watts_text(watts: float) -> str:
+    """Watts as the report writes them: ``'305.12 W'``, ``'1.81 KW'``.
+
+    Args:
+        watts: the power.
+    """
+    return f"{number_to_string(watts)}W"
+
+
+def counters_text(spans: tuple[EnergySpan, ...]) -> str:
+    """What was read, each counter once: ``'NVML total energy of 8 GPUs'``, ``'RAPL package+dram of 1 host'``.
+
+    Args:
+        spans: every rank's span.
+    """
+    by_source: dict[str, int] = {}
+    for span in job_spans(spans):
+        by_source[span.source] = by_source.get(span.source, 0) + 1
+    parts = []
+    for source, n in by_source.items():
+        what = "host" if source.startswith("RAPL") else "GPU"
+        parts.append(f"{source} of {n} {what}{'s' if n > 1 else ''}")
+    return ", ".join(parts)
+
+
+def _worst(spans: tuple[EnergySpan, ...]) -> EnergySpan:
+    return max(job_spans(spans), key=lambda s: s.error)
+
+
+def energy_console_row(result: WindowResult, metrics: dict[str, float]) -> str:
+    """The console summary's energy line: per step, per token, tokens per joule and the mean power, what
+    was read and how far off it may be; or why there is none.
+
+    Args:
+        result: the window's result.
+        metrics: its metrics dict.
+    """
+    if names.ENERGY_PER_STEP not in metrics:
+        return f"n/a: {result.no_energy_reason or 'no energy counter was read'}"
+    text = f"{joules_text(metrics[names.ENERGY_PER_STEP])} per step"
+    if names.ENERGY_PER_TOKEN in metrics:
+        text += f", {joules_text(metrics[names.ENERGY_PER_TOKEN])} per token"
+        text += f", {metrics[names.TOKENS_PER_JOULE]:.2f} tokens/J"
+    elif names.ENERGY_PER_SAMPLE in metrics:
+        text += f", {joules_text(metrics[names.ENERGY_PER_SAMPLE])} per sample"
+    text += f"; {watts_text(metrics[names.POWER])} ({counters_text(result.energy)})"
+    worst = _worst(result.energy)
+    if not worst.long_enough:
+        text += f"; off by up to {100 * worst.error:.0f}% (too short for the counter)"
+    return text
+
+
+def energy_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[str, str]]:
+    """The full report's energy rows: what was read, the figures and their formulas, and where the clean
+    steps were too short for the counter's resolution; one row saying why where there is none.
+
+    Args:
+        result: the window's result.
+        metrics: its metrics dict.
+    """
+    if names.ENERGY_PER_STEP not in metrics:
+        return [("energy", f"n/a: {result.no_energy_reason or 'no energy counter was read'}")]
+    spans = result.energy
+    resolutions = sorted({s.resolution for s in job_spans(spans)})
+    resolution = " / ".join(duration_to_string(r) for r in resolutions)
+    lines = [
+        (
+            "energy counter (the devices' own: the host's other parts, network and cooling left out)",
+            f"{counters_text(spans)}; resolution {resolution}",
+        ),
+        (
+            "energy per step = the job's joules over the clean steps (each: previous step's end -> its end) "
+            "/ their number",
+            joules_text(metrics[names.ENERGY_PER_STEP]),
+        ),
+    ]
+    if names.ENERGY_PER_SAMPLE in metrics:
+        label = "energy per sample = energy per step / samples per step per GPU * dp_size"
+        lines.append((label, joules_text(metrics[names.ENERGY_PER_SAMPLE])))
+    if names.ENERGY_PER_TOKEN in metrics:
+        lines += [
+            (
+                "energy per token = energy per step / tokens per step per GPU * dp_size",
+                joules_text(metrics[names.ENERGY_PER_TOKEN]),
+            ),
+            ("tokens per joule = 1 / energy per token", f"{metrics[names.TOKENS_PER_JOULE]:.2f}"),
+        ]
+    lines.append(
+        ("mean power = joules / seconds between the counter's reads (each counter's, summed)",
+         watts_text(metrics[names.POWER])),
+    )  # fmt: skip
+    if len(spans) > 1:
+        each = [s.joules / s.steps for s in spans]
+        lines.append(
+            (
+                f"energy per step over the {len(spans)} ranks' counters, min .. max (ranks on one GPU or "
+                "host read it once)",
+                f"{joules_text(min(each))} .. {joules_text(max(each))}",
+            )
+        )
+    worst = _worst(spans)
+    if not worst.long_enough:
+        lines.append(
+            (
+                f"energy in doubt (clean steps under {LONG_ENOUGH_RESOLUTIONS}x the counter's resolution)",
+                worst.note("the clean steps"),
+            )
+        )
+    return lines
