@@ -22,6 +22,7 @@ import gzip
 import json
 import os
 import tempfile
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import count
@@ -201,7 +202,9 @@ class KernelClock:
             return
         try:
             self.synchronize()
-            profiler.stop()
+            with warnings.catch_warnings():  # torch's note on its cycles says nothing of ours to the user
+                warnings.filterwarnings("ignore", message="Profiler clears events")
+                profiler.stop()
         except Exception as error:  # a start that failed part way, a torch that changed: the run goes on
             warn(f"flops_callbacks: torch.profiler could not be stopped after a module-timing step ({error})")
             return
