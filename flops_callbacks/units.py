@@ -14,10 +14,12 @@ __all__ = [
     "DEFAULT_PRECISION",
     "duration_to_string",
     "flops_to_string",
+    "joules_to_string",
     "macs_to_string",
     "number_to_string",
     "params_to_string",
     "percent",
+    "watts_to_string",
 ]
 
 DEFAULT_PRECISION = 2
@@ -56,6 +58,16 @@ def flops_to_string(flops: float, units: str | None = None, precision: int = DEF
 def macs_to_string(macs: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
     """Multiply-accumulates, ``'336.23 MMACs'``; the arguments as :func:`number_to_string`'s."""
     return f"{number_to_string(macs, units, precision)}MACs"
+
+
+def joules_to_string(joules: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
+    """Energy, ``'412.5 J'``, ``'2.41 mJ'``; the arguments as :func:`number_to_string`'s."""
+    return f"{number_to_string(joules, units, precision)}J"
+
+
+def watts_to_string(watts: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
+    """Power, ``'305.12 W'``, ``'1.81 KW'``; the arguments as :func:`number_to_string`'s."""
+    return f"{number_to_string(watts, units, precision)}W"
 
 
 def bytes_to_string(b: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from flops_callbacks import metrics as names
 from flops_callbacks.generation.result import GenerationResult
 from flops_callbacks.profile import Profile
-from flops_callbacks.reporting.energy_rows import joules_text, watts_text
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_sections import (
     render_aggregated,
@@ -20,7 +19,14 @@ from flops_callbacks.reporting.profile_sections import (
     render_roofline,
 )
 from flops_callbacks.roofline import as_data
-from flops_callbacks.units import bytes_to_string, duration_to_string, flops_to_string, number_to_string
+from flops_callbacks.units import (
+    bytes_to_string,
+    duration_to_string,
+    flops_to_string,
+    joules_to_string,
+    number_to_string,
+    watts_to_string,
+)
 
 __all__ = ["GENERATION_TITLE", "generation_picture", "generation_head", "render_generation"]
 
@@ -165,10 +171,10 @@ def _energy_rows(result: GenerationResult) -> list[str]:
         return [_row("energy", f"n/a: {result.no_energy_reason or 'no timed run read the counter'}")]
     whole = spans["run"]
     rows = [
-        _row("mean power (timed runs)", watts_text(m[names.GENERATION_POWER])),
+        _row("mean power (timed runs)", watts_to_string(m[names.GENERATION_POWER])),
     ]
     if names.GENERATION_ENERGY_PER_TOKEN in m:
-        per_token = joules_text(m[names.GENERATION_ENERGY_PER_TOKEN])
+        per_token = joules_to_string(m[names.GENERATION_ENERGY_PER_TOKEN])
         rows.append(
             _row(
                 "energy per new token (all sequences)",
@@ -180,7 +186,7 @@ def _energy_rows(result: GenerationResult) -> list[str]:
         ("decode", names.DECODE_ENERGY_PER_TOKEN, "decode energy per token (a step)"),
     ):
         why = spans[phase].note(f"the {phase}") or "no step"
-        rows.append(_row(label, joules_text(m[name]) if name in m else f"n/a: {why}"))
+        rows.append(_row(label, joules_to_string(m[name]) if name in m else f"n/a: {why}"))
     if not whole.long_enough:
         rows.append(_row("energy in doubt", whole.note("the timed runs")))
     counter = f"{whole.source}, resolution {duration_to_string(whole.resolution)}"
@@ -271,8 +277,8 @@ def _headline_pairs(result: GenerationResult) -> list[tuple[str, str]]:
         names.DECODE_LATENCY_PER_TOKEN: duration_to_string,
         names.DECODE_MBU: _fraction,
         names.GENERATION_TOKENS_PER_SEC: lambda v: f"{v:.2f}",
-        names.GENERATION_ENERGY_PER_TOKEN: joules_text,
-        names.GENERATION_POWER: watts_text,
+        names.GENERATION_ENERGY_PER_TOKEN: joules_to_string,
+        names.GENERATION_POWER: watts_to_string,
         names.KV_CACHE_BYTES: bytes_to_string,
     }
     pairs = [

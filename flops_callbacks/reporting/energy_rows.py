@@ -9,27 +9,9 @@ from __future__ import annotations
 from flops_callbacks import metrics as names
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.timing.energy_figures import LONG_ENOUGH_RESOLUTIONS, EnergySpan, job_spans
-from flops_callbacks.units import duration_to_string, number_to_string
+from flops_callbacks.units import duration_to_string, joules_to_string, watts_to_string
 
-__all__ = ["counters_text", "energy_console_row", "energy_lines", "joules_text", "watts_text"]
-
-
-def joules_text(joules: float) -> str:
-    """Joules as the report writes them: ``'412.5 J'``, ``'2.41 mJ'``, ``'1.2 KJ'``.
-
-    Args:
-        joules: the energy.
-    """
-    return f"{number_to_string(joules)}J"
-
-
-def watts_text(watts: float) -> str:
-    """Watts as the report writes them: ``'305.12 W'``, ``'1.81 KW'``.
-
-    Args:
-        watts: the power.
-    """
-    return f"{number_to_string(watts)}W"
+__all__ = ["counters_text", "energy_console_row", "energy_lines"]
 
 
 def counters_text(spans: tuple[EnergySpan, ...]) -> str:
@@ -62,13 +44,13 @@ def energy_console_row(result: WindowResult, metrics: dict[str, float]) -> str:
     """
     if names.ENERGY_PER_STEP not in metrics:
         return f"n/a: {result.no_energy_reason or 'no energy counter was read'}"
-    text = f"{joules_text(metrics[names.ENERGY_PER_STEP])} per step"
+    text = f"{joules_to_string(metrics[names.ENERGY_PER_STEP])} per step"
     if names.ENERGY_PER_TOKEN in metrics:
-        text += f", {joules_text(metrics[names.ENERGY_PER_TOKEN])} per token"
+        text += f", {joules_to_string(metrics[names.ENERGY_PER_TOKEN])} per token"
         text += f", {metrics[names.TOKENS_PER_JOULE]:.2f} tokens/J"
     elif names.ENERGY_PER_SAMPLE in metrics:
-        text += f", {joules_text(metrics[names.ENERGY_PER_SAMPLE])} per sample"
-    text += f"; {watts_text(metrics[names.POWER])} ({counters_text(result.energy)})"
+        text += f", {joules_to_string(metrics[names.ENERGY_PER_SAMPLE])} per sample"
+    text += f"; {watts_to_string(metrics[names.POWER])} ({counters_text(result.energy)})"
     worst = _worst(result.energy)
     if not worst.long_enough:
         text += f"; off by up to {100 * worst.error:.0f}% (too short for the counter)"
@@ -96,23 +78,23 @@ def energy_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
         (
             "energy per step = the job's joules over the clean steps (each: previous step's end -> its end) "
             "/ their number",
-            joules_text(metrics[names.ENERGY_PER_STEP]),
+            joules_to_string(metrics[names.ENERGY_PER_STEP]),
         ),
     ]
     if names.ENERGY_PER_SAMPLE in metrics:
         label = "energy per sample = energy per step / samples per step per GPU * dp_size"
-        lines.append((label, joules_text(metrics[names.ENERGY_PER_SAMPLE])))
+        lines.append((label, joules_to_string(metrics[names.ENERGY_PER_SAMPLE])))
     if names.ENERGY_PER_TOKEN in metrics:
         lines += [
             (
                 "energy per token = energy per step / tokens per step per GPU * dp_size",
-                joules_text(metrics[names.ENERGY_PER_TOKEN]),
+                joules_to_string(metrics[names.ENERGY_PER_TOKEN]),
             ),
             ("tokens per joule = 1 / energy per token", f"{metrics[names.TOKENS_PER_JOULE]:.2f}"),
         ]
     lines.append(
         ("mean power = joules / seconds between the counter's reads (each counter's, summed)",
-         watts_text(metrics[names.POWER])),
+         watts_to_string(metrics[names.POWER])),
     )  # fmt: skip
     if len(spans) > 1:
         each = [s.joules / s.steps for s in spans]
@@ -120,7 +102,7 @@ def energy_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
             (
                 f"energy per step over the {len(spans)} ranks' counters, min .. max (ranks on one GPU or "
                 "host read it once)",
-                f"{joules_text(min(each))} .. {joules_text(max(each))}",
+                f"{joules_to_string(min(each))} .. {joules_to_string(max(each))}",
             )
         )
     worst = _worst(spans)
