@@ -63,7 +63,7 @@ def run_ranks(directory: Path, command: list[str], steps: int, processes: int = 
     """Run ``command`` bounded; every rank's saved view, by rank, each having trained ``steps`` steps."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = run_bounded(command, timeout=TIMEOUT, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, done.stderr[-16000:]  # every rank's traceback, the one that failed first
     ranks = [json.loads((directory / f"rank{r}.json").read_text()) for r in range(processes)]
     for r, seen in enumerate(ranks):  # every rank trained to the end, as without the profiler
         assert seen["rank"] == r and seen["global_step"] == steps

@@ -42,7 +42,7 @@ def run(directory: Path, kind: str, slow: int, processes: int = 2) -> list[dict[
     if kind != "lightning":  # Lightning's own launcher starts the second process
         python += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
     done = run_bounded([*python, str(WORKERS), kind, str(directory), str(slow)], timeout=TIMEOUT, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, done.stderr[-16000:]  # every rank's traceback, the one that failed first
     ranks = [json.loads((directory / f"rank{r}.json").read_text()) for r in range(processes)]
     for r, seen in enumerate(ranks):  # every rank's two windows, the same job's figures
         assert seen["rank"] == r and len(seen["windows"]) == 2
