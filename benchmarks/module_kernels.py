@@ -398,31 +398,8 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--record", type=Path, default=None, help="write the CPU tests' traces here instead")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only tries the script (no kernels)")
-    parser.add_argument("--debug", action="store_true", help="say what each trace read holds")
     parser.add_argument("--frameworks", default="loop", help="loop (StepProfiler), lightning, hf")
     args = parser.parse_args()
-    if args.debug:
-        read = KernelTrace.__init__
-
-        def said(self: KernelTrace, events: Any) -> None:
-            events = list(events)
-            read(self, events)
-            kinds: dict[Any, int] = {}
-            for e in events:
-                key = (e.get("cat"), e.get("tid"))
-                kinds[key] = kinds.get(key, 0) + 1
-            device = self.device_seconds
-            print(
-                f"trace: {len(self.marks)} marks, {len(self._all.times)} launches, {device:.6f} s on device"
-            )
-            print(f"  events by (cat, tid): {sorted(kinds.items(), key=str)[:14]}")
-            if self.marks and self._all.times:
-                at = [t for _, t in self.marks.values()]
-                first = next(iter(self.marks.values()))[0]
-                print(f"  marks {min(at):.1f}..{max(at):.1f}, first mark's thread {first}")
-                print(f"  launches {self._all.times[0]:.1f}..{self._all.times[-1]:.1f}")
-
-        KernelTrace.__init__ = said  # type: ignore[method-assign]
     if args.record is not None:
         record(args.record, args.device)
         return

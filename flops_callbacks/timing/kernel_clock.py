@@ -10,9 +10,11 @@ hooks cost the host; the gap to its phase is the device's idle time. Communicati
 left out: they run on their own stream, and the communication step accounts for them.
 
 Why not torch's own tree of the trace (``prof.events()``, each op's ``device_time_total``): it gives a
-kernel to the op that launched it, and a module is no op; building it costs seconds on a large step. One
-trace format (the Chrome trace ``export_chrome_trace`` writes) serves the live step and the real GPU traces
-the tests read on a CPU.
+kernel to the op that launched it, and a module is no op; building it costs seconds on a large step. Why
+not the communication room's reader of the same profiler's events
+(:func:`flops_callbacks.communication.events.trace_events`): it lies a layer above, and it keeps no
+launch call's time. One trace format (the Chrome trace ``export_chrome_trace`` writes) serves the live
+step and the real GPU traces the tests read on a CPU.
 """
 
 from __future__ import annotations
