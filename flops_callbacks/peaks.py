@@ -155,9 +155,10 @@ class Peak:
     """The peak FLOPS of one device that MFU is computed against, and where it came from."""
 
     flops: float
-    # "peak_flops argument", the environment variable, "<chip> <dtype> dense, <datasheet>", or
-    # "measured: <dtype> dense matmul ..."
+    """FLOPS per device."""
     source: str
+    """``peak_flops argument``, the environment variable, ``<chip> <dtype> dense, <datasheet>`` or
+    ``measured: <dtype> dense matmul ...``."""
 
     @property
     def kind(self) -> str:

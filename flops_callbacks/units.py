@@ -14,12 +14,11 @@ __all__ = [
     "DEFAULT_PRECISION",
     "duration_to_string",
     "flops_to_string",
-    "joules_to_string",
     "macs_to_string",
     "number_to_string",
     "params_to_string",
     "percent",
-    "watts_to_string",
+    "quantity_to_string",
 ]
 
 DEFAULT_PRECISION = 2
@@ -50,29 +49,23 @@ def number_to_string(num: float, units: str | None = None, precision: int = DEFA
     return f"{round(num / _SCALES[units], precision):g} {units}"
 
 
+def quantity_to_string(
+    num: float, symbol: str, units: str | None = None, precision: int = DEFAULT_PRECISION
+) -> str:
+    """``num`` with a prefix and a unit's symbol: ``'412.5 J'``, ``'305.12 W'``, ``'6.28 TFLOPS'``.
+
+    Args:
+        num: the number.
+        symbol: the unit's symbol (``'J'``, ``'W'``, ``'FLOPS'``).
+        units: the prefix to use (``'G'``, ``''``, ...); None: the one that fits.
+        precision: the digits after the point.
+    """
+    return f"{number_to_string(num, units, precision)}{symbol}"
+
+
 def flops_to_string(flops: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
     """A rate in flops per second, ``'6.28 TFLOPS'`` (counts use number_to_string); arguments as its."""
-    return f"{number_to_string(flops, units, precision)}FLOPS"
-
-
-def macs_to_string(macs: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
-    """Multiply-accumulates, ``'336.23 MMACs'``; the arguments as :func:`number_to_string`'s."""
-    return f"{number_to_string(macs, units, precision)}MACs"
-
-
-def joules_to_string(joules: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
-    """Energy, ``'412.5 J'``, ``'2.41 mJ'``; the arguments as :func:`number_to_string`'s."""
-    return f"{number_to_string(joules, units, precision)}J"
-
-
-def watts_to_string(watts: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
-    """Power, ``'305.12 W'``, ``'1.81 KW'``; the arguments as :func:`number_to_string`'s."""
-    return f"{number_to_string(watts, units, precision)}W"
-
-
-def bytes_to_string(b: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
-    """Bytes in powers of 1000, ``'1.5 GB'``; the arguments as :func:`number_to_string`'s."""
-    return f"{number_to_string(b, units, precision)}B"
+    return quantity_to_string(flops, "FLOPS", units, precision)
 
 
 def params_to_string(params_num: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
@@ -88,6 +81,11 @@ def params_to_string(params_num: float, units: str | None = None, precision: int
     return number_to_string(params_num, units, precision).replace("G", "B").strip()
 
 
+def macs_to_string(macs: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
+    """Multiply-accumulates, ``'336.23 MMACs'``; the arguments as :func:`number_to_string`'s."""
+    return quantity_to_string(macs, "MACs", units, precision)
+
+
 def duration_to_string(duration: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
     """Seconds: ``'76.67 ms'``, ``'34.09 us'``.
 
@@ -96,7 +94,12 @@ def duration_to_string(duration: float, units: str | None = None, precision: int
         units: the prefix to use (``'m'``, ``'u'``, ...); None: the one that fits.
         precision: the digits after the point.
     """
-    return f"{number_to_string(duration, units, precision)}s"
+    return quantity_to_string(duration, "s", units, precision)
+
+
+def bytes_to_string(b: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:
+    """Bytes in powers of 1000, ``'1.5 GB'``; the arguments as :func:`number_to_string`'s."""
+    return quantity_to_string(b, "B", units, precision)
 
 
 def percent(part: float, whole: float) -> str:

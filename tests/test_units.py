@@ -6,12 +6,11 @@ from flops_callbacks.units import (
     bytes_to_string,
     duration_to_string,
     flops_to_string,
-    joules_to_string,
     macs_to_string,
     number_to_string,
     params_to_string,
     percent,
-    watts_to_string,
+    quantity_to_string,
 )
 
 
@@ -40,9 +39,10 @@ def test_unit_helpers_append_their_unit_to_the_number() -> None:
     assert duration_to_string(0.07667) == "76.67 ms"
     assert duration_to_string(34.09e-6) == "34.09 us"
     assert duration_to_string(0) == "0 s"
-    assert joules_to_string(412.5) == "412.5 J"  # ours: energy is no DeepSpeed figure
-    assert joules_to_string(0.00241) == "2.41 mJ"
-    assert watts_to_string(1810) == "1.81 KW"
+    assert quantity_to_string(412.5, "J") == "412.5 J"  # ours: energy is no DeepSpeed figure
+    assert quantity_to_string(0.00241, "J") == "2.41 mJ"
+    assert quantity_to_string(1810, "W") == "1.81 KW"
+    assert quantity_to_string(1810, "W", units="") == "1810 W"
 
 
 def test_params_say_b_for_billions_without_a_trailing_space() -> None:

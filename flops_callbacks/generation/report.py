@@ -23,9 +23,8 @@ from flops_callbacks.units import (
     bytes_to_string,
     duration_to_string,
     flops_to_string,
-    joules_to_string,
     number_to_string,
-    watts_to_string,
+    quantity_to_string,
 )
 
 __all__ = ["GENERATION_TITLE", "generation_picture", "generation_head", "render_generation"]
@@ -171,10 +170,10 @@ def _energy_rows(result: GenerationResult) -> list[str]:
         return [_row("energy", f"n/a: {result.no_energy_reason or 'no timed run read the counter'}")]
     whole = spans["run"]
     rows = [
-        _row("mean power (timed runs)", watts_to_string(m[names.GENERATION_POWER])),
+        _row("mean power (timed runs)", quantity_to_string(m[names.GENERATION_POWER], "W")),
     ]
     if names.GENERATION_ENERGY_PER_TOKEN in m:
-        per_token = joules_to_string(m[names.GENERATION_ENERGY_PER_TOKEN])
+        per_token = quantity_to_string(m[names.GENERATION_ENERGY_PER_TOKEN], "J")
         rows.append(
             _row(
                 "energy per new token (all sequences)",
@@ -186,7 +185,7 @@ def _energy_rows(result: GenerationResult) -> list[str]:
         ("decode", names.DECODE_ENERGY_PER_TOKEN, "decode energy per token (a step)"),
     ):
         why = spans[phase].note(f"the {phase}") or "no step"
-        rows.append(_row(label, joules_to_string(m[name]) if name in m else f"n/a: {why}"))
+        rows.append(_row(label, quantity_to_string(m[name], "J") if name in m else f"n/a: {why}"))
     if not whole.long_enough:
         rows.append(_row("energy in doubt", whole.note("the timed runs")))
     counter = f"{whole.source}, resolution {duration_to_string(whole.resolution)}"
@@ -277,8 +276,8 @@ def _headline_pairs(result: GenerationResult) -> list[tuple[str, str]]:
         names.DECODE_LATENCY_PER_TOKEN: duration_to_string,
         names.DECODE_MBU: _fraction,
         names.GENERATION_TOKENS_PER_SEC: lambda v: f"{v:.2f}",
-        names.GENERATION_ENERGY_PER_TOKEN: joules_to_string,
-        names.GENERATION_POWER: watts_to_string,
+        names.GENERATION_ENERGY_PER_TOKEN: lambda v: quantity_to_string(v, "J"),
+        names.GENERATION_POWER: lambda v: quantity_to_string(v, "W"),
         names.KV_CACHE_BYTES: bytes_to_string,
     }
     pairs = [

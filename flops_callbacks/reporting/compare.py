@@ -163,6 +163,7 @@ class Change:
 
     @property
     def name(self) -> str:
+        """The figure's short name, ``fwd_latency``."""
         return self.a.name
 
     @property
@@ -172,6 +173,7 @@ class Change:
 
     @property
     def noise(self) -> bool:
+        """Whether B lies within the spread of A's own clean steps (:func:`is_noise`)."""
         return is_noise(self.a, self.b)
 
     @property

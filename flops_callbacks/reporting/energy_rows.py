@@ -9,7 +9,7 @@ from __future__ import annotations
 from flops_callbacks import metrics as names
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.timing.energy_figures import LONG_ENOUGH_RESOLUTIONS, EnergySpan, job_spans
-from flops_callbacks.units import duration_to_string, joules_to_string, watts_to_string
+from flops_callbacks.units import duration_to_string, quantity_to_string
 
 __all__ = ["counters_text", "energy_console_row", "energy_lines"]
 
@@ -44,13 +44,13 @@ def energy_console_row(result: WindowResult, metrics: dict[str, float]) -> str:
     """
     if names.ENERGY_PER_STEP not in metrics:
         return f"n/a: {result.no_energy_reason or 'no energy counter was read'}"
-    text = f"{joules_to_string(metrics[names.ENERGY_PER_STEP])} per step"
+    text = f"{quantity_to_string(metrics[names.ENERGY_PER_STEP], 'J')} per step"
     if names.ENERGY_PER_TOKEN in metrics:
-        text += f", {joules_to_string(metrics[names.ENERGY_PER_TOKEN])} per token"
+        text += f", {quantity_to_string(metrics[names.ENERGY_PER_TOKEN], 'J')} per token"
         text += f", {metrics[names.TOKENS_PER_JOULE]:.2f} tokens/J"
     elif names.ENERGY_PER_SAMPLE in metrics:
-        text += f", {joules_to_string(metrics[names.ENERGY_PER_SAMPLE])} per sample"
-    text += f"; {watts_to_string(metrics[names.POWER])} ({counters_text(result.energy)})"
+        text += f", {quantity_to_string(metrics[names.ENERGY_PER_SAMPLE], 'J')} per sample"
+    text += f"; {quantity_to_string(metrics[names.POWER], 'W')} ({counters_text(result.energy)})"
     worst = _worst(result.energy)
     if not worst.long_enough:
         text += f"; off by up to {100 * worst.error:.0f}% (too short for the counter)"
@@ -78,23 +78,23 @@ def energy_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
         (
             "energy per step = the job's joules over the clean steps (each: previous step's end -> its end) "
             "/ their number",
-            joules_to_string(metrics[names.ENERGY_PER_STEP]),
+            quantity_to_string(metrics[names.ENERGY_PER_STEP], "J"),
         ),
     ]
     if names.ENERGY_PER_SAMPLE in metrics:
         label = "energy per sample = energy per step / samples per step per GPU * dp_size"
-        lines.append((label, joules_to_string(metrics[names.ENERGY_PER_SAMPLE])))
+        lines.append((label, quantity_to_string(metrics[names.ENERGY_PER_SAMPLE], "J")))
     if names.ENERGY_PER_TOKEN in metrics:
         lines += [
             (
                 "energy per token = energy per step / tokens per step per GPU * dp_size",
-                joules_to_string(metrics[names.ENERGY_PER_TOKEN]),
+                quantity_to_string(metrics[names.ENERGY_PER_TOKEN], "J"),
             ),
             ("tokens per joule = 1 / energy per token", f"{metrics[names.TOKENS_PER_JOULE]:.2f}"),
         ]
     lines.append(
         ("mean power = joules / seconds between the counter's reads (each counter's, summed)",
-         watts_to_string(metrics[names.POWER])),
+         quantity_to_string(metrics[names.POWER], "W")),
     )  # fmt: skip
     if len(spans) > 1:
         each = [s.joules / s.steps for s in spans]
@@ -102,7 +102,7 @@ def energy_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
             (
                 f"energy per step over the {len(spans)} ranks' counters, min .. max (ranks on one GPU or "
                 "host read it once)",
-                f"{joules_to_string(min(each))} .. {joules_to_string(max(each))}",
+                f"{quantity_to_string(min(each), 'J')} .. {quantity_to_string(max(each), 'J')}",
             )
         )
     worst = _worst(spans)

@@ -49,7 +49,6 @@ def publish(
     sink: Sink,
     guard: Guard,
     skip: Collection[str] = (),
-    *,
     files_only: bool = False,
 ) -> None:
     """On the logging rank: the report to the console (or ``output_file``), the report, JSON, picture

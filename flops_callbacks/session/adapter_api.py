@@ -1,5 +1,5 @@
 """What an adapter hands the session: what it read of its framework (:class:`TrainingContext`), where
-the results go (:class:`Sink`), and the publisher that fills the sink (:class:`Publish`).
+the results go (:class:`Sink`), and the publisher that fills the sink (``Publish``).
 
 The session knows none of them itself: an adapter hands it a context and a sink at its events, and
 the callbacks' base hands it the publisher (:func:`flops_callbacks.reporting.publish.publish`) when it
@@ -65,19 +65,10 @@ class Sink(Protocol):
         that show them (None: it could not be rendered)."""
 
 
-class Publish(Protocol):
-    """Publishes a window's result on the logging rank (:func:`flops_callbacks.reporting.publish.publish`):
-    its report, files and metrics; with ``files_only``, its report and JSON files again (the run's end
-    adds what the profiler did after the window)."""
-
-    def __call__(
-        self,
-        result: WindowResult,
-        options: Options,
-        log_dir: str | Path | None,
-        sink: Sink,
-        guard: Guard,
-        skip: Collection[str] = (),
-        *,
-        files_only: bool = False,
-    ) -> None: ...
+# Publishes a window's result on the logging rank: its report, files and metrics; with ``files_only``
+# true, its report and JSON files again (the run's end adds what the profiler did after the window).
+# Called as publish(result, options, log_dir, sink, guard, skip, files_only); the callbacks' base hands
+# the session flops_callbacks.reporting.publish.publish.
+Publish = Callable[
+    ["WindowResult", "Options", "str | Path | None", Sink, "Guard", Collection[str], bool], None
+]

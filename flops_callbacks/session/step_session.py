@@ -210,7 +210,7 @@ class StepSession:
         if sink.is_logging_rank:
             with self.guard.own_work("writing the counting after the window", "its files do not say it"):
                 skip, log_dir = set(self._unwritable), self._log_dir
-                self.publish(self.result, self.options, log_dir, sink, self.guard, skip, files_only=True)
+                self.publish(self.result, self.options, log_dir, sink, self.guard, skip, True)  # files only
 
     def _should_have_run(self) -> bool:
         """A window was expected and no warning at train start said otherwise (a run shorter than
@@ -475,7 +475,7 @@ class StepSession:
             built = build_result(local, steps, rows, model, context, self.flops, global_step, peaks, apart)
         self.result = built or self.result  # a failed re-profile keeps the last result to build on
         if built is not None and sink.is_logging_rank and self.publish is not None:
-            self.publish(built, self.options, log_dir, sink, self.guard, set(self._unwritable))
+            self.publish(built, self.options, log_dir, sink, self.guard, set(self._unwritable), False)
         self.job_meter.start(self.result, model, self.flops, again=reprofile)
 
     # --- throughput ----------------------------------------------------------------------------------
