@@ -2,6 +2,7 @@
 
 demo     the main job: the Lightning example on CPU (profile at step 10, TensorBoard logs)
 test     ruff, mypy and the test suite (what CI runs)
+test-newest  the test suite on the newest torch (torch==2.15.0, PyPI's build) in .venv-newest
 docs     write the pages' generated parts (docs/generate.py), then build the site into site/ (mkdocs
          --strict: a broken link or a page not in the nav fails)
 console  run the demo and keep its console summary as the README's and the docs' sample
@@ -23,10 +24,15 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 # torch==2.13.0 resolves to a CPU build on our machines; set FLOPS_CALLBACKS_TORCH for another build.
 TORCH = os.environ.get("FLOPS_CALLBACKS_TORCH", "torch==2.13.0")
+# The newest torch on PyPI, tested beside the pinned one in a virtualenv of its own (PyPI's build is the
+# CUDA one: a few GB, it runs the suite on a CPU all the same).
+NEWEST_VENV = ROOT / ".venv-newest"
+NEWEST_TORCH = "torch==2.15.0"
 
 JOBS = {
     "demo": [["examples/lightning/train.py"]],
     "test": [["-m", "ruff", "check", "."], ["-m", "mypy"], ["-m", "pytest", "-q"]],
+    "test-newest": [["-m", "pytest", "-q"]],
     "docs": [["docs/generate.py"], ["-m", "mkdocs", "build", "--strict"]],
     "console": [["docs/console_sample.py"]],
     "picture": [["benchmarks/picture_screenshot.py"]],
@@ -63,8 +69,8 @@ print("wheel ok: profiled a Linear with torch alone;", flops_callbacks.__version
 """
 
 
-def venv_python() -> Path:
-    return VENV / ("Scripts" if os.name == "nt" else "bin") / "python"
+def venv_python(venv_dir: Path = VENV) -> Path:
+    return venv_dir / ("Scripts" if os.name == "nt" else "bin") / "python"
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> None:
@@ -72,18 +78,19 @@ def run(*args: str, env: dict[str, str] | None = None) -> None:
     subprocess.run(args, cwd=ROOT, check=True, env={**os.environ, **(env or {})})
 
 
-def setup() -> None:
-    """Create .venv and install the package with every extra (once, again when pyproject changes)."""
-    stamp = VENV / ".installed"
+def setup(venv_dir: Path = VENV, torch: str = TORCH) -> None:
+    """Create ``venv_dir`` and install ``torch`` and the package with every extra (once, again when
+    pyproject changes)."""
+    stamp = venv_dir / ".installed"
     if stamp.exists() and stamp.stat().st_mtime >= (ROOT / "pyproject.toml").stat().st_mtime:
         return
-    if not venv_python().exists():
-        venv.create(VENV, with_pip=True)
-    pip = (str(venv_python()), "-m", "pip", "install", "-q")
+    if not venv_python(venv_dir).exists():
+        venv.create(venv_dir, with_pip=True)
+    pip = (str(venv_python(venv_dir)), "-m", "pip", "install", "-q")
     run(*pip, "--upgrade", "pip")
-    run(*pip, TORCH)
+    run(*pip, torch)
     # DeepSpeed (a dev extra) builds no CUDA ops with DS_BUILD_OPS=0: its profiler and CPU engine need none.
-    run(*pip, "-e", ".[dev,docs]", TORCH, env={"DS_BUILD_OPS": "0"})
+    run(*pip, "-e", ".[dev,docs]", torch, env={"DS_BUILD_OPS": "0"})
     stamp.touch()
 
 
@@ -103,12 +110,13 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] not in (*JOBS, "wheel"):
         print(__doc__)
         return 2
-    setup()
+    venv_dir, torch = (NEWEST_VENV, NEWEST_TORCH) if argv[0] == "test-newest" else (VENV, TORCH)
+    setup(venv_dir, torch)
     if argv[0] == "wheel":
         wheel()
         return 0
     for job in JOBS[argv[0]]:
-        run(str(venv_python()), *job)
+        run(str(venv_python(venv_dir)), *job)
     return 0
 
 

@@ -5,7 +5,7 @@ Three variants of one GPT-2 training step run side by side in one process, inter
 
 * plain: the step, no profiler;
 * counting, flops only: the counting engine with its byte rules switched off (every op moves nothing,
-  no saved tensor read): the engine as it was before bytes were counted;
+  no saved tensor read);
 * counting, flops + bytes: the engine as shipped.
 
 A counting step is everything a user pays for it: creating the tracer, the profiled forward and

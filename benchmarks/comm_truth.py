@@ -26,10 +26,10 @@ optimizer step, its data, the end of the last all-reduce, which the ranks do not
 (:class:`Stretch`): after each training step from the first communication step until the profile is
 published, a block of three synced and one of three no_sync outside steps, a barrier before each
 ("s.free ms": two more such blocks with no barrier but before their first step). On a shared CPU the
-same all-reduce's cost moves by up to 1.5x between stretches of a second or two
-(benchmarks/README.md), so a truth taken after training is of another stretch than the window's; with
-``--stretch`` the window's steps follow outside steps rather than training steps. The last line counts
-the Lightning and HF runs within the goal against each truth.
+same all-reduce's cost moves by up to 1.5x between stretches of a second or two, so a truth taken after
+training is of another stretch than the window's; with ``--stretch`` the window's steps follow outside
+steps rather than training steps. The last line counts the Lightning and HF runs within the goal against
+each truth.
 "Halves" is the truth of the blocks before the window over that of the blocks after it (half the
 steps each): the reference's own repeatability within one run, against which the reported figure's
 misses can be weighed (a truth whose halves disagree by more than the goal's band cannot hold a
@@ -71,10 +71,10 @@ those of two processes taking turns on one GPU, not of a multi-GPU step.
 
 Why 100 steps of each kind: the difference of two medians of 15 steps each moved 1.6-4.4 ms for the
 base model's 2.8 ms within one run; of 100 in blocks, one framework's truths spread 21-63% over seven
-runs (max / min, benchmarks/README.md, "Blocks, not pairs"), the machine's drift between runs included.
+runs (max / min), the machine's drift between runs included.
 
 ``--comm-steps N`` fixes the window's count of communication steps (default ``"auto"``): what a median
-of more steps buys (benchmarks/README.md, "Would more communication steps do?").
+of more steps buys.
 
     python benchmarks/comm_truth.py [--frameworks loop,lightning,hf] [--cases base,slower] [--pairs 100]
                                     [--repeats 1] [--device cpu|cuda] [--witness] [--comm-steps auto|N]

@@ -11,6 +11,12 @@ A tool that fails gets "error: <reason>" in its cells; one that is not importabl
 Not the meta device: there SDPA always runs the math kernel, which would hide what FlopCounterMode
 misses on a real device; full-size configs with short inputs keep the run to about two minutes.
 
+Why the others differ: DeepSpeed patches ``torch.nn.functional``, so it sees attention whatever kernel
+runs, but measures no backward (its forward + backward, like calflops', fvcore's and ptflops', is
+3 x forward); calflops and ptflops patch neither ``F.scaled_dot_product_attention`` nor
+``Tensor.__matmul__``; fvcore traces with ``torch.jit``. Left behind on torch 2.13: ptflops leaves five
+attributes on the model, and both it and calflops leave the model in ``eval()``.
+
     DS_BUILD_OPS=0 pip install "flops-callbacks[bench]"    # the other tools (optional)
     python benchmarks/compare.py [--quick]
 """

@@ -3,6 +3,7 @@
 * One read of each counter this machine has: RAPL on a two-socket layout (two packages, two DRAM
   domains: four ``energy_uj`` files) in a memory folder (``/dev/shm``, like sysfs), RAPL's real files where
   they are readable, and NVML's total energy where a GPU and nvidia-ml-py are there. Median of many reads.
+  A real RAPL file costs a model-specific register read in the kernel on top of a memory file's read.
 * A training step of a small model (an MLP, one CPU thread) with StepProfiler: the read's share of it.
   The window reads once per window step (goal: under 1% of a step).
 * Reads outside the window: a StepProfiler run whose counter counts its reads; after the window only the

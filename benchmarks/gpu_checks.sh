@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks only a GPU can make (benchmarks/README.md, "On a GPU"), each step under its own time limit (about
+# The checks only a GPU can make (benchmarks/README.md gives their goals and figures), each step under its own time limit (about
 # 15 minutes together, more than one device call's 10: split them with ONLY=), everything it prints
 # appended to $OUT/gpu.log, the profile picture of a GPU run written to $OUT/gpu-profile.html. Run from
 # the repository root on a machine with torch (CUDA), lightning, transformers and accelerate installed:
@@ -34,8 +34,8 @@ check module-kernels 150 "$PY" benchmarks/module_kernels.py --cases gpt2-124m-8x
 check kernel-traces 60 bash -c "$PY benchmarks/module_kernels.py --record $OUT/kernel_traces &&
   tar -czf $OUT/kernel_traces.tar.gz -C $OUT kernel_traces && rm -r $OUT/kernel_traces"
 # the CPU's gloo goal on a machine with more cores than ranks x threads (the shared CI machine has 2):
-# whether the 2-core machine's spread is the machine's (it is not only: benchmarks/README.md, "On 16 cores"), against
-# the training step's own sync - no_sync ("The framework's own step as the truth"; the outside steps' beside it)
+# whether the 2-core machine's spread is the machine's (benchmarks/README.md, "Exposed communication"), against
+# the training step's own sync - no_sync (the outside steps' beside it)
 check comm-truth-gloo-cores 300 "$PY" benchmarks/comm_truth.py --frameworks lightning,hf --repeats 2 --pairs 50
 check window-and-mfu 90 "$PY" benchmarks/gpu_window.py --repeats 2
 check timing-truth-124m 70 "$PY" benchmarks/timing_truth.py --device cuda --bf16 --cases gpt2-124m --repeats 3

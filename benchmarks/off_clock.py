@@ -7,7 +7,7 @@
 2. the grouped-length HF Trainer run (``train_sampling_strategy="group_by_length"``, lengths 16..256
    padded to the longest, a tiny GPT-2, ``profile_step=10``, 60 steps): the window's length in steps,
    its kinds and its wall time, with fake counts and with them turned off (the adapter gives no step
-   function: every new shape counted on a step of its own, as before counts off the clock).
+   function: every new shape counted on a training step of its own).
 
     python benchmarks/off_clock.py [--batch 4] [--length 256] [--repeats 3]
 """

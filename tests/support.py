@@ -33,6 +33,10 @@ from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.collector import collector_off
 from flops_callbacks.timing.module_timer import ModuleTimer
 
+# torch's FlopCounterMode counts the CPU's fused attention kernel (aten._scaled_dot_product_flash_attention
+# _for_cpu) from torch 2.15 on, as we do; before, it has no formula for it and counts 0 (why we count it).
+FLOP_COUNTER_COUNTS_CPU_SDPA = torch.__version__ >= (2, 15)
+
 
 def end_process() -> None:
     """A multi-process worker's end, once everything is written: leave without interpreter teardown.
