@@ -37,7 +37,7 @@ check kernel-traces 60 bash -c "$PY benchmarks/module_kernels.py --record $OUT/k
 # whether the 2-core machine's spread is the machine's (benchmarks/README.md, "Exposed communication"), against
 # the training step's own sync - no_sync (the outside steps' beside it)
 check comm-truth-gloo-cores 300 "$PY" benchmarks/comm_truth.py --frameworks lightning,hf --repeats 2 --pairs 50
-check window-and-mfu 90 "$PY" benchmarks/gpu_window.py --repeats 2
+check window-and-mfu 120 "$PY" benchmarks/gpu_window.py --repeats 2
 check timing-truth-124m 70 "$PY" benchmarks/timing_truth.py --device cuda --bf16 --cases gpt2-124m --repeats 3
 check timing-truth-small 40 "$PY" benchmarks/timing_truth.py --device cuda --bf16 --cases gpt2-small,mlp --repeats 1
 check step-profiler-truth 45 "$PY" benchmarks/step_profiler_truth.py --device cuda

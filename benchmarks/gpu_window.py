@@ -1,10 +1,13 @@
 """The window on a GPU: MFU against a hand computation, and what each window step costs beside plain steps.
 
 GPT-2 124M built from its config (random weights), bf16 mixed precision, batch ``--batch`` x seq
-``--seq``, AdamW, a real ``lightning.Trainer`` on one CUDA device. Per repeat, two runs of the same steps
-in turn: plain (a step timer only) and profiled (``FlopsProfilerCallback(profile_step=5)`` and the same
-timer). A step's time is the wall clock from one ``on_train_batch_start`` to the next (the GPU runs ahead
-of the host between them; a median over many steps is the GPU's pace).
+``--seq``, AdamW, a real ``lightning.Trainer`` on one CUDA device. Per repeat, three runs of the same steps
+in turn: plain (a step timer only), profiled (``FlopsProfilerCallback(profile_step=5)`` and the same
+timer), and the peer: torch's ``FlopCounterMode`` around the whole of the step our window counts (forward,
+backward and optimizer step, entered at its ``on_train_batch_start`` and left at its
+``on_train_batch_end``), with the same timer. A step's time is the wall clock from one
+``on_train_batch_start`` to the next (the GPU runs ahead of the host between them; a median over many
+steps is the GPU's pace).
 
 Printed:
 
@@ -12,7 +15,8 @@ Printed:
   iter the reported iter latency); Megatron's ``(6 N + 12 L s d) T`` (attention's matmuls added); the
   measured model flops over each formula.
 * the cost of each kind of window step: its time over the plain run's median step; the steps after the
-  window over the plain run's same steps (goal <= 1.01).
+  window over the plain run's same steps (goal <= 1.01); the same step counted by ``FlopCounterMode``
+  over the plain median step, and our counting step over it (goal <= 1), with both counts' flops.
 * a fake-tensor count of one shape (the off-clock count): its seconds, and its flops against the window's
   real count of the same shape (must be equal).
 
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 import transformers
 from common import quiet_trainer, step_timer
+from torch.utils.flop_counter import FlopCounterMode
 
 from flops_callbacks import FlopsProfilerCallback
 from flops_callbacks import metrics as names
@@ -75,12 +80,39 @@ class Batches(torch.utils.data.Dataset):
         return {"input_ids": self.items[i], "labels": self.items[i]}
 
 
-def run(args: argparse.Namespace, profiled: bool, show: bool = False) -> tuple[list[float], Any, Any]:
-    """One run: its step times by global step, our callback (None when plain), its model."""
+def flop_counter(step: int) -> Any:
+    """A Lightning callback that counts global step ``step`` whole under torch's ``FlopCounterMode``: the
+    peer of our counting step; its ``flops`` once counted."""
+    import lightning as L
+
+    class Counter(L.Callback):
+        def __init__(self) -> None:
+            self.mode: FlopCounterMode | None = None
+            self.flops: int | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if trainer.global_step == step:
+                self.mode = FlopCounterMode(display=False)
+                self.mode.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if self.mode is not None:
+                self.mode.__exit__(None, None, None)
+                self.flops, self.mode = self.mode.get_total_flops(), None
+
+    return Counter()
+
+
+def run(
+    args: argparse.Namespace, profiled: bool, show: bool = False, peer_at: int | None = None
+) -> tuple[list[float], Any, Any]:
+    """One run: its step times by global step, our callback (or, with ``peer_at``, the FlopCounterMode
+    callback counting that step; None when plain), its model."""
     model = build(args.seq, args.layers)
     timer = step_timer({"wall": time.perf_counter})
     ours = FlopsProfilerCallback(profile_step=PROFILE_STEP, print_profile=show, throughput=False)
-    callbacks = [ours, timer] if profiled else [timer]
+    peer = flop_counter(peer_at) if peer_at is not None else None
+    callbacks = [ours, timer] if profiled else [timer, peer] if peer is not None else [timer]
     data = Batches(args.steps, args.batch, args.seq, model.config.vocab_size)
     with tempfile.TemporaryDirectory() as root:
         accelerator = "gpu" if args.device == "cuda" else "cpu"
@@ -88,7 +120,7 @@ def run(args: argparse.Namespace, profiled: bool, show: bool = False) -> tuple[l
         trainer.fit(lightning_module(model), torch.utils.data.DataLoader(data, batch_size=None))
     if args.device == "cuda":
         torch.cuda.synchronize()
-    return timer.step_times("wall"), (ours if profiled else None), model
+    return timer.step_times("wall"), (ours if profiled else peer), model
 
 
 def fake_seconds(model: Any, batch: int, seq: int, device: str) -> tuple[float, int]:
@@ -142,9 +174,18 @@ def main() -> None:
             if which:
                 costs.setdefault(kind, []).append(statistics.median(times[s] for s in which) / base)
         after = range(last + 2, len(times))
-        costs.setdefault("after the window (vs the same plain steps)", []).append(
-            statistics.median(times[s] for s in after) / statistics.median(plain[s] for s in after)
+        if after:  # none when --steps leaves no step after the window
+            costs.setdefault("after the window (vs the same plain steps)", []).append(
+                statistics.median(times[s] for s in after) / statistics.median(plain[s] for s in after)
+            )
+        counted, peer, _ = run(args, profiled=False, peer_at=steps.counting)
+        costs.setdefault("FlopCounterMode counting the same step", []).append(counted[steps.counting] / base)
+        costs.setdefault("our counting step / FlopCounterMode's (goal <= 1)", []).append(
+            times[steps.counting] / counted[steps.counting]
         )
+        ours_flops = result.profile.hardware_flops
+        print(f"repeat {repeat + 1}: the counted step's flops, ours (hardware: fwd + bwd + recompute) "
+              f"{ours_flops:.4e}, FlopCounterMode's (the optimizer step's too) {peer.flops:.4e}")  # fmt: skip
         if repeat == 0:
             params = sum(p.numel() for p in model.parameters())
             tokens = args.batch * args.seq
