@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "CLOCKS",
+    "flop_counter_step",
     "RandomLengths",
     "pad_to_longest",
     "print_ratio_table",
@@ -27,6 +28,35 @@ __all__ = [
 ]
 
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "main-thread CPU": time.thread_time}
+
+
+def flop_counter_step(step: int) -> Any:
+    """A Lightning callback that counts global step ``step`` whole (forward, backward and optimizer step)
+    under torch's ``FlopCounterMode``, as a Lightning user writes it: the peer of our counting step. Its
+    ``flops`` once counted.
+
+    Args:
+        step: the global step to count.
+    """
+    import lightning as L
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class FlopCounterStep(L.Callback):
+        def __init__(self) -> None:
+            self.mode: FlopCounterMode | None = None
+            self.flops: int | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if trainer.global_step == step:
+                self.mode = FlopCounterMode(display=False)
+                self.mode.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if self.mode is not None:
+                self.mode.__exit__(None, None, None)
+                self.flops, self.mode = self.mode.get_total_flops(), None
+
+    return FlopCounterStep()
 
 
 def window_steps(profile_step: int, clean_steps: int = 0) -> range:

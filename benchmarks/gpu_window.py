@@ -34,8 +34,7 @@ from typing import Any
 
 import torch
 import transformers
-from common import quiet_trainer, step_timer
-from torch.utils.flop_counter import FlopCounterMode
+from common import flop_counter_step, quiet_trainer, step_timer
 
 from flops_callbacks import FlopsProfilerCallback
 from flops_callbacks import metrics as names
@@ -80,29 +79,6 @@ class Batches(torch.utils.data.Dataset):
         return {"input_ids": self.items[i], "labels": self.items[i]}
 
 
-def flop_counter(step: int) -> Any:
-    """A Lightning callback that counts global step ``step`` whole under torch's ``FlopCounterMode``: the
-    peer of our counting step; its ``flops`` once counted."""
-    import lightning as L
-
-    class Counter(L.Callback):
-        def __init__(self) -> None:
-            self.mode: FlopCounterMode | None = None
-            self.flops: int | None = None
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if trainer.global_step == step:
-                self.mode = FlopCounterMode(display=False)
-                self.mode.__enter__()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if self.mode is not None:
-                self.mode.__exit__(None, None, None)
-                self.flops, self.mode = self.mode.get_total_flops(), None
-
-    return Counter()
-
-
 def run(
     args: argparse.Namespace, profiled: bool, show: bool = False, peer_at: int | None = None
 ) -> tuple[list[float], Any, Any]:
@@ -111,7 +87,7 @@ def run(
     model = build(args.seq, args.layers)
     timer = step_timer({"wall": time.perf_counter})
     ours = FlopsProfilerCallback(profile_step=PROFILE_STEP, print_profile=show, throughput=False)
-    peer = flop_counter(peer_at) if peer_at is not None else None
+    peer = flop_counter_step(peer_at) if peer_at is not None else None
     callbacks = [ours, timer] if profiled else [timer, peer] if peer is not None else [timer]
     data = Batches(args.steps, args.batch, args.seq, model.config.vocab_size)
     with tempfile.TemporaryDirectory() as root:

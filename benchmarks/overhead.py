@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import quiet_trainer, step_timer, window_steps
+from common import flop_counter_step, quiet_trainer, step_timer, window_steps
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -250,23 +250,6 @@ def lightning_configurations(profile_step: int, ds_profiler: type | None) -> dic
                 self.prof.end_profile()
                 self.prof = None
 
-    class FlopCounterCallback(L.Callback):
-        """FlopCounterMode around one step (forward, backward and optimizer step)."""
-
-        def __init__(self) -> None:
-            self.counter: FlopCounterMode | None = None
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if trainer.global_step == profile_step:
-                self.counter = FlopCounterMode(display=False)
-                self.counter.__enter__()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if self.counter is not None:
-                self.counter.__exit__(None, None, None)
-                self.counter.get_total_flops()
-                self.counter = None
-
     configurations: dict[str, Callable[[], list]] = {
         "none": lambda: [],
         "ours: FlopsProfilerCallback": lambda: [
@@ -275,7 +258,7 @@ def lightning_configurations(profile_step: int, ds_profiler: type | None) -> dic
     }
     if ds_profiler is not None:
         configurations["DeepSpeed profiler (own callback)"] = lambda: [DeepSpeedCallback()]
-    configurations["FlopCounterMode (own callback)"] = lambda: [FlopCounterCallback()]
+    configurations["FlopCounterMode (own callback)"] = lambda: [flop_counter_step(profile_step)]
     configurations["Lightning ThroughputMonitor"] = lambda: [
         ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0])
     ]
