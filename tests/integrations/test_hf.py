@@ -38,6 +38,8 @@ from transformers import (
     LlamaForCausalLM,
     Trainer,
     TrainerCallback,
+    TrainerControl,
+    TrainerState,
     TrainingArguments,
 )
 
@@ -532,16 +534,34 @@ class SlowToStartEvaluation(Trainer):
         return super().evaluate(*args, **kwargs)
 
 
+class Marks(TrainerCallback):
+    """A stopwatch at the events where the meter starts, logs, pauses and resumes: one of these before
+    our callback and one after it enclose each of our marks."""
+
+    def __init__(self) -> None:
+        self.step_end: dict[int, float] = {}
+        self.evaluate: dict[int, float] = {}
+
+    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self.step_end[state.global_step] = time.perf_counter()
+
+    def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self.evaluate[state.global_step] = time.perf_counter()
+
+
 def test_evaluation_from_its_first_instruction_to_its_last_leaves_throughput_unchanged(
     tmp_path: Path,
 ) -> None:
     # training steps of 0.05 s; an evaluation of 0.1 s set-up + 8 batches x 0.05 s runs after step 9's
     # log, inside the interval logged at 12: three times the interval itself if it were counted; the
-    # window ends at 6
+    # window ends at 6, the meter's first interval starts there; no step is audited (an audited step is
+    # out of its interval, as the evaluation is): each interval is its three steps
     step_sleep = 0.05
     model = SleepyRegressor(step_sleep, 0.0, tiny_ops=2, eval_sleep=0.0)
+    before, after = Marks(), Marks()
     trainer = train(
-        tmp_path, model, [quiet(profile_step=0)], report_to=(), trainer_class=SlowToStartEvaluation,
+        tmp_path, model, [before, quiet(profile_step=0, flops_audit=0), after], report_to=(),
+        trainer_class=SlowToStartEvaluation,
         datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(8 * BATCH)}, max_steps=18,
         logging_steps=3, eval_strategy="steps", eval_steps=9, per_device_eval_batch_size=BATCH,
     )  # fmt: skip
@@ -549,9 +569,18 @@ def test_evaluation_from_its_first_instruction_to_its_last_leaves_throughput_unc
     rates = dict(logged(trainer, names.THROUGHPUT_SAMPLES_PER_SEC))
     assert sorted(rates) == [9, 12, 15, 18] and window_end(0, 1) == 6  # every logging step after the window
     assert BATCH / (step_sleep + 0.02) < rates[9] < BATCH / step_sleep  # a step's sleep and a little more
-    without = [rates[step] for step in (9, 15, 18)]  # (the evaluation at 18 runs after its log)
-    assert max(without) / min(without) < 1.1
-    assert rates[12] == pytest.approx(sum(without) / 3, rel=0.10)
+    # each interval's seconds lie between what the two stopwatches read around our marks: from the last
+    # log (or the window's end) to this log; at 12, less the evaluation, from our pause (just after step
+    # 9's log) to our resume (the evaluation's end)
+    b, a = before.step_end, after.step_end
+    for step in (9, 12, 15, 18):
+        shortest, longest = b[step] - a[step - 3], a[step] - b[step - 3]
+        if step == 12:
+            shortest = b[12] - after.evaluate[9]
+            longest = a[12] - before.evaluate[9] + (a[9] - b[9])
+        assert 3 * BATCH / longest <= rates[step] <= 3 * BATCH / shortest, step
+    # counted, the evaluation would show: it took over twice the interval's training
+    assert before.evaluate[9] - a[9] > 2 * (a[12] - before.evaluate[9])
 
 
 def test_epoch_logging_logs_throughput_at_every_epoch_end_after_the_window(tmp_path: Path) -> None:

@@ -127,8 +127,10 @@ class Pausing(nn.Module):
         self.step = -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.step in self.pause_at:
-            time.sleep(PAUSE)
+        if self.step in self.pause_at:  # a wait on the clock: a sleep would leave the backward after it
+            until = time.perf_counter() + PAUSE  # to run on a cold core, slower than the clean steps' one
+            while time.perf_counter() < until:
+                pass
         return F.relu(self.linear(x))
 
 
@@ -170,13 +172,19 @@ def test_a_pause_in_one_module_on_every_module_timing_step_is_flagged_in_report_
     assert result.fwd_latency < PAUSE / 10  # the clean steps did not pause
     # the pause stays in its module (the hooks' cost measured in place is kept to PROBE_CEILING x the probe's)
     assert result.profile.modules["layers.2"].fwd_latency == pytest.approx(PAUSE, rel=0.15)
+    assert result.profile.modules["layers.2"].bwd_latency < PAUSE / 10  # and not in the backward
     doubts = [line for line in report.splitlines() if line.startswith("module latencies in doubt")]
-    assert len(doubts) == 1
+    # one line for the forward; the backward's own check may add a line on a loaded machine (its module-
+    # timing steps' backward slowed by a stall of their own: one CI run read 526 us in layers.2.linear)
+    forward = [line for line in doubts if "forward" in line]
+    assert len(forward) == 1 and all(
+        "the model's backward on" in line for line in doubts if "forward" not in line
+    )
     assert (
         f"the model's forward on {'steps' if len(MODULE_STEPS) > 1 else 'step'} {MODULE_STEPS[0]}"
-        in doubts[0]
+        in forward[0]
     )
-    assert "most of the excess lies in layers.2" in doubts[0]
+    assert "most of the excess lies in layers.2" in forward[0]
     assert '<ul class="doubts"><li>module tree: the model&#x27;s forward' in page
     assert '"name":"layers.2"' in page and "a slowed step" in page
 
