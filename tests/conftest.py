@@ -53,6 +53,18 @@ def no_accelerator_state_stays() -> Iterator[None]:
         sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread for a test that compares step times: with two threads on a 2-core machine,
+    every op waits for the thread whose core another process holds, and the times are the load's."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Four real Lightning runs' profile files, by name (tests/saved_runs.py), for the readers of saved

@@ -30,6 +30,7 @@ WIDTH, BATCH = 256, 128  # a forward of ~2 ms: compute, not dynamo's guards, set
 PROFILE_STEP = 2  # counting 2, then the module-timing steps, then 2 clean steps
 STEPS = window_end(PROFILE_STEP, 2) + 1  # one step past the window
 EAGER_NOTE = "runs eagerly while the profiler is on"
+pytestmark = pytest.mark.usefixtures("one_thread")  # the window's steps compared with each other
 
 
 class Block(nn.Module):

@@ -165,6 +165,7 @@ def profiled(tmp_path: Path, pause_at: tuple[int, ...]) -> tuple[WindowResult, s
     return ours.result, report, page
 
 
+@pytest.mark.usefixtures("one_thread")  # its module-timing steps against its clean ones
 def test_a_pause_in_one_module_on_every_module_timing_step_is_flagged_in_report_and_picture(
     tmp_path: Path,
 ) -> None:
@@ -189,6 +190,7 @@ def test_a_pause_in_one_module_on_every_module_timing_step_is_flagged_in_report_
     assert '"name":"layers.2"' in page and "a slowed step" in page
 
 
+@pytest.mark.usefixtures("one_thread")  # its module-timing steps against its clean ones
 def test_a_pause_in_one_module_on_one_module_timing_step_drops_out_of_the_tree(tmp_path: Path) -> None:
     # the tree is the median module-timing step's: one step's pause (a collection, another process) is
     # not one module's time (this tiny model may still get a doubt row for its hooks, whose cost the
