@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flops_callbacks.module_tree import dynamo_compiled_anything
-from tests.support import torch_state
+from tests.support import one_thread, torch_state
 
 # no hub, no W&B servers: the tests build models from configs and log offline
 for _name, _value in {
@@ -53,16 +53,11 @@ def no_accelerator_state_stays() -> Iterator[None]:
         sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """torch on one thread for a test that compares step times: with two threads on a 2-core machine,
-    every op waits for the thread whose core another process holds, and the times are the load's."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+@pytest.fixture(name="one_thread")
+def one_thread_fixture() -> Iterator[None]:
+    """torch on one thread for a test that compares step times (tests.support.one_thread)."""
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

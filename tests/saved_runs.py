@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback
-from tests.support import lightning_settings, window_end
+from tests.support import lightning_settings, one_thread, window_end
 
 IN, WIDTH, OUT, BATCH = 8, 32, 4, 4
 PAUSE, SLOWER = 0.025, 0.15  # seconds
@@ -70,14 +70,8 @@ def profiled_run(root: Path, slow: float, batch: int = BATCH) -> Path:
         profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False, peak_flops=PEAK
     )
     trainer = L.Trainer(callbacks=[callback], **lightning_settings(root, steps))
-    # one thread: on a busy machine, two threads of tiny ops wait for each other and the forward's
-    # time becomes the machine's load, not the model's
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         trainer.fit(Net(slow), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=batch))
-    finally:
-        torch.set_num_threads(threads)
     path = root / f"flops_profile_step{PROFILE_STEP}.json"
     assert path.is_file()
     return path

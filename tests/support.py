@@ -4,6 +4,7 @@ the fault suites inject, and a step session driven as an adapter drives it."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -11,7 +12,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -81,6 +82,18 @@ def run_bounded(
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(args, process.returncode, out, err)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread, for runs whose step times are compared: with two threads on a 2-core machine,
+    every op waits for the thread whose core another process holds, and the times are the load's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def hooks_of(obj: object) -> dict[str, dict]:
