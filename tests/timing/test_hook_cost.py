@@ -209,7 +209,7 @@ def test_the_own_share_is_raised_until_the_outer_calls_children_fit_in_them() ->
         child only its 2 calls', so the children exceed their parent by 2 x the cost less the gap; each
         child's own hooks hold half that (the parent's measure is the anchor; the children's sleeps
         keep their spans above it all)."""
-        return max((2 * per_call - gap) / 2, 0.0)
+        return (2 * per_call - gap) / 2
 
     given = HookCost(per_call=0.01, own=0.0, source="given", detail="test")
     fitted = timer.fitted(given)
