@@ -1,26 +1,28 @@
-"""Whether ``flops-callbacks gate`` with the docs' rules passes two runs of one configuration and fails a
-run made slower: a CI gate must fail on regressions, not on noise.
+"""Whether ``flops-callbacks gate`` with the docs' rules passes two sides of one configuration and fails
+a side made slower: a CI gate must fail on regressions, not on noise.
 
-Goal: of PAIRS pairs of runs of one configuration, every pair passes (exit 0), and every run made 20%
-slower fails (exit 1).
+Goal: of PAIRS pairs of one configuration, every pair passes (exit 0), and every side made 20% slower
+fails (exit 1).
 
 Method: the demo (``examples/lightning/train.py``: a small GPT on CPU, batch 8 of 128 tokens, profile at
-step 10, peak measured) run as the docs' gate recipe runs it, PAIRS times three runs in a row, each in a
-process of its own: A, A again (A2), and A made slower (S): the same model with a busy wait at the
-start of its forward of SLOWER x A's median iter latency (read from A's JSON), so that S's step takes
-20% longer for the same flops (a wait on the clock, not a sleep: a sleeping process lets the CPU's
-threads go cold, and the step grows by more than the sleep). Then ``gate A A2 RULES`` (expected 0) and
-``gate A S RULES`` (expected 1), RULES being the docs' (``docs/comparing-runs.md``). Printed: per pair
-each run's median iter latency, A's range over its clean steps, the two exit codes, and the machine's
-load (1-minute load average) as each run ended; then the tally.
+step 10, peak measured) run as the docs' gate recipe runs it. Each pair is RUNS rounds of three runs in
+turns, each in a process of its own: A, A again (A2), and A made slower (S): the same model with a busy
+wait at the start of its forward of SLOWER x the median iter latency of the pair's first A (read from
+its JSON), so that S's step takes 20% longer for the same flops (a wait on the clock, not a sleep: a
+sleeping process lets the CPU's threads go cold, and the step grows by more than the sleep). Each side's
+runs go into a folder of its own; then ``gate A A2 RULES`` (expected 0) and ``gate A S RULES`` (expected
+1), RULES being the docs' (``docs/comparing-runs.md``), with folders (a side's figure: the median of its
+runs' medians; its range: the runs' medians) or, with ``--runs 1``, single files (the range: the base
+run's clean steps). Printed: per pair each side's median iter latency, A's range, the two exit codes,
+and the machine's load (1-minute load average) as the pair ended; then the tally.
 The runs share the machine with whatever else runs on it, as a CI runner does; each runs on THREADS
 torch threads (``OMP_NUM_THREADS``, as the recipe sets it: on a machine whose cores are shared, a second
 thread waits at every matmul's barrier for a core a neighbour holds, and the steps spread tenfold: on the
 2-core CPU at a load average of 4 the demo's median step reads 1.17 s on two threads, 54 ms on one, 39 ms
 with the machine to itself).
 
-    python benchmarks/gate_noise.py                         # 10 pairs, the docs' recipe (20 clean steps)
-    python benchmarks/gate_noise.py --clean-steps 5 --max-steps 20
+    python benchmarks/gate_noise.py                  # 10 pairs of 5 runs a side, the docs' recipe
+    python benchmarks/gate_noise.py --runs 1         # 10 pairs of single runs
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,10 +93,21 @@ def iter_spread(path: Path) -> dict[str, float]:
     return {"median": data["spread"]["iter"]["median"], "low": low, "high": high, "steps": len(each)}
 
 
+def side(paths: list[Path]) -> dict[str, float]:
+    """A side's iter latency as the gate reads it: one run's median and its clean steps' range, or of
+    several runs, the median of their medians and the range of those."""
+    if len(paths) == 1:
+        return iter_spread(paths[0])
+    medians = [iter_spread(p)["median"] for p in paths]
+    low, high = spread_range(medians)
+    return {"median": statistics.median(medians), "low": low, "high": high, "steps": len(paths)}
+
+
 def main() -> int:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=5, help="runs a side, in turns (the docs' recipe: 5)")
     parser.add_argument("--clean-steps", default="20", help="the demo's --clean-steps (the docs' recipe: 20)")
     parser.add_argument("--max-steps", type=int, default=40, help="the demo's --max-steps (the docs': 40)")
     parser.add_argument("--slower", type=float, default=0.2, help="S's extra time, a fraction of A's iter")
@@ -108,32 +122,39 @@ def main() -> int:
     same = slowed = 0
     print(
         f"rules: {' '.join(RULES)}; demo: {' '.join(demo_args)}, OMP_NUM_THREADS={args.threads}; "
-        f"S: +{args.slower:.0%} of A's iter"
+        f"{args.runs} run(s) a side, in turns; S: +{args.slower:.0%} of A's iter"
     )
-    print("| pair | A iter (range) | A2 iter | gate A A2 | S iter (S / A) | gate A S | load A, A2, S |")
+    print("| pair | A iter (range) | A2 iter | gate A A2 | S iter (S / A) | gate A S | load |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as temporary:
-        scratch = args.keep or temporary
+        scratch = Path(args.keep or temporary)
         for pair in range(1, args.pairs + 1):
-            a = run_demo(Path(scratch) / f"{pair}-a", demo_args, args.threads)
-            load = [os.getloadavg()[0]]
-            a2 = run_demo(Path(scratch) / f"{pair}-a2", demo_args, args.threads)
-            load.append(os.getloadavg()[0])
-            spread = iter_spread(a)
-            wait = args.slower * spread["median"]
-            s = run_demo(Path(scratch) / f"{pair}-s", demo_args, args.threads, sleep=wait)
-            load.append(os.getloadavg()[0])
-            slow = iter_spread(s)["median"]
-            code_same, line_same = gate(a, a2, RULES)
-            code_slow, line_slow = gate(a, s, RULES)
+            found: dict[str, list[Path]] = {"a": [], "a2": [], "s": []}
+            wait = 0.0
+            for i in range(args.runs):
+                for name in found:
+                    folder = scratch / str(pair) / name / f"run{i}"
+                    found[name].append(
+                        run_demo(folder, demo_args, args.threads, wait if name == "s" else 0.0)
+                    )
+                    if not wait:  # the pair's first A sets S's wait
+                        wait = args.slower * iter_spread(found["a"][0])["median"]
+            a, a2, s = (side(found[name]) for name in ("a", "a2", "s"))
+            one = args.runs == 1
+            base, same_side, slow_side = (
+                found[name][0] if one else scratch / str(pair) / name for name in ("a", "a2", "s")
+            )
+            code_same, line_same = gate(base, same_side, RULES)
+            code_slow, line_slow = gate(base, slow_side, RULES)
             same += code_same == 0
             slowed += code_slow == 1
-            ms = {k: f"{1e3 * v:.2f}" for k, v in spread.items() if k != "steps"}
+            ms = {k: f"{1e3 * v:.2f}" for k, v in a.items() if k != "steps"}
+            over = f"{a['steps']:.0f} {'steps' if one else 'runs'}"
             print(
-                f"| {pair} | {ms['median']} ms ({ms['low']} .. {ms['high']}, {spread['steps']:.0f} steps) "
-                f"| {1e3 * iter_spread(a2)['median']:.2f} ms | {code_same} "
-                f"| {1e3 * slow:.2f} ms ({slow / spread['median']:.2f}) | {code_slow} "
-                f"| {', '.join(f'{x:.1f}' for x in load)} |",
+                f"| {pair} | {ms['median']} ms ({ms['low']} .. {ms['high']}, {over}) "
+                f"| {1e3 * a2['median']:.2f} ms | {code_same} "
+                f"| {1e3 * s['median']:.2f} ms ({s['median'] / a['median']:.2f}) | {code_slow} "
+                f"| {os.getloadavg()[0]:.1f} |",
                 flush=True,
             )
             for code, line, expected in ((code_same, line_same, 0), (code_slow, line_slow, 1)):

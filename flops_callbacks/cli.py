@@ -41,7 +41,7 @@ from flops_callbacks.reporting.compare import (
     work_note,
 )
 from flops_callbacks.reporting.picture import render_html
-from flops_callbacks.reporting.profile_file import SavedProfile, load
+from flops_callbacks.reporting.profile_file import SavedProfile, load, load_runs
 from flops_callbacks.reporting.publish import picture
 from flops_callbacks.reporting.window_rows import report_text, tree_doubts
 from flops_callbacks.units import bytes_to_string, duration_to_string, number_to_string
@@ -103,12 +103,14 @@ def _parser() -> argparse.ArgumentParser:
     diff.set_defaults(run=_diff)
 
     gate_ = commands.add_parser("gate", help="exit 1 when a figure of NEW got worse than BASE's")
-    gate_.add_argument("base", help="the reference profile (e.g. main's)")
-    gate_.add_argument("new", help="the profile checked (e.g. the pull request's)")
+    runs = "or a folder of several runs' profiles (each flops_profile_step{N}.json under it)"
+    gate_.add_argument("base", help=f"the reference profile (e.g. main's), {runs}")
+    gate_.add_argument("new", help=f"the profile checked (e.g. the pull request's), {runs}")
     gate_.add_argument(
         "--fail-on", action="append", required=True, metavar="FIGURE:+N%|FIGURE:-N%",
         help="fail when FIGURE (a metric name without flops_profiler/) grows (+) or falls (-) by more "
-        "than N percent and beyond BASE's range over its clean steps; repeatable",
+        "than N percent and beyond BASE's range (over its clean steps; over its runs for a folder); "
+        "repeatable",
     )  # fmt: skip
     gate_.add_argument("--json", action="store_true", help="print the checks as JSON")
     gate_.set_defaults(run=_gate)
@@ -143,12 +145,20 @@ def _show(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
 
 
 def _window(path: str) -> SavedProfile:
-    """A training window's profile; a generation's is refused with what reads it (``show``)."""
+    """A training window's profile; a generation's is refused with what reads it (``show``), a folder
+    with what takes one (``gate``)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: a folder: diff compares two profile files; gate takes a folder of runs")
     if read_generation(path) is not None:
         raise ValueError(
             f"{path}: a generation's profile: diff and gate compare training windows; show prints it"
         )
     return load(path)
+
+
+def _runs(path: str) -> list[SavedProfile]:
+    """The training windows at ``path``: a profile file, or the runs of a folder (``load_runs``)."""
+    return load_runs(path) if os.path.isdir(path) else [_window(path)]
 
 
 def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
@@ -270,7 +280,7 @@ def _number(value: float) -> float | None:
 
 
 def _figure_json(f: Figure) -> dict[str, float]:
-    return {"value": f.value, "low": f.low, "high": f.high}
+    return {"value": f.value, "low": f.low, "high": f.high, "runs": f.runs}
 
 
 def _diff_json(
@@ -346,17 +356,19 @@ def _diff_html(a: SavedProfile, b: SavedProfile, note: str | None, figures: list
 
 def _gate(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     rules = [Rule.parse(text) for text in args.fail_on]  # before the files: a typo is said first
-    base, new = _window(args.base), _window(args.new)
+    base, new = _runs(args.base), _runs(args.new)
     checks = gate(base, new, rules)
-    note = work_note(base, new)
+    note = work_note(base[0], new[0])
     failed = [v for v in checks if v.failed]
     code = EXIT_WORSE if failed else EXIT_OK
     if args.json:
         data = {
             "passed": not failed,
             "exit_code": code,
-            "base": base.source,
-            "new": new.source,
+            "base": args.base,
+            "new": args.new,
+            "base_runs": [saved.source for saved in base],
+            "new_runs": [saved.source for saved in new],
             "same_work": note is None,
             "work_note": note,
             "checks": [

@@ -150,6 +150,75 @@ def test_gate_json_says_each_check(runs: dict[str, Path]) -> None:
     assert check["relative"] > 0.1
 
 
+def copy_runs(folder: Path, *profiles: Path) -> Path:
+    """``folder`` holding each profile as a run of its own (``run{i}/``, as a logger's versions lay
+    them out), each beside a trace file of the same stem that ``gate`` must pass over."""
+    for i, profile in enumerate(profiles):
+        run_dir = folder / f"run{i}"
+        run_dir.mkdir(parents=True)
+        (run_dir / profile.name).write_text(profile.read_text())
+        (run_dir / profile.with_suffix(".trace.json").name).write_text("[]")
+    return folder
+
+
+def test_gate_reads_a_folder_as_several_runs_their_median_within_their_range(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    base = copy_runs(tmp_path / "base", runs["A"], runs["A2"])
+    fwd = [json.loads(runs[r].read_text())["metrics"]["flops_profiler/fwd_latency"] for r in ("A", "A2", "B")]
+    done = run("gate", str(base), str(runs["B"]), "--fail-on", "fwd_latency:+10%", "--json")
+    data = json.loads(done.stdout)
+    assert (done.returncode, data["exit_code"], data["base"], data["new"]) == (
+        1,
+        1,
+        str(base),
+        str(runs["B"]),
+    )
+    assert data["base_runs"] == [str(base / f"run{i}" / runs["A"].name) for i in (0, 1)]
+    (check,) = data["checks"]
+    # the median of two runs is their mean; their range, the two values
+    assert check["base"] == {
+        "value": (fwd[0] + fwd[1]) / 2,
+        "low": min(fwd[:2]),
+        "high": max(fwd[:2]),
+        "runs": 2,
+    }
+    assert check["new"]["value"] == fwd[2] and check["new"]["runs"] == 1
+    line = run("gate", str(base), str(runs["B"]), "--fail-on", "fwd_latency:+10%").stdout
+    assert line.startswith("FAIL: fwd_latency got worse: ")
+    assert "beyond fwd_latency:+10% and above the base's range over its 2 runs (A " in line
+    # the same runs on both sides, in another order: the same median, a pass
+    new = copy_runs(tmp_path / "new", runs["A2"], runs["A"])
+    done = run("gate", str(base), str(new), "--fail-on", "fwd_latency:+10%")
+    assert (done.returncode, done.stderr) == (0, "") and done.stdout.startswith("ok: fwd_latency: ")
+    assert "(+0.0%), within fwd_latency:+10%" in done.stdout
+
+
+def test_gate_exits_2_on_a_folder_of_runs_that_did_other_work_or_of_none(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    mixed = copy_runs(tmp_path / "mixed", runs["A"], runs["C"])
+    done = run("gate", str(mixed), str(runs["A"]), "--fail-on", "fwd_latency:+10%")
+    other = mixed / "run1" / runs["C"].name
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(
+        f"flops-callbacks gate: error: {other} is not a run of {mixed / 'run0' / runs['A'].name}'s "
+        "configuration: the runs did different work: "
+    ), done.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = run("gate", str(runs["A"]), str(empty), "--fail-on", "fwd_latency:+10%")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(
+        f"flops-callbacks gate: error: {empty}: a folder with no flops_profile_step"
+    )
+    done = run("diff", str(empty), str(runs["A"]))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(
+        f"flops-callbacks diff: error: {empty}: a folder: diff compares two profile"
+    )
+
+
 def test_gate_exits_2_on_a_file_that_is_not_a_profile_and_names_it(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:

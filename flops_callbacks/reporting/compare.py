@@ -12,12 +12,19 @@ change is noise when the new run's figure lies within the base run's range: the 
 spread that far with nothing changed. A module's own time has no range of its own (its latency is the
 median of the module-timing steps), so its change is noise when it is within the base run's phase wobble:
 the range of its fwd latency plus that of its bwd latency.
+
+Several runs of one configuration (:func:`run_figures`, what ``gate`` reads from a folder): a figure is
+the median of the runs' values and its range what those values spread over (:func:`spread_range` again).
+A run's median moves from run to run with the machine's speed, by more than its own steps spread on a
+shared machine; runs of the base and the change taken in turns meet the same drift.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flops_callbacks import metrics as names
@@ -39,9 +46,11 @@ __all__ = [
     "is_noise",
     "judge",
     "module_changes",
+    "one_configuration",
     "own_seconds",
     "percent_text",
     "range_text",
+    "run_figures",
     "short",
     "spread_range",
     "work_note",
@@ -83,12 +92,14 @@ def short(name: str) -> str:
 
 @dataclass(frozen=True)
 class Figure:
-    """One metric of a run as logged, with its range (its own value at both ends when exact)."""
+    """One metric of a run as logged, with its range (its own value at both ends when exact); of
+    several runs, their median and the range of their values."""
 
     name: str  # without the prefix
     value: float
     low: float
     high: float
+    runs: int = 1  # how many runs the value is the median of
 
 
 def spread_range(values: list[float]) -> tuple[float, float]:
@@ -138,8 +149,39 @@ def figures(saved: SavedProfile) -> dict[str, Figure]:
     return found
 
 
+def run_figures(runs: Sequence[SavedProfile]) -> dict[str, Figure]:
+    """The figures of one configuration's runs: one run's own (:func:`figures`); of several, each
+    figure all of them have, as the median of their values within the range of those values.
+
+    Args:
+        runs: the saved runs, one or more, of one configuration.
+    """
+    if len(runs) == 1:
+        return figures(runs[0])
+    each = [figures(saved) for saved in runs]
+    found = {}
+    for name in each[0]:
+        if all(name in f for f in each):
+            values = [f[name].value for f in each]
+            found[name] = Figure(name, statistics.median(values), *spread_range(values), runs=len(runs))
+    return found
+
+
+def one_configuration(runs: Sequence[SavedProfile]) -> None:
+    """ValueError naming the first of ``runs`` that did other work than the first run (another model or
+    batch): runs of one configuration, or their median means nothing.
+
+    Args:
+        runs: the runs of one side of a gate.
+    """
+    for saved in runs[1:]:
+        note = work_note(runs[0], saved)
+        if note is not None:
+            raise ValueError(f"{saved.source} is not a run of {runs[0].source}'s configuration: {note}")
+
+
 def is_noise(a: Figure, b: Figure) -> bool:
-    """Whether ``b`` lies within ``a``'s range: the base run's own clean steps spread that far.
+    """Whether ``b`` lies within ``a``'s range: the base's own clean steps (or runs) spread that far.
 
     Args:
         a: the figure in the base run.
@@ -343,24 +385,29 @@ class Check:
     reason: str
 
 
-def gate(base: SavedProfile, new: SavedProfile, rules: list[Rule]) -> list[Check]:
-    """Each rule applied to ``new`` against ``base``; ValueError naming a figure a file does not have.
+def gate(base: Sequence[SavedProfile], new: Sequence[SavedProfile], rules: list[Rule]) -> list[Check]:
+    """Each rule applied to the ``new`` runs against the ``base`` runs (one or more of each, every run
+    of a side of one configuration); ValueError naming a figure a file does not have, or a run of a
+    side that did other work than its first.
 
-    A rule fails when the new run's figure is worse than the base's by more than the rule's limit and
-    lies beyond the base run's range on the worse side (above its slowest clean step for a latency,
-    below its slowest step's rate for a rate): both, or it passes.
+    A rule fails when the new figure is worse than the base's by more than the rule's limit and lies
+    beyond the base's range on the worse side (above its slowest clean step for a latency of one run,
+    above its slowest run's for several; below the matching rate for a rate): both, or it passes.
 
     Args:
-        base: the run compared against.
-        new: the run the rules judge.
+        base: the runs compared against.
+        new: the runs the rules judge.
         rules: the rules, as the command line parsed them.
     """
-    fa, fb = figures(base), figures(new)
+    one_configuration(base)
+    one_configuration(new)
+    fa, fb = run_figures(base), run_figures(new)
     checks = []
     for rule in rules:
-        for saved, found in ((base, fa), (new, fb)):
+        for side, found in ((base, fa), (new, fb)):
             if rule.figure not in found:
-                known = ", ".join(found)
+                saved = next(s for s in side if rule.figure not in figures(s))
+                known = ", ".join(figures(saved))
                 why = saved.result.no_energy_reason if f"{names.PREFIX}{rule.figure}" in names.ENERGY else ""
                 raise ValueError(
                     f"--fail-on {rule}: {saved.source} has no figure {rule.figure!r}"
@@ -372,7 +419,7 @@ def gate(base: SavedProfile, new: SavedProfile, rules: list[Rule]) -> list[Check
 
 
 def judge(rule: Rule, change: Change) -> Check:
-    """One rule on one change: failed when worse beyond the limit and beyond the base run's range.
+    """One rule on one change: failed when worse beyond the limit and beyond the base's range.
 
     Args:
         rule: the rule.
@@ -384,7 +431,10 @@ def judge(rule: Rule, change: Change) -> Check:
     beyond = b.value > a.high if grows else b.value < a.low
     moved = f"{figure_text(a)} -> {figure_text(b)} ({percent_text(change.relative)})"
     side = "above" if grows else "below"
-    base_range = f"the base run's range over its clean steps (A {range_text(a)})"
+    if a.runs == 1:
+        base_range = f"the base run's range over its clean steps (A {range_text(a)})"
+    else:
+        base_range = f"the base's range over its {a.runs} runs (A {range_text(a)})"
     if over and beyond:
         reason = f"{rule.figure} got worse: {moved}, beyond {rule} and {side} {base_range}"
     elif over:

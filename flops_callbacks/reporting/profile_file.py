@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,14 @@ __all__ = [
     "from_json",
     "json_data",
     "load",
+    "load_runs",
     "profile_json",
     "roofline_entries",
 ]
 
 SCHEMA = "flops_callbacks.profile"  # the "schema" key of every profile file: what tells it from other JSON
 SCHEMA_VERSION = 2  # raised when a key is renamed or removed, or changes meaning (a new key: not needed)
+WINDOW_FILE = re.compile(r"flops_profile_step\d+\.json")  # a window's profile, not its .trace.json
 
 
 class ProfileFileError(ValueError):
@@ -173,6 +176,22 @@ def load(path: str | Path) -> SavedProfile:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ProfileFileError(f"{source}: not a profile: not valid JSON ({error})") from None
     return from_json(data, source)
+
+
+def load_runs(path: str | Path) -> list[SavedProfile]:
+    """The runs at ``path``: the profile file itself, or every ``flops_profile_step{N}.json`` under the
+    folder ``path`` (its subfolders too, in path order), each a run; :class:`ProfileFileError` naming
+    the folder when it holds none."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return [load(path)]
+    found = sorted(p for p in folder.rglob("flops_profile_step*.json") if WINDOW_FILE.fullmatch(p.name))
+    if not found:
+        raise ProfileFileError(
+            f"{path}: a folder with no flops_profile_step{{N}}.json in it or under it (a folder stands "
+            "for several runs of one configuration: each run's profile file)"
+        )
+    return [load(p) for p in found]
 
 
 def from_json(data: Any, source: str = "<data>") -> SavedProfile:

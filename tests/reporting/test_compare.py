@@ -37,6 +37,25 @@ def test_a_median_above_the_base_runs_slowest_step_and_beyond_the_limit_fails() 
     )
 
 
+def test_of_several_base_runs_the_range_is_their_values_and_the_reason_says_how_many() -> None:
+    # five runs' medians 0.95 .. 1.25 ms around a median of 1 ms: 1.3 ms is +30% and above them all,
+    # 1.15 ms +15% but as slow as one of them
+    a = Figure("fwd_latency", 1.00 * MS, 0.95 * MS, 1.25 * MS, runs=5)
+    rule = Rule.parse("fwd_latency:+10%")
+    check = judge(rule, Change(a, latency(1.30, 1.30, 1.30)))
+    assert check.failed
+    assert check.reason == (
+        "fwd_latency got worse: 1 ms -> 1.3 ms (+30.0%), beyond fwd_latency:+10% and above the base's "
+        "range over its 5 runs (A 950 us .. 1.25 ms)"
+    )
+    inside = judge(rule, Change(a, latency(1.15, 1.15, 1.15)))
+    assert not inside.failed
+    assert inside.reason == (
+        "fwd_latency: 1 ms -> 1.15 ms (+15.0%), beyond fwd_latency:+10% but within the base's range over "
+        "its 5 runs (A 950 us .. 1.25 ms): noise"
+    )
+
+
 def test_beyond_the_range_but_within_the_limit_passes() -> None:
     # a steady base (1.00 .. 1.02 ms): 1.05 ms is beyond its range, but only +5%
     a, b = latency(1.01, 1.00, 1.02), latency(1.05, 1.04, 1.06)
