@@ -28,16 +28,15 @@ with the machine to itself).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package
-from flops_callbacks.reporting.compare import spread_range  # noqa: E402
+from flops_callbacks.reporting.compare import Figure, run_figures  # noqa: E402
+from flops_callbacks.reporting.profile_file import load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "lightning" / "train.py"
@@ -84,23 +83,10 @@ def gate(base: Path, new: Path, rules: list[str]) -> tuple[int, str]:
     return done.returncode, (done.stdout or done.stderr).strip()
 
 
-def iter_spread(path: Path) -> dict[str, float]:
-    """The run's median iter latency, the range the gate reads over its clean steps (their fastest and
-    slowest tenth left out), seconds, and their count."""
-    data = json.loads(path.read_text())
-    each = [sum(step["seconds"][p] for p in ("fwd", "bwd", "step")) for step in data["clean_each"]]
-    low, high = spread_range(each)
-    return {"median": data["spread"]["iter"]["median"], "low": low, "high": high, "steps": len(each)}
-
-
-def side(paths: list[Path]) -> dict[str, float]:
-    """A side's iter latency as the gate reads it: one run's median and its clean steps' range, or of
-    several runs, the median of their medians and the range of those."""
-    if len(paths) == 1:
-        return iter_spread(paths[0])
-    medians = [iter_spread(p)["median"] for p in paths]
-    low, high = spread_range(medians)
-    return {"median": statistics.median(medians), "low": low, "high": high, "steps": len(paths)}
+def side(paths: list[Path]) -> Figure:
+    """A side's iter latency as the gate reads it (``compare.run_figures``): one run's median within its
+    clean steps' range, or the median of several runs' medians within the range of those."""
+    return run_figures([load(p) for p in paths])["iter_latency"]
 
 
 def main() -> int:
@@ -137,8 +123,8 @@ def main() -> int:
                     found[name].append(
                         run_demo(folder, demo_args, args.threads, wait if name == "s" else 0.0)
                     )
-                    if not wait:  # the pair's first A sets S's wait
-                        wait = args.slower * iter_spread(found["a"][0])["median"]
+                    if name == "a" and i == 0:  # the pair's first A sets S's wait
+                        wait = args.slower * side(found["a"]).value
             a, a2, s = (side(found[name]) for name in ("a", "a2", "s"))
             one = args.runs == 1
             base, same_side, slow_side = (
@@ -148,12 +134,11 @@ def main() -> int:
             code_slow, line_slow = gate(base, slow_side, RULES)
             same += code_same == 0
             slowed += code_slow == 1
-            ms = {k: f"{1e3 * v:.2f}" for k, v in a.items() if k != "steps"}
-            over = f"{a['steps']:.0f} {'steps' if one else 'runs'}"
+            over = "clean steps" if one else f"{a.runs} runs"
             print(
-                f"| {pair} | {ms['median']} ms ({ms['low']} .. {ms['high']}, {over}) "
-                f"| {1e3 * a2['median']:.2f} ms | {code_same} "
-                f"| {1e3 * s['median']:.2f} ms ({s['median'] / a['median']:.2f}) | {code_slow} "
+                f"| {pair} | {1e3 * a.value:.2f} ms ({1e3 * a.low:.2f} .. {1e3 * a.high:.2f}, {over}) "
+                f"| {1e3 * a2.value:.2f} ms | {code_same} "
+                f"| {1e3 * s.value:.2f} ms ({s.value / a.value:.2f}) | {code_slow} "
                 f"| {os.getloadavg()[0]:.1f} |",
                 flush=True,
             )

@@ -178,17 +178,13 @@ def load(path: str | Path) -> SavedProfile:
     return from_json(data, source)
 
 
-def load_runs(path: str | Path) -> list[SavedProfile]:
-    """The runs at ``path``: the profile file itself, or every ``flops_profile_step{N}.json`` under the
-    folder ``path`` (its subfolders too, in path order), each a run; :class:`ProfileFileError` naming
-    the folder when it holds none."""
-    folder = Path(path)
-    if not folder.is_dir():
-        return [load(path)]
-    found = sorted(p for p in folder.rglob("flops_profile_step*.json") if WINDOW_FILE.fullmatch(p.name))
+def load_runs(folder: str | Path) -> list[SavedProfile]:
+    """Every ``flops_profile_step{N}.json`` under ``folder`` (its subfolders too, in path order), each a
+    run of one configuration; :class:`ProfileFileError` naming the folder when it holds none."""
+    found = sorted(p for p in Path(folder).rglob("flops_profile_step*.json") if WINDOW_FILE.fullmatch(p.name))
     if not found:
         raise ProfileFileError(
-            f"{path}: a folder with no flops_profile_step{{N}}.json in it or under it (a folder stands "
+            f"{folder}: a folder with no flops_profile_step{{N}}.json in it or under it (a folder stands "
             "for several runs of one configuration: each run's profile file)"
         )
     return [load(p) for p in found]
