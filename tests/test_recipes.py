@@ -81,12 +81,14 @@ def test_the_gate_recipe_passes_two_runs_of_the_demo_and_fails_one_made_slower(t
     report = (runs / "base" / PROFILE).with_suffix(".txt").read_text()
     assert re.search(r"peak FLOPS per device \(measured: fp32 dense matmul .*\n.*MFU = ", report)
     # the same gate, the base's folder against a run whose forward waits the base's median step more
-    gate_noise = benchmark("gate_noise")
-    rules = [part for rule in re.findall(r"--fail-on (\S+)", script) for part in ("--fail-on", rule)]
-    assert rules == gate_noise.RULES  # the benchmark measures the recipe's rules
+    gate_noise = benchmark("gate_noise")  # it measures the recipe's runs and rules
     run = next(line.strip() for line in script.splitlines() if "python examples/lightning/train.py" in line)
     arguments = run.split()[2:]
     arguments = arguments[: arguments.index("--default-root-dir")]
+    steps = ["--max-steps", str(gate_noise.MAX_STEPS), "--clean-steps", str(gate_noise.CLEAN_STEPS)]
+    assert (turns, arguments) == (gate_noise.TURNS, steps)
+    rules = [part for rule in re.findall(r"--fail-on (\S+)", script) for part in ("--fail-on", rule)]
+    assert rules == gate_noise.RULES
     wait = base["spread"]["iter"]["median"]  # twice as slow: beyond any drift seen between two runs
     for attempt in range(2):
         slower = gate_noise.run_demo(runs / f"slower{attempt}", arguments, threads=1, sleep=wait)
