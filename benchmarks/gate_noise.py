@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package
 from flops_callbacks.reporting.compare import Figure, run_figures  # noqa: E402
-from flops_callbacks.reporting.profile_file import load  # noqa: E402
+from flops_callbacks.reporting.profile_file import SavedProfile, load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "lightning" / "train.py"
@@ -90,10 +90,10 @@ def gate(base: Path, new: Path, rules: list[str]) -> tuple[int, str]:
     return done.returncode, (done.stdout or done.stderr).strip()
 
 
-def side(paths: list[Path]) -> Figure:
+def side(profiles: list[SavedProfile]) -> Figure:
     """A side's iter latency as the gate reads it (``compare.run_figures``): one run's median within its
     clean steps' range, or the median of several runs' medians within the range of those."""
-    return run_figures([load(p) for p in paths])["iter_latency"]
+    return run_figures(profiles)["iter_latency"]
 
 
 def main() -> int:
@@ -124,17 +124,18 @@ def main() -> int:
         scratch = Path(args.keep or temporary)
         for pair in range(1, args.pairs + 1):
             found: dict[str, list[Path]] = {"a": [], "a2": [], "s": []}
+            profiles: dict[str, list[SavedProfile]] = {name: [] for name in found}
             wait = 0.0
             for i in range(args.runs):
                 for name in found:
                     folder = scratch / str(pair) / name / f"run{i}"
-                    found[name].append(
-                        run_demo(folder, demo_args, args.threads, wait if name == "s" else 0.0)
-                    )
+                    path = run_demo(folder, demo_args, args.threads, wait if name == "s" else 0.0)
+                    found[name].append(path)
+                    profiles[name].append(load(path))
                     if name == "a" and i == 0:  # the pair's first A sets S's wait
-                        wait = args.slower * side(found["a"]).value
-            a, a2, s = (side(found[name]) for name in ("a", "a2", "s"))
-            logs = [math.log(side([path]).value) for path in found["a"] + found["a2"]]
+                        wait = args.slower * side(profiles["a"]).value
+            a, a2, s = (side(profiles[name]) for name in ("a", "a2", "s"))
+            logs = [math.log(side([run]).value) for run in profiles["a"] + profiles["a2"]]
             spread += [value - statistics.fmean(logs) for value in logs]
             one = args.runs == 1
             base, same_side, slow_side = (
