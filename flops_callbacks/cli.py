@@ -14,12 +14,13 @@ errors too). Colours only on a terminal (and never with ``NO_COLOR`` set), so CI
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO, cast
 
 from flops_callbacks.communication.slow_rank_report import slow_rank_text
 from flops_callbacks.files import write_text
@@ -66,18 +67,74 @@ class _Paint:
 RED, GREEN, DIM, BOLD = "31", "32", "2", "1"
 
 
+class _Reader:
+    """The output, which a reader that stops early (``| head``) may close: the rest is dropped and the
+    exit code stays the command's (a gate's verdict is not an error of writing it)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out, self.gone = out, False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                self.out.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self.out.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def isatty(self) -> bool:
+        return hasattr(self.out, "isatty") and self.out.isatty()
+
+    def _gone(self) -> None:
+        """No more writes; the stream's descriptor pointed at /dev/null, so that the interpreter's last
+        flush at exit does not fail on the closed pipe (what Python's docs advise for SIGPIPE)."""
+        self.gone = True
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no descriptor: nothing to flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.out.fileno())
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Run the command line on ``argv`` (``sys.argv[1:]`` by default); returns the exit code."""
-    out = out or sys.stdout
+    reader = _Reader(out or sys.stdout)
+    writes = cast(TextIO, reader)  # what the commands print to: a text stream as print() uses one
     args = _parser().parse_args(argv)
     try:
-        return int(args.run(args, out, _Paint(args.color, out)))
-    except ValueError as error:  # ProfileFileError, a bad rule, an unknown figure, a bad option
+        code = int(args.run(args, writes, _Paint(args.color, writes)))
+    except (ValueError, OSError) as error:  # ProfileFileError, a bad rule, an unknown figure, bad --html
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except OSError as error:  # an --html file that cannot be written
-        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    reader.flush()
+    return code
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low`` (argparse names the option and the value it refused)."""
+
+    def read(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}")
+        return value
+
+    return read
+
+
+def _write_page(path: str, text: str) -> None:
+    """``--html OUT`` written (its folder made if missing); ValueError naming the option when it cannot be."""
+    try:
+        write_text(path, text)
+    except OSError as error:
+        raise ValueError(f"--html {path}: cannot be written ({error.strerror or error})") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,17 +144,21 @@ def _parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="print a profile's report again")
     show.add_argument("profile", help="a flops_profile_step{N}.json, or a generation's saved profile")
     show.add_argument("--html", metavar="OUT", help="also write the profile's picture to OUT")
-    show.add_argument("--module-depth", type=int, default=-1, help="depth of the module tree (-1: all)")
     show.add_argument(
-        "--top-modules", type=int, default=1, help="modules per depth in the aggregated profile"
-    )
+        "--module-depth", type=_at_least(-1),
+        help="depth of the module tree (-1: all; default: the run's report's)",
+    )  # fmt: skip
+    show.add_argument(
+        "--top-modules", type=_at_least(1),
+        help="modules per depth in the aggregated profile (default: the run's report's)",
+    )  # fmt: skip
     show.add_argument("--brief", action="store_true", help="leave the detailed module tree out")
     show.set_defaults(run=_show)
 
     diff = commands.add_parser("diff", help="compare two profiles: headline figures, then modules")
     diff.add_argument("a", help="the profile compared against (e.g. main's)")
     diff.add_argument("b", help="the profile compared")
-    diff.add_argument("--top", type=int, default=10, help="modules listed (default 10)")
+    diff.add_argument("--top", type=_at_least(1), default=10, help="modules listed (default 10)")
     diff.add_argument("--html", metavar="OUT", help="write B's picture coloured by its change against A")
     diff.add_argument("--json", action="store_true", help="print the comparison as JSON")
     diff.set_defaults(run=_diff)
@@ -129,15 +190,19 @@ def _parser() -> argparse.ArgumentParser:
 def _show(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     generation = read_generation(args.profile)  # a generation's profile, or None: a window's
     if generation is not None:
-        print(render_generation(generation, args.module_depth, detailed=not args.brief), file=out)
+        if args.top_modules is not None:
+            raise ValueError("--top-modules: a generation's report has no aggregated profile to limit")
+        depth = Options.module_depth if args.module_depth is None else args.module_depth
+        print(render_generation(generation, depth, detailed=not args.brief), file=out)
         if args.html:
-            write_text(args.html, generation_picture(generation))
+            _write_page(args.html, generation_picture(generation))
         return EXIT_OK
     saved = load(args.profile)
-    options = Options(module_depth=args.module_depth, top_modules=args.top_modules)
+    given = {"module_depth": args.module_depth, "top_modules": args.top_modules}
+    options = Options(**{**saved.report, **{k: v for k, v in given.items() if v is not None}})
     print(report_text(saved.result, options, detailed=not args.brief), file=out)
     if args.html:
-        write_text(args.html, picture(saved.result))
+        _write_page(args.html, picture(saved.result))
     return EXIT_OK
 
 
@@ -162,8 +227,6 @@ def _runs(path: str) -> list[SavedProfile]:
 
 
 def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
-    if args.top < 0:
-        raise ValueError(f"--top must be an int >= 0, got {args.top}")
     a, b = _window(args.a), _window(args.b)
     note, figures, modules = work_note(a, b), changes(a, b), module_changes(a, b)
     if args.json:
@@ -171,7 +234,7 @@ def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     else:
         print(_diff_text(a, b, note, figures, modules[: args.top], len(modules), paint), file=out)
     if args.html:
-        write_text(args.html, _diff_html(a, b, note, figures))
+        _write_page(args.html, _diff_html(a, b, note, figures))
     return EXIT_OK
 
 
@@ -375,7 +438,8 @@ def _gate(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
                 {
                     "rule": str(v.rule),
                     "figure": v.rule.figure,
-                    "limit": v.rule.limit,
+                    "limit": v.rule.limit,  # a fraction: 0.1 for 10%
+                    "worse_when": "grows" if v.rule.grows else "falls",
                     "base": _figure_json(v.change.a),
                     "new": _figure_json(v.change.b),
                     "relative": _number(v.change.relative),

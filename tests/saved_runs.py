@@ -67,7 +67,7 @@ def profiled_run(root: Path, slow: float, batch: int = BATCH) -> Path:
         torch.randn(steps * BATCH, OUT, generator=generator),
     )
     callback = FlopsProfilerCallback(
-        profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False, peak_flops=PEAK
+        profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False, peak_flops=PEAK, top_modules=2
     )
     trainer = L.Trainer(callbacks=[callback], **lightning_settings(root, steps))
     with one_thread():

@@ -22,6 +22,7 @@ import pytest
 
 from flops_callbacks.cli import main
 from flops_callbacks.communication.slow_rank import find_slow_rank
+from flops_callbacks.reporting.compare import figures
 from flops_callbacks.reporting.profile_file import json_data, load
 from tests.communication.test_slow_rank import forward_sleep
 from tests.saved_runs import BATCH, SLOWER
@@ -150,6 +151,18 @@ def test_gate_json_says_each_check(runs: dict[str, Path]) -> None:
     assert check["relative"] > 0.1
 
 
+def test_every_rate_over_the_iter_has_the_iter_steps_range_as_a_rate(runs: dict[str, Path]) -> None:
+    """The model's and the hardware's FLOPS, MFU, HFU and samples/s: one step range, the
+    iter's, so each is as far from its ends as the others (a rate without one would gate on any step's
+    noise)."""
+    found = figures(load(runs["A"]))
+    rates = ["flops_per_sec", "hardware_flops_per_sec", "mfu", "hfu", "samples_per_sec"]
+    spans = {n: (found[n].low / found[n].value, found[n].high / found[n].value) for n in rates}
+    low, high = spans["flops_per_sec"]
+    assert low < 1 < high
+    assert all(s == pytest.approx((low, high), rel=1e-9) for s in spans.values()), spans
+
+
 def copy_runs(folder: Path, *profiles: Path) -> Path:
     """``folder`` holding each profile as a run of its own (``run{i}/``, as a logger's versions lay
     them out), each beside a trace file of the same stem that ``gate`` must pass over."""
@@ -259,6 +272,55 @@ def test_gate_exits_2_on_an_unknown_figure_or_a_bad_rule_and_names_it(
     # the prefix may be given: any metric of the dict, by its logged name too
     assert main(["gate", a, a, "--fail-on", "flops_profiler/samples_per_sec:-5%"]) == 0
     assert capsys.readouterr().out.startswith("ok: samples_per_sec: ")
+
+
+def test_bad_options_and_unwritable_pages_exit_2_naming_the_option(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    a, blocker, binary = str(runs["A"]), tmp_path / "a-file", tmp_path / "binary.json"
+    blocker.write_text("")
+    binary.write_bytes(b"\xff\xfe{}")
+    page = blocker / "a.html"  # under a file: no folder can be made there
+    cases = {
+        (
+            "show",
+            a,
+            "--module-depth",
+            "-5",
+        ): "show: error: argument --module-depth: expected an int >= -1, got '-5'",
+        (
+            "show",
+            a,
+            "--top-modules",
+            "0",
+        ): "show: error: argument --top-modules: expected an int >= 1, got '0'",
+        ("diff", a, a, "--top", "0"): "diff: error: argument --top: expected an int >= 1, got '0'",
+        ("show", a, "--html", str(page)): f"show: error: --html {page}: cannot be written (",
+        ("show", str(binary)): f"show: error: {binary}: not a profile: not UTF-8 text (invalid start byte)",
+    }
+    for args, message in cases.items():
+        done = run(*args)
+        assert done.returncode == 2 and (done.stdout == "" or "--html" in args), args  # the report came first
+        assert f"flops-callbacks {message}" in done.stderr, done.stderr
+
+
+def test_a_reader_that_stops_early_changes_no_exit_code(runs: dict[str, Path]) -> None:
+    """``| head``: the pipe closed before the command writes is no error; the gate's verdict stands."""
+    for args, code in (
+        (("show", str(runs["A"])), 0),
+        (("gate", str(runs["A"]), str(runs["B"]), "--fail-on", "fwd_latency:+10%"), 1),
+    ):
+        command = [sys.executable, "-m", "flops_callbacks", *args]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        process.stdout.close()  # before the command has imported anything: its first write finds no reader
+        try:
+            err = process.stderr.read().decode()
+            process.wait(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        assert (process.returncode, err) == (code, ""), (args, err)
 
 
 def test_the_console_script_runs_main_and_imports_no_framework(runs: dict[str, Path]) -> None:

@@ -70,6 +70,7 @@ _RANGE_OF: dict[str, tuple[str, bool]] = {
     **{name: ("iter", True) for name in (names.FLOPS_PER_SEC, names.SAMPLES_PER_SEC, names.TOKENS_PER_SEC)},
     **{name: ("iter", True) for name in (names.REAL_TOKENS_PER_SEC, names.MFU, names.HFU)},
     names.WALL_SAMPLES_PER_SEC: ("wall", True),
+    names.HARDWARE_FLOPS_PER_SEC: ("iter", True),
     names.WALL_TOKENS_PER_SEC: ("wall", True),
     names.TOKENS_PER_JOULE: ("wall", True),
 }
@@ -353,7 +354,8 @@ class Rule:
     by more; either way only when it also lies beyond the base run's range (:func:`is_noise`)."""
 
     figure: str  # without the prefix
-    limit: float  # signed fraction: +0.10, -0.05
+    limit: float  # a fraction, >= 0: 0.10 for 10%
+    grows: bool  # the rule calls a rise worse (+), else a fall (-): its own field, so that -0% keeps it
 
     @classmethod
     def parse(cls, text: str) -> Rule:
@@ -368,11 +370,10 @@ class Rule:
                 f"--fail-on {text!r}: expected FIGURE:+N% (worse when it grows, e.g. fwd_latency:+10%) "
                 "or FIGURE:-N% (worse when it falls, e.g. mfu:-5%)"
             )
-        sign = 1 if found[2] == "+" else -1
-        return cls(short(found[1]), sign * float(found[3]) / 100)
+        return cls(short(found[1]), float(found[3]) / 100, grows=found[2] == "+")
 
     def __str__(self) -> str:
-        return f"{self.figure}:{'+' if self.limit >= 0 else '-'}{100 * abs(self.limit):g}%"
+        return f"{self.figure}:{'+' if self.grows else '-'}{100 * self.limit:g}%"
 
 
 @dataclass(frozen=True)
@@ -426,8 +427,8 @@ def judge(rule: Rule, change: Change) -> Check:
         change: the rule's figure from the base run (``a``) to the new run (``b``).
     """
     a, b = change.a, change.b
-    grows = rule.limit >= 0  # the rule calls a rise worse
-    over = (1 if grows else -1) * change.relative > abs(rule.limit)
+    grows = rule.grows
+    over = (1 if grows else -1) * change.relative > rule.limit
     beyond = b.value > a.high if grows else b.value < a.low
     moved = f"{figure_text(a)} -> {figure_text(b)} ({percent_text(change.relative)})"
     side = "above" if grows else "below"

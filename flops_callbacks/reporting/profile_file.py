@@ -61,10 +61,13 @@ class SavedProfile:
     source: str  # the file's path, as given
     result: WindowResult
     metrics: dict[str, float]
+    report: dict[str, int] = dataclasses.field(default_factory=dict)  # module_depth, top_modules of its .txt
 
 
-def json_data(result: WindowResult) -> dict[str, Any]:
-    """Everything of a window as JSON-ready data: metrics, where each came from, and the full profile."""
+def json_data(result: WindowResult, report: dict[str, int] | None = None) -> dict[str, Any]:
+    """Everything of a window as JSON-ready data: metrics, where each came from, and the full profile;
+    ``report``: the options the run's report was rendered with (``module_depth``, ``top_modules``), so
+    that ``show`` prints the same report again."""
     figures = result.figures()
     data = {
         "schema": SCHEMA,
@@ -124,6 +127,8 @@ def json_data(result: WindowResult) -> dict[str, Any]:
         "extra_lines": result.extra_lines,  # the report rows the framework's adapter added
         "profile": profile_json(result),
     }
+    if report is not None:
+        data["report"] = report
     if result.comm is not None:  # the median communication step's split (several ranks)
         data["communication"] = comm_data(result.comm)
     if result.slow_rank is not None:  # the rank the others wait for, or none (several ranks)
@@ -171,9 +176,11 @@ def load(path: str | Path) -> SavedProfile:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as error:
         raise ProfileFileError(f"{source}: cannot be read ({error.strerror or error})") from None
+    except UnicodeDecodeError as error:
+        raise ProfileFileError(f"{source}: not a profile: not UTF-8 text ({error.reason})") from None
     try:
         data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except json.JSONDecodeError as error:
         raise ProfileFileError(f"{source}: not a profile: not valid JSON ({error})") from None
     return from_json(data, source)
 
@@ -207,7 +214,8 @@ def from_json(data: Any, source: str = "<data>") -> SavedProfile:
         )
     try:
         metrics = {str(k): float(v) for k, v in data["metrics"].items()}
-        return SavedProfile(source, _result(data, metrics), metrics)
+        report = {str(k): int(v) for k, v in data.get("report", {}).items()}
+        return SavedProfile(source, _result(data, metrics), metrics, report)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         what = f"missing key {error}" if isinstance(error, KeyError) else str(error)
         raise ProfileFileError(

@@ -83,7 +83,7 @@ def publish(
     if to_log_dir and stem is not None:
         if full is not None:
             files.append((stem.with_suffix(".txt"), lambda: full + "\n"))
-        files.append((stem.with_suffix(".json"), lambda: json.dumps(json_data(result), indent=2)))
+        files.append((stem.with_suffix(".json"), lambda: _json_text(result, options)))
         if html is not None:
             files.append((stem.with_suffix(".html"), lambda: html))
         process = f"flops_callbacks modules, step {result.steps.module_trace}"
@@ -112,8 +112,14 @@ def _rewrite(
     if log_dir is not None and "log_dir" not in skip:
         stem = Path(log_dir) / f"flops_profile_step{result.step}"
         files.append((stem.with_suffix(".txt"), lambda: full + "\n"))
-        files.append((stem.with_suffix(".json"), lambda: json.dumps(json_data(result), indent=2)))
+        files.append((stem.with_suffix(".json"), lambda: _json_text(result, options)))
     _write_all(files, guard)
+
+
+def _json_text(result: WindowResult, options: Options) -> str:
+    """The JSON file's text, with the options its report file was rendered with (for ``show``)."""
+    report = {"module_depth": options.module_depth, "top_modules": options.top_modules}
+    return json.dumps(json_data(result, report), indent=2)
 
 
 def _write_all(files: list[tuple[Path, Callable[[], str]]], guard: Guard) -> None:

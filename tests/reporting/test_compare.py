@@ -86,7 +86,17 @@ def test_an_exact_count_has_no_range_so_any_growth_beyond_the_limit_fails() -> N
     assert not judge(Rule.parse("fwd_flops:+0%"), Change(a, a)).failed
 
 
-@pytest.mark.parametrize("text", ["fwd_latency:+10%", "mfu:-5%", "iter_latency:+0.5%"])
+def test_a_minus_zero_rule_fails_on_any_fall_beyond_the_range_and_never_on_a_rise() -> None:
+    # -0% keeps its sign: a rate's fall fails, its rise passes, however small the limit
+    a = Figure("mfu", 0.50, 0.49, 0.51)
+    rule = Rule.parse("mfu:-0%")
+    assert (rule.limit, rule.grows, str(rule)) == (0.0, False, "mfu:-0%")
+    fell = judge(rule, Change(a, Figure("mfu", 0.20, 0.20, 0.20)))
+    assert fell.failed and fell.reason.startswith("mfu got worse: 50.00% -> 20.00% (-60.0%), beyond mfu:-0% ")
+    assert not judge(rule, Change(a, Figure("mfu", 0.90, 0.90, 0.90))).failed
+
+
+@pytest.mark.parametrize("text", ["fwd_latency:+10%", "mfu:-5%", "iter_latency:+0.5%", "mfu:-0%", "x:+0%"])
 def test_a_rule_reads_back_as_written(text: str) -> None:
     assert str(Rule.parse(text)) == text
 

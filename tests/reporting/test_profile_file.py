@@ -37,7 +37,8 @@ def test_a_real_runs_file_loads_back_into_the_result_it_was_written_from(runs: d
     )
     saved = load(path)
     assert saved.source == str(path)
-    assert json.loads(json.dumps(json_data(saved.result))) == written  # every key, every value
+    assert json.loads(json.dumps(json_data(saved.result, saved.report))) == written  # every key, every value
+    assert saved.report == {"module_depth": -1, "top_modules": 2}  # the run's report options, for show
     assert saved.metrics == written["metrics"]
     assert saved.result.metrics() == saved.metrics  # recomputed from what was read: the same figures
     assert saved.metrics[names.FWD_FLOPS] == FWD_FLOPS == 19712  # by hand (tests/saved_runs.py)
@@ -55,7 +56,7 @@ def test_a_real_runs_file_loads_back_into_the_result_it_was_written_from(runs: d
 def test_the_report_and_picture_rendered_from_the_file_are_the_runs_own(runs: dict[str, Path]) -> None:
     saved = load(runs["A"])
     stem = runs["A"].with_suffix("")
-    assert report_text(saved.result, Options(), detailed=True) + "\n" == stem.with_suffix(".txt").read_text()
+    assert report_text(saved.result, Options(**saved.report), detailed=True) + "\n" == stem.with_suffix(".txt").read_text()
     assert picture(saved.result) == stem.with_suffix(".html").read_text()
     assert f"Profile Summary at step {PROFILE_STEP}:" in stem.with_suffix(".txt").read_text()
 
