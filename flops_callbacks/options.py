@@ -160,5 +160,7 @@ class Options:
         check_callable("tokens_fn", self.tokens_fn)
         if self.output_file is not None and not isinstance(self.output_file, (str, Path)):
             raise ValueError(f"output_file must be a path (str or Path) or None, got {self.output_file!r}")
+        if self.output_file is not None and (str(self.output_file) == "" or Path(self.output_file).is_dir()):
+            raise ValueError(f"output_file must be a file's path or None, got a folder: {self.output_file!r}")
         check_peak_flops(self.peak_flops)
         check_peak_bandwidth(self.peak_bandwidth)

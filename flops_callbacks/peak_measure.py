@@ -67,7 +67,12 @@ def measure_matmul(device: torch.device, dtype: str, seconds: float = MEASURE_SE
     sync = _synchronizer(device)
     cap = MAX_SIZE.get(device.type, _ACCELERATOR_MAX)
     best, best_size, trials, size = 0.0, _START, 0, _START
-    with torch.no_grad():
+    # random operands (a GPU's clock may rise on zeros), drawn from a fork: the run's random state is its own
+    accelerator = device.type != "cpu"
+    forked = torch.random.fork_rng(
+        [device] if accelerator else [], device_type=device.type if accelerator else "cuda"
+    )
+    with forked, torch.no_grad():
         while True:
             a = torch.randn(size, size, device=device, dtype=_DTYPES[dtype])
             b, out = torch.randn_like(a), torch.empty_like(a)

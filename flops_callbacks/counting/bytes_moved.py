@@ -23,12 +23,17 @@ BytesRule = Callable[[tuple, dict, Any], int]
 aten = torch.ops.aten
 
 
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """A strided tensor's bytes; 0 for a sparse or other layout, whose bytes its shape does not give."""
+    return t.nbytes if t.layout == torch.strided else 0
+
+
 def _nbytes(x: Any) -> int:
     """Bytes of a tensor, or of the tensors of a list or tuple (aten nests no deeper)."""
     if isinstance(x, torch.Tensor):
-        return x.nbytes
+        return _tensor_bytes(x)
     if type(x) in (tuple, list):
-        return sum(t.nbytes for t in x if isinstance(t, torch.Tensor))
+        return sum(_tensor_bytes(t) for t in x if isinstance(t, torch.Tensor))
     return 0
 
 

@@ -288,10 +288,13 @@ class CountingEngine:
         finally:
             counted = self._flops_in_call
             self._functional, self._ctx, self._flops_in_call = outer, None, outer_flag
-        if counted and name is not None:
-            ctx.sums_of(name)[CALLS] += 1
-        if torch.is_grad_enabled():
-            self._tag(out, ctx)
+        try:
+            if counted and name is not None:
+                ctx.sums_of(name)[CALLS] += 1
+            if torch.is_grad_enabled():
+                self._tag(out, ctx)
+        except Exception as error:  # the count's failure, not the call's: its result goes on
+            self.failure = (f"counting {name or func}", error)
         return out
 
     def _tag(self, out: Any, ctx: Site) -> None:
@@ -330,23 +333,22 @@ class CountingEngine:
             end = self.clock.mark()
             if phase == BWD:
                 self._rec.bwd_op_spans.append((ctx, start, end))
-        moved = moves(args, kwargs, out) if moves is not None else 0
-        if kind is OpKind.FREE or kind is OpKind.UNCOUNTED:
-            if kind is OpKind.FREE:
-                self._rec.free_calls += 1
+        try:
+            moved = moves(args, kwargs, out) if moves is not None else 0
+            if kind is OpKind.FREE or kind is OpKind.UNCOUNTED:
+                if kind is OpKind.FREE:
+                    self._rec.free_calls += 1
+                else:
+                    self._rec.uncounted.setdefault(str(func._overloadpacket), []).append((start, end))
+                if moved:
+                    ctx.add_bytes(phase, ctx.functional or func._overloadpacket.__name__, moved)
             else:
-                self._rec.uncounted.setdefault(str(func._overloadpacket), []).append((start, end))
-            if moved:
-                ctx.add_bytes(phase, ctx.functional or func._overloadpacket.__name__, moved)
-        else:
-            try:
                 count = entry.count(func, args, kwargs, out, self.causal_half)
-            except Exception as error:  # the formula's failure, not the op's: the op's result goes on
-                self.failure = (f"counting {func} with its formula", error)
-                return out
-            ctx.add(phase, ctx.functional or func._overloadpacket.__name__, count, moved)
-            self._rec.counted_calls += 1
-            self._flops_in_call = True
+                ctx.add(phase, ctx.functional or func._overloadpacket.__name__, count, moved)
+                self._rec.counted_calls += 1
+                self._flops_in_call = True
+        except Exception as error:  # the count's failure (its formula, its bytes), not the op's: it goes on
+            self.failure = (f"counting {func}", error)
         return out
 
     def _begin_backward(self, start: Any) -> None:

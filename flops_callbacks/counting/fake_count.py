@@ -25,13 +25,15 @@ import torch
 from torch.utils._pytree import tree_map
 
 from flops_callbacks.counting.engine import CountingEngine
+from flops_callbacks.counting.user_state import kept
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.timing.clock import NullClock, module_device
 
 __all__ = ["FakeCountUnavailable", "StepFunction", "fake_count", "fake_profile", "sharded_reason"]
 
-# runs one micro-batch's forward, loss and backward on ``model`` with ``args`` (the adapter's)
+# runs one micro-batch's forward, loss and backward on ``model`` with ``args`` (the adapter's); one with
+# an ``owner`` attribute (the trainer whose method it calls) has that object's attributes kept too
 StepFunction = Callable[[torch.nn.Module, Any], Any]
 
 
@@ -70,7 +72,8 @@ def fake_count(
     """The model's counts of one micro-batch: ``step(model, fake_args)`` run under fake tensors with the
     counting engine on (module doc); ``later``: a later micro-batch of its optimizer step (its gradients
     add to the ones before). Raises :class:`FakeCountUnavailable` with the reason when it cannot run; the
-    model's parameters, gradients, modes and the random state are as before, on every exit path."""
+    model's parameters, gradients, modes, attributes and the random state are as before, on every exit
+    path."""
     return _fake_engine(model, step, [(args, later)], causal_attention).totals()[0]
 
 
@@ -127,9 +130,16 @@ def _fake_engine(
     engine = CountingEngine(model, causal_attention=causal_attention, clock=NullClock(), fake=True)
     device = module_device(model)
     devices = [device] if device.type == "cuda" else []
+    owner = getattr(step, "owner", None)
     try:
-        # the batch's own ops run for real (the engine): one drawing random numbers draws from a fork
-        with torch.random.fork_rng(devices), _reparametrize_module(model, state, tie_weights=True), mode:
+        # the batch's own ops run for real (the engine): one drawing random numbers draws from a fork; the
+        # user's code in the step changes nothing that stays (counting.user_state)
+        with (
+            kept([*model.modules(), *([owner] if owner is not None else [])]),
+            torch.random.fork_rng(devices),
+            _reparametrize_module(model, state, tie_weights=True),
+            mode,
+        ):
             for batch, later in batches:
                 if later:
                     for leaf in leaves:

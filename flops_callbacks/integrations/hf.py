@@ -314,7 +314,7 @@ class _TrainingStep:
     """``trainer.training_step(model, inputs, num_items_in_batch)``, as a step function."""
 
     def __init__(self, trainer: transformers.Trainer) -> None:
-        self.trainer = trainer
+        self.trainer = self.owner = trainer  # owner: its attributes kept (fake_count)
 
     def __call__(self, model: torch.nn.Module, args: tuple) -> Any:
         return self.trainer.training_step(model, *args)

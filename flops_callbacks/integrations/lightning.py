@@ -57,7 +57,7 @@ class _Sink:
     """Where the session's results go in Lightning: the Trainer's loggers, its log dir and its console."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
-        self.trainer = trainer
+        self.trainer = self.owner = trainer  # owner: its attributes kept (fake_count)
         self.is_logging_rank = trainer.is_global_zero
 
     def log_dir(self) -> str | None:
@@ -260,7 +260,7 @@ class _TrainingStep:
     precision's context is the real step's."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
-        self.trainer = trainer
+        self.trainer = self.owner = trainer  # owner: its attributes kept (fake_count)
 
     def __call__(self, model: torch.nn.Module, args: tuple) -> None:
         module = cast(pl.LightningModule, model)

@@ -56,6 +56,18 @@ __all__ = ["StepProfiler"]
 _ENDED = "ended"  # an optimizer step ended; what runs next is said by the next event
 
 
+# the classes the loop adapters take, by package (the packages that ship it) and name
+_ACCELERATOR = (("accelerate",), "Accelerator")
+_FABRIC = (("lightning", "lightning_fabric"), "Fabric")
+
+
+def _is_a(value: Any, kind: tuple[tuple[str, ...], str]) -> bool:
+    """Whether ``value`` is an instance of the class ``kind`` (packages, name), a subclass included, told
+    without importing the package (an optional extra)."""
+    packages, name = kind
+    return any(c.__name__ == name and c.__module__.split(".")[0] in packages for c in type(value).__mro__)
+
+
 class StepProfiler:
     """Profiles a short window of optimizer steps of any training loop, as the callbacks do.
 
@@ -105,6 +117,10 @@ class StepProfiler:
             raise ValueError(f"StepProfiler: model must be a torch.nn.Module, got {type(model).__name__}")
         if accelerator is not None and fabric is not None:
             raise ValueError("StepProfiler: give accelerator or fabric, not both")
+        for name, value, kind in (("accelerator", accelerator, _ACCELERATOR), ("fabric", fabric, _FABRIC)):
+            if value is not None and not _is_a(value, kind):
+                expected = f"{kind[0][0]}.{kind[1]}"
+                raise ValueError(f"StepProfiler: {name} must be {expected} or None, got {value!r}")
         if log is not None and not callable(log):
             raise ValueError(f"StepProfiler: log must be a callable taking (metrics, step), got {log!r}")
         if log_dir is not None and not isinstance(log_dir, (str, Path)):

@@ -61,6 +61,49 @@ def test_forward_and_backward_are_attributed_to_their_modules() -> None:
     assert (up.params, profile.params, profile.trainable_params) == (D_IN * D_HID, params, params)
 
 
+class SparseUp(Mlp):
+    """``up`` as a sparse matrix times the input (a pruned weight): its bytes are not its shape's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sparse.mm(self.up.weight.to_sparse(), x.t()).t()
+        return self.down(self.act(h))
+
+
+def test_a_sparse_tensor_goes_through_the_count_and_the_dense_layers_are_counted() -> None:
+    torch.manual_seed(0)
+    model, x = SparseUp(), torch.randn(B, D_IN)
+    expected = model(x).detach()
+    tracer = CountingEngine(model)
+    tracer.start()
+    try:
+        out = model(x)
+        out.sum().backward()
+    finally:
+        tracer.stop()
+    assert torch.equal(out.detach(), expected) and tracer.failure is None
+    assert tracer.profile().modules["down"].fwd_macs * 2 == DOWN
+
+
+def test_a_failure_of_the_count_itself_is_kept_and_the_op_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flops_callbacks.counting import engine as engine_module
+
+    def broken(func: object) -> object:
+        return lambda args, kwargs, out: 1 // 0  # a bytes rule that raises
+
+    monkeypatch.setattr(engine_module, "bytes_rule", broken)
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(B, D_IN)
+    expected = model(x).detach()
+    tracer = CountingEngine(model)
+    tracer.start()
+    try:
+        out = model(x)
+    finally:
+        tracer.stop()
+    assert torch.equal(out.detach(), expected)
+    assert tracer.failure is not None and isinstance(tracer.failure[1], ZeroDivisionError)
+
+
 def test_totals_equal_the_profile_without_building_it() -> None:
     torch.manual_seed(0)
     model, x = Mlp(), torch.randn(B, D_IN)

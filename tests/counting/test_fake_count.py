@@ -4,8 +4,10 @@ fake tensors cannot stand for is said, not counted."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -113,6 +115,52 @@ def test_a_failure_in_the_step_function_is_said_and_the_model_left_as_it_was() -
     with pytest.raises(FakeCountUnavailable, match="ValueError: the user's step"):
         fake_count(model, step, torch.randn(4, 8))
     assert model.training and isinstance(model.up.weight, nn.Parameter)
+
+
+class _Owner:
+    """A trainer as the step function's owner: attributes its step may change."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.calls = 0
+
+
+class _UserStep:
+    """A user's step with effects beyond the tensors: Python's and NumPy's random numbers drawn, a loss
+    kept on the model and on the owner (appended, assigned, in a dict of lists), a call counted."""
+
+    def __init__(self, owner: _Owner, fail: bool = False) -> None:
+        self.owner, self.fail = owner, fail
+
+    def __call__(self, m: nn.Module, x: torch.Tensor) -> None:
+        loss = m(x).sum() * (1 + random.random() + float(numpy.random.rand()))
+        m.outputs.append(loss)
+        m.history["train"].append(loss)
+        m.last, m.new_attribute = loss, loss
+        self.owner.losses.append(loss)
+        self.owner.calls += 1
+        if self.fail:
+            raise ValueError("the user's step")
+        loss.backward()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_what_the_users_step_changes_beside_the_tensors_is_put_back(fail: bool) -> None:
+    model, owner = _Mlp(), _Owner()
+    real = torch.ones(())
+    model.outputs, model.history, model.last = [real], {"train": [real]}, real
+    random.seed(1)
+    numpy.random.seed(1)
+    before = (random.getstate(), numpy.random.get_state()[1].copy(), dict(model.__dict__))
+    if fail:
+        with pytest.raises(FakeCountUnavailable, match="ValueError: the user's step"):
+            fake_count(model, _UserStep(owner, fail), torch.randn(4, 8))
+    else:
+        assert fake_count(model, _UserStep(owner), torch.randn(4, 8)).fwd_flops > 0
+    assert random.getstate() == before[0] and (numpy.random.get_state()[1] == before[1]).all()
+    assert model.__dict__ == before[2] and not hasattr(model, "new_attribute")
+    assert model.outputs == [real] and model.history == {"train": [real]} and model.last is real
+    assert (owner.losses, owner.calls) == ([], 0)
 
 
 class _IntegerCalls(TorchDispatchMode):

@@ -16,6 +16,7 @@ import dataclasses
 import io
 import json
 import os
+import random
 import select
 import statistics
 import subprocess
@@ -663,6 +664,46 @@ def test_without_a_step_function_to_replay_a_new_shape_is_counted_on_its_own_ste
     assert callback.result.flops_sources.on_steps == (
         "shapes [(2, 8), (2, 4)]: manual optimization: training_step steps the optimizers itself"
     )
+
+
+class KeepsOutputs(MLP):
+    """Lightning's documented pattern: each step's loss kept in a list, stacked at the epoch's end; its
+    loss scaled by a number from Python's random module, its steps counted on the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[torch.Tensor] = []
+        self.epoch_means: list[float] = []
+        self.steps_seen = 0
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx) * (1 + random.random())
+        self.outputs.append(loss.detach())
+        self.steps_seen += 1
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.epoch_means.append(float(torch.stack(self.outputs).mean()))
+        self.outputs.clear()
+
+
+def test_a_training_step_run_again_for_a_fake_count_changes_nothing_the_run_keeps(tmp_path: Path) -> None:
+    # the counting step's trial and step 6's new shape are fake counts of training_step: the list it
+    # appends to, its counter and Python's random numbers are the unprofiled run's
+    def run(callback: FlopsProfilerCallback | None) -> tuple[KeepsOutputs, float]:
+        torch.manual_seed(0)
+        random.seed(0)
+        module = KeepsOutputs()
+        fit(tmp_path / str(callback is not None), module, callback, loader(20), max_steps=14)
+        return module, random.random()
+
+    plain, after_plain = run(None)
+    callback = quiet_callback(profile_step=6 - first_clean(0), clean_steps=3)
+    profiled, after_profiled = run(callback)
+    assert callback.result is not None and callback.result.steps.shapes_counted == 2
+    assert (profiled.steps_seen, after_profiled) == (plain.steps_seen, after_plain) == (14, after_plain)
+    assert profiled.epoch_means == plain.epoch_means and len(plain.epoch_means) == 2
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters(), strict=True))
 
 
 def test_resume_past_an_unprofiled_profile_step_warns_at_train_start(tmp_path: Path) -> None:

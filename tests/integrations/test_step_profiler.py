@@ -189,6 +189,10 @@ def test_bad_arguments_are_said_at_construction_naming_the_argument() -> None:
         StepProfiler(model, log_every_n_steps=0)
     with pytest.raises(ValueError, match="accelerator or fabric, not both"):
         StepProfiler(model, accelerator=object(), fabric=object())
+    with pytest.raises(ValueError, match="accelerator must be accelerate.Accelerator or None, got 'gpu'"):
+        StepProfiler(model, accelerator="gpu")
+    with pytest.raises(ValueError, match="StepProfiler: fabric must be lightning.Fabric or None, got 'cuda'"):
+        StepProfiler(model, fabric="cuda")
 
 
 # --- Fabric ------------------------------------------------------------------------------------------

@@ -56,7 +56,8 @@ def test_a_real_runs_file_loads_back_into_the_result_it_was_written_from(runs: d
 def test_the_report_and_picture_rendered_from_the_file_are_the_runs_own(runs: dict[str, Path]) -> None:
     saved = load(runs["A"])
     stem = runs["A"].with_suffix("")
-    assert report_text(saved.result, Options(**saved.report), detailed=True) + "\n" == stem.with_suffix(".txt").read_text()
+    report = report_text(saved.result, Options(**saved.report), detailed=True)
+    assert report + "\n" == stem.with_suffix(".txt").read_text()
     assert picture(saved.result) == stem.with_suffix(".html").read_text()
     assert f"Profile Summary at step {PROFILE_STEP}:" in stem.with_suffix(".txt").read_text()
 
