@@ -12,6 +12,7 @@ by one builder (:func:`~flops_callbacks.session.builder.build_result`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -25,7 +26,6 @@ from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, WindowStep, clean_figures
 from flops_callbacks.timing.energy_figures import EnergySpan
-from flops_callbacks.timing.module_timer import median_step
 
 __all__ = [
     "COUNTED",
@@ -131,11 +131,13 @@ class ReusedWindow:
         return row._replace(energy=self.energy)
 
 
-def _median_timed(ran: list[WindowStep]) -> WindowStep:
-    """The module-timing step of the median model time (as the tree's times are chosen)."""
-    times = [s.timer.times(None) for s in ran if s.timer is not None]
-    chosen = median_step(times)
-    return next(s for s, t in zip(ran, times, strict=True) if t is chosen)
+def _median_batch(ran: list[WindowStep]) -> WindowStep:
+    """The module-timing step of the median batch size (its micro-batches' tensor elements; of an even
+    count, the smaller middle one): the tree's batch, chosen from the data alone, so that two runs of one
+    configuration show the same tree and log the same flops whatever their timings."""
+    size = {id(s): sum(math.prod(shape) for sig in s.signatures for shape, _ in sig) for s in ran}
+    ranked = sorted(ran, key=lambda s: size[id(s)])  # stable: of equal sizes, the earlier step
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def local_window(
@@ -153,7 +155,7 @@ def local_window(
     module_steps = [s for s in ran if s.signatures == counting.signatures]
     profiled = None
     if ran and not module_steps and count_step is not None:
-        chosen = _median_timed(ran)
+        chosen = _median_batch(ran)
         counted = count_step(chosen)
         if counted is not None:
             profile, profiled, module_steps = counted, chosen, [chosen]

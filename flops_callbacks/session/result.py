@@ -109,7 +109,8 @@ class WindowSteps:
 
     ``counting``: flops, MACs, params, coverage. ``module_timing``: the steps that timed the modules
     (empty when the run ended before them); ``module_trace``: the one of them, the median by the model's
-    forward + backward, whose per-module latencies and spans are reported. ``clean``: the steps whose
+    forward + backward (of batches of other shapes than the counting step's: the median by batch size),
+    whose per-module latencies and spans are reported. ``clean``: the steps whose
     phase latencies were used (their median); ``skipped``: clean steps left out because their batches
     had other shapes than the counting step's. ``latency_source`` names where fwd / bwd / step latency
     come from in words.

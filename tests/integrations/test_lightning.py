@@ -706,6 +706,39 @@ def test_a_training_step_run_again_for_a_fake_count_changes_nothing_the_run_keep
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters(), strict=True))
 
 
+PAUSES = {2: 0.06, 5: 0.03}  # seconds the head waits on a batch of that many samples: small ones longest
+
+
+class SizedPause(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        time.sleep(PAUSES.get(len(h), 0.0))
+        return h
+
+
+class PausedHead(MLP):
+    """The head waits longer the smaller its batch, so the model's time ranks batches against their size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Sequential(SizedPause(), self.head)
+
+
+def test_of_module_timing_batches_of_other_shapes_the_tree_is_the_median_by_size(tmp_path: Path) -> None:
+    # module-timing batches of 2, 5 and 4 samples (the counting step's has 3): by the model's time the
+    # 5-sample step is the median (4: 0 s, 5: 30 ms, 2: 60 ms), by size the 4-sample one, whose flops
+    # the tree and fwd_flops are in every run of this configuration whatever its timings
+    timing = module_steps(PROFILE_STEP)
+    sizes = [dict(zip(timing, (2, 5, 4), strict=True)).get(step, BATCH) for step in range(12)]
+    data = loader(sum(sizes)).dataset
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    batches = [list(range(end - size, end)) for end, size in zip(ends, sizes, strict=True)]
+    callback = quiet_callback()
+    fit(tmp_path, PausedHead(), callback, torch.utils.data.DataLoader(data, batch_sampler=batches))
+    result = callback.result
+    assert result is not None and result.steps.module_trace == timing[2]
+    assert (result.profile.fwd_flops, result.profile.bwd_flops) == (fwd_flops(4), bwd_flops(4))
+
+
 def test_resume_past_an_unprofiled_profile_step_warns_at_train_start(tmp_path: Path) -> None:
     trainer = fit(tmp_path, MLP(), None, max_steps=3)
     trainer.save_checkpoint(tmp_path / "step3.ckpt")

@@ -106,6 +106,12 @@ def test_a_grouped_length_run_counts_its_new_shapes_off_the_clock(tmp_path: Path
     assert result.flops_sources.on_steps == ""
     for number, step in zip(steps.clean, result.clean.steps, strict=True):  # each padded batch as run
         assert step.work.counts.run_flops == _offline(trainer, collator.batches[number]), number
+    # the tree's batch: the module-timing step of the median batch size, chosen from the data (two runs of
+    # one configuration log the same flops whatever their timings), counted off the clock
+    by_size = sorted(steps.module_timing, key=lambda n: collator.batches[n]["input_ids"].numel())
+    assert steps.module_trace == by_size[(len(by_size) - 1) // 2]
+    tree = result.profile.fwd_flops + result.profile.bwd_flops
+    assert tree == _offline(trainer, collator.batches[steps.module_trace])
 
 
 VOCAB_L, WIDTH, BRANCH = 50, 16, 48  # the model's extra block runs on sequences longer than BRANCH
