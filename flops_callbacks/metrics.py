@@ -7,13 +7,16 @@ data-parallel replica. Latencies are in seconds, rates per second, MFU and HFU f
 device's dense peak FLOPS (logged only when a peak is known: :mod:`flops_callbacks.peaks`).
 In a multi-process run the latencies are the slowest rank's.
 
-Latencies are medians over the clean steps, and ``iter_latency`` is fwd + bwd + step latency
-(DeepSpeed's definition). The compute rates are a ratio of medians: the median clean step's flops
-(samples, tokens; each batch with its own exact flops whatever its shapes,
-:mod:`flops_callbacks.session.shape_flops`) over the median latency, so one slow step moves none of
-them. ``flops_per_sec`` and ``mfu`` count model flops (fwd + bwd), ``hardware_flops_per_sec`` and
-``hfu`` the recompute too. The wall rates are what the wall did: the clean steps' samples (tokens)
-over the sum of their whole wall steps, the wait for data and a slow step included.
+The latencies are the median step's: the clean step whose FLOPS (its own flops over its own iter
+latency) is the median of the clean steps' (with batches of one shape, the step of median iter latency),
+its forward, backward and optimizer step; ``iter_latency`` is fwd + bwd + step latency (DeepSpeed's
+definition). The compute rates are that step's flops (samples, tokens; each batch with its own exact
+flops whatever its shapes, :mod:`flops_callbacks.session.shape_flops`) over its latencies, so one slow
+step moves none of them. ``fwd_flops`` and ``bwd_flops`` are the module tree's batch (every clean step's,
+with batches of one shape). ``flops_per_sec`` and ``mfu`` count model flops (fwd + bwd),
+``hardware_flops_per_sec`` and ``hfu`` the recompute too. The wall rates are what the wall did: the
+clean steps' samples (tokens) over the sum of their whole wall steps, the wait for data and a slow step
+included.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ PREFIX = "flops_profiler/"
 REPORT = PREFIX + "report"  # the full report as Markdown text (TensorBoard's Text tab), at the window's end
 PICTURE = PREFIX + "profile"  # the profile picture as HTML media (W&B), at the window's end
 
-FWD_FLOPS = PREFIX + "fwd_flops"  # forward flops, measured
+FWD_FLOPS = PREFIX + "fwd_flops"  # forward flops, measured: the module tree's batch
 BWD_FLOPS = PREFIX + "bwd_flops"  # backward flops, measured (not 2 x fwd)
 RECOMPUTE_FLOPS = PREFIX + "recompute_flops"  # forward work redone in the backward: checkpointing, attention
 FWD_MACS = PREFIX + "fwd_macs"  # forward multiply-accumulates (matmul, conv, attention)
@@ -125,19 +128,21 @@ BWD_BYTES = PREFIX + "bwd_bytes"  # bytes the backward's ops read and write (rec
 # saved for the backward, params excluded, per micro-batch (the step's over its micro-batches)
 SAVED_ACTIVATION_BYTES = PREFIX + "saved_activation_bytes"
 PARAMS = PREFIX + "params"  # parameters on this device
-FWD_LATENCY = PREFIX + "fwd_latency"  # seconds in the forward phase(s): median of the clean steps
+FWD_LATENCY = PREFIX + "fwd_latency"  # seconds in the forward phase(s) of the median step
 BWD_LATENCY = PREFIX + "bwd_latency"  # seconds in the backward phase(s)
 STEP_LATENCY = PREFIX + "step_latency"  # seconds in the optimizer step
 ITER_LATENCY = PREFIX + "iter_latency"  # fwd + bwd + step latency
 CLEAN_STEPS = PREFIX + "clean_steps"  # clean steps the latencies rest on (0: none ran, latencies inflated)
-# Achieved FLOPS: the median clean step's flops over the median latency (the printed report's rates are
-# these: flops_callbacks.session.result.phase_rates). Model flops (fwd + bwd) unless named hardware.
-FWD_FLOPS_PER_SEC = PREFIX + "fwd_flops_per_sec"  # fwd flops / fwd latency
-BWD_FLOPS_PER_SEC = PREFIX + "bwd_flops_per_sec"  # bwd flops / bwd latency (recompute excluded)
-FLOPS_PER_SEC = PREFIX + "flops_per_sec"  # (fwd + bwd flops) / iter latency
-HARDWARE_FLOPS_PER_SEC = PREFIX + "hardware_flops_per_sec"  # (fwd + bwd + recompute flops) / iter latency
-SAMPLES_PER_SEC = PREFIX + "samples_per_sec"  # samples per step per device x dp size / iter latency
-TOKENS_PER_SEC = PREFIX + "tokens_per_sec"  # tokens per step per device x dp size / iter latency (if known)
+# Achieved FLOPS: the median step's own flops over its latencies (the printed report's rates are these:
+# flops_callbacks.session.result.phase_rates). Model flops (fwd + bwd) unless named hardware.
+FWD_FLOPS_PER_SEC = PREFIX + "fwd_flops_per_sec"  # the median step's fwd flops / fwd latency
+BWD_FLOPS_PER_SEC = PREFIX + "bwd_flops_per_sec"  # the median step's bwd flops / bwd latency (no recompute)
+FLOPS_PER_SEC = PREFIX + "flops_per_sec"  # the median step's (fwd + bwd flops) / iter latency
+# the median step's (fwd + bwd + recompute flops) / iter latency
+HARDWARE_FLOPS_PER_SEC = PREFIX + "hardware_flops_per_sec"
+SAMPLES_PER_SEC = PREFIX + "samples_per_sec"  # the median step's samples per device x dp / iter latency
+# the median step's tokens per device x dp size / iter latency (if known)
+TOKENS_PER_SEC = PREFIX + "tokens_per_sec"
 MFU = PREFIX + "mfu"  # flops_per_sec / peak FLOPS (model flops: recompute excluded)
 HFU = PREFIX + "hfu"  # hardware_flops_per_sec / peak FLOPS
 
@@ -148,7 +153,8 @@ WALL_SAMPLES_PER_SEC = PREFIX + "wall_samples_per_sec"  # clean steps' samples x
 WALL_TOKENS_PER_SEC = PREFIX + "wall_tokens_per_sec"  # the same of tokens, if known
 # Padding, when the batches have an attention_mask: tokens_per_sec counts positions, padding included.
 PADDING_FRACTION = PREFIX + "padding_fraction"  # padding positions / all positions (clean steps)
-REAL_TOKENS_PER_SEC = PREFIX + "real_tokens_per_sec"  # non-padding tokens per step x dp size / iter latency
+# the median step's non-padding tokens x dp size / iter latency
+REAL_TOKENS_PER_SEC = PREFIX + "real_tokens_per_sec"
 
 # With several ranks, the communication steps (three to 25 under torch.profiler, every rank; of their median
 # step by exposed time, the ranks' mean):

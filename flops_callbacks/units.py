@@ -49,6 +49,9 @@ def number_to_string(num: float, units: str | None = None, precision: int = DEFA
     return f"{round(num / _SCALES[units], precision):g} {units}"
 
 
+_SI = ("J", "W")  # the units written with SI's prefixes
+
+
 def quantity_to_string(
     num: float, symbol: str, units: str | None = None, precision: int = DEFAULT_PRECISION
 ) -> str:
@@ -60,7 +63,10 @@ def quantity_to_string(
         units: the prefix to use (``'G'``, ``''``, ...); None: the one that fits.
         precision: the digits after the point.
     """
-    return f"{number_to_string(num, units, precision)}{symbol}"
+    text = number_to_string(num, units, precision)
+    if symbol in _SI and text.endswith(" K"):  # kW, kJ: an SI unit's kilo (a count keeps DeepSpeed's K)
+        text = text[:-1] + "k"
+    return f"{text}{symbol}"
 
 
 def flops_to_string(flops: float, units: str | None = None, precision: int = DEFAULT_PRECISION) -> str:

@@ -41,7 +41,7 @@ def test_unit_helpers_append_their_unit_to_the_number() -> None:
     assert duration_to_string(0) == "0 s"
     assert quantity_to_string(412.5, "J") == "412.5 J"  # ours: energy is no DeepSpeed figure
     assert quantity_to_string(0.00241, "J") == "2.41 mJ"
-    assert quantity_to_string(1810, "W") == "1.81 KW"
+    assert quantity_to_string(1810, "W") == "1.81 kW" and quantity_to_string(2500, "J") == "2.5 kJ"  # SI: k
     assert quantity_to_string(1810, "W", units="") == "1810 W"
 
 

@@ -475,6 +475,8 @@ def figure_text(f: Figure, value: float | None = None) -> str:
         return units.number_to_string(v)
     if name == "slow_rank":  # a rank, or -1: none stands out
         return "none" if v < 0 else f"rank {v:.0f}"
+    if name == "clean_steps":  # a count of steps (of several runs, their median)
+        return f"{v:g}"
     return f"{v:.2f}"
 
 

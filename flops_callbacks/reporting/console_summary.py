@@ -299,7 +299,7 @@ def render_console_summary(result: WindowResult, doubts: TreeCheck, details: str
     head = [
         rule(TITLE, WIDTH),
         f"Profile Summary at step {result.step}"
-        + (f" (full report: {details})" if details else " (full report: report='full')"),
+        + (f" (full report: {details})" if details else " (full report: report='full' prints it)"),
         _row("FLOPS", f"{flops} per device"),
         _row("MFU / HFU", mfu),
         _row("samples/s", _rate(metrics, names.SAMPLES_PER_SEC, names.WALL_SAMPLES_PER_SEC)),

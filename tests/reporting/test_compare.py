@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from flops_callbacks.reporting.compare import Change, Figure, Rule, is_noise, judge, spread_range
+from flops_callbacks.reporting.compare import Change, Figure, Rule, figure_text, is_noise, judge, spread_range
 
 MS = 1e-3
 
@@ -107,3 +107,8 @@ def test_a_range_leaves_out_the_fastest_and_slowest_tenth_of_ten_steps_or_more()
     assert spread_range(twenty) == (52.0, 67.0)
     assert spread_range([5.0, 1.0, 3.0, 2.0, 4.0]) == (1.0, 5.0)  # under 10 steps: all of them
     assert spread_range([float(v) for v in range(10)]) == (1.0, 8.0)
+
+
+def test_a_count_of_steps_reads_as_a_whole_number() -> None:
+    assert figure_text(Figure("clean_steps", 5.0, 5.0, 5.0)) == "5"
+    assert figure_text(Figure("clean_steps", 19.5, 19.0, 20.0, runs=4)) == "19.5"  # a median of runs

@@ -84,7 +84,7 @@ def test_the_summary_holds_the_rates_the_split_the_verdict_the_top_modules_and_t
 
 def test_without_a_peak_the_mfu_line_says_why_and_without_a_file_where_the_full_report_is() -> None:
     lines = render_console_summary(window(peak=None), TreeCheck(), "").splitlines()
-    assert lines[1] == "Profile Summary at step 10 (full report: report='full')"
+    assert lines[1] == "Profile Summary at step 10 (full report: report='full' prints it)"
     assert lines[3] == "MFU / HFU     n/a: no peak FLOPS for a cpu device"
 
 
