@@ -333,6 +333,7 @@ class CountingEngine:
             end = self.clock.mark()
             if phase == BWD:
                 self._rec.bwd_op_spans.append((ctx, start, end))
+        counted = "its bytes"  # what the count was doing, for the failure's words
         try:
             moved = moves(args, kwargs, out) if moves is not None else 0
             if kind is OpKind.FREE or kind is OpKind.UNCOUNTED:
@@ -343,12 +344,13 @@ class CountingEngine:
                 if moved:
                     ctx.add_bytes(phase, ctx.functional or func._overloadpacket.__name__, moved)
             else:
+                counted = "its formula"
                 count = entry.count(func, args, kwargs, out, self.causal_half)
                 ctx.add(phase, ctx.functional or func._overloadpacket.__name__, count, moved)
                 self._rec.counted_calls += 1
                 self._flops_in_call = True
-        except Exception as error:  # the count's failure (its formula, its bytes), not the op's: it goes on
-            self.failure = (f"counting {func}", error)
+        except Exception as error:  # the count's failure, not the op's: the op's result goes on
+            self.failure = (f"counting {func} with {counted}", error)
         return out
 
     def _begin_backward(self, start: Any) -> None:

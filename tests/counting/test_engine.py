@@ -102,6 +102,7 @@ def test_a_failure_of_the_count_itself_is_kept_and_the_op_goes_on(monkeypatch: p
         tracer.stop()
     assert torch.equal(out.detach(), expected)
     assert tracer.failure is not None and isinstance(tracer.failure[1], ZeroDivisionError)
+    assert tracer.failure[0].endswith(" with its bytes")
 
 
 def test_totals_equal_the_profile_without_building_it() -> None:

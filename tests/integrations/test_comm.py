@@ -109,9 +109,10 @@ def check_ddp(directory: Path, kind: str, extra_bytes: int = 0) -> None:
         saved = json.loads(path.read_text())
         assert saved["communication"]["collectives"][0]["bytes"] == table["all_reduce"]["bytes"]
         # read back (the command line's show): the same JSON, and the same report with its communication
-        loaded = load(path).result
-        assert loaded.comm is not None and json.loads(json.dumps(json_data(loaded))) == saved
-        assert report_text(loaded, Options(), detailed=True) + "\n" == report
+        back = load(path)
+        loaded = back.result
+        assert loaded.comm is not None and json.loads(json.dumps(json_data(loaded, back.report))) == saved
+        assert report_text(loaded, Options(**back.report), detailed=True) + "\n" == report
         trace = json.loads((directory / f"flops_profile_step{PROFILE_STEP}.comm.trace.json").read_text())
         tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
         assert tracks == {"phases", "compute", "communication", "exposed communication"}
