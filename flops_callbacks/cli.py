@@ -97,7 +97,11 @@ class _Reader:
         flush at exit does not fail on the closed pipe (what Python's docs advise for SIGPIPE)."""
         self.gone = True
         with contextlib.suppress(OSError, ValueError, AttributeError):  # no descriptor: nothing to flush
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.out.fileno())
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self.out.fileno())
+            finally:
+                os.close(devnull)
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
@@ -106,12 +110,12 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     writes = cast(TextIO, reader)  # what the commands print to: a text stream as print() uses one
     args = _parser().parse_args(argv)
     try:
-        code = int(args.run(args, writes, _Paint(args.color, writes)))
+        return int(args.run(args, writes, _Paint(args.color, writes)))
     except (ValueError, OSError) as error:  # ProfileFileError, a bad rule, an unknown figure, bad --html
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    reader.flush()
-    return code
+    finally:
+        reader.flush()  # here, not at the interpreter's exit, where a closed pipe would change the code
 
 
 def _at_least(low: int) -> Callable[[str], int]:
@@ -146,11 +150,11 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--html", metavar="OUT", help="also write the profile's picture to OUT")
     show.add_argument(
         "--module-depth", type=_at_least(-1),
-        help="depth of the module tree (-1: all; default: the run's report's)",
+        help="depth of the module tree (-1: all; default: the run's report's, or all)",
     )  # fmt: skip
     show.add_argument(
         "--top-modules", type=_at_least(1),
-        help="modules per depth in the aggregated profile (default: the run's report's)",
+        help="modules per depth in the aggregated profile (default: the run's report's, or 1)",
     )  # fmt: skip
     show.add_argument("--brief", action="store_true", help="leave the detailed module tree out")
     show.set_defaults(run=_show)
@@ -158,7 +162,9 @@ def _parser() -> argparse.ArgumentParser:
     diff = commands.add_parser("diff", help="compare two profiles: headline figures, then modules")
     diff.add_argument("a", help="the profile compared against (e.g. main's)")
     diff.add_argument("b", help="the profile compared")
-    diff.add_argument("--top", type=_at_least(1), default=10, help="modules listed (default 10)")
+    diff.add_argument(
+        "--top", type=_at_least(0), default=10, help="modules listed (default 10; 0: the figures alone)"
+    )
     diff.add_argument("--html", metavar="OUT", help="write B's picture coloured by its change against A")
     diff.add_argument("--json", action="store_true", help="print the comparison as JSON")
     diff.set_defaults(run=_diff)
@@ -190,10 +196,9 @@ def _parser() -> argparse.ArgumentParser:
 def _show(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     generation = read_generation(args.profile)  # a generation's profile, or None: a window's
     if generation is not None:
-        if args.top_modules is not None:
-            raise ValueError("--top-modules: a generation's report has no aggregated profile to limit")
         depth = Options.module_depth if args.module_depth is None else args.module_depth
-        print(render_generation(generation, depth, detailed=not args.brief), file=out)
+        top = Options.top_modules if args.top_modules is None else args.top_modules
+        print(render_generation(generation, depth, detailed=not args.brief, top_modules=top), file=out)
         if args.html:
             _write_page(args.html, generation_picture(generation))
         return EXIT_OK
@@ -334,7 +339,10 @@ def _diff_text(
         f"largest first: {len(modules)} of the {total} that changed; noise: within A's fwd + bwd "
         "latency ranges",
     ]
-    lines += _module_rows(modules, paint) if modules else ["    (no module changed)"]
+    if modules:
+        lines += _module_rows(modules, paint)
+    elif not total:
+        lines.append("    (no module changed)")
     return "\n".join(lines)
 
 

@@ -7,16 +7,16 @@ data-parallel replica. Latencies are in seconds, rates per second, MFU and HFU f
 device's dense peak FLOPS (logged only when a peak is known: :mod:`flops_callbacks.peaks`).
 In a multi-process run the latencies are the slowest rank's.
 
-The latencies are the median step's: the clean step whose FLOPS (its own flops over its own iter
-latency) is the median of the clean steps' (with batches of one shape, the step of median iter latency),
-its forward, backward and optimizer step; ``iter_latency`` is fwd + bwd + step latency (DeepSpeed's
-definition). The compute rates are that step's flops (samples, tokens; each batch with its own exact
-flops whatever its shapes, :mod:`flops_callbacks.session.shape_flops`) over its latencies, so one slow
-step moves none of them. ``fwd_flops`` and ``bwd_flops`` are the module tree's batch (every clean step's,
-with batches of one shape). ``flops_per_sec`` and ``mfu`` count model flops (fwd + bwd),
-``hardware_flops_per_sec`` and ``hfu`` the recompute too. The wall rates are what the wall did: the
-clean steps' samples (tokens) over the sum of their whole wall steps, the wait for data and a slow step
-included.
+The latencies are the median step's: the clean step whose FLOPS (its own flops over its own iter latency)
+is the median of the clean steps' (of an even count, the mean of the two middle ones; with batches of one
+shape, the step of median iter latency), its forward, backward and optimizer step; ``iter_latency`` is
+fwd + bwd + step latency (DeepSpeed's definition). The compute rates are that step's flops (samples,
+tokens; each batch with its own exact flops whatever its shapes,
+:mod:`flops_callbacks.session.shape_flops`) over its latencies, so one slow step moves none of them.
+``fwd_flops`` and ``bwd_flops`` are the module tree's batch (every clean step's, with batches of one
+shape). ``flops_per_sec`` and ``mfu`` count model flops (fwd + bwd), ``hardware_flops_per_sec`` and
+``hfu`` the recompute too. The wall rates are what the wall did: the clean steps' samples (tokens) over
+the sum of their whole wall steps, the wait for data and a slow step included.
 """
 
 from __future__ import annotations

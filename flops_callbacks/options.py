@@ -3,6 +3,7 @@ the argument and the values it accepts, at construction time."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,7 +161,7 @@ class Options:
         check_callable("tokens_fn", self.tokens_fn)
         if self.output_file is not None and not isinstance(self.output_file, (str, Path)):
             raise ValueError(f"output_file must be a path (str or Path) or None, got {self.output_file!r}")
-        if self.output_file is not None and (str(self.output_file) == "" or Path(self.output_file).is_dir()):
+        if self.output_file is not None and (str(self.output_file) == "" or os.path.isdir(self.output_file)):
             raise ValueError(f"output_file must be a file's path or None, got a folder: {self.output_file!r}")
         check_peak_flops(self.peak_flops)
         check_peak_bandwidth(self.peak_bandwidth)

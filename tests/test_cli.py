@@ -109,6 +109,14 @@ def test_diff_names_the_slowed_module_first_by_its_own_time(runs: dict[str, Path
     assert figures["fwd_flops"]["relative"] == 0 and figures["fwd_flops"]["direction"] is None
 
 
+def test_diff_top_0_lists_the_figures_alone(runs: dict[str, Path]) -> None:
+    done = run("diff", str(runs["A"]), str(runs["B"]), "--top", "0")
+    assert done.returncode == 0 and "fwd_latency" in done.stdout
+    last = done.stdout.splitlines()[-1]
+    assert last.startswith("Modules by the change of their own time") and ": 0 of the " in last
+    assert "(no module changed)" not in done.stdout
+
+
 def test_diff_of_runs_that_did_other_work_says_so_first(runs: dict[str, Path]) -> None:
     done = run("diff", str(runs["A"]), str(runs["C"]))
     lines = done.stdout.splitlines()
@@ -294,7 +302,7 @@ def test_bad_options_and_unwritable_pages_exit_2_naming_the_option(
             "--top-modules",
             "0",
         ): "show: error: argument --top-modules: expected an int >= 1, got '0'",
-        ("diff", a, a, "--top", "0"): "diff: error: argument --top: expected an int >= 1, got '0'",
+        ("diff", a, a, "--top", "-1"): "diff: error: argument --top: expected an int >= 0, got '-1'",
         ("show", a, "--html", str(page)): f"show: error: --html {page}: cannot be written (",
         ("show", str(binary)): f"show: error: {binary}: not a profile: not UTF-8 text (invalid start byte)",
     }
@@ -311,16 +319,21 @@ def test_a_reader_that_stops_early_changes_no_exit_code(runs: dict[str, Path]) -
         (("gate", str(runs["A"]), str(runs["B"]), "--fail-on", "fwd_latency:+10%"), 1),
     ):
         command = [sys.executable, "-m", "flops_callbacks", *args]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        process.stdout.close()  # before the command has imported anything: its first write finds no reader
-        try:
-            err = process.stderr.read().decode()
-            process.wait(timeout=120)
-        finally:
-            if process.poll() is None:
-                process.kill()
-        assert (process.returncode, err) == (code, ""), (args, err)
+        for buffered in (True, False):  # the pipe found closed at a write, or at the last flush
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | {"PYTHONPATH": str(ROOT)}
+            if not buffered:
+                env["PYTHONUNBUFFERED"] = "1"
+            process = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+            process.stdout.close()  # before the command has imported anything: no reader for its output
+            try:
+                err = process.stderr.read().decode()
+                process.wait(timeout=120)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+            assert (process.returncode, err) == (code, ""), (args, buffered, err)
 
 
 def test_the_console_script_runs_main_and_imports_no_framework(runs: dict[str, Path]) -> None:

@@ -48,7 +48,7 @@ def _reads_and_writes(args: tuple, kwargs: dict, out: Any) -> int:
 
 
 def _copy(args: tuple, kwargs: dict, out: Any) -> int:
-    return args[0].nbytes + _nbytes(args[1])  # copy_(dst, src): dst written, src read
+    return _nbytes(args[0]) + _nbytes(args[1])  # copy_(dst, src): dst written, src read
 
 
 def _written(args: tuple, kwargs: dict, out: Any) -> int:

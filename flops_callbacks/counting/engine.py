@@ -294,7 +294,8 @@ class CountingEngine:
             if torch.is_grad_enabled():
                 self._tag(out, ctx)
         except Exception as error:  # the count's failure, not the call's: its result goes on
-            self.failure = (f"counting {name or func}", error)
+            if self.failure is None:  # the first failure is the one said
+                self.failure = (f"counting {name or func}", error)
         return out
 
     def _tag(self, out: Any, ctx: Site) -> None:

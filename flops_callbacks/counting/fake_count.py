@@ -25,7 +25,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from flops_callbacks.counting.engine import CountingEngine
-from flops_callbacks.counting.user_state import kept
+from flops_callbacks.counting.user_state import Kept
 from flops_callbacks.options import CausalAttention
 from flops_callbacks.profile import Counts, Profile
 from flops_callbacks.timing.clock import NullClock, module_device
@@ -131,15 +131,12 @@ def _fake_engine(
     device = module_device(model)
     devices = [device] if device.type == "cuda" else []
     owner = getattr(step, "owner", None)
+    saved: Kept | None = None
     try:
-        # the batch's own ops run for real (the engine): one drawing random numbers draws from a fork; the
-        # user's code in the step changes nothing that stays (counting.user_state)
-        with (
-            kept([*model.modules(), *([owner] if owner is not None else [])]),
-            torch.random.fork_rng(devices),
-            _reparametrize_module(model, state, tie_weights=True),
-            mode,
-        ):
+        # the user's code in the step changes nothing that stays (counting.user_state); the batch's own ops
+        # run for real (the engine): one drawing random numbers draws from a fork
+        saved = Kept([*model.modules(), *([owner] if owner is not None else [])])
+        with torch.random.fork_rng(devices), _reparametrize_module(model, state, tie_weights=True), mode:
             for batch, later in batches:
                 if later:
                     for leaf in leaves:
@@ -155,8 +152,13 @@ def _fake_engine(
     except Exception as error:  # noqa: BLE001  (no fake kernel, data-dependent shapes, a real tensor read)
         raise FakeCountUnavailable(_first_line(error)) from None
     finally:
+        if saved is not None:
+            saved.restore()  # after the parameters are the real ones again
         for module, was in training:
             module.training = was
+    if saved is not None and saved.unrestored:
+        which = "; ".join(saved.unrestored[:3])
+        raise FakeCountUnavailable(f"the step changed what cannot be put back: {which}")
     if engine.failure is not None:
         what, failed = engine.failure
         raise FakeCountUnavailable(f"{what}: {_first_line(failed)}")

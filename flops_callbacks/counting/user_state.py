@@ -6,44 +6,85 @@ without the profiler. Put back: Python's and NumPy's global random state (torch'
 caller), and every attribute of the model's modules and of the step function's owner (the trainer), the
 contents of the lists, dicts and sets they hold included (``self.outputs.append(loss)``), so that no fake
 tensor stays behind in them. Not put back: what the step writes elsewhere (a file, a global, an object
-reached through something other than a container), which the docs say.
+reached through something other than a list, dict, set or tuple), which the docs say.
+
+Bounded, since a trainer may hold its whole dataset as lists: a container's items are copied (pointers),
+but looked into only when it has at most :data:`LOOK_INSIDE` of them, and the copies stop at
+:data:`BUDGET` items in all.
 """
 
 from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["kept"]
+__all__ = ["Kept"]
 
 DEPTH = 4  # containers inside an attribute this deep have their contents put back
+LOOK_INSIDE = 1000  # a container with more items is copied, its items not looked into (a dataset's rows)
+BUDGET = 1_000_000  # items copied in all, at most: beyond, containers are left as they are
 
 
-def _containers(value: Any, depth: int, seen: set[int], saved: list[tuple[Any, Any]]) -> None:
-    """Each list, dict and set in ``value`` (itself, and within its items to ``depth``), with a copy of
-    its contents; tuples are looked into (they may hold lists), nothing else is."""
-    if depth == 0 or id(value) in seen:
-        return
-    items: Iterable[Any]
-    if isinstance(value, list):
-        saved.append((value, list(value)))
-        items = value
-    elif isinstance(value, dict):
-        saved.append((value, dict(value)))
-        items = value.values()
-    elif isinstance(value, set):
-        saved.append((value, set(value)))
-        items = value
-    elif isinstance(value, tuple):
-        items = value
-    else:
-        return
-    seen.add(id(value))
-    for item in items:
-        _containers(item, depth - 1, seen, saved)
+class Kept:
+    """The random state and the attributes of ``objects`` (containers' contents included, :data:`DEPTH`
+    deep) as they were when made; :meth:`restore` puts them back, ``unrestored`` says what it could not."""
+
+    def __init__(self, objects: Iterable[Any]) -> None:
+        self.unrestored: list[str] = []
+        self._items = 0
+        # an object's own namespace (a class's is a read-only mappingproxy: not a user's state we keep)
+        namespaces = [getattr(obj, "__dict__", None) for obj in objects]
+        self._namespaces = [(ns, dict(ns)) for ns in namespaces if type(ns) is dict]
+        self._contents: list[tuple[Any, Any]] = []
+        seen: set[int] = set()
+        for _, before in self._namespaces:
+            for value in before.values():
+                self._containers(value, DEPTH, seen)
+        self._python = random.getstate()
+        numpy_random = sys.modules.get("numpy.random")  # imported where the user's code draws from it
+        self._numpy = (numpy_random, numpy_random.get_state()) if numpy_random is not None else None
+
+    def _containers(self, value: Any, depth: int, seen: set[int]) -> None:
+        """Each list, dict and set in ``value`` (itself, and within its items to ``depth``) with a copy
+        of its contents, walked on the copy; tuples are looked into (they may hold lists)."""
+        if depth == 0 or id(value) in seen or self._items > BUDGET:
+            return
+        seen.add(id(value))
+        items: Iterable[Any]
+        if isinstance(value, tuple):  # immutable, but it may hold lists
+            items = value
+        elif isinstance(value, list):
+            copy = list.copy(value)
+            self._contents.append((value, copy))
+            items = copy
+        elif isinstance(value, dict):
+            copied = dict.copy(value)
+            self._contents.append((value, copied))
+            items = copied.values()
+        elif isinstance(value, set):
+            kept_set = set.copy(value)
+            self._contents.append((value, kept_set))
+            items = kept_set
+        else:
+            return
+        self._items += len(value)
+        if len(value) <= LOOK_INSIDE:
+            for item in items:
+                self._containers(item, depth - 1, seen)
+
+    def restore(self) -> None:
+        """Everything saved put back; what fails to is named in ``unrestored``, the rest still done."""
+        random.setstate(self._python)
+        if self._numpy is not None:
+            self._numpy[0].set_state(self._numpy[1])
+        for value, before in [*self._namespaces, *self._contents]:
+            try:
+                if _changed(value, before):
+                    _put_back(value, before)
+            except Exception as error:  # noqa: BLE001  (a container of a type that refuses it)
+                self.unrestored.append(f"a {type(value).__name__} ({type(error).__name__}: {error})")
 
 
 def _changed(value: Any, before: Any) -> bool:
@@ -51,42 +92,20 @@ def _changed(value: Any, before: Any) -> bool:
     if len(value) != len(before):
         return True
     if isinstance(value, dict):
-        return any(k not in before or before[k] is not v for k, v in value.items())
+        return any(k not in before or before[k] is not v for k, v in dict.items(value))
     if isinstance(value, set):
-        return any(item not in before for item in value)
-    return any(a is not b for a, b in zip(value, before, strict=True))
+        return any(item not in before for item in set.__iter__(value))
+    return any(a is not b for a, b in zip(list.__iter__(value), before, strict=True))
 
 
 def _put_back(value: Any, before: Any) -> None:
+    """``before``'s items into ``value`` through the base type's methods (a subclass's own ``update`` or
+    ``__setitem__`` may refuse or do more)."""
     if isinstance(value, list):
-        value[:] = before
-    else:  # a dict or a set, of whatever subclass: emptied and filled again, its order kept
-        value.clear()
-        value.update(before)
-
-
-@contextmanager
-def kept(objects: Iterable[Any]) -> Iterator[None]:
-    """Python's and NumPy's random state and the attributes of ``objects`` (containers' contents
-    included, :data:`DEPTH` deep) as they were before the block, on every exit path."""
-    attributes = [(obj.__dict__, dict(obj.__dict__)) for obj in objects if hasattr(obj, "__dict__")]
-    seen: set[int] = set()
-    contents: list[tuple[Any, Any]] = []
-    for _, values in attributes:
-        for value in values.values():
-            _containers(value, DEPTH, seen, contents)
-    python_random = random.getstate()
-    numpy = sys.modules.get("numpy")  # only where the user imported it: the core needs no NumPy
-    numpy_random = numpy.random.get_state() if numpy is not None else None
-    try:
-        yield
-    finally:
-        random.setstate(python_random)
-        if numpy is not None:
-            numpy.random.set_state(numpy_random)
-        for namespace, before in attributes:
-            if _changed(namespace, before):
-                _put_back(namespace, before)
-        for value, before in contents:
-            if _changed(value, before):
-                _put_back(value, before)
+        list.__setitem__(value, slice(None), before)
+    elif isinstance(value, dict):
+        dict.clear(value)
+        dict.update(value, before)
+    else:
+        set.clear(value)
+        set.update(value, before)

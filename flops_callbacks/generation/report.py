@@ -194,7 +194,13 @@ def _energy_rows(result: GenerationResult) -> list[str]:
 
 
 def _tree(
-    title: str, result: GenerationResult, phase: str, profile: Profile, module_depth: int, detailed: bool
+    title: str,
+    result: GenerationResult,
+    phase: str,
+    profile: Profile,
+    module_depth: int,
+    detailed: bool,
+    top_modules: int = 1,
 ) -> list[str]:
     parts = [_rule(title)]
     rooflines = result.module_rooflines(phase)
@@ -205,14 +211,17 @@ def _tree(
             f"{result.peak.flops / result.bandwidth.bytes_per_sec:.3g} flops/B"
         )
         parts.append(render_roofline(profile, rooflines, roofs))
-    parts.append(render_aggregated(profile, module_depth, 1))
+    parts.append(render_aggregated(profile, module_depth, top_modules))
     if detailed:
         parts.append(render_detailed(profile, module_depth))
     return parts
 
 
-def render_generation(result: GenerationResult, module_depth: int = -1, detailed: bool = True) -> str:
-    """The whole report: the head, then each phase's module tree (``detailed``) and the coverage."""
+def render_generation(
+    result: GenerationResult, module_depth: int = -1, detailed: bool = True, top_modules: int = 1
+) -> str:
+    """The whole report: the head, then each phase's module tree (``detailed``; its aggregated profile
+    ``top_modules`` per depth) and the coverage."""
     parts = [generation_head(result)]
     if result.prefill is not None or result.decode is not None:
         parts.append(
@@ -222,11 +231,13 @@ def render_generation(result: GenerationResult, module_depth: int = -1, detailed
         )
     if result.prefill is not None:
         chunk = f" (its first chunk of {result.prefill_steps})" if result.prefill_steps > 1 else ""
-        parts += _tree(f"Prefill{chunk}", result, "prefill", result.prefill, module_depth, detailed)
+        parts += _tree(
+            f"Prefill{chunk}", result, "prefill", result.prefill, module_depth, detailed, top_modules
+        )
     if result.decode is not None:
         step = f"decode step {result.decode_shown} of {result.decode_work.steps if result.decode_work else 0}"
         title = f"Decode ({step}: the cache at mid-length)"
-        parts += _tree(title, result, "decode", result.decode, module_depth, detailed)
+        parts += _tree(title, result, "decode", result.decode, module_depth, detailed, top_modules)
         parts.append(render_coverage(result.decode))
     parts.append("-" * _WIDTH)
     return "\n\n".join(parts)

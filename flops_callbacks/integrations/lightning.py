@@ -57,7 +57,7 @@ class _Sink:
     """Where the session's results go in Lightning: the Trainer's loggers, its log dir and its console."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
-        self.trainer = self.owner = trainer  # owner: its attributes kept (fake_count)
+        self.trainer = trainer
         self.is_logging_rank = trainer.is_global_zero
 
     def log_dir(self) -> str | None:

@@ -65,7 +65,8 @@ def _is_a(value: Any, kind: tuple[tuple[str, ...], str]) -> bool:
     """Whether ``value`` is an instance of the class ``kind`` (packages, name), a subclass included, told
     without importing the package (an optional extra)."""
     packages, name = kind
-    return any(c.__name__ == name and c.__module__.split(".")[0] in packages for c in type(value).__mro__)
+    mro = value.__class__.__mro__  # a proxy's or a spec'd mock's class, as isinstance sees it
+    return any(c.__name__ == name and c.__module__.split(".")[0] in packages for c in mro)
 
 
 class StepProfiler:

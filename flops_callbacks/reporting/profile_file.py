@@ -214,13 +214,25 @@ def from_json(data: Any, source: str = "<data>") -> SavedProfile:
         )
     try:
         metrics = {str(k): float(v) for k, v in data["metrics"].items()}
-        report = {str(k): int(v) for k, v in data.get("report", {}).items()}
-        return SavedProfile(source, _result(data, metrics), metrics, report)
+        return SavedProfile(source, _result(data, metrics), metrics, _report(data.get("report")))
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         what = f"missing key {error}" if isinstance(error, KeyError) else str(error)
         raise ProfileFileError(
             f"{source}: a profile of schema version {version}, but malformed: {what}"
         ) from None
+
+
+def _report(found: Any) -> dict[str, int]:
+    """The report options a file was written with, those this version knows and can use (a file's
+    other keys or values are no reason to refuse it: ``show`` falls back to the defaults)."""
+    if not isinstance(found, dict):
+        return {}
+    lowest = {"module_depth": -1, "top_modules": 1}
+    return {
+        k: v
+        for k, low in lowest.items()
+        if isinstance(v := found.get(k), int) and not isinstance(v, bool) and v >= low
+    }
 
 
 def _tuples(entry: dict[str, Any]) -> dict[str, Any]:

@@ -95,6 +95,16 @@ def test_a_one_process_file_has_no_communication_steps_and_reads_back_none(runs:
     assert from_json(data, "new.json").result.steps.communication == ()
 
 
+def test_of_the_report_options_only_those_known_and_usable_are_read(runs: dict[str, Path]) -> None:
+    data = json.loads(runs["A"].read_text())
+    data["report"] = {"module_depth": 2, "top_modules": "3", "style": "full"}  # a later version's keys
+    assert from_json(data, "new.json").report == {"module_depth": 2}
+    data["report"] = {"module_depth": -2, "top_modules": 0}  # out of range: the defaults instead
+    assert from_json(data, "new.json").report == {}
+    del data["report"]  # a file written before the key: the defaults
+    assert from_json(data, "old.json").report == {}
+
+
 def test_an_unknown_schema_version_or_a_missing_key_is_refused(runs: dict[str, Path]) -> None:
     data = json.loads(runs["A"].read_text())
     with pytest.raises(ProfileFileError, match=r"^new.json: profile schema version 3 is written by a newer "):

@@ -1,0 +1,88 @@
+"""What a fake count's replay could change is put back: attributes, the contents of the containers in
+them (through the base types' methods, whatever a subclass's own do), the global random state; a large
+container's items are not looked into, and what cannot be put back is said."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy
+
+from flops_callbacks.counting.user_state import LOOK_INSIDE, Kept
+
+
+class Frozen(dict):
+    """A dict subclass that refuses updates once made (as transformers' ``ModelOutput`` does)."""
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("frozen")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise RuntimeError("frozen")
+
+
+class Holder:
+    pass
+
+
+def test_attributes_containers_and_the_random_state_are_put_back() -> None:
+    holder = Holder()
+    inner = [1]
+    holder.losses, holder.nested, holder.frozen = [inner], ({"k": inner},), Frozen(a=1)
+    holder.seen, holder.count = {1}, 0
+    random.seed(3)
+    numpy.random.seed(3)
+    state = random.getstate(), numpy.random.get_state()[1].copy()
+    saved = Kept([holder])
+    holder.losses.append(2)
+    inner.append(3)  # a list inside a tuple inside an attribute
+    dict.__setitem__(holder.frozen, "b", 2)
+    holder.seen.add(2)
+    holder.count, holder.extra = 5, "new"
+    random.random(), numpy.random.rand()
+    saved.restore()
+    assert saved.unrestored == []
+    assert (holder.losses, inner, dict(holder.frozen)) == ([[1]], [1], {"a": 1})
+    assert (holder.seen, holder.count) == ({1}, 0)
+    assert not hasattr(holder, "extra")
+    assert random.getstate() == state[0] and (numpy.random.get_state()[1] == state[1]).all()
+
+
+def test_a_large_containers_items_are_not_looked_into_but_the_container_is_kept() -> None:
+    holder = Holder()
+    rows = [{"input_ids": [1, 2, 3]} for _ in range(LOOK_INSIDE + 1)]  # a dataset of plain lists
+    holder.train_dataset = rows
+    saved = Kept([holder])
+    rows.append({"input_ids": [4]})
+    rows[0]["input_ids"].append(9)  # inside a row: not looked into (nor copied, at each fake count)
+    saved.restore()
+    assert len(holder.train_dataset) == LOOK_INSIDE + 1 and holder.train_dataset is rows
+    assert rows[0]["input_ids"] == [1, 2, 3, 9]
+
+
+class Locking(list):
+    """A list that refuses its length once locked."""
+
+    locked = False
+
+    def __len__(self) -> int:
+        if self.locked:
+            raise RuntimeError("locked")
+        return super().__len__()
+
+
+def test_a_class_is_passed_over_and_what_cannot_be_put_back_is_said() -> None:
+    class Kind:
+        value = 1
+
+    holder = Holder()
+    holder.items = Locking([0])
+    saved = Kept([Kind, holder])  # a class's namespace is a read-only mappingproxy: not kept
+    Kind.value = 2
+    holder.items.append(1)
+    holder.items.locked = True
+    holder.count = 1
+    saved.restore()
+    assert Kind.value == 2 and not hasattr(holder, "count")  # the rest is put back all the same
+    assert saved.unrestored == ["a Locking (RuntimeError: locked)"]
