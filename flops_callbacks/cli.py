@@ -194,17 +194,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _show(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
+    given = {"module_depth": args.module_depth, "top_modules": args.top_modules}
+    given = {k: v for k, v in given.items() if v is not None}  # else the run's report's, or the defaults
     generation = read_generation(args.profile)  # a generation's profile, or None: a window's
     if generation is not None:
-        depth = Options.module_depth if args.module_depth is None else args.module_depth
-        top = Options.top_modules if args.top_modules is None else args.top_modules
-        print(render_generation(generation, depth, detailed=not args.brief, top_modules=top), file=out)
+        options = Options(**given)
+        text = render_generation(
+            generation, options.module_depth, detailed=not args.brief, top_modules=options.top_modules
+        )
+        print(text, file=out)
         if args.html:
             _write_page(args.html, generation_picture(generation))
         return EXIT_OK
     saved = load(args.profile)
-    given = {"module_depth": args.module_depth, "top_modules": args.top_modules}
-    options = Options(**{**saved.report, **{k: v for k, v in given.items() if v is not None}})
+    options = Options(**{**saved.report, **given})
     print(report_text(saved.result, options, detailed=not args.brief), file=out)
     if args.html:
         _write_page(args.html, picture(saved.result))

@@ -21,6 +21,7 @@ from typing import Any
 from flops_callbacks import metrics as names
 from flops_callbacks.communication.report import comm_data, comm_from_data
 from flops_callbacks.communication.slow_rank_report import slow_rank_data, slow_rank_from_data
+from flops_callbacks.options import Options, check_report_args
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile
@@ -223,16 +224,20 @@ def from_json(data: Any, source: str = "<data>") -> SavedProfile:
 
 
 def _report(found: Any) -> dict[str, int]:
-    """The report options a file was written with, those this version knows and can use (a file's
-    other keys or values are no reason to refuse it: ``show`` falls back to the defaults)."""
+    """The report options a file was written with, those this version knows and can use (checked as
+    the entry points check them; a file's other keys or values are no reason to refuse it: ``show``
+    falls back to the defaults)."""
     if not isinstance(found, dict):
         return {}
-    lowest = {"module_depth": -1, "top_modules": 1}
-    return {
-        k: v
-        for k, low in lowest.items()
-        if isinstance(v := found.get(k), int) and not isinstance(v, bool) and v >= low
-    }
+    defaults = {"module_depth": Options.module_depth, "top_modules": Options.top_modules}
+    usable = {}
+    for key in defaults.keys() & found.keys():
+        try:
+            check_report_args(**{**defaults, key: found[key]})
+        except ValueError:
+            continue
+        usable[key] = found[key]
+    return usable
 
 
 def _tuples(entry: dict[str, Any]) -> dict[str, Any]:

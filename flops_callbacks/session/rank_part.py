@@ -135,8 +135,11 @@ def _median_batch(ran: list[WindowStep]) -> WindowStep:
     """The module-timing step of the median batch size (its micro-batches' tensor elements; of an even
     count, the smaller middle one): the tree's batch, chosen from the data alone, so that two runs of one
     configuration show the same tree and log the same flops whatever their timings."""
-    size = {id(s): sum(math.prod(shape) for sig in s.signatures for shape, _ in sig) for s in ran}
-    ranked = sorted(ran, key=lambda s: size[id(s)])  # stable: of equal sizes, the earlier step
+
+    def size(step: WindowStep) -> int:
+        return sum(math.prod(shape) for signature in step.signatures for shape, _ in signature)
+
+    ranked = sorted(ran, key=size)  # stable: of equal sizes, the earlier step
     return ranked[(len(ranked) - 1) // 2]
 
 
