@@ -224,27 +224,31 @@ def window_end(profile_step: int, clean: int, comm: bool = False) -> int:
 
 
 def window_steps(profile_step: int, clean: int, **fields: Any) -> WindowSteps:
-    """The ``WindowSteps`` of a window whose every step had the counted shapes and marked the model's own
-    forward; ``module_trace`` is left None (which module-timing step is the median one depends on the
-    clock: compare with :func:`laid_out`)."""
+    """The ``WindowSteps`` of a window on a CPU whose every step had the counted shapes and marked the
+    model's own forward (the tree: the module-timing step nearest it); ``module_trace`` is left None
+    (which step that is depends on the clock: compare with :func:`laid_out`)."""
     cleans = tuple(range(first_clean(profile_step), window_end(profile_step, clean)))
     settings: dict[str, Any] = dict(
         counting=profile_step, module_timing=module_steps(profile_step), clean=cleans, skipped=(),
         latency_source=f"median of {clean} clean step(s)", model_forward=cleans,
         model_forward_shapes_match=True, shape_counting=(check_step(profile_step),), first=profile_step,
+        module_trace_by="nearest",
     )  # fmt: skip
     return WindowSteps(**{**settings, **fields})
 
 
 def module_source(profile_step: int, trace: int | None) -> str:
     """The start of the report's "module latencies from" value for a window counted at ``profile_step``
-    whose tree is step ``trace``'s."""
+    on a CPU whose tree is step ``trace``'s."""
     steps = module_steps(profile_step)
     if len(steps) == 1:
         return f"step {steps[0]} (module hooks, no counting"
     consecutive = steps == tuple(range(steps[0], steps[-1] + 1))
     listed = f"{steps[0]}-{steps[-1]}" if len(steps) > 2 and consecutive else ", ".join(map(str, steps))
-    return f"steps {listed} (module hooks, no counting, the tree of step {trace}, their median"
+    return (
+        f"steps {listed} (module hooks, no counting, the tree of step {trace}, the one nearest the clean "
+        "steps' own forward"
+    )
 
 
 def laid_out(steps: WindowSteps) -> WindowSteps:

@@ -4,9 +4,10 @@ A fake count runs the adapter's step function (the user's ``training_step``, the
 ``compute_loss``) once more: any state that code touches besides the tensors would differ from a run
 without the profiler. Put back: Python's and NumPy's global random state (torch's is forked by the
 caller), and every attribute of the model's modules and of the step function's owner (the trainer), the
-contents of the lists, dicts and sets they hold included (``self.outputs.append(loss)``), so that no fake
-tensor stays behind in them. Not put back: what the step writes elsewhere (a file, a global, an object
-reached through something other than a list, dict, set or tuple), which the docs say.
+contents of the lists, dicts (their order too), sets and deques they hold included
+(``self.outputs.append(loss)``), so that no fake tensor stays behind in them. Not put back: what the step
+writes elsewhere (a file, a global, an object reached through something other than a list, dict, set,
+deque or tuple, a ``torch.Generator``'s state), which the docs say.
 
 Bounded, since a trainer may hold its whole dataset as lists: a container's items are copied (pointers),
 but looked into only when it has at most :data:`LOOK_INSIDE` of them, and the copies stop at
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,7 +49,7 @@ class Kept:
         self._numpy = (numpy_random, numpy_random.get_state()) if numpy_random is not None else None
 
     def _containers(self, value: Any, depth: int, seen: set[int]) -> None:
-        """Each list, dict and set in ``value`` (itself, and within its items to ``depth``) with a copy
+        """Each list, dict, set and deque in ``value`` (itself, and within its items to ``depth``) with a copy
         of its contents, walked on the copy; tuples are looked into (they may hold lists)."""
         if depth == 0 or id(value) in seen or self._items > BUDGET:
             return
@@ -67,6 +69,10 @@ class Kept:
             kept_set = set.copy(value)
             self._contents.append((value, kept_set))
             items = kept_set
+        elif isinstance(value, deque):  # a running window of losses: append(loss) drops its oldest
+            kept_deque = list(deque.__iter__(value))
+            self._contents.append((value, kept_deque))
+            items = kept_deque
         else:
             return
         self._items += len(value)
@@ -88,14 +94,18 @@ class Kept:
 
 
 def _changed(value: Any, before: Any) -> bool:
-    """Whether a container holds other objects than ``before`` (by identity: a tensor has no ``==``)."""
+    """Whether a container holds other objects than ``before``, or a dict its keys in another order (by
+    identity: a tensor has no ``==``)."""
     if len(value) != len(before):
         return True
     if isinstance(value, dict):
-        return any(k not in before or before[k] is not v for k, v in dict.items(value))
+        return any(
+            k is not b or before[k] is not v for (k, v), b in zip(dict.items(value), before, strict=True)
+        )
     if isinstance(value, set):
         return any(item not in before for item in set.__iter__(value))
-    return any(a is not b for a, b in zip(list.__iter__(value), before, strict=True))
+    iterate = deque.__iter__ if isinstance(value, deque) else list.__iter__
+    return any(a is not b for a, b in zip(iterate(value), before, strict=True))
 
 
 def _put_back(value: Any, before: Any) -> None:
@@ -106,6 +116,9 @@ def _put_back(value: Any, before: Any) -> None:
     elif isinstance(value, dict):
         dict.clear(value)
         dict.update(value, before)
+    elif isinstance(value, deque):
+        deque.clear(value)
+        deque.extend(value, before)
     else:
         set.clear(value)
         set.update(value, before)

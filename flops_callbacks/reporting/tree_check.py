@@ -1,6 +1,7 @@
 """Whether the module tree's latencies can be believed: checked against the phases, said out loud.
 
-The tree's latencies come from the median module-timing step; the phase latencies from
+The tree's latencies come from one module-timing step (on a CPU the one nearest the clean steps' own
+forward); the phase latencies from
 the median of the clean steps. On a true tree the model's forward fits inside the forward phase (and
 matches the model's own forward, where the clean steps marked its outermost calls) and no module outlasts
 its parent. When one does not (a pause on the module-timing step: a collection, another

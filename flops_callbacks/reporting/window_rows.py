@@ -46,6 +46,13 @@ __all__ = [
 ]
 
 
+_TRACE_BY = {  # WindowSteps.module_trace_by, in the report's words
+    "nearest": "the one nearest the clean steps' own forward",
+    "median": "their median",
+    "batch": "their median batch size",
+}
+
+
 def module_source(result: WindowResult) -> str:
     """Which steps the module latencies come from, or why none do.
 
@@ -61,7 +68,11 @@ def module_source(result: WindowResult) -> str:
             f"none: {steps} had other batch shapes than step {s.counting} "
             "(per-module FLOPS would mix two batches)"
         )
-    median = f", the tree of step {s.module_trace}, their median" if len(s.module_timing) > 1 else ""
+    median = (
+        f", the tree of step {s.module_trace}, {_TRACE_BY[s.module_trace_by]}"
+        if len(s.module_timing) > 1
+        else ""
+    )
     cost, taken = result.hook_cost, ""
     if cost is not None:
         taken = f"; less {duration_to_string(cost.per_call)} a call for the hooks, {cost.source}"

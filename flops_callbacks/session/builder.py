@@ -31,7 +31,7 @@ from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.hook_probe import hook_cost
 from flops_callbacks.timing.kernel_clock import KernelClock
-from flops_callbacks.timing.module_timer import ModuleTimes, median_step
+from flops_callbacks.timing.module_timer import ModuleTimes, median_step, nearest_step
 from flops_callbacks.timing.outer_calls import OuterCalls
 
 __all__ = ["build_result", "clean_peak_memory", "job_figures", "phases", "slow_rank", "window_shapes"]
@@ -74,22 +74,29 @@ def _own_forwards(clean: list[WindowStep]) -> list[tuple[WindowStep, OuterCalls]
     return [(s, s.outer) for s in clean if s.outer is not None and s.outer.calls()]
 
 
-def _hook_cost(module_steps: list[WindowStep], clean: list[WindowStep]) -> HookCost | None:
-    """What one module call's timing hooks cost on the module-timing steps: measured in place where
-    clean steps of the same batch shapes marked their outermost module calls (the median of those calls
-    on the module-timing steps against theirs), else the probe's. CPU clocks only: a GPU's CUDA events
-    do not hold the hooks' host time unless the model is launch-bound."""
+def _same_shapes(module_steps: list[WindowStep], clean: list[WindowStep]) -> list[OuterCalls] | None:
+    """The model's outermost calls marked on clean steps of the module-timing steps' batch shapes, on a
+    CPU clock (a GPU's CUDA events do not hold the hooks' host time, and its kernel clock times what
+    differs from the marks); ``None`` off a CPU clock."""
     timers = [s.timer for s in module_steps if s.timer is not None]
     if not timers or not isinstance(timers[0].clock, CpuClock):
         return None
+    return [outer for s, outer in _own_forwards(clean) if s.signatures == module_steps[0].signatures]
+
+
+def _hook_cost(module_steps: list[WindowStep], clean: list[WindowStep]) -> HookCost | None:
+    """What one module call's timing hooks cost on the module-timing steps: measured in place where
+    clean steps of the same batch shapes marked their outermost module calls (the median of those calls
+    on the module-timing steps against theirs), else the probe's. CPU clocks only (:func:`_same_shapes`)."""
+    same = _same_shapes(module_steps, clean)
+    if same is None:
+        return None
     probe = hook_cost()
-    marked_steps = _own_forwards(clean)
-    if not marked_steps:  # none ran, or compiled code in the process: hooks could change its guards
+    if not _own_forwards(clean):  # none ran, or compiled code in the process: hooks could change its guards
         return probe.instead("no clean step marked the model's calls (none ran, or dynamo compiled code)")
-    same = [outer for s, outer in marked_steps if s.signatures == module_steps[0].signatures]
     if not same:
         return probe.instead("no clean step had the module-timing step's batch shapes")
-    outer = [t.outer_calls() for t in timers]
+    outer = [s.timer.outer_calls() for s in module_steps if s.timer is not None]
     calls = round(statistics.median(c for _, c in outer))
     marked = [o.seconds() for o in same]
     return probe.measured(
@@ -119,17 +126,27 @@ def _model_forward(
 
 def _module_times(
     module_steps: list[WindowStep], clean: list[WindowStep]
-) -> tuple[ModuleTimes, HookCost | None, int]:
-    """The module latencies of the median module-timing step (by the model's time), the hooks' cost taken
-    out (its share inside a call's own span fitted on each step), that step's cost, and that step."""
+) -> tuple[ModuleTimes, HookCost | None, int, str]:
+    """The module latencies of one module-timing step, the hooks' cost taken out (its share inside a
+    call's own span fitted on each step), that step's cost, that step, and how it was chosen
+    (:attr:`~flops_callbacks.session.result.WindowSteps.module_trace_by`): on a CPU where clean steps of
+    the same shapes marked the model's own forward, the step nearest it; else the median by the model's
+    forward + backward."""
     cost = _hook_cost(module_steps, clean)
     each = []
     for s in module_steps:
         if s.timer is not None:
             fitted = s.timer.fitted(cost) if cost is not None else None
             each.append((s.number, fitted, s.timer.times(fitted)))
-    times = median_step([t for _, _, t in each])
-    return next((times, c, number) for number, c, t in each if t is times)
+    same = _same_shapes(module_steps, clean)
+    if same:
+        times, by = (
+            nearest_step([t for _, _, t in each], statistics.median(o.seconds() for o in same)),
+            "nearest",
+        )
+    else:
+        times, by = median_step([t for _, _, t in each]), "median"
+    return next((times, c, number, by) for number, c, t in each if t is times)
 
 
 def _device_busy(
@@ -273,9 +290,10 @@ def _counted(
     spans: list[Any] = []
     cost: HookCost | None = None
     trace_step: int | None = None
+    trace_by = "median"
     busy: dict[str, float] | None = None
     if module_steps:
-        times, cost, trace_step = _module_times(module_steps, clean)
+        times, cost, trace_step, trace_by = _module_times(module_steps, clean)
         spans = times.spans
         profile = times.applied_to(profile)
         busy = _device_busy(module_steps, clean, trace_step)
@@ -304,6 +322,7 @@ def _counted(
             latency_source="",
             module_shapes_match=bool(module_steps) or not ran,
             module_trace=trace_step,
+            module_trace_by="batch" if local.profiled is not None else trace_by,
             model_forward=forward_steps,
             model_forward_shapes_match=forward_shapes_match,
             communication=tuple(s.number for s in local.comm_steps),

@@ -108,9 +108,8 @@ class WindowSteps:
     """Which global step each figure comes from.
 
     ``counting``: flops, MACs, params, coverage. ``module_timing``: the steps that timed the modules
-    (empty when the run ended before them); ``module_trace``: the one of them, the median by the model's
-    forward + backward (of batches of other shapes than the counting step's: the median by batch size),
-    whose per-module latencies and spans are reported. ``clean``: the steps whose
+    (empty when the run ended before them); ``module_trace``: the one of them whose per-module latencies
+    and spans are reported, chosen as ``module_trace_by`` says. ``clean``: the steps whose
     phase latencies were used (their median); ``skipped``: clean steps left out because their batches
     had other shapes than the counting step's. ``latency_source`` names where fwd / bwd / step latency
     come from in words.
@@ -137,6 +136,10 @@ class WindowSteps:
     shapes_predicted: int = 0
     module_shapes_match: bool = True
     module_trace: int | None = None
+    # how module_trace was chosen: "nearest" the clean steps' own forward (a CPU clock, the same batch
+    # shapes), "median" by the model's forward + backward, or of the median "batch" size (batches of other
+    # shapes than the counting step's)
+    module_trace_by: str = "median"
     model_forward: tuple[int, ...] = ()  # the clean steps that marked the model's own forward
     model_forward_shapes_match: bool = False  # whether they had the module-timing steps' batch shapes
     first: int | None = None

@@ -52,8 +52,9 @@ __all__ = [
 ]
 
 CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
-# the tree is the median one's (by the model's time): a pause in one drops out; of batches of other shapes
-# than the counting step's, the one of the median batch size (session.rank_part)
+# the tree is one of theirs (session.builder: on a CPU the one nearest the clean steps' own forward, else
+# the median by the model's time): a pause in one drops out; of batches of other shapes than the counting
+# step's, the one of the median batch size (session.rank_part)
 MODULE_TIMING_STEPS = 3
 # The communication figures are the median step's (by exposed time, the ranks' mean), of three steps that
 # agree within 10%, else of up to 25: on a GPU NCCL's steps agree and three suffice; on a CPU gloo's

@@ -5,6 +5,7 @@ container's items are not looked into, and what cannot be put back is said."""
 from __future__ import annotations
 
 import random
+from collections import deque
 from typing import Any
 
 import numpy
@@ -47,6 +48,20 @@ def test_attributes_containers_and_the_random_state_are_put_back() -> None:
     assert (holder.seen, holder.count) == ({1}, 0)
     assert not hasattr(holder, "extra")
     assert random.getstate() == state[0] and (numpy.random.get_state()[1] == state[1]).all()
+
+
+def test_a_deques_window_and_a_dicts_order_are_put_back() -> None:
+    holder = Holder()
+    first, second = object(), object()
+    holder.recent = deque([first, second], maxlen=2)  # a running window of the last losses
+    holder.by_name = {"a": 1, "b": 2}
+    saved = Kept([holder])
+    holder.recent.append(object())  # drops `first`
+    holder.by_name["a"] = holder.by_name.pop("a")  # the same items, "a" now last
+    saved.restore()
+    assert saved.unrestored == []
+    assert list(holder.recent) == [first, second] and holder.recent.maxlen == 2
+    assert list(holder.by_name) == ["a", "b"]
 
 
 def test_a_large_containers_items_are_not_looked_into_but_the_container_is_kept() -> None:

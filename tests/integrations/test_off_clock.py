@@ -16,6 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback
+from flops_callbacks.reporting.window_rows import module_source
 from flops_callbacks.session.meter import LoggingInterval
 from flops_callbacks.session.window_plan import CLEAN_MAX, MODULE_TIMING_STEPS
 from tests.support import check_step, lightning_settings, module_steps
@@ -109,7 +110,8 @@ def test_a_grouped_length_run_counts_its_new_shapes_off_the_clock(tmp_path: Path
     # the tree's batch: the module-timing step of the median batch size, chosen from the data (two runs of
     # one configuration log the same flops whatever their timings), counted off the clock
     by_size = sorted(steps.module_timing, key=lambda n: collator.batches[n]["input_ids"].numel())
-    assert steps.module_trace == by_size[(len(by_size) - 1) // 2]
+    assert steps.module_trace == by_size[(len(by_size) - 1) // 2] and steps.module_trace_by == "batch"
+    assert f"the tree of step {steps.module_trace}, their median batch size" in module_source(result)
     tree = result.profile.fwd_flops + result.profile.bwd_flops
     assert tree == _offline(trainer, collator.batches[steps.module_trace])
 

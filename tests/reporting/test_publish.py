@@ -48,7 +48,7 @@ def test_the_json_holds_the_counts_the_sources_and_the_metrics() -> None:
         "counting": 10, "module_timing": [11], "clean": [12, 14], "skipped": [13],
         "latency_source": "median of 2 clean step(s)", "shape_counting": [], "shapes": 1,
         "shapes_counted": 1, "shapes_predicted": 0, "module_shapes_match": True, "module_trace": 11,
-        "model_forward": [], "model_forward_shapes_match": False, "first": None,
+        "module_trace_by": "median", "model_forward": [], "model_forward_shapes_match": False, "first": None,
     }  # fmt: skip
     # one step of the result's latencies stands for the clean steps: its spread is that step
     assert data["spread"]["iter"] == {"median": 1.0, "low": 1.0, "high": 1.0, "steps": 1}

@@ -192,15 +192,34 @@ def test_a_pause_in_one_module_on_every_module_timing_step_is_flagged_in_report_
 
 @pytest.mark.usefixtures("one_thread")  # its module-timing steps against its clean ones
 def test_a_pause_in_one_module_on_one_module_timing_step_drops_out_of_the_tree(tmp_path: Path) -> None:
-    # the tree is the median module-timing step's: one step's pause (a collection, another process) is
-    # not one module's time (this tiny model may still get a doubt row for its hooks, whose cost the
-    # probe under-reads; the paused module's width says the pause is not in the tree)
+    # the tree is the module-timing step nearest the clean steps' own forward: one step's pause (a
+    # collection, another process) is not one module's time (this tiny model may still get a doubt row for
+    # its hooks, whose cost the probe under-reads; the paused module's width says the pause is not in it)
     assert len(MODULE_STEPS) >= 3
     result, report, _ = profiled(tmp_path, pause_at=MODULE_STEPS[1:2])
     assert result.profile.modules["layers.2"].fwd_latency < PAUSE / 10
     assert result.profile.modules[""].fwd_latency < PAUSE / 10
     assert result.steps.module_trace != MODULE_STEPS[1]  # the tree and timeline: a step without the pause
-    assert f"the tree of step {result.steps.module_trace}, their median" in report
+    assert result.steps.module_trace_by == "nearest"
+    assert (
+        f"the tree of step {result.steps.module_trace}, the one nearest the clean steps' own forward"
+        in report
+    )
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_of_module_timing_steps_mostly_slowed_the_tree_is_the_one_that_ran_as_the_clean_steps(
+    tmp_path: Path,
+) -> None:
+    # two of three module-timing steps slowed (a busy machine often slows neighbouring steps): the median
+    # of the model's time is a slowed step; the clean steps' own forward names the one that was not
+    assert len(MODULE_STEPS) == 3
+    result, _, _ = profiled(tmp_path, pause_at=MODULE_STEPS[:2])
+    assert result.steps.module_trace == MODULE_STEPS[2]
+    assert result.profile.modules[""].fwd_latency < PAUSE / 10
+    assert (
+        result.model_forward is not None and result.profile.modules[""].fwd_latency < 3 * result.model_forward
+    )
 
 
 # --- the picture ---------------------------------------------------------------------------------------

@@ -92,6 +92,7 @@ def test_the_window_counts_then_times_modules_then_times_clean_steps(tmp_path: P
         "shapes_predicted": 0,
         "module_shapes_match": True,
         "module_trace": r.steps.module_trace,
+        "module_trace_by": "nearest",  # a CPU whose clean steps marked the model's own forward
         "model_forward": list(cleans),  # the clean steps that marked the model's own forward
         "model_forward_shapes_match": True,
         "first": 3,  # the window's first step: its counting step (a re-profile window's: its lead-in)

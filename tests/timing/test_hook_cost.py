@@ -14,7 +14,7 @@ from flops_callbacks.phase_names import FORWARD
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import MIN_CALLS, PROBE_CEILING, HookCost
 from flops_callbacks.timing.hook_probe import hook_cost
-from flops_callbacks.timing.module_timer import ModuleTimer, ModuleTimes, median_step
+from flops_callbacks.timing.module_timer import ModuleTimer, ModuleTimes, median_step, nearest_step
 from flops_callbacks.timing.outer_calls import OuterCalls
 from tests.sleepy import Sleepy
 from tests.support import forward_timed, hooks_of
@@ -146,6 +146,19 @@ def test_the_tree_is_the_median_steps_whose_pause_drops_out_with_its_step() -> N
     assert times.fwd == {"": 0.012, "a": 0.005}  # the 0.3 s pause of the second step is left out
     one = _times(0.01, 0.0, 0.0)
     assert median_step([one]) is one
+
+
+def test_the_tree_nearest_a_reference_forward_is_the_step_of_the_least_ratio_either_way() -> None:
+    steps = [_times(0.0125, 0.005, 1.0), _times(0.0118, 0.004, 2.0), _times(0.0, 0.0, 3.0)]
+    # against 10 ms: 1.25x and 1.18x; the unmarked step (no forward) is never the nearest
+    assert nearest_step(steps, 0.010) is steps[1]
+    # against 14 ms: 12.5 ms is 1.12x under it, 11.8 ms 1.19x under it
+    assert nearest_step(steps, 0.014) is steps[0]
+    # by ratio, not difference: 8.2 ms is 1.22x under 10 ms (1.8 ms away), 12 ms 1.2x over it (2 ms away)
+    under_over = [_times(0.0082, 0.0, 1.0), _times(0.012, 0.0, 2.0)]
+    assert nearest_step(under_over, 0.010) is under_over[1]
+    equal = [_times(0.009, 0.0, 1.0), _times(0.009, 0.0, 2.0)]
+    assert nearest_step(equal, 0.010) is equal[0]  # of equals, the earlier step
 
 
 def test_the_median_steps_children_fit_in_their_parent_where_each_modules_median_would_not() -> None:
