@@ -139,13 +139,9 @@ def _module_times(
             fitted = s.timer.fitted(cost) if cost is not None else None
             each.append((s.number, fitted, s.timer.times(fitted)))
     same = _same_shapes(module_steps, clean)
-    if same:
-        times, by = (
-            nearest_step([t for _, _, t in each], statistics.median(o.seconds() for o in same)),
-            "nearest",
-        )
-    else:
-        times, by = median_step([t for _, _, t in each]), "median"
+    forward = statistics.median(o.seconds() for o in same) if same else 0.0
+    timed = [t for _, _, t in each]
+    times, by = (nearest_step(timed, forward), "nearest") if forward > 0 else (median_step(timed), "median")
     return next((times, c, number, by) for number, c, t in each if t is times)
 
 
