@@ -1,5 +1,5 @@
-"""Can the module tree's widths be believed? The tree's root forward (median of the module-timing steps)
-against a stopwatch, before and after, side by side in one run.
+"""Can the module tree's widths be believed? The tree's root forward (one module-timing step's, as the
+report chooses it) against a stopwatch, before and after, side by side in one run.
 
 The model the LightningModule wraps is the tree's root here. Three checks, each a ratio:
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 import sys
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,11 +38,11 @@ class Kept:
         self._items = 0
         # an object's own namespace (a class's is a read-only mappingproxy: not a user's state we keep)
         namespaces = [getattr(obj, "__dict__", None) for obj in objects]
-        self._namespaces = [(ns, dict(ns)) for ns in namespaces if type(ns) is dict]
+        self._namespaces = [(ns, list(ns.items())) for ns in namespaces if type(ns) is dict]
         self._contents: list[tuple[Any, Any]] = []
         seen: set[int] = set()
         for _, before in self._namespaces:
-            for value in before.values():
+            for _, value in before:
                 self._containers(value, DEPTH, seen)
         self._python = random.getstate()
         numpy_random = sys.modules.get("numpy.random")  # imported where the user's code draws from it
@@ -62,9 +62,9 @@ class Kept:
             self._contents.append((value, copy))
             items = copy
         elif isinstance(value, dict):
-            copied = dict.copy(value)
-            self._contents.append((value, copied))
-            items = copied.values()
+            pairs = list(_dict_base(value).items(value))  # in its own order (an OrderedDict's)
+            self._contents.append((value, pairs))
+            items = [item for _, item in pairs]
         elif isinstance(value, set):
             kept_set = set.copy(value)
             self._contents.append((value, kept_set))
@@ -93,15 +93,20 @@ class Kept:
                 self.unrestored.append(f"a {type(value).__name__} ({type(error).__name__}: {error})")
 
 
+def _dict_base(value: dict) -> type[dict]:
+    """The base type whose methods read and write ``value``: an OrderedDict keeps its order apart from
+    the dict's (``move_to_end``, a hook registered with ``prepend=True``); the dict's methods break it."""
+    return OrderedDict if isinstance(value, OrderedDict) else dict
+
+
 def _changed(value: Any, before: Any) -> bool:
     """Whether a container holds other objects than ``before``, or a dict its keys in another order (by
     identity: a tensor has no ``==``)."""
     if len(value) != len(before):
         return True
     if isinstance(value, dict):
-        return any(
-            k is not b or before[k] is not v for (k, v), b in zip(dict.items(value), before, strict=True)
-        )
+        pairs = _dict_base(value).items(value)
+        return any(k is not b or v is not w for (k, v), (b, w) in zip(pairs, before, strict=True))
     if isinstance(value, set):
         return any(item not in before for item in set.__iter__(value))
     iterate = deque.__iter__ if isinstance(value, deque) else list.__iter__
@@ -114,8 +119,10 @@ def _put_back(value: Any, before: Any) -> None:
     if isinstance(value, list):
         list.__setitem__(value, slice(None), before)
     elif isinstance(value, dict):
-        dict.clear(value)
-        dict.update(value, before)
+        base = _dict_base(value)
+        base.clear(value)
+        for key, item in before:
+            base.__setitem__(value, key, item)
     elif isinstance(value, deque):
         deque.clear(value)
         deque.extend(value, before)

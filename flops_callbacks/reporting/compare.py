@@ -9,8 +9,8 @@ configuration's spread; under 10 steps, min .. max); a rate's is the same steps'
 sample, token) is the wall step's range scaled, the same power over a faster or a slower step, and tokens
 per joule its inverse; a count (flops, bytes, params) and the mean power are exact and have none. A
 change is noise when the new run's figure lies within the base run's range: the base run's own steps
-spread that far with nothing changed. A module's own time has no range of its own (its latency is the
-median of the module-timing steps), so its change is noise when it is within the base run's phase wobble:
+spread that far with nothing changed. A module's own time has no range of its own (its latency is one
+module-timing step's), so its change is noise when it is within the base run's phase wobble:
 the range of its fwd latency plus that of its bwd latency.
 
 Several runs of one configuration (:func:`run_figures`, what ``gate`` reads from a folder): a figure is

@@ -245,6 +245,15 @@ def _tuples(entry: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in entry.items()}
 
 
+def _steps(entry: dict[str, Any]) -> dict[str, Any]:
+    """The window's steps as saved; a file written before ``module_trace_by`` was kept chose the tree of a
+    step of other batch shapes by its batch size, and every other tree as the median by time."""
+    steps = _tuples(entry)
+    if "module_trace_by" not in steps:
+        steps["module_trace_by"] = "median" if steps.get("profile_step") is None else "batch"
+    return steps
+
+
 def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
     peak, bandwidth = data["peak"], data["bandwidth"]
     clean = CleanFigures(
@@ -255,7 +264,7 @@ def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
     )
     return WindowResult(
         profile=Profile.from_dict(data["profile"]),
-        steps=WindowSteps(**_tuples(data["steps"])),
+        steps=WindowSteps(**_steps(data["steps"])),
         # the phase latencies are the metrics' (window_metrics writes them as they are)
         fwd_latency=metrics[names.FWD_LATENCY],
         bwd_latency=metrics[names.BWD_LATENCY],

@@ -44,6 +44,7 @@ def check_tree(
     module_steps: tuple[int, ...],
     model_forward: float | None = None,
     model_forward_high: float | None = None,
+    trace: int | None = None,
 ) -> TreeCheck:
     """The notes on ``profile``'s module latencies against the phases' (seconds, clean steps); the
     model's forward against ``model_forward`` instead where the clean steps marked it (the same calls
@@ -57,18 +58,21 @@ def check_tree(
         module_steps: the module-timing steps the latencies come from.
         model_forward: the model's own forward marked on the clean steps, seconds (None: not marked).
         model_forward_high: the slowest clean step's model forward, seconds.
+        trace: the module-timing step whose tree ``profile`` holds (None: unknown).
     """
     check = TreeCheck()
     if not module_steps:
         return check
+    several = trace is not None and len(module_steps) > 1
+    which = f"step {trace} of {steps_named(module_steps)}" if several else steps_named(module_steps)
     for kind, phase in (("fwd", fwd_phase), ("bwd", bwd_phase)):
         if kind == "fwd" and model_forward:
             own = (model_forward, "the model's own forward")
             spread = (model_forward_high or model_forward) / model_forward
             slack = min(max(PHASE_SLACK, spread), OWN_SLACK_CAP)
-            _check_root(profile, kind, own, module_steps, check, both_ways=True, slack=slack)
+            _check_root(profile, kind, own, which, check, both_ways=True, slack=slack)
         else:
-            _check_root(profile, kind, (phase, f"the {_words(kind)} phase"), module_steps, check)
+            _check_root(profile, kind, (phase, f"the {_words(kind)} phase"), which, check)
         _check_parents(profile, kind, check)
     return check
 
@@ -85,7 +89,7 @@ def _check_root(
     profile: Profile,
     kind: str,
     reference: tuple[float, str],
-    steps: tuple[int, ...],
+    which: str,
     check: TreeCheck,
     both_ways: bool = False,
     slack: float = PHASE_SLACK,
@@ -98,7 +102,6 @@ def _check_root(
     if seconds <= 0 or low <= root <= seconds * slack + ABSOLUTE_SLACK:
         return
     words, ratio = _words(kind), root / seconds
-    which = steps_named(steps) + (" (median)" if len(steps) > 1 else "")
     note = (
         f"module tree: the model's {words} on {which} ({duration_to_string(root)}) is "
         f"{ratio:.2f}x {against} ({duration_to_string(seconds)}, clean steps): "

@@ -69,7 +69,7 @@ def module_source(result: WindowResult) -> str:
             "(per-module FLOPS would mix two batches)"
         )
     median = (
-        f", the tree of step {s.module_trace}, {_TRACE_BY[s.module_trace_by]}"
+        f", the tree of step {s.module_trace}, {_TRACE_BY.get(s.module_trace_by, s.module_trace_by)}"
         if len(s.module_timing) > 1
         else ""
     )
@@ -373,7 +373,15 @@ def tree_doubts(result: WindowResult) -> TreeCheck:
     steps = result.steps
     own = result.model_forward if steps.model_forward_shapes_match else None  # else other batches' forward
     high = result.model_forward_high if own is not None else None
-    return check_tree(result.profile, result.fwd_latency, result.bwd_latency, steps.module_timing, own, high)
+    return check_tree(
+        result.profile,
+        result.fwd_latency,
+        result.bwd_latency,
+        steps.module_timing,
+        own,
+        high,
+        steps.module_trace,
+    )
 
 
 def _peak_memory_text(result: WindowResult) -> str:

@@ -130,19 +130,25 @@ def _module_times(
     """The module latencies of one module-timing step, the hooks' cost taken out (its share inside a
     call's own span fitted on each step), that step's cost, that step, and how it was chosen
     (:attr:`~flops_callbacks.session.result.WindowSteps.module_trace_by`): on a CPU where clean steps of
-    the same shapes marked the model's own forward, the step nearest it; else the median by the model's
-    forward + backward."""
+    the same shapes marked the model's outermost calls, the step whose same calls, less their hooks'
+    cost, are nearest theirs; else the median by the model's forward + backward."""
     cost = _hook_cost(module_steps, clean)
     each = []
     for s in module_steps:
         if s.timer is not None:
             fitted = s.timer.fitted(cost) if cost is not None else None
-            each.append((s.number, fitted, s.timer.times(fitted)))
+            seconds, calls = s.timer.outer_calls()
+            forward = seconds - calls * (cost.per_call if cost is not None else 0.0)
+            each.append((s.number, fitted, s.timer.times(fitted), forward))
     same = _same_shapes(module_steps, clean)
-    forward = statistics.median(o.seconds() for o in same) if same else 0.0
-    timed = [t for _, _, t in each]
-    times, by = (nearest_step(timed, forward), "nearest") if forward > 0 else (median_step(timed), "median")
-    return next((times, c, number, by) for number, c, t in each if t is times)
+    timed = [t for _, _, t, _ in each]
+    times, by = None, "nearest"
+    if same:
+        reference = statistics.median(o.seconds() for o in same)
+        times = nearest_step(timed, [f for _, _, _, f in each], reference)
+    if times is None:
+        times, by = median_step(timed), "median"
+    return next((times, c, number, by) for number, c, t, _ in each if t is times)
 
 
 def _device_busy(

@@ -166,9 +166,9 @@ class WindowSteps:
 class WindowResult:
     """A profiled window: the model's profile plus what the training loop around it did.
 
-    ``profile``'s per-module latencies are the module-timing steps' medians; its ``fwd_latency`` and
-    ``bwd_latency`` (like the fields below) are the phase latencies of the median clean step (the one of
-    the median FLOPS: :mod:`flops_callbacks.session.window_steps`).
+    ``profile``'s per-module latencies are one module-timing step's (``steps.module_trace``); its
+    ``fwd_latency`` and ``bwd_latency`` (like the fields below) are the phase latencies of the median
+    clean step (the one of the median FLOPS: :mod:`flops_callbacks.session.window_steps`).
     """
 
     profile: Profile

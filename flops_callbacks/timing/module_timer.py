@@ -87,23 +87,24 @@ def median_step(of: list[ModuleTimes]) -> ModuleTimes:
     return of[sorted(range(len(of)), key=totals.__getitem__)[len(of) // 2]]
 
 
-def nearest_step(of: list[ModuleTimes], forward: float) -> ModuleTimes:
-    """The times of the step whose model forward is nearest ``forward`` (seconds, by ratio; of equals, the
-    earlier step): the clean steps' median of the same calls, hook-free. The tree then describes a step
-    that ran as the clean steps did, whose phases the report shows; a pause drops out as from a median.
-    On a busy CPU one of three module-timing steps runs 10-25% slow as often as not (the demo, one
-    thread), and a median of three then lands on a slow one about one run in three.
+def nearest_step(of: list[ModuleTimes], forwards: list[float], reference: float) -> ModuleTimes | None:
+    """The times of the step whose model forward is nearest ``reference`` by ratio (of equals, the earlier
+    step), or None where no forward is positive: the tree then describes a step that ran as the clean
+    steps did, whose phases the report shows, and a pause drops out as from a median. On a busy CPU one
+    of three module-timing steps runs 10-25% slow as often as not (the demo, one thread), and a median
+    of three lands on a slow one about one run in three.
 
     Args:
-        of: the module-timing steps' times, in step order.
-        forward: the reference forward, seconds (> 0).
+        of: the module-timing steps' times.
+        forwards: each step's outermost module calls, seconds, the hooks' cost taken out.
+        reference: the clean steps' median of the same calls, seconds, no hook.
     """
 
-    def distance(times: ModuleTimes) -> float:
-        root = times.fwd.get("", 0.0)
-        return abs(math.log(root / forward)) if root > 0 else math.inf
+    def distance(i: int) -> float:
+        return abs(math.log(forwards[i] / reference)) if forwards[i] > 0 else math.inf
 
-    return min(of, key=distance)
+    nearest = min(range(len(of)), key=distance, default=None) if reference > 0 else None
+    return None if nearest is None or distance(nearest) == math.inf else of[nearest]
 
 
 def _grad_fns(value: Any) -> list[Any]:

@@ -5,10 +5,11 @@ container's items are not looked into, and what cannot be put back is said."""
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import numpy
+import torch
 
 from flops_callbacks.counting.user_state import LOOK_INSIDE, Kept
 
@@ -62,6 +63,29 @@ def test_a_deques_window_and_a_dicts_order_are_put_back() -> None:
     assert saved.unrestored == []
     assert list(holder.recent) == [first, second] and holder.recent.maxlen == 2
     assert list(holder.by_name) == ["a", "b"]
+
+
+def test_an_ordered_dicts_own_order_is_kept_and_put_back_through_its_own_methods() -> None:
+    # a module's hooks live in OrderedDicts; one registered with prepend=True sits first in the
+    # OrderedDict's order, not the dict's: nothing changed must read as nothing changed
+    linear = torch.nn.Linear(2, 2)
+    calls: list[str] = []
+    linear.register_forward_pre_hook(lambda *_: calls.append("first"))
+    linear.register_forward_pre_hook(lambda *_: calls.append("prepended"), prepend=True)
+    holder = Holder()
+    holder.cache = OrderedDict(a=1, b=2, c=3)
+    holder.cache.move_to_end("a")  # an LRU cache's order: b, c, a
+    saved = Kept([linear, holder])
+    Kept([linear]).restore()  # nothing changed in between: the hooks stay as they are
+    linear(torch.zeros(2))
+    assert calls == ["prepended", "first"]
+    holder.cache.move_to_end("b")  # c, a, b
+    holder.cache["d"] = 4
+    saved.restore()
+    assert saved.unrestored == []
+    assert list(holder.cache.items()) == [("b", 2), ("c", 3), ("a", 1)]
+    holder.cache.move_to_end("b")  # its links still whole: it moves, iterates and pops as an OrderedDict
+    assert list(holder.cache) == ["c", "a", "b"] and holder.cache.popitem(last=False) == ("c", 3)
 
 
 def test_a_large_containers_items_are_not_looked_into_but_the_container_is_kept() -> None:

@@ -117,7 +117,7 @@ def test_the_verdict_names_the_part_of_30_percent_or_more_in_order_data_other_st
 
 def test_each_doubt_is_one_line_naming_the_file_and_the_summary_stays_within_25_lines() -> None:
     note = (
-        "module tree: the model's forward on steps 11-13 (median) (176.93 ms) is 1.52x the model's own "
+        "module tree: the model's forward on step 12 of steps 11-13 (176.93 ms) is 1.52x the model's own "
         "forward (116.65 ms, clean steps): the steps that timed the modules were slowed"
     )
     one = render_console_summary(window(), TreeCheck(notes=[note]), "logs/flops_profile_step10.txt")

@@ -23,7 +23,7 @@ from flops_callbacks.reporting.profile_file import (
     load,
 )
 from flops_callbacks.reporting.publish import picture
-from flops_callbacks.reporting.window_rows import report_text
+from flops_callbacks.reporting.window_rows import module_source, report_text
 from tests.saved_runs import CLEAN, FWD_FLOPS, PAUSE, PEAK, PROFILE_STEP
 
 
@@ -139,3 +139,18 @@ def test_what_a_cpu_run_leaves_empty_round_trips_too(runs: dict[str, Path]) -> N
     assert report_text(again, Options(), detailed=True) == report_text(full, Options(), detailed=True)
     assert "flops by the HF Trainer's estimate (6 x params x tokens):" in report_text(again, Options(), False)
     assert picture(again) == picture(full)
+
+
+def test_how_the_trees_step_was_chosen_reads_back_and_a_file_without_it_says_what_it_did(
+    runs: dict[str, Path],
+) -> None:
+    data = json.loads(runs["A"].read_text())
+    assert data["steps"]["module_trace_by"] == "nearest"  # a CPU run whose clean steps marked its forward
+    assert from_json(data, "new.json").result.steps.module_trace_by == "nearest"
+    del data["steps"]["module_trace_by"]  # written before the key: the median by time
+    assert from_json(data, "old.json").result.steps.module_trace_by == "median"
+    data["steps"]["profile_step"] = data["steps"]["module_trace"]  # ... or, of other shapes, by batch size
+    assert from_json(data, "old.json").result.steps.module_trace_by == "batch"
+    data["steps"]["module_trace_by"] = "kernel"  # a later version's rule: said as it is, not refused
+    result = from_json(data, "new.json").result
+    assert f"the tree of step {result.steps.module_trace}, kernel;" in module_source(result)

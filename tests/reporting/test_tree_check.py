@@ -18,6 +18,7 @@ from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.tree_check import check_tree
 from flops_callbacks.session.result import WindowResult
+from flops_callbacks.step_lists import steps_named
 from tests.support import lightning_settings, module_steps, window_end
 
 MS = 1e-3
@@ -49,10 +50,10 @@ def test_a_model_three_times_its_forward_phase_names_the_module_holding_the_exce
     profile = hand_profile(
         {"": (30 * MS, 18 * MS), "a": (4 * MS, 8 * MS), "b": (25 * MS, 9 * MS), "b.c": (4 * MS, 4 * MS)}
     )
-    check = check_tree(profile, fwd_phase=10 * MS, bwd_phase=20 * MS, module_steps=(3, 4, 5))
+    check = check_tree(profile, fwd_phase=10 * MS, bwd_phase=20 * MS, module_steps=(3, 4, 5), trace=4)
     assert len(check.notes) == 1
     note = check.notes[0]
-    assert "the model's forward on steps 3-5 (median) (30 ms) is 3.00x the forward phase (10 ms" in note
+    assert "the model's forward on step 4 of steps 3-5 (30 ms) is 3.00x the forward phase (10 ms" in note
     assert "most of the excess lies in b (21 ms of its own)" in note
     assert set(check.flagged) == {"", "b"}
 
@@ -181,10 +182,9 @@ def test_a_pause_in_one_module_on_every_module_timing_step_is_flagged_in_report_
     assert len(forward) == 1 and all(
         "the model's backward on" in line for line in doubts if "forward" not in line
     )
-    assert (
-        f"the model's forward on {'steps' if len(MODULE_STEPS) > 1 else 'step'} {MODULE_STEPS[0]}"
-        in forward[0]
-    )
+    named = steps_named(MODULE_STEPS)
+    several = f"step {result.steps.module_trace} of {named}" if len(MODULE_STEPS) > 1 else named
+    assert f"the model's forward on {several} (" in forward[0]
     assert "most of the excess lies in layers.2" in forward[0]
     assert '<ul class="doubts"><li>module tree: the model&#x27;s forward' in page
     assert '"name":"layers.2"' in page and "a slowed step" in page

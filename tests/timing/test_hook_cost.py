@@ -150,15 +150,23 @@ def test_the_tree_is_the_median_steps_whose_pause_drops_out_with_its_step() -> N
 
 def test_the_tree_nearest_a_reference_forward_is_the_step_of_the_least_ratio_either_way() -> None:
     steps = [_times(0.0125, 0.005, 1.0), _times(0.0118, 0.004, 2.0), _times(0.0, 0.0, 3.0)]
-    # against 10 ms: 1.25x and 1.18x; the unmarked step (no forward) is never the nearest
-    assert nearest_step(steps, 0.010) is steps[1]
+    # each step's forward is what is set against the reference (the outermost calls, a loss module called
+    # outside the model included), not the tree's root
+    forwards = [0.0125, 0.0118, 0.0]
+    # against 10 ms: 1.25x and 1.18x; the step of no forward is never the nearest
+    assert nearest_step(steps, forwards, 0.010) is steps[1]
     # against 14 ms: 12.5 ms is 1.12x under it, 11.8 ms 1.19x under it
-    assert nearest_step(steps, 0.014) is steps[0]
+    assert nearest_step(steps, forwards, 0.014) is steps[0]
+    assert nearest_step(steps, [0.0125, 0.0118, 0.0140], 0.014) is steps[2]  # its root is not what counts
     # by ratio, not difference: 8.2 ms is 1.22x under 10 ms (1.8 ms away), 12 ms 1.2x over it (2 ms away)
     under_over = [_times(0.0082, 0.0, 1.0), _times(0.012, 0.0, 2.0)]
-    assert nearest_step(under_over, 0.010) is under_over[1]
+    assert nearest_step(under_over, [0.0082, 0.012], 0.010) is under_over[1]
     equal = [_times(0.009, 0.0, 1.0), _times(0.009, 0.0, 2.0)]
-    assert nearest_step(equal, 0.010) is equal[0]  # of equals, the earlier step
+    assert nearest_step(equal, [0.009, 0.009], 0.010) is equal[0]  # of equals, the earlier step
+    # no positive forward, or no reference: none is nearest (the caller takes the median)
+    assert nearest_step(equal, [0.0, -0.001], 0.010) is None
+    assert nearest_step(equal, [0.009, 0.009], 0.0) is None
+    assert nearest_step([], [], 0.010) is None
 
 
 def test_the_median_steps_children_fit_in_their_parent_where_each_modules_median_would_not() -> None:
