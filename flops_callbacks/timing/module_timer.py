@@ -278,7 +278,7 @@ class ModuleTimer:
         bwd: dict[str, float] = {}
         spans: list[ModuleSpan] = []
         origin = self._origin
-        durations, _, _ = self._forward_tree(seconds)
+        durations, parent, _ = self._forward_tree(seconds)
         for span, duration in zip(self._fwd_spans, durations, strict=True):
             name, start, started, _, _, is_recompute = span
             table = recompute if is_recompute else fwd
@@ -296,6 +296,11 @@ class ModuleTimer:
         spans.sort(key=lambda s: (s.start, -s.duration))
         fill_containers(fwd)
         fill_containers(recompute)
+        outermost = [i for i, span in enumerate(self._fwd_spans) if i not in parent and not span[5]]
+        if any(self._fwd_spans[i][0] for i in outermost):  # a submodule called outside the model's call
+            # (Lightning's training_step: self.criterion(self(x), y)): the model's forward holds it, as
+            # its flops do and as the clean steps' own forward marks it
+            fwd[""] = sum(durations[i] for i in outermost)
         return ModuleTimes(fwd, bwd, recompute, spans)
 
     def fitted(self, cost: HookCost) -> HookCost:

@@ -222,6 +222,64 @@ def test_of_module_timing_steps_mostly_slowed_the_tree_is_the_one_that_ran_as_th
     )
 
 
+WAIT = 0.005  # seconds the loss module waits on the clock, every step alike
+
+
+class WaitingLoss(nn.Module):
+    def forward(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        until = time.perf_counter() + WAIT
+        while time.perf_counter() < until:
+            pass
+        return F.mse_loss(h, y)
+
+
+class LossOutside(L.LightningModule):
+    """A loss module the training step calls outside the model's forward: ``self.criterion(self(x), y)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.criterion = WaitingLoss()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.criterion(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_loss_module_called_outside_the_models_forward_is_inside_the_models_width(tmp_path: Path) -> None:
+    # the clean steps' own forward marks every outermost call (the loss module's too), and the model's flops
+    # hold the loss's: so does its forward's width, and the loss module fits inside its parent
+    data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 16))
+    ours = FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=2, print_profile=False)
+    trainer = L.Trainer(callbacks=[ours], **lightning_settings(tmp_path, window_end(PROFILE_STEP, 2)))
+    trainer.fit(LossOutside(), torch.utils.data.DataLoader(data, batch_size=8))
+    result = ours.result
+    assert result is not None and result.model_forward is not None
+    modules = result.profile.modules
+    assert modules["criterion"].fwd_latency >= WAIT
+    assert modules[""].fwd_latency >= modules["criterion"].fwd_latency + modules["body"].fwd_latency
+    # the model against its own forward: the same calls, so near 1 (a 5-ms wait in both); no module is
+    # wider than its parent
+    assert modules[""].fwd_latency / result.model_forward == pytest.approx(1.0, abs=0.2)
+    notes = check_tree(
+        result.profile,
+        result.fwd_latency,
+        result.bwd_latency,
+        result.steps.module_timing,
+        result.model_forward,
+        result.model_forward_high,
+        result.steps.module_trace,
+    ).notes
+    assert not [n for n in notes if "than their parent" in n], notes
+
+
 # --- the picture ---------------------------------------------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
