@@ -89,10 +89,10 @@ def median_step(of: list[ModuleTimes]) -> ModuleTimes:
 
 def nearest_step(of: list[ModuleTimes], forwards: list[float], reference: float) -> ModuleTimes | None:
     """The times of the step whose model forward is nearest ``reference`` by ratio (of equals, the earlier
-    step), or None where no forward is positive: the tree then describes a step that ran as the clean
-    steps did, whose phases the report shows, and a pause drops out as from a median. On a busy CPU one
-    of three module-timing steps runs 10-25% slow as often as not (the demo, one thread), and a median
-    of three lands on a slow one about one run in three.
+    step), or None where no forward (or the reference) is positive: the tree then describes a step that
+    ran as the clean steps did, whose phases the report shows, and a pause drops out as from a median. On
+    a busy CPU one of three module-timing steps runs 10-25% slow as often as not (the demo, one thread),
+    and a median of three lands on a slow one about one run in three.
 
     Args:
         of: the module-timing steps' times.
@@ -142,15 +142,21 @@ class ModuleTimer:
     def running(self) -> bool:
         return self._exit is not None
 
+    def _outermost(self) -> list[int]:
+        """The indices of the forward spans no other span holds (not recomputes), in call order."""
+        order = sorted(
+            (i for i, s in enumerate(self._fwd_spans) if not s[5]), key=lambda i: self._fwd_spans[i][2]
+        )
+        outer, reach = [], -1
+        for i in order:
+            if self._fwd_spans[i][2] > reach:  # opened after every earlier outer call had closed
+                outer.append(i)
+                reach = self._fwd_spans[i][4]
+        return outer
+
     def _outermost_spans(self) -> list[tuple[Any, ...]]:
         """The forward spans no other span holds (not recomputes), in call order."""
-        spans = sorted((s for s in self._fwd_spans if not s[5]), key=lambda s: s[2])
-        outer, reach = [], -1
-        for span in spans:
-            if span[2] > reach:  # opened after every earlier outer call had closed
-                outer.append(span)
-                reach = span[4]
-        return outer
+        return [self._fwd_spans[i] for i in self._outermost()]
 
     def outermost(self) -> list[torch.nn.Module]:
         """The modules whose calls no other module call held (the model's, or what the framework's step
@@ -278,7 +284,7 @@ class ModuleTimer:
         bwd: dict[str, float] = {}
         spans: list[ModuleSpan] = []
         origin = self._origin
-        durations, parent, _ = self._forward_tree(seconds)
+        durations, _, _ = self._forward_tree(seconds)
         for span, duration in zip(self._fwd_spans, durations, strict=True):
             name, start, started, _, _, is_recompute = span
             table = recompute if is_recompute else fwd
@@ -296,7 +302,7 @@ class ModuleTimer:
         spans.sort(key=lambda s: (s.start, -s.duration))
         fill_containers(fwd)
         fill_containers(recompute)
-        outermost = [i for i, span in enumerate(self._fwd_spans) if i not in parent and not span[5]]
+        outermost = self._outermost()
         if any(self._fwd_spans[i][0] for i in outermost):  # a submodule called outside the model's call
             # (Lightning's training_step: self.criterion(self(x), y)): the model's forward holds it, as
             # its flops do and as the clean steps' own forward marks it
