@@ -100,10 +100,10 @@ def embedding_params(model: torch.nn.Module) -> int:
     """Parameters of the model's embedding tables that do no arithmetic: each ``nn.Embedding`` /
     ``nn.EmbeddingBag`` weight once, except one another module also holds (a tied LM head).
 
-
     An embedding table is looked up, not multiplied, so its rows do no arithmetic; a table tied to an
     output layer (GPT-2's LM head shares the token table) does a matmul per token as the head, so it
     stays in N, once.
+
     Args:
         model: the model whose embedding tables are counted.
     """

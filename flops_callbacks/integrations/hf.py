@@ -38,7 +38,7 @@ from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
 from flops_callbacks.profile import Profile
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.off_clock import Replay
-from flops_callbacks.units import number_to_string
+from flops_callbacks.units import number_to_string, params_to_string
 from flops_callbacks.user_warning import warn
 
 __all__ = ["compute_dtype", "HFFlopsCallback", "parallel_sizes"]
@@ -339,7 +339,14 @@ def _estimate_lines(
     if not estimate:
         return []
     measured = profile.fwd_flops + profile.bwd_flops
+    value = number_to_string(estimate)
+    # the numbers it is made of: its N leaves every table out, a token table tied to the LM head too
+    # (which the "6 x non-embedding params x tokens" row keeps: the head multiplies by it)
+    count = getattr(trainer.model, "num_parameters", None)
+    params = count(exclude_embeddings=True) if callable(count) else 0
+    if isinstance(params, int) and params > 0 and estimate % (6 * params) == 0:
+        value += f" = 6 x {params_to_string(params)} x {estimate // (6 * params)}"
     return [
-        ("Trainer's estimate (6 x non-embedding params x tokens)", number_to_string(estimate)),
+        ("Trainer's estimate (floating_point_ops: 6 x params less every embedding table x tokens)", value),
         ("measured fwd + bwd flops vs Trainer's estimate", f"{(measured - estimate) / estimate * 100:+.1f}%"),
     ]

@@ -84,11 +84,13 @@ def _same_shapes(module_steps: list[WindowStep], clean: list[WindowStep]) -> lis
     return [outer for s, outer in _own_forwards(clean) if s.signatures == module_steps[0].signatures]
 
 
-def _hook_cost(module_steps: list[WindowStep], clean: list[WindowStep]) -> HookCost | None:
+def _hook_cost(
+    module_steps: list[WindowStep], clean: list[WindowStep], same: list[OuterCalls] | None
+) -> HookCost | None:
     """What one module call's timing hooks cost on the module-timing steps: measured in place where
-    clean steps of the same batch shapes marked their outermost module calls (the median of those calls
-    on the module-timing steps against theirs), else the probe's. CPU clocks only (:func:`_same_shapes`)."""
-    same = _same_shapes(module_steps, clean)
+    clean steps of the same batch shapes marked their outermost module calls (``same``: the median of
+    those calls on the module-timing steps against theirs), else the probe's. CPU clocks only
+    (:func:`_same_shapes`)."""
     if same is None:
         return None
     probe = hook_cost()
@@ -132,7 +134,8 @@ def _module_times(
     (:attr:`~flops_callbacks.session.result.WindowSteps.module_trace_by`): on a CPU where clean steps of
     the same shapes marked the model's outermost calls, the step whose same calls, less their hooks'
     cost, are nearest theirs; else the median by the model's forward + backward."""
-    cost = _hook_cost(module_steps, clean)
+    same = _same_shapes(module_steps, clean)
+    cost = _hook_cost(module_steps, clean, same)
     each = []
     for s in module_steps:
         if s.timer is not None:
@@ -140,7 +143,6 @@ def _module_times(
             seconds, calls = s.timer.outer_calls()
             forward = seconds - calls * (cost.per_call if cost is not None else 0.0)
             each.append((s.number, fitted, s.timer.times(fitted), forward))
-    same = _same_shapes(module_steps, clean)
     timed = [t for _, _, t, _ in each]
     times, by = None, "nearest"
     if same:

@@ -48,7 +48,7 @@ from flops_callbacks import metrics as names
 from flops_callbacks.integrations.hf import HFFlopsCallback, parallel_sizes
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.session.window_plan import COMM_MIN
-from flops_callbacks.units import duration_to_string
+from flops_callbacks.units import duration_to_string, number_to_string, params_to_string
 from tests.raising import RaiseInBackward
 from tests.sleepy import Sleepy, SleepySGD
 from tests.support import end_process, first_clean, laid_out, module_steps, window_end, window_steps
@@ -279,6 +279,12 @@ def test_metrics_reach_tensorboard_once_at_the_window_end_and_losses_are_unchang
     estimate = 6 * BATCH * SEQ * profiled.model.num_parameters(exclude_embeddings=True)
     assert estimate == profiled.floating_point_ops(micro_batch())
     difference = (profile.fwd_flops + profile.bwd_flops - estimate) / estimate * 100
+    params = profiled.model.num_parameters(exclude_embeddings=True)
+    assert re.search(
+        r"Trainer's estimate \(floating_point_ops: 6 x params less every embedding table x tokens\): +"
+        + re.escape(f"{number_to_string(estimate)} = 6 x {params_to_string(params)} x {BATCH * SEQ}"),
+        report,
+    )
     assert "measured fwd + bwd flops vs Trainer's estimate:" in report
     assert f"{difference:+.1f}%" in report
     assert re.search(

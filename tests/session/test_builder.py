@@ -48,7 +48,7 @@ def test_a_clean_step_that_caught_no_model_call_is_left_out_of_the_hook_cost_and
     # a probe dear enough that no step's noise outweighs it: the in-place measure is always taken
     probe = HookCost(per_call=1e-3, own=5e-4, source="probe")
     monkeypatch.setattr(builder, "hook_cost", lambda: probe)
-    cost = builder._hook_cost([module_step], clean)
+    cost = builder._hook_cost([module_step], clean, builder._same_shapes([module_step], clean))
     assert cost is not None and cost.source.startswith("measured in place")
     assert "less on 2 clean step(s), over 30 calls inside" in cost.detail
     forward, steps, shapes_match = builder._model_forward(clean, SIGNATURE)
