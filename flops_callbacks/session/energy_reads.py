@@ -117,9 +117,15 @@ def rank_energy(steps: Sequence[WindowStep], clean: Sequence[WindowStep]) -> Ene
             return f"step {step.number} has no reading of the energy counter at its start or end"
         pairs.append((before, step.energy))
     try:
-        return span_over(pairs)
+        span = span_over(pairs)
     except ValueError as error:
         return str(error)
+    if span.joules <= 0:  # no step does no work: the counter did not update (too coarse, or not live)
+        return (
+            f"the energy counter did not move over the clean steps ({span.seconds:.3g} s; it updates "
+            f"about every {span.resolution:g} s)"
+        )
+    return span
 
 
 def job_energy(ranks: Sequence[EnergySpan | str]) -> tuple[tuple[EnergySpan, ...], str]:
@@ -236,6 +242,8 @@ def throughput_energy(spans: Sequence[EnergySpan | None], tokens: float | None) 
     if not all(s.long_enough and s.seconds > 0 for s in counted):
         return {}
     joules = sum(s.joules for s in counted)
+    if joules <= 0:  # a counter that did not move over 20 of its resolutions is not live
+        return {}
     metrics = {names.THROUGHPUT_POWER: sum(s.joules / s.seconds for s in counted)}
     if tokens is not None and joules > 0:
         metrics[names.THROUGHPUT_TOKENS_PER_JOULE] = tokens / joules

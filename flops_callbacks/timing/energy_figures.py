@@ -173,8 +173,8 @@ def energy_figures(
     return EnergyFigures(
         joules_per_step=per_step,
         watts=sum(s.joules / s.seconds for s in counted),
-        joules_per_token=per_step / tokens_per_step if tokens_per_step else None,
-        joules_per_sample=per_step / samples_per_step if samples_per_step else None,
+        joules_per_token=per_step / tokens_per_step if tokens_per_step and per_step > 0 else None,
+        joules_per_sample=per_step / samples_per_step if samples_per_step and per_step > 0 else None,
         tokens_per_joule=tokens_per_step / per_step if tokens_per_step and per_step > 0 else None,
         error=max(s.error for s in counted),
         counters=len(counted),

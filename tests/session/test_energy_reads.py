@@ -25,7 +25,7 @@ from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.energy import RaplEnergy, SampledPower
-from flops_callbacks.timing.energy_figures import EnergySpan
+from flops_callbacks.timing.energy_figures import EnergySpan, energy_figures
 from flops_callbacks.timing.phases import StepPhases
 from tests.fake_rapl import Burner, FakeRapl, install, remove
 
@@ -123,6 +123,37 @@ def test_a_window_whose_counter_fails_keeps_every_other_figure(
         "reading the RAPL package+dram counter failed (PermissionError: [Errno 13] Permission denied)"
     )
     assert names.ITER_LATENCY in result.metrics() and not set(result.metrics()) & set(names.ENERGY)
+
+
+def test_a_counter_that_does_not_move_over_the_clean_steps_gives_no_figure_and_says_why(
+    rapl: FakeRapl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # NVML's counter moves about every 100 ms, a VM's powercap may read a constant: 0 J over steps that
+    # did work is not a figure (it gave 0 J per step and 0 W, and the report's tokens-per-joule row failed)
+    model = torch.nn.Linear(16, 16)  # burns nothing on the fake counter
+    prof = StepProfiler(model, profile_step=1, clean_steps=4, print_profile=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(14):
+        batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "x": torch.ones(2, 16)}
+        with prof.step(batch):
+            model(batch["x"]).sum().backward()
+            optimizer.step()
+    prof.close()
+    result = prof.result
+    assert result is not None and len(result.steps.clean) == 4 and result.energy == ()
+    assert result.no_energy_reason.startswith("the energy counter did not move over the clean steps (")
+    assert result.no_energy_reason.endswith(" s; it updates about every 0.001 s)")
+    assert names.TOKENS_PER_SEC in result.metrics() and not set(result.metrics()) & set(names.ENERGY)
+    summary = capsys.readouterr().out
+    assert f"energy        n/a: {result.no_energy_reason}" in summary  # the report rendered
+
+
+def test_no_per_token_figure_or_throughput_power_from_a_counter_that_did_not_move() -> None:
+    still = EnergySpan("RAPL on h", "RAPL package", 0.001, 0.0, 0.5, 2)
+    figures = energy_figures([still], 4096, 8)
+    assert (figures.joules_per_step, figures.joules_per_token, figures.tokens_per_joule) == (0.0, None, None)
+    assert figures.joules_per_sample is None
+    assert throughput_energy([still], 10_000) == {}
 
 
 def test_sampled_powers_thread_runs_only_inside_the_window_and_the_window_pickles_without_it(
