@@ -11,20 +11,23 @@ can. Each rank's own time, per part of its step:
   before its forward (a vote is a barrier: a rank quick with its batch waits there for a slow one);
 * ``forward``, ``backward``, ``optimizer_step``: with communication steps, each phase less its exposed
   communication on each of them (compute, and the host's own gaps: :mod:`.breakdown`); without, the clean
-  steps' phase latencies, which hold the waits: only the forward is told then, where it holds no
-  collective (DDP; not FSDP or ZeRO-3, which gather in it), and the backward and the optimizer step are
-  said to be untold.
+  steps' phase latencies, which hold the waits: only the forward and the optimizer step are told then,
+  where they hold no collective (DDP; not FSDP or ZeRO-3, which gather in the forward; under ZeRO-1/2 the
+  step's gather evens the ranks' steps out), and the backward is said to be untold.
 
-A rank stands out in a part when its own time there (the median over its steps) exceeds the other ranks'
-median by more than :data:`NOISE_TIMES` times the ranks' step-to-step spread in that part (the largest
-rank's: 1.4826 x the median absolute deviation of its steps, a standard deviation where the steps
-scatter normally, and a hiccup of one step moves it little), and by more than :data:`FLOOR_SHARE` of the
-step (a difference of a few microseconds of a long step is no straggler). Of the ranks that stand out,
-the largest extra is named. Where no rank's own work stands out, a rank whose exposed communication does
+A rank's own time in a part is its steps' mean less their highest and lowest (the median for up to four
+steps): a hiccup of one step moves it little, and a rank that stalls every other step shows its stalls'
+share. It stands out when that exceeds the other ranks' median by more than :data:`NOISE_TIMES` times
+the other ranks' step-to-step spread in that part (the largest one's: 1.4826 x the median absolute
+deviation of its steps, a standard deviation where the steps scatter normally; not its own, which a
+rank's intermittent stalls widen), and by more than :data:`FLOOR_SHARE` of the step (a difference of a
+few microseconds of a long step is no straggler). Of the ranks that stand out, the largest extra is
+named. Where no rank's own work stands out, a rank whose exposed communication does
 is named with its own ``communication``, where the others wait for it in the votes. The others' wait for
 it is their waiting beyond its own: in the profiler's votes and in exposed communication (without
-communication steps the backward, which holds DDP's all-reduce), the median of the differences step by
-step, so that what slowed a step on every rank (gloo's own scatter on a busy CPU) cancels. A rank is
+communication steps the backward, which holds DDP's all-reduce), the differences step by step as one
+(their mean less the highest and lowest, as above), so that what slowed a step on every rank (gloo's own
+scatter on a busy CPU) cancels. A rank is
 named only where the others wait for it, at least :data:`WAIT_SHARE` of its extra: an extra the others
 spend on work of their own holds nobody back (and the rank whose exposed communication is the largest is
 the one waiting, not the one waited for).
@@ -39,7 +42,7 @@ from typing import NamedTuple
 
 from flops_callbacks import metrics as names
 from flops_callbacks.communication.breakdown import CommBreakdown
-from flops_callbacks.phase_names import BACKWARD, FORWARD, STEP_PHASES
+from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP, STEP_PHASES
 
 __all__ = [
     "COMMUNICATION",
@@ -128,6 +131,15 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def _typical(values: Sequence[float]) -> float:
+    """A rank's steps as one: their mean less the highest and the lowest from three steps on (the median
+    for up to four), 0 for none (module doc)."""
+    ordered = sorted(values)
+    if len(ordered) >= 3:
+        ordered = ordered[1:-1]
+    return sum(ordered) / len(ordered) if ordered else 0.0
+
+
 def _spread(values: Sequence[float]) -> float:
     """1.4826 x the median absolute deviation of ``values`` (0 for fewer than two)."""
     if len(values) < 2:
@@ -154,11 +166,11 @@ def _parts(rank: RankTimes, comm: bool) -> tuple[RankParts, dict[str, list[float
     read = [c for c in rank.comm if c is not None] if comm else []
     exposed = [c.step.exposed for c in read]
     parts = RankParts(
-        own={part: _median(values) for part, values in samples.items()},
+        own={part: _typical(values) for part, values in samples.items()},
         spread={part: _spread(values) for part, values in samples.items()},
-        votes=_median(rank.waits),
-        exposed=_median(exposed) if read else None,
-        idle=_median([c.step.idle for c in read]) if read else None,
+        votes=_typical(rank.waits),
+        exposed=_typical(exposed) if read else None,
+        idle=_typical([c.step.idle for c in read]) if read else None,
     )
     if read:
         samples[COMMUNICATION] = exposed
@@ -175,15 +187,16 @@ class _Candidate(NamedTuple):
 def _candidates(
     samples: Sequence[dict[str, list[float]]], parts: Sequence[str], floor: float
 ) -> list[_Candidate]:
-    """Every rank's extra in each of ``parts`` over the other ranks' median, with the part's threshold."""
+    """Every rank's extra in each of ``parts`` over the other ranks' median, with its threshold there (the
+    other ranks' spread: its own stalls widen its own)."""
     found = []
     for part in parts:
-        medians = [_median(s[part]) for s in samples]
-        noise = max(_spread(s[part]) for s in samples)
-        threshold = max(NOISE_TIMES * noise, floor)
-        for rank, mine in enumerate(medians):
-            others = _median([m for r, m in enumerate(medians) if r != rank])
-            found.append(_Candidate(rank, part, mine - others, threshold))
+        typical = [_typical(s[part]) for s in samples]
+        spreads = [_spread(s[part]) for s in samples]
+        for rank, mine in enumerate(typical):
+            others = _median([m for r, m in enumerate(typical) if r != rank])
+            noise = max(w for r, w in enumerate(spreads) if r != rank)
+            found.append(_Candidate(rank, part, mine - others, max(NOISE_TIMES * noise, floor)))
     return found
 
 
@@ -196,13 +209,14 @@ def _held(rank: RankTimes, comm: bool) -> list[float | None]:
 
 
 def _beyond(mine: Sequence[float | None], theirs: Sequence[float | None]) -> float:
-    """How much more ``theirs`` is than ``mine`` a step: the median of the differences step by step where
-    both ranks ran the same steps (what slowed a step on both cancels), else the difference of medians."""
+    """How much more ``theirs`` is than ``mine`` a step: the differences step by step as one
+    (:func:`_typical`) where both ranks ran the same steps (what slowed a step on both cancels), else the
+    difference of each as one."""
     if len(mine) == len(theirs):
         pairs = [t - m for m, t in zip(mine, theirs, strict=True) if m is not None and t is not None]
         if pairs:
-            return _median(pairs)
-    return _median([t for t in theirs if t is not None]) - _median([m for m in mine if m is not None])
+            return _typical(pairs)
+    return _typical([t for t in theirs if t is not None]) - _typical([m for m in mine if m is not None])
 
 
 def _waits(
@@ -251,19 +265,19 @@ def _collective(ranks: Sequence[RankTimes], slow: int) -> str | None:
     return max(seconds, key=lambda op: seconds[op]) if seconds else None
 
 
-def find_slow_rank(ranks: Sequence[RankTimes], forward_told: bool = True) -> SlowRank | None:
+def find_slow_rank(ranks: Sequence[RankTimes], unsharded: bool = True) -> SlowRank | None:
     """The rank the others wait for, from every rank's ``ranks`` (by rank; module doc); None with one rank
-    or where a rank timed no clean step. ``forward_told``: whether the forward holds no collective (not
-    sharded), so that the clean steps alone can tell it."""
+    or where a rank timed no clean step. ``unsharded``: whether every rank holds the parameters whole, so
+    that the forward and the optimizer step hold no collective and the clean steps alone can tell them."""
     if len(ranks) < 2 or any(not r.data for r in ranks):
         return None
     comm = all(any(c is not None for c in r.comm) for r in ranks)
     read = [_parts(r, comm) for r in ranks]
     parts, samples = [p for p, _ in read], [s for _, s in read]
-    wanted = PARTS if comm else (DATA, FORWARD) if forward_told else (DATA,)
+    wanted = PARTS if comm else (DATA, FORWARD, OPTIMIZER_STEP) if unsharded else (DATA,)
     told = tuple(p for p in wanted if all(p in s for s in samples))
     untold = tuple(p for p in PARTS if p not in told)
-    step = _median([_median(r.data) + sum(_median(v) for v in r.phases.values()) for r in ranks])
+    step = _median([_typical(r.data) + sum(_typical(v) for v in r.phases.values()) for r in ranks])
     floor = max(FLOOR_SHARE * step, MIN_EXTRA)
     candidates = _candidates(samples, told, floor)
     found = _named(candidates, ranks, comm)

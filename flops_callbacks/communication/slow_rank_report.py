@@ -1,5 +1,5 @@
 """The slow rank in the console summary, the full report and the JSON: who the others wait for, where its
-extra time is and what it costs them, each rank's parts of its median step, and what could not be told.
+extra time is and what it costs them, each rank's parts of its step, and what could not be told.
 Every figure is the :class:`~flops_callbacks.communication.slow_rank.SlowRank`'s own, computed once.
 """
 
@@ -45,7 +45,11 @@ def slow_rank_text(slow: SlowRank) -> str:
     """The verdict in one line, as the console says it after ``slow rank``: ``"1 of 2, fwd +20.39 ms over
     the median; the others wait 19.03 ms a step in all_reduce"``, or that no rank stands out."""
     if not slow.stands_out:
-        return "none stands out (the ranks agree within their step-to-step noise)"
+        if not slow.untold:
+            return "none stands out (the ranks agree within their step-to-step noise)"
+        told = " / ".join(PART_WORDS[p] for p in slow.told)
+        untold = " / ".join(PART_WORDS[p] for p in slow.untold)
+        return f"none stands out in {told} ({untold} not told: no communication step)"
     where = f" in {slow.collective}" if slow.collective else ""
     return (
         f"{slow.rank} of {slow.world}, {PART_WORDS[slow.part]} +{_ms(slow.extra)} over the median; "
@@ -59,7 +63,7 @@ def _told_words(slow: SlowRank) -> str:
     if slow.comm:
         phases = "fwd / bwd / step: each communication step's phase less its exposed communication"
     else:
-        phases = "fwd: the clean steps' forward" if FORWARD in slow.told else "no phase"
+        phases = "fwd / step: the clean steps' phases" if FORWARD in slow.told else "no phase"
     return f"{data}; {phases}; a part stands out beyond {NOISE_TIMES:g}x the ranks' step-to-step spread"
 
 
@@ -87,7 +91,7 @@ def _rank_value(parts: RankParts, comm: bool) -> str:
 
 def slow_rank_lines(slow: SlowRank | None) -> list[tuple[str, str]]:
     """The full report's rows: the verdict (with the nearest rank where none stands out), where it comes
-    from, what could not be told, and each rank's median step part by part ([] with one rank)."""
+    from, what could not be told, and each rank's step part by part ([] with one rank)."""
     if slow is None:
         return []
     part, extra, noise = PART_WORDS[slow.part], _ms(slow.extra), _ms(slow.threshold)
@@ -107,7 +111,7 @@ def slow_rank_lines(slow: SlowRank | None) -> list[tuple[str, str]]:
     if untold:
         lines.append(("slow rank: not told", untold))
     own = "own time (less waiting)" if slow.comm else "data less votes; phases as timed, waits in"
-    label = f"each rank's median step: {own}; the profiler's votes"
+    label = f"each rank's step (its steps' mean less the highest and lowest): {own}; the profiler's votes"
     if slow.comm:
         label += "; exposed communication, idle"
     lines.append((label, ""))

@@ -259,7 +259,7 @@ def slow_rank(rows: Sequence[RankRow], model: torch.nn.Module) -> SlowRank | Non
         )
         for r in rows
     ]
-    return find_slow_rank(times, forward_told=sharded_params(model) is None)
+    return find_slow_rank(times, unsharded=sharded_params(model) is None)
 
 
 def batch_layout(clean: list[WindowStep], not_apart: str) -> BatchLayout | None:
