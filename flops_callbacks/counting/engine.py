@@ -98,6 +98,7 @@ class CountingEngine:
         self._thread: int | None = None
         self._exit: contextlib.ExitStack | None = None
         self._dispatch = DispatchMode(self)
+        self.made = self._dispatch.made  # a fake count's own real tensors (what its real ops may write to)
         self._tags = NodeTags()
         # A formula that raised (what was being counted, the error): counting stops there, the op's
         # result is handed on, and the owner says it (flops_callbacks.guard): never the user's forward.

@@ -128,6 +128,8 @@ def _fake_engine(
         raise FakeCountUnavailable(f"the batch or parameters cannot be faked ({why})") from None
     leaves = [t for t in state.values() if t.requires_grad and t.is_leaf]
     engine = CountingEngine(model, causal_attention=causal_attention, clock=NullClock(), fake=True)
+    engine.made.add([batch for batch, _ in batches])  # the batch's copies: the step may write to them
+    engine.made.fake_mode = mode
     device = module_device(model)
     devices = [device] if device.type == "cuda" else []
     owner = getattr(step, "owner", None)
@@ -136,6 +138,8 @@ def _fake_engine(
         # the user's code in the step changes nothing that stays (counting.user_state); the batch's own ops
         # run for real (the engine): one drawing random numbers draws from a fork
         saved = Kept([*model.modules(), *([owner] if owner is not None else [])])
+        if saved.incomplete:  # a container it could not keep could keep a fake tensor: no replay
+            raise FakeCountUnavailable(f"{saved.incomplete}: too many to put back after a replay")
         with torch.random.fork_rng(devices), _reparametrize_module(model, state, tie_weights=True), mode:
             for batch, later in batches:
                 if later:

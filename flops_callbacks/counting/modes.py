@@ -2,19 +2,24 @@
 the functionals (named and tagged) and a ``TorchDispatchMode`` for the aten ops (counted).
 
 They decide which tensors' ops are counted at all: DTensor's ops are counted on their local shards, fake
-tensors' only in a fake count (:mod:`.fake_count`), where an op on the batch's real tensors alone (or a
-range, as position ids are made) runs for real, as on the real step.
+tensors' only in a fake count (:mod:`.fake_count`), where an op on the batch's real tensors alone runs for
+real, as on the real step, and so does a small factory (a mask, a range of positions): what a model
+caches per length (``functools.lru_cache``) is then a real tensor, right for the real steps that read it
+later, never a fake one. An op that writes to a real tensor the count did not make (a metric's running
+sum, a counter on the model) runs on a fake stand-in instead: the user's state is left as it was.
 """
 
 from __future__ import annotations
 
+import math
 import sys
+import weakref
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 __all__ = ["DispatchMode", "FunctionMode"]
 
@@ -36,6 +41,7 @@ class DispatchMode(TorchDispatchMode):
     def __init__(self, engine: Any) -> None:
         super().__init__()
         self.engine = engine
+        self.made = Made()  # a fake count's own real tensors: the batch's copies, and what its real ops made
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if types and _is_subclass_of(types, "torch.distributed.tensor", "DTensor"):
@@ -45,26 +51,80 @@ class DispatchMode(TorchDispatchMode):
         fake = bool(types) and _is_subclass_of(types, "torch._subclasses.fake_tensor", "FakeTensor")
         if fake and not self.engine.fake:
             return func(*args, **(kwargs or {}))  # DTensor's shape propagation: runs nothing
-        if self.engine.fake and not fake and (_real_inputs(args, kwargs) or func.overloadpacket in _RANGES):
-            # a fake count (:mod:`.fake_count`): an op on the batch's real tensors alone runs for real,
-            # as on the real step (a model's check of its mask's content takes the same branch), and so
-            # does a range (the positions a model makes when the batch gives none: the same check)
+        if self.engine.fake and not fake:  # a fake count (:mod:`.fake_count`), an op on no fake tensor
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-            with unset_fake_temporarily():
-                return self.engine.run_op(func, args, kwargs or {})
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if self._for_real(func, args, kwargs, tensors):
+                # on the batch's real tensors alone, as on the real step (a model's check of its mask's
+                # content takes the same branch), or a small factory (module doc)
+                with unset_fake_temporarily():
+                    out = self.engine.run_op(func, args, kwargs or {})
+                self.made.add(out)
+                return out
+            if tensors and self.made.fake_mode is not None:  # a write to the user's state: on stand-ins
+                # (the fake mode itself would run an op of real tensors alone for real)
+                args, kwargs = tree_map_only(torch.Tensor, self.made.fake_mode.from_tensor, (args, kwargs))
         return self.engine.run_op(func, args, kwargs or {})
 
+    def _for_real(self, func: Any, args: tuple, kwargs: dict | None, tensors: list[torch.Tensor]) -> bool:
+        """Whether a fake count runs an op of no fake tensor (its tensors: ``tensors``) for real: a small
+        factory, or an op that writes to none but the count's own tensors (module doc)."""
+        if not tensors:  # a factory
+            small = _factory_numel(func, args, kwargs) <= FACTORY_MAX
+            return small or func.overloadpacket is torch.ops.aten.arange
+        return all(t in self.made for t in _written(func, args, kwargs))
 
-_RANGES = (torch.ops.aten.arange,)  # factories a fake count runs for real: small, and read by models
+
+FACTORY_MAX = 2**24  # elements of a factory a fake count runs for real: a 4096 x 4096 mask
 
 
-def _real_inputs(args: tuple, kwargs: dict | None) -> bool:
-    """Whether an op reads tensors and none of them is fake (a fake count's op on the batch alone)."""
-    from torch._subclasses.fake_tensor import FakeTensor
+class Made:
+    """Real tensors a fake count made, by identity, held weakly (a view counts as its base): what its real
+    ops may write to. Not a ``WeakSet``: it compares tensors with ``==``, elementwise."""
 
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    return bool(tensors) and not any(isinstance(t, FakeTensor) for t in tensors)
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.fake_mode: Any = None  # the count's FakeTensorMode: the user's tensors' stand-ins come from it
+
+    def add(self, made: Any) -> None:
+        for t in tree_leaves(made):
+            if isinstance(t, torch.Tensor) and t._base is None:
+                self._refs[id(t)] = weakref.ref(t)
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        base = tensor if tensor._base is None else tensor._base
+        ref = self._refs.get(id(base))
+        return ref is not None and ref() is base
+
+
+_RUNNING_STATS = ("running_mean", "running_var")  # batch norm updates them where its schema does not say
+
+
+def _written(func: Any, args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
+    """The tensors an op writes to: its schema's mutable arguments (``self`` of an in-place op, ``out=``),
+    and a batch norm's running statistics (``native_batch_norm`` writes them unannotated)."""
+    written: list[torch.Tensor] = []
+    for i, argument in enumerate(func._schema.arguments):
+        mutable = argument.alias_info is not None and argument.alias_info.is_write
+        if mutable or argument.name in _RUNNING_STATS:
+            value = args[i] if i < len(args) else (kwargs or {}).get(argument.name)
+            written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
+
+
+def _factory_numel(func: Any, args: tuple, kwargs: dict | None) -> float:
+    """The elements a factory (an op of no tensor) makes, from its ``size`` (or ``n`` x ``m``, ``steps``)
+    argument; infinite where its schema has none of them (it stays fake)."""
+    given = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | (kwargs or {})
+    if isinstance(given.get("size"), (list, tuple)) and all(isinstance(d, int) for d in given["size"]):
+        return math.prod(given["size"])
+    if isinstance(given.get("n"), int):
+        m = given.get("m")
+        return given["n"] * (m if isinstance(m, int) else given["n"])
+    if isinstance(given.get("steps"), int):
+        return given["steps"]
+    return math.inf
 
 
 def _is_subclass_of(types: Any, module: str, name: str) -> bool:

@@ -10,8 +10,9 @@ writes elsewhere (a file, a global, an object reached through something other th
 deque or tuple, a ``torch.Generator``'s state), which the docs say.
 
 Bounded, since a trainer may hold its whole dataset as lists: a container's items are copied (pointers),
-but looked into only when it has at most :data:`LOOK_INSIDE` of them, and the copies stop at
-:data:`BUDGET` items in all.
+but looked into only when it has at most :data:`LOOK_INSIDE` of them, level by level (every attribute's
+own containers first), and the copies stop at :data:`BUDGET` items in all: then ``incomplete`` says so,
+and the caller runs no replay (a container left out could keep a fake tensor).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ __all__ = ["Kept"]
 
 DEPTH = 4  # containers inside an attribute this deep have their contents put back
 LOOK_INSIDE = 1000  # a container with more items is copied, its items not looked into (a dataset's rows)
-BUDGET = 1_000_000  # items copied in all, at most: beyond, containers are left as they are
+BUDGET = 1_000_000  # items copied in all, at most: beyond, the state is too large to keep (``incomplete``)
 
 
 class Kept:
@@ -35,32 +36,45 @@ class Kept:
 
     def __init__(self, objects: Iterable[Any]) -> None:
         self.unrestored: list[str] = []
+        self.incomplete = ""  # why not every container could be kept ("": all were)
         self._items = 0
         # an object's own namespace (a class's is a read-only mappingproxy: not a user's state we keep)
         namespaces = [getattr(obj, "__dict__", None) for obj in objects]
         self._namespaces = [(ns, list(ns.items())) for ns in namespaces if type(ns) is dict]
         self._contents: list[tuple[Any, Any]] = []
-        seen: set[int] = set()
-        for _, before in self._namespaces:
-            for _, value in before:
-                self._containers(value, DEPTH, seen)
+        self._walk([value for _, before in self._namespaces for _, value in before])
         self._python = random.getstate()
         numpy_random = sys.modules.get("numpy.random")  # imported where the user's code draws from it
         self._numpy = (numpy_random, numpy_random.get_state()) if numpy_random is not None else None
 
-    def _containers(self, value: Any, depth: int, seen: set[int]) -> None:
-        """Each list, dict, set and deque in ``value`` (itself, and within its items to ``depth``) with a copy
-        of its contents, walked on the copy; tuples are looked into (they may hold lists)."""
-        if depth == 0 or id(value) in seen or self._items > BUDGET:
-            return
-        seen.add(id(value))
-        items: Iterable[Any]
+    def _walk(self, attributes: list[Any]) -> None:
+        """Each list, dict, set and deque in ``attributes`` (themselves, and within their items to
+        :data:`DEPTH`, level by level) with a copy of its contents, walked on the copy; tuples are looked
+        into (they may hold lists)."""
+        seen: set[int] = set()
+        level = attributes
+        for _ in range(DEPTH):
+            inside: list[Any] = []
+            for value in level:
+                if id(value) in seen:
+                    continue
+                seen.add(id(value))
+                items = self._keep(value)
+                if self._items > BUDGET:
+                    self.incomplete = f"the model and trainer hold over {BUDGET:,} items in containers"
+                    return
+                if items is not None and len(items) <= LOOK_INSIDE:
+                    inside += items
+            level = inside
+
+    def _keep(self, value: Any) -> list[Any] | None:
+        """``value``'s contents copied and kept, if it is a container (its items, to look into), else None."""
+        items: list[Any]
         if isinstance(value, tuple):  # immutable, but it may hold lists
-            items = value
+            items = list(value)
         elif isinstance(value, list):
-            copy = list.copy(value)
-            self._contents.append((value, copy))
-            items = copy
+            items = list.copy(value)
+            self._contents.append((value, items))
         elif isinstance(value, dict):
             pairs = list(_dict_base(value).items(value))  # in its own order (an OrderedDict's)
             self._contents.append((value, pairs))
@@ -68,17 +82,14 @@ class Kept:
         elif isinstance(value, set):
             kept_set = set.copy(value)
             self._contents.append((value, kept_set))
-            items = kept_set
+            items = list(kept_set)
         elif isinstance(value, deque):  # a running window of losses: append(loss) drops its oldest
-            kept_deque = list(deque.__iter__(value))
-            self._contents.append((value, kept_deque))
-            items = kept_deque
+            items = list(deque.__iter__(value))
+            self._contents.append((value, items))
         else:
-            return
-        self._items += len(value)
-        if len(value) <= LOOK_INSIDE:
-            for item in items:
-                self._containers(item, depth - 1, seen)
+            return None
+        self._items += len(items)
+        return items
 
     def restore(self) -> None:
         """Everything saved put back; what fails to is named in ``unrestored``, the rest still done."""

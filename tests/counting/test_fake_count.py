@@ -4,6 +4,7 @@ fake tensors cannot stand for is said, not counted."""
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
@@ -161,6 +162,73 @@ def test_what_the_users_step_changes_beside_the_tensors_is_put_back(fail: bool) 
     assert model.__dict__ == before[2] and not hasattr(model, "new_attribute")
     assert model.outputs == [real] and model.history == {"train": [real]} and model.last is real
     assert (owner.losses, owner.calls) == ([], 0)
+
+
+@functools.cache
+def _causal_mask(length: int) -> torch.Tensor:
+    """A mask cached per length for the whole process, as models do: made by the first step of a length."""
+    return torch.ones(length, length).triu(1).bool()
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ x.transpose(1, 2)
+        return scores.masked_fill(_causal_mask(x.shape[1]), 0.0)
+
+
+def test_a_mask_a_fake_count_makes_and_the_user_caches_is_real_and_right_for_the_real_steps() -> None:
+    # a fake count of a length no real step ran yet: the mask it makes stays in the user's cache (a fake
+    # one made the next real step of that length compute a fake loss, and train on nothing)
+    _causal_mask.cache_clear()
+    model = _Masked()
+    counted = fake_count(model, lambda m, x: m(x).sum().backward(), torch.randn(2, 5, 8))
+    cached = _causal_mask(5)
+    assert type(cached) is torch.Tensor and torch.equal(cached, torch.ones(5, 5).triu(1).bool())
+    assert type(model(torch.randn(2, 5, 8)).sum()) is torch.Tensor
+    # the matmuls by hand: q 2 x 5 x 8 x 8, scores 2 x 5 x 8 x 5 (MACs), the mask no flops
+    assert counted.fwd_macs == 2 * 5 * 8 * 8 + 2 * 5 * 8 * 5
+
+
+class _Tallied(nn.Module):
+    """A model that tallies its labels in a plain tensor (no buffer) and holds a teacher in train mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.label_counts = torch.zeros(4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, teacher: nn.Module) -> torch.Tensor:
+        self.label_counts += torch.bincount(y, minlength=4)  # of the batch alone: a real op before
+        return self.lin(x).sum() + teacher(x).sum()
+
+
+def test_the_users_real_tensors_written_in_place_by_a_replay_are_left_as_they_were() -> None:
+    model = _Tallied()
+    teacher = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4)).train()  # its running statistics move
+    counts, stats = model.label_counts, [t.clone() for t in teacher[1].buffers()]
+    x, y = torch.randn(6, 8), torch.tensor([0, 1, 1, 3, 3, 3])
+    fake_count(model, lambda m, batch: m(*batch, teacher).backward(), (x, y))
+    assert model.label_counts is counts and torch.equal(counts, torch.zeros(4))
+    assert all(torch.equal(a, b) for a, b in zip(teacher[1].buffers(), stats, strict=True))
+    model(x, y, teacher)  # the real step: its own tally, once
+    assert model.label_counts.tolist() == [1.0, 2.0, 0.0, 3.0] and teacher[1].num_batches_tracked == 1
+
+
+def test_a_model_holding_more_than_the_budget_in_containers_has_no_fake_count() -> None:
+    model = _Mlp()
+    model.corpus = [[0] * 1001 for _ in range(1000)]  # a corpus of token lists: 1,001,000 items
+    model.outputs = []
+
+    def step(m: nn.Module, x: torch.Tensor) -> None:
+        m.outputs.append(m(x).sum())
+
+    with pytest.raises(FakeCountUnavailable, match="over 1,000,000 items in containers: too many to put"):
+        fake_count(model, step, torch.randn(4, 8))
+    assert model.outputs == []
 
 
 class _IntegerCalls(TorchDispatchMode):

@@ -11,7 +11,7 @@ from typing import Any
 import numpy
 import torch
 
-from flops_callbacks.counting.user_state import LOOK_INSIDE, Kept
+from flops_callbacks.counting.user_state import BUDGET, LOOK_INSIDE, Kept
 
 
 class Frozen(dict):
@@ -98,6 +98,20 @@ def test_a_large_containers_items_are_not_looked_into_but_the_container_is_kept(
     saved.restore()
     assert len(holder.train_dataset) == LOOK_INSIDE + 1 and holder.train_dataset is rows
     assert rows[0]["input_ids"] == [1, 2, 3, 9]
+
+
+def test_past_the_budget_the_attributes_own_containers_are_still_kept_and_incomplete_says_why() -> None:
+    # a corpus of 1000 documents of 1001 tokens held before the outputs list: 1,001,000 items to copy, over
+    # the budget: the walk goes level by level, so the outputs (an attribute's own list) are kept
+    holder = Holder()
+    holder.corpus = [[0] * 1001 for _ in range(1000)]
+    holder.outputs = []
+    saved = Kept([holder])
+    assert BUDGET < 1000 * 1001
+    assert saved.incomplete == "the model and trainer hold over 1,000,000 items in containers"
+    holder.outputs.append(torch.ones(()))
+    saved.restore()
+    assert holder.outputs == [] and Kept([Holder()]).incomplete == ""
 
 
 class Locking(list):
