@@ -281,8 +281,8 @@ class ThroughputMeter:
             if sequences is not None and not layout.plain:
                 item = LaidOut(layout, p.batch, p.signature, p.replay)
                 alone = sequences.model_flops(item, beyond=True)
-                if alone is None and self.off_clock is not None:
-                    with self._own_work():
+                if alone is None and self.off_clock is not None and self.off_clock.usable(p.replay):
+                    with self._own_work():  # (none where no count can run: no pause, no synchronization)
                         sequences.settle(self._model, self.off_clock, [item], beyond=True)
                     alone = sequences.model_flops(item, beyond=True)
                 if alone is not None:
@@ -386,7 +386,7 @@ class ThroughputMeter:
     def close(self) -> None:
         """Stop metering (an audit in progress stops: nothing of it remains)."""
         self._stop_audit()
-        self._started, self.energy = False, None
+        self._started, self.energy, self._model = False, None, None  # the model is the user's to free
         self._samples, self._flops, self._tokens, self._pending, self._own = 0, 0.0, 0, [], 0.0
 
     def _restart(self, now: float) -> None:

@@ -224,7 +224,7 @@ class StepSession:
         try:
             self.instruments.stop()
         finally:
-            self._steps, self._step, self._model = [], None, None
+            self._steps, self._step, self._model, self._context = [], None, None, TrainingContext()
             self.instruments.drop()
             self.off_clock.drop()
             if meter:
@@ -471,7 +471,7 @@ class StepSession:
         built = None
         with self.guard.own_work("building the profile", "no profile is published"):
             peaks, apart = (self.given_peak, self.given_bandwidth), self.sequences.why_not
-            context = self._context
+            context, self._context = self._context, TrainingContext()  # it may hold the trainer: not kept
             built = build_result(local, steps, rows, model, context, self.flops, global_step, peaks, apart)
         self.result = built or self.result  # a failed re-profile keeps the last result to build on
         if built is not None and sink.is_logging_rank and self.publish is not None:

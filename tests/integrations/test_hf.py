@@ -9,6 +9,7 @@ callbacks write, at the global step where the profile window ended (``result.pub
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 import warnings
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -297,6 +299,19 @@ def test_metrics_reach_tensorboard_once_at_the_window_end_and_losses_are_unchang
 
 
 # --- what the window covers ----------------------------------------------------------------------------
+
+
+def test_the_callback_keeps_neither_the_trainer_nor_the_model_once_the_run_ended(tmp_path: Path) -> None:
+    # users keep the callback to read its result: the window's context (the Trainer's estimate rows close
+    # over the Trainer) and the meter's model once kept the Trainer, its model, optimizer and data alive
+    callback = quiet()
+    model = gpt2()
+    trainer = train(tmp_path, model, [callback], report_to=())
+    assert callback.result is not None
+    held = [weakref.ref(trainer), weakref.ref(model)]
+    del trainer, model
+    gc.collect()
+    assert [ref() for ref in held] == [None, None]
 
 
 class Probe(TrainerCallback):

@@ -3,12 +3,15 @@ under fake tensors, the fewest lengths counted (the extremes first) and the rest
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 
+from flops_callbacks import StepProfiler
 from flops_callbacks import metrics as names
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.options import Options
@@ -20,6 +23,7 @@ from flops_callbacks.session.sequence_flops import LaidOut, SequenceFlops
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.session.token_layout import layout_tensors
+from flops_callbacks.timing.clock import CpuClock
 
 VOCAB, WIDTH = 50, 16
 
@@ -96,6 +100,35 @@ def test_without_a_step_to_replay_the_model_work_is_the_runs_and_why_is_said() -
     sequences.settle(Attending(), off_clock, [item])
     assert sequences.counts == 0 and sequences.why_not == "the loop gives no step function"
     assert sequences.model_counts(BatchCounts(10, 20, 0, 5, 10, 0), item) is None
+
+
+def test_after_the_window_a_loop_with_no_step_to_replay_pays_nothing_for_its_padded_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a StepProfiler gives no step function: each padded batch's sequences cannot be counted alone, and
+    # the meter once paused and resumed its clock for them (two synchronizations a step on a GPU) and
+    # said a count ran for each
+    synchronized: list[int] = []
+    monkeypatch.setattr(CpuClock, "synchronize", lambda self: synchronized.append(1))
+    model = Attending()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = StepProfiler(model, profile_step=1, clean_steps=2, log=lambda m, s: None, log_dir=tmp_path,
+                        log_every_n_steps=5, print_profile=False)  # fmt: skip
+    each = []
+    for i in range(24):
+        batch = padded([2 + i % 5, 6])
+        before = len(synchronized)
+        with prof.step(batch):
+            step(model, batch)
+            optimizer.step()
+            optimizer.zero_grad()
+        each.append(len(synchronized) - before)
+    prof.close()
+    assert prof.result is not None
+    after = each[max(prof.result.steps.clean) + 1 :]
+    assert len(after) >= 10 and set(after) <= {0, 1} and sum(after) <= len(after) // 5 + 1  # the logs' only
+    saved = tmp_path / "flops_profile_step1.json"  # rewritten at the run's end with the work since
+    assert json.loads(saved.read_text()).get("after_window", {}).get("counts", 0) == 0
 
 
 def test_a_plain_batch_is_its_own_model_work_with_nothing_counted() -> None:
