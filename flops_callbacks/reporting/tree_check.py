@@ -45,11 +45,13 @@ def check_tree(
     model_forward: float | None = None,
     model_forward_high: float | None = None,
     trace: int | None = None,
+    flops_ratio: float = 1.0,
 ) -> TreeCheck:
-    """The notes on ``profile``'s module latencies against the phases' (seconds, clean steps); the
-    model's forward against ``model_forward`` instead where the clean steps marked it (the same calls
-    without the loss and the framework's work around them: a check both ways; longer than the slowest
-    clean step's, ``model_forward_high``, or 1.1x the median, whichever is more, up to 1.25x).
+    """The notes on ``profile``'s module latencies against the phases' (seconds, clean steps; scaled up by
+    ``flops_ratio`` where the tree's batch did more work); the model's forward against ``model_forward``
+    instead where the clean steps marked it (the same calls without the loss and the framework's work
+    around them: a check both ways; longer than the slowest clean step's, ``model_forward_high``, or 1.1x
+    the median, whichever is more, up to 1.25x).
 
     Args:
         profile: the profile whose module latencies are checked.
@@ -59,12 +61,18 @@ def check_tree(
         model_forward: the model's own forward marked on the clean steps, seconds (None: not marked).
         model_forward_high: the slowest clean step's model forward, seconds.
         trace: the module-timing step whose tree ``profile`` holds (None: unknown).
+        flops_ratio: the tree's batch's flops (fwd + bwd as run) over the median clean step's.
     """
     check = TreeCheck()
     if not module_steps:
         return check
     several = trace is not None and len(module_steps) > 1
     which = f"step {trace} of {steps_named(module_steps)}" if several else steps_named(module_steps)
+    # NB: the phases are scaled up to a batch of more flops, never down to one of fewer: a step's time grows
+    # no faster than its flops (costs fixed per step, the same kernels launched), so the scaled phase is a
+    # ceiling on it, while a smaller batch's time shrinks less than its flops (the same fixed costs)
+    scale = max(flops_ratio, 1.0)
+    scaled = f" scaled by its batch's {scale:.2f}x flops" if scale > 1.0 else ""
     for kind, phase in (("fwd", fwd_phase), ("bwd", bwd_phase)):
         if kind == "fwd" and model_forward:
             own = (model_forward, "the model's own forward")
@@ -72,7 +80,7 @@ def check_tree(
             slack = min(max(PHASE_SLACK, spread), OWN_SLACK_CAP)
             _check_root(profile, kind, own, which, check, both_ways=True, slack=slack)
         else:
-            _check_root(profile, kind, (phase, f"the {_words(kind)} phase"), which, check)
+            _check_root(profile, kind, (phase * scale, f"the {_words(kind)} phase{scaled}"), which, check)
         _check_parents(profile, kind, check)
     return check
 

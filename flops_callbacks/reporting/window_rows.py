@@ -365,7 +365,8 @@ def rank_count_lines(result: WindowResult) -> list[tuple[str, str]]:
 
 
 def tree_doubts(result: WindowResult) -> TreeCheck:
-    """What is wrong with the module tree's latencies against the clean steps' phases (if anything).
+    """What is wrong with the module tree's latencies against the clean steps' phases (if anything), the
+    phases scaled to the tree's batch where it did more flops (dynamic padding: another batch's shapes).
 
     Args:
         result: the window's result.
@@ -373,6 +374,8 @@ def tree_doubts(result: WindowResult) -> TreeCheck:
     steps = result.steps
     own = result.model_forward if steps.model_forward_shapes_match else None  # else other batches' forward
     high = result.model_forward_high if own is not None else None
+    clean = result.figures().median_step().work.counts.run_flops
+    ratio = BatchCounts.of(result.profile).run_flops / clean if clean else 1.0
     return check_tree(
         result.profile,
         result.fwd_latency,
@@ -381,6 +384,7 @@ def tree_doubts(result: WindowResult) -> TreeCheck:
         own,
         high,
         steps.module_trace,
+        ratio,
     )
 
 

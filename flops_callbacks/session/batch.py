@@ -15,6 +15,7 @@ import torch
 
 from flops_callbacks.guard import Guard
 from flops_callbacks.options import Options
+from flops_callbacks.session.token_layout import CUMULATIVE_KEYS
 from flops_callbacks.user_warning import warn
 
 __all__ = [
@@ -39,26 +40,27 @@ def batch_tensors(batch: Any) -> Iterator[torch.Tensor]:
     Args:
         batch: a tensor or nested containers of them.
     """
-    yield from _tensors(batch, 0, set())
+    yield from _tensors(batch, 0, set(), ())
 
 
-def _tensors(batch: Any, depth: int, seen: set[int]) -> Iterator[torch.Tensor]:
+def _tensors(batch: Any, depth: int, seen: set[int], skip: tuple[str, ...]) -> Iterator[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         yield batch
         return
     if isinstance(batch, _SCALARS) or depth > _MAX_DEPTH or id(batch) in seen:
         return
     seen.add(id(batch))
-    for item in _items(batch):
-        yield from _tensors(item, depth + 1, seen)
+    for item in _items(batch, skip):
+        yield from _tensors(item, depth + 1, seen, skip)
 
 
-def _items(batch: Any) -> list[Any]:
-    """What a container holds, in its order; nothing for what holds no tensor."""
+def _items(batch: Any, skip: tuple[str, ...]) -> list[Any]:
+    """What a container holds, in its order (a mapping's ``skip`` keys left out); nothing for what holds
+    no tensor."""
     if isinstance(batch, (list, tuple)):
         return list(batch)
     if isinstance(batch, Mapping):
-        return list(batch.values())
+        return [value for key, value in batch.items() if key not in skip] if skip else list(batch.values())
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return [getattr(batch, f.name) for f in dataclasses.fields(batch)]
     attrs_fields = getattr(type(batch), "__attrs_attrs__", None)
@@ -101,11 +103,16 @@ def leading_batch_size(batch: Any) -> int:
 
 def shape_signature(batch: Any) -> Signature:
     """The shapes and dtypes of the tensors in ``batch``: micro-batches alike in them do the same flops.
+    Packed sequences' boundaries (``cu_seq_lens_*``) are left out: their length, the number of sequences in
+    a row, sets no kernel's work (the rows x positions tensors beside them do, and the sequences' own work
+    is read from the layout); where a kernel reads their values, that is content, which the content check
+    finds.
 
     Args:
         batch: a tensor or nested containers of them.
     """
-    return tuple((tuple(t.shape), t.dtype) for t in batch_tensors(batch))
+    # NB: only these named tensors, not 1-D ones at large: a 1-D length can be the work (EmbeddingBag's)
+    return tuple((tuple(t.shape), t.dtype) for t in _tensors(batch, 0, set(), CUMULATIVE_KEYS))
 
 
 class BatchReader:

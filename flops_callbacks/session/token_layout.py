@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["HeldLayout", "Layout", "LayoutTensors", "layout_tensors", "one_sequence"]
+__all__ = ["CUMULATIVE_KEYS", "HeldLayout", "Layout", "LayoutTensors", "layout_tensors", "one_sequence"]
 
 # HF's keys for sequence boundaries (transformers' DataCollatorWithFlattening, flash-attention kwargs)
-_CUMULATIVE = ("cu_seq_lens_q", "cu_seq_lens_k")
+CUMULATIVE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 _MAX_LENGTHS = ("max_length_q", "max_length_k")
 
 
@@ -162,7 +162,7 @@ def layout_tensors(batch: Any) -> LayoutTensors | None:
     mask = _get(batch, "attention_mask", rows, length)
     if mask is not None and mask.shape[0] != rows:
         mask = None
-    cumulative = next((batch[k] for k in _CUMULATIVE if isinstance(batch.get(k), torch.Tensor)), None)
+    cumulative = next((batch[k] for k in CUMULATIVE_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
     if cumulative is not None and cumulative.dim() != 1:
         cumulative = None
     held = LayoutTensors(
@@ -185,7 +185,7 @@ def one_sequence(args: Any, layout: Layout, n: int) -> Any:
 
     def cut(value: Any, key: Any = None) -> Any:
         if isinstance(value, torch.Tensor):
-            if key in _CUMULATIVE:
+            if key in CUMULATIVE_KEYS:
                 return torch.tensor([0, n], dtype=value.dtype, device=value.device)
             if key == "seq_idx" and value.dim() >= 2:
                 return torch.zeros_like(value[row : row + 1, start : start + n])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import time
@@ -18,7 +19,9 @@ from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.tree_check import check_tree
 from flops_callbacks.reporting.window_rows import tree_doubts
-from flops_callbacks.session.result import WindowResult
+from flops_callbacks.session.result import WindowResult, WindowSteps
+from flops_callbacks.session.shape_flops import BatchCounts
+from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepSeconds, StepWork
 from flops_callbacks.step_lists import steps_named
 from tests.support import lightning_settings, module_steps, window_end
 
@@ -110,6 +113,26 @@ def test_the_root_may_read_as_slow_as_the_slowest_clean_step_did_up_to_a_quarter
 def test_without_a_module_timing_step_there_is_nothing_to_doubt() -> None:
     profile = hand_profile({"": (30 * MS, 0.0), "a": (40 * MS, 0.0)})
     assert check_tree(profile, 10 * MS, 20 * MS, module_steps=()).notes == []
+
+
+def test_a_tree_batch_of_ten_times_the_clean_steps_flops_is_held_to_ten_times_their_phases() -> None:
+    # dynamic padding: the tree's batch did 1000 + 2000 flops, the median clean step's 100 + 200 (10x);
+    # the phases, 10 ms and 20 ms, are scaled to 100 ms and 200 ms for it
+    def result(fwd: float) -> WindowResult:
+        profile = hand_profile({"": (fwd, 50 * MS), "a": (MS, 6 * MS)})
+        profile.modules[""] = dataclasses.replace(profile.model, fwd_flops=1000, bwd_flops=2000)
+        clean = CleanStep(
+            StepWork(BatchCounts(100, 200, 0, 0, 0, 0), 8, None), StepSeconds(0.01, 0.02, 0, 0, 0)
+        )
+        steps = WindowSteps(5, (6, 7, 8), (10, 11), (), "", module_trace=7, module_trace_by="batch")
+        return WindowResult(profile, steps, 0.01, 0.02, 0.0, 8, None, 1, clean=CleanFigures((clean,)))
+
+    assert tree_doubts(result(30 * MS)).notes == []  # 3x and 2.5x the clean steps' phases: its batch's work
+    slowed = tree_doubts(result(150 * MS)).notes  # 15x: slowed, even for 10x the flops
+    assert len(slowed) == 1 and slowed[0].startswith(
+        "module tree: the model's forward on step 7 of steps 6-8 (150 ms) is 1.50x the forward phase scaled "
+        "by its batch's 10.00x flops (100 ms, clean steps): the steps that timed the modules were slowed"
+    )
 
 
 # --- a pause on the module-timing steps, in a real Lightning run ---------------------------------------

@@ -8,7 +8,7 @@ from collections import namedtuple
 import attrs
 import pytest
 import torch
-from transformers import BatchEncoding
+from transformers import BatchEncoding, DataCollatorWithFlattening
 
 from flops_callbacks.session.batch import batch_tensors, find_batch_size, leading_batch_size, shape_signature
 
@@ -63,3 +63,19 @@ def test_batches_alike_in_shapes_and_dtypes_share_a_signature() -> None:
     assert shape_signature({"input_ids": ids}) == shape_signature({"input_ids": torch.ones(8, 16).long()})
     assert shape_signature({"input_ids": ids}) != shape_signature({"input_ids": torch.zeros(8, 15).long()})
     assert shape_signature([ids]) != shape_signature([ids.int()])
+
+
+def test_packed_rows_of_12_tokens_share_a_signature_whether_they_hold_3_sequences_or_2() -> None:
+    flatten = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    three = flatten(
+        [{"input_ids": [1, 2, 3, 4]}, {"input_ids": [5, 6, 7]}, {"input_ids": [8, 9, 10, 11, 12]}]
+    )
+    two = flatten([{"input_ids": [1, 2, 3, 4, 5, 6]}, {"input_ids": [7, 8, 9, 10, 11, 12]}])
+    assert three["cu_seq_lens_q"].shape == (4,) and two["cu_seq_lens_q"].shape == (3,)
+    row = ((1, 12), torch.long)
+    assert (
+        shape_signature(three) == shape_signature(two) == (row, row, row)
+    )  # input_ids, labels, position_ids
+    # other 1-D tensors keep their length: EmbeddingBag's 10 flat indices do other work than 12
+    bag = {"input": torch.zeros(10, dtype=torch.long), "offsets": torch.tensor([0, 4])}
+    assert shape_signature(bag) != shape_signature(bag | {"input": torch.zeros(12, dtype=torch.long)})
