@@ -10,6 +10,10 @@ one). Why not counting ``model(batch)`` alone: the loss and the backward are the
 user's code, and their ops are part of the step. Why not ``meta`` tensors: ``FakeTensorMode`` keeps
 devices, so device-dependent code (SDPA's backend choice) takes the same path as the real step.
 
+The model's modules' own hooks (the user's: a forward hook that keeps a module's output in a dict) do
+not run in it: they would keep fake tensors where the user's code reads real ones later. What they add
+to the count is in the real step's: the fake count's first use is checked against it (the caller's).
+
 Where it cannot run, :class:`FakeCountUnavailable` says why: parameters sharded behind hooks that
 communicate (FSDP, ZeRO-3), an op with no fake kernel, a shape that depends on the data, a real tensor
 the step reads that is not the model's nor the batch's. The caller counts such shapes on a real step.
@@ -17,8 +21,10 @@ the step reads that is not the model's nor the batch's. The caller counts such s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -54,6 +60,22 @@ def sharded_reason(model: torch.nn.Module) -> str | None:
         if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor":
             return "parameters distributed as DTensors"
     return None
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+@contextlib.contextmanager
+def _hooks_off(model: torch.nn.Module) -> Iterator[None]:
+    """Each module's own hooks set aside for the block, the same tables put back after (module doc)."""
+    held = [(m, name, getattr(m, name)) for m in model.modules() for name in _HOOKS if getattr(m, name, None)]
+    try:
+        for module, name, _ in held:
+            setattr(module, name, OrderedDict())
+        yield
+    finally:
+        for module, name, hooks in held:
+            setattr(module, name, hooks)
 
 
 def _first_line(error: BaseException) -> str:
@@ -140,7 +162,12 @@ def _fake_engine(
         saved = Kept([*model.modules(), *([owner] if owner is not None else [])])
         if saved.incomplete:  # a container it could not keep could keep a fake tensor: no replay
             raise FakeCountUnavailable(f"{saved.incomplete}: too many to put back after a replay")
-        with torch.random.fork_rng(devices), _reparametrize_module(model, state, tie_weights=True), mode:
+        with (
+            torch.random.fork_rng(devices),
+            _reparametrize_module(model, state, tie_weights=True),
+            _hooks_off(model),
+            mode,
+        ):
             for batch, later in batches:
                 if later:
                     for leaf in leaves:

@@ -5,9 +5,10 @@ A fake count runs the adapter's step function (the user's ``training_step``, the
 without the profiler. Put back: Python's and NumPy's global random state (torch's is forked by the
 caller), and every attribute of the model's modules and of the step function's owner (the trainer), the
 contents of the lists, dicts (their order too), sets and deques they hold included
-(``self.outputs.append(loss)``), so that no fake tensor stays behind in them. Not put back: what the step
-writes elsewhere (a file, a global, an object reached through something other than a list, dict, set,
-deque or tuple, a ``torch.Generator``'s state), which the docs say.
+(``self.outputs.append(loss)``), so that no fake tensor stays behind in them, and the state of the random
+generators among them (``random.Random``, NumPy's, ``torch.Generator``). Not put back: what the step
+writes elsewhere (a file, a global, a class attribute, an object reached through something other than a
+list, dict, set, deque or tuple), which the docs say.
 
 Bounded, since a trainer may hold its whole dataset as lists: a container's items are copied (pointers),
 but looked into only when it has at most :data:`LOOK_INSIDE` of them, level by level (every attribute's
@@ -22,6 +23,8 @@ import sys
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 __all__ = ["Kept"]
 
@@ -42,6 +45,7 @@ class Kept:
         namespaces = [getattr(obj, "__dict__", None) for obj in objects]
         self._namespaces = [(ns, list(ns.items())) for ns in namespaces if type(ns) is dict]
         self._contents: list[tuple[Any, Any]] = []
+        self._generators: list[tuple[Any, Any]] = []  # random generators of the user's own, their states
         self._walk([value for _, before in self._namespaces for _, value in before])
         self._python = random.getstate()
         numpy_random = sys.modules.get("numpy.random")  # imported where the user's code draws from it
@@ -70,6 +74,10 @@ class Kept:
     def _keep(self, value: Any) -> list[Any] | None:
         """``value``'s contents copied and kept, if it is a container (its items, to look into), else None."""
         items: list[Any]
+        state = _generator_state(value)
+        if state is not None:
+            self._generators.append((value, state))
+            return None
         if isinstance(value, tuple):  # immutable, but it may hold lists
             items = list(value)
         elif isinstance(value, list):
@@ -96,12 +104,39 @@ class Kept:
         random.setstate(self._python)
         if self._numpy is not None:
             self._numpy[0].set_state(self._numpy[1])
+        for generator, state in self._generators:
+            _set_generator_state(generator, state)
         for value, before in [*self._namespaces, *self._contents]:
             try:
                 if _changed(value, before):
                     _put_back(value, before)
             except Exception as error:  # noqa: BLE001  (a container of a type that refuses it)
                 self.unrestored.append(f"a {type(value).__name__} ({type(error).__name__}: {error})")
+
+
+def _generator_state(value: Any) -> Any:
+    """The state of a random generator object (Python's, NumPy's, torch's), or None for anything else."""
+    if isinstance(value, random.Random):
+        return value.getstate()
+    if isinstance(value, torch.Generator):
+        return value.get_state()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None and isinstance(value, numpy_random.Generator):
+        return value.bit_generator.state
+    if numpy_random is not None and isinstance(value, numpy_random.RandomState):
+        return value.get_state()
+    return None
+
+
+def _set_generator_state(generator: Any, state: Any) -> None:
+    if isinstance(generator, random.Random):
+        generator.setstate(state)
+    elif isinstance(generator, torch.Generator):
+        generator.set_state(state)
+    elif hasattr(generator, "bit_generator"):  # NumPy's Generator
+        generator.bit_generator.state = state
+    else:  # NumPy's RandomState
+        generator.set_state(state)
 
 
 def _dict_base(value: dict) -> type[dict]:

@@ -231,6 +231,19 @@ def test_a_model_holding_more_than_the_budget_in_containers_has_no_fake_count() 
     assert model.outputs == []
 
 
+def test_the_users_own_hooks_do_not_run_in_a_fake_count_and_are_there_after_it() -> None:
+    # the forum's pattern: a forward hook keeps a module's output for code that reads it after the step
+    # (.item() on a fake tensor ends the run); the count is the real step's without the hook's work
+    model, kept = _Mlp(), {}
+    hooks = model.up._forward_hooks
+    model.up.register_forward_hook(lambda module, args, output: kept.update(up=output.detach()))
+    counted = fake_count(model, lambda m, x: m(x).sum().backward(), torch.randn(4, 8))
+    assert kept == {} and model.up._forward_hooks is hooks and len(hooks) == 1
+    assert (counted.fwd_macs, counted.bwd_macs) == (4 * 8 * 16, 4 * 8 * 16)  # the weight's gradient
+    model(torch.randn(4, 8))
+    assert type(kept["up"]) is torch.Tensor  # the hook runs on the real steps as before
+
+
 class _IntegerCalls(TorchDispatchMode):
     """The ops called on integer and bool tensors only, by name."""
 

@@ -114,6 +114,24 @@ def test_past_the_budget_the_attributes_own_containers_are_still_kept_and_incomp
     assert holder.outputs == [] and Kept([Holder()]).incomplete == ""
 
 
+def test_the_users_own_random_generators_are_put_back_where_the_model_or_trainer_holds_them() -> None:
+    holder = Holder()
+    holder.rng, holder.numpy_rng = random.Random(3), numpy.random.default_rng(3)
+    holder.torch_rng = torch.Generator().manual_seed(3)
+    holder.augment = {"legacy": numpy.random.RandomState(3)}  # inside a container too
+    first = (holder.rng.random(), holder.numpy_rng.random(), torch.rand(1, generator=holder.torch_rng).item())
+    legacy = holder.augment["legacy"].rand()
+    holder.rng.seed(3)
+    holder.numpy_rng, holder.torch_rng = numpy.random.default_rng(3), torch.Generator().manual_seed(3)
+    holder.augment["legacy"].seed(3)
+    saved = Kept([holder])
+    holder.rng.random(), holder.numpy_rng.random(), torch.rand(1, generator=holder.torch_rng)
+    holder.augment["legacy"].rand()  # a replay's draws
+    saved.restore()
+    again = (holder.rng.random(), holder.numpy_rng.random(), torch.rand(1, generator=holder.torch_rng).item())
+    assert again == first and holder.augment["legacy"].rand() == legacy
+
+
 class Locking(list):
     """A list that refuses its length once locked."""
 
