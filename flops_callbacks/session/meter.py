@@ -176,6 +176,7 @@ class ThroughputMeter:
         self._own = 0.0  # the profiler's own counting in this interval, seconds (out of its clock)
         self.after = AfterWindow()  # the profiler's own work since the window, for the report
         self.energy: IntervalEnergy | None = None  # the energy counter over each interval, where cheap
+        self._model: torch.nn.Module | None = None  # while metering: what audits and fake counts count
 
     def start(self, result: WindowResult, model: torch.nn.Module, flops: ShapeFlops) -> None:
         """Take the window's flops table and sizes, and start the first interval now."""
@@ -243,11 +244,13 @@ class ThroughputMeter:
     def _count_off_clock(self, signature: Signature, later: bool, replay: Replay | str | None) -> None:
         """A shape the table cannot give, counted under fake tensors with the interval's clock paused;
         kept as an audited count (its shape reads it from now on)."""
-        off_clock = self.off_clock
-        if off_clock is None or not isinstance(replay, Replay) or not off_clock.usable(replay):
+        off_clock, model = self.off_clock, self._model
+        if off_clock is None or model is None or not isinstance(replay, Replay):
+            return
+        if not off_clock.usable(replay):
             return
         with self._own_work():
-            counts = off_clock.count(self._model, replay, later)
+            counts = off_clock.count(model, replay, later)
         if counts is not None:
             self.flops.audit(signature, later, counts)
 
@@ -293,7 +296,7 @@ class ThroughputMeter:
         """At a step's first micro-batch: start an audit when one is due (out of the interval, as an
         evaluation is), or count a shape the table cannot give yet (outside the verified range: rare,
         as each count widens it), in the interval."""
-        if self._until is None:
+        if self._until is None or self._model is None:
             return
         self._until -= 1
         self._scheduled = self._until <= 0  # (a shape's count on arrival keeps the rhythm every rank shares)
