@@ -89,6 +89,8 @@ class LayoutTensors(NamedTuple):
         if self.position_ids is not None:
             pos = self.position_ids.expand(rows, length)
             start[:, 1:] |= pos[:, 1:] != pos[:, :-1] + 1
+            if self.attention_mask is None:
+                real = real & ~_padded_end(pos)
         if self.seq_idx is not None:
             start[:, 1:] |= self.seq_idx[:, 1:] != self.seq_idx[:, :-1]
         if self.cu_seq_lens is not None:
@@ -107,6 +109,14 @@ class LayoutTensors(NamedTuple):
             counts[n] += 1
             where.setdefault(n, divmod(at, length))
         return Layout(rows, length, counts, where)
+
+
+def _padded_end(pos: torch.Tensor) -> torch.Tensor:
+    """Where a packed row without a mask is padded at its end: a run of two or more position ids 0 there
+    (TRL's padding-free rows padded to a multiple: each pad would read as a one-token sequence). A single
+    0 at a row's end stays a sequence: it may be one."""
+    tail = (pos == 0).flip(1).long().cumprod(1).flip(1).bool()  # the row's last run of zeros
+    return tail & (tail.sum(1, keepdim=True) >= 2)
 
 
 def _padded_rows(mask: torch.Tensor) -> Layout | None:

@@ -52,6 +52,21 @@ def test_a_packed_row_padded_at_its_end_leaves_the_padding_out() -> None:
     assert layout.lengths == Counter({3: 1, 2: 1}) and (layout.real_tokens, layout.positions) == (5, 8)
 
 
+def test_a_packed_row_without_a_mask_padded_to_a_multiple_leaves_its_padding_out() -> None:
+    # TRL's padding-free rows padded to a multiple of 16: position ids 0 on each pad, labels -100, no
+    # mask (each pad read as a one-token sequence: 7 sequences of 16 real tokens, 6x the samples)
+    pos = torch.cat([torch.arange(5), torch.arange(3), torch.arange(4), torch.zeros(4, dtype=torch.long)])
+    ids = torch.cat([torch.arange(1, 13), torch.zeros(4, dtype=torch.long)])
+    held = layout_tensors({"input_ids": ids[None], "labels": ids[None], "position_ids": pos[None]})
+    assert held is not None
+    layout = held.read()
+    assert layout.lengths == Counter({5: 1, 3: 1, 4: 1})
+    assert (layout.real_tokens, layout.positions) == (12, 16)
+    # one position id 0 at the row's end may be a sequence of one token: it stays one
+    one = layout_tensors({"input_ids": ids[None, :13], "position_ids": pos[None, :13]})
+    assert one is not None and one.read().lengths == Counter({5: 1, 3: 1, 4: 1, 1: 1})
+
+
 def test_a_full_mask_is_plain_and_a_batch_without_one_tells_nothing() -> None:
     ids = torch.ones(2, 3, dtype=torch.long)
     held = layout_tensors({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
