@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import sys
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ class Kept:
         namespaces = [getattr(obj, "__dict__", None) for obj in objects]
         self._namespaces = [(ns, list(ns.items())) for ns in namespaces if type(ns) is dict]
         self._contents: list[tuple[Any, Any]] = []
-        self._generators: list[tuple[Any, Any]] = []  # random generators of the user's own, their states
+        self._generators: list[Callable[[], object]] = []  # each puts a generator of the user's own back
         self._walk([value for _, before in self._namespaces for _, value in before])
         self._python = random.getstate()
         numpy_random = sys.modules.get("numpy.random")  # imported where the user's code draws from it
@@ -72,11 +72,12 @@ class Kept:
             level = inside
 
     def _keep(self, value: Any) -> list[Any] | None:
-        """``value``'s contents copied and kept, if it is a container (its items, to look into), else None."""
+        """``value``'s contents copied and kept, if it is a container (its items, to look into), else None;
+        a random generator's state kept."""
         items: list[Any]
-        state = _generator_state(value)
-        if state is not None:
-            self._generators.append((value, state))
+        put_back = _generator_put_back(value)
+        if put_back is not None:
+            self._generators.append(put_back)
             return None
         if isinstance(value, tuple):  # immutable, but it may hold lists
             items = list(value)
@@ -104,8 +105,8 @@ class Kept:
         random.setstate(self._python)
         if self._numpy is not None:
             self._numpy[0].set_state(self._numpy[1])
-        for generator, state in self._generators:
-            _set_generator_state(generator, state)
+        for put_back in self._generators:
+            put_back()
         for value, before in [*self._namespaces, *self._contents]:
             try:
                 if _changed(value, before):
@@ -114,29 +115,24 @@ class Kept:
                 self.unrestored.append(f"a {type(value).__name__} ({type(error).__name__}: {error})")
 
 
-def _generator_state(value: Any) -> Any:
-    """The state of a random generator object (Python's, NumPy's, torch's), or None for anything else."""
+def _generator_put_back(value: Any) -> Callable[[], object] | None:
+    """A call that puts a random generator object (Python's, NumPy's, torch's) back in its state of now;
+    None for anything else."""
     if isinstance(value, random.Random):
-        return value.getstate()
+        state = value.getstate()
+        return lambda: value.setstate(state)
     if isinstance(value, torch.Generator):
-        return value.get_state()
+        seeded = value.get_state()
+        return lambda: value.set_state(seeded)
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None and isinstance(value, numpy_random.Generator):
-        return value.bit_generator.state
+        bits = value.bit_generator
+        kept = bits.state
+        return lambda: setattr(bits, "state", kept)
     if numpy_random is not None and isinstance(value, numpy_random.RandomState):
-        return value.get_state()
+        legacy = value.get_state()
+        return lambda: value.set_state(legacy)
     return None
-
-
-def _set_generator_state(generator: Any, state: Any) -> None:
-    if isinstance(generator, random.Random):
-        generator.setstate(state)
-    elif isinstance(generator, torch.Generator):
-        generator.set_state(state)
-    elif hasattr(generator, "bit_generator"):  # NumPy's Generator
-        generator.bit_generator.state = state
-    else:  # NumPy's RandomState
-        generator.set_state(state)
 
 
 def _dict_base(value: dict) -> type[dict]:

@@ -245,6 +245,6 @@ def throughput_energy(spans: Sequence[EnergySpan | None], tokens: float | None) 
     if joules <= 0:  # a counter that did not move over 20 of its resolutions is not live
         return {}
     metrics = {names.THROUGHPUT_POWER: sum(s.joules / s.seconds for s in counted)}
-    if tokens is not None and joules > 0:
+    if tokens is not None:
         metrics[names.THROUGHPUT_TOKENS_PER_JOULE] = tokens / joules
     return metrics
