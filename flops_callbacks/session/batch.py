@@ -60,7 +60,7 @@ def _items(batch: Any, skip: tuple[str, ...]) -> list[Any]:
     if isinstance(batch, (list, tuple)):
         return list(batch)
     if isinstance(batch, Mapping):
-        return [value for key, value in batch.items() if key not in skip] if skip else list(batch.values())
+        return [value for key, value in batch.items() if key not in skip]
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return [getattr(batch, f.name) for f in dataclasses.fields(batch)]
     attrs_fields = getattr(type(batch), "__attrs_attrs__", None)
