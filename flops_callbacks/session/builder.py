@@ -22,7 +22,7 @@ from flops_callbacks.phase_names import STEP_PHASES
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.energy_reads import job_energy
-from flops_callbacks.session.rank_part import LocalWindow, RankRow, ReusedWindow
+from flops_callbacks.session.rank_part import LocalWindow, RankRow, ReusedWindow, without_votes
 from flops_callbacks.session.result import BatchLayout, WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import ShapeFlops
 from flops_callbacks.session.window_plan import Kind
@@ -204,7 +204,8 @@ def build_result(
     window's on the result it reuses) and every rank's ``rows`` (by rank); ``peaks``: the user's peak
     FLOPS and bandwidth, if given; ``not_apart``: why a padded or packed batch's model work is its run's.
     The clean steps' figures are built here for both."""
-    figures = job_figures(rows)
+    job = without_votes(rows)  # the training's own figures; the slow rank reads the rows as timed
+    figures = job_figures(job)
     energy, no_energy = job_energy([r.energy for r in rows])
     fwd, bwd, step = phases(figures.median_step())
     if isinstance(local, ReusedWindow):  # no clean step of a re-profile window marks the model's forward

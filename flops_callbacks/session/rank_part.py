@@ -23,7 +23,7 @@ from flops_callbacks.session.energy_reads import rank_energy
 from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_plan import Kind
+from flops_callbacks.session.window_plan import Kind, Vote
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, WindowStep, clean_figures
 from flops_callbacks.timing.energy_figures import EnergySpan
 
@@ -36,6 +36,7 @@ __all__ = [
     "local_part",
     "local_window",
     "reused_window",
+    "without_votes",
 ]
 
 COUNTED = (
@@ -68,10 +69,14 @@ class RankRow(NamedTuple):
     counting_iter: float  # the counting step's fwd + bwd + step seconds (what a count costs)
     comm: tuple[CommBreakdown | None, ...] = ()  # each communication step's split (None: unread trace)
     comm_iters: tuple[float, ...] = ()  # each one's fwd + bwd + step seconds (what one costs)
-    # each clean step's seconds in the profiler's votes before its forward (in its data time; () where the
-    # figures are not the clean steps')
-    waits: tuple[float, ...] = ()
+    # each clean step's votes of the profiler in its wall (() where the figures are not the clean steps')
+    votes: tuple[tuple[Vote, ...], ...] = ()
     energy: EnergySpan | str = ""  # the energy counter over its clean steps, or why none ("": not read)
+
+    @property
+    def waits(self) -> tuple[float, ...]:
+        """Each clean step's seconds in the profiler's votes before its forward (in its data time)."""
+        return tuple(sum(v.seconds for v in votes if v.before_forward) for votes in self.votes)
 
 
 @dataclasses.dataclass
@@ -101,7 +106,7 @@ class LocalWindow:
         return RankRow(
             f.steps, counted_totals(self.profile), p.samples, p.tokens, self.counting.seconds()["iter"],
             tuple(s.comm for s in comm), tuple(s.seconds()["iter"] for s in comm),
-            tuple(s.waited for s in self.clean),
+            tuple(s.votes for s in self.clean),
             energy=self.energy,
         )  # fmt: skip
 
@@ -126,9 +131,43 @@ class ReusedWindow:
         (the same on every rank: the job's figures of the window it reuses)."""
         f, base = self.figures, self.base
         totals = counted_totals(base.profile)
-        waits = tuple(s.waited for s in self.clean)
-        row = RankRow(f.steps, totals, base.samples, base.tokens, base.counting_iter or 0.0, waits=waits)
+        votes = tuple(s.votes for s in self.clean)
+        row = RankRow(f.steps, totals, base.samples, base.tokens, base.counting_iter or 0.0, votes=votes)
         return row._replace(energy=self.energy)
+
+
+def without_votes(rows: Sequence[RankRow]) -> list[RankRow]:
+    """Every rank's row with the profiler's votes' own time taken out of its clean steps' data and wall
+    time: the training's figures, not the profiler's. A vote's own time is its least over the ranks (the
+    last rank to reach it waits for none: its time there is the exchange itself); the rest of a rank's
+    time in it is its wait for a slower rank, which stays (without the vote it would wait in the
+    training's next collective). With one rank, or votes that do not line up, the rows as they are.
+    The energy stays as read: the counter cannot tell the votes' joules apart, and the device draws less
+    in them than in the steps' work (a share of the span's joules would take out too much)."""
+    votes = [r.votes for r in rows]
+    if len(rows) < 2 or len({tuple(len(v) for v in each) for each in votes}) != 1:
+        return list(rows)
+    if any(len(each) != len(r.steps) for each, r in zip(votes, rows, strict=True)):
+        return list(rows)
+    own = [
+        [Vote(min(s.seconds for s in same), same[0].before_forward) for same in zip(*step, strict=True)]
+        for step in zip(*votes, strict=True)
+    ]  # each clean step's votes' own seconds
+    before = [sum(v.seconds for v in step if v.before_forward) for step in own]
+    wall = [sum(v.seconds for v in step) for step in own]
+    return [_less(r, before, wall) for r in rows]
+
+
+def _less(row: RankRow, before: Sequence[float], wall: Sequence[float]) -> RankRow:
+    """``row`` less each clean step's votes' own seconds: ``before`` its forward (of its data time) and in
+    its ``wall`` (:func:`without_votes`)."""
+    steps = []
+    for step, b, w in zip(row.steps, before, wall, strict=True):
+        seconds = step.seconds
+        if seconds.wall > 0:  # 0: not known
+            seconds = seconds._replace(data=max(seconds.data - b, 0.0), wall=max(seconds.wall - w, 0.0))
+        steps.append(CleanStep(step.work, seconds))
+    return row._replace(steps=tuple(steps))
 
 
 def _median_batch(ran: list[WindowStep]) -> WindowStep:
@@ -208,13 +247,13 @@ def local_part(
     engine: CountingEngine | None,
     base: WindowResult | None,
     count_step: Callable[[WindowStep], Profile | None] | None = None,
-    waits: Sequence[float] = (),
+    votes: Sequence[tuple[Vote, ...]] = (),
 ) -> LocalWindow | ReusedWindow | None:
     """This rank's part of the window that ended: a re-profile window's on ``base`` (the previous
     result), else the counting step's engine's; None when it has nothing (no micro-batch, no clean step).
-    ``waits``: each step's seconds in the profiler's votes before its forward, in order."""
-    for step, waited in zip(steps, waits, strict=False):
-        step.waited = waited
+    ``votes``: each step's votes of the profiler in its wall, in order."""
+    for step, own in zip(steps, votes, strict=False):
+        step.votes = own
     if base is not None:
         return reused_window(steps, base, flops)
     if engine is None or not steps or not steps[0].signatures:

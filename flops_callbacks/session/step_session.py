@@ -43,7 +43,7 @@ from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.run_plan import RunPlan, unwritable_destinations
 from flops_callbacks.session.sequence_flops import SequenceFlops
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_plan import Decision, Kind, WindowPlan, Wish
+from flops_callbacks.session.window_plan import Decision, Kind, WindowPlan, Wish, vote_seconds
 from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.clock import clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
@@ -264,7 +264,7 @@ class StepSession:
             self._model = model
             self.job_meter.pause()  # in a re-profile window (module doc); resumed at its end
         device = module_device(model)
-        clock = self._steps[0].phases.clock if self._steps else clock_for(device)
+        clock = self.plan.clock = self._steps[0].phases.clock if self._steps else clock_for(device)
         start_mark = self._steps[-1].end_mark if self._steps else None
         memory = phase_memory_for(device) if kind is None else None  # peaks on clean steps only
         step = WindowStep(kind, global_step, StepPhases(clock, memory), start_mark=start_mark)
@@ -445,7 +445,7 @@ class StepSession:
         steps, self._steps, self._step = self._steps, [], None
         engine = self.instruments.drop()
         model, self._model = self._model, None
-        reprofile, base, waits = self.plan.reprofile, self.result, self.plan.waits
+        reprofile, base, marks = self.plan.reprofile, self.result, self.plan.marks
         self.plan.reset()
         self.plan.ended(steps[-1].number if steps else global_step)  # agreed: the steps are every rank's
         self._window_ran = True
@@ -456,7 +456,8 @@ class StepSession:
                 self.sequences.window_end(steps, model, self.off_clock)
             with self.guard.own_work("building the profile", DROPPED, self._abandon):
                 count = lambda step: self.off_clock.profile(model, step.replays)  # noqa: E731
-                local = local_part(steps, self.flops, engine, base if reprofile else None, count, waits)
+                votes = vote_seconds(marks)
+                local = local_part(steps, self.flops, engine, base if reprofile else None, count, votes)
         mine: RankRow | str = local.row() if local is not None else "failed" if self._abandoned else "empty"
         try:
             rows = self.ranks.exchange(mine)

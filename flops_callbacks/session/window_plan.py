@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from flops_callbacks.communication.figures import ranks_mean
 from flops_callbacks.options import Options
 from flops_callbacks.session.ranks import RankFailure, Ranks
+from flops_callbacks.timing.clock import Clock, CpuClock
 
 __all__ = [
     "CLEAN_MAX",
@@ -44,11 +44,14 @@ __all__ = [
     "Decision",
     "Kind",
     "WindowPlan",
+    "Vote",
+    "VoteMarks",
     "Wish",
     "before_clean",
     "head",
     "median_interval",
     "median_known",
+    "vote_seconds",
 ]
 
 CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
@@ -117,6 +120,42 @@ class Wish(NamedTuple):
     done: bool = False  # the window has what it needs here (``clean_steps="auto"``'s median)
     comm: tuple[float, float] | None = None  # its communication step's (exposed, span) seconds, if read
 
+    def numbers(self) -> tuple[float, ...]:
+        """As the ranks gather it (:meth:`~flops_callbacks.session.ranks.Ranks.gather`): each flag 0 or 1,
+        then the communication step's two seconds (NaN for none)."""
+        comm = self.comm if self.comm is not None else (math.nan, math.nan)
+        flags = (self.drop, self.new_shape, self.checkable, self.content, self.done)
+        return (*(float(f) for f in flags), *comm)
+
+    @classmethod
+    def of(cls, numbers: Sequence[float]) -> Wish:
+        """The wish :meth:`numbers` gave."""
+        drop, new_shape, checkable, content, done, exposed, span = numbers
+        comm = None if math.isnan(exposed) else (exposed, span)
+        return cls(drop != 0, new_shape != 0, checkable != 0, content != 0, done != 0, comm)
+
+
+class VoteMarks(NamedTuple):
+    """One vote's marks on the steps' clock (read once the device ran the steps: :func:`vote_seconds`)."""
+
+    clock: Clock
+    start: Any
+    end: Any
+    before_forward: bool
+
+
+def vote_seconds(marks: Sequence[Sequence[VoteMarks]]) -> list[tuple[Vote, ...]]:
+    """Each window step's votes (:attr:`WindowPlan.marks`) in seconds."""
+    return [tuple(Vote(m.clock.seconds(m.start, m.end), m.before_forward) for m in step) for step in marks]
+
+
+class Vote(NamedTuple):
+    """One vote this rank took part in, in a step's wall: its seconds on the step's clock (the part of its
+    time the vote held), and whether it lies before the step's forward (in its data time)."""
+
+    seconds: float
+    before_forward: bool
+
 
 class Decision(NamedTuple):
     """What every rank does after a vote; ``why`` says a drop's cause in words ("" for none)."""
@@ -147,14 +186,17 @@ class WindowPlan:
         self.next_window: int | None = None  # where the next re-profile window starts (None: none)
         self._lined_up = 0  # the window step whose ranks last lined up (lines_up)
         self.comm_seen: list[tuple[float, float]] = []  # each read communication step's, the ranks' mean
-        # each window step's seconds this rank waited in the votes before its forward (:meth:`vote`)
-        self.waits: list[float] = []
-        self._after_end = 0.0  # the last step's end vote's: the next step's wait starts with it
+        self.clock: Clock = CpuClock()  # the window steps' clock, on which the votes are marked
+        # each window step's votes in its wall (:meth:`vote`; :func:`vote_seconds`), and the last end vote
+        self.marks: list[list[VoteMarks]] = []
+        self._end_vote: VoteMarks | None = None
+        self._micro_voted = False  # whether the current step's first micro-batch voted
 
     def reset(self, run: bool = False) -> None:
         """The window ended (or was dropped); with ``run`` no other window starts in this run."""
         self.kinds, self.open, self.failed, self.reprofile, self._lined_up = [], False, False, False, 0
-        self.comm_seen, self.waits, self._after_end = [], [], 0.0
+        self.comm_seen, self.marks, self._end_vote, self._micro_voted = [], [], None, False
+        self.clock = CpuClock()
         if run:
             self.next_window = None
 
@@ -213,6 +255,8 @@ class WindowPlan:
         if kind is None and self.kind == Kind.COMMUNICATION and not self.comm_settled():
             kind = Kind.COMMUNICATION
         self.kinds.append(kind)
+        self.marks.append([self._end_vote] if self._end_vote is not None else [])
+        self._end_vote, self._micro_voted = None, False
         return kind
 
     @property
@@ -232,15 +276,16 @@ class WindowPlan:
     def vote(self, wish: Wish, ended: bool = False) -> Decision:
         """Every rank's wishes, agreed: a drop if any rank wants one (or a rank does not answer), a
         count, a check or the content's rhythm if any rank's batch asks, the end only when every rank
-        is done. ``ended``: the vote at a window step's end (else a micro-batch's); the seconds this rank
-        waits in it are kept (:meth:`_waited`)."""
-        start = time.perf_counter()
+        is done. ``ended``: the vote at a window step's end (else a micro-batch's); it is marked on the
+        steps' clock (:attr:`marks`)."""
+        clock = self.clock
+        start = clock.mark()
         try:
-            wishes = self.ranks.exchange(wish)
+            wishes = [Wish.of(numbers) for numbers in self.ranks.gather(wish.numbers())]
         except RankFailure as failure:
             return Decision.dropped(f"the ranks' vote failed ({failure})")
-        self._waited(time.perf_counter() - start, ended)
-        failed = [rank for rank, w in enumerate(wishes) if w is None or w.drop]
+        self._marked(VoteMarks(clock, start, clock.mark(), True), ended)
+        failed = [rank for rank, w in enumerate(wishes) if w.drop]
         if failed:
             why = f"rank {failed[0]}'s profiler failed" if self.ranks.several else "the profiler failed"
             return Decision.dropped(why)
@@ -257,17 +302,15 @@ class WindowPlan:
             all(w.done for w in wishes),
         )
 
-    def _waited(self, seconds: float, ended: bool) -> None:
-        """A vote took ``seconds`` on this rank: a vote is a barrier, so a rank that reached it first waited
-        there for the last (a rank slow to read its batch or in its optimizer step). A step's wait is its
-        previous step's end vote and its own first micro-batch's vote: both lie between the previous step's
-        end and its forward, in its data time (``waits``, by window step; 0 for a step with no
-        micro-batch vote); a later micro-batch's lies outside the phases."""
+    def _marked(self, vote: VoteMarks, ended: bool) -> None:
+        """A vote's marks, kept in the step whose wall holds it: a step's end vote lies in the next step's,
+        before its forward, as does the step's first micro-batch vote; a later micro-batch's lies in the
+        wall between its phases."""
         if ended:
-            self._after_end = seconds
-        elif len(self.waits) < len(self.kinds):  # the step's first micro-batch: its forward starts next
-            self.waits += [0.0] * (len(self.kinds) - 1 - len(self.waits)) + [self._after_end + seconds]
-            self._after_end = 0.0
+            self._end_vote = vote
+        elif self.marks:
+            self.marks[-1].append(vote._replace(before_forward=not self._micro_voted))
+            self._micro_voted = True
 
     def batch_kind(self, decision: Decision) -> Kind:
         """The current step's agreed kind after a micro-batch's vote. At its first micro-batch: the check

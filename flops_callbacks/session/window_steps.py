@@ -27,7 +27,7 @@ from flops_callbacks.communication.breakdown import CommBreakdown
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.token_layout import Layout, LayoutTensors, layout_tensors
-from flops_callbacks.session.window_plan import Kind
+from flops_callbacks.session.window_plan import Kind, Vote
 from flops_callbacks.timing.energy_figures import Reading
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
@@ -132,8 +132,7 @@ class WindowStep:
     timer: ModuleTimer | None = None  # a module-timing step's marks
     outer: OuterCalls | None = None  # a clean step's outermost module calls (CPU: the hooks' cost)
     comm: CommBreakdown | None = None  # the communication step's split of its time
-    # seconds this rank waited in the profiler's votes before its forward (they lie in its data time)
-    waited: float = 0.0
+    votes: tuple[Vote, ...] = ()  # the profiler's votes in its wall, on this rank (session.window_plan)
     energy: Reading | str | None = None  # the energy counter right after its end mark, or why none
 
     def add(

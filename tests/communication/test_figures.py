@@ -48,12 +48,12 @@ class TwoRanks(Ranks):
         self.world, self.theirs, self.ended = 2, theirs, 0
         self.plan: WindowPlan | None = None
 
-    def exchange(self, mine: Wish) -> list[Wish]:
+    def gather(self, mine: tuple[float, ...]) -> list[tuple[float, ...]]:
         if self.plan is None or self.plan.kind != COMM:
-            return [mine, Wish()]
+            return [mine, Wish().numbers()]
         theirs = self.theirs[self.ended] if self.ended < len(self.theirs) else None
         self.ended += 1
-        return [mine, Wish(comm=None if theirs is None else (theirs * MS, SPAN))]
+        return [mine, Wish(comm=None if theirs is None else (theirs * MS, SPAN)).numbers()]
 
 
 def comm_window(

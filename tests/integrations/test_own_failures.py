@@ -393,7 +393,8 @@ def test_a_failing_exchange_between_ranks_drops_the_window_with_one_warning_and_
     def broken(self: Ranks, mine: Any) -> list[Any]:
         raise RankFailure("RuntimeError: gloo: connection reset")
 
-    monkeypatch.setattr(Ranks, "exchange", broken)
+    monkeypatch.setattr(Ranks, "gather", broken)  # the votes'
+    monkeypatch.setattr(Ranks, "exchange", broken)  # the rows' at the window's end
     done = run(framework, tmp_path)
     assert done.steps == MAX_STEPS
     (warning,) = done.warnings

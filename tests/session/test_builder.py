@@ -8,8 +8,10 @@ import torch
 import torch.nn as nn
 
 from flops_callbacks.session import builder
-from flops_callbacks.session.window_plan import Kind
-from flops_callbacks.session.window_steps import WindowStep
+from flops_callbacks.session.rank_part import RankRow, without_votes
+from flops_callbacks.session.shape_flops import BatchCounts
+from flops_callbacks.session.window_plan import Kind, Vote
+from flops_callbacks.session.window_steps import CleanStep, StepSeconds, StepWork, WindowStep
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.module_timer import ModuleTimer
@@ -55,3 +57,47 @@ def test_a_clean_step_that_caught_no_model_call_is_left_out_of_the_hook_cost_and
     ran = [s.outer.seconds() for s in clean if s.outer is not None and s.outer.calls()]
     assert steps == (4, 6) and shapes_match
     assert forward == (sum(ran) / 2, max(ran)) and min(ran) > 0
+
+
+def _row(seconds: list[tuple[float, float]], votes: list[tuple[Vote, ...]]) -> RankRow:
+    """A rank's row of clean steps of ``(data, wall)`` seconds (fwd, bwd, step 1 s each) and their votes."""
+    work = StepWork(BatchCounts.zero(), 4, None)
+    steps = tuple(CleanStep(work, StepSeconds(1.0, 1.0, 1.0, data, wall)) for data, wall in seconds)
+    return RankRow(steps, {}, 4, None, 0.0, votes=tuple(votes))
+
+
+def test_each_votes_least_time_over_the_ranks_comes_out_of_every_ranks_data_wait_and_wall_step() -> None:
+    """Rank 1 reaches the first clean step's micro-batch vote 0.5 s late: rank 0 waits there for it, a
+    wait that stays; what both spend in each vote at the least (the exchange itself) comes out, from the
+    data wait where the vote lies before the forward, from the wall step for every vote."""
+    before, between = True, False
+    rank0 = _row(
+        [(0.75, 4.0), (0.25, 3.5)],
+        [
+            (Vote(0.125, before), Vote(0.625, before)),
+            (Vote(0.125, before), Vote(0.125, before), Vote(0.25, between)),
+        ],
+    )
+    rank1 = _row(
+        [(0.75, 4.0), (0.25, 3.5)],
+        [
+            (Vote(0.25, before), Vote(0.125, before)),
+            (Vote(0.125, before), Vote(0.0625, before), Vote(0.5, between)),
+        ],
+    )
+    kept = without_votes([rank0, rank1])
+    # own: step 0 (0.125, 0.125) -> 0.25 before the forward; step 1 (0.125, 0.0625) before, 0.25 between
+    assert [s.seconds for s in kept[0].steps] == [
+        StepSeconds(1.0, 1.0, 1.0, 0.5, 3.75),
+        StepSeconds(1.0, 1.0, 1.0, 0.0625, 3.0625),
+    ]
+    assert [s.seconds for s in kept[1].steps] == [s.seconds for s in kept[0].steps]  # the same times here
+    assert kept[0].waits == rank0.waits == (0.75, 0.25)  # the slow rank reads the votes as timed
+    assert without_votes([rank0]) == [rank0]  # one rank: no vote is exchanged
+
+
+def test_votes_that_do_not_line_up_leave_the_rows_as_they_are() -> None:
+    rank0 = _row([(0.75, 4.0)], [(Vote(0.125, True), Vote(0.625, True))])
+    rank1 = _row([(0.75, 4.0)], [(Vote(0.125, True),)])
+    assert without_votes([rank0, rank1]) == [rank0, rank1]
+    assert without_votes([rank0, _row([(0.75, 4.0)], [])]) == [rank0, _row([(0.75, 4.0)], [])]

@@ -5,7 +5,6 @@ session drives the plan, with no model and no clock."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from flops_callbacks.options import Options
 from flops_callbacks.session.window_plan import (
@@ -18,6 +17,7 @@ from flops_callbacks.session.window_plan import (
     Wish,
     before_clean,
     head,
+    vote_seconds,
 )
 
 P, M, K, C = Kind.COUNTING, Kind.MODULE_TIMING, Kind.CHECK, Kind.CLEAN
@@ -45,8 +45,8 @@ class FakeRanks:
     def several(self) -> bool:
         return len(self.behaviours) > 1
 
-    def exchange(self, mine: Any) -> list[Any]:
-        wishes: list[Any] = [b(self.vote.step, self.vote.phase, self.plan) for b in self.behaviours]
+    def gather(self, mine: tuple[float, ...]) -> list[tuple[float, ...]]:
+        wishes = [b(self.vote.step, self.vote.phase, self.plan).numbers() for b in self.behaviours]
         wishes[self.rank] = mine
         return wishes
 
@@ -206,42 +206,89 @@ def test_a_rank_that_failed_drops_the_window_on_every_rank() -> None:
 
 
 class WaitingRanks:
-    """One rank among two whose exchanges take the seconds ``waits`` lists, one per vote, on a fake clock."""
+    """One rank among two whose exchanges take the seconds ``waits`` lists, one per vote, on a clock of its
+    own (the steps' clock the session gives the plan)."""
 
     several, world = True, 2
 
     def __init__(self, waits: list[float]) -> None:
         self.waits, self.now = waits, 0.0
 
-    def clock(self) -> float:
+    def mark(self) -> float:
         return self.now
 
-    def exchange(self, mine: Wish) -> list[Wish]:
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def gather(self, mine: tuple[float, ...]) -> list[tuple[float, ...]]:
         self.now += self.waits.pop(0)
-        return [mine, Wish()]
+        return [mine, Wish().numbers()]
 
 
-def test_a_steps_wait_in_the_votes_before_its_forward_is_its_previous_steps_end_vote_and_its_own_first(
-    monkeypatch: Any,
-) -> None:
-    """The counting step and the module-timing steps have no micro-batch vote; each clean step's first
-    micro-batch votes, a later one too (outside the phases: not the step's wait)."""
+def test_each_steps_votes_are_those_in_its_wall_on_the_steps_clock_the_first_two_before_its_forward() -> None:
+    """The counting step and the module-timing steps have no micro-batch vote; a step's wall holds the
+    previous step's end vote and its own micro-batches' votes; the end vote and the first micro-batch's lie
+    before its forward, a later one's between its phases."""
     ranks = WaitingRanks([0.5, 0.25, 0.5, 0.125, 1.0, 2.0, 0.25, 4.0, 8.0])
-    monkeypatch.setattr("flops_callbacks.session.window_plan.time.perf_counter", ranks.clock)
     plan = WindowPlan(Options(profile_step=10, clean_steps=2, comm_steps=0), ranks)  # type: ignore[arg-type]
+    plan.clock = ranks  # type: ignore[assignment]
     for _ in range(3):  # counting, module timing, module timing: their end votes
         plan.start_step()
-        plan.vote(Wish(), ended=True)  # 0.5, 0.25, 0.5
+        plan.vote(
+            Wish(),
+            ended=True,
+        )  # 0.5, 0.25, 0.5
     plan.start_step()  # the last module-timing step
-    plan.vote(Wish(), ended=True)  # 0.125
+    plan.vote(
+        Wish(),
+        ended=True,
+    )  # 0.125
     plan.start_step()  # the check: its first micro-batch's vote
-    plan.batch_kind(plan.vote(KNOWN))  # 1.0
-    plan.vote(Wish(), ended=True)  # 2.0
+    plan.batch_kind(
+        plan.vote(
+            KNOWN,
+        )
+    )  # 1.0
+    plan.vote(
+        Wish(),
+        ended=True,
+    )  # 2.0
     plan.start_step()  # a clean step: two micro-batches
-    plan.batch_kind(plan.vote(KNOWN))  # 0.25
-    plan.batch_kind(plan.vote(KNOWN))  # 4.0: between its micro-batches
-    plan.vote(Wish(), ended=True)  # 8.0
+    plan.batch_kind(
+        plan.vote(
+            KNOWN,
+        )
+    )  # 0.25
+    plan.batch_kind(
+        plan.vote(
+            KNOWN,
+        )
+    )  # 4.0: between its micro-batches
+    plan.vote(
+        Wish(),
+        ended=True,
+    )  # 8.0
     assert plan.kinds == [P, M, M, M, K, C]
-    assert plan.waits == [0.0, 0.0, 0.0, 0.0, 0.125 + 1.0, 2.0 + 0.25]
+    before, between = True, False
+    assert vote_seconds(plan.marks) == [
+        (),
+        ((0.5, before),),
+        ((0.25, before),),
+        ((0.5, before),),
+        ((0.125, before), (1.0, before)),
+        ((2.0, before), (0.25, before), (4.0, between)),
+    ]
     plan.reset()
-    assert plan.waits == []
+    assert vote_seconds(plan.marks) == []
+
+
+def test_a_wish_is_gathered_as_numbers_and_read_back_as_it_was() -> None:
+    """Every flag and the communication step's two seconds survive the float64 row the ranks gather."""
+    for wish in (
+        Wish(),
+        Wish(True, False, True, False, True, (0.25, 1.5)),
+        Wish(comm=(0.0, 0.0)),
+        NEW,
+        KNOWN,
+    ):
+        assert Wish.of(wish.numbers()) == wish
