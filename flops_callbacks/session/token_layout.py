@@ -73,7 +73,10 @@ class LayoutTensors(NamedTuple):
         return HeldLayout(LayoutTensors(self.rows, self.length, *copies), event)
 
     def read(self) -> Layout:
-        """The sequences: a position starts one where a boundary says so or the one before is padding."""
+        """The sequences: a position starts one where a boundary says so or the one before is padding.
+        Read on the rows laid end to end, in a dozen operations and a loop over the sequences: it runs for
+        every packed micro-batch after the window, where each small operation costs microseconds of host
+        time a small model's step feels."""
         rows, length = self.rows, self.length
         mask, packing = self.attention_mask, (self.position_ids, self.seq_idx, self.cu_seq_lens)
         if mask is not None and all(t is None for t in packing):
@@ -81,28 +84,34 @@ class LayoutTensors(NamedTuple):
             if padded is not None:
                 return padded
         device = next(t.device for t in self if isinstance(t, torch.Tensor))
-        real = torch.ones(rows, length, dtype=torch.bool, device=device)
-        if self.attention_mask is not None:
-            real = self.attention_mask.to(torch.bool)
-        start = torch.zeros(rows, length, dtype=torch.bool, device=device)
-        start[:, 0] = True
+        total = rows * length
+        start = torch.zeros(total, dtype=torch.bool, device=device)
+        start[::length] = True  # every row starts a sequence
+        pos = None
         if self.position_ids is not None:
-            pos = self.position_ids.expand(rows, length)
-            start[:, 1:] |= pos[:, 1:] != pos[:, :-1] + 1
-            if self.attention_mask is None:
-                real = real & ~_padded_end(pos)
+            pos = self.position_ids.expand(rows, length).reshape(-1)
+            start[1:] |= pos[1:] != pos[:-1] + 1
         if self.seq_idx is not None:
-            start[:, 1:] |= self.seq_idx[:, 1:] != self.seq_idx[:, :-1]
+            index = self.seq_idx.expand(rows, length).reshape(-1)
+            start[1:] |= index[1:] != index[:-1]
         if self.cu_seq_lens is not None:
             bounds = self.cu_seq_lens[:-1].to(device=device, dtype=torch.long)
-            start.view(-1)[bounds[bounds < rows * length]] = True
-        before = torch.zeros_like(real)
-        before[:, 1:] = real[:, :-1]
-        begins = real & (start | ~before)
-        ids = torch.cumsum(begins.view(-1).long(), 0)  # each real position's sequence, numbered from 1
-        lengths_of = torch.bincount(ids[real.view(-1)], minlength=1)[1:]
-        first = torch.nonzero(begins.view(-1)).view(-1)
-        lengths, starts = lengths_of.tolist(), first.tolist()
+            start[bounds[bounds < total]] = True
+        if mask is None:  # every position real: a sequence runs to the next start
+            begins = start.nonzero().view(-1)
+            starts = begins.tolist()
+            lengths = [end - at for at, end in zip(starts, [*starts[1:], total], strict=True)]
+        else:  # a sequence is the run of real positions from its start (a real one after padding starts one)
+            real = mask.reshape(-1).to(torch.bool)
+            start[1:] |= ~real[:-1]
+            begins = (start & real).nonzero().view(-1)
+            starts = begins.tolist()
+            seen = real.long().cumsum(0)  # real positions up to each, itself included
+            upto = torch.cat((seen[begins], seen[-1:] + 1)).tolist()  # and one past the last
+            lengths = [end - at for at, end in zip(upto, upto[1:], strict=False)]
+        if pos is not None and mask is None:  # padding-free rows padded at their end
+            kept = _without_end_padding(starts, lengths, pos[begins].tolist(), length)
+            starts, lengths = [at for at, _ in kept], [n for _, n in kept]
         counts: Counter[int] = Counter()
         where: dict[int, tuple[int, int]] = {}
         for n, at in zip(lengths, starts, strict=True):
@@ -111,12 +120,24 @@ class LayoutTensors(NamedTuple):
         return Layout(rows, length, counts, where)
 
 
-def _padded_end(pos: torch.Tensor) -> torch.Tensor:
-    """Where a packed row without a mask is padded at its end: a run of two or more position ids 0 there
-    (TRL's padding-free rows padded to a multiple: each pad would read as a one-token sequence). A single
-    0 at a row's end stays a sequence: it may be one."""
-    tail = (pos == 0).flip(1).long().cumprod(1).flip(1).bool()  # the row's last run of zeros
-    return tail & (tail.sum(1, keepdim=True) >= 2)
+def _without_end_padding(
+    starts: list[int], lengths: list[int], firsts: list[int], length: int
+) -> list[tuple[int, int]]:
+    """The sequences (start, length) less each row's padding at its end where rows carry no mask: a run of
+    two or more one-token sequences of position id 0 there (TRL's padding-free rows padded to a multiple:
+    each pad would read as a sequence). A single one at a row's end stays a sequence: it may be one."""
+    kept: list[tuple[int, int]] = []
+    run: list[tuple[int, int]] = []  # the one-token sequences of position 0 the current row ends with
+    for i, (at, n, first) in enumerate(zip(starts, lengths, firsts, strict=True)):
+        if n == 1 and first == 0:
+            run.append((at, n))
+        else:
+            kept += run + [(at, n)]
+            run = []
+        if i + 1 == len(starts) or starts[i + 1] // length != at // length:  # the row's last sequence
+            kept += run if len(run) < 2 else []
+            run = []
+    return kept
 
 
 def _padded_rows(mask: torch.Tensor) -> Layout | None:

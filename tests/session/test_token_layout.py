@@ -67,6 +67,18 @@ def test_a_packed_row_without_a_mask_padded_to_a_multiple_leaves_its_padding_out
     assert one is not None and one.read().lengths == Counter({5: 1, 3: 1, 4: 1, 1: 1})
 
 
+def test_each_rows_end_padding_is_its_own_and_a_row_starts_a_sequence_whatever_ends_the_row_before() -> None:
+    # row 0: 3 + 2 real, then 2 pads; row 1: a one-token sequence, 4, then 1 pad (a single 0 stays one);
+    # row 2: 3 pads after a sequence of 4 (the next row's 0 is no part of its run)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0], [0, 0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 0, 0, 0]])
+    held = layout_tensors({"input_ids": torch.ones(3, 7, dtype=torch.long), "position_ids": pos})
+    assert held is not None
+    layout = held.read()
+    assert layout.lengths == Counter({3: 1, 2: 1, 1: 2, 5: 1, 4: 1})
+    assert layout.where == {3: (0, 0), 2: (0, 3), 1: (1, 0), 5: (1, 1), 4: (2, 0)}
+    assert (layout.real_tokens, layout.positions) == (16, 21)
+
+
 def test_a_full_mask_is_plain_and_a_batch_without_one_tells_nothing() -> None:
     ids = torch.ones(2, 3, dtype=torch.long)
     held = layout_tensors({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
