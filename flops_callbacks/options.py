@@ -70,7 +70,8 @@ class Options:
 
     Attributes:
         profile_step: The window starts at the first optimizer step at or after this global step
-            (DeepSpeed's convention: ``global_step == profile_step``).
+            (DeepSpeed's convention: ``global_step == profile_step``) whose model has no lazy parameter
+            left (``LazyLinear``'s are made by its first forward).
         clean_steps: Steps timed with nothing else on the clock, after the counting, module-timing and
             check steps: ``"auto"`` runs 3 to 20, until the median iter latency is known within +-3%;
             an int fixes the count; 0 runs none (the latencies are then a module-timing step's,

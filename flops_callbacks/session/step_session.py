@@ -245,6 +245,8 @@ class StepSession:
             late = self._window_ran or self._resumed_past or not self.enabled
             if (late or global_step < self.options.profile_step) and not self.plan.due(global_step):
                 return  # no window starts: the first at profile_step, then one each profile_every steps
+            if any(torch.nn.parameter.is_lazy(p) for p in model.parameters()):
+                return  # the first forward makes the parameters the window counts: it starts after it
             self.plan.failed = self._abandoned  # a rank that failed before the window votes to drop it
         kind = self.plan.start_step()  # on every rank alike: the window's steps are the same everywhere
         if not self.plan.failed:

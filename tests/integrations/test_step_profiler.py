@@ -7,6 +7,7 @@ two accumulated micro-batches against torch's FlopCounterMode, and nothing left 
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,27 @@ def test_two_micro_batches_per_optimizer_step_report_the_flops_of_both() -> None
     assert 2 * (result.profile.fwd_macs + result.profile.bwd_macs) == reference.get_total_flops()
     assert 2 * result.profile.bwd_macs == bwd_by_hand
     model.zero_grad()
+
+
+def test_a_lazy_model_profiled_from_step_0_has_its_window_start_once_its_first_forward_made_it() -> None:
+    """``LazyLinear`` has no weight before its first forward: a window at step 0 would count nothing
+    (it failed, and was dropped with a warning); it starts at step 1, on the parameters that forward made."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(16, bias=False), nn.ReLU(), nn.Linear(16, 4, bias=False))
+    prof = StepProfiler(model, profile_step=0, clean_steps=CLEAN, print_profile=False)
+    optimizer: torch.optim.Optimizer | None = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning fails the test
+        for x in [torch.randn(BATCH, 8) for _ in range(window_end(1, CLEAN) + 2)]:
+            with prof.step(x):
+                model(x).sum().backward()
+                optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1)
+                optimizer.step()
+                optimizer.zero_grad()
+    prof.close()
+    result = prof.result
+    assert result is not None and result.steps.first == 1
+    assert result.profile.fwd_macs == BATCH * (8 * 16 + 16 * 4) and result.profile.params == 8 * 16 + 16 * 4
 
 
 def test_an_exception_in_a_block_passes_unchanged_and_leaves_nothing() -> None:
