@@ -74,9 +74,9 @@ class LayoutTensors(NamedTuple):
 
     def read(self) -> Layout:
         """The sequences: a position starts one where a boundary says so or the one before is padding.
-        Read on the rows laid end to end, in a dozen operations and a loop over the sequences: it runs for
-        every packed micro-batch after the window, where each small operation costs microseconds of host
-        time a small model's step feels."""
+        Read on the rows laid end to end, in a dozen tensor operations, then on the sequences' starts as
+        Python lists: it runs for every packed micro-batch after the window, where each small operation
+        costs microseconds of host time a small model's step feels."""
         rows, length = self.rows, self.length
         mask, packing = self.attention_mask, (self.position_ids, self.seq_idx, self.cu_seq_lens)
         if mask is not None and all(t is None for t in packing):
@@ -100,7 +100,11 @@ class LayoutTensors(NamedTuple):
         if mask is None:  # every position real: a sequence runs to the next start
             begins = start.nonzero().view(-1)
             starts = begins.tolist()
-            lengths = [end - at for at, end in zip(starts, [*starts[1:], total], strict=True)]
+            ends = [*starts[1:], total]  # (no row: no start, and no sequence)
+            lengths = [end - at for at, end in zip(starts, ends, strict=False)]
+            if pos is not None:  # padding-free rows padded at their end
+                kept = _without_end_padding(starts, lengths, pos[begins].tolist(), length)
+                starts, lengths = [at for at, _ in kept], [n for _, n in kept]
         else:  # a sequence is the run of real positions from its start (a real one after padding starts one)
             real = mask.reshape(-1).to(torch.bool)
             start[1:] |= ~real[:-1]
@@ -109,9 +113,6 @@ class LayoutTensors(NamedTuple):
             seen = real.long().cumsum(0)  # real positions up to each, itself included
             upto = torch.cat((seen[begins], seen[-1:] + 1)).tolist()  # and one past the last
             lengths = [end - at for at, end in zip(upto, upto[1:], strict=False)]
-        if pos is not None and mask is None:  # padding-free rows padded at their end
-            kept = _without_end_padding(starts, lengths, pos[begins].tolist(), length)
-            starts, lengths = [at for at, _ in kept], [n for _, n in kept]
         counts: Counter[int] = Counter()
         where: dict[int, tuple[int, int]] = {}
         for n, at in zip(lengths, starts, strict=True):
@@ -121,21 +122,22 @@ class LayoutTensors(NamedTuple):
 
 
 def _without_end_padding(
-    starts: list[int], lengths: list[int], firsts: list[int], length: int
+    starts: list[int], lengths: list[int], first_positions: list[int], length: int
 ) -> list[tuple[int, int]]:
-    """The sequences (start, length) less each row's padding at its end where rows carry no mask: a run of
-    two or more one-token sequences of position id 0 there (TRL's padding-free rows padded to a multiple:
-    each pad would read as a sequence). A single one at a row's end stays a sequence: it may be one."""
+    """The sequences (each start and length; ``first_positions``: each one's first position id) less each
+    row's padding at its end where rows carry no mask: a run of two or more one-token sequences of
+    position id 0 there (TRL's padding-free rows padded to a multiple: each pad would read as a sequence).
+    A single one at a row's end stays a sequence: it may be one."""
     kept: list[tuple[int, int]] = []
-    run: list[tuple[int, int]] = []  # the one-token sequences of position 0 the current row ends with
-    for i, (at, n, first) in enumerate(zip(starts, lengths, firsts, strict=True)):
+    run: list[tuple[int, int]] = []  # the one-token sequences of position 0 since the last other one
+    for i, (at, n, first) in enumerate(zip(starts, lengths, first_positions, strict=True)):
         if n == 1 and first == 0:
             run.append((at, n))
         else:
             kept += run + [(at, n)]
             run = []
         if i + 1 == len(starts) or starts[i + 1] // length != at // length:  # the row's last sequence
-            kept += run if len(run) < 2 else []
+            kept += run if len(run) < 2 else []  # two or more: the row's padding
             run = []
     return kept
 

@@ -79,6 +79,15 @@ def test_each_rows_end_padding_is_its_own_and_a_row_starts_a_sequence_whatever_e
     assert (layout.real_tokens, layout.positions) == (16, 21)
 
 
+def test_an_empty_batch_holds_no_sequence_whatever_tells_its_layout() -> None:
+    empty = torch.zeros(0, 8, dtype=torch.long)
+    for extra in ({"position_ids": empty}, {"cu_seq_lens_q": torch.tensor([0])}, {"attention_mask": empty}):
+        held = layout_tensors({"input_ids": empty, **extra})
+        assert held is not None
+        layout = held.read()
+        assert (layout.rows, layout.sequences, layout.real_tokens, layout.positions) == (0, 0, 0, 0)
+
+
 def test_a_full_mask_is_plain_and_a_batch_without_one_tells_nothing() -> None:
     ids = torch.ones(2, 3, dtype=torch.long)
     held = layout_tensors({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
