@@ -1,9 +1,9 @@
 """What the profiler's votes between ranks cost the window's figures: two ranks of a DDP loop on gloo (CPU)
 with ``StepProfiler``, side by side in one run.
 
-The window's ranks vote twice a clean step (at its first micro-batch and at its end:
-docs/several-processes.md), both in its wall time. The reported wall step leaves each vote's own time out
-(its least over the ranks); this prints it against the loop's own clock:
+The window's ranks vote at each clean step's micro-batches and at its end (docs/several-processes.md):
+here one micro-batch a step, so two votes, both in its wall time. The reported wall step leaves each
+vote's own time out (its least over the ranks); this prints it against the loop's own clock:
 
 * "reported / after": the reported ``wall_latency`` over the loop's median step after the window (the
   training's step, with the throughput meter, 1.01x at most of a run without the profiler);

@@ -23,7 +23,7 @@ from flops_callbacks.session.energy_reads import rank_energy
 from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_plan import Kind, Vote
+from flops_callbacks.session.window_plan import Kind, Vote, VoteMarks, vote_seconds
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, WindowStep, clean_figures
 from flops_callbacks.timing.energy_figures import EnergySpan
 
@@ -138,8 +138,9 @@ class ReusedWindow:
 
 def without_votes(rows: Sequence[RankRow]) -> list[RankRow]:
     """Every rank's row with the profiler's votes' own time taken out of its clean steps' data and wall
-    time: the training's figures, not the profiler's. A vote's own time is its least over the ranks (the
-    last rank to reach it waits for none: its time there is the exchange itself); the rest of a rank's
+    time: the training's figures, not the profiler's. A vote's own time is its least over the ranks on the
+    steps' clock (the last rank to reach it waits for none: its time there is the exchange itself; on a
+    GPU, what of it the device waited, 0 where a device stayed busy through it); the rest of a rank's
     time in it is its wait for a slower rank, which stays (without the vote it would wait in the
     training's next collective). With one rank, or votes that do not line up, the rows as they are.
     The energy stays as read: the counter cannot tell the votes' joules apart, and the device draws less
@@ -247,12 +248,12 @@ def local_part(
     engine: CountingEngine | None,
     base: WindowResult | None,
     count_step: Callable[[WindowStep], Profile | None] | None = None,
-    votes: Sequence[tuple[Vote, ...]] = (),
+    votes: Sequence[Sequence[VoteMarks]] = (),
 ) -> LocalWindow | ReusedWindow | None:
     """This rank's part of the window that ended: a re-profile window's on ``base`` (the previous
     result), else the counting step's engine's; None when it has nothing (no micro-batch, no clean step).
-    ``votes``: each step's votes of the profiler in its wall, in order."""
-    for step, own in zip(steps, votes, strict=False):
+    ``votes``: each step's votes of the profiler in its wall, in order, as marked."""
+    for step, own in zip(steps, vote_seconds(votes), strict=False):
         step.votes = own
     if base is not None:
         return reused_window(steps, base, flops)

@@ -43,7 +43,7 @@ from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.run_plan import RunPlan, unwritable_destinations
 from flops_callbacks.session.sequence_flops import SequenceFlops
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_plan import Decision, Kind, WindowPlan, Wish, vote_seconds
+from flops_callbacks.session.window_plan import Decision, Kind, WindowPlan, Wish
 from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.clock import clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
@@ -284,6 +284,8 @@ class StepSession:
             return
         read = self._read_batch(batch) if self._step is not None else None
         if (decides := self.plan.batch_decides) or self.plan.lines_up():  # lines_up: comm step's start
+            if read is not None and read.later:  # the vote lies between the phases (the HF Trainer's run on)
+                self.stop_timing()
             decision = self.plan.vote(self._wish(read, replay))
             if decision.drop:
                 self._drop(decision)
@@ -458,8 +460,7 @@ class StepSession:
                 self.sequences.window_end(steps, model, self.off_clock)
             with self.guard.own_work("building the profile", DROPPED, self._abandon):
                 count = lambda step: self.off_clock.profile(model, step.replays)  # noqa: E731
-                votes = vote_seconds(marks)
-                local = local_part(steps, self.flops, engine, base if reprofile else None, count, votes)
+                local = local_part(steps, self.flops, engine, base if reprofile else None, count, marks)
         mine: RankRow | str = local.row() if local is not None else "failed" if self._abandoned else "empty"
         try:
             rows = self.ranks.exchange(mine)
