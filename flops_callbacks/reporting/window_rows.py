@@ -237,6 +237,9 @@ def layout_lines(result: WindowResult) -> list[tuple[str, str]]:
         )
         if layout.not_apart:
             lines.append(("model flops: the run's (padding and packing not apart)", layout.not_apart))
+        if layout.decoder_padding:
+            decoder = "its encoder's sequences, each with its row's whole decoder (the decoder's padding in)"
+            lines.append(("model flops of an encoder-decoder", decoder))
     if result.after.counts:
         lines.append(
             (

@@ -242,7 +242,9 @@ def build_result(
         energy=energy,
         slow_rank=slow_rank(rows, model),
         no_energy_reason=no_energy,
-        layout=batch_layout(clean, not_apart),
+        layout=batch_layout(
+            clean, not_apart, bool(getattr(_model_config(model), "is_encoder_decoder", False))
+        ),
     )
 
 
@@ -263,15 +265,18 @@ def slow_rank(rows: Sequence[RankRow], model: torch.nn.Module) -> SlowRank | Non
     return find_slow_rank(times, unsharded=sharded_params(model) is None)
 
 
-def batch_layout(clean: list[WindowStep], not_apart: str) -> BatchLayout | None:
-    """The clean steps' token batches as laid out (None: no batch told its layout)."""
+def batch_layout(
+    clean: list[WindowStep], not_apart: str, encoder_decoder: bool = False
+) -> BatchLayout | None:
+    """The clean steps' token batches as laid out (None: no batch told its layout); ``encoder_decoder``:
+    the model's config says it is one (its batches' layout is its encoder's)."""
     read = [lo for s in clean for lo in s.laid_out if lo is not None]
     if not read:
         return None
     rows, sequences = sum(lo.rows for lo in read), sum(lo.sequences for lo in read)
     real, positions = sum(lo.real_tokens for lo in read), sum(lo.positions for lo in read)
     separated = all(lo.plain for lo in read) or not not_apart
-    return BatchLayout(rows, sequences, real, positions, "" if separated else not_apart)
+    return BatchLayout(rows, sequences, real, positions, "" if separated else not_apart, encoder_decoder)
 
 
 def _counted(

@@ -74,13 +74,15 @@ __all__ = [
 class BatchLayout(NamedTuple):
     """The clean steps' token batches as laid out (this rank's): rows, the sequences in them, their real
     tokens and all positions; ``not_apart``: why the model's work could not be told from the run's
-    ("" where it was, or nothing separates them)."""
+    ("" where it was, or nothing separates them); ``decoder_padding``: an encoder-decoder's, whose
+    sequences are its encoder's, each counted with its row's whole decoder (its padding in)."""
 
     rows: int
     sequences: int
     real_tokens: int
     positions: int
     not_apart: str = ""
+    decoder_padding: bool = False
 
     @property
     def packed(self) -> bool:

@@ -22,12 +22,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import (
     DataCollatorForLanguageModeling,
+    DataCollatorForSeq2Seq,
     DataCollatorWithFlattening,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    T5Config,
+    T5ForConditionalGeneration,
     Trainer,
     TrainingArguments,
 )
@@ -35,7 +38,7 @@ from transformers import (
 from flops_callbacks import metrics as names
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from flops_callbacks.reporting.publish import picture
-from flops_callbacks.reporting.window_rows import module_source
+from flops_callbacks.reporting.window_rows import layout_lines, module_source
 from flops_callbacks.session.shape_flops import BatchCounts
 from tests.support import check_step
 
@@ -204,6 +207,66 @@ def steps_of(result: Any, clean: Any) -> int:
     """The global step of the clean step ``clean`` (one of the result's figures)."""
     steps = result.figures().steps
     return result.steps.clean[[i for i, s in enumerate(steps) if s == clean][0]]
+
+
+class Translations(torch.utils.data.Dataset):
+    """Pairs of an input of 20 .. 40 tokens and labels of 4 .. 12: the decoder's rows always shorter."""
+
+    def __init__(self, size: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        inputs = torch.randint(20, 41, (size,), generator=generator).tolist()
+        labels = torch.randint(4, 13, (size,), generator=generator).tolist()
+        self.items = [
+            {"input_ids": torch.randint(1, VOCAB, (n,), generator=generator).tolist(),
+             "labels": torch.randint(1, VOCAB, (k,), generator=generator).tolist()}
+            for n, k in zip(inputs, labels, strict=True)
+        ]  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return self.items[i]
+
+
+def t5() -> T5ForConditionalGeneration:
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return T5ForConditionalGeneration(config)
+
+
+def test_an_encoder_decoder_counts_its_encoders_sequences_each_with_its_rows_whole_decoder_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """``DataCollatorForSeq2Seq``: the encoder's padding is read from its mask, the decoder's (labels -100)
+    is not: each sequence is counted with its row's whole decoder, and the report says so."""
+    collator = Recorded(DataCollatorForSeq2Seq(tokenizer(), model=t5(), label_pad_token_id=-100))
+    callback = train(tmp_path, t5(), Translations(8 * 20), collator, batch=8, steps=15)
+    result = callback.result
+    assert result is not None and result.layout is not None and result.layout.decoder_padding
+    assert saved(tmp_path, result.step)["batch_layout"]["decoder_padding"] is True
+    lines = dict(layout_lines(result))
+    assert "the decoder's padding in" in lines["model flops of an encoder-decoder"]
+    median = result.figures().median_step()
+    ran = collator.batches[steps_of(result, median)]
+    encoder, decoder = ran["attention_mask"].sum(dim=1).tolist(), (ran["labels"] != -100).sum(dim=1).tolist()
+    decoder_keys = ("labels", "decoder_input_ids")
+    whole = sum(  # each row's encoder cut to its tokens, its decoder as padded
+        dense_flops(
+            t5(), {k: v[r : r + 1] if k in decoder_keys else v[r : r + 1, :n] for k, v in ran.items()}
+        )
+        for r, n in enumerate(encoder)
+    )
+    alone = sum(
+        dense_flops(t5(), {k: v[r : r + 1, : (d if k in decoder_keys else n)] for k, v in ran.items()})
+        for r, (n, d) in enumerate(zip(encoder, decoder, strict=True))
+    )
+    model_flops = median.work.counts.model_flops
+    assert 0.995 <= model_flops / whole <= 1.025, model_flops / whole
+    assert model_flops > 1.05 * alone  # the decoder's padding is in
 
 
 def test_gpt2_fed_input_ids_and_labels_counts_new_shapes_off_the_clock(tmp_path: Path) -> None:
