@@ -284,7 +284,7 @@ class WindowPlan:
             wishes = [Wish.of(numbers) for numbers in self.ranks.gather(wish.numbers())]
         except RankFailure as failure:
             return Decision.dropped(f"the ranks' vote failed ({failure})")
-        self._marked(VoteMarks(clock, start, clock.mark(), True), ended)
+        self._marked(clock, start, clock.mark(), ended)
         failed = [rank for rank, w in enumerate(wishes) if w.drop]
         if failed:
             why = f"rank {failed[0]}'s profiler failed" if self.ranks.several else "the profiler failed"
@@ -302,14 +302,14 @@ class WindowPlan:
             all(w.done for w in wishes),
         )
 
-    def _marked(self, vote: VoteMarks, ended: bool) -> None:
+    def _marked(self, clock: Clock, start: Any, end: Any, ended: bool) -> None:
         """A vote's marks, kept in the step whose wall holds it: a step's end vote lies in the next step's,
         before its forward, as does the step's first micro-batch vote; a later micro-batch's lies in the
         wall between its phases."""
         if ended:
-            self._end_vote = vote
+            self._end_vote = VoteMarks(clock, start, end, True)
         elif self.marks:
-            self.marks[-1].append(vote._replace(before_forward=not self._micro_voted))
+            self.marks[-1].append(VoteMarks(clock, start, end, not self._micro_voted))
             self._micro_voted = True
 
     def batch_kind(self, decision: Decision) -> Kind:
