@@ -25,6 +25,8 @@ __all__ = [
     "embedding_params",
     "estimate_rows",
     "expert_modules",
+    "is_encoder_decoder",
+    "model_config",
     "palm_attention_flops",
     "Routing",
     "routing_of",
@@ -71,6 +73,28 @@ def routing_of(config: Any) -> Routing | None:
     if experts is None or per_token is None:
         return None
     return Routing(experts, min(per_token, experts))
+
+
+def model_config(model: torch.nn.Module) -> Any:
+    """The model's config (a transformers config: ``model.config``, or a submodule's), if it has one.
+
+    Args:
+        model: the model (wrapped or not).
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if callable(getattr(config, "to_dict", None)):
+            return config
+    return None
+
+
+def is_encoder_decoder(model: torch.nn.Module) -> bool:
+    """Whether the model's config says it is an encoder-decoder (T5, BART).
+
+    Args:
+        model: the model (wrapped or not).
+    """
+    return bool(getattr(model_config(model), "is_encoder_decoder", False))
 
 
 def attention_of(config: Any) -> Attention | None:

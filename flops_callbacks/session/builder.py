@@ -15,7 +15,7 @@ import torch
 
 from flops_callbacks.communication.figures import CommFigures, comm_figures, comm_means, median_comm
 from flops_callbacks.communication.slow_rank import RankTimes, SlowRank, find_slow_rank
-from flops_callbacks.counting.estimate import estimate_rows
+from flops_callbacks.counting.estimate import estimate_rows, is_encoder_decoder, model_config
 from flops_callbacks.parallel import sharded_params
 from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_peak
 from flops_callbacks.phase_names import STEP_PHASES
@@ -35,15 +35,6 @@ from flops_callbacks.timing.module_timer import ModuleTimes, median_step, neares
 from flops_callbacks.timing.outer_calls import OuterCalls
 
 __all__ = ["build_result", "clean_peak_memory", "job_figures", "phases", "slow_rank", "window_shapes"]
-
-
-def _model_config(model: torch.nn.Module) -> Any:
-    """The model's config (a transformers config: ``model.config``, or a submodule's), if it has one."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if callable(getattr(config, "to_dict", None)):
-            return config
-    return None
 
 
 def window_shapes(steps: list[WindowStep], flops: ShapeFlops) -> tuple[int, int, int]:
@@ -242,9 +233,7 @@ def build_result(
         energy=energy,
         slow_rank=slow_rank(rows, model),
         no_energy_reason=no_energy,
-        layout=batch_layout(
-            clean, not_apart, bool(getattr(_model_config(model), "is_encoder_decoder", False))
-        ),
+        layout=batch_layout(clean, not_apart, is_encoder_decoder(model)),
     )
 
 
@@ -269,14 +258,16 @@ def batch_layout(
     clean: list[WindowStep], not_apart: str, encoder_decoder: bool = False
 ) -> BatchLayout | None:
     """The clean steps' token batches as laid out (None: no batch told its layout); ``encoder_decoder``:
-    the model's config says it is one (its batches' layout is its encoder's)."""
+    the model's config says it is one (its batches' layout is its encoder's, its decoders' padding in
+    where a batch's decoder spans were not read)."""
     read = [lo for s in clean for lo in s.laid_out if lo is not None]
     if not read:
         return None
     rows, sequences = sum(lo.rows for lo in read), sum(lo.sequences for lo in read)
     real, positions = sum(lo.real_tokens for lo in read), sum(lo.positions for lo in read)
     separated = all(lo.plain for lo in read) or not not_apart
-    return BatchLayout(rows, sequences, real, positions, "" if separated else not_apart, encoder_decoder)
+    whole_decoders = encoder_decoder and any(lo.decoder is None for lo in read)
+    return BatchLayout(rows, sequences, real, positions, "" if separated else not_apart, whole_decoders)
 
 
 def _counted(
@@ -317,7 +308,7 @@ def _counted(
     extra = context.extra_lines(batches, profile) if context.extra_lines is not None else []
     if counted.tokens:  # what "6 x params x tokens" claims (with active parameters, for an MoE)
         extra += estimate_rows(
-            profile, counted.tokens, _model_config(model), model=model, samples=counted.samples
+            profile, counted.tokens, model_config(model), model=model, samples=counted.samples
         )
     model_forward, forward_steps, forward_shapes_match = _model_forward(
         clean, module_steps[0].signatures if module_steps else None

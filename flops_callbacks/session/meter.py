@@ -214,7 +214,8 @@ class ThroughputMeter:
             self._engine.start()
         if self._paused_at is not None:
             return
-        layout = layout_tensors(batch) if self.sequences is not None else None
+        sequences = self.sequences
+        layout = layout_tensors(batch, sequences.encoder_decoder) if sequences is not None else None
         by_layout = layout is not None and self.layout_samples
         if not by_layout:
             self._samples += int(self.batch_size_fn(batch))

@@ -20,10 +20,11 @@ from typing import Any, NamedTuple
 
 import torch
 
+from flops_callbacks.counting.estimate import is_encoder_decoder
 from flops_callbacks.session.batch import Signature, shape_signature
 from flops_callbacks.session.off_clock import OffClock, Replay
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops, extremes_first
-from flops_callbacks.session.token_layout import Layout, one_sequence
+from flops_callbacks.session.token_layout import Layout, Unit, one_sequence
 from flops_callbacks.session.window_steps import WindowStep
 
 __all__ = ["LaidOut", "SequenceFlops"]
@@ -60,16 +61,18 @@ class SequenceFlops:
         self.table = ShapeFlops()
         self.why_not = ""  # why a batch's model work could not be told apart from its run ("": it could)
         self.counts = 0  # one-sequence fake counts run
-        self._alone: dict[tuple[tuple, int], Signature] = {}
+        self.encoder_decoder = False  # the window's model is one: its rows are read as pairs
+        self._alone: dict[tuple[tuple, Unit], Signature] = {}
 
     def forget(self) -> None:
         """A new run: nothing counted yet."""
         self.table, self.why_not, self.counts, self._alone = ShapeFlops(), "", 0, {}
+        self.encoder_decoder = False
 
-    def alone_signature(self, item: LaidOut, n: int, kind: tuple | None = None) -> Signature:
-        """The signature of one sequence of ``n`` tokens cut out of ``item``'s batch (found once for
-        batches alike but for their rows and length, ``kind``: a padded batch's length changes every
-        step)."""
+    def alone_signature(self, item: LaidOut, n: Unit, kind: tuple | None = None) -> Signature:
+        """The signature of one sequence of ``n`` (its tokens, or an encoder-decoder's pair) cut out of
+        ``item``'s batch (found once for batches alike but for their rows and length, ``kind``: a padded
+        batch's length changes every step)."""
         key = (kind or _kind(item.signature, item.layout.rows, item.layout.length), n)
         found = self._alone.get(key)
         if found is None:
@@ -77,14 +80,16 @@ class SequenceFlops:
         return found
 
     def lookup(
-        self, item: LaidOut, n: int, beyond: bool = False, kind: tuple | None = None
+        self, item: LaidOut, n: Unit, beyond: bool = False, kind: tuple | None = None
     ) -> BatchCounts | None:
         """A sequence's counts from the table (counted or predicted; ``beyond``: extrapolated too)."""
         return self.table.get(self.alone_signature(item, n, kind), beyond=beyond)
 
-    def count(self, model: torch.nn.Module, off_clock: OffClock, item: LaidOut, n: int) -> BatchCounts | None:
-        """One sequence of ``n`` tokens of ``item`` counted under fake tensors, kept in the table; None
-        (and ``why_not`` said) where no fake count runs."""
+    def count(
+        self, model: torch.nn.Module, off_clock: OffClock, item: LaidOut, n: Unit
+    ) -> BatchCounts | None:
+        """One sequence of ``n`` of ``item`` counted under fake tensors, kept in the table; None (and
+        ``why_not`` said) where no fake count runs."""
         replay = item.replay
         if not isinstance(replay, Replay) or not off_clock.usable(replay):
             self.why_not = self.why_not or off_clock.reason(replay)
@@ -106,10 +111,10 @@ class SequenceFlops:
     ) -> None:
         """Count the sequences the table cannot give for ``items`` (those not laid out plain), the extreme
         lengths of each kind of batch first, so that the fewest counts verify the rest."""
-        wanted: dict[Signature, tuple[LaidOut, int]] = {}
+        wanted: dict[Signature, tuple[LaidOut, Unit]] = {}
         for item in items:
             if not item.layout.plain:
-                for n in item.layout.lengths:
+                for n, _ in item.layout.units():
                     wanted.setdefault(self.alone_signature(item, n), (item, n))
         for signature in extremes_first(list(wanted)):
             item, n = wanted[signature]
@@ -122,7 +127,7 @@ class SequenceFlops:
         unknown."""
         fwd = bwd = 0
         kind = _kind(item.signature, item.layout.rows, item.layout.length)
-        for n, k in item.layout.lengths.items():
+        for n, k in item.layout.units():
             alone = self.lookup(item, n, beyond, kind)
             if alone is None:
                 return None
@@ -144,9 +149,10 @@ class SequenceFlops:
 
     def window_end(self, steps: list[WindowStep], model: torch.nn.Module, off_clock: OffClock) -> None:
         """Each window step's padding and packing read, and its micro-batches' model work: their sequences
-        counted alone, off the clock at the window's end."""
+        counted alone, off the clock at the window's end; an encoder-decoder's each with its decoder."""
+        self.encoder_decoder = is_encoder_decoder(model)
         for step in steps:
-            step.read_layouts()
+            step.read_layouts(self.encoder_decoder)
         self.settle(model, off_clock, [item for step in steps for _, item in self.laid_out(step)])
         for step in steps:
             self.model_work(step)

@@ -4,6 +4,8 @@ restart, ``cu_seq_lens_*``, ``seq_idx``), read from the batch as the model is gi
 A batch of rows of ``L`` positions holds sequences: runs of real tokens with no restart inside. A padded
 row holds one, a packed row several. The layout gives the samples (sequences), the real tokens, and
 each sequence as a batch of its own (:func:`one_sequence`), whose count is the model's work on it alone.
+An encoder-decoder's row is a pair: its encoder's sequence and its decoder's span (the labels not -100,
+or its ``decoder_attention_mask``), each cut to its own tokens.
 Reading the tensors' values synchronizes a device, so a micro-batch keeps its :class:`LayoutTensors`
 (references, no read) and reads them where the profiler waits for the device anyway.
 """
@@ -16,11 +18,39 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CUMULATIVE_KEYS", "HeldLayout", "Layout", "LayoutTensors", "layout_tensors", "one_sequence"]
+__all__ = [
+    "CUMULATIVE_KEYS",
+    "Decoder",
+    "HeldLayout",
+    "Layout",
+    "LayoutTensors",
+    "Unit",
+    "layout_tensors",
+    "one_sequence",
+]
 
 # HF's keys for sequence boundaries (transformers' DataCollatorWithFlattening, flash-attention kwargs)
 CUMULATIVE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 _MAX_LENGTHS = ("max_length_q", "max_length_k")
+# an encoder-decoder's decoder tensors (transformers' names), cut to a decoder's span, never an encoder's
+_DECODER_KEYS = (
+    "labels",
+    "decoder_input_ids",
+    "decoder_attention_mask",
+    "decoder_position_ids",
+    "decoder_inputs_embeds",
+)
+_LABEL_PAD = -100  # transformers' ignore index: a label position that is padding
+
+Unit = int | tuple[int, int]  # what is counted alone: a sequence's length, or (encoder, decoder) lengths
+
+
+class Decoder(NamedTuple):
+    """An encoder-decoder's rows as pairs: each row's encoder sequence with its decoder's span."""
+
+    length: int  # decoder positions per row
+    pairs: Counter[tuple[int, int]]  # (encoder length, decoder length) -> how many
+    where: dict[tuple[int, int], tuple[int, int, int]]  # -> (row, encoder start, decoder start) of one
 
 
 class Layout(NamedTuple):
@@ -31,6 +61,7 @@ class Layout(NamedTuple):
     length: int
     lengths: Counter[int]  # sequence length -> how many
     where: dict[int, tuple[int, int]]  # sequence length -> (row, start) of one such sequence
+    decoder: Decoder | None = None  # an encoder-decoder's decoder spans (None: not one, or not read)
 
     @property
     def sequences(self) -> int:
@@ -46,12 +77,20 @@ class Layout(NamedTuple):
 
     @property
     def plain(self) -> bool:
-        """Every row one sequence filling it: the batch's work is its sequences' work alone."""
-        return self.lengths == Counter({self.length: self.rows})
+        """Every row one sequence filling it (and its decoder): the batch's work is its sequences' alone."""
+        whole = self.decoder is None or all(d == self.decoder.length for _, d in self.decoder.pairs)
+        return whole and self.lengths == Counter({self.length: self.rows})
+
+    def units(self) -> list[tuple[Unit, int]]:
+        """What is counted alone and how many of each: sequence lengths, or an encoder-decoder's pairs."""
+        if self.decoder is not None:
+            return [(pair, k) for pair, k in self.decoder.pairs.items()]
+        return [(n, k) for n, k in self.lengths.items()]
 
 
 class LayoutTensors(NamedTuple):
-    """The tensors a batch's layout is read from (references: reading waits for the device)."""
+    """The tensors a batch's layout is read from (references: reading waits for the device);
+    ``decoder``: an encoder-decoder's decoder span, its positions ``decoder_pad`` where padding."""
 
     rows: int
     length: int
@@ -59,18 +98,24 @@ class LayoutTensors(NamedTuple):
     position_ids: torch.Tensor | None
     seq_idx: torch.Tensor | None
     cu_seq_lens: torch.Tensor | None
+    decoder: torch.Tensor | None = None
+    decoder_pad: int = _LABEL_PAD
 
     def to_host(self) -> HeldLayout:
         """These tensors copied to the host without waiting for the device (:class:`HeldLayout`)."""
-        tensors = [t for t in self[2:] if isinstance(t, torch.Tensor)]
-        if all(t.device.type == "cpu" for t in tensors):
+        tensors = {k: t for k, t in self._asdict().items() if isinstance(t, torch.Tensor)}
+        if all(t.device.type == "cpu" for t in tensors.values()):
             return HeldLayout(self, None)
-        copies = [t.to("cpu", non_blocking=True) if isinstance(t, torch.Tensor) else None for t in self[2:]]
+        copies: dict[str, Any] = {k: t.to("cpu", non_blocking=True) for k, t in tensors.items()}
         event = None
-        if tensors[0].device.type == "cuda":
+        if next(iter(tensors.values())).device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return HeldLayout(LayoutTensors(self.rows, self.length, *copies), event)
+        return HeldLayout(self._replace(**copies), event)
+
+    def without_decoder(self) -> LayoutTensors:
+        """These tensors with no decoder read (a model that is no encoder-decoder: its labels are not one)."""
+        return self._replace(decoder=None)
 
     def read(self) -> Layout:
         """The sequences: a position starts one where a boundary says so or the one before is padding.
@@ -82,7 +127,7 @@ class LayoutTensors(NamedTuple):
         if mask is not None and all(t is None for t in packing):
             padded = _padded_rows(mask)  # the usual padded batch, read in a few operations
             if padded is not None:
-                return padded
+                return self._laid_out(*padded)
         device = next(t.device for t in self if isinstance(t, torch.Tensor))
         total = rows * length
         start = torch.zeros(total, dtype=torch.bool, device=device)
@@ -113,12 +158,36 @@ class LayoutTensors(NamedTuple):
             seen = real.long().cumsum(0)  # real positions up to each, itself included
             upto = torch.cat((seen[begins], seen[-1:] + 1)).tolist()  # and one past the last
             lengths = [end - at for at, end in zip(upto, upto[1:], strict=False)]
+        return self._laid_out(lengths, starts)
+
+    def _laid_out(self, lengths: list[int], starts: list[int]) -> Layout:
+        """The layout of sequences of ``lengths`` starting at ``starts`` (on the rows laid end to end)."""
         counts: Counter[int] = Counter()
         where: dict[int, tuple[int, int]] = {}
         for n, at in zip(lengths, starts, strict=True):
             counts[n] += 1
-            where.setdefault(n, divmod(at, length))
-        return Layout(rows, length, counts, where)
+            where.setdefault(n, divmod(at, self.length))
+        return Layout(self.rows, self.length, counts, where, self._decoder(lengths, starts))
+
+    def _decoder(self, lengths: list[int], starts: list[int]) -> Decoder | None:
+        """Each row's encoder sequence paired with its decoder's span, from the first to the last real
+        position (a row with none: its decoder's first token, which runs anyway); None with no decoder
+        tensor, or rows packed (whose sequences share one decoder)."""
+        if self.decoder is None:
+            return None
+        rows = [at // self.length for at in starts]
+        if len(set(rows)) != len(rows):
+            return None
+        real = (self.decoder != self.decoder_pad).byte()
+        width = int(real.shape[1])
+        some, first, after_last = torch.stack((real.amax(1), real.argmax(1), real.flip(1).argmax(1))).tolist()
+        pairs: Counter[tuple[int, int]] = Counter()
+        where: dict[tuple[int, int], tuple[int, int, int]] = {}
+        for n, at, row in zip(lengths, starts, rows, strict=True):
+            begin, d = (first[row], width - after_last[row] - first[row]) if some[row] else (0, 1)
+            pairs[n, d] += 1
+            where.setdefault((n, d), (row, at % self.length, begin))
+        return Decoder(width, pairs, where)
 
 
 def _without_end_padding(
@@ -142,21 +211,18 @@ def _without_end_padding(
     return kept
 
 
-def _padded_rows(mask: torch.Tensor) -> Layout | None:
-    """The layout of a padded batch whose every row holds one run of real tokens (padded on the right or
-    the left); None where a row holds several (then read as packed)."""
+def _padded_rows(mask: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """The sequences (lengths, and starts on the rows laid end to end) of a padded batch whose every row
+    holds one run of real tokens (padded on the right or the left); None where a row holds several (then
+    read as packed)."""
     real = mask.to(torch.bool)
     runs = real[:, 0] + (real[:, 1:] > real[:, :-1]).sum(1)  # runs of real tokens, each row
     lengths, counted, starts = torch.stack((real.sum(1), runs, real.byte().argmax(1))).tolist()
     if any(n > 1 for n in counted):
         return None
-    counts: Counter[int] = Counter()
-    where: dict[int, tuple[int, int]] = {}
-    for row, (n, at) in enumerate(zip(lengths, starts, strict=True)):
-        if n:
-            counts[n] += 1
-            where.setdefault(n, (row, at))
-    return Layout(int(mask.shape[0]), int(mask.shape[1]), counts, where)
+    length = int(mask.shape[1])
+    kept = [(n, row * length + at) for row, (n, at) in enumerate(zip(lengths, starts, strict=True)) if n]
+    return [n for n, _ in kept], [at for _, at in kept]
 
 
 class HeldLayout(NamedTuple):
@@ -182,9 +248,12 @@ def _get(batch: Mapping, key: str, rows: int, length: int) -> torch.Tensor | Non
     return value if value.shape[0] in (rows, 1) else None
 
 
-def layout_tensors(batch: Any) -> LayoutTensors | None:
+def layout_tensors(batch: Any, decoder: bool = False) -> LayoutTensors | None:
     """A mapping batch's layout tensors (no value read), or None when it tells no padding or packing:
-    no ``attention_mask`` (2-D), ``position_ids``, ``seq_idx`` nor ``cu_seq_lens_q`` beside its tokens."""
+    no ``attention_mask`` (2-D), ``position_ids``, ``seq_idx`` nor ``cu_seq_lens_q`` beside its tokens;
+    with ``decoder`` (the model is an encoder-decoder, or may be: then read after
+    :meth:`LayoutTensors.without_decoder` where it is not), also the tensor its decoder spans are read
+    from, where it has one (``decoder_attention_mask``, else ``labels``)."""
     if not isinstance(batch, Mapping):
         return None
     found = (batch.get(k) for k in ("input_ids", "labels", "attention_mask"))
@@ -206,20 +275,42 @@ def layout_tensors(batch: Any) -> LayoutTensors | None:
         _get(batch, "seq_idx", rows, length),
         cumulative,
     )
-    return held if any(isinstance(t, torch.Tensor) for t in held[2:]) else None
+    if not any(isinstance(t, torch.Tensor) for t in held[2:]):
+        return None
+    return held._replace(**_decoder_tensor(batch, rows)) if decoder else held
 
 
-def one_sequence(args: Any, layout: Layout, n: int) -> Any:
-    """``args`` (a step's arguments, the batch inside) with the batch cut to one sequence of ``n``
-    tokens of ``layout`` (the first such): tensors of ``rows x length`` cut to it, per-row tensors to its
-    row, boundaries rewritten for one sequence; everything else as it is."""
-    row, start = layout.where[n]
+def _decoder_tensor(batch: Mapping, rows: int) -> dict[str, Any]:
+    """The tensor (and its padding value) an encoder-decoder's decoder spans are read from: its
+    ``decoder_attention_mask``, else its labels (transformers' -100 where padding); none where neither is
+    a rows x positions tensor."""
+    for key, pad in (("decoder_attention_mask", 0), ("labels", _LABEL_PAD)):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == rows:
+            return {"decoder": value, "decoder_pad": pad}
+    return {}
+
+
+def one_sequence(args: Any, layout: Layout, unit: Unit) -> Any:
+    """``args`` (a step's arguments, the batch inside) with the batch cut to one sequence of ``unit``
+    (its tokens; an encoder-decoder's pair: its encoder's and its decoder's) of ``layout`` (the first
+    such): tensors of ``rows x length`` cut to it, an encoder-decoder's decoder tensors to its decoder's
+    span, per-row tensors to its row, boundaries rewritten for one sequence; everything else as it is."""
+    if isinstance(unit, tuple):
+        assert layout.decoder is not None
+        (n, d), (row, start, begin) = unit, layout.decoder.where[unit]
+        span = (layout.decoder.length, begin, d)
+    else:
+        n, (row, start), span = unit, layout.where[unit], None
     rows, length = layout.rows, layout.length
 
     def cut(value: Any, key: Any = None) -> Any:
         if isinstance(value, torch.Tensor):
             if key in CUMULATIVE_KEYS:
                 return torch.tensor([0, n], dtype=value.dtype, device=value.device)
+            if span is not None and key in _DECODER_KEYS and value.dim() >= 2 and value.shape[1] == span[0]:
+                first = row if value.shape[0] == rows else 0
+                return value[first : first + 1, span[1] : span[1] + span[2]]
             if key == "seq_idx" and value.dim() >= 2:
                 return torch.zeros_like(value[row : row + 1, start : start + n])
             if value.dim() >= 2 and value.shape[1] == length and value.shape[0] in (rows, 1):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -229,3 +230,115 @@ def laid_out_window(
         run_step(session, model, optimizer, packed(lengths), number, Sink())
         ran.append(number)
     return ran
+
+
+class Translating(nn.Module):
+    """A toy encoder-decoder (its config says so, as transformers' do): the encoder attends over its mask,
+    the decoder causally to itself and to the encoder, a loss over its labels not -100. Its work grows as
+    n^2, d^2 and n*d in its encoder's and decoder's lengths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(is_encoder_decoder=True, to_dict=dict)
+        self.embed, self.out = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, VOCAB)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        padding = attention_mask[:, None, :] == 0
+        h = self.embed(input_ids)
+        h = (h @ h.transpose(-1, -2)).masked_fill(padding, -1e9).softmax(-1) @ h
+        y = self.embed(labels.clamp(min=0))
+        later = torch.ones(y.shape[1], y.shape[1], dtype=torch.bool, device=y.device).triu(1)
+        y = (y @ y.transpose(-1, -2)).masked_fill(later, -1e9).softmax(-1) @ y
+        y = (y @ h.transpose(-1, -2)).masked_fill(padding, -1e9).softmax(-1) @ h
+        return nn.functional.cross_entropy(self.out(y).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def translations(pairs: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Rows of (input, labels) lengths, each padded to the longest (labels with -100)."""
+    longest, most = max(n for n, _ in pairs), max(d for _, d in pairs)
+    generator = torch.Generator().manual_seed(len(pairs) * longest + most)
+    ids = torch.randint(1, VOCAB, (len(pairs), longest), generator=generator)
+    mask = torch.tensor([[1] * n + [0] * (longest - n) for n, _ in pairs])
+    labels = torch.randint(1, VOCAB, (len(pairs), most), generator=generator)
+    real = torch.tensor([[1] * d + [0] * (most - d) for _, d in pairs])
+    return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels.masked_fill(real == 0, -100)}
+
+
+def translation_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    model(**batch).backward()
+
+
+def alone(model: nn.Module, batch: dict[str, torch.Tensor]) -> BatchCounts:
+    """The counts of each row's pair alone: its encoder's tokens, its decoder's (the engine, summed)."""
+    n, d = batch["attention_mask"].sum(1).tolist(), (batch["labels"] != -100).sum(1).tolist()
+    total = BatchCounts.zero()
+    for r, (encoder, decoder) in enumerate(zip(n, d, strict=True)):
+        row = {"input_ids": batch["input_ids"][r : r + 1, :encoder]}
+        row |= {"attention_mask": batch["attention_mask"][r : r + 1, :encoder]}
+        row |= {"labels": batch["labels"][r : r + 1, :decoder]}
+        model.zero_grad(set_to_none=True)
+        engine = CountingEngine(model)
+        engine.start()
+        try:
+            translation_step(model, row)
+        finally:
+            engine.stop()
+        total = total.plus(BatchCounts.of(engine.totals()[0]))
+    model.zero_grad(set_to_none=True)
+    return total
+
+
+def test_an_encoder_decoders_rows_are_counted_as_pairs_in_the_window_and_after_it() -> None:
+    torch.manual_seed(0)
+    model = Translating()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = StepSession(Options(profile_step=0, clean_steps=2, flops_audit=0), "test", publish=publish)
+    session.train_start(0)
+    generator = torch.Generator().manual_seed(0)
+    window = [
+        [(int(n), int(d)) for n, d in torch.randint(2, 9, (4, 2), generator=generator).tolist()]
+        for _ in range(12)
+    ]
+    batches = []
+    for number, pairs in enumerate(window):
+        if session.result is not None:
+            break
+        batches.append(translations(pairs))
+        seq2seq_run(session, model, optimizer, batches[-1], number, Sink())
+    result = session.result
+    assert result is not None and result.layout is not None and not result.layout.decoder_padding
+    for clean, number in zip(result.figures().steps, result.steps.clean, strict=True):
+        own = alone(model, batches[number])
+        assert (clean.work.counts.model_fwd_flops, clean.work.counts.model_bwd_flops) == own[:2]
+        assert clean.work.counts.run_flops > own.run_flops  # the padding of both is apart
+    # after the window: each pair's own work, a pair a sample
+    after, sink = [translations([(3, 7), (8, 2), (5, 5)]), translations([(2, 2), (6, 8)])], Sink()
+    for i, batch in enumerate(after):
+        seq2seq_run(session, model, optimizer, batch, len(batches) + i, sink)
+    session.log_throughput(len(batches) + len(after), sink)
+    (metrics,) = sink.logged
+    per_sample = metrics[names.THROUGHPUT_FLOPS_PER_SEC] / metrics[names.THROUGHPUT_SAMPLES_PER_SEC]
+    assert per_sample == pytest.approx(sum(alone(model, b).run_flops for b in after) / 5, rel=1e-9)
+    session.train_end(len(batches) + len(after), sink)
+
+
+def seq2seq_run(
+    session: StepSession,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    number: int,
+    sink: Sink,
+) -> None:
+    session.step_start(number, model)
+    optimizer.zero_grad()
+    session.micro_batch_start(batch, Replay(translation_step, batch))
+    loss = model(**batch)
+    session.phase(BACKWARD)
+    loss.backward()
+    session.micro_batch_end()
+    session.phase(OPTIMIZER_STEP)
+    optimizer.step()
+    session.step_end(number + 1, sink)

@@ -128,3 +128,59 @@ def test_one_sequence_of_a_padded_batch_takes_its_row_and_per_row_tensors() -> N
     cut = one_sequence(batch, layout, 5)
     assert cut["input_ids"].tolist() == [[9, 10, 11, 12, 13]] and cut["attention_mask"].tolist() == [[1] * 5]
     assert cut["score"].tolist() == [2.0]
+
+
+def test_an_encoder_decoders_rows_pair_their_encoder_with_their_decoders_span() -> None:
+    # labels padded with -100 on the right (DataCollatorForSeq2Seq), a row with none; or a decoder mask
+    # padded on the left, which is read first
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 1, 1, 1]])
+    labels = torch.tensor([[5, 6, -100, -100, -100], [5, 6, 7, 8, 9], [-100] * 5])
+    batch = {"input_ids": torch.ones(3, 4, dtype=torch.long), "attention_mask": mask, "labels": labels}
+    held = layout_tensors(batch, decoder=True)
+    assert held is not None
+    layout = held.to_host().read()
+    assert layout.decoder is not None and layout.decoder.length == 5
+    assert layout.decoder.pairs == Counter({(3, 2): 1, (4, 5): 1, (3, 1): 1})  # no label: its first token
+    assert layout.decoder.where == {(3, 2): (0, 0, 0), (4, 5): (1, 0, 0), (3, 1): (2, 1, 0)}
+    assert layout.units() == [((3, 2), 1), ((4, 5), 1), ((3, 1), 1)] and not layout.plain
+    assert layout.lengths == Counter({3: 2, 4: 1})  # the samples and real tokens are the encoder's
+    decoder_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
+    held = layout_tensors({**batch, "decoder_attention_mask": decoder_mask}, decoder=True)
+    assert held is not None
+    read = held.read().decoder
+    assert read is not None and read.pairs == Counter({(3, 3): 1, (4, 5): 1, (3, 1): 1})
+    assert read.where == {(3, 3): (0, 0, 2), (4, 5): (1, 0, 0), (3, 1): (2, 1, 4)}
+    # any other model's labels are no decoder; and without ``decoder`` none is kept
+    assert held.without_decoder().read().decoder is None
+    plain = layout_tensors(batch)
+    assert plain is not None and plain.decoder is None and plain.read().decoder is None
+    full = {**batch, "attention_mask": torch.ones(3, 4), "labels": torch.ones(3, 5, dtype=torch.long)}
+    held = layout_tensors(full, decoder=True)
+    assert held is not None and held.read().plain  # every encoder and decoder whole
+
+
+def test_packed_encoder_rows_share_a_decoder_and_are_read_without_one() -> None:
+    batch = {
+        "input_ids": torch.ones(1, 5, dtype=torch.long),
+        "position_ids": torch.tensor([[0, 1, 0, 1, 2]]),
+        "labels": torch.tensor([[1, 2, -100]]),
+    }
+    held = layout_tensors(batch, decoder=True)
+    assert held is not None and held.read().decoder is None
+    assert held.read().lengths == Counter({2: 1, 3: 1})
+
+
+def test_one_pair_cuts_the_decoders_tensors_to_its_decoder_even_as_long_as_the_encoders() -> None:
+    # inputs and labels of 4 positions: the decoder tensors are cut by the decoder's span, not the encoder's
+    ids = torch.arange(8).view(2, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    labels = torch.tensor([[1, 2, 3, 4], [5, 6, -100, -100]])
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "decoder_input_ids": labels + 10}
+    held = layout_tensors(batch, decoder=True)
+    assert held is not None
+    layout = held.read()
+    cut = one_sequence((batch,), layout, (3, 2))[0]
+    assert cut["input_ids"].tolist() == [[5, 6, 7]] and cut["attention_mask"].tolist() == [[1, 1, 1]]
+    assert cut["labels"].tolist() == [[5, 6]] and cut["decoder_input_ids"].tolist() == [[15, 16]]
+    whole = one_sequence(batch, layout, (4, 4))
+    assert whole["labels"].tolist() == [[1, 2, 3, 4]] and whole["input_ids"].tolist() == [[0, 1, 2, 3]]
