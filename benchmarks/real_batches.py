@@ -1,17 +1,19 @@
 """Batches as users feed them, on the HF Trainer with ``HFFlopsCallback(profile_step=5)`` and its defaults:
-dynamic padding (a tiny GPT-2 on sequences of 16 .. 128 tokens, batches of 8 padded to their longest) and
+dynamic padding (a tiny GPT-2 on sequences of 16 .. 128 tokens, batches of 8 padded to their longest),
 padding-free packing (a tiny Llama, ``DataCollatorWithFlattening``: four sequences of 165 .. 204 tokens in
-a row).
+a row) and an encoder-decoder under ``DataCollatorForSeq2Seq`` (a tiny T5: inputs of 16 .. 128 tokens,
+labels of 4 .. 48, batches of 8, each padded to its longest: labels with -100).
 
 1. After the window: the 15 steps after the window's last one (the first included), their wall time with
    the callback over the same steps without it, in pairs run one after the other (the order flips every
    pair); the median over pairs. Goal: <= 1.05. Beside it, the profiler's own counting after the window
    (``after_window`` in the JSON: how many counts, their seconds).
 2. Model and hardware flops of the median clean step against torch's ``FlopCounterMode`` (SDPA's math
-   backend): the model's over its sequences counted alone (goal: within [0.995, 1.025]), the hardware's
+   backend): the model's over its sequences counted alone (an encoder-decoder's: each row's encoder and
+   decoder cut to their own tokens; goal: within [0.995, 1.025]), the hardware's
    over the batch as run (2 x our MACs: equal); samples per step (the packed run: four a row).
 
-    python benchmarks/real_batches.py [--pairs 3] [--after 15]
+    python benchmarks/real_batches.py [--pairs 3] [--after 15] [--runs NAME ...]
 """
 
 from __future__ import annotations
@@ -29,14 +31,19 @@ from typing import Any
 import torch
 import transformers
 from common import RandomLengths, pad_to_longest
+from tokenizers import Tokenizer, models
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import (
+    DataCollatorForSeq2Seq,
     DataCollatorWithFlattening,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5ForConditionalGeneration,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -60,6 +67,37 @@ def llama() -> LlamaForCausalLM:
         max_position_embeddings=1024, tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa",
     )  # fmt: skip
     return LlamaForCausalLM(config)
+
+
+def t5() -> T5ForConditionalGeneration:
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=VOCAB, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return T5ForConditionalGeneration(config)
+
+
+def seq2seq_collator() -> DataCollatorForSeq2Seq:
+    """transformers' collator for an encoder-decoder, with a word-level tokenizer built in memory (pad 0)."""
+    vocab = {"[PAD]": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="[PAD]")
+    return DataCollatorForSeq2Seq(tokenizer, model=t5(), label_pad_token_id=-100)
+
+
+class Translations(torch.utils.data.Dataset):
+    """Inputs of 16 .. 128 tokens, labels of 4 .. 48 (seed 0)."""
+
+    def __init__(self, size: int) -> None:
+        self.inputs = RandomLengths(size, VOCAB, 16, 129).items
+        self.labels = RandomLengths(size + 1, VOCAB, 4, 49).items  # (another size: other lengths)
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return {"input_ids": self.inputs[i].tolist(), "labels": self.labels[i].tolist()}
 
 
 class Packed(torch.utils.data.Dataset):
@@ -101,6 +139,7 @@ class Ends(TrainerCallback):
 RUNS = {
     "dynamic padding (GPT-2, batch 8)": (gpt2, lambda n: RandomLengths(n, VOCAB, 16, 129), pad_to_longest, 8),
     "packed rows (Llama, 4 a row)": (llama, Packed, DataCollatorWithFlattening(), 4),
+    "encoder-decoder (T5, batch 8)": (t5, Translations, seq2seq_collator(), 8),
 }
 
 
@@ -153,7 +192,19 @@ def dense(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
 
 
 def sequences(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """The batch's sequences, each alone: a padded row's real tokens, or a packed row's runs."""
+    """The batch's sequences, each alone: a padded row's real tokens (an encoder-decoder's decoder cut to
+    its labels not -100), or a packed row's runs."""
+    if "decoder_input_ids" in batch:
+        encoder, labels = (
+            batch["attention_mask"].sum(dim=1).tolist(),
+            (batch["labels"] != -100).sum(dim=1).tolist(),
+        )
+        pairs = zip(encoder, labels, strict=True)
+        decoder = ("labels", "decoder_input_ids")
+        return [
+            {k: v[r : r + 1, : (d if k in decoder else n)] for k, v in batch.items()}
+            for r, (n, d) in enumerate(pairs)
+        ]
     if "attention_mask" in batch:
         lengths = batch["attention_mask"].sum(dim=1).tolist()
         return [{k: v[r : r + 1, :n] for k, v in batch.items()} for r, n in enumerate(lengths)]
@@ -184,6 +235,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--after", type=int, default=15)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--runs", nargs="*", choices=list(RUNS), default=list(RUNS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -193,12 +245,12 @@ def main() -> None:
     print(f"## The {args.after} steps after the window, with / without the callback\n")
     print("| run | pair | window's last step | without | with | ratio | after_window |")
     print("|---|---:|---:|---:|---:|---:|---|")
-    for name in RUNS:
+    for name in args.runs:
         after_window(name, args.pairs, args.after, args.steps)
     print("\n## Model and hardware flops of the median clean step against FlopCounterMode\n")
     print("| run | step | samples | model / sequences alone | 2 x MACs / as run | as run / alone |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name in RUNS:
+    for name in args.runs:
         flops_truth(name, 40)
 
 

@@ -258,15 +258,15 @@ def batch_layout(
     clean: list[WindowStep], not_apart: str, encoder_decoder: bool = False
 ) -> BatchLayout | None:
     """The clean steps' token batches as laid out (None: no batch told its layout); ``encoder_decoder``:
-    the model's config says it is one (its batches' layout is its encoder's, its decoders' padding in
-    where a batch's decoder spans were not read)."""
+    the model's config says it is one (its batches' layout is its encoder's; its decoders' padding is in
+    where a batch held decoder tensors whose spans were not read)."""
     read = [lo for s in clean for lo in s.laid_out if lo is not None]
     if not read:
         return None
     rows, sequences = sum(lo.rows for lo in read), sum(lo.sequences for lo in read)
     real, positions = sum(lo.real_tokens for lo in read), sum(lo.positions for lo in read)
     separated = all(lo.plain for lo in read) or not not_apart
-    whole_decoders = encoder_decoder and any(lo.decoder is None for lo in read)
+    whole_decoders = encoder_decoder and any(lo.whole_decoders for lo in read)
     return BatchLayout(rows, sequences, real, positions, "" if separated else not_apart, whole_decoders)
 
 

@@ -48,7 +48,7 @@ Unit = int | tuple[int, int]  # what is counted alone: a sequence's length, or (
 class Decoder(NamedTuple):
     """An encoder-decoder's rows as pairs: each row's encoder sequence with its decoder's span."""
 
-    length: int  # decoder positions per row
+    width: int  # decoder positions per row, padding included
     pairs: Counter[tuple[int, int]]  # (encoder length, decoder length) -> how many
     where: dict[tuple[int, int], tuple[int, int, int]]  # -> (row, encoder start, decoder start) of one
 
@@ -62,6 +62,7 @@ class Layout(NamedTuple):
     lengths: Counter[int]  # sequence length -> how many
     where: dict[int, tuple[int, int]]  # sequence length -> (row, start) of one such sequence
     decoder: Decoder | None = None  # an encoder-decoder's decoder spans (None: not one, or not read)
+    whole_decoders: bool = False  # the batch holds decoder tensors whose spans were not read (counted whole)
 
     @property
     def sequences(self) -> int:
@@ -78,7 +79,7 @@ class Layout(NamedTuple):
     @property
     def plain(self) -> bool:
         """Every row one sequence filling it (and its decoder): the batch's work is its sequences' alone."""
-        whole = self.decoder is None or all(d == self.decoder.length for _, d in self.decoder.pairs)
+        whole = self.decoder is None or all(d == self.decoder.width for _, d in self.decoder.pairs)
         return whole and self.lengths == Counter({self.length: self.rows})
 
     def units(self) -> list[tuple[Unit, int]]:
@@ -90,7 +91,9 @@ class Layout(NamedTuple):
 
 class LayoutTensors(NamedTuple):
     """The tensors a batch's layout is read from (references: reading waits for the device);
-    ``decoder``: an encoder-decoder's decoder span, its positions ``decoder_pad`` where padding."""
+    ``decoder_marks``: an encoder-decoder's tensor that tells its decoder's real positions (its labels, or
+    its decoder mask), ``decoder_pad_value`` where padding; ``decoder_held``: the batch holds decoder
+    tensors (rows x decoder positions)."""
 
     rows: int
     length: int
@@ -98,8 +101,9 @@ class LayoutTensors(NamedTuple):
     position_ids: torch.Tensor | None
     seq_idx: torch.Tensor | None
     cu_seq_lens: torch.Tensor | None
-    decoder: torch.Tensor | None = None
-    decoder_pad: int = _LABEL_PAD
+    decoder_marks: torch.Tensor | None = None
+    decoder_pad_value: int = _LABEL_PAD
+    decoder_held: bool = False
 
     def to_host(self) -> HeldLayout:
         """These tensors copied to the host without waiting for the device (:class:`HeldLayout`)."""
@@ -108,14 +112,14 @@ class LayoutTensors(NamedTuple):
             return HeldLayout(self, None)
         copies: dict[str, Any] = {k: t.to("cpu", non_blocking=True) for k, t in tensors.items()}
         event = None
-        if next(iter(tensors.values())).device.type == "cuda":
+        if any(t.device.type == "cuda" for t in tensors.values()):  # (a batch may hold host tensors too)
             event = torch.cuda.Event()
             event.record()
         return HeldLayout(self._replace(**copies), event)
 
-    def without_decoder(self) -> LayoutTensors:
+    def without_decoder_marks(self) -> LayoutTensors:
         """These tensors with no decoder read (a model that is no encoder-decoder: its labels are not one)."""
-        return self._replace(decoder=None)
+        return self._replace(decoder_marks=None, decoder_held=False)
 
     def read(self) -> Layout:
         """The sequences: a position starts one where a boundary says so or the one before is padding.
@@ -167,18 +171,19 @@ class LayoutTensors(NamedTuple):
         for n, at in zip(lengths, starts, strict=True):
             counts[n] += 1
             where.setdefault(n, divmod(at, self.length))
-        return Layout(self.rows, self.length, counts, where, self._decoder(lengths, starts))
+        decoder = self._decoder(lengths, starts)
+        return Layout(self.rows, self.length, counts, where, decoder, self.decoder_held and decoder is None)
 
     def _decoder(self, lengths: list[int], starts: list[int]) -> Decoder | None:
         """Each row's encoder sequence paired with its decoder's span, from the first to the last real
         position (a row with none: its decoder's first token, which runs anyway); None with no decoder
         tensor, or rows packed (whose sequences share one decoder)."""
-        if self.decoder is None:
+        if self.decoder_marks is None:
             return None
         rows = [at // self.length for at in starts]
         if len(set(rows)) != len(rows):
             return None
-        real = (self.decoder != self.decoder_pad).byte()
+        real = (self.decoder_marks != self.decoder_pad_value).byte()
         width = int(real.shape[1])
         some, first, after_last = torch.stack((real.amax(1), real.argmax(1), real.flip(1).argmax(1))).tolist()
         pairs: Counter[tuple[int, int]] = Counter()
@@ -248,12 +253,13 @@ def _get(batch: Mapping, key: str, rows: int, length: int) -> torch.Tensor | Non
     return value if value.shape[0] in (rows, 1) else None
 
 
-def layout_tensors(batch: Any, decoder: bool = False) -> LayoutTensors | None:
+def layout_tensors(batch: Any, decoder_marks: bool = False) -> LayoutTensors | None:
     """A mapping batch's layout tensors (no value read), or None when it tells no padding or packing:
-    no ``attention_mask`` (2-D), ``position_ids``, ``seq_idx`` nor ``cu_seq_lens_q`` beside its tokens;
-    with ``decoder`` (the model is an encoder-decoder, or may be: then read after
-    :meth:`LayoutTensors.without_decoder` where it is not), also the tensor its decoder spans are read
-    from, where it has one (``decoder_attention_mask``, else ``labels``)."""
+    no ``attention_mask`` (2-D), ``position_ids``, ``seq_idx`` nor ``cu_seq_lens_q`` beside its tokens.
+    With ``decoder_marks`` (for an encoder-decoder), also what tells its decoder's spans: its
+    ``decoder_attention_mask``, else its ``labels``. (A window keeps them for any model, as references,
+    and reads the others' layouts :meth:`LayoutTensors.without_decoder_marks`: which model it is, the
+    window's end says.)"""
     if not isinstance(batch, Mapping):
         return None
     found = (batch.get(k) for k in ("input_ids", "labels", "attention_mask"))
@@ -277,18 +283,25 @@ def layout_tensors(batch: Any, decoder: bool = False) -> LayoutTensors | None:
     )
     if not any(isinstance(t, torch.Tensor) for t in held[2:]):
         return None
-    return held._replace(**_decoder_tensor(batch, rows)) if decoder else held
+    return held._replace(**_decoder_marks(batch, rows)) if decoder_marks else held
 
 
-def _decoder_tensor(batch: Mapping, rows: int) -> dict[str, Any]:
-    """The tensor (and its padding value) an encoder-decoder's decoder spans are read from: its
-    ``decoder_attention_mask``, else its labels (transformers' -100 where padding); none where neither is
-    a rows x positions tensor."""
+def _decoder_marks(batch: Mapping, rows: int) -> dict[str, Any]:
+    """An encoder-decoder's batch's fields of :class:`LayoutTensors`: whether it holds decoder tensors, and
+    the one its decoder's spans are read from (its ``decoder_attention_mask``, else its labels,
+    transformers' -100 where padding), where one is a rows x positions tensor."""
+    held = [batch.get(k) for k in _DECODER_KEYS]
+    fields: dict[str, Any] = {"decoder_held": any(_per_row(v, rows) for v in held)}
     for key, pad in (("decoder_attention_mask", 0), ("labels", _LABEL_PAD)):
         value = batch.get(key)
         if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == rows:
-            return {"decoder": value, "decoder_pad": pad}
-    return {}
+            return {**fields, "decoder_marks": value, "decoder_pad_value": pad}
+    return fields
+
+
+def _per_row(value: Any, rows: int) -> bool:
+    """Whether ``value`` is a tensor of rows (or one row, broadcast) x positions."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] in (rows, 1)
 
 
 def one_sequence(args: Any, layout: Layout, unit: Unit) -> Any:
@@ -299,7 +312,7 @@ def one_sequence(args: Any, layout: Layout, unit: Unit) -> Any:
     if isinstance(unit, tuple):
         assert layout.decoder is not None
         (n, d), (row, start, begin) = unit, layout.decoder.where[unit]
-        span = (layout.decoder.length, begin, d)
+        span = (layout.decoder.width, begin, d)
     else:
         n, (row, start), span = unit, layout.where[unit], None
     rows, length = layout.rows, layout.length

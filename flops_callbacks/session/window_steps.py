@@ -154,7 +154,7 @@ class WindowStep:
             self.tokens = (self.tokens or 0) + tokens
         self.each.append(counts)
         self.counts = None if counts is None or self.counts is None else self.counts.plus(counts)
-        layout = layout_tensors(batch, decoder=True)  # read as pairs where the model is an encoder-decoder
+        layout = layout_tensors(batch, decoder_marks=True)  # read where the model is an encoder-decoder
         self.layouts.append(layout)
         held = keep or layout is not None or self.kind == Kind.COUNTING  # the counting step's: the estimate's
         self.batches.append(batch if held else None)
@@ -163,7 +163,7 @@ class WindowStep:
     def read_layouts(self, encoder_decoder: bool = False) -> None:
         """Read each micro-batch's layout (after the window: it waits for the device); a layout's
         sequences are the micro-batch's samples; ``encoder_decoder``: the model is one (its rows pairs)."""
-        held = [t if t is None or encoder_decoder else t.without_decoder() for t in self.layouts]
+        held = [t if t is None or encoder_decoder else t.without_decoder_marks() for t in self.layouts]
         self.laid_out = [t.read() if t is not None else None for t in held]
         if self.layout_samples and any(self.laid_out):
             read = zip(self.laid_out, self.each_samples, strict=True)

@@ -136,26 +136,26 @@ def test_an_encoder_decoders_rows_pair_their_encoder_with_their_decoders_span() 
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 1, 1, 1]])
     labels = torch.tensor([[5, 6, -100, -100, -100], [5, 6, 7, 8, 9], [-100] * 5])
     batch = {"input_ids": torch.ones(3, 4, dtype=torch.long), "attention_mask": mask, "labels": labels}
-    held = layout_tensors(batch, decoder=True)
+    held = layout_tensors(batch, decoder_marks=True)
     assert held is not None
     layout = held.to_host().read()
-    assert layout.decoder is not None and layout.decoder.length == 5
+    assert layout.decoder is not None and layout.decoder.width == 5
     assert layout.decoder.pairs == Counter({(3, 2): 1, (4, 5): 1, (3, 1): 1})  # no label: its first token
     assert layout.decoder.where == {(3, 2): (0, 0, 0), (4, 5): (1, 0, 0), (3, 1): (2, 1, 0)}
     assert layout.units() == [((3, 2), 1), ((4, 5), 1), ((3, 1), 1)] and not layout.plain
     assert layout.lengths == Counter({3: 2, 4: 1})  # the samples and real tokens are the encoder's
     decoder_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
-    held = layout_tensors({**batch, "decoder_attention_mask": decoder_mask}, decoder=True)
+    held = layout_tensors({**batch, "decoder_attention_mask": decoder_mask}, decoder_marks=True)
     assert held is not None
     read = held.read().decoder
     assert read is not None and read.pairs == Counter({(3, 3): 1, (4, 5): 1, (3, 1): 1})
     assert read.where == {(3, 3): (0, 0, 2), (4, 5): (1, 0, 0), (3, 1): (2, 1, 4)}
     # any other model's labels are no decoder; and without ``decoder`` none is kept
-    assert held.without_decoder().read().decoder is None
+    assert held.without_decoder_marks().read().decoder is None
     plain = layout_tensors(batch)
-    assert plain is not None and plain.decoder is None and plain.read().decoder is None
+    assert plain is not None and plain.decoder_marks is None and plain.read().decoder is None
     full = {**batch, "attention_mask": torch.ones(3, 4), "labels": torch.ones(3, 5, dtype=torch.long)}
-    held = layout_tensors(full, decoder=True)
+    held = layout_tensors(full, decoder_marks=True)
     assert held is not None and held.read().plain  # every encoder and decoder whole
 
 
@@ -165,9 +165,33 @@ def test_packed_encoder_rows_share_a_decoder_and_are_read_without_one() -> None:
         "position_ids": torch.tensor([[0, 1, 0, 1, 2]]),
         "labels": torch.tensor([[1, 2, -100]]),
     }
-    held = layout_tensors(batch, decoder=True)
-    assert held is not None and held.read().decoder is None
+    held = layout_tensors(batch, decoder_marks=True)
+    assert held is not None and held.read().decoder is None and held.read().whole_decoders
     assert held.read().lengths == Counter({2: 1, 3: 1})
+
+
+def test_whole_decoders_are_said_where_a_batch_holds_decoder_tensors_whose_spans_are_not_read() -> None:
+    ids, mask = torch.ones(2, 4, dtype=torch.long), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    told = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([[1, -100], [1, 2]])}
+    untold = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "decoder_input_ids": torch.ones(2, 3, dtype=torch.long),
+    }
+    classes = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": torch.tensor([0, 1]),
+    }  # a decoder of the inputs
+    read = {}
+    for name, batch in (("told", told), ("untold", untold), ("classes", classes)):
+        held = layout_tensors(batch, decoder_marks=True)
+        assert held is not None
+        read[name] = held.read()
+        assert not held.without_decoder_marks().read().whole_decoders  # not an encoder-decoder's
+    assert read["told"].decoder is not None and not read["told"].whole_decoders
+    assert read["untold"].decoder is None and read["untold"].whole_decoders  # its padding unknown: in
+    assert read["classes"].decoder is None and not read["classes"].whole_decoders  # cut with the encoder
 
 
 def test_one_pair_cuts_the_decoders_tensors_to_its_decoder_even_as_long_as_the_encoders() -> None:
@@ -176,7 +200,7 @@ def test_one_pair_cuts_the_decoders_tensors_to_its_decoder_even_as_long_as_the_e
     mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
     labels = torch.tensor([[1, 2, 3, 4], [5, 6, -100, -100]])
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "decoder_input_ids": labels + 10}
-    held = layout_tensors(batch, decoder=True)
+    held = layout_tensors(batch, decoder_marks=True)
     assert held is not None
     layout = held.read()
     cut = one_sequence((batch,), layout, (3, 2))[0]
