@@ -74,8 +74,9 @@ __all__ = [
 class BatchLayout(NamedTuple):
     """The clean steps' token batches as laid out (this rank's): rows, the sequences in them, their real
     tokens and all positions; ``not_apart``: why the model's work could not be told from the run's
-    ("" where it was, or nothing separates them); ``decoder_padding``: an encoder-decoder's, whose
-    sequences are its encoder's, each counted with its row's whole decoder (its padding in)."""
+    ("" where it was, or nothing separates them); ``decoder_padding``: an encoder-decoder's batches held
+    decoder tensors whose spans were not read, so each sequence was counted with its row's whole decoder
+    (its padding in; where they were read, each row is counted as its pair of encoder and decoder)."""
 
     rows: int
     sequences: int
