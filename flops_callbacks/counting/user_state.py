@@ -3,12 +3,12 @@
 A fake count runs the adapter's step function (the user's ``training_step``, the Trainer's
 ``compute_loss``) once more: any state that code touches besides the tensors would differ from a run
 without the profiler. Put back: Python's and NumPy's global random state (torch's is forked by the
-caller), and every attribute of the model's modules and of the step function's owner (the trainer), the
-contents of the lists, dicts (their order too), sets and deques they hold included
-(``self.outputs.append(loss)``), so that no fake tensor stays behind in them, and the state of the random
-generators among them (``random.Random``, NumPy's, ``torch.Generator``). Not put back: what the step
-writes elsewhere (a file, a global, a class attribute, an object reached through something other than a
-list, dict, set, deque or tuple), which the docs say.
+caller), every attribute of the model's modules and of the step function's owner (the trainer), and of
+their classes but torch's own (``Model.calls += 1``, a class-level list), the contents of the lists,
+dicts (their order too), sets and deques they hold included (``self.outputs.append(loss)``), so that no
+fake tensor stays behind in them, and the state of the random generators among them (``random.Random``,
+NumPy's, ``torch.Generator``). Not put back: what the step writes elsewhere (a file, a global, an object
+reached through something other than a list, dict, set, deque or tuple), which the docs say.
 
 Bounded, since a trainer may hold its whole dataset as lists: a container's items are copied (pointers),
 but looked into only when it has at most :data:`LOOK_INSIDE` of them, level by level (every attribute's
@@ -41,12 +41,16 @@ class Kept:
         self.unrestored: list[str] = []
         self.incomplete = ""  # why not every container could be kept ("": all were)
         self._items = 0
-        # an object's own namespace (a class's is a read-only mappingproxy: not a user's state we keep)
+        objects = list(objects)
+        # an object's own namespace (a class given as an object is passed over: its namespace is a
+        # read-only mappingproxy), and the namespaces of the objects' classes (written through setattr)
         namespaces = [getattr(obj, "__dict__", None) for obj in objects]
         self._namespaces = [(ns, list(ns.items())) for ns in namespaces if type(ns) is dict]
+        self._classes = [(cls, list(vars(cls).items())) for cls in _classes_of(objects)]
         self._contents: list[tuple[Any, Any]] = []
         self._generators: list[Callable[[], object]] = []  # each puts a generator of the user's own back
-        self._walk([value for _, before in self._namespaces for _, value in before])
+        held = [*self._namespaces, *self._classes]
+        self._walk([value for _, before in held for _, value in before])
         self._python = random.getstate()
         numpy_random = sys.modules.get("numpy.random")  # imported where the user's code draws from it
         self._numpy = (numpy_random, numpy_random.get_state()) if numpy_random is not None else None
@@ -113,6 +117,38 @@ class Kept:
                     _put_back(value, before)
             except Exception as error:  # noqa: BLE001  (a container of a type that refuses it)
                 self.unrestored.append(f"a {type(value).__name__} ({type(error).__name__}: {error})")
+        for cls, attributes in self._classes:
+            try:
+                _put_back_class(cls, attributes)
+            except Exception as error:  # noqa: BLE001  (a class that refuses a write)
+                self.unrestored.append(f"the class {cls.__name__} ({type(error).__name__}: {error})")
+
+
+_MISSING = object()
+
+
+def _classes_of(objects: list[Any]) -> list[type]:
+    """The classes of ``objects`` and their bases whose attributes a user's step may write: all but
+    Python's and torch's own (``nn.Linear``'s hold no state of a run)."""
+    seen: dict[type, None] = {}
+    for obj in objects:
+        for cls in type(obj).__mro__:
+            module = getattr(cls, "__module__", "") or ""
+            if module != "builtins" and module != "torch" and not module.startswith("torch."):
+                seen.setdefault(cls)
+    return list(seen)
+
+
+def _put_back_class(cls: type, attributes: list[tuple[str, Any]]) -> None:
+    """``cls``'s attributes as in ``attributes`` (by identity): those added since deleted, those replaced
+    set back."""
+    before = dict(attributes)
+    now = vars(cls)
+    for name in [name for name in now if name not in before]:
+        delattr(cls, name)
+    for name, value in attributes:
+        if now.get(name, _MISSING) is not value:
+            setattr(cls, name, value)
 
 
 def _generator_put_back(value: Any) -> Callable[[], object] | None:

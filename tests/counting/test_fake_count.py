@@ -164,6 +164,29 @@ def test_what_the_users_step_changes_beside_the_tensors_is_put_back(fail: bool) 
     assert (owner.losses, owner.calls) == ([], 0)
 
 
+class _Scheduled(_Mlp):
+    """A model whose class counts its steps and keeps their losses (a schedule read by the next step)."""
+
+    steps = 0
+    losses: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Scheduled.steps += 1
+        out = super().forward(x) * (1 + _Scheduled.steps)
+        _Scheduled.losses.append(out.sum())
+        return out
+
+
+def test_what_the_users_step_writes_on_the_models_class_is_put_back() -> None:
+    model, x = _Scheduled(), torch.randn(4, 8)
+    _Scheduled.steps, _Scheduled.losses = 0, []
+    model(x).sum().backward()  # a real step: the schedule advances
+    counted = fake_count(model, lambda m, x: m(x).sum().backward(), x)
+    assert counted.fwd_macs == 4 * 8 * 16
+    assert _Scheduled.steps == 1 and len(_Scheduled.losses) == 1  # the fake count left no step behind
+    assert type(_Scheduled.losses[0]) is torch.Tensor  # and no fake tensor in the class's list
+
+
 @functools.cache
 def _causal_mask(length: int) -> torch.Tensor:
     """A mask cached per length for the whole process, as models do: made by the first step of a length."""

@@ -157,3 +157,30 @@ def test_a_class_is_passed_over_and_what_cannot_be_put_back_is_said() -> None:
     saved.restore()
     assert Kind.value == 2 and not hasattr(holder, "count")  # the rest is put back all the same
     assert saved.unrestored == ["a Locking (RuntimeError: locked)"]
+
+
+class Counted(torch.nn.Module):
+    """A model that counts its calls and keeps its losses on its class, as a step schedule may."""
+
+    calls = 0
+    history: list[Any] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        Counted.history.append(x)
+        return x
+
+
+def test_the_classes_attributes_are_put_back_but_torchs_own_classes_are_not_looked_at() -> None:
+    model = torch.nn.Sequential(Counted(), torch.nn.Linear(2, 2))
+    Counted.calls, Counted.history = 3, [1]
+    history = Counted.history
+    saved = Kept([*model.modules()])
+    model(torch.ones(2))
+    Counted.added = "new"  # type: ignore[attr-defined]
+    saved.restore()
+    assert saved.unrestored == []
+    assert Counted.calls == 3 and Counted.history is history and history == [1]
+    assert not hasattr(Counted, "added")
+    assert torch.nn.Linear not in [cls for cls, _ in saved._classes]
+    assert Counted in [cls for cls, _ in saved._classes]
