@@ -18,6 +18,7 @@ and the caller runs no replay (a container left out could keep a fake tensor).
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 from collections import OrderedDict, deque
@@ -34,16 +35,17 @@ BUDGET = 1_000_000  # items copied in all, at most: beyond, the state is too lar
 
 
 class Kept:
-    """The random state and the attributes of ``objects`` (containers' contents included, :data:`DEPTH`
-    deep) as they were when made; :meth:`restore` puts them back, ``unrestored`` says what it could not."""
+    """The random state and the attributes of ``objects`` and of their classes (containers' contents
+    included, :data:`DEPTH` deep) as they were when made; :meth:`restore` puts them back, ``unrestored``
+    says what it could not."""
 
     def __init__(self, objects: Iterable[Any]) -> None:
         self.unrestored: list[str] = []
         self.incomplete = ""  # why not every container could be kept ("": all were)
         self._items = 0
         objects = list(objects)
-        # an object's own namespace (a class given as an object is passed over: its namespace is a
-        # read-only mappingproxy), and the namespaces of the objects' classes (written through setattr)
+        # an object's own namespace, and those of the objects' classes (a class given as an object is
+        # passed over: the model's modules and the trainer are the objects, never a class)
         namespaces = [getattr(obj, "__dict__", None) for obj in objects]
         self._namespaces = [(ns, list(ns.items())) for ns in namespaces if type(ns) is dict]
         self._classes = [(cls, list(vars(cls).items())) for cls in _classes_of(objects)]
@@ -118,10 +120,11 @@ class Kept:
             except Exception as error:  # noqa: BLE001  (a container of a type that refuses it)
                 self.unrestored.append(f"a {type(value).__name__} ({type(error).__name__}: {error})")
         for cls, attributes in self._classes:
-            try:
-                _put_back_class(cls, attributes)
-            except Exception as error:  # noqa: BLE001  (a class that refuses a write)
-                self.unrestored.append(f"the class {cls.__name__} ({type(error).__name__}: {error})")
+            for name, write in _class_writes(cls, attributes):
+                try:
+                    write()
+                except Exception as error:  # noqa: BLE001  (a class that refuses a write: the others still go)
+                    self.unrestored.append(f"{cls.__name__}.{name} ({type(error).__name__}: {error})")
 
 
 _MISSING = object()
@@ -139,16 +142,18 @@ def _classes_of(objects: list[Any]) -> list[type]:
     return list(seen)
 
 
-def _put_back_class(cls: type, attributes: list[tuple[str, Any]]) -> None:
-    """``cls``'s attributes as in ``attributes`` (by identity): those added since deleted, those replaced
-    set back."""
+def _class_writes(cls: type, attributes: list[tuple[str, Any]]) -> list[tuple[str, Callable[[], None]]]:
+    """The writes that make ``cls``'s attributes those of ``attributes`` again (by identity), each by
+    name: those added since deleted, those replaced set back."""
     before = dict(attributes)
     now = vars(cls)
-    for name in [name for name in now if name not in before]:
-        delattr(cls, name)
+    writes: list[tuple[str, Callable[[], None]]] = [
+        (name, functools.partial(delattr, cls, name)) for name in now if name not in before
+    ]
     for name, value in attributes:
         if now.get(name, _MISSING) is not value:
-            setattr(cls, name, value)
+            writes.append((name, functools.partial(setattr, cls, name, value)))
+    return writes
 
 
 def _generator_put_back(value: Any) -> Callable[[], object] | None:

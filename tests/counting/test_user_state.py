@@ -184,3 +184,24 @@ def test_the_classes_attributes_are_put_back_but_torchs_own_classes_are_not_look
     assert not hasattr(Counted, "added")
     assert torch.nn.Linear not in [cls for cls, _ in saved._classes]
     assert Counted in [cls for cls, _ in saved._classes]
+
+
+class Refusing(type):
+    """A metaclass that refuses to delete one attribute of its classes."""
+
+    def __delattr__(cls, name: str) -> None:
+        if name == "kept":
+            raise AttributeError("cannot delete kept")
+        super().__delattr__(name)
+
+
+class Guarded(torch.nn.Module, metaclass=type("RefusingModule", (Refusing, type(torch.nn.Module)), {})):
+    steps = 0
+
+
+def test_a_class_that_refuses_one_write_still_has_its_other_attributes_put_back() -> None:
+    saved = Kept([Guarded()])
+    Guarded.steps, Guarded.kept, Guarded.added = 5, 1, 2  # type: ignore[attr-defined]
+    saved.restore()
+    assert saved.unrestored == ["Guarded.kept (AttributeError: cannot delete kept)"]
+    assert Guarded.steps == 0 and not hasattr(Guarded, "added") and Guarded.kept == 1
