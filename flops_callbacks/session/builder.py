@@ -15,7 +15,7 @@ import torch
 
 from flops_callbacks.communication.figures import CommFigures, comm_figures, comm_means, median_comm
 from flops_callbacks.communication.slow_rank import RankTimes, SlowRank, find_slow_rank
-from flops_callbacks.counting.estimate import estimate_rows, is_encoder_decoder, model_config
+from flops_callbacks.counting.estimate import estimate_rows, model_config
 from flops_callbacks.parallel import sharded_params
 from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_peak
 from flops_callbacks.phase_names import STEP_PHASES
@@ -233,7 +233,7 @@ def build_result(
         energy=energy,
         slow_rank=slow_rank(rows, model),
         no_energy_reason=no_energy,
-        layout=batch_layout(clean, not_apart, is_encoder_decoder(model)),
+        layout=batch_layout(clean, not_apart),
     )
 
 
@@ -254,19 +254,16 @@ def slow_rank(rows: Sequence[RankRow], model: torch.nn.Module) -> SlowRank | Non
     return find_slow_rank(times, unsharded=sharded_params(model) is None)
 
 
-def batch_layout(
-    clean: list[WindowStep], not_apart: str, encoder_decoder: bool = False
-) -> BatchLayout | None:
-    """The clean steps' token batches as laid out (None: no batch told its layout); ``encoder_decoder``:
-    the model's config says it is one (its batches' layout is its encoder's; its decoders' padding is in
-    where a batch held decoder tensors whose spans were not read)."""
+def batch_layout(clean: list[WindowStep], not_apart: str) -> BatchLayout | None:
+    """The clean steps' token batches as laid out (None: no batch told its layout; an encoder-decoder's
+    layout is its encoder's, its decoders' padding in where a batch's decoder spans were not read)."""
     read = [lo for s in clean for lo in s.laid_out if lo is not None]
     if not read:
         return None
     rows, sequences = sum(lo.rows for lo in read), sum(lo.sequences for lo in read)
     real, positions = sum(lo.real_tokens for lo in read), sum(lo.positions for lo in read)
     separated = all(lo.plain for lo in read) or not not_apart
-    whole_decoders = encoder_decoder and any(lo.whole_decoders for lo in read)
+    whole_decoders = any(lo.whole_decoders for lo in read)  # (only an encoder-decoder's are read so)
     return BatchLayout(rows, sequences, real, positions, "" if separated else not_apart, whole_decoders)
 
 
