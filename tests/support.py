@@ -24,10 +24,12 @@ import torch.nn.functional as F
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.phase_names import BACKWARD, OPTIMIZER_STEP
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.result import WindowSteps
+from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.step_session import StepSession
 from flops_callbacks.session.window_plan import COMM_MIN, Kind, head
 from flops_callbacks.timing.clock import CpuClock
@@ -370,3 +372,15 @@ def forward_timed(model: nn.Module, x: torch.Tensor) -> ModuleTimer:
     finally:
         timer.stop()
     return timer
+
+
+def loss_counts(model: nn.Module, batch: dict[str, torch.Tensor], **extra: Any) -> BatchCounts:
+    """The counting engine on one micro-batch of a transformers model, called as the HF Trainer calls it
+    (``model(**batch, **extra).loss``, then its backward): a step's first, with no gradient to add to."""
+    engine = CountingEngine(model)
+    engine.start()
+    try:
+        model(**batch, **extra).loss.backward()
+    finally:
+        engine.stop()
+    return BatchCounts.of(engine.profile().model)

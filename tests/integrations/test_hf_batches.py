@@ -36,12 +36,11 @@ from transformers import (
 )
 
 from flops_callbacks import metrics as names
-from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from flops_callbacks.reporting.publish import picture
 from flops_callbacks.reporting.window_rows import layout_lines, module_source
 from flops_callbacks.session.shape_flops import BatchCounts
-from tests.support import check_step
+from tests.support import check_step, loss_counts
 
 VOCAB, PEAK = 512, 1e12
 
@@ -261,25 +260,13 @@ def test_an_encoder_decoder_counts_each_row_with_its_encoders_and_its_decoders_o
             {k: v[r : r + 1, : (d if k in ("labels", "decoder_input_ids") else n)] for k, v in ran.items()}
             for r, (n, d) in enumerate(pairs)
         ]
-        engine = [t5_counts(row, num_items_in_batch=(ran["labels"] != -100).sum()) for row in rows]
+        engine = [loss_counts(t5(), row, num_items_in_batch=(ran["labels"] != -100).sum()) for row in rows]
         model = clean.work.counts
         assert model.model_fwd_flops == sum(c.fwd_flops for c in engine)
         assert model.model_bwd_flops == sum(c.bwd_flops for c in engine)
         # torch's count of the same examples alone: its matmuls and attention (ours adds the elementwise)
         assert 1.0 <= model.model_flops / sum(dense_flops(t5(), row) for row in rows) <= 1.03
         assert model.hardware_flops > 1.2 * model.model_flops  # both stacks' padding is worth leaving out
-
-
-def t5_counts(batch: dict[str, torch.Tensor], **extra: Any) -> BatchCounts:
-    """The counting engine on one micro-batch of a fresh tiny T5, called as the Trainer calls it."""
-    model = t5()
-    engine = CountingEngine(model)
-    engine.start()
-    try:
-        model(**batch, **extra).loss.backward()
-    finally:
-        engine.stop()
-    return BatchCounts.of(engine.profile().model)
 
 
 def test_gpt2_fed_input_ids_and_labels_counts_new_shapes_off_the_clock(tmp_path: Path) -> None:

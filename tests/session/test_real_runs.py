@@ -27,12 +27,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from flops_callbacks import metrics as names
-from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback
 from flops_callbacks.session.shape_flops import BatchCounts
 from tests.reporting.test_report_arithmetic import check_arithmetic
-from tests.support import lightning_settings
+from tests.support import lightning_settings, loss_counts
 
 VOCAB, BATCH, SLEEP = 97, 4, 0.5  # the collator's sleep: most of a step, even on a busy machine
 PROFILE_STEP, CLEAN_STEPS, MAX_STEPS = 1, 3, 16
@@ -85,15 +84,8 @@ class SlowPaddingCollator:
 def engine_counts(batch: dict[str, torch.Tensor], hf: bool) -> BatchCounts:
     """The counting engine on one step's batch (a step's first micro-batch: no gradient to add to),
     called as the Trainer calls the model (the HF Trainer divides the loss by the real labels' count)."""
-    model = gpt2()
     extra = {"num_items_in_batch": (batch["labels"][:, 1:] != -100).sum()} if hf else {}
-    tracer = CountingEngine(model)
-    tracer.start()
-    try:
-        model(**batch, **extra).loss.backward()
-    finally:
-        tracer.stop()
-    return BatchCounts.of(tracer.profile().model)
+    return loss_counts(gpt2(), batch, **extra)
 
 
 def rows_alone(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -106,17 +98,8 @@ def model_passes(batch: dict[str, torch.Tensor], hf: bool) -> tuple[int, int]:
     """The forward and backward flops of a padded batch's rows, each counted alone on its real tokens
     (the HF Trainer's loss divisor is the batch's, as its step passes it to every row)."""
     extra = {"num_items_in_batch": (batch["labels"][:, 1:] != -100).sum()} if hf else {}
-    fwd = bwd = 0
-    for row in rows_alone(batch):
-        model = gpt2()
-        engine = CountingEngine(model)
-        engine.start()
-        try:
-            model(**row, **extra).loss.backward()
-        finally:
-            engine.stop()
-        fwd, bwd = fwd + engine.profile().model.fwd_flops, bwd + engine.profile().model.bwd_flops
-    return fwd, bwd
+    each = [loss_counts(gpt2(), row, **extra) for row in rows_alone(batch)]
+    return sum(c.fwd_flops for c in each), sum(c.bwd_flops for c in each)
 
 
 def work(batch: dict[str, torch.Tensor], hf: bool) -> BatchCounts:

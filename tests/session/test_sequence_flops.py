@@ -4,6 +4,7 @@ under fake tensors, the fewest lengths counted (the extremes first) and the rest
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -42,12 +43,18 @@ class Attending(nn.Module):
         return self.out(scores.softmax(-1) @ h)
 
 
+def attending_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(batch["input_ids"], batch["attention_mask"]).sum()
+
+
 def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
-    model(batch["input_ids"], batch["attention_mask"]).sum().backward()
+    attending_loss(model, batch).backward()
 
 
-def counted(model: nn.Module, batch: dict[str, torch.Tensor]) -> BatchCounts:
-    """The engine's count of one step's first micro-batch (no gradient to add to)."""
+def counted(
+    model: nn.Module, batch: dict[str, torch.Tensor], step: Callable[..., None] = step
+) -> BatchCounts:
+    """The engine's count of one ``step``'s first micro-batch (no gradient to add to)."""
     model.zero_grad(set_to_none=True)
     engine = CountingEngine(model)
     engine.start()
@@ -206,11 +213,15 @@ def run_step(
     batch: Any,
     number: int,
     sink: Sink,
+    loss_of: Callable[..., torch.Tensor] = attending_loss,
+    replay: Callable[..., None] = packed_step,
 ) -> None:
+    """One training step through the session: ``loss_of``'s forward, its backward, SGD; ``replay``: the
+    step again, for a fake count."""
     session.step_start(number, model)
     optimizer.zero_grad()
-    session.micro_batch_start(batch, Replay(packed_step, batch))
-    loss = model(batch["input_ids"], batch["attention_mask"]).sum()
+    session.micro_batch_start(batch, Replay(replay, batch))
+    loss = loss_of(model, batch)
     session.phase(BACKWARD)
     loss.backward()
     session.micro_batch_end()
@@ -266,8 +277,15 @@ def translations(pairs: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels.masked_fill(real == 0, -100)}
 
 
+def translation_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch)
+
+
 def translation_step(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
-    model(**batch).backward()
+    translation_loss(model, batch).backward()
+
+
+TRANSLATING = (translation_loss, translation_step)  # run_step's loss and replay for an encoder-decoder
 
 
 def alone(model: nn.Module, batch: dict[str, torch.Tensor]) -> BatchCounts:
@@ -278,15 +296,7 @@ def alone(model: nn.Module, batch: dict[str, torch.Tensor]) -> BatchCounts:
         row = {"input_ids": batch["input_ids"][r : r + 1, :encoder]}
         row |= {"attention_mask": batch["attention_mask"][r : r + 1, :encoder]}
         row |= {"labels": batch["labels"][r : r + 1, :decoder]}
-        model.zero_grad(set_to_none=True)
-        engine = CountingEngine(model)
-        engine.start()
-        try:
-            translation_step(model, row)
-        finally:
-            engine.stop()
-        total = total.plus(BatchCounts.of(engine.totals()[0]))
-    model.zero_grad(set_to_none=True)
+        total = total.plus(counted(model, row, translation_step))
     return total
 
 
@@ -306,7 +316,7 @@ def test_an_encoder_decoders_rows_are_counted_as_pairs_in_the_window_and_after_i
         if session.result is not None:
             break
         batches.append(translations(pairs))
-        seq2seq_run(session, model, optimizer, batches[-1], number, Sink())
+        run_step(session, model, optimizer, batches[-1], number, Sink(), *TRANSLATING)
     result = session.result
     assert result is not None and result.layout is not None and not result.layout.decoder_padding
     for clean, number in zip(result.figures().steps, result.steps.clean, strict=True):
@@ -316,29 +326,9 @@ def test_an_encoder_decoders_rows_are_counted_as_pairs_in_the_window_and_after_i
     # after the window: each pair's own work, a pair a sample
     after, sink = [translations([(3, 7), (8, 2), (5, 5)]), translations([(2, 2), (6, 8)])], Sink()
     for i, batch in enumerate(after):
-        seq2seq_run(session, model, optimizer, batch, len(batches) + i, sink)
+        run_step(session, model, optimizer, batch, len(batches) + i, sink, *TRANSLATING)
     session.log_throughput(len(batches) + len(after), sink)
     (metrics,) = sink.logged
     per_sample = metrics[names.THROUGHPUT_FLOPS_PER_SEC] / metrics[names.THROUGHPUT_SAMPLES_PER_SEC]
     assert per_sample == pytest.approx(sum(alone(model, b).run_flops for b in after) / 5, rel=1e-9)
     session.train_end(len(batches) + len(after), sink)
-
-
-def seq2seq_run(
-    session: StepSession,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Any,
-    number: int,
-    sink: Sink,
-) -> None:
-    session.step_start(number, model)
-    optimizer.zero_grad()
-    session.micro_batch_start(batch, Replay(translation_step, batch))
-    loss = model(**batch)
-    session.phase(BACKWARD)
-    loss.backward()
-    session.micro_batch_end()
-    session.phase(OPTIMIZER_STEP)
-    optimizer.step()
-    session.step_end(number + 1, sink)
