@@ -1,6 +1,6 @@
 """The command line on real runs' files (tests/saved_runs.py: A, A2 the same configuration, B with
-the module ``slow`` slowed by SLOWER seconds, C with twice the batch), run as a real process:
-``python -m flops_callbacks`` and the ``flops-callbacks`` console script's entry point.
+the module ``slow`` slowed by SLOWER seconds, C with twice the batch): its ``main`` in this process, and
+as a real process, ``python -m flops_callbacks`` and the ``flops-callbacks`` console script's entry point.
 
 ``show`` prints the report the run printed; ``diff A B`` names the slowed module first; ``gate`` exits 1
 on B, 0 on A2 and 2 on bad input, naming it; no colour when the output is not a terminal.
@@ -8,6 +8,7 @@ on B, 0 on A2 and 2 on bad input, naming it; no colour when the output is not a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -29,6 +30,20 @@ from tests.saved_runs import BATCH, SLOWER
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSI = "\033["
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """The command line's ``main`` on ``args`` in this process, what it prints and its exit code caught as
+    a process's would be (argparse's errors exit through ``SystemExit``). The process around it (the
+    module's and the console script's entry, the exit code, a closed pipe) is tested apart, with ``run``:
+    each such process spends seconds importing torch."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit:
+            code = exit.code
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def run(*args: str, entry: str = "module", timeout: float = 120) -> subprocess.CompletedProcess:
@@ -59,7 +74,7 @@ def in_group(command: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 def test_show_prints_the_report_the_run_wrote_and_its_picture(runs: dict[str, Path], tmp_path: Path) -> None:
     page = tmp_path / "a.html"
-    done = run("show", str(runs["A"]), "--html", str(page))
+    done = cli("show", str(runs["A"]), "--html", str(page))
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout == runs["A"].with_suffix(".txt").read_text()  # the report, every line of it
     assert page.read_text() == runs["A"].with_suffix(".html").read_text()
@@ -83,7 +98,7 @@ def module_rows(text: str) -> list[list[str]]:
 
 
 def test_diff_names_the_slowed_module_first_by_its_own_time(runs: dict[str, Path]) -> None:
-    done = run("diff", str(runs["A"]), str(runs["B"]))
+    done = cli("diff", str(runs["A"]), str(runs["B"]))
     assert (done.returncode, done.stderr) == (0, "")
     assert ANSI not in done.stdout  # not a terminal: no colours
     assert "NOTE" not in done.stdout  # the same work: times are comparable
@@ -98,7 +113,7 @@ def test_diff_names_the_slowed_module_first_by_its_own_time(runs: dict[str, Path
     fwd = next(line for line in done.stdout.splitlines() if line.startswith("fwd_latency "))
     assert fwd.endswith("worse")
 
-    data = json.loads(run("diff", str(runs["A"]), str(runs["B"]), "--json").stdout)
+    data = json.loads(cli("diff", str(runs["A"]), str(runs["B"]), "--json").stdout)
     slow = data["modules"][0]
     assert (slow["name"], slow["noise"], data["same_work"]) == ("slow", False, True)
     assert data["module_times_measured"] == {"a": True, "b": True}
@@ -110,7 +125,7 @@ def test_diff_names_the_slowed_module_first_by_its_own_time(runs: dict[str, Path
 
 
 def test_diff_top_0_lists_the_figures_alone(runs: dict[str, Path]) -> None:
-    done = run("diff", str(runs["A"]), str(runs["B"]), "--top", "0")
+    done = cli("diff", str(runs["A"]), str(runs["B"]), "--top", "0")
     assert done.returncode == 0 and "fwd_latency" in done.stdout
     last = done.stdout.splitlines()[-1]
     assert last.startswith("Modules by the change of their own time") and ": 0 of the " in last
@@ -118,7 +133,7 @@ def test_diff_top_0_lists_the_figures_alone(runs: dict[str, Path]) -> None:
 
 
 def test_diff_of_runs_that_did_other_work_says_so_first(runs: dict[str, Path]) -> None:
-    done = run("diff", str(runs["A"]), str(runs["C"]))
+    done = cli("diff", str(runs["A"]), str(runs["C"]))
     lines = done.stdout.splitlines()
     note = next(i for i, line in enumerate(lines) if line.startswith("NOTE: the runs did different work"))
     assert note < next(i for i, line in enumerate(lines) if line.startswith("Headline figures"))
@@ -127,25 +142,25 @@ def test_diff_of_runs_that_did_other_work_says_so_first(runs: dict[str, Path]) -
 
 
 def test_gate_fails_the_slowed_run_with_a_one_line_reason(runs: dict[str, Path]) -> None:
-    done = run("gate", str(runs["A"]), str(runs["B"]), "--fail-on", "fwd_latency:+10%")
+    done = cli("gate", str(runs["A"]), str(runs["B"]), "--fail-on", "fwd_latency:+10%")
     assert (done.returncode, done.stderr) == (1, "")
     assert len(done.stdout.splitlines()) == 1
     assert done.stdout.startswith("FAIL: fwd_latency got worse: ")
     assert "beyond fwd_latency:+10% and above the base run's range over its clean steps (A " in done.stdout
-    both = run(
+    both = cli(
         "gate", str(runs["A"]), str(runs["B"]), "--fail-on", "fwd_latency:+10%", "--fail-on", "mfu:-5%"
     )
     assert both.returncode == 1 and "; mfu got worse: " in both.stdout
 
 
 def test_gate_passes_a_run_of_the_same_configuration(runs: dict[str, Path]) -> None:
-    done = run("gate", str(runs["A"]), str(runs["A2"]), "--fail-on", "fwd_latency:+10%")
+    done = cli("gate", str(runs["A"]), str(runs["A2"]), "--fail-on", "fwd_latency:+10%")
     assert (done.returncode, done.stderr) == (0, ""), done.stdout
     assert done.stdout.startswith("ok: fwd_latency: ") and len(done.stdout.splitlines()) == 1
 
 
 def test_gate_json_says_each_check(runs: dict[str, Path]) -> None:
-    done = run("gate", str(runs["A"]), str(runs["B"]), "--fail-on", "fwd_latency:+10%", "--json")
+    done = cli("gate", str(runs["A"]), str(runs["B"]), "--fail-on", "fwd_latency:+10%", "--json")
     data = json.loads(done.stdout)
     assert (done.returncode, data["passed"], data["exit_code"]) == (1, False, 1)
     (check,) = data["checks"]
@@ -187,7 +202,7 @@ def test_gate_reads_a_folder_as_several_runs_their_median_within_their_range(
 ) -> None:
     base = copy_runs(tmp_path / "base", runs["A"], runs["A2"])
     fwd = [json.loads(runs[r].read_text())["metrics"]["flops_profiler/fwd_latency"] for r in ("A", "A2", "B")]
-    done = run("gate", str(base), str(runs["B"]), "--fail-on", "fwd_latency:+10%", "--json")
+    done = cli("gate", str(base), str(runs["B"]), "--fail-on", "fwd_latency:+10%", "--json")
     data = json.loads(done.stdout)
     assert (done.returncode, data["exit_code"], data["base"], data["new"]) == (
         1,
@@ -205,12 +220,12 @@ def test_gate_reads_a_folder_as_several_runs_their_median_within_their_range(
         "runs": 2,
     }
     assert check["new"]["value"] == fwd[2] and check["new"]["runs"] == 1
-    line = run("gate", str(base), str(runs["B"]), "--fail-on", "fwd_latency:+10%").stdout
+    line = cli("gate", str(base), str(runs["B"]), "--fail-on", "fwd_latency:+10%").stdout
     assert line.startswith("FAIL: fwd_latency got worse: ")
     assert "beyond fwd_latency:+10% and above the base's range over its 2 runs (A " in line
     # the same runs on both sides, in another order: the same median, a pass
     new = copy_runs(tmp_path / "new", runs["A2"], runs["A"])
-    done = run("gate", str(base), str(new), "--fail-on", "fwd_latency:+10%")
+    done = cli("gate", str(base), str(new), "--fail-on", "fwd_latency:+10%")
     assert (done.returncode, done.stderr) == (0, "") and done.stdout.startswith("ok: fwd_latency: ")
     assert "(+0.0%), within fwd_latency:+10%" in done.stdout
 
@@ -219,7 +234,7 @@ def test_gate_exits_2_on_a_folder_of_runs_that_did_other_work_or_of_none(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:
     mixed = copy_runs(tmp_path / "mixed", runs["A"], runs["C"])
-    done = run("gate", str(mixed), str(runs["A"]), "--fail-on", "fwd_latency:+10%")
+    done = cli("gate", str(mixed), str(runs["A"]), "--fail-on", "fwd_latency:+10%")
     other = mixed / "run1" / runs["C"].name
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr.startswith(
@@ -228,12 +243,12 @@ def test_gate_exits_2_on_a_folder_of_runs_that_did_other_work_or_of_none(
     ), done.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    done = run("gate", str(runs["A"]), str(empty), "--fail-on", "fwd_latency:+10%")
+    done = cli("gate", str(runs["A"]), str(empty), "--fail-on", "fwd_latency:+10%")
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr.startswith(
         f"flops-callbacks gate: error: {empty}: a folder with no flops_profile_step"
     )
-    done = run("diff", str(empty), str(runs["A"]))
+    done = cli("diff", str(empty), str(runs["A"]))
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr.startswith(
         f"flops-callbacks diff: error: {empty}: a folder: diff compares two profile"
@@ -257,7 +272,7 @@ def test_gate_exits_2_on_a_file_that_is_not_a_profile_and_names_it(
         ): f"{tmp_path / 'missing.json'}: cannot be read (No such file or directory)",
     }
     for (base, new, rule), message in cases.items():
-        done = run("gate", base, new, "--fail-on", rule)
+        done = cli("gate", base, new, "--fail-on", rule)
         assert (done.returncode, done.stdout) == (2, ""), (rule, done.stdout)
         assert done.stderr.startswith(f"flops-callbacks gate: error: {message}"), done.stderr
 
@@ -307,7 +322,7 @@ def test_bad_options_and_unwritable_pages_exit_2_naming_the_option(
         ("show", str(binary)): f"show: error: {binary}: not a profile: not UTF-8 text (invalid start byte)",
     }
     for args, message in cases.items():
-        done = run(*args)
+        done = cli(*args)
         assert done.returncode == 2 and (done.stdout == "" or "--html" in args), args  # the report came first
         assert f"flops-callbacks {message}" in done.stderr, done.stderr
 
