@@ -130,8 +130,8 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     ``trainer.compute_loss`` likewise marks the start and the end of the forward. Everything the
     profiler runs lives inside that call and is removed in its ``finally``: an exception anywhere
     (forward, backward, clipping, ``optimizer.step()``, another callback) leaves nothing behind, but for
-    one case: a callback after ours that raises in ``on_step_begin`` leaves the wrapper itself (docs:
-    "When something fails").
+    one case: a callback after ours that raises in ``on_step_begin`` (or ``on_substep_end``, where ours
+    wraps the next micro-batch) leaves the wrapper itself (docs: "When something fails").
     ``batch_size_fn`` and ``tokens_fn`` receive the Trainer's ``inputs`` dict; without ``tokens_fn``,
     inputs with an ``input_ids`` tensor count ``input_ids.numel()`` tokens (padding included, as the
     Trainer's ``num_input_tokens_seen`` does).
