@@ -56,8 +56,9 @@ def test_the_gate_recipe_passes_two_runs_of_the_demo_and_fails_one_made_slower(t
     run of each side; a run slowed by a whole median step more must fail it."""
     script = recipe("comparing-runs.md", "## A gate in CI")
     assert "python examples/lightning/train.py" in script and "flops-callbacks gate" in script
+    gate_noise = benchmark("gate_noise")  # it measures the recipe's runs and rules
     loop = re.search(r"^for turn in ([\d ]+); do", script, re.MULTILINE)
-    assert loop is not None and len(loop[1].split()) == benchmark("gate_noise").TURNS
+    assert loop is not None and len(loop[1].split()) == gate_noise.TURNS
     script = script.replace(loop[0], f"for turn in {' '.join(map(str, range(1, TURNS + 1)))}; do")
     runs = tmp_path / "recipe"
     done = shell(script, runs)
@@ -86,7 +87,6 @@ def test_the_gate_recipe_passes_two_runs_of_the_demo_and_fails_one_made_slower(t
     report = (runs / "base" / PROFILE).with_suffix(".txt").read_text()
     assert re.search(r"peak FLOPS per device \(measured: fp32 dense matmul .*\n.*MFU = ", report)
     # the same gate, the base's folder against a run whose forward waits the base's median step more
-    gate_noise = benchmark("gate_noise")  # it measures the recipe's runs and rules
     run = next(line.strip() for line in script.splitlines() if "python examples/lightning/train.py" in line)
     arguments = run.split()[2:]
     arguments = arguments[: arguments.index("--default-root-dir")]

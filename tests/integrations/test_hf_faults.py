@@ -248,8 +248,10 @@ POINTS = [
 ]
 
 
-def run_with_fault(tmp_path: Path, fault: Fault, callbacks: list[TrainerCallback], reference: dict) -> None:
-    trainer = make_trainer(tmp_path / "faulty", fault, callbacks)
+def run_with_fault(
+    tmp_path: Path, fault: Fault, callbacks: list[TrainerCallback], reference: dict, accumulation: int = 1
+) -> None:
+    trainer = make_trainer(tmp_path / "faulty", fault, callbacks, accumulation=accumulation)
     before = Snapshot.of(trainer)
     with pytest.raises(type(fault.error)) as raised:
         trainer.train()
@@ -289,12 +291,8 @@ def test_another_callback_failing_after_ours_between_accumulated_micro_batches_l
     """With gradient accumulation our ``on_substep_end`` sets the wrapper for the next micro-batch: a
     callback after ours that raises there leaves it, as in ``on_step_begin``."""
     fault = Fault("on_substep_end", WINDOW["counting"])
-    trainer = make_trainer(tmp_path / "faulty", fault, [callback(), FailingCallback(fault)], accumulation=2)
-    before = Snapshot.of(trainer)
-    with pytest.raises(type(fault.error)) as raised:
-        trainer.train()
-    assert raised.value is fault.error and fault.fired
-    before.assert_same_after(trainer, reference["run_keys"])
+    run_with_fault(tmp_path, fault, [callback(), FailingCallback(fault)], reference, accumulation=2)
+    assert fault.fired
 
 
 @pytest.mark.parametrize("step", list(WINDOW), ids=lambda s: s.replace(" ", "_"))
