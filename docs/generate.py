@@ -10,7 +10,8 @@ A block between ``<!-- generated: NAME -->`` and ``<!-- /generated -->`` lines i
   comment it is defined with: a name added there is on the page at the next run;
 - ``console``: the demo's console summary, ``docs/snippets/console.txt`` (``python3 tasks.py console``
   runs the demo and writes it);
-- ``benchmarks``: ``benchmarks/README.md`` below its title, its links into ``docs/`` made the site's.
+- ``benchmarks``: ``benchmarks/README.md`` below its title, its links into ``docs/`` made the site's;
+- ``step_profiler``: a table of ``StepProfiler``'s own arguments, from its docstring's ``Args:`` section.
 
 A number between ``<!-- plan: NAME -->`` and ``<!-- /plan -->`` is the constant ``NAME`` of
 ``flops_callbacks/session/window_plan.py`` (the window's layout); ``BEFORE_CLEAN`` is the steps before the
@@ -53,6 +54,7 @@ __all__ = [
     "option_descriptions",
     "options_markdown",
     "stale",
+    "step_profiler_markdown",
     "unit",
 ]
 
@@ -98,22 +100,27 @@ UNITS = (
 )
 
 
-def option_descriptions() -> dict[str, str]:
-    """Each option's description, from ``Options``' ``Attributes:`` section, joined into one line."""
-    doc = inspect.cleandoc(Options.__doc__ or "")
-    section = doc.split("Attributes:", 1)[1]
+def _section(doc: str | None, title: str, indent: str) -> dict[str, str]:
+    """Each entry of a Google-style docstring's ``title`` section (``Attributes``, ``Args``), its
+    description joined into one line; ``indent``: the entries' indent after ``inspect.cleandoc``."""
+    section = inspect.cleandoc(doc or "").split(f"{title}:", 1)[1]
     found: dict[str, str] = {}
     name = None
     for line in section.splitlines():
-        entry = re.match(r"^    (\w+): (.*)$", line)
+        entry = re.match(rf"^{indent}(\**\w+): (.*)$", line)
         if entry:
             name = entry[1]
             found[name] = entry[2]
-        elif line.startswith("        ") and name is not None:
+        elif line.startswith(indent + "    ") and name is not None:
             found[name] += " " + line.strip()
         elif line.strip():
             break  # the next section
     return found
+
+
+def option_descriptions() -> dict[str, str]:
+    """Each option's description, from ``Options``' ``Attributes:`` section, joined into one line."""
+    return _section(Options.__doc__, "Attributes", "    ")
 
 
 def _code(text: str) -> str:
@@ -202,6 +209,23 @@ def metrics_markdown() -> str:
     return "\n".join(rows)
 
 
+def step_profiler_markdown() -> str:
+    """``StepProfiler``'s own arguments (the options are the options table's): each with its default and
+    its description from the class docstring's ``Args:`` section."""
+    from flops_callbacks.integrations.step_profiler import StepProfiler
+
+    described = _section(StepProfiler.__doc__, "Args", "    ")
+    rows = ["| argument | default | meaning |", "| --- | --- | --- |"]
+    for name, parameter in inspect.signature(StepProfiler).parameters.items():
+        if parameter.kind is parameter.VAR_KEYWORD:
+            continue  # the options, on their own page
+        if name not in described:
+            raise ValueError(f"StepProfiler's docstring does not describe its argument {name!r}")
+        default = "required" if parameter.default is parameter.empty else f"`{parameter.default!r}`"
+        rows.append(f"| `{name}` | {default} | {_code(described[name])} |")
+    return "\n".join(rows)
+
+
 def console_markdown() -> str:
     """The demo's console summary as a fenced block."""
     return f"```text\n{CONSOLE.read_text()}```"
@@ -218,6 +242,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "metrics": metrics_markdown,
     "console": console_markdown,
     "benchmarks": benchmarks_markdown,
+    "step_profiler": step_profiler_markdown,
 }
 
 

@@ -73,9 +73,10 @@ class Options:
             (DeepSpeed's convention: ``global_step == profile_step``) whose model has no lazy parameter
             left (``LazyLinear``'s are made by its first forward).
         clean_steps: Steps timed with nothing else on the clock, after the counting, module-timing and
-            check steps: ``"auto"`` runs 3 to 20, until the median iter latency is known within +-3%;
-            an int fixes the count; 0 runs none (the latencies are then a module-timing step's,
-            inflated by its hooks, and ``flops_profiler/clean_steps`` logs 0).
+            check steps: ``"auto"`` runs them until the median iter latency is known within +-3%
+            (from 5 steps, at most 20; a run that ends first keeps those it ran, and one leaving fewer
+            than 3 is told at its start); an int fixes the count; 0 runs none (the latencies are then a
+            module-timing step's, inflated by its hooks, and ``flops_profiler/clean_steps`` logs 0).
         module_depth: Depth of the aggregated profile and the module tree in the full report (-1: all).
         top_modules: Modules shown per depth in the full report's aggregated profile.
         detailed: With ``report="full"``, print the module tree on the console too (the report file

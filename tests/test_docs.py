@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -73,6 +74,18 @@ def test_the_metrics_page_lists_exactly_the_names_of_metrics_py() -> None:
     assert len(units) == len(listed) and all(u.strip() for u in units)
 
 
+def test_the_any_loop_page_lists_exactly_the_step_profilers_own_arguments_with_their_defaults() -> None:
+    page = (DOCS / "any-loop.md").read_text()
+    own = [n for n, p in inspect.signature(StepProfiler).parameters.items() if p.kind is not p.VAR_KEYWORD]
+    assert (
+        table_names(page)
+        == own
+        == ["model", "accelerator", "fabric", "log", "log_dir", "log_every_n_steps", "max_steps"]
+    )
+    assert "| `log_every_n_steps` | `50` | optimizer steps between `throughput/*` logs" in page
+    assert "| `model` | required | " in page
+
+
 def test_the_window_numbers_on_the_pages_are_the_window_plans() -> None:
     from flops_callbacks.session.window_plan import MODULE_TIMING_STEPS, before_clean
 
@@ -108,6 +121,8 @@ def test_no_page_leaves_a_part_to_the_sites_build() -> None:
     for page in generate().files():
         text = page.read_text()
         assert "--8<--" not in text and "{{" not in text, page
+        if page.name != "api.md":  # the API reference is the site's rendering of the docstrings
+            assert not re.search(r"^::: ", text, re.MULTILINE), page
         comments = re.findall(r"<!--.*?-->", text, re.DOTALL)
         assert all(markers.fullmatch(c) for c in comments), (
             page,

@@ -74,7 +74,7 @@ class StepProfiler:
 
     ::
 
-        prof = StepProfiler(model, profile_step=10, log=fn)   # or accelerator=acc, or fabric=fab
+        prof = StepProfiler(model, profile_step=10, log=fn, log_dir="runs/loop")  # or accelerator= / fabric=
         for batch in loader:
             with prof.step(batch):
                 loss = model(**batch).loss

@@ -54,7 +54,9 @@ __all__ = [
     "vote_seconds",
 ]
 
-CLEAN_MIN, CLEAN_MAX = 3, 20  # the fewest and most clean steps clean_steps="auto" runs
+# clean_steps="auto": the fewest clean steps a run must leave it (fewer is told at the run's start; its median
+# needs 5, median_known), and the most it runs
+CLEAN_MIN, CLEAN_MAX = 3, 20
 # the tree is one of theirs (session.builder: on a CPU the one nearest the clean steps' own forward, else
 # the median by the model's time): a pause in one drops out; of batches of other shapes than the counting
 # step's, the one of the median batch size (session.rank_part)
