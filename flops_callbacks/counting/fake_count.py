@@ -22,9 +22,11 @@ the step reads that is not the model's nor the batch's. The caller counts such s
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -76,6 +78,35 @@ def _hooks_off(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, name, hooks in held:
             setattr(module, name, hooks)
+
+
+def _copied(batch: Any, clones: list[torch.Tensor]) -> Any:
+    """The micro-batch as the replay gets it: each tensor cloned (each clone appended to ``clones``) and
+    each container its own, those pytree does not know too (a dataclass, transformers' ``BatchEncoding``),
+    so that the step's writes to its batch (``batch.x = batch.x * 2``) do not reach the real step's.
+    Why not ``copy.deepcopy``: a batch may hold a tokenizer or a dataset, which stay shared."""
+    done: dict[int, Any] = {}
+
+    def leaf(value: Any) -> Any:
+        if id(value) in done:
+            return done[id(value)]
+        if isinstance(value, torch.Tensor):
+            made = done[id(value)] = value.detach().clone()
+            clones.append(made)
+            return made
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            made = done[id(value)] = copy.copy(value)
+            for field in dataclasses.fields(value):
+                object.__setattr__(made, field.name, tree_map(leaf, getattr(value, field.name)))
+            return made
+        if isinstance(value, MutableMapping):  # BatchEncoding, a UserDict: copy.copy copies its data
+            made = done[id(value)] = copy.copy(value)
+            for key in list(value.keys()):
+                made[key] = tree_map(leaf, value[key])
+            return made
+        return value
+
+    return tree_map(leaf, batch)
 
 
 def _first_line(error: BaseException) -> str:
@@ -141,16 +172,14 @@ def _fake_engine(
     training = [(module, module.training) for module in model.modules()]
     try:
         state = {name: fake(tensor) for name, tensor in named}
-        batches = [
-            (tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, args), later)
-            for args, later in calls
-        ]
+        clones: list[torch.Tensor] = []
+        batches = [(_copied(args, clones), later) for args, later in calls]
     except Exception as error:  # noqa: BLE001  (a tensor fake tensors cannot stand for)
         why = _first_line(error)
         raise FakeCountUnavailable(f"the batch or parameters cannot be faked ({why})") from None
     leaves = [t for t in state.values() if t.requires_grad and t.is_leaf]
     engine = CountingEngine(model, causal_attention=causal_attention, clock=NullClock(), fake=True)
-    engine.made.add([batch for batch, _ in batches])  # the batch's copies: the step may write to them
+    engine.made.add(clones)  # the batch's copies: the step may write to them
     engine.made.fake_mode = mode
     device = module_device(model)
     devices = [device] if device.type == "cuda" else []

@@ -4,6 +4,7 @@ fake tensors cannot stand for is said, not counted."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from typing import Any
@@ -239,6 +240,47 @@ def test_the_users_real_tensors_written_in_place_by_a_replay_are_left_as_they_we
     assert all(torch.equal(a, b) for a, b in zip(teacher[1].buffers(), stats, strict=True))
     model(x, y, teacher)  # the real step: its own tally, once
     assert model.label_counts.tolist() == [1.0, 2.0, 0.0, 3.0] and teacher[1].num_batches_tracked == 1
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    extra: dict[str, torch.Tensor]
+
+
+def _doubling_step(model: nn.Module, batch: Any) -> None:
+    """A step that keeps its augmented input on its batch, whatever the batch's container."""
+    if isinstance(batch, _Batch):
+        batch.x = batch.x * 2
+        batch.extra["scale"] = batch.extra["scale"] + 1
+        x = batch.x
+    else:
+        batch["x"] = batch["x"] * 2
+        x = batch["x"]
+    model(x).sum().backward()
+
+
+@pytest.mark.parametrize("container", ["dataclass", "BatchEncoding", "UserDict"])
+def test_a_replays_writes_to_its_batch_do_not_reach_the_real_steps_batch(container: str) -> None:
+    """pytree copies no dataclass nor ``BatchEncoding``: the replay gets a copy of each all the same."""
+    from collections import UserDict
+
+    from transformers import BatchEncoding
+
+    x, scale = torch.randn(4, 8), torch.ones(1)
+    batch: Any = {
+        "dataclass": lambda: _Batch(x, {"scale": scale}),
+        "BatchEncoding": lambda: BatchEncoding({"x": x}),
+        "UserDict": lambda: UserDict({"x": x}),
+    }[container]()
+    model = _Mlp()
+    counted = fake_count(model, _doubling_step, batch)
+    assert counted.fwd_flops == 2 * 4 * 8 * 16
+    if container == "dataclass":
+        assert batch.x is x and batch.extra == {"scale": scale} and batch.extra["scale"] is scale
+    else:
+        assert list(batch.keys()) == ["x"] and batch["x"] is x
+    assert torch.equal(x, x.clone()) and scale.item() == 1.0 and model.up.weight.grad is None
 
 
 def test_a_model_holding_more_than_the_budget_in_containers_has_no_fake_count() -> None:
