@@ -139,7 +139,7 @@ def check_peak_flops(value: Any, name: str = "peak_flops") -> float | Literal["m
         value: the user's peak FLOPS, or ``"measure"``.
         name: the argument's name, as the error says it.
     """
-    if value == MEASURE:
+    if isinstance(value, str) and value == MEASURE:  # not ``value == MEASURE``: an array compares elementwise
         return "measure"
     also = f", {MEASURE!r} to measure the device's dense matmul rate"
     return _positive(value, name, "the dense peak FLOPS of one device", "989e12", also)

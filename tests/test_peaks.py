@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import lightning as L
+import numpy
 import pytest
 import torch
 from transformers import TrainingArguments
@@ -147,7 +148,20 @@ def test_fp32_matmuls_count_as_tf32_only_when_torch_allows_it(restore_matmul_pre
     assert fp32_matmul_dtype() == TF32
 
 
-@pytest.mark.parametrize("value", [0, -1.0, "312e12", True, float("inf"), float("nan"), [1e12]])
+@pytest.mark.parametrize(
+    "value",
+    [
+        0,
+        -1.0,
+        "312e12",
+        True,
+        float("inf"),
+        float("nan"),
+        [1e12],
+        numpy.array([1e12, 2e12]),
+        torch.tensor(1e12),
+    ],
+)
 def test_bad_peak_flops_fails_at_construction_naming_the_argument(value: object) -> None:
     with pytest.raises(ValueError, match="peak_flops must be the dense peak FLOPS of one device"):
         Options(peak_flops=value)  # type: ignore[arg-type]

@@ -91,19 +91,19 @@ def _copied(batch: Any, clones: list[torch.Tensor]) -> Any:
         if id(value) in done:
             return done[id(value)]
         if isinstance(value, torch.Tensor):
-            made = done[id(value)] = value.detach().clone()
-            clones.append(made)
-            return made
+            clone = done[id(value)] = value.detach().clone()
+            clones.append(clone)
+            return clone
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            made = done[id(value)] = copy.copy(value)
+            instance = done[id(value)] = copy.copy(value)
             for field in dataclasses.fields(value):
-                object.__setattr__(made, field.name, tree_map(leaf, getattr(value, field.name)))
-            return made
+                object.__setattr__(instance, field.name, tree_map(leaf, getattr(value, field.name)))
+            return instance
         if isinstance(value, MutableMapping):  # BatchEncoding, a UserDict: copy.copy copies its data
-            made = done[id(value)] = copy.copy(value)
+            mapping = done[id(value)] = copy.copy(value)
             for key in list(value.keys()):
-                made[key] = tree_map(leaf, value[key])
-            return made
+                mapping[key] = tree_map(leaf, value[key])
+            return mapping
         return value
 
     return tree_map(leaf, batch)

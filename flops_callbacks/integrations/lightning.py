@@ -110,6 +110,11 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     * optimizer step: ``on_before_optimizer_step`` -> ``on_train_batch_end``: clipping, the update,
       LR schedulers.
 
+    The strategy's ``backward`` and ``optimizer_step`` are wrapped for a window micro-batch too (instance
+    attributes, removed at its end): what those three calls raise closes the window at once, before any
+    callback's ``on_exception``, which Lightning calls in turn with no ``try``; other exceptions reach
+    ours there (docs: "When something fails").
+
     In manual optimization, ``on_after_backward`` and the end of each ``optimizer.step()`` end a phase,
     and the next event says what ran in between: a backward starting next means a forward ran (a GAN's
     second model, a second chunk); otherwise the phase continues (:mod:`flops_callbacks.timing.phases`).
@@ -121,6 +126,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     _step_at_batch_start: int | None = None  # the global step of the optimizer step in progress
     _step_hooks: tuple[Any, ...] | list[Any] = ()  # manual optimization: optimizer step post hooks
     _profiled_step: int | None = None  # kept in checkpoints: a resumed run knows it ran
+    _guards: tuple[WrappedMethod, ...] = ()  # a window micro-batch's _GUARDED calls of the strategy
 
     def state_dict(self) -> dict[str, Any]:
         return {"profiled_step": self._profiled_step}
@@ -154,16 +160,34 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
                 self._step_hooks = hooks
         session.micro_batch_start(batch, _replay(trainer, pl_module, batch, batch_idx))
         self._unwrap()
+        self._unguard()
         if session.window_open:
-            self._training_step = WrappedMethod(trainer.strategy, "training_step", self._user_code)
+            strategy = trainer.strategy
+            self._training_step = WrappedMethod(strategy, "training_step", self._user_code)
+            self._guards = tuple(WrappedMethod(strategy, n, self._closing, once=False) for n in _GUARDED)
 
     def _user_code(self, training_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The strategy's ``training_step``: the forward restarts at the user's code and the phases stop
-        when it returns; the optimizer's closure around it and ``zero_grad`` after it are no phase's."""
+        when it returns; the optimizer's closure around it and ``zero_grad`` after it are no phase's.
+        What it raises closes the window here, before any callback's ``on_exception``: Lightning calls
+        those in turn with no ``try``, so one that raises before ours would leave our hooks and modes."""
         self.session.phase(FORWARD)
-        out = training_step(*args, **kwargs)
+        out = self._closing(training_step, args, kwargs)
         self.session.stop_timing()
         return out
+
+    def _closing(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The strategy's call, run; what it raises closes the window first (:meth:`_user_code`)."""
+        try:
+            return call(*args, **kwargs)
+        except BaseException:
+            self._close()
+            raise
+
+    def _unguard(self) -> None:
+        guards, self._guards = self._guards, ()
+        for guard in guards:
+            guard.remove()
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.session.phase_end()
@@ -186,6 +210,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._unguard()
         session = self.session
         session.micro_batch_end(pause=True)  # validation may run before the next micro-batch
         if trainer.global_step == self._step_at_batch_start:
@@ -200,6 +225,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
 
     def _end_step(self) -> None:
         self._unwrap()
+        self._unguard()
         self._step_at_batch_start = None
         hooks, self._step_hooks = self._step_hooks, ()
         for handle in hooks:
@@ -219,8 +245,12 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        self._close()  # Lightning re-raises the exception itself
+
+    def _close(self) -> None:
+        """An exception ends the run: nothing of the profiler's stays (idempotent)."""
         try:
-            self.session.close()  # Lightning re-raises the exception itself
+            self.session.close()
         finally:
             self._end_step()
 
@@ -230,6 +260,11 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         self.session.train_end(trainer.global_step, _Sink(trainer))
         if self.session.result is not None and self._profiled_step is None:
             self._profiled_step = self.session.result.step
+
+
+# the strategy's calls a window micro-batch's work runs in besides training_step (the backward, the optimizer
+# step with clipping and, in automatic optimization, the closure): what they raise closes the window there
+_GUARDED = ("backward", "optimizer_step")
 
 
 def _context(trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainingContext:
