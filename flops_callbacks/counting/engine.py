@@ -139,7 +139,10 @@ class CountingEngine:
                 warn(
                     "flops_callbacks: torch.compile'd code runs eagerly while the profiler is on (the "
                     "counting and module-timing steps), so that every op is seen and counted; it stays "
-                    "compiled and runs compiled on the clean steps and afterwards.",
+                    "compiled and runs compiled on the clean steps and afterwards. Those steps' random "
+                    "ops (dropout) draw eager PyTorch's random numbers, not the compiled graph's: from "
+                    "there on the run's weights differ from an unprofiled run's (without dropout, by "
+                    "float rounding).",
                 )
             stack.enter_context(eager_compiled_code())
             # Two global hooks, not two per module: registering and removing hundreds of handles

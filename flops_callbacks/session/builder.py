@@ -206,6 +206,10 @@ def build_result(
     else:
         base = _counted(local, rows, model, context, peaks, (fwd, bwd, step))
     clean = local.clean
+    if clean or isinstance(local, ReusedWindow):
+        layout = batch_layout(clean, not_apart)
+    else:  # a cut window: the step timed instead, its batch counted as run
+        layout = batch_layout(local.timed, "no clean step ran: the step timed instead was counted as run")
     shapes, counted, predicted = window_shapes(steps, flops)
     window = dataclasses.replace(  # this window's own steps, on what it counted or reuses
         base.steps,
@@ -233,7 +237,7 @@ def build_result(
         energy=energy,
         slow_rank=slow_rank(rows, model),
         no_energy_reason=no_energy,
-        layout=batch_layout(clean, not_apart),
+        layout=layout,
     )
 
 

@@ -96,6 +96,7 @@ class LocalWindow:
     # other shapes, the one timed (its batches counted off the clock)
     profiled: WindowStep | None = None
     energy: EnergySpan | str = "no clean step ran"  # the energy counter over the clean steps, or why none
+    timed: list[WindowStep] = dataclasses.field(default_factory=list)  # the clean steps, or who stands in
 
     @property
     def profile_step(self) -> WindowStep:
@@ -218,7 +219,8 @@ def local_window(
         each, sources = clean_step_flops(steps, clean, flops)  # counted, predicted, or estimated
     else:
         known = [s for s in ran if s.counts is not None]
-        timed = known or ran[:1] or [counting]
+        # else the step whose batch the profile counted: another's latencies would go with its flops
+        timed = known or module_steps[:1] or ran[:1] or [counting]
         source = (
             f"the {timed[0].kind} step{'s' if len(timed) > 1 else ''} alone (no clean step ran: inflated "
             f"by {'module hooks' if ran else 'counting'})"
@@ -228,7 +230,7 @@ def local_window(
     comm = tuple(s for s in steps if s.kind == Kind.COMMUNICATION and s.signatures)
     energy = rank_energy(steps, clean)
     return LocalWindow(
-        profile, ran, module_steps, clean, figures, source, counting, sources, comm, profiled, energy
+        profile, ran, module_steps, clean, figures, source, counting, sources, comm, profiled, energy, timed
     )
 
 

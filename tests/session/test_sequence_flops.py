@@ -332,3 +332,34 @@ def test_an_encoder_decoders_rows_are_counted_as_pairs_in_the_window_and_after_i
     per_sample = metrics[names.THROUGHPUT_FLOPS_PER_SEC] / metrics[names.THROUGHPUT_SAMPLES_PER_SEC]
     assert per_sample == pytest.approx(sum(alone(model, b).run_flops for b in after) / 5, rel=1e-9)
     session.train_end(len(batches) + len(after), sink)
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_a_window_cut_before_its_clean_steps_reads_one_steps_flops_and_tokens_and_says_they_are_as_run(
+    steps: int,
+) -> None:
+    """The run ends in the module-timing steps, each of another length: the step timed instead of the
+    clean ones is the one whose batch the profile counted (its tokens with its flops), and its flops are
+    its batch as run, padding in, said so."""
+    torch.manual_seed(0)
+    model = Attending()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = StepSession(Options(profile_step=0, clean_steps=2, flops_audit=0), "test", publish=publish)
+    batches = [padded([2, 9]), padded([3, 12, 5]), padded([4, 6])][:steps]
+    with pytest.warns(UserWarning, match="rest on 0 clean step"):
+        session.train_start(0, max_steps=steps)
+    for number, batch in enumerate(batches):
+        run_step(session, model, optimizer, batch, number, Sink(), replay=step)
+    session.train_end(steps, Sink())
+    result = session.result
+    assert result is not None and result.steps.clean == ()
+    timed = result.steps.profile_step  # a module-timing step, its batch counted off the clock
+    assert timed in result.steps.module_timing and result.steps.latency_source.startswith("the module timing")
+    batch = batches[timed]
+    work = result.figures().median_step().work
+    real = int(batch["attention_mask"].sum())
+    rows, positions = batch["input_ids"].shape
+    assert (work.samples, work.positions, work.real_tokens) == (rows, rows * positions, real)
+    assert work.counts.run_flops == counted(model, batch).run_flops  # that step's batch as run
+    assert result.layout is not None and result.layout.padding > 0
+    assert result.layout.not_apart == "no clean step ran: the step timed instead was counted as run"
