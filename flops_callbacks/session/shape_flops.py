@@ -20,8 +20,9 @@ Signatures of one *family* (same tensor count, ranks and dtypes) share a predict
 the signature dims that vary among the family's counted points; dims that are equal to each other
 at every counted point are one variable (every sequence length ``L`` of input_ids, attention_mask,
 labels). Each count (fwd, bwd, recompute flops and MACs) is fitted on the monomials with degree at
-most ``d`` in each variable, for ``d`` = 1, 2, 3 in turn: the first ``d`` whose system has full rank
-and is consistent with one more point than it has unknowns is used. A prediction must be a whole,
+most ``d`` in each variable, or of total degree at most ``d``, for ``d`` = 1, 2, 3, the smaller sets
+first: the first whose system has full rank and is consistent with one more point than it has unknowns
+is used. A prediction must be a whole,
 non-negative number, else the signature is unpredictable.
 
 A later micro-batch of an optimizer step (gradient accumulation) also adds its gradients to the
@@ -224,8 +225,7 @@ def _fit(points: list[tuple[tuple[int, ...], BatchCounts]]) -> _Fit | None:
             groups.append([p])
         else:
             group.append(p)
-    for degree in range(1, MAX_DEGREE + 1):
-        exponents = sorted(product(range(degree + 1), repeat=len(groups)), key=lambda e: (sum(e), e))
+    for exponents in _exponent_sets(len(groups)):
         if len(exponents) >= len(points):
             return None  # more unknowns than points to verify them: count more shapes first
         rows = [_monomials([dims[g[0]] for g in groups], exponents) for dims, _ in points]
@@ -234,6 +234,19 @@ def _fit(points: list[tuple[tuple[int, ...], BatchCounts]]) -> _Fit | None:
             values = [[dims[g[0]] for dims, _ in points] for g in groups]
             return _Fit(constants, groups, exponents, solved, [(min(v), max(v)) for v in values])
     return None
+
+
+def _exponent_sets(variables: int) -> list[list[tuple[int, ...]]]:
+    """The monomials a fit of ``variables`` tries, the fewest unknowns first: for each degree ``d``, those
+    of degree at most ``d`` in each variable (a batch size times an attention's length squared) and those
+    of total degree at most ``d`` (an encoder-decoder's two lengths: their products stop at degree 2, 6
+    unknowns where every exponent up to 2 is 9). A set holds the constant and every variable alone."""
+    found: dict[tuple[tuple[int, ...], ...], None] = {}
+    for degree in range(1, MAX_DEGREE + 1):
+        each = list(product(range(degree + 1), repeat=variables))
+        for chosen in (each, [e for e in each if sum(e) <= degree]):
+            found[tuple(sorted(chosen, key=lambda e: (sum(e), e)))] = None
+    return [list(exponents) for exponents in sorted(found, key=len)]
 
 
 def _groups(everything: list[tuple[int, ...]]) -> list[list[int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration
 
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.session.batch import shape_signature
@@ -98,3 +98,51 @@ def test_no_extrapolation_where_no_one_polynomial_fits_every_counted_point() -> 
     for length, flops in ((4, 12), (12, 136)):  # each side of the branch fits on its own, in its range
         inside = shape_signature({"input_ids": torch.zeros(1, length, dtype=torch.long)})
         assert table.get(inside) == BatchCounts(flops, 0, 0, 0, 0, 0)
+
+
+def tiny_t5() -> T5ForConditionalGeneration:
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return T5ForConditionalGeneration(config)
+
+
+def pair(source: int, target: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, 64, (2, source))
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": torch.randint(1, 64, (2, target)),
+    }
+
+
+def test_an_encoder_decoders_two_lengths_are_predicted_after_seven_counted_pairs() -> None:
+    """Its counts are of total degree 2 in the two lengths (each attention, and the decoder's over the
+    encoder's): 6 unknowns and a check, where every exponent up to 2 in each length would take 10 pairs."""
+    model, table = tiny_t5(), ShapeFlops()
+    unseen = pair(11, 6)
+    pairs = [(6, 3), (14, 9), (10, 5), (6, 9), (14, 3), (8, 7), (12, 4)]
+    for n, (source, target) in enumerate(pairs):
+        inputs = pair(source, target)
+        table.record(shape_signature(inputs), counted(model, inputs))
+        assert (table.get(shape_signature(unseen)) is None) == (n < 6)  # 6 unknowns, then the check
+    assert table.source(shape_signature(unseen)) == "predicted"
+    assert table.get(shape_signature(unseen)) == counted(model, unseen)
+
+
+def test_a_polynomial_of_total_degree_two_in_two_lengths_needs_seven_points_and_is_exact() -> None:
+    table = ShapeFlops()
+
+    def signature(a: int, b: int) -> tuple:
+        return (((4, a), torch.int64), ((4, b), torch.int64))
+
+    def flops(a: int, b: int) -> BatchCounts:  # 7 + 3a + 5b + 2a^2 + ab + 4b^2, and its backward twice
+        fwd = 7 + 3 * a + 5 * b + 2 * a * a + a * b + 4 * b * b
+        return BatchCounts(fwd, 2 * fwd, 0, a * b, 2 * a * b, 0)
+
+    for a, b in [(2, 2), (9, 2), (2, 9), (9, 9), (5, 3), (3, 6), (7, 5)]:
+        table.record(signature(a, b), flops(a, b))
+    assert all(table.get(signature(a, b)) == flops(a, b) for a in range(2, 10) for b in range(2, 10))
+    assert table.get(signature(10, 5)) is None  # beyond the counted range: counted first
