@@ -25,8 +25,8 @@ import contextlib
 import copy
 import dataclasses
 import itertools
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, MutableMapping
+from collections import OrderedDict, UserDict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -82,9 +82,11 @@ def _hooks_off(model: torch.nn.Module) -> Iterator[None]:
 
 def _copied(batch: Any, clones: list[torch.Tensor]) -> Any:
     """The micro-batch as the replay gets it: each tensor cloned (each clone appended to ``clones``) and
-    each container its own, those pytree does not know too (a dataclass, transformers' ``BatchEncoding``),
-    so that the step's writes to its batch (``batch.x = batch.x * 2``) do not reach the real step's.
-    Why not ``copy.deepcopy``: a batch may hold a tokenizer or a dataset, which stay shared."""
+    each container its own, those pytree does not know too (a dataclass, a ``UserDict`` such as
+    transformers' ``BatchEncoding``, a dict's subclass), so that the step's writes to its batch
+    (``batch.x = batch.x * 2``) do not reach the real step's. Another mapping stays the batch's own: its
+    copy may share its storage (a view, a shelf). Why not ``copy.deepcopy``: a batch may hold a tokenizer
+    or a dataset, which stay shared."""
     done: dict[int, Any] = {}
 
     def leaf(value: Any) -> Any:
@@ -99,7 +101,9 @@ def _copied(batch: Any, clones: list[torch.Tensor]) -> Any:
             for field in dataclasses.fields(value):
                 object.__setattr__(instance, field.name, tree_map(leaf, getattr(value, field.name)))
             return instance
-        if isinstance(value, MutableMapping):  # BatchEncoding, a UserDict: copy.copy copies its data
+        if isinstance(
+            value, (UserDict, dict)
+        ):  # BatchEncoding, a dict's subclass: copy.copy copies the items
             mapping = done[id(value)] = copy.copy(value)
             for key in list(value.keys()):
                 mapping[key] = tree_map(leaf, value[key])

@@ -33,6 +33,7 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.off_clock import Replay
+from flops_callbacks.user_warning import warn
 
 __all__ = ["compute_dtype", "FlopsProfilerCallback", "parallel_sizes"]
 
@@ -86,6 +87,11 @@ class _Sink:
             print(text)
 
 
+# the strategy's calls a window micro-batch's work runs in besides training_step (the backward, the optimizer
+# step with clipping and, in automatic optimization, the closure): what they raise closes the window there
+_GUARDED = ("backward", "optimizer_step")
+
+
 class FlopsProfilerCallback(SessionCallback, pl.Callback):
     """Profiles a short window of optimizer steps of a Lightning run: a console summary, the full
     DeepSpeed-style report in the log dir, metrics in every logger.
@@ -110,10 +116,11 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     * optimizer step: ``on_before_optimizer_step`` -> ``on_train_batch_end``: clipping, the update,
       LR schedulers.
 
-    The strategy's ``backward`` and ``optimizer_step`` are wrapped for a window micro-batch too (instance
-    attributes, removed at its end): what those three calls raise closes the window at once, before any
-    callback's ``on_exception``, which Lightning calls in turn with no ``try``; other exceptions reach
-    ours there (docs: "When something fails").
+    In automatic optimization the strategy's ``backward`` and ``optimizer_step`` are wrapped for a window
+    micro-batch too (instance attributes, removed at its end): what those calls raise (but a
+    ``dataloader_iter``'s ``StopIteration``) closes the window at once, before any callback's
+    ``on_exception``, which Lightning calls in turn with no ``try``; other exceptions reach ours there
+    (docs: "When something fails").
 
     In manual optimization, ``on_after_backward`` and the end of each ``optimizer.step()`` end a phase,
     and the next event says what ran in between: a backward starting next means a forward ran (a GAN's
@@ -164,7 +171,10 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         if session.window_open:
             strategy = trainer.strategy
             self._training_step = WrappedMethod(strategy, "training_step", self._user_code)
-            self._guards = tuple(WrappedMethod(strategy, n, self._closing, once=False) for n in _GUARDED)
+            # automatic optimization: the backward and the optimizer step are Lightning's (manual: the user's
+            # training_step calls them and may catch what they raise; its own guard sees what it does not)
+            if pl_module.automatic_optimization:
+                self._guards = tuple(WrappedMethod(strategy, n, self._closing, once=False) for n in _GUARDED)
 
     def _user_code(self, training_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The strategy's ``training_step``: the forward restarts at the user's code and the phases stop
@@ -177,11 +187,18 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         return out
 
     def _closing(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """The strategy's call, run; what it raises closes the window first (:meth:`_user_code`)."""
+        """The strategy's call, run; what it raises closes the window first (:meth:`_user_code`), but for
+        ``StopIteration``: a ``training_step(dataloader_iter)``'s end of data, which Lightning catches to
+        end the epoch, and the run goes on."""
         try:
             return call(*args, **kwargs)
+        except StopIteration:
+            raise
         except BaseException:
-            self._close()
+            try:
+                self._close()
+            except Exception as error:  # noqa: BLE001  (the exception that ends the run is the user's)
+                warn(f"flops_callbacks: closing the profile window failed ({error!r}); your error follows.")
             raise
 
     def _unguard(self) -> None:
@@ -260,11 +277,6 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         self.session.train_end(trainer.global_step, _Sink(trainer))
         if self.session.result is not None and self._profiled_step is None:
             self._profiled_step = self.session.result.step
-
-
-# the strategy's calls a window micro-batch's work runs in besides training_step (the backward, the optimizer
-# step with clipping and, in automatic optimization, the closure): what they raise closes the window there
-_GUARDED = ("backward", "optimizer_step")
 
 
 def _context(trainer: pl.Trainer, pl_module: pl.LightningModule) -> TrainingContext:

@@ -208,8 +208,9 @@ def build_result(
     clean = local.clean
     if clean or isinstance(local, ReusedWindow):
         layout = batch_layout(clean, not_apart)
-    else:  # a cut window: the step timed instead, its batch counted as run
-        layout = batch_layout(local.timed, "no clean step ran: the step timed instead was counted as run")
+    else:  # a cut window: the steps timed instead, their model work apart or their batch counted as run
+        why = "no clean step ran: the step timed instead was counted as run" if local.as_run else not_apart
+        layout = batch_layout(local.timed, why)
     shapes, counted, predicted = window_shapes(steps, flops)
     window = dataclasses.replace(  # this window's own steps, on what it counted or reuses
         base.steps,

@@ -97,6 +97,7 @@ class LocalWindow:
     profiled: WindowStep | None = None
     energy: EnergySpan | str = "no clean step ran"  # the energy counter over the clean steps, or why none
     timed: list[WindowStep] = dataclasses.field(default_factory=list)  # the clean steps, or who stands in
+    as_run: bool = False  # no clean step ran, and the one timed instead has its batch's flops as run
 
     @property
     def profile_step(self) -> WindowStep:
@@ -214,24 +215,26 @@ def local_window(
     sources: FlopsSources | None = None
     each: list[BatchCounts] | None = None
     counts: BatchCounts | None = None  # each timed step's own
+    as_run = False  # the step timed instead of clean ones has its batch's flops as run
     if clean:
         timed, source = clean, f"median of {len(clean)} clean step(s)"  # the median step: by FLOPS
         each, sources = clean_step_flops(steps, clean, flops)  # counted, predicted, or estimated
     else:
         known = [s for s in ran if s.counts is not None]
-        # else the step whose batch the profile counted: another's latencies would go with its flops
-        timed = known or module_steps[:1] or ran[:1] or [counting]
+        # else the step whose batch the profile counted, as run: another's latencies would go with its flops
+        timed, as_run = known or module_steps[:1] or [counting], not known
         source = (
             f"the {timed[0].kind} step{'s' if len(timed) > 1 else ''} alone (no clean step ran: inflated "
-            f"by {'module hooks' if ran else 'counting'})"
+            f"by {'counting' if timed[0] is counting else 'module hooks'})"
         )
         counts = None if known else BatchCounts.of(profile)
     figures = clean_figures(timed, counts, each)
     comm = tuple(s for s in steps if s.kind == Kind.COMMUNICATION and s.signatures)
     energy = rank_energy(steps, clean)
     return LocalWindow(
-        profile, ran, module_steps, clean, figures, source, counting, sources, comm, profiled, energy, timed
-    )
+        profile, ran, module_steps, clean, figures, source, counting, sources, comm, profiled, energy, timed,
+        as_run,
+    )  # fmt: skip
 
 
 def reused_window(steps: list[WindowStep], base: WindowResult, flops: ShapeFlops) -> ReusedWindow | None:

@@ -22,7 +22,8 @@ at every counted point are one variable (every sequence length ``L`` of input_id
 labels). Each count (fwd, bwd, recompute flops and MACs) is fitted on the monomials with degree at
 most ``d`` in each variable, or of total degree at most ``d``, for ``d`` = 1, 2, 3, the smaller sets
 first: the first whose system has full rank and is consistent with one more point than it has unknowns
-is used. A prediction must be a whole,
+is used, where every counted point is checked by the others (one spare point is not enough where the
+others are degenerate: all of one batch size but one). A prediction must be a whole,
 non-negative number, else the signature is unpredictable.
 
 A later micro-batch of an optimizer step (gradient accumulation) also adds its gradients to the
@@ -43,7 +44,7 @@ from flops_callbacks.user_warning import warn
 
 __all__ = ["BatchCounts", "ContentFinding", "ShapeFlops", "extremes_first"]
 
-MAX_DEGREE = 3  # per variable: attention is quadratic in L; cubic leaves room, more needs many points
+MAX_DEGREE = 3  # of the fits' monomials: attention is quadratic in L, and a cubic leaves room
 
 
 class _Slots(NamedTuple):
@@ -212,7 +213,8 @@ def _solve(rows: list[list[int]], rhs: list[list[int]]) -> list[list[Fraction]] 
 
 
 def _fit(points: list[tuple[tuple[int, ...], BatchCounts]]) -> _Fit | None:
-    """The lowest-degree polynomial that reproduces every counted point, with one point to spare."""
+    """The polynomial of fewest unknowns that reproduces every counted point, each of them checked by the
+    others (:func:`_each_checked`)."""
     if len(points) < 3:
         return None
     first = points[0][0]
@@ -230,10 +232,38 @@ def _fit(points: list[tuple[tuple[int, ...], BatchCounts]]) -> _Fit | None:
             return None  # more unknowns than points to verify them: count more shapes first
         rows = [_monomials([dims[g[0]] for g in groups], exponents) for dims, _ in points]
         solved = _solve(rows, [list(counts) for _, counts in points])
-        if solved is not None:
+        if solved is not None and _each_checked(rows):
             values = [[dims[g[0]] for dims, _ in points] for g in groups]
             return _Fit(constants, groups, exponents, solved, [(min(v), max(v)) for v in values])
     return None
+
+
+_PRIME = 2**61 - 1  # a Mersenne prime: the ranks of _each_checked are reckoned modulo it
+
+
+def _each_checked(rows: list[list[int]]) -> bool:
+    """Whether the points of ``rows`` (their monomials) pin the polynomial down with any one of them left
+    out: then every point is a check of the others. One spare point is not enough where the others are
+    degenerate: three full batches and the epoch's smaller last one fit ``a + b B + c L`` exactly, whatever
+    ``B L`` term the three (one ``B``) cannot see. Ranks are reckoned modulo a prime (fast; a rank there is
+    at most the rational one, so a yes is sure, and a rare no costs a count)."""
+    return all(_full_rank(rows[:i] + rows[i + 1 :]) for i in range(len(rows)))
+
+
+def _full_rank(rows: list[list[int]]) -> bool:
+    """Whether ``rows`` have full column rank modulo :data:`_PRIME`."""
+    m = [[v % _PRIME for v in row] for row in rows]
+    for col in range(len(m[0])):
+        pivot = next((i for i in range(col, len(m)) if m[i][col]), None)
+        if pivot is None:
+            return False
+        m[col], m[pivot] = m[pivot], m[col]
+        inverse = pow(m[col][col], _PRIME - 2, _PRIME)
+        for i in range(col + 1, len(m)):
+            if m[i][col]:
+                factor = m[i][col] * inverse % _PRIME
+                m[i] = [(a - factor * b) % _PRIME for a, b in zip(m[i], m[col], strict=True)]
+    return True
 
 
 def _exponent_sets(variables: int) -> list[list[tuple[int, ...]]]:

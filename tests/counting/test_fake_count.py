@@ -260,18 +260,24 @@ def _doubling_step(model: nn.Module, batch: Any) -> None:
     model(x).sum().backward()
 
 
-@pytest.mark.parametrize("container", ["dataclass", "BatchEncoding", "UserDict"])
+@pytest.mark.parametrize("container", ["dataclass", "BatchEncoding", "UserDict", "dict subclass"])
 def test_a_replays_writes_to_its_batch_do_not_reach_the_real_steps_batch(container: str) -> None:
-    """pytree copies no dataclass nor ``BatchEncoding``: the replay gets a copy of each all the same."""
+    """pytree copies no dataclass, ``UserDict`` (``BatchEncoding``) nor dict's subclass: the replay gets a
+    copy of each all the same."""
     from collections import UserDict
 
     from transformers import BatchEncoding
 
+    class Inputs(dict):
+        """A dict's subclass: a leaf to pytree."""
+
     x, scale = torch.randn(4, 8), torch.ones(1)
+    values = x.clone()
     batch: Any = {
         "dataclass": lambda: _Batch(x, {"scale": scale}),
         "BatchEncoding": lambda: BatchEncoding({"x": x}),
         "UserDict": lambda: UserDict({"x": x}),
+        "dict subclass": lambda: Inputs(x=x),
     }[container]()
     model = _Mlp()
     counted = fake_count(model, _doubling_step, batch)
@@ -280,7 +286,7 @@ def test_a_replays_writes_to_its_batch_do_not_reach_the_real_steps_batch(contain
         assert batch.x is x and batch.extra == {"scale": scale} and batch.extra["scale"] is scale
     else:
         assert list(batch.keys()) == ["x"] and batch["x"] is x
-    assert torch.equal(x, x.clone()) and scale.item() == 1.0 and model.up.weight.grad is None
+    assert torch.equal(x, values) and scale.item() == 1.0 and model.up.weight.grad is None
 
 
 def test_a_model_holding_more_than_the_budget_in_containers_has_no_fake_count() -> None:

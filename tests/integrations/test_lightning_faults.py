@@ -380,6 +380,67 @@ def test_a_fault_in_the_lr_schedulers_step_with_a_callback_before_ours_failing_i
         callback._close()  # what Lightning did not call: the rest of the suite runs clean
 
 
+class SkippingMLP(FaultyMLP):
+    """Manual optimization that skips a batch whose step raises (as a loop skips one on an OOM)."""
+
+    skipped = 0
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        try:
+            return super().training_step(batch, batch_idx)
+        except RuntimeError:
+            self.skipped += 1
+            return None
+
+
+@pytest.mark.parametrize("point", ["backward", "optimizer.step"])
+def test_an_exception_the_users_manual_step_catches_leaves_the_window_to_run_and_publish(
+    tmp_path: Path, point: str
+) -> None:
+    fault = Fault(point, WINDOW_STEPS["module timing"])
+    module, callback, injector = SkippingMLP(fault, manual=True), quiet_callback(), Injector(fault)
+    before = process_state(module)
+    fit(tmp_path, module, callback, [injector], max_steps=WINDOW_END + 2)
+    assert fault.fired and module.skipped == 1 and injector.seen is None
+    assert callback.result is not None and callback.result.steps.clean
+    assert_same_state(before, process_state(module))
+
+
+class IteratingMLP(FaultyMLP):
+    """A ``training_step(dataloader_iter)`` of two batches a step: at an odd count of batches its second
+    ``next`` raises ``StopIteration`` inside the step, which Lightning catches to end the epoch."""
+
+    stopped = 0
+
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+        losses = []
+        for _ in range(2):
+            try:
+                batch, batch_idx, _ = next(dataloader_iter)
+            except StopIteration:
+                self.stopped += 1
+                raise
+            losses.append(super().training_step(batch, batch_idx))
+        return sum(losses)
+
+
+def test_a_dataloader_iters_end_of_data_in_a_window_step_ends_the_epoch_not_the_window(
+    tmp_path: Path,
+) -> None:
+    module, callback = IteratingMLP(), quiet_callback()
+    before = process_state(module)
+    settings = lightning_settings(tmp_path, WINDOW_END + 2)
+    trainer = L.Trainer(callbacks=[callback], **settings)
+    trainer.fit(module, train_dataloaders=loader(samples=5 * BATCH))  # an epoch's third step stops in it
+    assert trainer.global_step == WINDOW_END + 2 and module.stopped >= 2
+    assert callback.result is not None and callback.result.steps.clean
+    params = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT  # each one's two uses' gradients added: a flop each
+    profile = callback.result.profile
+    assert (profile.fwd_flops, profile.bwd_flops) == (2 * FWD_FLOPS, 2 * BWD_FLOPS + params)
+    assert_same_state(before, process_state(module))
+    assert not {"training_step", "backward", "optimizer_step"} & set(vars(trainer.strategy))
+
+
 @pytest.mark.usefixtures("sigint_handler")
 @pytest.mark.parametrize("window_step", list(WINDOW_STEPS))
 def test_a_keyboard_interrupt_in_the_optimizer_step_exits_through_lightning_and_leaves_nothing(

@@ -146,3 +146,20 @@ def test_a_polynomial_of_total_degree_two_in_two_lengths_needs_seven_points_and_
         table.record(signature(a, b), flops(a, b))
     assert all(table.get(signature(a, b)) == flops(a, b) for a in range(2, 10) for b in range(2, 10))
     assert table.get(signature(10, 5)) is None  # beyond the counted range: counted first
+
+
+def test_three_full_batches_and_the_epochs_smaller_last_one_predict_nothing_they_cannot_check() -> None:
+    """Counts of 10 B L: three batches of 8 and one of 5 fit ``a + b B + c L`` with a point to spare, but
+    the three (one B) cannot see a ``B L`` term: no point checks the fifth, so nothing is predicted."""
+    table = ShapeFlops()
+
+    def signature(size: int, length: int) -> tuple:
+        return (((size, length), torch.int64),)
+
+    for size, length in [(8, 10), (8, 20), (8, 30), (5, 17)]:
+        table.record(signature(size, length), BatchCounts(10 * size * length, 0, 0, 0, 0, 0))
+    assert table.get(signature(5, 30)) is None and table.source(signature(5, 30)) == "unknown"
+    table.record(signature(5, 25), BatchCounts(10 * 5 * 25, 0, 0, 0, 0, 0))  # a fifth: B L is seen
+    table.record(signature(5, 11), BatchCounts(10 * 5 * 11, 0, 0, 0, 0, 0))  # a sixth: each one checked
+    assert table.get(signature(5, 30)) == BatchCounts(1500, 0, 0, 0, 0, 0)
+    assert table.get(signature(7, 12)) == BatchCounts(840, 0, 0, 0, 0, 0)
