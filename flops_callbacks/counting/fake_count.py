@@ -41,7 +41,8 @@ from flops_callbacks.timing.clock import NullClock, module_device
 __all__ = ["FakeCountUnavailable", "StepFunction", "fake_count", "fake_profile", "sharded_reason"]
 
 # runs one micro-batch's forward, loss and backward on ``model`` with ``args`` (the adapter's); one with
-# an ``owner`` attribute (the trainer whose method it calls) has that object's attributes kept too
+# an ``owner`` attribute (the trainer whose method it calls) has that object's attributes kept too, and
+# one with ``kept`` (a list) those objects' (the optimizers and LR schedulers the user's step may step)
 StepFunction = Callable[[torch.nn.Module, Any], Any]
 
 
@@ -192,7 +193,8 @@ def _fake_engine(
     try:
         # the user's code in the step changes nothing that stays (counting.user_state); the batch's own ops
         # run for real (the engine): one drawing random numbers draws from a fork
-        saved = Kept([*model.modules(), *([owner] if owner is not None else [])])
+        kept = [*([owner] if owner is not None else []), *getattr(step, "kept", ())]
+        saved = Kept([*model.modules(), *kept])
         if saved.incomplete:  # a container it could not keep could keep a fake tensor: no replay
             raise FakeCountUnavailable(f"{saved.incomplete}: too many to put back after a replay")
         with (

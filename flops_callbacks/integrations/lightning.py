@@ -309,6 +309,13 @@ class _TrainingStep:
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = self.owner = trainer  # owner: its attributes kept (fake_count)
 
+    @property
+    def kept(self) -> list[Any]:
+        """What a ``training_step`` may step besides the model and the trainer, kept too (fake_count): the
+        optimizers and LR schedulers (a warmup stepped by hand: ``self.lr_schedulers().step()``)."""
+        schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        return [*self.trainer.optimizers, *schedulers]
+
     def __call__(self, model: torch.nn.Module, args: tuple) -> None:
         module = cast(pl.LightningModule, model)
         if not is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2):

@@ -6,6 +6,7 @@ exact flops when later batches cross that length."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -207,3 +208,48 @@ def test_a_model_that_branches_on_length_keeps_exact_flops_when_batches_cross_it
     assert first is not None and len(intervals) == steps - first
     after = [_truth(data[n]) for n in range(first, steps)]
     assert [i.flops for i in intervals] == after
+
+
+class WarmedUp(L.LightningModule):
+    """A warmup stepped by hand in ``training_step`` (automatic optimization): a fake count's replay of the
+    step steps the scheduler too, and must leave it, and the optimizer's learning rate, as they were."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 4)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.lr_schedulers().step()
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        pass  # stepped in training_step
+
+
+def _warmed_up(root: Path, callbacks: list[L.Callback]) -> tuple[WarmedUp, L.Trainer]:
+    L.seed_everything(0, verbose=False)
+    module, generator = WarmedUp(), torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(64, 8, generator=generator), torch.randn(64, 4, generator=generator)
+    )
+    trainer = L.Trainer(callbacks=callbacks, **lightning_settings(root, 12))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    return module, trainer
+
+
+def test_a_replay_of_a_step_that_steps_its_lr_scheduler_leaves_the_schedule_and_the_weights_as_unprofiled(
+    tmp_path: Path,
+) -> None:
+    plain, plain_trainer = _warmed_up(tmp_path / "plain", [])
+    callback = FlopsProfilerCallback(profile_step=1, clean_steps=2, print_profile=False)
+    profiled, trainer = _warmed_up(tmp_path / "profiled", [callback])
+    assert callback.result is not None and callback.session.off_clock.counts >= 1  # a replay ran
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == plain_trainer.lr_scheduler_configs[0].scheduler.last_epoch == 12
+    assert trainer.optimizers[0].param_groups[0]["lr"] == plain_trainer.optimizers[0].param_groups[0]["lr"]
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters(), strict=True))
