@@ -26,7 +26,7 @@ import copy
 import dataclasses
 import itertools
 from collections import OrderedDict, UserDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -85,9 +85,9 @@ def _copied(batch: Any, clones: list[torch.Tensor]) -> Any:
     """The micro-batch as the replay gets it: each tensor cloned (each clone appended to ``clones``) and
     each container its own, those pytree does not know too (a dataclass, a ``UserDict`` such as
     transformers' ``BatchEncoding``, a dict's subclass), so that the step's writes to its batch
-    (``batch.x = batch.x * 2``) do not reach the real step's. Another mapping stays the batch's own: its
-    copy may share its storage (a view, a shelf). Why not ``copy.deepcopy``: a batch may hold a tokenizer
-    or a dataset, which stay shared."""
+    (``batch.x = batch.x * 2``) do not reach the real step's. Another mutable mapping, whose copy may share
+    its storage (a view, a shelf), raises :class:`FakeCountUnavailable`: no replay. Why not
+    ``copy.deepcopy``: a batch may hold a tokenizer or a dataset, which stay shared."""
     done: dict[int, Any] = {}
 
     def leaf(value: Any) -> Any:
@@ -109,6 +109,8 @@ def _copied(batch: Any, clones: list[torch.Tensor]) -> Any:
             for key in list(value.keys()):
                 mapping[key] = tree_map(leaf, value[key])
             return mapping
+        if isinstance(value, MutableMapping):  # its copy may share its storage: the replay's writes would too
+            raise FakeCountUnavailable(f"a batch's {type(value).__name__} cannot be copied for a replay")
         return value
 
     return tree_map(leaf, batch)
@@ -179,6 +181,8 @@ def _fake_engine(
         state = {name: fake(tensor) for name, tensor in named}
         clones: list[torch.Tensor] = []
         batches = [(_copied(args, clones), later) for args, later in calls]
+    except FakeCountUnavailable:
+        raise
     except Exception as error:  # noqa: BLE001  (a tensor fake tensors cannot stand for)
         why = _first_line(error)
         raise FakeCountUnavailable(f"the batch or parameters cannot be faked ({why})") from None

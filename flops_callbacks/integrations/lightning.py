@@ -313,7 +313,7 @@ class _TrainingStep:
     def kept(self) -> list[Any]:
         """What a ``training_step`` may step besides the model and the trainer, kept too (fake_count): the
         optimizers and LR schedulers (a warmup stepped by hand: ``self.lr_schedulers().step()``)."""
-        schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        schedulers = [s for config in self.trainer.lr_scheduler_configs for s in _within(config.scheduler)]
         return [*self.trainer.optimizers, *schedulers]
 
     def __call__(self, model: torch.nn.Module, args: tuple) -> None:
@@ -330,6 +330,11 @@ class _TrainingStep:
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if isinstance(loss, torch.Tensor):
             (loss / self.trainer.accumulate_grad_batches).backward()
+
+
+def _within(scheduler: Any) -> list[Any]:
+    """A scheduler and those it steps (``SequentialLR``'s and ``ChainedScheduler``'s ``_schedulers``)."""
+    return [scheduler, *(s for inner in getattr(scheduler, "_schedulers", ()) for s in _within(inner))]
 
 
 def _nothing(original: Callable[..., Any], args: tuple, kwargs: dict) -> None:

@@ -1,5 +1,5 @@
 """Flops of a micro-batch from its shapes: a table of the shape signatures that were counted, and an
-exact predictor fitted on them and verified by one more counted signature.
+exact predictor fitted on them, each counted signature checked by the others.
 
 Why: with dynamic padding ("pad to the longest" collators) nearly every batch has other shapes, and
 counting a batch needs the counting engine on its step, which makes that step useless for timing.
@@ -316,8 +316,10 @@ def _along_one(points: list[tuple[int, BatchCounts]], value: int) -> BatchCounts
 
 
 def _predict(points: list[tuple[tuple[int, ...], BatchCounts]], dims: tuple[int, ...]) -> BatchCounts | None:
-    """The counts at ``dims`` from a family's counted points, only inside a verified range: along one
-    variable with the others as counted (:func:`_along_one`), else by one fit of them all."""
+    """The counts at ``dims`` from a family's counted points (one fit of them all gave none), only inside a
+    verified range: along one variable with the others as counted (:func:`_along_one`), else by a fit of
+    the points that have one variable as asked (an encoder-decoder's batches of one size, its two lengths
+    fitted: the epoch's smaller last batch makes the size a variable no fit of all pins down)."""
     groups = _groups([d for d, _ in points] + [dims])
     values = [[d[g[0]] for g in groups] for d, _ in points]
     want = [dims[g[0]] for g in groups]
@@ -330,8 +332,13 @@ def _predict(points: list[tuple[tuple[int, ...], BatchCounts]], dims: tuple[int,
         counts = _along_one(line, want[k])
         if counts is not None:
             return counts
-    fit = _fit(points) if len(groups) > 1 else None
-    return fit.predict(dims) if fit is not None else None
+    for k in range(len(groups) if len(groups) > 2 else 0):
+        same = [point for v, point in zip(values, points, strict=True) if v[k] == want[k]]
+        fit = _fit(same) if len(same) < len(points) else None
+        counts = fit.predict(dims) if fit is not None else None
+        if counts is not None:
+            return counts
+    return None
 
 
 def extremes_first(values: Sequence[Any]) -> list[Any]:
@@ -423,8 +430,8 @@ class ShapeFlops:
     def get(self, signature: Signature, later: bool = False, beyond: bool = False) -> BatchCounts | None:
         """The counts of a micro-batch with this signature, or None when neither counted nor predictable
         inside the range its family's counted points verified; with ``beyond``, also outside it where one
-        polynomial reproduces every counted point of the family with one to spare (after the window, where
-        a count costs the run's time; the meter's audits check it)."""
+        polynomial reproduces every counted point of the family, each checked by the others (after the
+        window, where a count costs the run's time; the meter's audits check it)."""
         key = (later, signature)
         known = self._beyond if beyond else self._known
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import numpy
@@ -287,6 +288,36 @@ def test_a_replays_writes_to_its_batch_do_not_reach_the_real_steps_batch(contain
     else:
         assert list(batch.keys()) == ["x"] and batch["x"] is x
     assert torch.equal(x, values) and scale.item() == 1.0 and model.up.weight.grad is None
+
+
+class _Shelf(MutableMapping):
+    """A mapping over storage of its own (a shelf, a view): a copy would share it."""
+
+    def __init__(self, store: dict[str, Any]) -> None:
+        self.store = store
+
+    def __getitem__(self, key: str) -> Any:
+        return self.store[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.store[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self.store[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.store)
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+
+def test_a_batch_of_a_mapping_the_replay_cannot_copy_has_no_fake_count_and_stays_as_it_was() -> None:
+    x = torch.randn(4, 8)
+    batch = _Shelf({"x": x})
+    with pytest.raises(FakeCountUnavailable, match="a batch's _Shelf cannot be copied for a replay"):
+        fake_count(_Mlp(), _doubling_step, batch)
+    assert batch.store == {"x": x} and batch["x"] is x
 
 
 def test_a_model_holding_more_than_the_budget_in_containers_has_no_fake_count() -> None:

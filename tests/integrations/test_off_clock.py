@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -214,9 +215,9 @@ class WarmedUp(L.LightningModule):
     """A warmup stepped by hand in ``training_step`` (automatic optimization): a fake count's replay of the
     step steps the scheduler too, and must leave it, and the optimizer's learning rate, as they were."""
 
-    def __init__(self) -> None:
+    def __init__(self, schedule: str) -> None:
         super().__init__()
-        self.net = nn.Linear(8, 4)
+        self.net, self.schedule = nn.Linear(8, 4), schedule
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.lr_schedulers().step()
@@ -224,16 +225,20 @@ class WarmedUp(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
-        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+        warmup: Any = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+        if self.schedule == "linear, then cosine":  # schedulers stepped by another
+            linear = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=4)
+            cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=20)
+            warmup = torch.optim.lr_scheduler.SequentialLR(optimizer, [linear, cosine], milestones=[4])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
         pass  # stepped in training_step
 
 
-def _warmed_up(root: Path, callbacks: list[L.Callback]) -> tuple[WarmedUp, L.Trainer]:
+def _warmed_up(root: Path, callbacks: list[L.Callback], schedule: str) -> tuple[WarmedUp, L.Trainer]:
     L.seed_everything(0, verbose=False)
-    module, generator = WarmedUp(), torch.Generator().manual_seed(1)
+    module, generator = WarmedUp(schedule), torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(
         torch.randn(64, 8, generator=generator), torch.randn(64, 4, generator=generator)
     )
@@ -242,12 +247,13 @@ def _warmed_up(root: Path, callbacks: list[L.Callback]) -> tuple[WarmedUp, L.Tra
     return module, trainer
 
 
+@pytest.mark.parametrize("schedule", ["lambda", "linear, then cosine"])
 def test_a_replay_of_a_step_that_steps_its_lr_scheduler_leaves_the_schedule_and_the_weights_as_unprofiled(
-    tmp_path: Path,
+    tmp_path: Path, schedule: str
 ) -> None:
-    plain, plain_trainer = _warmed_up(tmp_path / "plain", [])
+    plain, plain_trainer = _warmed_up(tmp_path / "plain", [], schedule)
     callback = FlopsProfilerCallback(profile_step=1, clean_steps=2, print_profile=False)
-    profiled, trainer = _warmed_up(tmp_path / "profiled", [callback])
+    profiled, trainer = _warmed_up(tmp_path / "profiled", [callback], schedule)
     assert callback.result is not None and callback.session.off_clock.counts >= 1  # a replay ran
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     assert scheduler.last_epoch == plain_trainer.lr_scheduler_configs[0].scheduler.last_epoch == 12

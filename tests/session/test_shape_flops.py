@@ -163,3 +163,22 @@ def test_three_full_batches_and_the_epochs_smaller_last_one_predict_nothing_they
     table.record(signature(5, 11), BatchCounts(10 * 5 * 11, 0, 0, 0, 0, 0))  # a sixth: each one checked
     assert table.get(signature(5, 30)) == BatchCounts(1500, 0, 0, 0, 0, 0)
     assert table.get(signature(7, 12)) == BatchCounts(840, 0, 0, 0, 0, 0)
+
+
+def test_an_encoder_decoders_pairs_stay_predicted_after_the_epochs_smaller_last_batch() -> None:
+    """Seven pairs of lengths at batch 4 and one at batch 3: the size is then a variable no fit of all the
+    points pins down, and the pairs at batch 4 are fitted on their own."""
+    table = ShapeFlops()
+
+    def signature(size: int, a: int, b: int) -> tuple:
+        return (((size, a), torch.int64), ((size, b), torch.int64))
+
+    def flops(size: int, a: int, b: int) -> BatchCounts:  # per row, and a relative bias of a x a once
+        fwd = size * (7 + 3 * a + 5 * b + 2 * a * a + a * b + 4 * b * b) + 11 * a * a
+        return BatchCounts(fwd, 2 * fwd, 0, 0, 0, 0)
+
+    for a, b in [(2, 2), (9, 2), (2, 9), (9, 9), (5, 3), (3, 6), (7, 5)]:
+        table.record(signature(4, a, b), flops(4, a, b))
+    table.record(signature(3, 6, 4), flops(3, 6, 4))
+    assert table.get(signature(4, 5, 6)) == flops(4, 5, 6)
+    assert table.get(signature(3, 5, 6)) is None  # one point at batch 3: nothing to fit there
