@@ -102,9 +102,8 @@ def _copied(batch: Any, clones: list[torch.Tensor]) -> Any:
             for field in dataclasses.fields(value):
                 object.__setattr__(instance, field.name, tree_map(leaf, getattr(value, field.name)))
             return instance
-        if isinstance(
-            value, (UserDict, dict)
-        ):  # BatchEncoding, a dict's subclass: copy.copy copies the items
+        # a UserDict (BatchEncoding) or a dict's subclass, which pytree leaves whole: copy.copy copies items
+        if isinstance(value, (UserDict, dict)):
             mapping = done[id(value)] = copy.copy(value)
             for key in list(value.keys()):
                 mapping[key] = tree_map(leaf, value[key])

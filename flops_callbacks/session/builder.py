@@ -206,9 +206,9 @@ def build_result(
     else:
         base = _counted(local, rows, model, context, peaks, (fwd, bwd, step))
     clean = local.clean
-    if clean or isinstance(local, ReusedWindow):
+    if isinstance(local, ReusedWindow):
         layout = batch_layout(clean, not_apart)
-    else:  # a cut window: the steps timed instead, their model work apart or their batch counted as run
+    else:  # the clean steps, or the step timed instead of them (its batch counted as run: said)
         why = "no clean step ran: the step timed instead was counted as run" if local.as_run else not_apart
         layout = batch_layout(local.timed, why)
     shapes, counted, predicted = window_shapes(steps, flops)

@@ -332,7 +332,9 @@ def _predict(points: list[tuple[tuple[int, ...], BatchCounts]], dims: tuple[int,
         counts = _along_one(line, want[k])
         if counts is not None:
             return counts
-    for k in range(len(groups) if len(groups) > 2 else 0):
+    if len(groups) <= 2:
+        return None  # with two variables, one as asked leaves a line: _along_one's
+    for k in range(len(groups)):
         same = [point for v, point in zip(values, points, strict=True) if v[k] == want[k]]
         fit = _fit(same) if len(same) < len(points) else None
         counts = fit.predict(dims) if fit is not None else None
