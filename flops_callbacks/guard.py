@@ -102,6 +102,19 @@ class Guard:
         self._said.add(what)
         warn(f"{self.owner}: {what} failed ({type(error).__name__}: {error}); {kept}. Training goes on.")
 
+    def closing(self, close: Callable[[], None]) -> None:
+        """Run an adapter's ``close`` as the user's exception passes (every door closes its window so): a
+        failure of the profiler's own there is said, never raised in the user's error's place.
+
+        Args:
+            close: what drops the window and removes every hook and mode.
+        """
+        try:
+            close()
+        except Exception as error:
+            said = f"{type(error).__name__}: {error}"
+            warn(f"{self.owner}: closing the profile window failed ({said}); your error follows.")
+
     def forget(self) -> None:
         """A new run: its failures are said again."""
         self._said.clear()

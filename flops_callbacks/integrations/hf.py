@@ -292,7 +292,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
                 marked = WrappedMethod(trainer, "compute_loss", forward_then_backward, once=False)
             return training_step(*args, **kwargs)
         except BaseException:
-            session.close()
+            session.guard.closing(session.close)
             raise
         finally:
             if marked is not None:

@@ -33,7 +33,6 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.off_clock import Replay
-from flops_callbacks.user_warning import warn
 
 __all__ = ["compute_dtype", "FlopsProfilerCallback", "parallel_sizes"]
 
@@ -195,10 +194,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         except StopIteration:
             raise
         except BaseException:
-            try:
-                self._close()
-            except Exception as error:  # noqa: BLE001  (the exception that ends the run is the user's)
-                warn(f"flops_callbacks: closing the profile window failed ({error!r}); your error follows.")
+            self.session.guard.closing(self._close)
             raise
 
     def _unguard(self) -> None:
@@ -262,7 +258,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._close()  # Lightning re-raises the exception itself
+        self.session.guard.closing(self._close)  # Lightning re-raises the exception itself
 
     def _close(self) -> None:
         """An exception ends the run: nothing of the profiler's stays (idempotent)."""

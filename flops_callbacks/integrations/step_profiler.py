@@ -204,7 +204,7 @@ class StepProfiler:
             self._running = False
             if self._iteration is not None:
                 self._iteration.remove_hooks()
-            self.session.close()
+            self.session.guard.closing(self.session.close)
 
     # --- what an iteration reports -------------------------------------------------------------------
 
@@ -238,7 +238,7 @@ class StepProfiler:
     def _abandon_iteration(self) -> None:
         """The block raised: the window is dropped (the run may go on: the next step starts afresh)."""
         self._in_step = False
-        self.session.close()
+        self.session.guard.closing(self.session.close)
 
 
 class _Iteration:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import errno
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,10 +28,12 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from transformers import BatchEncoding, Trainer, TrainerCallback
 
+from flops_callbacks import guard, register_formula
 from flops_callbacks import metrics as names
-from flops_callbacks import register_formula
 from flops_callbacks.integrations.hf import HFFlopsCallback
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback
+from flops_callbacks.integrations.step_profiler import StepProfiler
+from flops_callbacks.session.step_session import StepSession
 from tests.support import hf_arguments, leftovers, lightning_settings, window_end
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 4
@@ -430,3 +433,43 @@ def test_the_users_exceptions_on_the_same_paths_propagate_unchanged(
     with pytest.raises(UserError) as raised:
         run(framework, tmp_path, kind="dataclass", net=net, **kwargs)
     assert raised.value is error
+
+
+@pytest.mark.parametrize("framework", [*FRAMEWORKS, "loop"])
+def test_a_failure_of_our_close_under_the_users_error_is_said_and_the_users_error_passes(
+    tmp_path: Path, framework: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window is closed as the user's error passes; where that close fails (here after its work,
+    so nothing stays), the user's error still reaches the caller, and the failure is one warning."""
+    close = StepSession.close
+
+    def failing_close(self: StepSession, meter: bool = True) -> None:
+        close(self, meter)
+        if sys.exc_info()[1] is not None:  # the user's error on its way out
+            raise ArithmeticError("our close broke")
+
+    said: list[str] = []
+    monkeypatch.setattr(StepSession, "close", failing_close)
+    monkeypatch.setattr(guard, "warn", said.append)  # run() keeps the warnings it catches to itself
+    error, net = UserError("forward"), Net()
+    net.error = error
+    with pytest.raises(UserError) as raised:
+        if framework == "loop":
+            before = leftovers(net)
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+            with StepProfiler(net, profile_step=PROFILE_STEP, clean_steps=CLEAN, print_profile=False) as prof:
+                for x, y in data()[: MAX_STEPS * BATCH : BATCH]:
+                    with prof.step(x):
+                        net(x[None], y[None])["loss"].backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+        else:
+            run(framework, tmp_path, kind="dataclass", net=net)
+    assert raised.value is error
+    owner = {"lightning": "FlopsProfilerCallback", "hf": "HFFlopsCallback", "loop": "StepProfiler"}[framework]
+    failed = (
+        f"{owner}: closing the profile window failed (ArithmeticError: our close broke); your error follows."
+    )
+    assert said and set(said) == {failed}
+    if framework == "loop":
+        assert leftovers(net) == before
