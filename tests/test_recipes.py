@@ -1,5 +1,5 @@
 """The docs' recipes run as written on a CPU: the gate recipe of ``docs/comparing-runs.md`` (runs of the
-demo, base and new in turns, then ``flops-callbacks gate`` on the two folders; here in three turns, not
+demo, base and new in turns, then ``flops-callbacks gate`` on the two folders; here in two turns, not
 the recipe's ten: twenty runs of the demo would hold CI eight minutes, and ``benchmarks/gate_noise.py``
 runs ten) gives a verdict over every run, and its gate exits 1 on a run of the demo made slower (its
 forward waits a whole median step more; ``benchmarks/gate_noise.py`` measures how often two sides of one
@@ -19,7 +19,7 @@ from tests.test_benchmarks import benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = Path("gpt") / "version_0" / "flops_profile_step10.json"
-TURNS = 3  # the recipe's loop, cut from its ten turns
+TURNS = 2  # the recipe's loop, cut from its ten turns
 
 
 def recipe(page: str, heading: str) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from flops_callbacks.generation.run import GenerationRun
 
-__all__ = ["generate_loop", "prompt_shape"]
+__all__ = ["generate_loop", "prompt_shape", "returned_sequences"]
 
 
 def prompt_shape(kwargs: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
@@ -28,6 +28,13 @@ def prompt_shape(kwargs: dict[str, Any]) -> tuple[int | None, int | None, int | 
     mask = kwargs.get("attention_mask")
     padding = int((mask == 0).sum()) if isinstance(mask, torch.Tensor) else 0
     return int(prompt.shape[0]), int(prompt.shape[1]), padding
+
+
+def returned_sequences(output: Any) -> int | None:
+    """How many sequences ``generate()`` returned (its output's rows: ``num_return_sequences`` per prompt),
+    or None where the output is not one of its own."""
+    sequences = getattr(output, "sequences", output)  # a GenerateOutput (return_dict_in_generate) or a tensor
+    return int(sequences.shape[0]) if isinstance(sequences, torch.Tensor) and sequences.dim() == 2 else None
 
 
 class _TokenMarks:

@@ -51,7 +51,7 @@ def generation_json(result: GenerationResult) -> dict[str, Any]:
         "kv_cache_bytes": result.kv_cache_bytes,
         "counting_failure": result.counting_failure,
         "module_latencies": result.module_latencies,
-        "no_energy_reason": result.no_energy_reason,  # each run's "energy": (joules, time, counter) x 3
+        "no_energy_reason": result.no_energy,  # each run's "energy": (joules, time, counter) x 3
         "peak": dataclasses.asdict(result.peak) if result.peak else {"none": result.no_peak_reason},
         "bandwidth": dataclasses.asdict(result.bandwidth)
         if result.bandwidth

@@ -26,7 +26,7 @@ import torch
 
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.files import write_text
-from flops_callbacks.generation.generate_marks import generate_loop, prompt_shape
+from flops_callbacks.generation.generate_marks import generate_loop, prompt_shape, returned_sequences
 from flops_callbacks.generation.json_file import generation_json
 from flops_callbacks.generation.module_times import (
     COUNTING_RUN_SOURCE,
@@ -242,10 +242,16 @@ def _with_module_times(
         cost = hook_cost() if isinstance(clock, CpuClock) else None  # CUDA events hold no host time
         times = timer.times(timer.fitted(cost) if cost is not None else None)
         tables = step_module_times(times.spans, [0, decode_call])
+        pairs = ((0, prefill), (decode_call, decode))
+        short = [call for call, tree in pairs if tree is not None and call not in tables]
+        if short:  # sampled to an earlier EOS: that run has no such step, and no tree mixes two sources
+            warn(f"{OWNER}: the module-timing run made fewer model calls than the counting run (no call "
+                 f"{short[0]}); the trees keep the counting run's module latencies")  # fmt: skip
+            return prefill, decode, COUNTING_RUN_SOURCE
         trees = []
-        for call, tree in ((0, prefill), (decode_call, decode)):
-            table = tables.get(call)
-            if tree is not None and table is not None:
+        for call, tree in pairs:
+            if tree is not None:
+                table = tables[call]
                 timed = ModuleTimes(table, {}, {}, []).applied_to(tree)
                 tree = dataclasses.replace(timed, fwd_latency=table.get("", 0.0))
             trees.append(tree)
@@ -281,14 +287,23 @@ def profile_generation(
 
     ``generate()`` is called ``warm_up + runs + 2`` times with ``generate_kwargs`` as given (a
     ``logits_processor`` of the caller's is kept). The prefill is the model's calls before the first token
-    (one, or its chunks), each later call a decode step; batch size, prompt length and padding are read
-    from ``input_ids`` (``inputs``, ``inputs_embeds``) and ``attention_mask``. The result's ``output`` is
+    (one, or its chunks), each later call a decode step; prompt length and padding are read from
+    ``input_ids`` (``inputs``, ``inputs_embeds``) and ``attention_mask``, the batch size (sequences) from
+    the sequences ``generate()`` returns (``num_return_sequences`` per prompt). The result's ``output`` is
     the last timed run's output.
     """
     batch, prompt, padding = prompt_shape(generate_kwargs)
     loop = generate_loop(model, generate_kwargs)
-    return profile_decode_loop(
+    profile = profile_decode_loop(
         model, loop, warm_up=warm_up, runs=runs, causal_attention=causal_attention,
         peak_flops=peak_flops, peak_bandwidth=peak_bandwidth,
         batch_size=batch, prompt_tokens=prompt, padding_tokens=padding,
     )  # fmt: skip
+    rows = returned_sequences(profile.output)
+    if batch is None or rows is None or rows == batch or rows % batch:
+        return profile
+    # num_return_sequences: each prompt generated several times, each with the prompt's padding
+    result = dataclasses.replace(
+        profile.result, batch_size=rows, padding_tokens=None if padding is None else padding * (rows // batch)
+    )
+    return GenerationProfile(result, profile.output)

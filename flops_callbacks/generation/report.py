@@ -167,7 +167,7 @@ def _energy_rows(result: GenerationResult) -> list[str]:
     counter's resolution (else why not); one row saying why where no counter was read."""
     spans, m = result.energy(), result.metrics()
     if not spans:
-        return [_row("energy", f"n/a: {result.no_energy_reason or 'no timed run read the counter'}")]
+        return [_row("energy", f"n/a: {result.no_energy}")]
     whole = spans["run"]
     rows = [
         _row("mean power (timed runs)", quantity_to_string(m[names.GENERATION_POWER], "W")),

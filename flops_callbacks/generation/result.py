@@ -144,7 +144,13 @@ class GenerationResult:
 
     def energy(self) -> dict[str, EnergySpan]:
         """The energy counter over the timed runs: "run" (start to end), "prefill" (start to the first
-        token) and "decode" (first token to end), each over every run; empty where a run read none."""
+        token) and "decode" (first token to end), each over every run; empty where a run read none, or
+        where the counter did not move (:attr:`no_energy`)."""
+        spans = self._spans
+        return spans if spans and spans["run"].joules > 0 and spans["run"].seconds > 0 else {}
+
+    @cached_property
+    def _spans(self) -> dict[str, EnergySpan]:
         readings = [run.energy for run in self.runs]
         if not readings or any(len(r) != 3 for r in readings):
             return {}
@@ -156,9 +162,22 @@ class GenerationResult:
         except ValueError:  # a counter that went back (a driver reset)
             return {}
 
+    @property
+    def no_energy(self) -> str:
+        """Why the generation has no energy figure ("": it has them)."""
+        if self.energy():
+            return ""
+        whole = self._spans.get("run")
+        if whole is not None:  # read, and still: no run does no work, the counter did not update
+            return (
+                f"the energy counter did not move over the timed runs ({whole.seconds:.3g} s; it updates "
+                f"about every {whole.resolution:g} s)"
+            )
+        return self.no_energy_reason or "no timed run read the counter"
+
     def _energy_metrics(self) -> dict[str, float]:
         spans, runs = self.energy(), self.runs
-        if not spans or spans["run"].seconds <= 0:
+        if not spans:
             return {}
         whole, prefill, decode = spans["run"], spans["prefill"], spans["decode"]
         m = {names.GENERATION_POWER: whole.joules / whole.seconds}

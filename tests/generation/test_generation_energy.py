@@ -1,7 +1,7 @@
 """A generation's energy, on a fake RAPL tree whose counter each model call advances by a known 1.1 J (1 J
 on the package, 0.1 J on its DRAM): the timed runs' power and joules per new token, the prefill's and a
 decode step's where they span 20 of the counter's resolutions (said where they do not), the JSON read back,
-and without a counter one row saying why."""
+and without a counter, or with one that does not move (a VM's constant powercap), one row saying why."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def loop(model: torch.nn.Module) -> Any:
     return run_once
 
 
-def generation(rapl: FakeRapl | None) -> Any:
-    model = Burner(rapl, 1.0, SLEEP)
+def generation(rapl: FakeRapl | None, joules: float = 1.0) -> Any:
+    model = Burner(rapl, joules, SLEEP)
     return profile_decode_loop(model, loop(model), batch_size=BATCH, runs=RUNS, warm_up=0)
 
 
@@ -89,3 +89,21 @@ def test_without_a_counter_one_row_says_why_and_no_energy_figure_is_made(
     ]
     back = generation_from_json(json.loads(json.dumps(profile.json_data())))
     assert back.no_energy_reason == why
+
+
+def test_a_counter_that_does_not_move_makes_no_energy_figure_and_one_row_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profile = generation(install(tmp_path, monkeypatch), joules=0.0)
+    assert not set(profile.metrics) & set(names.GENERATION_ENERGY)  # not 0 W, not 0 J per token
+    rows = [line for line in profile.report.splitlines() if "energy" in line.lower()]
+    assert len(rows) == 1 and rows[0].startswith(
+        f"{'energy: ':<44}n/a: the energy counter did not move over the "
+    )
+    seconds = float(rows[0].split("timed runs (")[1].split(" s;")[0])
+    assert seconds == pytest.approx(sum(run.total for run in profile.result.runs), rel=0.01)
+    assert "it updates about every 0.001 s" in rows[0]
+    back = generation_from_json(json.loads(json.dumps(profile.json_data())))
+    assert back.no_energy == profile.result.no_energy and not set(back.metrics()) & set(
+        names.GENERATION_ENERGY
+    )

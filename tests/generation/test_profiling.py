@@ -255,6 +255,76 @@ def test_latencies_are_the_known_sleeps_on_a_clock_only_the_sleeps_move(
     )
 
 
+ENCODER_SLEEP = 0.060
+
+
+class SleepyT5(transformers.T5ForConditionalGeneration):
+    """A T5 whose forward sleeps 30 ms and whose encoder sleeps 60 ms (``clock.sleep``), on every call."""
+
+    clock: Any = time
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        type(self).clock.sleep(DECODE_SLEEP)
+        return super().forward(*args, **kwargs)
+
+
+def test_an_encoder_decoders_prefill_tree_holds_its_encoders_time_and_the_root_both_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``generate()`` calls the encoder before the model's first call: its time is the prefill tree's too,
+    and the tree's root is the two calls' (the host's time between them is no module's)."""
+    import flops_callbacks.timing.clock as clock_module
+
+    virtual = VirtualTime()
+    monkeypatch.setattr(clock_module, "time", virtual)
+    monkeypatch.setattr(SleepyT5, "clock", virtual)
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=512, decoder_start_token_id=0
+    )
+    model = SleepyT5(config).eval()
+    encoder_forward = model.encoder.forward
+
+    def sleeping_encoder(*args: Any, **kwargs: Any) -> Any:
+        virtual.sleep(ENCODER_SLEEP)
+        return encoder_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model.encoder, "forward", sleeping_encoder)
+    profile = profile_generation(model, **prompt(), max_new_tokens=4, do_sample=False, runs=1, warm_up=0)
+    result = profile.result
+    assert result.module_latencies.startswith("a run of their own")
+    prefill, decode = result.prefill, result.decode
+    assert prefill is not None and decode is not None
+    assert prefill.modules["encoder"].fwd_latency == pytest.approx(ENCODER_SLEEP, abs=0.005)
+    assert prefill.model.fwd_latency == pytest.approx(ENCODER_SLEEP + DECODE_SLEEP, abs=0.005)
+    assert profile.metrics[metrics.PREFILL_LATENCY] == pytest.approx(ENCODER_SLEEP + DECODE_SLEEP, abs=1e-9)
+    assert decode.modules["encoder"].fwd_latency == 0  # called once, before the first token
+    assert decode.model.fwd_latency == pytest.approx(DECODE_SLEEP, abs=0.005)
+
+
+def test_a_module_timing_run_shorter_than_the_counting_run_leaves_the_trees_the_counting_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sampling may end a run earlier (its EOS): where the module-timing run has no call of the step the
+    decode tree shows, neither tree takes its latencies from it, and the report and a warning say so."""
+    calls = {"generate": 0}
+    original = transformers.GPT2LMHeadModel.generate
+
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["generate"] += 1
+        if calls["generate"] == 3:  # warm-up, timed, then the module-timing run: two new tokens only
+            kwargs = {**kwargs, "max_new_tokens": 2}
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "generate", generate)
+    with pytest.warns(
+        UserWarning, match="the module-timing run made fewer model calls than the counting run"
+    ):
+        profile = profile_generation(built("gpt2"), **prompt(), max_new_tokens=8, **GREEDY, runs=1)
+    assert profile.result.module_latencies.startswith("the counting run")
+    assert "Module latencies below: the counting run (inflated by counting" in profile.report
+
+
 def test_latencies_hold_the_real_sleeps() -> None:
     """On the real clock (a loaded machine delays a wake-up by up to hundreds of ms: lower bounds only)."""
     profile = profile_generation(sleepy(), **prompt(), max_new_tokens=6, **GREEDY, runs=2)
@@ -404,3 +474,18 @@ def test_a_prefill_in_chunks_is_every_call_before_the_first_token() -> None:
     assert result.prefill_work is not None and 2 * result.prefill_work.macs == counter.get_total_flops()
     assert result.decode_work is not None and result.decode_work.steps == 3
     assert "in 4 chunks" in profile.report
+
+
+def test_num_return_sequences_makes_each_returned_sequence_count_in_the_batch_and_the_tokens() -> None:
+    """Three samples of each of the two prompts: six sequences decoded and returned, each with its prompt's
+    padding; tokens per second are theirs, not the prompts' (3x more)."""
+    model, new = built("gpt2"), 4
+    sampled = {"do_sample": True, "num_return_sequences": 3, "min_new_tokens": new, "pad_token_id": 0}
+    profile = profile_generation(model, **prompt(), max_new_tokens=new, **sampled, runs=2, warm_up=0)
+    result = profile.result
+    assert profile.output.shape == (3 * BATCH, PROMPT + new)
+    assert (result.batch_size, result.padding_tokens, result.new_tokens) == (3 * BATCH, 3 * 8, new)
+    rate = 3 * BATCH * new * len(result.runs) / sum(run.total for run in result.runs)
+    assert profile.metrics[metrics.GENERATION_TOKENS_PER_SEC] == pytest.approx(rate, rel=1e-12)
+    assert re.search(r"^batch size \(sequences\): +6$", profile.report, re.MULTILINE)
+    assert "64 per sequence, 24 of 384 positions padding" in profile.report
