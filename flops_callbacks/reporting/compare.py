@@ -5,9 +5,10 @@ command line (``flops_callbacks.cli``) prints and draws what they return.
 What counts as noise, in one place (:func:`is_noise`): a latency's range is what its clean steps spread
 over, their fastest and slowest tenth left out (:data:`TRIM`: a step a neighbour's job stalled is not the
 configuration's spread; under 10 steps, min .. max); a rate's is the same steps' range turned into a rate
-(the rate if every step had taken the fastest or the slowest step's time); a step's energy (per step,
-sample, token) is the wall step's range scaled, the same power over a faster or a slower step, and tokens
-per joule its inverse; a count (flops, bytes, params) and the mean power are exact and have none. A
+(the rate if every step had taken the fastest or the slowest step's time; a rate of the steps' totals,
+wall samples per second, scaled from their mean step); a step's energy (per step, sample, token) is the
+wall step's range scaled from their mean, the same power over a faster or a slower step, and tokens per
+joule its inverse; a count (flops, bytes, params) and the mean power are exact and have none. A
 change is noise when the new run's figure lies within the base run's range: the base run's own steps
 spread that far with nothing changed. A module's own time has no range of its own (its latency is one
 module-timing step's), so its change is noise when it is within the base run's phase wobble:
@@ -77,6 +78,11 @@ _RANGE_OF: dict[str, tuple[str, bool]] = {
 # the energy of a step, a sample, a token: at the window's power a slower wall step burns longer, so its
 # range is the wall step's, scaled (lower is better)
 _ENERGY_OF = dict.fromkeys((names.ENERGY_PER_STEP, names.ENERGY_PER_SAMPLE, names.ENERGY_PER_TOKEN), "wall")
+# figures of the clean steps' totals (samples, tokens or joules over their summed wall time), not of their
+# median step: scaled from the steps' mean
+_OF_TOTALS = frozenset(
+    (names.WALL_SAMPLES_PER_SEC, names.WALL_TOKENS_PER_SEC, names.TOKENS_PER_JOULE, *_ENERGY_OF)
+)
 # the figures in the report's order; any other metric of a file follows them
 ORDER = (*names.ALL, *names.PADDING, *names.WITH_PEAK)
 TRIM = 0.1  # of a figure's clean steps, the fastest and the slowest tenth are left out of its range
@@ -115,13 +121,14 @@ def spread_range(values: list[float]) -> tuple[float, float]:
     return ranked[cut], ranked[-1 - cut]
 
 
-def _ranges(saved: SavedProfile) -> dict[str, tuple[float, float, float]]:
-    """Each latency of the clean steps (the JSON's ``spread`` keys): its median and its range."""
+def _ranges(saved: SavedProfile) -> dict[str, tuple[float, float, float, float]]:
+    """Each latency of the clean steps (the JSON's ``spread`` keys): its median, its mean and its range."""
     clean = saved.result.figures()
-    return {
-        key: (s.median, *spread_range([step.latency(key) for step in clean.steps]))
-        for key, s in clean.spreads.items()
-    }
+    found = {}
+    for key, s in clean.spreads.items():
+        values = [step.latency(key) for step in clean.steps]
+        found[key] = (s.median, statistics.fmean(values) if values else s.median, *spread_range(values))
+    return found
 
 
 def figures(saved: SavedProfile) -> dict[str, Figure]:
@@ -137,15 +144,16 @@ def figures(saved: SavedProfile) -> dict[str, Figure]:
         value = saved.metrics[name]
         low = high = value
         if name in _RANGE_OF and _RANGE_OF[name][0] in ranges:
-            median, fastest, slowest = ranges[_RANGE_OF[name][0]]
+            median, mean, fastest, slowest = ranges[_RANGE_OF[name][0]]
+            middle = mean if name in _OF_TOTALS else median  # the step time the figure is of
             if not _RANGE_OF[name][1]:
                 low, high = fastest, slowest
             elif fastest > 0 and slowest > 0:  # a rate: fastest step -> highest rate
-                low, high = value * median / slowest, value * median / fastest
+                low, high = value * middle / slowest, value * middle / fastest
         elif name in _ENERGY_OF and _ENERGY_OF[name] in ranges:
-            median, fastest, slowest = ranges[_ENERGY_OF[name]]
-            if median > 0:  # the same power over the fastest and the slowest step
-                low, high = value * fastest / median, value * slowest / median
+            _, mean, fastest, slowest = ranges[_ENERGY_OF[name]]
+            if mean > 0:  # the same power over the fastest and the slowest step
+                low, high = value * fastest / mean, value * slowest / mean
         found[short(name)] = Figure(short(name), value, min(low, value), max(high, value))
     return found
 

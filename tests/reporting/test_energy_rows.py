@@ -163,3 +163,22 @@ def test_gate_on_a_file_without_energy_is_bad_input_that_says_why(saved: Path, t
         "has no figure 'energy_per_step': no RAPL counter: /sys/class/powercap does not exist"
         in err.getvalue()
     )
+
+
+def test_the_ranges_of_figures_of_the_clean_steps_totals_are_the_fastest_and_slowest_steps_own(
+    saved: Path, tmp_path: Path
+) -> None:
+    """Wall samples per second and the energy per step are the clean steps' totals (over their summed wall
+    time), not their median step's: with six steps of 10 ms and two of 50 ms (mean 20 ms, median 10 ms) the
+    ranges are the slowest and the fastest step's own rate and energy at the window's power."""
+    data = json.loads(saved.read_text())
+    for step, wall in zip(data["clean_each"], [0.01] * 6 + [0.05] * 2, strict=True):
+        step["seconds"]["wall"] = wall
+    data["metrics"][names.WALL_SAMPLES_PER_SEC] = 4 / 0.02  # 4 samples a step over the mean step
+    data["metrics"][names.ENERGY_PER_STEP] = 1.1  # 55 W over the mean step
+    skewed = tmp_path / "skewed.json"
+    skewed.write_text(json.dumps(data))
+    found = figures(load(skewed))
+    rate, energy = found["wall_samples_per_sec"], found["energy_per_step"]
+    assert (rate.low, rate.high) == (pytest.approx(4 / 0.05), pytest.approx(4 / 0.01))
+    assert (energy.low, energy.high) == (pytest.approx(55 * 0.01), pytest.approx(55 * 0.05))
