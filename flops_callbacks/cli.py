@@ -31,16 +31,16 @@ from flops_callbacks.reporting.compare import (
     Change,
     Figure,
     ModuleChange,
-    Rule,
     changes,
     figure_text,
-    gate,
     module_changes,
+    one_sided,
     own_seconds,
     percent_text,
     range_text,
     work_note,
 )
+from flops_callbacks.reporting.gate_rules import Rule, gate
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_file import SavedProfile, load, load_runs
 from flops_callbacks.reporting.publish import picture
@@ -237,10 +237,13 @@ def _runs(path: str) -> list[SavedProfile]:
 def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     a, b = _window(args.a), _window(args.b)
     note, figures, modules = work_note(a, b), changes(a, b), module_changes(a, b)
+    alone = one_sided(a, b)
     if args.json:
-        print(json.dumps(_diff_json(a, b, note, figures, modules), indent=2), file=out)
+        data = _diff_json(a, b, note, figures, modules)
+        data["one_sided"] = [{"name": n, "in": side, "why_not_the_other": why} for n, side, why in alone]
+        print(json.dumps(data, indent=2), file=out)
     else:
-        print(_diff_text(a, b, note, figures, modules[: args.top], len(modules), paint), file=out)
+        print(_diff_text(a, b, note, (figures, alone), modules[: args.top], len(modules), paint), file=out)
     if args.html:
         _write_page(args.html, _diff_html(a, b, note, figures))
     return EXIT_OK
@@ -316,11 +319,13 @@ def _diff_text(
     a: SavedProfile,
     b: SavedProfile,
     note: str | None,
-    figures: list[Change],
+    figures: tuple[list[Change], list[tuple[str, str, str]]],
     modules: list[ModuleChange],
     total: int,
     paint: _Paint,
 ) -> str:
+    """``figures``: the changes of the figures both runs have, and those one run has alone."""
+    both, alone = figures
     lines = [paint("flops_callbacks diff", BOLD), _run_line("A", a), _run_line("B", b)]
     for label, saved in (("A", a), ("B", b)):  # several ranks: the rank the others wait for, or none
         if saved.result.slow_rank is not None:
@@ -336,7 +341,8 @@ def _diff_text(
         "Headline figures: each latency's median (its range over the clean steps, their fastest and slowest "
         "tenth left out), each rate over the same steps (its range: theirs as a rate); noise: B within A's "
         "range",
-        *_figure_rows(figures, paint),
+        *_figure_rows(both, paint),
+        *_one_sided_lines(alone),
         "",
         f"Modules by the change of their own time (fwd + bwd + recompute, their children's left out), "
         f"largest first: {len(modules)} of the {total} that changed; noise: within A's fwd + bwd "
@@ -347,6 +353,18 @@ def _diff_text(
     elif not total:
         lines.append("    (no module changed)")
     return "\n".join(lines)
+
+
+def _one_sided_lines(alone: list[tuple[str, str, str]]) -> list[str]:
+    """The figures one run has and the other lacks, grouped by the run and the reason the other says."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, side, why in alone:
+        groups.setdefault((side, why), []).append(name)
+    lines = []
+    for (side, why), found in groups.items():
+        other = "B" if side == "A" else "A"
+        lines.append(f"only in {side}: {', '.join(found)} ({other} has none{': ' + why if why else ''})")
+    return lines
 
 
 def _number(value: float) -> float | None:

@@ -297,6 +297,30 @@ def test_gate_exits_2_on_an_unknown_figure_or_a_bad_rule_and_names_it(
     assert capsys.readouterr().out.startswith("ok: samples_per_sec: ")
 
 
+def test_a_figure_one_run_lacks_is_said_by_diff_and_gate_with_the_reason_its_file_gives(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A (given a peak: MFU and HFU) against the same run without one, as on a CPU: ``diff`` lists the two
+    figures B lacks and why, and ``gate --fail-on mfu:-5%`` names B's reason, not only B's figures."""
+    data = json.loads(runs["A"].read_text())
+    assert "flops_profiler/mfu" in data["metrics"] and "flops_profiler/hfu" in data["metrics"]
+    why = "no peak FLOPS for a cpu device: pass peak_flops=... (or 'measure')"
+    data["metrics"] = {
+        k: v for k, v in data["metrics"].items() if k not in ("flops_profiler/mfu", "flops_profiler/hfu")
+    }
+    data["peak"] = {"none": why}
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(data))
+    done = cli("diff", str(runs["A"]), str(bare))
+    assert done.returncode == 0
+    assert f"only in A: mfu, hfu (B has none: {why})" in done.stdout.splitlines()
+    listed = json.loads(cli("diff", str(bare), str(runs["A"]), "--json").stdout)["one_sided"]
+    assert listed == [{"name": n, "in": "B", "why_not_the_other": why} for n in ("mfu", "hfu")]
+    assert main(["gate", str(runs["A"]), str(bare), "--fail-on", "mfu:-5%"]) == 2
+    err = capsys.readouterr().err
+    assert f"--fail-on mfu:-5%: {bare} has no figure 'mfu': {why} (it has: " in err
+
+
 def test_bad_options_and_unwritable_pages_exit_2_naming_the_option(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -1,6 +1,7 @@
-"""Two saved profiles compared: the headline figures with their ranges, the modules by their own time,
-and the gate's rules. Pure functions of a saved profile (``reporting.profile_file.SavedProfile``); the
-command line (``flops_callbacks.cli``) prints and draws what they return.
+"""Two saved profiles compared: the headline figures with their ranges and the modules by their own time
+(the gate's rules on them: :mod:`.gate_rules`). Pure functions of a saved profile
+(``reporting.profile_file.SavedProfile``); the command line (``flops_callbacks.cli``) prints and draws
+what they return.
 
 What counts as noise, in one place (:func:`is_noise`): a latency's range is what its clean steps spread
 over, their fastest and slowest tenth left out (:data:`TRIM`: a step a neighbour's job stalled is not the
@@ -23,7 +24,6 @@ shared machine; runs of the base and the change taken in turns meet the same dri
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,15 +38,12 @@ __all__ = [
     "Change",
     "Figure",
     "ModuleChange",
-    "Rule",
-    "Check",
     "changes",
     "figure_text",
     "figures",
-    "gate",
     "is_noise",
-    "judge",
     "module_changes",
+    "one_sided",
     "one_configuration",
     "own_seconds",
     "percent_text",
@@ -54,6 +51,7 @@ __all__ = [
     "run_figures",
     "short",
     "spread_range",
+    "why_absent",
     "work_note",
 ]
 
@@ -351,106 +349,31 @@ def module_changes(a: SavedProfile, b: SavedProfile) -> list[ModuleChange]:
     return sorted(found, key=ModuleChange.sort_key, reverse=True)
 
 
-# --- the gate ---------------------------------------------------------------------------------------
-
-_RULE = re.compile(r"^([A-Za-z0-9_/]+):([+-])(\d+(?:\.\d*)?|\.\d+)%$")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """``figure:+N%`` fails when the figure grows by more than N percent, ``figure:-N%`` when it falls
-    by more; either way only when it also lies beyond the base run's range (:func:`is_noise`)."""
-
-    figure: str  # without the prefix
-    limit: float  # a fraction, >= 0: 0.10 for 10%
-    grows: bool  # the rule calls a rise worse (+), else a fall (-): its own field, so that -0% keeps it
-
-    @classmethod
-    def parse(cls, text: str) -> Rule:
-        """The rule ``text`` says; ValueError naming it and the syntax.
-
-        Args:
-            text: the rule as the command line takes it (``figure:+N%``, ``figure:-N%``).
-        """
-        found = _RULE.match(text.strip())
-        if found is None:
-            raise ValueError(
-                f"--fail-on {text!r}: expected FIGURE:+N% (worse when it grows, e.g. fwd_latency:+10%) "
-                "or FIGURE:-N% (worse when it falls, e.g. mfu:-5%)"
-            )
-        return cls(short(found[1]), float(found[3]) / 100, grows=found[2] == "+")
-
-    def __str__(self) -> str:
-        return f"{self.figure}:{'+' if self.grows else '-'}{100 * self.limit:g}%"
-
-
-@dataclass(frozen=True)
-class Check:
-    """A rule applied: whether it failed, and why, in one line."""
-
-    rule: Rule
-    change: Change
-    failed: bool
-    reason: str
-
-
-def gate(base: Sequence[SavedProfile], new: Sequence[SavedProfile], rules: list[Rule]) -> list[Check]:
-    """Each rule applied to the ``new`` runs against the ``base`` runs (one or more of each, every run
-    of a side of one configuration); ValueError naming a figure a file does not have, or a run of a
-    side that did other work than its first.
-
-    A rule fails when the new figure is worse than the base's by more than the rule's limit and lies
-    beyond the base's range on the worse side (above its slowest clean step for a latency of one run,
-    above its slowest run's for several; below the matching rate for a rate): both, or it passes.
+def why_absent(saved: SavedProfile, figure: str) -> str:
+    """Why ``saved`` has no ``figure`` (a name without the prefix), as its file says ("": it says nothing):
+    an energy figure's counter, MFU's and HFU's peak.
 
     Args:
-        base: the runs compared against.
-        new: the runs the rules judge.
-        rules: the rules, as the command line parsed them.
+        saved: the run without the figure.
+        figure: the figure's short name.
     """
-    one_configuration(base)
-    one_configuration(new)
-    fa, fb = run_figures(base), run_figures(new)
-    checks = []
-    for rule in rules:
-        for side, found in ((base, fa), (new, fb)):
-            if rule.figure not in found:
-                saved = next(s for s in side if rule.figure not in figures(s))
-                known = ", ".join(figures(saved))
-                why = saved.result.no_energy_reason if f"{names.PREFIX}{rule.figure}" in names.ENERGY else ""
-                raise ValueError(
-                    f"--fail-on {rule}: {saved.source} has no figure {rule.figure!r}"
-                    + (f": {why}" if why else "")
-                    + f" (it has: {known})"
-                )
-        checks.append(judge(rule, Change(fa[rule.figure], fb[rule.figure])))
-    return checks
+    name = f"{names.PREFIX}{figure}"
+    if name in names.ENERGY:
+        return saved.result.no_energy_reason
+    return saved.result.no_peak_reason if name in names.WITH_PEAK else ""
 
 
-def judge(rule: Rule, change: Change) -> Check:
-    """One rule on one change: failed when worse beyond the limit and beyond the base's range.
+def one_sided(a: SavedProfile, b: SavedProfile) -> list[tuple[str, str, str]]:
+    """The figures only one run has: (the figure, the run that has it, "A" or "B", why the other has none).
 
     Args:
-        rule: the rule.
-        change: the rule's figure from the base run (``a``) to the new run (``b``).
+        a: the first run (the base).
+        b: the second run.
     """
-    a, b = change.a, change.b
-    grows = rule.grows
-    over = (1 if grows else -1) * change.relative > rule.limit
-    beyond = b.value > a.high if grows else b.value < a.low
-    moved = f"{figure_text(a)} -> {figure_text(b)} ({percent_text(change.relative)})"
-    side = "above" if grows else "below"
-    if a.runs == 1:
-        base_range = f"the base run's range over its clean steps (A {range_text(a)})"
-    else:
-        base_range = f"the base's range over its {a.runs} runs (A {range_text(a)})"
-    if over and beyond:
-        reason = f"{rule.figure} got worse: {moved}, beyond {rule} and {side} {base_range}"
-    elif over:
-        reason = f"{rule.figure}: {moved}, beyond {rule} but within {base_range}: noise"
-    else:
-        reason = f"{rule.figure}: {moved}, within {rule}"
-    return Check(rule, change, over and beyond, reason)
+    fa, fb = figures(a), figures(b)
+    return [(n, "A", why_absent(b, n)) for n in fa if n not in fb] + [
+        (n, "B", why_absent(a, n)) for n in fb if n not in fa
+    ]
 
 
 # --- how figures read: the report's number formats --------------------------------------------------

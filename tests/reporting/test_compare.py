@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from flops_callbacks.reporting.compare import Change, Figure, Rule, figure_text, is_noise, judge, spread_range
+from flops_callbacks.reporting.compare import Change, Figure, figure_text, is_noise, spread_range
+from flops_callbacks.reporting.gate_rules import Rule, judge
 
 MS = 1e-3
 

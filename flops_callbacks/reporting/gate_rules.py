@@ -1,0 +1,123 @@
+"""The gate's rules (``--fail-on figure:+N%``) on the figures of two sides' runs: a rule fails only when its
+figure got worse beyond its limit and beyond the base's range (:func:`~.compare.is_noise`), so that a
+gate in CI does not fail on the noise of a shared machine."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flops_callbacks.reporting.compare import (
+    Change,
+    figure_text,
+    figures,
+    one_configuration,
+    percent_text,
+    range_text,
+    run_figures,
+    short,
+    why_absent,
+)
+from flops_callbacks.reporting.profile_file import SavedProfile
+
+__all__ = ["Check", "Rule", "gate", "judge"]
+
+_RULE = re.compile(r"^([A-Za-z0-9_/]+):([+-])(\d+(?:\.\d*)?|\.\d+)%$")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``figure:+N%`` fails when the figure grows by more than N percent, ``figure:-N%`` when it falls
+    by more; either way only when it also lies beyond the base run's range (:func:`is_noise`)."""
+
+    figure: str  # without the prefix
+    limit: float  # a fraction, >= 0: 0.10 for 10%
+    grows: bool  # the rule calls a rise worse (+), else a fall (-): its own field, so that -0% keeps it
+
+    @classmethod
+    def parse(cls, text: str) -> Rule:
+        """The rule ``text`` says; ValueError naming it and the syntax.
+
+        Args:
+            text: the rule as the command line takes it (``figure:+N%``, ``figure:-N%``).
+        """
+        found = _RULE.match(text.strip())
+        if found is None:
+            raise ValueError(
+                f"--fail-on {text!r}: expected FIGURE:+N% (worse when it grows, e.g. fwd_latency:+10%) "
+                "or FIGURE:-N% (worse when it falls, e.g. mfu:-5%)"
+            )
+        return cls(short(found[1]), float(found[3]) / 100, grows=found[2] == "+")
+
+    def __str__(self) -> str:
+        return f"{self.figure}:{'+' if self.grows else '-'}{100 * self.limit:g}%"
+
+
+@dataclass(frozen=True)
+class Check:
+    """A rule applied: whether it failed, and why, in one line."""
+
+    rule: Rule
+    change: Change
+    failed: bool
+    reason: str
+
+
+def gate(base: Sequence[SavedProfile], new: Sequence[SavedProfile], rules: list[Rule]) -> list[Check]:
+    """Each rule applied to the ``new`` runs against the ``base`` runs (one or more of each, every run
+    of a side of one configuration); ValueError naming a figure a file does not have, or a run of a
+    side that did other work than its first.
+
+    A rule fails when the new figure is worse than the base's by more than the rule's limit and lies
+    beyond the base's range on the worse side (above its slowest clean step for a latency of one run,
+    above its slowest run's for several; below the matching rate for a rate): both, or it passes.
+
+    Args:
+        base: the runs compared against.
+        new: the runs the rules judge.
+        rules: the rules, as the command line parsed them.
+    """
+    one_configuration(base)
+    one_configuration(new)
+    fa, fb = run_figures(base), run_figures(new)
+    checks = []
+    for rule in rules:
+        for side, found in ((base, fa), (new, fb)):
+            if rule.figure not in found:
+                saved = next(s for s in side if rule.figure not in figures(s))
+                known = ", ".join(figures(saved))
+                why = why_absent(saved, rule.figure)
+                raise ValueError(
+                    f"--fail-on {rule}: {saved.source} has no figure {rule.figure!r}"
+                    + (f": {why}" if why else "")
+                    + f" (it has: {known})"
+                )
+        checks.append(judge(rule, Change(fa[rule.figure], fb[rule.figure])))
+    return checks
+
+
+def judge(rule: Rule, change: Change) -> Check:
+    """One rule on one change: failed when worse beyond the limit and beyond the base's range.
+
+    Args:
+        rule: the rule.
+        change: the rule's figure from the base run (``a``) to the new run (``b``).
+    """
+    a, b = change.a, change.b
+    grows = rule.grows
+    over = (1 if grows else -1) * change.relative > rule.limit
+    beyond = b.value > a.high if grows else b.value < a.low
+    moved = f"{figure_text(a)} -> {figure_text(b)} ({percent_text(change.relative)})"
+    side = "above" if grows else "below"
+    if a.runs == 1:
+        base_range = f"the base run's range over its clean steps (A {range_text(a)})"
+    else:
+        base_range = f"the base's range over its {a.runs} runs (A {range_text(a)})"
+    if over and beyond:
+        reason = f"{rule.figure} got worse: {moved}, beyond {rule} and {side} {base_range}"
+    elif over:
+        reason = f"{rule.figure}: {moved}, beyond {rule} but within {base_range}: noise"
+    else:
+        reason = f"{rule.figure}: {moved}, within {rule}"
+    return Check(rule, change, over and beyond, reason)
