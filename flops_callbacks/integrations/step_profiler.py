@@ -142,6 +142,7 @@ class StepProfiler:
         self.log_every_n_steps, self.max_steps = log_every_n_steps, max_steps
         self.global_step = 0  # optimizer steps done (DeepSpeed's profile_step counts these)
         self._running = False  # the run started (train_start), and close() has not ended it
+        self._raised = False  # the last block raised
         self._in_step = False  # an optimizer step has started: its micro-batches so far ran no step()
         self._iteration: _Iteration | None = None
 
@@ -189,7 +190,8 @@ class StepProfiler:
             self._iteration.remove_hooks()
         if self._running:
             self._running = False
-            self.session.train_end(self.global_step, self.adapter.sink)
+            if not self._raised:  # else its ranks may wait in the step's collectives: no exchange now
+                self.session.train_end(self.global_step, self.adapter.sink)
         self.session.close()
 
     def __enter__(self) -> StepProfiler:
@@ -228,6 +230,7 @@ class StepProfiler:
 
     def _end(self, stepped: bool) -> None:
         session = self.session
+        self._raised = False
         session.micro_batch_end(pause=True)  # what runs until the next block is not part of the step
         if stepped:
             self._in_step = False
@@ -236,9 +239,10 @@ class StepProfiler:
             session.step_end(self.global_step, self.adapter.sink, logs=logs)
 
     def _abandon_iteration(self) -> None:
-        """The block raised: the window is dropped (the run may go on: the next step starts afresh)."""
-        self._in_step = False
-        self.session.guard.closing(self.session.close)
+        """The block raised: the window is dropped, on every rank at the next vote should the loop go on
+        (the next step starts afresh), and a ``close()`` before another block ran exchanges nothing."""
+        self._in_step, self._raised = False, True
+        self.session.guard.closing(lambda: self.session.close(raised=True))
 
 
 class _Iteration:

@@ -43,7 +43,7 @@ from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.run_plan import RunPlan, unwritable_destinations
 from flops_callbacks.session.sequence_flops import SequenceFlops
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_plan import Decision, Kind, WindowPlan, Wish
+from flops_callbacks.session.window_plan import FAILED, RAISED, Decision, Kind, WindowPlan, Wish
 from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.clock import clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
@@ -130,7 +130,7 @@ class StepSession:
         next vote (this rank wishes it); metering stops on every rank at the next exchange (this rank
         keeps joining them, with nothing)."""
         self._abandoned = True
-        self.plan.failed = self.plan.open
+        self.plan.failed = FAILED if self.plan.open else 0
         self.job_meter.fail()
         self.close(meter=False)
 
@@ -218,9 +218,12 @@ class StepSession:
         return self.enabled and not (self._resumed_past or self._unreachable or self._abandoned)
 
     @_own_work("cleaning up", abandon=False)
-    def close(self, meter: bool = True) -> None:
+    def close(self, meter: bool = True, raised: bool = False) -> None:
         """Stop everything that runs and drop this rank's window (an exception ended the run): no hook,
-        mode or tag of the profiler remains. Safe to call at any time, any number of times."""
+        mode or tag of the profiler remains. Safe to call at any time, any number of times. ``raised``: a
+        step's user code raised and the loop may go on: an open window is dropped at the next vote."""
+        if raised and self.plan.open:
+            self.plan.failed = self.plan.failed or RAISED
         try:
             self.instruments.stop()
         finally:
@@ -247,7 +250,7 @@ class StepSession:
                 return  # no window starts: the first at profile_step, then one each profile_every steps
             if any(torch.nn.parameter.is_lazy(p) for p in model.parameters()):
                 return  # the first forward makes the parameters the window counts: it starts after it
-            self.plan.failed = self._abandoned  # a rank that failed before the window votes to drop it
+            self.plan.failed = FAILED if self._abandoned else 0  # failed before the window: votes to drop it
         kind = self.plan.start_step()  # on every rank alike: the window's steps are the same everywhere
         if not self.plan.failed:
             self._begin_step(kind, global_step, model, context, runs)
@@ -383,7 +386,8 @@ class StepSession:
         """The optimizer step ended (on every rank); ``logs`` says whether this is a logging step."""
         if not self.plan.open:
             if self.job_meter.running:
-                self._meter_step_end()
+                with self.guard.own_work("ending a step", DROPPED, self._abandon):
+                    self.job_meter.step_end()
                 if logs:
                     self.log_throughput(global_step, sink)
             return
@@ -393,10 +397,6 @@ class StepSession:
             self._drop(decision)
         elif decision.done or self.plan.capped():
             self._finish(global_step, sink)
-
-    @_own_work("ending a step")
-    def _meter_step_end(self) -> None:
-        self.job_meter.step_end()
 
     @_own_work("ending a step")
     def _end_window_step(self) -> tuple[bool, tuple[float, float] | None]:

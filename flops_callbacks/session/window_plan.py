@@ -112,10 +112,13 @@ def before_clean(reprofile: bool = False, comm: int = 0) -> int:
     return len(head(reprofile, comm)) + (0 if reprofile else 1)  # the check
 
 
+FAILED, RAISED = 1, 2  # why a rank wishes the window dropped: its own work failed; a step of it raised
+
+
 class Wish(NamedTuple):
     """What one rank wants at a vote."""
 
-    drop: bool = False  # its own work failed: drop the window
+    drop: int = 0  # drop the window (FAILED or RAISED: why); 0: not
     new_shape: bool = False  # its micro-batch's flops are unknown and no fake count can give them
     checkable: bool = False  # a count of its micro-batch can check the table (known, or fake-countable)
     content: bool = False  # its table found flops that depend on the batch's content
@@ -134,7 +137,7 @@ class Wish(NamedTuple):
         """The wish :meth:`numbers` gave."""
         drop, new_shape, checkable, content, done, exposed, span = numbers
         comm = None if math.isnan(exposed) else (exposed, span)
-        return cls(drop != 0, new_shape != 0, checkable != 0, content != 0, done != 0, comm)
+        return cls(int(drop), new_shape != 0, checkable != 0, content != 0, done != 0, comm)
 
 
 class VoteMarks(NamedTuple):
@@ -183,7 +186,7 @@ class WindowPlan:
         self.ranks = ranks
         self.kinds: list[Kind | None] = []  # the agreed kind of each window step (None: not yet)
         self.open = False
-        self.failed = False
+        self.failed = 0  # this rank wishes a drop (FAILED or RAISED: why)
         self.reprofile = False  # the open window reuses the previous one's profile (module doc)
         self.next_window: int | None = None  # where the next re-profile window starts (None: none)
         self._lined_up = 0  # the window step whose ranks last lined up (lines_up)
@@ -196,7 +199,7 @@ class WindowPlan:
 
     def reset(self, run: bool = False) -> None:
         """The window ended (or was dropped); with ``run`` no other window starts in this run."""
-        self.kinds, self.open, self.failed, self.reprofile, self._lined_up = [], False, False, False, 0
+        self.kinds, self.open, self.failed, self.reprofile, self._lined_up = [], False, 0, False, 0
         self.comm_seen, self.marks, self._end_vote, self._micro_voted = [], [], None, False
         self.clock = CpuClock()
         if run:
@@ -287,10 +290,15 @@ class WindowPlan:
         except RankFailure as failure:
             return Decision.dropped(f"the ranks' vote failed ({failure})")
         self._marked(clock, start, clock.mark(), ended)
-        failed = [rank for rank, w in enumerate(wishes) if w.drop]
+        failed = [(rank, w.drop) for rank, w in enumerate(wishes) if w.drop]
         if failed:
-            why = f"rank {failed[0]}'s profiler failed" if self.ranks.several else "the profiler failed"
-            return Decision.dropped(why)
+            rank, code = failed[0]
+            where = f" on rank {rank}" if self.ranks.several else ""
+            if code == RAISED:
+                return Decision.dropped(
+                    f"a window step raised{where} (the exception your loop went on after)"
+                )
+            return Decision.dropped(f"rank {rank}'s profiler failed" if where else "the profiler failed")
         read = [w.comm for w in wishes]
         exposed = ranks_mean([r[0] if r is not None else None for r in read])
         span = ranks_mean([r[1] if r is not None else None for r in read])

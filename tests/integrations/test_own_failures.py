@@ -443,8 +443,8 @@ def test_a_failure_of_our_close_under_the_users_error_is_said_and_the_users_erro
     so nothing stays), the user's error still reaches the caller, and the failure is one warning."""
     close = StepSession.close
 
-    def failing_close(self: StepSession, meter: bool = True) -> None:
-        close(self, meter)
+    def failing_close(self: StepSession, *args: Any, **kwargs: Any) -> None:
+        close(self, *args, **kwargs)
         if sys.exc_info()[1] is not None:  # the user's error on its way out
             raise ArithmeticError("our close broke")
 

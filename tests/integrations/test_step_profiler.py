@@ -6,6 +6,7 @@ two accumulated micro-batches against torch's FlopCounterMode, and nothing left 
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from pathlib import Path
@@ -313,3 +314,58 @@ def test_accelerate_loop_logs_through_accelerator_log_with_its_dtype_and_sizes(t
     found = scalars(tmp_path)
     assert found[names.FWD_LATENCY] == [(END, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
     assert [step for step, _ in found["throughput/samples_per_sec"]] == [END + 1, END + 2]
+
+
+def test_a_loop_that_goes_on_after_a_window_step_raised_drops_the_window_and_says_so() -> None:
+    """The user's loop catches its own error in a window step and goes on: the window is dropped (said
+    once, as such), nothing of the profiler runs or stays after it, and no "no profile ran" is said."""
+    torch.manual_seed(0)
+    model = SleepyNet()
+    optimizer = SleepySGD(model.parameters(), 0.0)
+    before = leftovers(model, optimizer)
+    boom = RuntimeError("the user's own error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with StepProfiler(model, **WINDOW) as prof:
+            for i, x in enumerate(batches(STEPS)):
+                try:
+                    with prof.step(x):
+                        loss = model(x).sum()
+                        if i == PROFILE_STEP + 1:  # inside the module-timing step's forward
+                            raise boom
+                        loss.backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                except RuntimeError as error:
+                    assert error is boom
+                    continue
+                if i > PROFILE_STEP + 1:  # from the step after the fault on: no instrument
+                    assert not prof.session.window_open and not prof.session.plan.open
+    said = [str(w.message) for w in caught if str(w.message).startswith("StepProfiler")]
+    assert said == [
+        "StepProfiler: a window step raised (the exception your loop went on after); the profile window is "
+        "dropped and nothing of the profiler stays; this run goes on unprofiled on every rank. "
+        "Training goes on."
+    ]
+    assert prof.result is None and leftovers(model, optimizer) == before
+
+
+def test_a_rank_whose_block_raised_closes_at_once_while_the_other_waits_in_the_steps_all_reduce(
+    tmp_path: Path,
+) -> None:
+    """Two ranks under torchrun, ``prof.close()`` in a ``finally``: rank 1 raises in a window step while
+    rank 0 waits in its all-reduce. Rank 1's close exchanges nothing (rank 0 never would), so its error
+    ends the job at once, not after the ranks' 300 s timeout."""
+    import os
+    import sys
+
+    from tests.support import run_bounded
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(root / "tests" / "raised_workers.py"), str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = run_bounded(command, timeout=150, env=env)
+    assert done.returncode != 0 and "ValueError: rank 1's own error" in done.stderr
+    closed = json.loads((tmp_path / "rank1.json").read_text())
+    assert closed["close_seconds"] < 10, closed
