@@ -106,6 +106,9 @@ class SlowRank:
     waits: tuple[float, ...] = ()  # each rank's seconds a step waiting for it (its own: 0; none: ())
     collective: str | None = None  # where the others wait, when in exposed communication: the op's name
     untold: tuple[str, ...] = ()  # the parts that could not be told (no communication step, sharded)
+    # where none stands out though the nearest is beyond the noise: the others' mean wait a step for it,
+    # under WAIT_SHARE of its extra (None: the nearest is within the noise)
+    unwaited: float | None = None
 
     @property
     def world(self) -> int:
@@ -288,6 +291,10 @@ def find_slow_rank(ranks: Sequence[RankTimes], unsharded: bool = True) -> SlowRa
         return None
     pick = max(candidates, key=lambda c: c.extra / c.threshold) if found is None else found[0]
     waits, in_comm = ((), False) if found is None else found[1:]
+    unwaited = None
+    if found is None and pick.extra > pick.threshold:  # beyond the noise: the others do not wait for it
+        theirs = [w for r, w in enumerate(_waits(ranks, pick.rank, comm, pick.part)[0]) if r != pick.rank]
+        unwaited = sum(theirs) / len(theirs)
     return SlowRank(
         ranks=tuple(parts),
         told=told,
@@ -300,4 +307,5 @@ def find_slow_rank(ranks: Sequence[RankTimes], unsharded: bool = True) -> SlowRa
         waits=waits,
         collective=_collective(ranks, pick.rank) if comm and in_comm else None,
         untold=untold,
+        unwaited=unwaited,
     )

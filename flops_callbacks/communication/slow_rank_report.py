@@ -12,6 +12,7 @@ from flops_callbacks.communication.slow_rank import (
     DATA,
     NOISE_TIMES,
     PARTS,
+    WAIT_SHARE,
     RankParts,
     SlowRank,
 )
@@ -45,6 +46,11 @@ def slow_rank_text(slow: SlowRank) -> str:
     """The verdict in one line, as the console says it after ``slow rank``: ``"1 of 2, fwd +20.39 ms over
     the median; the others wait 19.03 ms a step in all_reduce"``, or that no rank stands out."""
     if not slow.stands_out:
+        if slow.unwaited is not None:
+            return (
+                f"none stands out: rank {slow.rank}'s {PART_WORDS[slow.part]} is +{_ms(slow.extra)} over the "
+                f"median, but the others wait only {_ms(slow.unwaited)} a step for it"
+            )
         if not slow.untold:
             return "none stands out (the ranks agree within their step-to-step noise)"
         told = " / ".join(PART_WORDS[p] for p in slow.told)
@@ -101,10 +107,16 @@ def slow_rank_lines(slow: SlowRank | None) -> list[tuple[str, str]]:
             f"rank {slow.rank} of {slow.world}: {part} +{extra} a step over the other ranks' median (beyond "
             f"the noise: {noise}); the others wait {_ms(slow.wait)} a step{where}"
         )
+    elif slow.unwaited is not None:
+        verdict = (
+            f"no rank stands out: rank {slow.rank}'s {part} +{extra} over the other ranks' median is beyond "
+            f"the noise ({noise}), but the others wait only {_ms(slow.unwaited)} a step for it (under "
+            f"{WAIT_SHARE:.0%} of it: they spend it on work of their own)"
+        )
     else:
         verdict = (
             f"no rank stands out: the nearest, rank {slow.rank}'s {part} +{extra} over the other ranks' "
-            f"median, is within the noise ({noise}) or the others do not wait for it"
+            f"median, is within the noise ({noise})"
         )
     lines = [("slow rank: the rank the others wait for", verdict), ("slow rank told from", _told_words(slow))]
     untold = _untold_words(slow)
@@ -141,6 +153,7 @@ def slow_rank_data(slow: SlowRank | None) -> dict[str, Any] | None:
         "comm": slow.comm,
         "told": list(slow.told),
         "untold": list(slow.untold),
+        "unwaited": slow.unwaited,
         "ranks": [
             {"own": r.own, "spread": r.spread, "votes": r.votes, "exposed": r.exposed, "idle": r.idle}
             for r in slow.ranks
@@ -166,4 +179,5 @@ def slow_rank_from_data(data: dict[str, Any]) -> SlowRank:
         waits=tuple(data["waits"]),
         collective=data["collective"],
         untold=tuple(data["untold"]),
+        unwaited=data.get("unwaited"),
     )

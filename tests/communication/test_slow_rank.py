@@ -107,7 +107,7 @@ def test_the_same_steps_without_the_sleep_name_no_rank() -> None:
     assert slow_rank_text(found) == "none stands out (the ranks agree within their step-to-step noise)"
     assert slow_rank_lines(found)[0][1] == (
         "no rank stands out: the nearest, rank 1's fwd +100 us over the other ranks' median, is within the "
-        "noise (593.04 us) or the others do not wait for it"  # each rank's steps lie 0.1 ms from its median
+        "noise (593.04 us)"  # each rank's steps lie 0.1 ms from its median
     )
 
 
@@ -162,6 +162,10 @@ def test_an_extra_within_the_other_ranks_scatter_or_that_nobody_waits_for_names_
     found = find_slow_rank(scattered)
     assert found is not None and not found.stands_out and (found.rank, found.part) == (0, "forward")
     assert (found.extra, found.threshold) == pytest.approx((5 * MS, NOISE_TIMES * MAD_TO_SD * 2 * MS))
+    assert found.unwaited is None
+    assert (
+        slow_rank_text(found) == "none stands out in data / fwd / step (bwd not told: no communication step)"
+    )
     # rank 1's forward +5 ms beyond any noise, but rank 0 spends those 5 ms in its own backward compute:
     # neither waits for the other
     busy = [
@@ -170,6 +174,16 @@ def test_an_extra_within_the_other_ranks_scatter_or_that_nobody_waits_for_names_
     ]
     found = find_slow_rank(busy)
     assert found is not None and not found.stands_out and found.extra == pytest.approx(5 * MS)
+    # said as such, not as noise: rank 0 waits 0 s for it (its votes and exposed time are rank 1's)
+    assert found.unwaited == pytest.approx(0.0) and found.metrics()[names.SLOW_RANK] == -1
+    assert slow_rank_text(found) == (
+        "none stands out: rank 1's fwd is +5 ms over the median, but the others wait only 0 s a step for it"
+    )
+    assert slow_rank_lines(found)[0][1] == (
+        "no rank stands out: rank 1's fwd +5 ms over the other ranks' median is beyond the noise (320 us), "
+        "but the others wait only 0 s a step for it (under 50% of it: they spend it on work of their own)"
+    )
+    assert slow_rank_from_data(json.loads(json.dumps(slow_rank_data(found)))) == found
 
 
 def test_a_rank_that_stalls_every_other_step_is_named_with_its_stalls_share() -> None:
