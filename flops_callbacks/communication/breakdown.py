@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from flops_callbacks.communication.events import StepEvents
+from flops_callbacks.communication.events import Call, StepEvents
 from flops_callbacks.communication.intervals import Interval, clip, intersect, total
 from flops_callbacks.phase_names import STEP_PHASES
 
@@ -102,7 +102,7 @@ class TimeSplit:
 
 @dataclass(frozen=True)
 class Collective:
-    """One op's calls in the step: how many, bytes (None: unknown), seconds of their work."""
+    """One op's calls in the step: how many, bytes (None: unknown), seconds of their work (its union)."""
 
     op: str
     calls: int
@@ -173,13 +173,24 @@ def breakdown(events: StepEvents) -> CommBreakdown | None:
         if splits:
             moved += sum(split.core_wait for split in splits)
             phases[phase] = _summed(splits)
-    table: dict[str, Collective] = {}
-    for call in events.calls:
-        was = table.get(call.op, Collective(call.op, 0, 0, 0.0))
-        nbytes = None if was.nbytes is None or call.nbytes is None else was.nbytes + call.nbytes
-        table[call.op] = Collective(call.op, was.calls + 1, nbytes, was.seconds + call.seconds)
     step = TimeSplit.of((step_start, step_end), events.compute, events.comm).charged(moved)
-    return CommBreakdown(step, phases, tuple(table.values()), events.device, events)
+    return CommBreakdown(step, phases, _collectives(events.calls), events.device, events)
+
+
+def _collectives(calls: Sequence[Call]) -> tuple[Collective, ...]:
+    """Each op's calls, bytes and seconds: the union of its works' times where each is known (two calls of
+    one op at once, on gloo's two threads, are not twice the time), else their sum."""
+    ops: dict[str, list[Call]] = {}
+    for call in calls:
+        ops.setdefault(call.op, []).append(call)
+    found = []
+    for op, each in ops.items():
+        sizes = [c.nbytes for c in each]
+        nbytes = None if None in sizes else sum(n for n in sizes if n is not None)
+        works = [c.work for c in each if c.work is not None]
+        seconds = total(works) if len(works) == len(each) else sum(c.seconds for c in each)
+        found.append(Collective(op, len(each), nbytes, seconds))
+    return tuple(found)
 
 
 @dataclass(frozen=True)

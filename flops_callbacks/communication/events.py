@@ -95,11 +95,13 @@ class TraceEvent(NamedTuple):
 
 
 class Call(NamedTuple):
-    """One collective call: its op, bytes (None: unknown) and the seconds its work took."""
+    """One collective call: its op, bytes (None: unknown), the seconds its work took and when (its work's
+    start and end, seconds on the trace's clock: works of one op may run at once, on gloo's threads)."""
 
     op: str
     nbytes: int | None
     seconds: float
+    work: tuple[float, float] | None = None
 
 
 def collective_op(name: str) -> str | None:
@@ -196,15 +198,20 @@ def _calls(launches: list[TraceEvent], works: list[TraceEvent], sizes: list[Trac
     launches = sorted(launches, key=lambda e: e.start)
     works = sorted(works, key=lambda e: e.start)
     if len(launches) != len(works):
-        return [Call(collective_op(w.name) or "unknown", w.nbytes(), (w.end - w.start) / 1e6) for w in works]
+        return [Call(collective_op(w.name) or "unknown", w.nbytes(), *_seconds(w)) for w in works]
     calls = []
     for launch, work in zip(launches, works, strict=True):
         nbytes = launch.nbytes()
         if nbytes is None:  # a tensor list: its record_param_comms, else the work's own tensors
             inside = [s for s in sizes if s.thread == launch.thread and launch.start <= s.start <= launch.end]
             nbytes = next((s.nbytes() for s in inside if s.nbytes()), None) or work.nbytes()
-        calls.append(Call(collective_op(launch.name) or "unknown", nbytes, (work.end - work.start) / 1e6))
+        calls.append(Call(collective_op(launch.name) or "unknown", nbytes, *_seconds(work)))
     return calls
+
+
+def _seconds(work: TraceEvent) -> tuple[float, tuple[float, float]]:
+    """A work's seconds and its (start, end) in seconds (the trace's microseconds)."""
+    return (work.end - work.start) / 1e6, (work.start / 1e6, work.end / 1e6)
 
 
 def classify(events: Iterable[TraceEvent]) -> StepEvents:

@@ -354,3 +354,25 @@ def test_ranks_combine_as_their_mean_with_the_collectives_range():
 
 def test_no_phase_mark_is_no_breakdown():
     assert breakdown(classify([TraceEvent("gloo:all_reduce", 0, 1, GLOO)])) is None
+
+
+def test_an_ops_works_at_once_on_gloos_two_threads_count_their_union_not_their_sum():
+    """DDP's two buckets all-reduced at once, on gloo's two worker threads (200..240 and 210..250 us): the
+    op took 50 us of the step, not 80, and its bus bandwidth is over those 50 (6000 bytes, 2 ranks)."""
+    events = [
+        mark("forward", 0),
+        TraceEvent("aten::addmm", 0, 100, MAIN),
+        mark("backward", 100),
+        TraceEvent("autograd::engine::evaluate_function: AddmmBackward0", 100, 200, MAIN),
+        TraceEvent("c10d::allreduce_", 199, 200, MAIN, shapes=((1000,),), dtypes=F1),
+        TraceEvent("c10d::allreduce_", 200, 201, MAIN, shapes=((500,),), dtypes=F1),
+        TraceEvent("gloo:all_reduce", 200, 240, GLOO, shapes=((1000,),), dtypes=F1),
+        TraceEvent("gloo:all_reduce", 210, 250, GLOO + 1, shapes=((500,),), dtypes=F1),
+        mark("", 260),
+    ]
+    split = breakdown(classify(events))
+    assert split is not None
+    (reduce,) = split.collectives
+    assert (reduce.op, reduce.calls, reduce.nbytes) == ("all_reduce", 2, 6000)
+    assert reduce.seconds == pytest.approx(50e-6)
+    assert reduce.bus_bandwidth(2) == pytest.approx(6000 / 50e-6 * 2 * (2 - 1) / 2)
