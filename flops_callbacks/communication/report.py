@@ -40,9 +40,10 @@ def _split_text(split: TimeSplit) -> str:
     return f"{comm} comm, {exposed} exposed{waited_words(split)}, {idle} idle of {span}"
 
 
-def beyond_compute(comm: CommFigures) -> str:
+def beyond_compute(comm: CommFigures, waiting_for: str = "") -> str:
     """What the step spends beyond compute, the largest first: exposed communication (and the collective
-    that took longest), or idle time, or neither."""
+    that took longest, or ``waiting_for``: the slow rank the ranks wait for there), or idle time, or
+    neither."""
     step = comm.step
     if step.exposed <= 0 and step.idle <= 0:
         return "compute: no exposed communication, no idle time"
@@ -50,7 +51,9 @@ def beyond_compute(comm: CommFigures) -> str:
         share = percent(step.exposed, step.span)
         text = f"exposed communication: {duration_to_string(step.exposed)} ({share} of the step)"
         worst = comm.responsible()
-        if worst is not None:
+        if waiting_for:
+            text += f", mostly waiting for {waiting_for}"
+        elif worst is not None:
             text += f", mostly {worst.op} ({worst.calls} call(s), {duration_to_string(worst.seconds[1])})"
         return text
     where = "the host's gaps between ops" if not comm.device else "the device waiting for work"

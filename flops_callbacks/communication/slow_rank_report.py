@@ -26,6 +26,7 @@ __all__ = [
     "slow_rank_from_data",
     "slow_rank_lines",
     "slow_rank_text",
+    "waited_for",
 ]
 
 PART_WORDS = {
@@ -61,6 +62,14 @@ def slow_rank_text(slow: SlowRank) -> str:
         f"{slow.rank} of {slow.world}, {PART_WORDS[slow.part]} +{_ms(slow.extra)} over the median; "
         f"the others wait {_ms(slow.wait)} a step{where}"
     )
+
+
+def waited_for(slow: SlowRank | None, exposed: float) -> str:
+    """The rank the others wait for, in words, where their wait is most of a step's ``exposed``
+    communication: what that time is spent on (""; no rank stands out, or the wait is elsewhere)."""
+    if slow is None or not slow.stands_out or slow.wait < WAIT_SHARE * exposed:
+        return ""
+    return f"rank {slow.rank}'s {PART_WORDS[slow.part]} (+{_ms(slow.extra)} a step: slow rank)"
 
 
 def _told_words(slow: SlowRank) -> str:

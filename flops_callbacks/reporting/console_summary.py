@@ -15,7 +15,7 @@ from pathlib import Path
 
 from flops_callbacks import metrics as names
 from flops_callbacks.communication.report import beyond_compute, comm_console_row
-from flops_callbacks.communication.slow_rank_report import slow_rank_text
+from flops_callbacks.communication.slow_rank_report import slow_rank_text, waited_for
 from flops_callbacks.module_tree import parent_in
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.reporting.energy_rows import energy_console_row
@@ -116,9 +116,9 @@ def bound_by(split: Split, result: WindowResult) -> str:
     if split.share("step") >= BOUND_SHARE:
         return f"the optimizer step: {split.share('step'):.0%} of the step"
     comm = result.comm
-    beyond = beyond_compute(comm) if comm is not None else ""
+    beyond = beyond_compute(comm, waited_for(result.slow_rank, comm.step.exposed)) if comm is not None else ""
     if comm is not None and comm.step.span and comm.step.exposed >= BOUND_SHARE * comm.step.span:
-        return beyond  # exposed communication, the collective responsible
+        return beyond  # exposed communication: the collective responsible, or the rank waited for
     beyond = f"; beyond compute: {beyond}" if beyond else ""
     model = split.share("fwd") + split.share("bwd")
     limits = _limiters(result)

@@ -237,6 +237,23 @@ def test_the_jobs_figures_are_the_ranks_mean_with_the_exposed_range_and_the_verd
     assert data["whole_step"]["overlap"] == pytest.approx(2 / 5)
 
 
+def test_exposed_time_most_of_which_the_ranks_wait_for_a_slow_rank_is_said_as_that_wait():
+    """A slow rank's forward (+20 ms a step, the others waiting 20 ms) against 3 ms of exposed time: the
+    exposed time is the wait for it, not the all-reduce's own; against 60 ms it is mostly the collective."""
+    from flops_callbacks.communication.slow_rank_report import waited_for
+    from tests.communication.test_slow_rank import found_slow
+
+    figures = comm_figures([rank(2, 0.004), rank(4, 0.002)], None, (5, 6, 7), 7, iter_seconds=0.011)
+    assert figures is not None
+    slow = found_slow()
+    assert slow.wait == pytest.approx(20e-3)
+    assert beyond_compute(figures, waited_for(slow, figures.step.exposed)) == (
+        "exposed communication: 3 ms (30% of the step), mostly waiting for rank 1's fwd (+20 ms a step: "
+        "slow rank)"
+    )
+    assert waited_for(slow, 60e-3) == "" and waited_for(None, 3e-3) == ""
+
+
 def test_no_rank_with_a_split_is_no_figures():
     assert comm_figures([None, None], None, (5, 6, 7), 7, 0.01) is None
 
