@@ -61,6 +61,7 @@ class TimeSplit:
     comm: float
     overlapped: float  # communication while compute runs
     core_wait: float = 0.0  # of the exposed time, the compute thread's wait for a core (:meth:`charged`)
+    rank_wait: float = 0.0  # of the exposed time, the wait for a slower rank before the step (:meth:`waited`)
 
     @property
     def exposed(self) -> float:
@@ -89,6 +90,15 @@ class TimeSplit:
             compute=self.compute - moved,
             overlapped=self.overlapped - moved,
             core_wait=self.core_wait + moved,
+        )
+
+    def waited(self, seconds: float) -> TimeSplit:
+        """The split with ``seconds`` of waiting for a slower rank in the profiler's votes before the step
+        added to it as exposed communication: without the votes the rank waits as long in the step's
+        first collective. Adds to ``rank_wait``."""
+        wait = max(seconds, 0.0)
+        return dataclasses.replace(
+            self, span=self.span + wait, comm=self.comm + wait, rank_wait=self.rank_wait + wait
         )
 
     @classmethod

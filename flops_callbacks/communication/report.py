@@ -28,10 +28,14 @@ __all__ = [
 
 
 def waited_words(split: TimeSplit) -> str:
-    """What of the exposed time was compute waiting for a core (a CPU's), where any was."""
-    if split.core_wait < 1e-6:  # less than a microsecond: the arithmetic's, not the scheduler's
-        return ""
-    return f" ({duration_to_string(split.core_wait)} of it compute waiting for a core)"
+    """What of the exposed time was compute waiting for a core (a CPU's) and waiting for a slower rank in
+    the profiler's votes, where any was."""
+    said = []
+    if split.core_wait >= 1e-6:  # less than a microsecond: the arithmetic's, not the scheduler's
+        said.append(f"{duration_to_string(split.core_wait)} of it compute waiting for a core")
+    if split.rank_wait >= 1e-6:
+        said.append(f"{duration_to_string(split.rank_wait)} waiting for a slower rank before the step")
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def _split_text(split: TimeSplit) -> str:
@@ -129,6 +133,7 @@ def comm_data(comm: CommFigures | None) -> dict[str, Any] | None:
         return {
             "span": s.span, "compute": s.compute, "comm": s.comm, "overlapped": s.overlapped,
             "exposed": s.exposed, "idle": s.idle, "overlap": s.overlap, "core_wait": s.core_wait,
+            "rank_wait": s.rank_wait,
         }  # fmt: skip
 
     return {
@@ -160,7 +165,14 @@ def comm_from_data(data: dict[str, Any]) -> CommFigures:
     its ``.comm.trace.json``)."""
 
     def split(s: dict[str, Any]) -> TimeSplit:
-        return TimeSplit(s["span"], s["compute"], s["comm"], s["overlapped"], s.get("core_wait", 0.0))
+        return TimeSplit(
+            s["span"],
+            s["compute"],
+            s["comm"],
+            s["overlapped"],
+            s.get("core_wait", 0.0),
+            s.get("rank_wait", 0.0),
+        )
 
     rows = [
         CollectiveRow(

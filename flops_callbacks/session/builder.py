@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from flops_callbacks.communication.breakdown import CommBreakdown
 from flops_callbacks.communication.figures import CommFigures, comm_figures, comm_means, median_comm
 from flops_callbacks.communication.slow_rank import RankTimes, SlowRank, find_slow_rank
 from flops_callbacks.counting.estimate import estimate_rows, model_config
@@ -22,7 +23,7 @@ from flops_callbacks.phase_names import STEP_PHASES
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.energy_reads import job_energy
-from flops_callbacks.session.rank_part import LocalWindow, RankRow, ReusedWindow, without_votes
+from flops_callbacks.session.rank_part import LocalWindow, RankRow, ReusedWindow, vote_waits, without_votes
 from flops_callbacks.session.result import BatchLayout, WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import ShapeFlops
 from flops_callbacks.session.window_plan import Kind
@@ -359,14 +360,32 @@ def _counted(
     )
 
 
+def _with_vote_waits(
+    splits: Sequence[CommBreakdown | None], waits: Sequence[float]
+) -> list[CommBreakdown | None]:
+    """A rank's communication steps' splits, each with its wait for a slower rank in the profiler's votes
+    before it as exposed communication (:meth:`~flops_callbacks.communication.breakdown.TimeSplit.waited`;
+    as they are where the waits are not known)."""
+    if len(waits) != len(splits):
+        return list(splits)
+    return [
+        s if s is None else dataclasses.replace(s, step=s.step.waited(w))
+        for s, w in zip(splits, waits, strict=True)
+    ]
+
+
 def _comm(local: LocalWindow, rows: Sequence[RankRow]) -> CommFigures | None:
-    """The communication steps' figures for the job: every rank's split of the median step (None: none
-    ran, or no rank could read its trace)."""
+    """The communication steps' figures for the job: every rank's split of the median step, with its wait
+    for a slower rank in the votes before it (None: none ran, or no rank could read its trace)."""
     if not local.comm_steps:
         return None
-    exposed = [[None if s is None else s.step.exposed for s in r.comm] for r in rows]
+    each = [
+        _with_vote_waits(r.comm, waits)
+        for r, waits in zip(rows, vote_waits([r.comm_votes for r in rows]), strict=True)
+    ]
+    exposed = [[None if s is None else s.step.exposed for s in splits] for splits in each]
     i = median_comm(exposed)
-    splits = [r.comm[i] if i < len(r.comm) else None for r in rows]
+    splits = [mine[i] if i < len(mine) else None for mine in each]
     cost = max((r.comm_iters[i] for r in rows if i < len(r.comm_iters)), default=0.0)
     steps = tuple(s.number for s in local.comm_steps)
     return comm_figures(splits, local.comm_steps[i].comm, steps, steps[i], cost, comm_means(exposed))

@@ -36,6 +36,7 @@ __all__ = [
     "local_part",
     "local_window",
     "reused_window",
+    "vote_waits",
     "without_votes",
 ]
 
@@ -72,6 +73,7 @@ class RankRow(NamedTuple):
     # each clean step's votes of the profiler in its wall (() where the figures are not the clean steps')
     votes: tuple[tuple[Vote, ...], ...] = ()
     energy: EnergySpan | str = ""  # the energy counter over its clean steps, or why none ("": not read)
+    comm_votes: tuple[tuple[Vote, ...], ...] = ()  # each communication step's votes in its wall
 
     @property
     def waits(self) -> tuple[float, ...]:
@@ -109,7 +111,7 @@ class LocalWindow:
             f.steps, counted_totals(self.profile), p.samples, p.tokens, self.counting.seconds()["iter"],
             tuple(s.comm for s in comm), tuple(s.seconds()["iter"] for s in comm),
             tuple(s.votes for s in self.clean),
-            energy=self.energy,
+            energy=self.energy, comm_votes=tuple(s.votes for s in comm),
         )  # fmt: skip
 
 
@@ -159,6 +161,22 @@ def without_votes(rows: Sequence[RankRow]) -> list[RankRow]:
     before = [sum(v.seconds for v in step if v.before_forward) for step in own]
     wall = [sum(v.seconds for v in step) for step in own]
     return [_less(r, before, wall) for r in rows]
+
+
+def vote_waits(votes: Sequence[Sequence[Sequence[Vote]]]) -> list[list[float]]:
+    """Each rank's wait for a slower rank in the profiler's votes of each of its steps (``votes``: each
+    rank's steps' votes, by rank): its seconds in each vote beyond the vote's own, the least over the ranks
+    (:func:`without_votes`). Without the votes it waits as long in the step's first collective. Zeros where
+    the ranks' votes do not line up."""
+    found = [[0.0] * len(each) for each in votes]
+    if len(votes) < 2 or len({tuple(len(v) for v in each) for each in votes}) != 1:
+        return found
+    for i, step in enumerate(zip(*votes, strict=True)):  # each rank's votes of step i
+        for same in zip(*step, strict=True):  # one vote, each rank's seconds in it
+            least = min(v.seconds for v in same)
+            for r, vote in enumerate(same):
+                found[r][i] += vote.seconds - least
+    return found
 
 
 def _less(row: RankRow, before: Sequence[float], wall: Sequence[float]) -> RankRow:

@@ -101,3 +101,31 @@ def test_votes_that_do_not_line_up_leave_the_rows_as_they_are() -> None:
     rank1 = _row([(0.75, 4.0)], [(Vote(0.125, True),)])
     assert without_votes([rank0, rank1]) == [rank0, rank1]
     assert without_votes([rank0, _row([(0.75, 4.0)], [])]) == [rank0, _row([(0.75, 4.0)], [])]
+
+
+def test_a_ranks_wait_for_a_slower_one_in_the_votes_before_a_communication_step_is_its_exposed_time() -> None:
+    """Rank 1 ends the step before a communication step 30 ms late (its optimizer step): rank 0 waits for it
+    in the profiler's votes there, where without them it would wait in the step's all-reduce. Rank 0's
+    split of that step adds the 30 ms as exposed communication (and to its span), said apart; rank 1's is
+    as read; votes that do not line up add nothing."""
+    from flops_callbacks.communication.breakdown import CommBreakdown, TimeSplit
+    from flops_callbacks.communication.report import waited_words
+    from flops_callbacks.session.builder import _with_vote_waits
+    from flops_callbacks.session.rank_part import vote_waits
+
+    votes = [
+        [(Vote(0.031, True), Vote(0.001, True)), (Vote(0.002, True),)],  # rank 0: steps 5 and 6
+        [(Vote(0.001, True), Vote(0.001, True)), (Vote(0.003, True),)],  # rank 1
+    ]
+    waits = vote_waits(votes)
+    assert waits == [[pytest.approx(0.030), 0.0], [0.0, pytest.approx(0.001)]]
+    assert vote_waits([votes[0], votes[1][:1]]) == [[0.0, 0.0], [0.0]]  # not lined up
+    assert vote_waits([votes[0]]) == [[0.0, 0.0]]  # one rank: no one to wait for
+    split = TimeSplit(0.050, 0.030, 0.020, 0.005)  # 15 ms exposed
+    mine = CommBreakdown(split, {"backward": split}, (), device=False)
+    step5, step6 = _with_vote_waits([mine, None], waits[0])
+    assert step6 is None and step5 is not None and step5.phases == mine.phases
+    assert (step5.step.span, step5.step.exposed, step5.step.idle) == pytest.approx((0.080, 0.045, 0.005))
+    assert (step5.step.rank_wait, step5.step.compute) == (pytest.approx(0.030), 0.030)
+    assert waited_words(step5.step) == " (30 ms waiting for a slower rank before the step)"
+    assert _with_vote_waits([mine], []) == [mine]  # no votes read: as it was
