@@ -6,6 +6,8 @@ tokens, rank 1 44: tests/rank_workers.py's ``constant`` data, padded to the batc
 
 * ``plain``: DDP on gloo, launched by ``torchrun``; metrics through ``log=``, kept in ``rank0.json``;
 * ``accelerate``: launched by ``accelerate launch``; metrics through ``accelerator.log`` to TensorBoard;
+* ``accelerate-no-cpu``: the same without ``Accelerator(cpu=True)``: accelerate runs each process alone
+  (no gradient sync) while its launcher made a process group of the two;
 * ``fabric``: ``Fabric(strategy="ddp", devices=2)`` starts the second process itself; metrics through
   ``fabric.log_dict`` to TensorBoard.
 
@@ -62,12 +64,12 @@ def train(loop: str, directory: Path) -> None:
         torch.distributed.init_process_group("gloo", timeout=TIMEOUT)
         model = torch.nn.parallel.DistributedDataParallel(model)
         prof = StepProfiler(model, **options)
-    elif loop == "accelerate":
+    elif loop.startswith("accelerate"):
         from accelerate import Accelerator
         from accelerate.utils import InitProcessGroupKwargs
 
         accelerator = Accelerator(
-            cpu=True, log_with="tensorboard", project_dir=directory,
+            cpu=loop == "accelerate", log_with="tensorboard", project_dir=directory,
             kwargs_handlers=[InitProcessGroupKwargs(timeout=TIMEOUT)],
         )  # fmt: skip
         accelerator.init_trackers("run")

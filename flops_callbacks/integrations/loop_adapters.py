@@ -23,6 +23,7 @@ from flops_callbacks.integrations.strategy_state import precision_dtype, strateg
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import parameters_dtype
 from flops_callbacks.session.adapter_api import TrainingContext
+from flops_callbacks.user_warning import warn
 
 __all__ = [
     "accelerate_adapter",
@@ -98,8 +99,7 @@ class _PlainSink:
         self.is_logging_rank = True
 
     def _logging_rank(self) -> bool:
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        return not distributed or torch.distributed.get_rank() == 0
+        return not _distributed() or torch.distributed.get_rank() == 0
 
     def _log_to_framework(self, metrics: dict[str, float], step: int) -> None:
         """A plain loop has no framework logger: only the user's ``log`` gets the metrics."""
@@ -122,6 +122,11 @@ class _PlainSink:
         """A plain loop has no logger the profiler knows: the report is printed and in the files."""
 
 
+def _distributed() -> bool:
+    """Whether a process group runs (the profiler's ranks are its processes)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def plain_adapter(model: torch.nn.Module, log: LogFn | None, log_dir: str | Path | None) -> LoopAdapter:
     """A plain PyTorch loop: one process, or DDP / FSDP under ``torch.distributed`` (sizes from it).
 
@@ -132,8 +137,7 @@ def plain_adapter(model: torch.nn.Module, log: LogFn | None, log_dir: str | Path
     """
 
     def context() -> TrainingContext:
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        world = torch.distributed.get_world_size() if distributed else 1
+        world = torch.distributed.get_world_size() if _distributed() else 1
         sizes = ParallelSizes(world_size=world, data_parallel=world)
         return TrainingContext(sizes, parameters_dtype(user))
 
@@ -146,7 +150,8 @@ class _AccelerateSink(_PlainSink):
     TensorBoard text and a W&B HTML panel where those trackers run."""
 
     def _logging_rank(self) -> bool:
-        return bool(self.framework.is_main_process)
+        # and the process group's rank 0: accelerate on a CPU without cpu=True calls every process its main
+        return bool(self.framework.is_main_process) and super()._logging_rank()
 
     def _log_to_framework(self, metrics: dict[str, float], step: int) -> None:
         self.framework.log(metrics, step=step)
@@ -174,10 +179,22 @@ def accelerate_adapter(
         log_dir: where the files go; None: the accelerator's logging dir.
     """
     user = unwrapped(accelerator.unwrap_model(model))
+    said: list[bool] = []
 
     def context() -> TrainingContext:
         state = accelerator.state
-        sizes = parallel_sizes(accelerator, user, state, world_size=accelerator.num_processes)
+        world = accelerator.num_processes
+        group = torch.distributed.get_world_size() if _distributed() else world
+        if group != world and not said:  # the profiler's ranks are the process group's
+            said.append(True)
+            if torch.distributed.get_rank() == 0:
+                warn(
+                    f"StepProfiler: accelerate runs {world} process(es) as {accelerator.distributed_type} "
+                    f"while torch.distributed holds {group} (accelerate launch on a CPU without "
+                    "Accelerator(cpu=True): each process trains alone, no gradient is synchronized); the "
+                    f"profile counts the {group} processes of the process group, and its rank 0 logs",
+                )
+        sizes = parallel_sizes(accelerator, user, state, world_size=group)
         kind = str(accelerator.distributed_type).split(".")[-1]
         return TrainingContext(
             sizes,

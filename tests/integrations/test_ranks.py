@@ -260,6 +260,7 @@ def loop_run(directory: Path, loop: str, launcher: str | None) -> tuple[dict[str
     """A 2-process loop (tests/loop_workers.py): one window whose figures are the job's; the metrics and
     what each rank's ``log`` received (rank 0 only: the window at its end, throughput at the next step)."""
     ranks = run_ranks(directory, launched(LOOPS, [loop, str(directory)], launcher), LOOP_STEPS)
+    (directory / "stderr.txt").write_text(ranks[0]["stderr"])
     metrics = check_one_window_and_the_jobs_figures(ranks)
     assert ranks[0]["published_at"] == LOOP_END
     logged = [json.loads((directory / f"rank{r}.logged.json").read_text()) for r in range(2)]
@@ -277,6 +278,21 @@ def test_accelerate_loop_under_accelerate_launch_logs_the_jobs_figures_to_tensor
     fwd = metrics[names.FWD_FLOPS]
     assert tensorboard_scalars(tmp_path, names.FWD_FLOPS) == {LOOP_END: pytest.approx(fwd)}
     assert list(tensorboard_scalars(tmp_path, names.THROUGHPUT_TOKENS_PER_SEC)) == [LOOP_STEPS]
+
+
+def test_accelerate_on_a_cpu_without_cpu_true_profiles_the_process_group_logged_by_its_rank_0(
+    tmp_path: Path,
+) -> None:
+    """``accelerate launch`` on a CPU with ``Accelerator()``: accelerate calls each process a single-process
+    run (its main), while torch.distributed holds both. The profile is the process group's (two ranks,
+    one window), said once; rank 0 alone logs and writes the files."""
+    metrics, logged = loop_run(tmp_path, "accelerate-no-cpu", "accelerate")
+    assert logged[1] == []  # rank 1 is accelerate's main process too: it does not log
+    said = (tmp_path / "stderr.txt").read_text().count("StepProfiler: accelerate runs 1 process(es) as ")
+    assert said == 1  # on rank 0, once
+    assert tensorboard_scalars(tmp_path, names.FWD_FLOPS) == {
+        LOOP_END: pytest.approx(metrics[names.FWD_FLOPS])
+    }
 
 
 def test_fabric_loop_with_two_processes_logs_the_jobs_figures_to_tensorboard(tmp_path: Path) -> None:
