@@ -31,8 +31,8 @@ class ModuleTree:
     """Names, ancestors and parameter holders of ``model``'s modules (except ``ignore_types``).
 
     A shared module is profiled under its first name; ``torch.compile``'s ``_orig_mod`` wrapper
-    level is left out of the names; a module of an ignored type gets no record, and its work counts
-    towards its nearest profiled ancestor.
+    level is left out of the names; a module of an ignored type is not profiled (``ignored``): its own
+    work counts towards its nearest profiled ancestor, its children are profiled.
 
     Args:
         model: the model whose modules are named.
@@ -43,8 +43,10 @@ class ModuleTree:
         self.paths = _module_paths(model)
         self.modules: dict[str, torch.nn.Module] = {}  # profiled modules by name, parents first
         self.names: dict[int, str] = {}  # by id(module)
+        self.ignored: dict[str, torch.nn.Module] = {}  # modules of an ignored type by name, parents first
         for name, module in self.paths:
             if name and isinstance(module, ignore_types):
+                self.ignored.setdefault(name, module)
                 continue
             if id(module) in self.names or name in self.modules:
                 continue  # the _orig_mod wrapper level, or a module seen under an earlier name

@@ -8,10 +8,13 @@ context's sums and appends clock marks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from flops_callbacks.counting.recording import Recording, Sums, as_counts, plus, total
-from flops_callbacks.module_tree import ModuleTree, depth_of
+from flops_callbacks.module_tree import ModuleTree, ancestors, depth_of, parent_in
+from flops_callbacks.parallel import stored_numel
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
 from flops_callbacks.timing.clock import Clock
 
@@ -82,6 +85,7 @@ def build_profile(
         )
         for name, module in tree.modules.items()
     }
+    _add_ignored(modules, tree)
     return Profile(
         fwd_latency=total_fwd,
         bwd_latency=total_bwd,
@@ -91,6 +95,43 @@ def build_profile(
         coverage=_coverage(recording, clock, total_fwd + total_bwd),
         causal_attention=causal_attention,
     )
+
+
+def _add_ignored(modules: dict[str, ModuleProfile], tree: ModuleTree) -> None:
+    """A record for each module of an ignored type with profiled modules below it, its numbers its
+    children's sums (its own work is its parent's), so that the tree keeps its shape: DeepSpeed's
+    ``ignore_list`` skips a module's own hooks and still shows it, with its children's numbers."""
+    counted = [f.name for f in dataclasses.fields(Counts) if f.name != "calls"]  # it was never called itself
+    added = False
+    for name, module in reversed(list(tree.ignored.items())):  # the deepest first: nested ones sum up
+        known = modules.keys() | {name}
+        children = [
+            m
+            for n, m in modules.items()
+            if n != name and name in ancestors(n) and parent_in(n, known) == name
+        ]
+        if not children:
+            continue
+        sums = {key: sum(getattr(child, key) for child in children) for key in counted}
+        params, added = list(module.parameters()), True
+        modules[name] = ModuleProfile(
+            **sums,
+            name=name,
+            class_name=type(module).__name__,
+            extra_repr=module.extra_repr(),
+            depth=depth_of(name),
+            params=sum(stored_numel(p) for p in params),
+            trainable_params=sum(stored_numel(p) for p in params if p.requires_grad),
+            fwd_latency=sum(child.fwd_latency for child in children),
+            bwd_latency=sum(child.bwd_latency for child in children),
+            recompute_latency=sum(child.recompute_latency for child in children),
+        )
+    if not added:
+        return
+    order = {name: i for i, (name, _) in enumerate(tree.paths)}
+    ranked = sorted(modules.items(), key=lambda item: order.get(item[0], len(order)))
+    modules.clear()
+    modules.update(ranked)  # the model's walk order: parents before their children
 
 
 def _spread(recording: Recording, tree: ModuleTree) -> tuple[dict[str, dict[str, Sums]], Sums | None]:

@@ -75,14 +75,18 @@ _DEEPSPEED_BLOCK = {
 _CALLBACK_KEYS = ("profile_step", "module_depth", "top_modules", "detailed", "output_file")
 
 
-def deepspeed_callback_kwargs(config: Mapping[str, Any]) -> dict[str, Any] | None:
+def deepspeed_callback_kwargs(config: Mapping[str, Any] | str | Path) -> dict[str, Any] | None:
     """The training callbacks' keyword arguments from a DeepSpeed config (whole, or its
-    ``flops_profiler`` block), with DeepSpeed's defaults for absent keys; None where the profiler is
-    not enabled (DeepSpeed's default). The values are checked by the callback that receives them.
+    ``flops_profiler`` block; or the path of its JSON file, as the HF Trainer's ``deepspeed=`` takes
+    it), with DeepSpeed's defaults for absent keys; None where the profiler is not enabled (DeepSpeed's
+    default). The values are checked by the callback that receives them. DeepSpeed prints its whole
+    profile: ``report="full"``; its ``output_file: ""`` is the console.
 
     ``recompute_fwd_factor`` is accepted and ignored (recompute is measured), and keys DeepSpeed
     does not know are ignored as DeepSpeed ignores them; each is said once, in one line.
     """
+    if isinstance(config, (str, Path)):
+        config = _json_config(config)
     if not isinstance(config, Mapping):
         raise ValueError(f"config must be a DeepSpeed config or its flops_profiler block, got {config!r}")
     if "flops_profiler" in config:
@@ -107,7 +111,24 @@ def deepspeed_callback_kwargs(config: Mapping[str, Any]) -> dict[str, Any] | Non
         warn(
             "flops_profiler.recompute_fwd_factor is ignored: recompute is measured, not estimated",
         )
-    return {key: settings[key] for key in _CALLBACK_KEYS}
+    found = {key: settings[key] for key in _CALLBACK_KEYS}
+    found["output_file"] = found["output_file"] or None  # DeepSpeed's "": the console
+    return {**found, "report": "full"}
+
+
+def _json_config(path: str | Path) -> Mapping[str, Any]:
+    """A DeepSpeed config read from its JSON file; ValueError naming the file where it cannot be."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"config: cannot read a DeepSpeed JSON config from {str(path)!r} ({error})"
+        ) from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"config: {str(path)!r} holds no JSON object (a DeepSpeed config is one)")
+    return data
 
 
 class SessionCallback:
@@ -167,9 +188,10 @@ class SessionCallback:
         return self.session.result
 
     @classmethod
-    def from_deepspeed_config(cls: type[C], config: Mapping[str, Any], **kwargs: Any) -> C:
-        """The callback a DeepSpeed config asks for (the whole config or its ``flops_profiler`` block;
-        ``kwargs`` add or override arguments). ``enabled: false`` (DeepSpeed's default) gives a callback
+    def from_deepspeed_config(cls: type[C], config: Mapping[str, Any] | str | Path, **kwargs: Any) -> C:
+        """The callback a DeepSpeed config asks for (the whole config, its ``flops_profiler`` block, or
+        its JSON file's path; ``kwargs`` add or override arguments): DeepSpeed's whole report
+        (``report="full"``). ``enabled: false`` (DeepSpeed's default) gives a callback
         that does nothing; ``recompute_fwd_factor`` is ignored with a one-line note: recompute is measured.
         """
         found = deepspeed_callback_kwargs(config)

@@ -282,6 +282,7 @@ class FlopsProfiler:
             detailed=detailed,
             timing_lines=[("latencies from", latency_source), *extra_lines],
             run=self._run_context(),
+            tree_depth=-1,  # DeepSpeed prints the whole model whatever module_depth is
         )
         if output_file:  # DeepSpeed treats "" as stdout too
             write_text(output_file, text + "\n")

@@ -255,6 +255,7 @@ def render_profile(
     run: EngineRows | None = None,
     roofline: str = "",
     totals: Profile | None = None,
+    tree_depth: int | None = None,
 ) -> str:
     """The whole report, as ``print_model_profile`` prints it: the head, the aggregated profile, then
     the detailed tree (as DeepSpeed).
@@ -270,12 +271,13 @@ def render_profile(
         roofline: the roofline section (:func:`render_roofline`), printed after the head.
         totals: the profile whose totals the head prints (per GPU over several ranks), if not
             ``profile``'s.
+        tree_depth: the deepest depth the detailed tree shows (-1: all; None: ``module_depth``).
     """
     parts = [render_head(totals or profile, profile_step, timing_lines, run)]
     if roofline:
         parts.append(roofline)
     parts.append(render_aggregated(profile, module_depth, top_modules))
     if detailed:
-        parts.append(render_detailed(profile, module_depth))
+        parts.append(render_detailed(profile, module_depth if tree_depth is None else tree_depth))
     parts += [render_coverage(profile), "-" * 78]
     return "\n\n".join(parts)

@@ -53,6 +53,7 @@ def test_a_deepspeed_block_becomes_the_arguments_and_kwargs_override_them() -> N
     block = {"enabled": True, "profile_step": 5, "module_depth": 2, "top_modules": 3, "detailed": False}
     callback = SessionCallback.from_deepspeed_config({"train_batch_size": 8, "flops_profiler": block})
     assert (callback.session.options.profile_step, callback.session.options.top_modules) == (5, 3)
+    assert callback.session.options.report == "full"  # DeepSpeed prints its whole profile
     assert callback.session.enabled
     override = SessionCallback.from_deepspeed_config(block, profile_step=7, clean_steps=1)
     assert (override.session.options.profile_step, override.session.options.clean_steps) == (7, 1)

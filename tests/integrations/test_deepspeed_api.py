@@ -342,14 +342,16 @@ def test_output_file_gets_the_report_and_stdout_stays_clean(
     assert f"in_features={HID}, out_features={OUT}, bias=True)" in text  # the module's own settings
 
 
-def test_module_depth_limits_the_detailed_tree() -> None:
+def test_module_depth_limits_the_aggregated_profile_and_the_detailed_tree_holds_every_module() -> None:
+    """As DeepSpeed prints the whole model under its aggregated profile (``print(model)``), whatever
+    ``module_depth`` is; the aggregated profile stops at ``module_depth`` (its innermost depth included)."""
     model = nn.Sequential(nn.Sequential(nn.Linear(IN, IN), nn.Sequential(nn.Linear(IN, IN))))
     with FlopsProfiler(model) as prof:
         model(torch.randn(B, IN))
     shallow = prof.print_model_profile(module_depth=1, output_file=None)
     deep = prof.print_model_profile(module_depth=-1, output_file=None)
-    assert "(1): Sequential(" not in shallow.split("Detailed Profile")[1]
-    assert "(1): Sequential(" in deep.split("Detailed Profile")[1]
+    assert shallow.split("Detailed Profile")[1] == deep.split("Detailed Profile")[1]
+    assert "(1): Sequential(" in shallow.split("Detailed Profile")[1]
     assert "depth 3:" in deep  # the deepest depth is reported (DeepSpeed drops it)
     assert "depth 2:" not in shallow
 
@@ -677,15 +679,26 @@ def test_get_model_profile_strings_are_deepspeeds() -> None:
 # --- the flops_profiler block of a DeepSpeed config --------------------------------------------------
 
 
-def test_deepspeed_config_block_gives_the_callback_arguments() -> None:
+def test_deepspeed_config_block_gives_the_callback_arguments(tmp_path: Path) -> None:
+    """DeepSpeed's keys, its whole report (``report="full"``), its ``output_file: ""`` the console; from
+    a dict, or the JSON file a config usually is (as the HF Trainer's ``deepspeed=`` takes it)."""
     block = {"enabled": True, "profile_step": 5, "module_depth": 2, "top_modules": 3, "detailed": False}
-    expected = {**block, "output_file": None}
+    expected = {**block, "output_file": None, "report": "full"}
     del expected["enabled"]
     assert deepspeed_callback_kwargs({"train_batch_size": 8, "flops_profiler": block}) == expected
     assert deepspeed_callback_kwargs(block) == expected
-    assert deepspeed_callback_kwargs({"enabled": True}) == {
+    assert deepspeed_callback_kwargs({"enabled": True, "output_file": ""}) == {
         "profile_step": 1, "module_depth": -1, "top_modules": 1, "detailed": True, "output_file": None,
+        "report": "full",
     }  # fmt: skip
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"train_batch_size": 8, "flops_profiler": block}))
+    assert deepspeed_callback_kwargs(config) == deepspeed_callback_kwargs(str(config)) == expected
+    with pytest.raises(ValueError, match="config: cannot read a DeepSpeed JSON config from '.*missing.json'"):
+        deepspeed_callback_kwargs(tmp_path / "missing.json")
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ValueError, match="config: '.*list.json' holds no JSON object"):
+        deepspeed_callback_kwargs(tmp_path / "list.json")
     assert deepspeed_callback_kwargs({"flops_profiler": {**block, "enabled": False}}) is None
     assert deepspeed_callback_kwargs({"flops_profiler": {"profile_step": 5}}) is None  # off by default
     assert deepspeed_callback_kwargs({"train_batch_size": 8}) is None

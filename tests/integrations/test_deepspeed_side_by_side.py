@@ -118,3 +118,41 @@ def test_both_profile_in_eval_mode_and_only_ours_gives_the_mode_back() -> None:
     assert ours == theirs  # eval: no dropout work, BatchNorm applies its statistics (2 flops per element)
     assert all(m.training for m in ours_model.modules())
     assert not any(m.training for m in theirs_model.modules())  # DeepSpeed leaves the model in eval
+
+
+class Block(nn.Module):
+    """Two linears, then a ReLU of the block's own (a functional call: no module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.relu(self.fc2(self.fc1(x)))
+
+
+def test_an_ignored_container_keeps_its_place_in_the_tree_with_its_childrens_numbers() -> None:
+    """``ignore_list=[Block]`` skips the block's own hooks, as in DeepSpeed: the block stays in the tree,
+    its children under it, its flops and MACs theirs (2 x 16 x 32 x 2 each: 4096 flops, 2048 MACs); its
+    own ReLU counts to its parent."""
+    counts, trees = [], []
+    for library in (ds, flops_callbacks):
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(), nn.Linear(16, 4))
+        prof = library.FlopsProfiler(model)
+        prof.start_profile(ignore_list=[Block])
+        model(torch.randn(2, 16))
+        prof.stop_profile()
+        counts.append(
+            (library.get_module_flops(model[0]), library.get_module_macs(model[0]), prof.get_total_flops())
+        )
+        out = io.StringIO()
+        with redirect_stdout(out):
+            prof.print_model_profile(detailed=True)
+        prof.end_profile()
+        detailed = out.getvalue().split("Detailed Profile per GPU")[1]
+        trees.append(
+            [line.split("(")[1].split(")")[0] for line in detailed.splitlines() if re.match(r"\s+\(", line)]
+        )
+    assert counts[0] == counts[1] == (4096, 2048, 4096 + 2 * 2 * 16 * 4 + 2 * 16)  # the Linear(16, 4), the ReLU
+    assert trees[0] == trees[1] == ["0", "fc1", "fc2", "1"]
