@@ -155,6 +155,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
 
     default_tokens_fn = staticmethod(input_ids_tokens)  # type: ignore[assignment]
     _trainer: weakref.ref[transformers.Trainer] | None = None
+    _evaluations = 0  # on_evaluate events to come before throughput resumes (one per evaluation set)
 
     def _current_trainer(self) -> transformers.Trainer | None:
         return self._trainer() if self._trainer is not None else None
@@ -199,6 +200,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         model: torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
+        self._evaluated()
         trainer = self._current_trainer()
         if model is None or trainer is None:
             return
@@ -238,7 +240,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         # DefaultFlowCallback, first in the list, has decided by now whether this step logs / evaluates
         self.session.step_end(state.global_step, self._sink(args, state), logs=control.should_log)
         if control.should_evaluate:
-            self.session.pause_throughput()
+            self._pause_for_evaluation()
 
     @override
     def on_epoch_end(
@@ -247,11 +249,29 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         if control.should_log:  # logging_strategy="epoch"
             self.session.log_throughput(state.global_step, self._sink(args, state))
         if control.should_evaluate:
-            self.session.pause_throughput()
+            self._pause_for_evaluation()
+
+    def _pause_for_evaluation(self) -> None:
+        """The evaluation's time is not the run's throughput: paused until its last ``on_evaluate``, one
+        per evaluation set (a dict of them is evaluated set by set, each with its own event)."""
+        trainer = self._current_trainer()
+        sets = getattr(trainer, "eval_dataset", None)
+        self._evaluations = len(sets) if isinstance(sets, Mapping) and sets else 1
+        self.session.pause_throughput()
 
     @override
     def on_evaluate(self, *args: Any, **kwargs: Any) -> None:
-        self.session.resume_throughput()  # the evaluation's time is not the run's throughput
+        self._evaluations -= 1
+        if self._evaluations <= 0:
+            self._evaluations = 0
+            self.session.resume_throughput()
+
+    def _evaluated(self) -> None:
+        """A step starts: any evaluation before it has ended (resumed here where its events fell short:
+        an evaluation loop of a subclass's own)."""
+        if self._evaluations:
+            self._evaluations = 0
+            self.session.resume_throughput()
 
     @override
     def on_train_end(

@@ -154,5 +154,7 @@ def test_an_ignored_container_keeps_its_place_in_the_tree_with_its_childrens_num
         trees.append(
             [line.split("(")[1].split(")")[0] for line in detailed.splitlines() if re.match(r"\s+\(", line)]
         )
-    assert counts[0] == counts[1] == (4096, 2048, 4096 + 2 * 2 * 16 * 4 + 2 * 16)  # the Linear(16, 4), the ReLU
+    assert (
+        counts[0] == counts[1] == (4096, 2048, 4096 + 2 * 2 * 16 * 4 + 2 * 16)
+    )  # the Linear(16, 4), the ReLU
     assert trees[0] == trees[1] == ["0", "fc1", "fc2", "1"]

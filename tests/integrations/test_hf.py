@@ -574,23 +574,27 @@ class SlowToStartEvaluation(Trainer):
         return super().evaluate(*args, **kwargs)
 
 
+@pytest.mark.parametrize("sets", [1, 2])
 def test_evaluation_from_its_first_instruction_to_its_last_leaves_throughput_unchanged(
-    tmp_path: Path,
+    tmp_path: Path, sets: int
 ) -> None:
-    # training steps of 0.05 s; an evaluation of 0.1 s set-up + 8 batches x 0.05 s runs after step 9's
+    # training steps of 0.05 s; an evaluation of 0.1 s set-up + 8 batches x 0.05 s (for each of ``sets``
+    # evaluation sets: a dict of them is evaluated set by set, one on_evaluate each) runs after step 9's
     # log, inside the interval logged at 12: three times the interval itself if it were counted; the
     # window ends at 6, the meter's first interval starts there; no step is audited (an audited step is
     # out of its interval, as the evaluation is): each interval is its three steps
     step_sleep = 0.05
     model = SleepyRegressor(step_sleep, 0.0, tiny_ops=2, eval_sleep=0.0)
     before, after = Marks(), Marks()
+    evaluated = Pairs(8 * BATCH) if sets == 1 else {name: Pairs(8 * BATCH) for name in "ab"[:sets]}
     trainer = train(
         tmp_path, model, [before, quiet(profile_step=0, flops_audit=0), after], report_to=(),
         trainer_class=SlowToStartEvaluation,
-        datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(8 * BATCH)}, max_steps=18,
+        datasets={"train_dataset": Pairs(64), "eval_dataset": evaluated}, max_steps=18,
         logging_steps=3, eval_strategy="steps", eval_steps=9, per_device_eval_batch_size=BATCH,
     )  # fmt: skip
-    assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [9, 18]
+    loss = "eval_loss" if sets == 1 else "eval_b_loss"  # the last set's
+    assert [e["step"] for e in trainer.state.log_history if loss in e] == [9, 18]
     rates = dict(logged(trainer, names.THROUGHPUT_SAMPLES_PER_SEC))
     assert sorted(rates) == [9, 12, 15, 18] and window_end(0, 1) == 6  # every logging step after the window
     assert BATCH / (step_sleep + 0.02) < rates[9] < BATCH / step_sleep  # a step's sleep and a little more
