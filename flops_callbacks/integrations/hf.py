@@ -156,6 +156,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     default_tokens_fn = staticmethod(input_ids_tokens)  # type: ignore[assignment]
     _trainer: weakref.ref[transformers.Trainer] | None = None
     _evaluations = 0  # on_evaluate events to come before throughput resumes (one per evaluation set)
+    _ended = False  # the run's last step ended it (its window published): on_train_end has nothing to end
 
     def _current_trainer(self) -> transformers.Trainer | None:
         return self._trainer() if self._trainer is not None else None
@@ -170,6 +171,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._unwrap()
+        self._ended, self._evaluations = False, 0
         trainer = _calling_trainer()
         self._trainer = weakref.ref(trainer) if trainer is not None else None
         profile_step = self.session.options.profile_step
@@ -238,7 +240,14 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     ) -> None:
         self._unwrap()
         # DefaultFlowCallback, first in the list, has decided by now whether this step logs / evaluates
-        self.session.step_end(state.global_step, self._sink(args, state), logs=control.should_log)
+        sink = self._sink(args, state)
+        self.session.step_end(state.global_step, sink, logs=control.should_log)
+        last = control.should_training_stop or 0 < state.max_steps <= state.global_step
+        if last and self.session.window_open:
+            # a window the run's end cut short is published now, while the reporting callbacks still log
+            # (theirs on_train_end, before ours, ends an MLflow run, closes a TensorBoard writer)
+            self._ended = True
+            self.session.train_end(state.global_step, sink)
         if control.should_evaluate:
             self._pause_for_evaluation()
 
@@ -278,8 +287,9 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._unwrap()
-        self.session.train_end(state.global_step, self._sink(args, state))
-        self._trainer = None
+        if not self._ended:  # a run ended before its last step (an exception's is closed, not ended)
+            self.session.train_end(state.global_step, self._sink(args, state))
+        self._trainer, self._ended = None, False
 
     # --- the micro-batch scope -----------------------------------------------------------------------
 

@@ -217,6 +217,30 @@ class WarningsAtFirstStep(TrainerCallback):
             self.seen = [str(w.message) for w in self.caught if "HFFlopsCallback" in str(w.message)]
 
 
+def test_a_window_the_runs_end_cuts_short_reaches_the_reporters_own_tensorboard_file_and_mlflow_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run ends in the window's module-timing steps: its window is published at the last step's end,
+    while the Trainer's TensorBoard writer and MLflow run are open (their on_train_end, before ours,
+    closes them: a later log opened a second event file and a second MLflow run)."""
+    pytest.importorskip("mlflow")
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store opt-in
+    end = PROFILE_STEP + 1  # the counting step and a module-timing step
+    callback = quiet()
+    trainer = train(tmp_path, gpt2(), [callback], report_to=("tensorboard", "mlflow"), max_steps=end)
+    assert callback.result is not None and callback.result.published_at == end
+    (run_dir,) = (Path(trainer.args.output_dir) / "runs").iterdir()
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
+    scalars = tensorboard_scalars(trainer.args.output_dir)
+    assert [step for step, _ in scalars["train/" + names.FWD_FLOPS]] == [end]
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert {"loss", names.FWD_FLOPS} <= set(run.data.metrics)
+
+
+# --- TensorBoard: the Trainer's own event files -------------------------------------------------------
 # --- TensorBoard: the Trainer's own event files -------------------------------------------------------
 
 
