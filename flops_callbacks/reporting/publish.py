@@ -97,8 +97,9 @@ def publish(
             comm = result.comm
             files.append((stem.with_suffix(".comm.trace.json"), lambda: json.dumps(comm_trace(comm))))
     _write_all(files, guard)
-    guard.user(sink.log_metrics, metrics, result.published_at)
+    # the report first: W&B's picture is logged uncommitted, and joins the row the metrics then commit
     guard.user(sink.log_report, None if full is None else markdown_block(full), html, result.published_at)
+    guard.user(sink.log_metrics, metrics, result.published_at)
 
 
 def _rewrite(

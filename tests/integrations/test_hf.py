@@ -822,6 +822,8 @@ def test_metrics_reach_the_wandb_run_history(tmp_path: Path, monkeypatch: pytest
         (row,) = [row for row in history if "train/" + name in row]
         assert row["train/global_step"] == WINDOW_END
         assert row["train/" + name] == pytest.approx(metrics[name])
+    (row,) = [row for row in history if names.PICTURE + "._type" in row]  # the picture, in the window's row
+    assert row["train/global_step"] == WINDOW_END and "train/" + names.FWD_FLOPS in row
     (row,) = [row for row in history if "train/" + names.THROUGHPUT_SAMPLES_PER_SEC in row]
     assert row["train/global_step"] == WINDOW_END + 1
     loss_steps = [row["train/global_step"] for row in history if "train/loss" in row]

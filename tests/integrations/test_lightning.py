@@ -1235,6 +1235,8 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path: Path, monkeypatch: pytest
         assert rows[0]["trainer/global_step"] == WINDOW_END
     (ours,) = [row for row in history if names.FWD_FLOPS in row]
     assert (ours[names.FWD_FLOPS], ours[names.BWD_FLOPS]) == (fwd_flops(BATCH), bwd_flops(BATCH))
+    picture = names.PICTURE + "._type"  # the HTML media's record, flattened
+    assert [row for row in history if picture in row] == [ours]  # the picture, in the window's row
     # the picture, as W&B HTML media: the page of the window with the model's modules in it
     (page,) = tmp_path.glob("wandb/offline-run-*/files/media/html/flops_profiler/profile_*.html")
     assert '"class_name":"MLP"' in page.read_text() and '"name":"block.0"' in page.read_text()
