@@ -98,7 +98,7 @@ class Sink:
 def test_publishing_prints_writes_four_files_then_logs(tmp_path: Path) -> None:
     sink = Sink(tmp_path)
     publish(window(), Options(), tmp_path, sink, Guard("test"))
-    assert sink.calls == ["console", "metrics@15", "report@15"]
+    assert sink.calls == ["console", "report@15", "metrics@15"]  # the report first: W&B's picture joins
     names_written = sorted(p.name for p in tmp_path.iterdir())
     assert names_written == [
         "flops_profile_step10.html",
