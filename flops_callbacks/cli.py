@@ -236,8 +236,9 @@ def _runs(path: str) -> list[SavedProfile]:
 
 def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     a, b = _window(args.a), _window(args.b)
-    note, figures, modules = work_note(a, b), changes(a, b), module_changes(a, b)
-    alone = one_sided(a, b)
+    note, figures, alone = work_note(a, b), changes(a, b), one_sided(a, b)
+    # a reused tree holds an earlier window's module times: no change of this window's to show
+    modules = module_changes(a, b) if not (a.result.steps.reused or b.result.steps.reused) else []
     if args.json:
         data = _diff_json(a, b, note, figures, modules)
         data["one_sided"] = [{"name": n, "in": side, "why_not_the_other": why} for n, side, why in alone]
@@ -247,6 +248,11 @@ def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     if args.html:
         _write_page(args.html, _diff_html(a, b, note, figures))
     return EXIT_OK
+
+
+def _timed_modules(saved: SavedProfile) -> bool:
+    """Whether the run's window timed its modules itself (not a re-profile window's reused tree)."""
+    return bool(saved.result.steps.module_timing) and not saved.result.steps.reused
 
 
 def _run_line(label: str, saved: SavedProfile) -> str:
@@ -333,7 +339,14 @@ def _diff_text(
     if note:
         lines += ["", paint(f"NOTE: {note}.", RED)]
     for label, saved in (("A", a), ("B", b)):
-        if not saved.result.steps.module_timing:
+        steps = saved.result.steps
+        if steps.reused:
+            why = f"a re-profile window: its module tree is the window's of step {steps.counting}, reused"
+            lines += [
+                "",
+                paint(f"NOTE: {label} timed no module ({why}): its modules are left out below.", RED),
+            ]
+        elif not steps.module_timing:
             why = "the run ended before its module-timing steps: its module times are the counting step's"
             lines += ["", paint(f"NOTE: {label} timed no module ({why}, slowed by counting).", RED)]
     lines += [
@@ -350,6 +363,8 @@ def _diff_text(
     ]
     if modules:
         lines += _module_rows(modules, paint)
+    elif not (_timed_modules(a) and _timed_modules(b)) and (a.result.steps.reused or b.result.steps.reused):
+        lines.append("    (left out: a re-profile window's module tree is an earlier window's, reused)")
     elif not total:
         lines.append("    (no module changed)")
     return "\n".join(lines)
@@ -383,10 +398,7 @@ def _diff_json(
         "b": b.source,
         "same_work": note is None,
         "work_note": note,
-        "module_times_measured": {
-            "a": bool(a.result.steps.module_timing),
-            "b": bool(b.result.steps.module_timing),
-        },
+        "module_times_measured": {"a": _timed_modules(a), "b": _timed_modules(b)},
         "figures": [
             {
                 "name": c.name,

@@ -11,6 +11,7 @@ tests below.
 from __future__ import annotations
 
 import csv
+import json
 import sys
 from pathlib import Path
 
@@ -153,6 +154,16 @@ def test_diff_between_two_windows_of_the_run_exits_0_and_prints_both(lightning_r
     assert f"window at step {REPROFILED[0]}, counts of counting step {PROFILE_STEP}" in done.stdout
     assert f"window at step {REPROFILED[-1]}," in done.stdout
     assert "fwd_latency" in done.stdout or "fwd latency" in done.stdout
+    # both windows reuse the first one's module tree: no module change of theirs is shown as measured
+    reused = f"re-profile window: its module tree is the window's of step {PROFILE_STEP}, reused"
+    assert f"NOTE: A timed no module (a {reused})" in done.stdout
+    assert "(no module changed)" not in done.stdout and "(left out: a re-profile window's" in done.stdout
+    data = json.loads(
+        run_bounded(
+            [sys.executable, "-m", "flops_callbacks", "diff", str(a), str(b), "--json"], timeout=120
+        ).stdout
+    )
+    assert data["module_times_measured"] == {"a": False, "b": False} and data["modules"] == []
 
 
 class TokenDataset(torch.utils.data.Dataset):
