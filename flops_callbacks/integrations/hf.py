@@ -71,13 +71,15 @@ class _Sink:
         return getattr(self.args, "logging_dir", None) or self.args.output_dir
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        # Why through Trainer.log: the reporting callbacks (TensorBoard, W&B, ...) come before user
+        # Why as Trainer.log logs: the reporting callbacks (TensorBoard, W&B, ...) come before user
         # callbacks and all get the same `logs` dict in on_log, so keys added in our own on_log arrive
-        # after they have written. Trainer.log hands our dict to every callback, in their order, and
-        # appends it to state.log_history at the current global step. The base class's log, not a
-        # subclass's (TRL's merges its own accumulated metrics into any log). The console printers
-        # are left out of the call (their one long dict line per log is noise; the report says it),
-        # and should_log is restored so the loss is logged at exactly the steps it would be.
+        # after they have written. Trainer.log appends the dict to state.log_history at the current
+        # global step and hands it to every callback, in their order; its two lines are run here, not
+        # Trainer.log itself, which adds `epoch` and `num_input_tokens_seen` (the reporters logged
+        # those at this step already: a second point each, a second W&B row), nor a subclass's (TRL's
+        # merges its own accumulated metrics into any log). The console printers are left out of the
+        # call (their one long dict line per log is noise; the report says it), and should_log is
+        # restored so the loss is logged at exactly the steps it would be.
         trainer = self.trainer
         if trainer is None:
             warn(
@@ -89,7 +91,9 @@ class _Sink:
         callbacks = handler.callbacks
         handler.callbacks = [c for c in callbacks if not isinstance(c, (ProgressCallback, PrinterCallback))]
         try:
-            transformers.Trainer.log(trainer, dict(metrics))
+            logs, state = dict(metrics), trainer.state
+            state.log_history.append({**logs, "step": state.global_step})
+            trainer.control = handler.on_log(trainer.args, state, trainer.control, logs)
         finally:
             handler.callbacks = callbacks
             trainer.control.should_log = should_log
@@ -118,7 +122,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     timing work" page. At its end the world process zero prints the summary above the progress bar (or
     writes the report to ``output_file``), writes the report, a JSON, a picture and a trace as
     ``flops_profile_step{N}.*`` into ``args.logging_dir`` (``args.output_dir`` in transformers 5), and
-    logs the ``flops_profiler/*`` metrics once through ``Trainer.log`` at that global step: they are in
+    logs the ``flops_profiler/*`` metrics once as ``Trainer.log`` logs, at that global step: they are in
     ``state.log_history`` and the Trainer's TensorBoard / W&B / MLflow callbacks write them as
     ``train/flops_profiler/*``. After the window, at every logging event of the run, ``throughput/*``,
     evaluation left out from its first instruction to its last.
