@@ -53,8 +53,19 @@ def compute_dtype(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | N
     return precision_dtype(str(trainer.precision), pl_module)
 
 
+def _logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning's loggers plot this batch's metrics at: the batches that stepped before it (at
+    ``on_train_batch_end``, one behind ``global_step`` after an optimizer step; one a batch however many
+    optimizers step in it). No public property holds it; Lightning's ``LearningRateMonitor`` reads the
+    same counter. ``global_step`` where a Lightning lacks it."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return step if isinstance(step, int) else trainer.global_step
+
+
 class _Sink:
-    """Where the session's results go in Lightning: the Trainer's loggers, its log dir and its console."""
+    """Where the session's results go in Lightning: the Trainer's loggers (at Lightning's own logging
+    step, :func:`_logging_step`, so that our points line up with the run's), its log dir, its console."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
@@ -66,13 +77,13 @@ class _Sink:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         # Straight to the loggers: pl_module.log would re-emit a one-shot value at later steps.
         for logger in self.trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(metrics, step=_logging_step(self.trainer))
             logger.save()
 
     def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
         for logger in self.trainer.loggers:
             if isinstance(logger, TensorBoardLogger) and markdown is not None:
-                logger.experiment.add_text(names.REPORT, markdown, global_step=step)
+                logger.experiment.add_text(names.REPORT, markdown, global_step=_logging_step(self.trainer))
             elif isinstance(logger, WandbLogger) and html is not None:
                 import wandb
 
@@ -229,9 +240,9 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         if trainer.global_step == self._step_at_batch_start:
             return  # gradients are accumulating: the optimizer step has not run yet
         self._end_step()
-        # a property the Trainer sets in its constructor, unknown to its annotations
+        # a property the Trainer sets in its constructor, unknown to its annotations; Lightning's cadence
         every = trainer.log_every_n_steps  # type: ignore[attr-defined]
-        logs = bool(every) and trainer.global_step % every == 0
+        logs = bool(every) and (_logging_step(trainer) + 1) % every == 0
         session.step_end(trainer.global_step, _Sink(trainer), logs=logs)
         if session.result is not None and self._profiled_step is None:
             self._profiled_step = session.result.step

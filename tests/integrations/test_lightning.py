@@ -63,6 +63,9 @@ PROFILE_STEP, CLEAN = 2, 1
 # step has ended, at WINDOW_END. Runs stop one step past the window unless a test says otherwise.
 MODULE_STEPS, FIRST_CLEAN = module_steps(PROFILE_STEP), first_clean(PROFILE_STEP)
 WINDOW_END = window_end(PROFILE_STEP, CLEAN)
+# where the loggers plot the window's metrics: Lightning's own step of its last batch (the batches that
+# stepped before it, one behind the global step after it), where the run's own metrics of that batch are
+LOGGED_AT = WINDOW_END - 1
 WINDOW = window_steps(PROFILE_STEP, CLEAN)  # the model's own forward marked on the clean step
 OURS = "FlopsProfilerCallback"
 
@@ -182,7 +185,7 @@ def csv_metrics(logger: CSVLogger) -> list[dict[str, str]]:
 
 
 def logged_once(
-    rows: list[dict[str, str]], with_tokens: bool = False, with_peak: bool = False, step: int = WINDOW_END
+    rows: list[dict[str, str]], with_tokens: bool = False, with_peak: bool = False, step: int = LOGGED_AT
 ) -> dict[str, float]:
     """Each flops_profiler/* value of a CSV log, asserting it was logged exactly once, at ``step`` (the
     window's end; tokens_per_sec only when the callback has a tokens_fn, MFU and HFU only with a peak)."""
@@ -294,7 +297,7 @@ def test_tensorboard_text_tab_holds_the_report_at_the_window_end(logged_run: dic
     (event,) = events.Tensors("flops_profiler/report/text_summary")
     text = event.tensor_proto.string_val[0].decode()
     report = (Path(logged_run["trainer"].log_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
-    assert event.step == WINDOW_END
+    assert event.step == LOGGED_AT
     assert [line[4:] for line in text.splitlines()] == report.rstrip("\n").splitlines()  # a code block
 
 
@@ -304,7 +307,7 @@ def test_tensorboard_event_file_has_every_metric_once_at_the_window_end(logged_r
     values = {}
     for name in names.ALL:
         scalars = events.Scalars(name)
-        assert [s.step for s in scalars] == [WINDOW_END], name
+        assert [s.step for s in scalars] == [LOGGED_AT], name
         values[name] = scalars[0].value
     assert values[names.FWD_FLOPS] == fwd_flops(BATCH)
     assert values[names.BWD_FLOPS] == bwd_flops(BATCH)
@@ -855,7 +858,11 @@ def test_throughput_is_logged_at_every_logging_step_after_the_window_over_every_
     assert_nothing_left(module, before_model, before_torch)
 
     rows = [row for row in csv_metrics(logger) if row.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
-    logged = {int(row["step"]): {k: float(row[k]) for k in names.THROUGHPUT if row.get(k)} for row in rows}
+    # by global step: Lightning logs a batch one step behind the global step after it (its own metrics'
+    # step, where ours are), every fifth batch as its own
+    logged = {
+        int(row["step"]) + 1: {k: float(row[k]) for k in names.THROUGHPUT if row.get(k)} for row in rows
+    }
     assert sorted(logged) == [s for s in (5, 10, 15, 20) if s > WINDOW_END]  # every logging step after it
     previous = WINDOW_END  # the interval starts when the window's last step ends
     for step, values in sorted(logged.items()):
@@ -879,6 +886,28 @@ def test_throughput_is_logged_at_every_logging_step_after_the_window_over_every_
         previous = step
 
 
+class LoggingMLP(MLP):
+    """The MLP logging its own loss each batch, as a user's module does (``self.log``)."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_our_points_are_at_the_runs_own_steps_and_on_its_cadence(tmp_path: Path) -> None:
+    """The loggers draw our metrics at Lightning's own step of a batch (where its ``self.log`` values of
+    that batch are), and ``throughput/*`` at the batches Lightning logs its own metrics at."""
+    logger = CSVLogger(tmp_path)
+    fit(tmp_path, LoggingMLP(), quiet_callback(), logger=logger, max_steps=21, log_every_n_steps=5)
+    rows = csv_metrics(logger)
+    own = [int(row["step"]) for row in rows if row.get("train_loss")]
+    assert own == [4, 9, 14, 19]  # Lightning's: every fifth batch, counted from 0
+    throughput = [int(row["step"]) for row in rows if row.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
+    assert throughput == [step for step in own if step > LOGGED_AT]
+    assert [int(row["step"]) for row in rows if row.get(names.FWD_FLOPS)] == [LOGGED_AT]
+
+
 class SlowlyValidatedMLP(ValidatedMLP):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         time.sleep(0.05)
@@ -892,7 +921,8 @@ def test_validation_time_is_left_out_of_throughput(tmp_path: Path) -> None:
         val_check_interval=2, check_val_every_n_epoch=None,
     )  # fmt: skip
     rows = [row for row in csv_metrics(logger) if row.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
-    assert WINDOW_END == 8 and [int(row["step"]) for row in rows] == [12, 16]  # the window ended at 8
+    # the window ended at global step 8; logged at Lightning's steps of global steps 12 and 16
+    assert WINDOW_END == 8 and [int(row["step"]) + 1 for row in rows] == [12, 16]
     # validations of 2 x 0.05 s ran at steps 8, 10 (inside [8, 12]) and 12, 14 (inside [12, 16]): 0.2 s
     # in each interval that would hold the rates below these bounds
     events = trainer.lightning_module.events
@@ -1059,7 +1089,8 @@ def test_with_two_optimizers_the_window_starts_at_the_first_step_at_or_after_pro
         4, tuple(2 * s for s in module_steps(2)), (2 * first_clean(2),), ()
     )  # fmt: skip
     assert result.published_at == end
-    values = logged_once(csv_metrics(logger), step=end)
+    # logged where Lightning logs the window's last batch: one a batch, two optimizer steps in each
+    values = logged_once(csv_metrics(logger), step=end // 2 - 1)
     assert values[names.FWD_FLOPS] == 2 * sleepy_fwd_flops(2, 2) == 256  # generator and discriminator
     assert values[names.BWD_FLOPS] == 2 * sleepy_bwd_flops(2, 2) == 416
 
@@ -1232,7 +1263,7 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path: Path, monkeypatch: pytest
     for name in names.ALL:
         rows = [row for row in history if name in row]
         assert len(rows) == 1, name
-        assert rows[0]["trainer/global_step"] == WINDOW_END
+        assert rows[0]["trainer/global_step"] == LOGGED_AT
     (ours,) = [row for row in history if names.FWD_FLOPS in row]
     assert (ours[names.FWD_FLOPS], ours[names.BWD_FLOPS]) == (fwd_flops(BATCH), bwd_flops(BATCH))
     picture = names.PICTURE + "._type"  # the HTML media's record, flattened
@@ -1252,7 +1283,7 @@ def test_mlflow_file_store_holds_the_metrics(tmp_path: Path, monkeypatch: pytest
         lines = (metrics_dir / name).read_text().splitlines()  # "timestamp value step" per logged value
         assert len(lines) == 1, name
         _, value, step = lines[0].split()
-        assert int(step) == WINDOW_END
+        assert int(step) == LOGGED_AT
         values[name] = float(value)
     assert (values[names.FWD_FLOPS], values[names.BWD_FLOPS]) == (fwd_flops(BATCH), bwd_flops(BATCH))
 
@@ -1338,7 +1369,7 @@ def assert_one_report_of_the_slowest_rank(run: subprocess.CompletedProcess, dire
     with open(logger_dir / "metrics.csv", newline="") as f:
         # two ranks: the window has communication steps, so it ends later
         end = window_end(PROFILE_STEP, CLEAN, comm=True)
-        values = logged_once(list(csv.DictReader(f)), with_peak=True, step=end)
+        values = logged_once(list(csv.DictReader(f)), with_peak=True, step=end - 1)  # Lightning's step
     assert [values[n] for n in (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY)] == slowest
     assert values[names.ITER_LATENCY] == sum(slowest) == max(map(sum, ranks[0]["ranks"]))
     # and the communication step's four figures and the slow rank's three, which a one-process run has not

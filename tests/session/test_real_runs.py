@@ -260,6 +260,7 @@ def test_lightning_trainer_padded_lm_with_a_slow_collator(tmp_path: Path) -> Non
     after = list(range(result.published_at + 1, MAX_STEPS + 1))
     with open(Path(csv_logger.log_dir) / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
+    drawn = [step - 1 for step in after]  # where Lightning's loggers draw those batches: one behind
     for name in (names.THROUGHPUT_SAMPLES_PER_SEC, names.THROUGHPUT_FLOPS_PER_SEC):
-        assert sorted(int(r["step"]) for r in rows if r.get(name)) == after, name
-        assert tensorboard_steps(Path(tb_logger.log_dir), name) == after, name
+        assert sorted(int(r["step"]) for r in rows if r.get(name)) == drawn, name
+        assert tensorboard_steps(Path(tb_logger.log_dir), name) == drawn, name
