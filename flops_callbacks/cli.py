@@ -35,6 +35,7 @@ from flops_callbacks.reporting.compare import (
     figure_text,
     module_changes,
     one_sided,
+    one_sided_lines,
     own_seconds,
     percent_text,
     range_text,
@@ -355,7 +356,7 @@ def _diff_text(
         "tenth left out), each rate over the same steps (its range: theirs as a rate); noise: B within A's "
         "range",
         *_figure_rows(both, paint),
-        *_one_sided_lines(alone),
+        *one_sided_lines(alone),
         "",
         f"Modules by the change of their own time (fwd + bwd + recompute, their children's left out), "
         f"largest first: {len(modules)} of the {total} that changed; noise: within A's fwd + bwd "
@@ -368,18 +369,6 @@ def _diff_text(
     elif not total:
         lines.append("    (no module changed)")
     return "\n".join(lines)
-
-
-def _one_sided_lines(alone: list[tuple[str, str, str]]) -> list[str]:
-    """The figures one run has and the other lacks, grouped by the run and the reason the other says."""
-    groups: dict[tuple[str, str], list[str]] = {}
-    for name, side, why in alone:
-        groups.setdefault((side, why), []).append(name)
-    lines = []
-    for (side, why), found in groups.items():
-        other = "B" if side == "A" else "A"
-        lines.append(f"only in {side}: {', '.join(found)} ({other} has none{': ' + why if why else ''})")
-    return lines
 
 
 def _number(value: float) -> float | None:

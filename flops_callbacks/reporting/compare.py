@@ -44,6 +44,7 @@ __all__ = [
     "is_noise",
     "module_changes",
     "one_sided",
+    "one_sided_lines",
     "one_configuration",
     "own_seconds",
     "percent_text",
@@ -374,6 +375,23 @@ def one_sided(a: SavedProfile, b: SavedProfile) -> list[tuple[str, str, str]]:
     return [(n, "A", why_absent(b, n)) for n in fa if n not in fb] + [
         (n, "B", why_absent(a, n)) for n in fb if n not in fa
     ]
+
+
+def one_sided_lines(alone: list[tuple[str, str, str]]) -> list[str]:
+    """The figures one run has and the other lacks (:func:`one_sided`), a line for each run and reason the
+    other gives.
+
+    Args:
+        alone: what :func:`one_sided` returned.
+    """
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, side, why in alone:
+        groups.setdefault((side, why), []).append(name)
+    lines = []
+    for (side, why), found in groups.items():
+        other = "B" if side == "A" else "A"
+        lines.append(f"only in {side}: {', '.join(found)} ({other} has none{': ' + why if why else ''})")
+    return lines
 
 
 # --- how figures read: the report's number formats --------------------------------------------------
