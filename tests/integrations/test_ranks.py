@@ -143,11 +143,13 @@ def throughput_after_the_window(ranks: list[dict[str, Any]], logged: dict[int, f
 
 
 def csv_series(directory: Path, name: str) -> dict[int, float]:
+    """A Lightning run's CSV series of ``name``, by global step (Lightning's loggers draw a batch one step
+    behind the global step after it, where its own metrics of that batch are)."""
     path = directory / "lightning_logs" / "version_0" / "metrics.csv"
     if not path.exists():  # nothing was logged
         return {}
     with open(path, newline="") as f:
-        return {int(row["step"]): float(row[name]) for row in csv.DictReader(f) if row.get(name)}
+        return {int(row["step"]) + 1: float(row[name]) for row in csv.DictReader(f) if row.get(name)}
 
 
 def tensorboard_series(directory: Path, name: str) -> dict[int, float]:
