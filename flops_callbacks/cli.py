@@ -364,7 +364,7 @@ def _diff_text(
     ]
     if modules:
         lines += _module_rows(modules, paint)
-    elif not (_timed_modules(a) and _timed_modules(b)) and (a.result.steps.reused or b.result.steps.reused):
+    elif a.result.steps.reused or b.result.steps.reused:
         lines.append("    (left out: a re-profile window's module tree is an earlier window's, reused)")
     elif not total:
         lines.append("    (no module changed)")

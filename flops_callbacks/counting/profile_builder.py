@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from flops_callbacks.counting.recording import Recording, Sums, as_counts, plus, total
-from flops_callbacks.module_tree import ModuleTree, ancestors, depth_of, parent_in
+from flops_callbacks.module_tree import ModuleTree, depth_of, parent_in
 from flops_callbacks.parallel import stored_numel
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
 from flops_callbacks.timing.clock import Clock
@@ -105,11 +105,7 @@ def _add_ignored(modules: dict[str, ModuleProfile], tree: ModuleTree) -> None:
     added = False
     for name, module in reversed(list(tree.ignored.items())):  # the deepest first: nested ones sum up
         known = modules.keys() | {name}
-        children = [
-            m
-            for n, m in modules.items()
-            if n != name and name in ancestors(n) and parent_in(n, known) == name
-        ]
+        children = [m for n, m in modules.items() if parent_in(n, known) == name]
         if not children:
             continue
         sums = {key: sum(getattr(child, key) for child in children) for key in counted}

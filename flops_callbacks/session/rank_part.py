@@ -150,14 +150,9 @@ def without_votes(rows: Sequence[RankRow]) -> list[RankRow]:
     The energy stays as read: the counter cannot tell the votes' joules apart, and the device draws less
     in them than in the steps' work (a share of the span's joules would take out too much)."""
     votes = [r.votes for r in rows]
-    if len(rows) < 2 or len({tuple(len(v) for v in each) for each in votes}) != 1:
+    own = _own_votes(votes)  # each clean step's votes' own seconds
+    if own is None or any(len(each) != len(r.steps) for each, r in zip(votes, rows, strict=True)):
         return list(rows)
-    if any(len(each) != len(r.steps) for each, r in zip(votes, rows, strict=True)):
-        return list(rows)
-    own = [
-        [Vote(min(s.seconds for s in same), same[0].before_forward) for same in zip(*step, strict=True)]
-        for step in zip(*votes, strict=True)
-    ]  # each clean step's votes' own seconds
     before = [sum(v.seconds for v in step if v.before_forward) for step in own]
     wall = [sum(v.seconds for v in step) for step in own]
     return [_less(r, before, wall) for r in rows]
@@ -168,15 +163,28 @@ def vote_waits(votes: Sequence[Sequence[Sequence[Vote]]]) -> list[list[float]]:
     rank's steps' votes, by rank): its seconds in each vote beyond the vote's own, the least over the ranks
     (:func:`without_votes`). Without the votes it waits as long in the step's first collective. Zeros where
     the ranks' votes do not line up."""
-    found = [[0.0] * len(each) for each in votes]
+    own = _own_votes(votes)
+    if own is None:
+        return [[0.0] * len(each) for each in votes]
+    return [
+        [
+            sum(v.seconds - o.seconds for v, o in zip(step, least, strict=True))
+            for step, least in zip(each, own, strict=True)
+        ]
+        for each in votes
+    ]
+
+
+def _own_votes(votes: Sequence[Sequence[Sequence[Vote]]]) -> list[list[Vote]] | None:
+    """Each step's votes' own time (``votes``: each rank's steps' votes, by rank): a vote's least over the
+    ranks, the last rank to reach it waiting for none (:func:`without_votes`); None with one rank, or
+    where the ranks' votes do not line up."""
     if len(votes) < 2 or len({tuple(len(v) for v in each) for each in votes}) != 1:
-        return found
-    for i, step in enumerate(zip(*votes, strict=True)):  # each rank's votes of step i
-        for same in zip(*step, strict=True):  # one vote, each rank's seconds in it
-            least = min(v.seconds for v in same)
-            for r, vote in enumerate(same):
-                found[r][i] += vote.seconds - least
-    return found
+        return None
+    return [
+        [Vote(min(s.seconds for s in same), same[0].before_forward) for same in zip(*step, strict=True)]
+        for step in zip(*votes, strict=True)
+    ]
 
 
 def _less(row: RankRow, before: Sequence[float], wall: Sequence[float]) -> RankRow:
