@@ -182,6 +182,18 @@ def test_a_lazy_model_profiled_from_step_0_has_its_window_start_once_its_first_f
     assert result.profile.fwd_macs == BATCH * (8 * 16 + 16 * 4) and result.profile.params == 8 * 16 + 16 * 4
 
 
+def step_raising_in_module_timing(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, i: int, boom: Exception
+) -> None:
+    """Loop step ``i``'s training; the module-timing step raises ``boom`` inside its forward."""
+    loss = model(x).sum()
+    if i == PROFILE_STEP + 1:
+        raise boom
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def test_an_exception_in_a_block_passes_unchanged_and_leaves_nothing() -> None:
     torch.manual_seed(0)
     model = SleepyNet()
@@ -191,12 +203,7 @@ def test_an_exception_in_a_block_passes_unchanged_and_leaves_nothing() -> None:
     with pytest.raises(RuntimeError) as raised, StepProfiler(model, **WINDOW) as prof:
         for i, x in enumerate(batches(STEPS)):
             with prof.step(x):
-                loss = model(x).sum()
-                if i == PROFILE_STEP + 1:  # inside the module-timing step's forward
-                    raise boom
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
+                step_raising_in_module_timing(model, optimizer, x, i, boom)
     assert raised.value is boom
     assert leftovers(model, optimizer) == before
     assert prof.result is None
@@ -330,12 +337,7 @@ def test_a_loop_that_goes_on_after_a_window_step_raised_drops_the_window_and_say
             for i, x in enumerate(batches(STEPS)):
                 try:
                     with prof.step(x):
-                        loss = model(x).sum()
-                        if i == PROFILE_STEP + 1:  # inside the module-timing step's forward
-                            raise boom
-                        loss.backward()
-                        optimizer.step()
-                        optimizer.zero_grad()
+                        step_raising_in_module_timing(model, optimizer, x, i, boom)
                 except RuntimeError as error:
                     assert error is boom
                     continue
