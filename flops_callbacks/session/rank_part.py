@@ -23,7 +23,7 @@ from flops_callbacks.session.energy_reads import rank_energy
 from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_plan import Kind, Vote, VoteMarks, vote_seconds
+from flops_callbacks.session.window_plan import Kind, Vote, VoteMarks, rank_waits, vote_seconds
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, WindowStep, clean_figures
 from flops_callbacks.timing.energy_figures import EnergySpan
 
@@ -160,19 +160,12 @@ def without_votes(rows: Sequence[RankRow]) -> list[RankRow]:
 
 def vote_waits(votes: Sequence[Sequence[Sequence[Vote]]]) -> list[list[float]]:
     """Each rank's wait for a slower rank in the profiler's votes of each of its steps (``votes``: each
-    rank's steps' votes, by rank): its seconds in each vote beyond the vote's own, the least over the ranks
-    (:func:`without_votes`). Without the votes it waits as long in the step's first collective. Zeros where
-    the ranks' votes do not line up."""
-    own = _own_votes(votes)
-    if own is None:
+    rank's steps' votes, by rank; :func:`~flops_callbacks.session.window_plan.rank_waits`). Without the
+    votes it waits as long in the step's first collective. Zeros where the ranks' steps do not line up."""
+    if len({len(each) for each in votes}) != 1:
         return [[0.0] * len(each) for each in votes]
-    return [
-        [
-            sum(v.seconds - o.seconds for v, o in zip(step, least, strict=True))
-            for step, least in zip(each, own, strict=True)
-        ]
-        for each in votes
-    ]
+    by_step = [rank_waits([[v.seconds for v in step] for step in same]) for same in zip(*votes, strict=True)]
+    return [list(waits) for waits in zip(*by_step, strict=True)] if by_step else [[] for _ in votes]
 
 
 def _own_votes(votes: Sequence[Sequence[Sequence[Vote]]]) -> list[list[Vote]] | None:

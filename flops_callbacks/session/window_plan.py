@@ -51,6 +51,7 @@ __all__ = [
     "head",
     "median_interval",
     "median_known",
+    "rank_waits",
     "vote_seconds",
 ]
 
@@ -124,20 +125,23 @@ class Wish(NamedTuple):
     content: bool = False  # its table found flops that depend on the batch's content
     done: bool = False  # the window has what it needs here (``clean_steps="auto"``'s median)
     comm: tuple[float, float] | None = None  # its communication step's (exposed, span) seconds, if read
+    # at a communication step's end, its seconds in each vote in the step's wall (every rank took part in
+    # the same votes, so every rank's row has one length); the plan fills them in (:meth:`WindowPlan.vote`)
+    votes: tuple[float, ...] = ()
 
     def numbers(self) -> tuple[float, ...]:
         """As the ranks gather it (:meth:`~flops_callbacks.session.ranks.Ranks.gather`): each flag 0 or 1,
-        then the communication step's two seconds (NaN for none)."""
+        then the communication step's two seconds (NaN for none), then the votes' seconds."""
         comm = self.comm if self.comm is not None else (math.nan, math.nan)
         flags = (self.drop, self.new_shape, self.checkable, self.content, self.done)
-        return (*(float(f) for f in flags), *comm)
+        return (*(float(f) for f in flags), *comm, *self.votes)
 
     @classmethod
     def of(cls, numbers: Sequence[float]) -> Wish:
         """The wish :meth:`numbers` gave."""
-        drop, new_shape, checkable, content, done, exposed, span = numbers
+        drop, new_shape, checkable, content, done, exposed, span, *votes = numbers
         comm = None if math.isnan(exposed) else (exposed, span)
-        return cls(int(drop), new_shape != 0, checkable != 0, content != 0, done != 0, comm)
+        return cls(int(drop), new_shape != 0, checkable != 0, content != 0, done != 0, comm, tuple(votes))
 
 
 class VoteMarks(NamedTuple):
@@ -160,6 +164,17 @@ class Vote(NamedTuple):
 
     seconds: float
     before_forward: bool
+
+
+def rank_waits(seconds: Sequence[Sequence[float]]) -> list[float]:
+    """Each rank's wait for a slower rank in one step's votes (``seconds``: each rank's seconds in each of
+    the step's votes, by rank): its seconds beyond each vote's least over the ranks (the last rank to reach
+    a vote waits for none: its time there is the exchange itself). Zeros with one rank, or where the
+    ranks' votes do not line up."""
+    if len(seconds) < 2 or len({len(mine) for mine in seconds}) != 1:
+        return [0.0] * len(seconds)
+    least = [min(same) for same in zip(*seconds, strict=True)]
+    return [sum(s - low for s, low in zip(mine, least, strict=True)) for mine in seconds]
 
 
 class Decision(NamedTuple):
@@ -284,6 +299,8 @@ class WindowPlan:
         is done. ``ended``: the vote at a window step's end (else a micro-batch's); it is marked on the
         steps' clock (:attr:`marks`)."""
         clock = self.clock
+        if ended and self.kind == Kind.COMMUNICATION and self.marks:  # its figures count the rank's waits
+            wish = wish._replace(votes=tuple(v.seconds for v in vote_seconds(self.marks[-1:])[0]))
         start = clock.mark()
         try:
             wishes = [Wish.of(numbers) for numbers in self.ranks.gather(wish.numbers())]
@@ -299,9 +316,13 @@ class WindowPlan:
                     f"a window step raised{where} (the exception your loop went on after)"
                 )
             return Decision.dropped(f"rank {rank}'s profiler failed" if where else "the profiler failed")
+        # a communication step's figures as the window's end gives them: each rank's with its wait for a
+        # slower rank in the votes before the step (session.builder), so that the steps judged to agree
+        # are the steps reported
+        waits = rank_waits([w.votes for w in wishes])
         read = [w.comm for w in wishes]
-        exposed = ranks_mean([r[0] if r is not None else None for r in read])
-        span = ranks_mean([r[1] if r is not None else None for r in read])
+        exposed = ranks_mean([r[0] + wait if r else None for r, wait in zip(read, waits, strict=True)])
+        span = ranks_mean([r[1] + wait if r else None for r, wait in zip(read, waits, strict=True)])
         if exposed is not None and span is not None:  # a communication step's end: the same on every rank
             self.comm_seen.append((exposed, span))
         return Decision(

@@ -109,6 +109,56 @@ def test_the_steps_agree_by_the_ranks_mean_and_a_step_no_rank_read_is_no_figure(
     assert comm_window([3.0, None, 3.0, 3.0], [3.0, None, 3.0, 3.0]) == [*HEAD, *[COMM] * 4, None]
 
 
+class VotingRanks(TwoRanks):
+    """:class:`TwoRanks` whose votes take ``waits[i]`` seconds of rank 0's steps' clock at its i-th vote
+    (0.1 ms past the list's end); the other rank's take 0.1 ms each."""
+
+    def __init__(self, theirs: list[float | None], waits: list[float]) -> None:
+        super().__init__(theirs)
+        self.waits, self.now = waits, 0.0
+
+    def mark(self) -> float:
+        return self.now
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def gather(self, mine: tuple[float, ...]) -> list[tuple[float, ...]]:
+        self.now += self.waits.pop(0) if self.waits else 0.1 * MS
+        ours, theirs = super().gather(mine)
+        votes = (0.1 * MS,) * len(Wish.of(mine).votes)
+        return [ours, Wish.of(theirs)._replace(votes=votes).numbers()]
+
+
+def test_the_steps_agree_by_the_figures_they_report_with_a_ranks_wait_for_a_slower_one() -> None:
+    """Both ranks read 3 ms exposed on every communication step, but rank 0 waits 1.5 ms for rank 1 in the
+    vote before the third (rank 1's slow optimizer step): the window's end adds that wait to rank 0's
+    split of the step (session.builder), so the step reads 3.75 ms, the ranks' mean, 25% off the median,
+    and the steps go on as they do for any such step. Judged without the wait, the three steps would
+    agree, and the report would show three steps it says agree that do not."""
+    waits = [0.1 * MS] * 5 + [1.6 * MS]  # the end votes of the counting, module-timing and 2 comm steps
+    ranks = VotingRanks([3.0] * COMM_MAX, waits)
+    plan = ranks.plan = WindowPlan(Options(), ranks)  # type: ignore[arg-type]
+    plan.clock = ranks  # type: ignore[assignment]
+    for _ in range(40):
+        kind = plan.start_step()
+        plan.vote(Wish(comm=(3 * MS, SPAN) if kind == COMM else None), ended=True)
+        if kind is None:
+            break
+    assert plan.kinds == [*HEAD, *[COMM] * COMM_MAX, None]
+    exposed, span = plan.comm_seen[2]
+    assert (exposed, span) == pytest.approx((3.75 * MS, SPAN + 0.75 * MS))
+    assert plan.comm_seen[:2] == [pytest.approx((3 * MS, SPAN))] * 2
+    # the figures the window's end gives that step: rank 0's split with its wait (as the plan judged)
+    from flops_callbacks.session.rank_part import vote_waits
+    from flops_callbacks.session.window_plan import vote_seconds
+
+    mine = vote_seconds(plan.marks[len(HEAD) : len(HEAD) + 3])
+    theirs = [tuple(v._replace(seconds=0.1 * MS) for v in step) for step in mine]
+    waited, not_waited = vote_waits([mine, theirs])
+    assert waited == pytest.approx([0.0, 0.0, 1.5 * MS]) and not_waited == pytest.approx([0.0] * 3)
+
+
 def test_exposed_times_of_a_few_microseconds_agree_within_a_hundredth_of_the_step() -> None:
     # 10, 40 and 150 us: far apart from their median, but all within 1% of a 20 ms step (200 us) of it
     assert comm_window([0.01, 0.04, 0.15]) == [*HEAD, COMM, COMM, COMM, None]

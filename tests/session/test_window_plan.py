@@ -283,11 +283,13 @@ def test_each_steps_votes_are_those_in_its_wall_on_the_steps_clock_the_first_two
 
 
 def test_a_wish_is_gathered_as_numbers_and_read_back_as_it_was() -> None:
-    """Every flag and the communication step's two seconds survive the float64 row the ranks gather."""
+    """Every flag, the communication step's two seconds and its votes survive the float64 row the ranks
+    gather."""
     for wish in (
         Wish(),
         Wish(True, False, True, False, True, (0.25, 1.5)),
         Wish(comm=(0.0, 0.0)),
+        Wish(comm=(0.25, 1.5), votes=(0.001, 0.03)),  # a communication step's end, with its votes
         NEW,
         KNOWN,
     ):
