@@ -150,6 +150,8 @@ def model_forward_lines(result: WindowResult) -> list[tuple[str, str]]:
     if len(result.rank_latencies) > 1:  # the phases above are the slowest rank's
         return [("the model's own forward, this rank (outermost module calls, clean steps)", value)]
     rest = "the rest: the loss, the training step's own code"
+    if seconds > result.fwd_latency:  # medians of scattered steps (the phases': one step's): no rest to name
+        rest = "each a median over the clean steps, which scatter: their ranges are above"
     share = f"{percent(seconds, result.fwd_latency)} of fwd latency ({rest})"
     return [("the model's own forward (outermost module calls, clean steps)", f"{value}: {share}")]
 

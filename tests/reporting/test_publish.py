@@ -147,6 +147,12 @@ def test_the_root_is_checked_against_the_models_own_forward_only_of_steps_with_t
     )
     result.steps = dataclasses.replace(result.steps, model_forward=(14,))  # one clean step marked it
     assert own_forward_row(result).startswith("100 ms (step 14): 40% of fwd latency")
+    # above the forward phase (the median of the marks against the median step's phase): no "rest"
+    result.model_forward = 1.2 * result.fwd_latency
+    assert own_forward_row(result).endswith(
+        ": 120% of fwd latency (each a median over the clean steps, which scatter: their ranges are above)"
+    )
+    result.model_forward = 0.1
     # clean steps of other batch shapes: their forward is another batch's, no measure of the tree
     result.steps = dataclasses.replace(result.steps, model_forward_shapes_match=False)
     assert tree_doubts(result).notes == []
