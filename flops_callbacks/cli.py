@@ -352,9 +352,9 @@ def _diff_text(
             lines += ["", paint(f"NOTE: {label} timed no module ({why}, slowed by counting).", RED)]
     lines += [
         "",
-        "Headline figures: each latency's median (its range over the clean steps, their fastest and slowest "
-        "tenth left out), each rate over the same steps (its range: theirs as a rate); noise: B within A's "
-        "range",
+        "Headline figures: each latency as logged (the median step's) and its range over the clean steps "
+        "(their fastest and slowest tenth left out), each rate over the same steps (its range: theirs as a "
+        "rate); noise: B within A's range",
         *_figure_rows(both, paint),
         *one_sided_lines(alone),
         "",

@@ -152,7 +152,8 @@ WALL_LATENCY = PREFIX + "wall_latency"  # the whole step on the wall clock: data
 DATA_LATENCY = PREFIX + "data_latency"  # the wait for data: previous step's end -> first forward's start
 WALL_SAMPLES_PER_SEC = PREFIX + "wall_samples_per_sec"  # clean steps' samples x dp size / their wall time
 WALL_TOKENS_PER_SEC = PREFIX + "wall_tokens_per_sec"  # the same of tokens, if known
-# Padding, when the batches have an attention_mask: tokens_per_sec counts positions, padding included.
+# Padding, when the batches show it (an attention_mask, or position_ids ending in zeros): tokens_per_sec
+# counts positions, padding included.
 PADDING_FRACTION = PREFIX + "padding_fraction"  # padding positions / all positions (clean steps)
 # the median step's non-padding tokens x dp size / iter latency
 REAL_TOKENS_PER_SEC = PREFIX + "real_tokens_per_sec"
@@ -205,7 +206,7 @@ THROUGHPUT_POWER = THROUGHPUT_PREFIX + "power"  # mean watts of the job's device
 THROUGHPUT_TOKENS_PER_JOULE = THROUGHPUT_PREFIX + "tokens_per_joule"  # all replicas' tokens / job's joules
 
 WALL = (WALL_LATENCY, DATA_LATENCY, WALL_SAMPLES_PER_SEC, WALL_TOKENS_PER_SEC)  # with a step before
-PADDING = (PADDING_FRACTION, REAL_TOKENS_PER_SEC)  # when the batches have an attention_mask
+PADDING = (PADDING_FRACTION, REAL_TOKENS_PER_SEC)  # when the batches show padding (as above)
 THROUGHPUT = (
     THROUGHPUT_SAMPLES_PER_SEC,
     THROUGHPUT_TOKENS_PER_SEC,

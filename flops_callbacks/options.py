@@ -82,7 +82,8 @@ class Options:
         detailed: With ``report="full"``, print the module tree on the console too (the report file
             always has it).
         print_profile: Print the report on the logging rank (it is written to the log dir either way).
-        output_file: Write the full report to this file instead of printing it.
+        output_file: Write the full report to this file and print nothing, not even the summary (the log
+            dir's files are written as well).
         batch_size_fn: Samples in a micro-batch, from the batch (default: the leading dimension of its
             first tensor).
         tokens_fn: Tokens in a micro-batch, from the batch: adds ``tokens_per_sec`` (default: none on
@@ -108,13 +109,14 @@ class Options:
             the first window only.
         report: What the console shows: ``"summary"``, the figures read in ten seconds (rates, the
             step's split, what bounds it, the top modules, the sizes), or ``"full"``, DeepSpeed's layout
-            (every row of its head, the aggregated profile, the coverage). The report file is always full.
+            (all its summary rows, DeepSpeed's and ours, the aggregated profile, the coverage). The report
+            file is always full.
         comm_steps: With several ranks, window steps after the module-timing ones under
             ``torch.profiler`` on every rank: where the step's time goes (compute, communication hidden
             under it, exposed, idle) and each collective's bytes and bus bandwidth, from their median
-            step (by exposed time, the ranks' mean; the same step on every rank). ``"auto"`` runs 3, or
-            up to 25 while their exposed times disagree (beyond +-10% of their median); an int fixes
-            the count; 0 runs none.
+            step (by exposed time, the ranks' mean; the same step on every rank). ``"auto"`` stops once at
+            least 3 agree (each exposed time within the larger of +-10% of their median and 1% of the
+            step's time), else at 25; an int fixes the count; 0 runs none.
     """
 
     profile_step: int = 10

@@ -309,7 +309,8 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     if names.PADDING_FRACTION in metrics:
         lines += [
             (
-                "padding fraction (attention_mask zeros / positions; tokens are positions, padding included)",
+                "padding fraction (padding positions / positions, from attention_mask or position_ids; "
+                "tokens are positions, padding included)",
                 f"{100 * metrics[names.PADDING_FRACTION]:.1f}%",
             ),
             (

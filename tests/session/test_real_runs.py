@@ -175,8 +175,8 @@ def check_window(
     assert ("BOTTLENECK: the input pipeline" in report) == bottleneck  # the rule, as the report applies it
     assert bottleneck and "num_workers" in report
     assert (
-        "padding fraction (attention_mask zeros / positions; tokens are positions, padding included)"
-        in report
+        "padding fraction (padding positions / positions, from attention_mask or position_ids; tokens are "
+        "positions, padding included)" in report
     )
     check_arithmetic(report)  # every formula row, from the printed values (the clean step's flops, printed)
     # per-module latencies whatever the module-timing steps' shapes: the tree is the timed step's batch's
