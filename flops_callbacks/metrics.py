@@ -149,7 +149,8 @@ HFU = PREFIX + "hfu"  # hardware_flops_per_sec / peak FLOPS
 # The wall step: from the end of the previous optimizer step to the end of this one (medians); with several
 # ranks, less the profiler's votes' own time (docs/several-processes.md).
 WALL_LATENCY = PREFIX + "wall_latency"  # the whole step on the wall clock: data + fwd + bwd + step + other
-DATA_LATENCY = PREFIX + "data_latency"  # the wait for data: previous step's end -> first forward's start
+# the wait for data: previous step's end -> first forward's start, and each later micro-batch's wait
+DATA_LATENCY = PREFIX + "data_latency"
 WALL_SAMPLES_PER_SEC = PREFIX + "wall_samples_per_sec"  # clean steps' samples x dp size / their wall time
 WALL_TOKENS_PER_SEC = PREFIX + "wall_tokens_per_sec"  # the same of tokens, if known
 # Padding, when the batches show it (an attention_mask, or position_ids ending in zeros): tokens_per_sec

@@ -166,6 +166,7 @@ class Options:
         if self.output_file is not None and not isinstance(self.output_file, (str, Path)):
             raise ValueError(f"output_file must be a path (str or Path) or None, got {self.output_file!r}")
         if self.output_file is not None and (str(self.output_file) == "" or os.path.isdir(self.output_file)):
-            raise ValueError(f"output_file must be a file's path or None, got a folder: {self.output_file!r}")
+            got = "an empty path" if str(self.output_file) == "" else f"a folder: {self.output_file!r}"
+            raise ValueError(f"output_file must be a file's path or None, got {got}")
         check_peak_flops(self.peak_flops)
         check_peak_bandwidth(self.peak_bandwidth)

@@ -112,9 +112,10 @@ def _positive(value: Any, name: str, what: str, example: str, also: str = "") ->
         return None
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not number or not 0 < value < float("inf"):
+        unset = "unset" if name.isupper() else "None"  # an environment variable's name is upper case
         raise ValueError(
-            f"{name} must be {what}, a positive number (e.g. {example}){also}, or None to look the device "
-            f"up; got {value!r}"
+            f"{name} must be {what}, a positive number (e.g. {example}){also}, or {unset} to look the "
+            f"device up; got {value!r}"
         )
     return float(value)
 

@@ -40,7 +40,7 @@ def test_the_defaults_are_the_documented_ones() -> None:
         ({"batch_size_fn": 3}, "batch_size_fn must be a callable taking the batch, got 3"),
         ({"tokens_fn": "tokens"}, "tokens_fn must be a callable taking the batch, got 'tokens'"),
         ({"output_file": 3}, "output_file must be a path (str or Path) or None, got 3"),
-        ({"output_file": ""}, "output_file must be a file's path or None, got a folder: ''"),
+        ({"output_file": ""}, "output_file must be a file's path or None, got an empty path"),
         ({"output_file": Path(__file__).parent}, "output_file must be a file's path or None, got a folder"),
         ({"peak_flops": 0}, "peak_flops must be the dense peak FLOPS of one device"),
         ({"peak_flops": "312e12"}, "peak_flops must be the dense peak FLOPS of one device"),

@@ -4,8 +4,9 @@ the constructor from a DeepSpeed config's ``flops_profiler`` block, as DeepSpeed
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -47,14 +48,22 @@ def input_ids_tokens(batch: Any) -> int | None:
 
 
 def build_session(
-    owner: str, arguments: Mapping[str, Any], tokens_fn: Callable[[Any], int | None] | None = None
+    owner: str,
+    arguments: Mapping[str, Any],
+    tokens_fn: Callable[[Any], int | None] | None = None,
+    own: Sequence[str] = (),
 ) -> StepSession:
     """The session of an entry point (a callback, :class:`~flops_callbacks.StepProfiler`) from the user's
     option arguments, checked once in :class:`~flops_callbacks.options.Options` and said in the words of
-    ``owner``, the class the user called."""
+    ``owner``, the class the user called (``own``: its arguments beside the options)."""
     unknown = sorted(set(arguments) - _OPTION_NAMES)
     if unknown:
-        raise ValueError(f"{owner}: unknown argument(s) {unknown}; the options are {sorted(_OPTION_NAMES)}")
+        meant = [m for name in unknown for m in difflib.get_close_matches(name, [*own, *_OPTION_NAMES], 1)]
+        hint = f" (did you mean {', '.join(map(repr, meant))}?)" if meant else ""
+        theirs = f"its arguments are {sorted(own)} and " if own else ""
+        raise ValueError(
+            f"{owner}: unknown argument(s) {unknown}{hint}; {theirs}the options are {sorted(_OPTION_NAMES)}"
+        )
     try:
         options = Options(**arguments)
     except ValueError as error:

@@ -50,11 +50,18 @@ from flops_callbacks.options import check_int
 from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.timing.phases import check_phase
+from flops_callbacks.user_warning import warn
 
 __all__ = ["StepProfiler"]
 
 _ENDED = "ended"  # an optimizer step ended; what runs next is said by the next event
+# blocks in a row without an optimizer step after which the loop is told (its step() may lie outside the
+# blocks: then no step ends, and a counting step counts on); more micro-batches to a step than any usual
+_UNSTEPPED = 128
 
+
+# the arguments StepProfiler takes beside the options (named with them where one is unknown)
+_OWN_ARGUMENTS = ("model", "accelerator", "fabric", "log", "log_dir", "log_every_n_steps", "max_steps")
 
 # the classes the loop adapters take, by package (the packages that ship it) and name
 _ACCELERATOR = (("accelerate",), "Accelerator")
@@ -132,7 +139,7 @@ class StepProfiler:
                 check_int("max_steps", max_steps, 0)
         except ValueError as error:
             raise ValueError(f"StepProfiler: {error}") from None
-        self.session = build_session(type(self).__name__, options, input_ids_tokens)
+        self.session = build_session(type(self).__name__, options, input_ids_tokens, own=_OWN_ARGUMENTS)
         if accelerator is not None:
             self.adapter: LoopAdapter = accelerate_adapter(accelerator, model, log, log_dir)
         elif fabric is not None:
@@ -144,6 +151,7 @@ class StepProfiler:
         self._running = False  # the run started (train_start), and close() has not ended it
         self._raised = False  # the last block raised
         self._in_step = False  # an optimizer step has started: its micro-batches so far ran no step()
+        self._unstepped = 0  # blocks in a row that ran no optimizer step (said once at _UNSTEPPED)
         self._iteration: _Iteration | None = None
 
     # --- results -------------------------------------------------------------------------------------
@@ -166,14 +174,19 @@ class StepProfiler:
         whether it ends an optimizer step, for loops whose optimizer is no ``torch.optim.Optimizer``
         (default: whether an optimizer's ``step`` ran in it)."""
         if optimizer_step is not None and not isinstance(optimizer_step, bool):
-            raise ValueError(f"optimizer_step must be True, False or None, got {optimizer_step!r}")
+            raise ValueError(
+                f"StepProfiler.step: optimizer_step must be True, False or None, got {optimizer_step!r}"
+            )
         return _Iteration(self, batch, optimizer_step)
 
     def mark(self, phase: str) -> None:
         """Say where a phase starts, inside ``prof.step``, for a loop whose phases the hooks cannot
         see: "backward" (a loss computed outside the model), "optimizer_step", or "forward" (the
         model's work starts here: what ran before it in the block is no phase's)."""
-        check_phase(phase)
+        try:
+            check_phase(phase)
+        except ValueError as error:
+            raise ValueError(f"StepProfiler.mark: {error}") from None
         if self._iteration is not None:
             self._iteration.enter_phase(phase, explicit=True)
 
@@ -232,6 +245,14 @@ class StepProfiler:
         session = self.session
         self._raised = False
         session.micro_batch_end(pause=True)  # what runs until the next block is not part of the step
+        self._unstepped = 0 if stepped else self._unstepped + 1
+        if self._unstepped == _UNSTEPPED:
+            warn(
+                f"StepProfiler: {_UNSTEPPED} blocks in a row ran no optimizer step: they are micro-batches "
+                "of one step that has not ended, and no profile window goes on while it runs. Call the "
+                "optimizer's step() inside `with prof.step(...)`, or pass optimizer_step=True to the block "
+                "that ends a step; with this many micro-batches a step, as intended."
+            )
         if stepped:
             self._in_step = False
             self.global_step += 1
@@ -290,10 +311,12 @@ class _Iteration:
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.remove_hooks()
-        if error is not None:
+        if error is not None and not isinstance(error, StopIteration):
             self.profiler._abandon_iteration()
             return  # the exception passes unchanged
-        stepped = self.stepped if self.optimizer_step is None else self.optimizer_step
+        # StopIteration: the loop's data ran out in the block (``next(it)`` inside it): a block that ran no
+        # step, and the window what it has (``close()`` publishes it); the exception passes unchanged
+        stepped = error is None and (self.stepped if self.optimizer_step is None else self.optimizer_step)
         self.profiler._end(stepped)
 
     def remove_hooks(self) -> None:

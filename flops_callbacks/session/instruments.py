@@ -23,6 +23,7 @@ from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import WindowStep
 from flops_callbacks.timing.clock import Clock, CpuClock, CudaClock, NullClock, module_device
+from flops_callbacks.timing.hook_probe import stop_probes
 from flops_callbacks.timing.kernel_clock import KernelClock, kernel_clock_unavailable
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls
@@ -189,6 +190,7 @@ class Instruments:
     def drop(self) -> Any:
         """Forget every instrument (stopped already); returns the counting step's engine."""
         self.energy.stop()
+        stop_probes()  # the window's end measures the hooks' cost: a Ctrl-C there leaves none on
         engine, recorder, kernels = self.engine, self.recorder, self.kernels
         self.engine = self.shape_engine = self.timer = self.outer = self.recorder = self.kernels = None
         if recorder is not None:

@@ -77,8 +77,8 @@ class RankRow(NamedTuple):
 
     @property
     def waits(self) -> tuple[float, ...]:
-        """Each clean step's seconds in the profiler's votes before its forward (in its data time)."""
-        return tuple(sum(v.seconds for v in votes if v.before_forward) for votes in self.votes)
+        """Each clean step's seconds in the profiler's votes (in its data time)."""
+        return tuple(sum(v.seconds for v in votes) for votes in self.votes)
 
 
 @dataclasses.dataclass
@@ -153,9 +153,7 @@ def without_votes(rows: Sequence[RankRow]) -> list[RankRow]:
     own = _own_votes(votes)  # each clean step's votes' own seconds
     if own is None or any(len(each) != len(r.steps) for each, r in zip(votes, rows, strict=True)):
         return list(rows)
-    before = [sum(v.seconds for v in step if v.before_forward) for step in own]
-    wall = [sum(v.seconds for v in step) for step in own]
-    return [_less(r, before, wall) for r in rows]
+    return [_less(r, [sum(v.seconds for v in step) for step in own]) for r in rows]
 
 
 def vote_waits(votes: Sequence[Sequence[Sequence[Vote]]]) -> list[list[float]]:
@@ -175,19 +173,19 @@ def _own_votes(votes: Sequence[Sequence[Sequence[Vote]]]) -> list[list[Vote]] | 
     if len(votes) < 2 or len({tuple(len(v) for v in each) for each in votes}) != 1:
         return None
     return [
-        [Vote(min(s.seconds for s in same), same[0].before_forward) for same in zip(*step, strict=True)]
+        [Vote(min(s.seconds for s in same)) for same in zip(*step, strict=True)]
         for step in zip(*votes, strict=True)
     ]
 
 
-def _less(row: RankRow, before: Sequence[float], wall: Sequence[float]) -> RankRow:
-    """``row`` less each clean step's votes' own seconds: ``before`` its forward (of its data time) and in
-    its ``wall`` (:func:`without_votes`)."""
+def _less(row: RankRow, votes: Sequence[float]) -> RankRow:
+    """``row`` less each clean step's votes' own seconds (``votes``), from its data time and its wall
+    (:func:`without_votes`)."""
     steps = []
-    for step, b, w in zip(row.steps, before, wall, strict=True):
+    for step, own in zip(row.steps, votes, strict=True):
         seconds = step.seconds
         if seconds.wall > 0:  # 0: not known
-            seconds = seconds._replace(data=max(seconds.data - b, 0.0), wall=max(seconds.wall - w, 0.0))
+            seconds = seconds._replace(data=max(seconds.data - own, 0.0), wall=max(seconds.wall - own, 0.0))
         steps.append(CleanStep(step.work, seconds))
     return row._replace(steps=tuple(steps))
 

@@ -107,6 +107,7 @@ class StepSession:
         meter.layout_samples = options.batch_size_fn is None
         self._steps: list[WindowStep] = []  # the window's steps so far (this rank's record of them)
         self._step: WindowStep | None = None  # the window step in progress
+        self._paused: tuple[Any, list[tuple[Any, Any]]] = (None, [])  # a pause's start, next step's pauses
         self.instruments = Instruments(options)
         self._model: torch.nn.Module | None = None
         self._context = TrainingContext()
@@ -122,8 +123,7 @@ class StepSession:
     def disable(self) -> None:
         """Profile nothing and meter nothing (a DeepSpeed config with ``enabled: false``)."""
         self.close()
-        self.enabled, self.meter = False, None
-        self.job_meter.meter = None
+        self.enabled, self.meter, self.job_meter.meter = False, None, None
 
     def _abandon(self) -> None:
         """The profiler's own work failed: drop what runs. An open window is dropped on every rank at its
@@ -228,6 +228,7 @@ class StepSession:
             self.instruments.stop()
         finally:
             self._steps, self._step, self._model, self._context = [], None, None, TrainingContext()
+            self._paused = (None, [])
             self.instruments.drop()
             self.off_clock.drop()
             if meter:
@@ -272,7 +273,8 @@ class StepSession:
         clock = self.plan.clock = self._steps[0].phases.clock if self._steps else clock_for(device)
         start_mark = self._steps[-1].end_mark if self._steps else None
         memory = phase_memory_for(device) if kind is None else None  # peaks on clean steps only
-        step = WindowStep(kind, global_step, StepPhases(clock, memory), start_mark=start_mark)
+        step = WindowStep(kind, global_step, StepPhases(clock, memory), start_mark, paused=self._paused[1])
+        self._paused = (None, [])
         self._steps.append(step)
         self._step = step
         self.instruments.for_step(step, model, runs)
@@ -329,18 +331,10 @@ class StepSession:
             counts = self.off_clock.micro_batch(model, self.flops, kind, *where, counts, replay)
         samples, tokens = self.batches.samples(batch, say_unknown=True), self.batches.tokens(batch)
         step.layout_samples = self.options.batch_size_fn is None
-        step.add(batch, read.signature, samples, tokens, counts, replay, keep=self._other_shapes(step, read))
+        keep = step.other_shapes(self._steps[0].signatures, read.signature)
+        step.add(batch, read.signature, samples, tokens, counts, replay, keep=keep)
         self.instruments.start(step, read.signature, read.later)
         step.phases.start(FORWARD)
-
-    def _other_shapes(self, step: WindowStep, read: _Read) -> bool:
-        """Whether a module-timing step's micro-batch has other shapes than the counting step's at its
-        place: its batch is kept, counted at the window's end for the module tree it times."""
-        if step.kind != Kind.MODULE_TIMING or not self._steps:
-            return False
-        counted = self._steps[0].signatures
-        place = len(step.signatures)
-        return place >= len(counted) or counted[place] != read.signature
 
     @_own_work("marking a phase")
     def phase(self, name: str) -> None:
@@ -491,10 +485,16 @@ class StepSession:
 
     @_own_work("pausing throughput")
     def pause_throughput(self) -> None:
-        """Evaluation starts: its time is not training throughput."""
+        """Evaluation starts: its time is not training throughput, nor a window step's."""
         self.job_meter.pause()
+        if self.plan.open and self._steps:
+            self._paused = (self.plan.clock.mark(), self._paused[1])
 
     @_own_work("resuming throughput")
     def resume_throughput(self) -> None:
+        start, pending = self._paused
+        if start is not None and self.plan.open:  # in this window step's wall, or in the next one's
+            (self._step.paused if self._step is not None else pending).append((start, self.plan.clock.mark()))
+            self._paused = (None, pending)
         if not self.plan.open:  # a re-profile window's time is not metered: resumed at its end
             self.job_meter.resume()

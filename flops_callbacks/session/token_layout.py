@@ -41,6 +41,9 @@ _DECODER_KEYS = (
     "decoder_inputs_embeds",
 )
 _LABEL_PAD = -100  # transformers' ignore index: a label position that is padding
+# a float labels tensor holds a row's targets (multi-label classification: rows x labels), never tokens',
+# even where a padded batch's length equals the labels' count (token labels are ids)
+_ROW_TARGETS = ("labels", "label")
 
 Unit = int | tuple[int, int]  # what is counted alone: a sequence's length, or (encoder, decoder) lengths
 
@@ -326,7 +329,8 @@ def one_sequence(args: Any, layout: Layout, unit: Unit) -> Any:
                 return value[first : first + 1, span[1] : span[1] + span[2]]
             if key == "seq_idx" and value.dim() >= 2:
                 return torch.zeros_like(value[row : row + 1, start : start + n])
-            if value.dim() >= 2 and value.shape[1] == length and value.shape[0] in (rows, 1):
+            targets = key in _ROW_TARGETS and value.is_floating_point()
+            if value.dim() >= 2 and value.shape[1] == length and value.shape[0] in (rows, 1) and not targets:
                 first = row if value.shape[0] == rows else 0
                 return value[first : first + 1, start : start + n]
             if value.dim() >= 1 and value.shape[0] == rows and rows > 1:

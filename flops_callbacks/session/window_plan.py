@@ -150,20 +150,19 @@ class VoteMarks(NamedTuple):
     clock: Clock
     start: Any
     end: Any
-    before_forward: bool
 
 
 def vote_seconds(marks: Sequence[Sequence[VoteMarks]]) -> list[tuple[Vote, ...]]:
     """Each window step's votes (:attr:`WindowPlan.marks`) in seconds."""
-    return [tuple(Vote(m.clock.seconds(m.start, m.end), m.before_forward) for m in step) for step in marks]
+    return [tuple(Vote(m.clock.seconds(m.start, m.end)) for m in step) for step in marks]
 
 
 class Vote(NamedTuple):
     """One vote this rank took part in, in a step's wall: its seconds on the step's clock (the part of its
-    time the vote held), and whether it lies before the step's forward (in its data time)."""
+    time the vote held). Every vote lies in the step's data time: before its first forward, or between its
+    micro-batches, where the phases are stopped."""
 
     seconds: float
-    before_forward: bool
 
 
 def rank_waits(seconds: Sequence[Sequence[float]]) -> list[float]:
@@ -210,12 +209,11 @@ class WindowPlan:
         # each window step's votes in its wall (:meth:`vote`; :func:`vote_seconds`), and the last end vote
         self.marks: list[list[VoteMarks]] = []
         self._end_vote: VoteMarks | None = None
-        self._micro_voted = False  # whether the current step's first micro-batch voted
 
     def reset(self, run: bool = False) -> None:
         """The window ended (or was dropped); with ``run`` no other window starts in this run."""
         self.kinds, self.open, self.failed, self.reprofile, self._lined_up = [], False, 0, False, 0
-        self.comm_seen, self.marks, self._end_vote, self._micro_voted = [], [], None, False
+        self.comm_seen, self.marks, self._end_vote = [], [], None
         self.clock = CpuClock()
         if run:
             self.next_window = None
@@ -276,7 +274,7 @@ class WindowPlan:
             kind = Kind.COMMUNICATION
         self.kinds.append(kind)
         self.marks.append([self._end_vote] if self._end_vote is not None else [])
-        self._end_vote, self._micro_voted = None, False
+        self._end_vote = None
         return kind
 
     @property
@@ -335,13 +333,12 @@ class WindowPlan:
 
     def _marked(self, clock: Clock, start: Any, end: Any, ended: bool) -> None:
         """A vote's marks, kept in the step whose wall holds it: a step's end vote lies in the next step's,
-        before its forward, as does the step's first micro-batch vote; a later micro-batch's lies in the
-        wall between its phases."""
+        before its forward, as does the step's first micro-batch vote; a later micro-batch's lies between
+        its micro-batches (in its data time too: the phases stop before it)."""
         if ended:
-            self._end_vote = VoteMarks(clock, start, end, True)
+            self._end_vote = VoteMarks(clock, start, end)
         elif self.marks:
-            self.marks[-1].append(VoteMarks(clock, start, end, not self._micro_voted))
-            self._micro_voted = True
+            self.marks[-1].append(VoteMarks(clock, start, end))
 
     def batch_kind(self, decision: Decision) -> Kind:
         """The current step's agreed kind after a micro-batch's vote. At its first micro-batch: the check

@@ -113,6 +113,7 @@ class WindowStep:
     phases: StepPhases
     start_mark: Any = None  # the previous window step's end: where this wall step starts
     end_mark: Any = None
+    paused: list[tuple[Any, Any]] = field(default_factory=list)  # in its wall, the run's declared pauses
     ended: bool = False  # its end marked (a meta clock's marks are None)
     signatures: list[Signature] = field(default_factory=list)
     # each micro-batch, and how the adapter's step runs it again, where the window's end may count it
@@ -160,6 +161,13 @@ class WindowStep:
         self.batches.append(batch if held else None)
         self.replays.append(replay if held else None)
 
+    def other_shapes(self, counted: Sequence[Signature], signature: Signature) -> bool:
+        """Whether this module-timing step's next micro-batch (``signature``) has other shapes than the
+        counting step's (``counted``) at its place: its batch is kept, counted at the window's end for the
+        module tree it times."""
+        place = len(self.signatures)
+        return self.kind == Kind.MODULE_TIMING and (place >= len(counted) or counted[place] != signature)
+
     def read_layouts(self, encoder_decoder: bool = False) -> None:
         """Read each micro-batch's layout (after the window: it waits for the device); a layout's
         sequences are the micro-batch's samples; ``encoder_decoder``: the model is one (its rows pairs)."""
@@ -186,13 +194,17 @@ class WindowStep:
         return self.ended and self.phases.clock.done(self.end_mark)
 
     def seconds(self) -> dict[str, float]:
-        """Seconds of each latency of this step (data and wall 0 without the previous step's end)."""
+        """Seconds of each latency of this step (data and wall 0 without the previous step's end). Its data
+        time is the wait before its first forward and between its micro-batches; a pause the run declared
+        (evaluation: ``pause()`` / ``resume()``) is neither its data nor its wall."""
         fwd, bwd, opt = self.phases.seconds()
         clock = self.phases.clock
         first = self.phases.first_mark
         known = self.start_mark is not None and self.end_mark is not None and first is not None
-        wall = clock.seconds(self.start_mark, self.end_mark) if known else 0.0
-        data = clock.seconds(self.start_mark, first) if known else 0.0
+        paused = sum(clock.seconds(a, b) for a, b in self.paused)
+        wall = max(clock.seconds(self.start_mark, self.end_mark) - paused, 0.0) if known else 0.0
+        data = clock.seconds(self.start_mark, first) + self.phases.wait_seconds() if known else 0.0
+        data = max(data - paused, 0.0) if known else 0.0
         return {"fwd": fwd, "bwd": bwd, "step": opt, "iter": fwd + bwd + opt, "data": data, "wall": wall}
 
     def work(self, counts: BatchCounts | None = None) -> StepWork:

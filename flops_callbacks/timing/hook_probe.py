@@ -13,7 +13,17 @@ from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.module_timer import ModuleTimer
 
-__all__ = ["hook_cost"]
+__all__ = ["hook_cost", "stop_probes"]
+
+# a probe's timer until it has measured: an interrupt (Ctrl-C) while it stops leaves it to stop_probes()
+_RUNNING: list[ModuleTimer] = []
+
+
+def stop_probes() -> None:
+    """Remove the hooks of a probe an interrupt left running (the session's close calls it)."""
+    while _RUNNING:
+        _RUNNING[-1].stop()
+        _RUNNING.pop()
 
 
 class _Probe(torch.nn.Module):
@@ -49,6 +59,7 @@ def hook_cost(calls: int = 50, rounds: int = 15) -> HookCost:
     hooked: list[float] = []
     plain_calls: list[float] = []
     hooked_calls: list[float] = []  # (the spans are read from the timer instead)
+    _RUNNING.append(timer)
     for _ in range(rounds):
         plain.append(run(plain_calls))
         timer.start()
@@ -56,6 +67,7 @@ def hook_cost(calls: int = 50, rounds: int = 15) -> HookCost:
             hooked.append(run(hooked_calls))
         finally:
             timer.stop()
+    _RUNNING.remove(timer)
     spans = [span.duration for span in timer.times().spans if span.phase == FORWARD]
     per_call = max((min(hooked) - min(plain)) / calls, 0.0)
     own = max(statistics.median(spans) - statistics.median(plain_calls), 0.0)

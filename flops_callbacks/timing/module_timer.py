@@ -192,10 +192,10 @@ class ModuleTimer:
 
     def stop(self) -> None:
         """Remove the module hooks and any node hooks; what was marked stays readable."""
-        exit_stack, self._exit = self._exit, None
         try:
-            if exit_stack is not None:
-                exit_stack.close()
+            if self._exit is not None:
+                self._exit.close()  # forgotten once closed: an interrupt before leaves it to a next stop()
+            self._exit = None
         finally:
             self.release()
             self._stack.clear()

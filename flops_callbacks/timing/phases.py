@@ -47,6 +47,8 @@ class StepPhases:
         self._ended: str | None = None  # a phase that ended with its successor unknown (held open)
         self._spans: dict[str, list[tuple[Any, Any]]] = {}
         self.first_mark: Any = None  # the step's first mark: the start of its first forward
+        self._stopped: Any = None  # where timing last stopped (a wait for the next micro-batch may follow)
+        self.waits: list[tuple[Any, Any]] = []  # from a stop to a later micro-batch's forward: its data wait
 
     def start(self, name: str) -> None:
         """End whatever runs (resolving a held-open gap) and start ``name`` on one mark.
@@ -60,6 +62,9 @@ class StepPhases:
         mark = self.clock.mark()
         if self.first_mark is None:
             self.first_mark = mark
+        elif self.current is None and self._stopped is not None and name == FORWARD:
+            self.waits.append((self._stopped, mark))  # a later micro-batch: fetched since the last stop
+        self._stopped = None
         if self._ended is not None:
             ended = self._ended
             self._close(FORWARD if name == BACKWARD else ended, mark)
@@ -94,7 +99,8 @@ class StepPhases:
         phase that ended."""
         if self.current is None:
             return
-        self._close(self._ended or self.current, self.clock.mark())
+        self._stopped = self.clock.mark()
+        self._close(self._ended or self.current, self._stopped)
         self.current = self._ended = self._since = None
 
     def _close(self, name: str, mark: Any) -> None:
@@ -102,6 +108,10 @@ class StepPhases:
         self._since = mark
         if self.memory is not None:
             self.memory.close(name)
+
+    def wait_seconds(self) -> float:
+        """Seconds between a micro-batch's end and a later one's forward (the loader's fetch of it)."""
+        return sum(self.clock.seconds(a, b) for a, b in self.waits)
 
     def seconds(self) -> tuple[float, float, float]:
         """Seconds in (forward, backward, optimizer step)."""

@@ -228,6 +228,7 @@ def test_a_window_the_runs_end_cuts_short_reaches_the_reporters_own_tensorboard_
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store opt-in
+    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())  # over one an earlier MLFlowLogger set for good
     end = PROFILE_STEP + 1  # the counting step and a module-timing step
     callback = quiet()
     trainer = train(tmp_path, gpt2(), [callback], report_to=("tensorboard", "mlflow"), max_steps=end)
@@ -240,7 +241,6 @@ def test_a_window_the_runs_end_cuts_short_reaches_the_reporters_own_tensorboard_
     assert {"loss", names.FWD_FLOPS} <= set(run.data.metrics)
 
 
-# --- TensorBoard: the Trainer's own event files -------------------------------------------------------
 # --- TensorBoard: the Trainer's own event files -------------------------------------------------------
 
 

@@ -161,6 +161,119 @@ def test_two_micro_batches_per_optimizer_step_report_the_flops_of_both() -> None
     model.zero_grad()
 
 
+DATA = 0.02  # seconds the loader below waits for each micro-batch
+
+
+def test_the_wait_for_every_micro_batch_is_data_and_a_declared_pause_is_no_part_of_the_step() -> None:
+    """Four micro-batches a step, each fetched in DATA: the step's data time holds the four waits (the
+    later ones lie between the blocks); then an evaluation of 3 x DATA declared with pause() / resume()
+    after each step: neither data nor wall. Known sleeps, one-sided where a loaded machine wakes late."""
+    micro, evaluation = 4, 3 * DATA
+    for paused in (False, True):
+        torch.manual_seed(0)
+        model = SleepyNet()
+        optimizer = SleepySGD(model.parameters(), STEP)
+        prof = StepProfiler(model, **WINDOW)
+        for i in range(micro * STEPS):
+            time.sleep(DATA)  # the loader's fetch of the next micro-batch
+            x = torch.randn(BATCH, 4)
+            with prof.step(x):
+                model(x).sum().backward()
+                if i % micro == micro - 1:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            if paused and i % micro == micro - 1:
+                prof.pause()
+                time.sleep(evaluation)
+                prof.resume()
+        prof.close()
+        metrics = prof.metrics
+        assert metrics is not None
+        data, wall = metrics[names.DATA_LATENCY], metrics[names.WALL_LATENCY]
+        # the later waits were "other" (data read 1 x DATA); the pause was data (and in the wall)
+        assert micro * DATA <= data < micro * DATA + 0.75 * evaluation, (paused, data)
+        other = wall - data - metrics[names.ITER_LATENCY]
+        assert 0 <= other < 0.75 * evaluation, (paused, other)
+
+
+def test_a_step_outside_the_block_is_said_once_and_stopiteration_in_a_block_ends_the_data() -> None:
+    """The loop's step() after the block: no step ends, a warning says so once (the counting step would
+    count every block of the run). Then a loop whose ``next(it)`` raises StopIteration inside the block:
+    the data ended, not the step; ``close()`` publishes the window so far, as after a ``break``."""
+    from flops_callbacks.integrations.step_profiler import _UNSTEPPED
+
+    model, xs = nn.Linear(4, 2), [torch.randn(BATCH, 4) for _ in range(_UNSTEPPED + 2)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = StepProfiler(model, profile_step=50, print_profile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in xs:
+            with prof.step(x):
+                model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        prof.close()
+    said = [str(w.message) for w in caught if "ran no optimizer step" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(f"StepProfiler: {_UNSTEPPED} blocks in a row ran no")
+    assert prof.global_step == 0
+
+    data = iter([torch.randn(BATCH, 4) for _ in range(END - 2)])  # ends before the window's last clean step
+    prof = StepProfiler(model, **WINDOW)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        while True:
+            try:
+                with prof.step():
+                    x = next(data)
+                    model(x).sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            except StopIteration:
+                break
+        prof.close()
+    assert prof.global_step == END - 2 and prof.result is not None  # the window as far as it went
+    assert len(prof.result.steps.clean) == CLEAN - 1, prof.result.steps
+
+
+def test_a_ctrl_c_while_the_windows_end_measures_the_hooks_cost_leaves_no_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The window's end times a probe module with the module timer's global hooks on and off; a
+    KeyboardInterrupt at the entry of the probe's stop() (where one lands: a call's first bytecode) left
+    the hooks on for the rest of the process. The session's close removes them."""
+    import sys
+
+    from torch.nn.modules import module as torch_module
+
+    from flops_callbacks.timing import module_timer
+
+    real_stop = module_timer.ModuleTimer.stop
+
+    def interrupted_stop(self: module_timer.ModuleTimer) -> None:
+        if sys._getframe(1).f_code.co_name == "hook_cost":  # the probe's timer, once
+            monkeypatch.setattr(module_timer.ModuleTimer, "stop", real_stop)
+            raise KeyboardInterrupt
+        real_stop(self)
+
+    monkeypatch.setattr(module_timer.ModuleTimer, "stop", interrupted_stop)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = leftovers(model, optimizer)
+    prof = StepProfiler(model, **WINDOW)
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            for _ in range(STEPS):
+                x = torch.randn(BATCH, 8)
+                with prof.step(x):
+                    model(x).sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+        finally:
+            prof.close()
+    assert not torch_module._global_forward_pre_hooks and not torch_module._global_forward_hooks
+    assert leftovers(model, optimizer) == before
+
+
 def test_a_lazy_model_profiled_from_step_0_has_its_window_start_once_its_first_forward_made_it() -> None:
     """``LazyLinear`` has no weight before its first forward: a window at step 0 would count nothing
     (it failed, and was dropped with a warning); it starts at step 1, on the parameters that forward made."""
@@ -213,8 +326,16 @@ def test_bad_arguments_are_said_at_construction_naming_the_argument() -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="StepProfiler: profile_step must be an int >= 0"):
         StepProfiler(model, profile_step=-1)
-    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['profile_steps'\]"):
+    with pytest.raises(ValueError, match=r"argument\(s\) \['profile_steps'\] \(did you mean 'profile_step'"):
         StepProfiler(model, profile_steps=3)
+    with pytest.raises(ValueError, match=r"\['logdir'\] \(did you mean 'log_dir'\?\); its arguments are \["):
+        StepProfiler(model, logdir="runs")  # one of StepProfiler's own arguments, not an option
+    prof = StepProfiler(model)
+    with pytest.raises(ValueError, match="StepProfiler.step: optimizer_step must be True, False or None"):
+        prof.step(optimizer_step="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="StepProfiler.mark: phase must be one of"):
+        prof.mark("fwd")
+    prof.close()
     with pytest.raises(ValueError, match="log_every_n_steps must be an int >= 1"):
         StepProfiler(model, log_every_n_steps=0)
     with pytest.raises(ValueError, match="accelerator or fabric, not both"):

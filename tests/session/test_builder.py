@@ -68,37 +68,31 @@ def _row(seconds: list[tuple[float, float]], votes: list[tuple[Vote, ...]]) -> R
 
 def test_each_votes_least_time_over_the_ranks_comes_out_of_every_ranks_data_wait_and_wall_step() -> None:
     """Rank 1 reaches the first clean step's micro-batch vote 0.5 s late: rank 0 waits there for it, a
-    wait that stays; what both spend in each vote at the least (the exchange itself) comes out, from the
-    data wait where the vote lies before the forward, from the wall step for every vote."""
-    before, between = True, False
+    wait that stays; what both spend in each vote at the least (the exchange itself) comes out of the data
+    wait and of the wall step, for every vote: before the forward or between micro-batches, a vote lies
+    where the phases are stopped."""
     rank0 = _row(
-        [(0.75, 4.0), (0.25, 3.5)],
-        [
-            (Vote(0.125, before), Vote(0.625, before)),
-            (Vote(0.125, before), Vote(0.125, before), Vote(0.25, between)),
-        ],
+        [(0.75, 4.0), (0.5, 3.5)],
+        [(Vote(0.125), Vote(0.625)), (Vote(0.125), Vote(0.125), Vote(0.25))],
     )
     rank1 = _row(
-        [(0.75, 4.0), (0.25, 3.5)],
-        [
-            (Vote(0.25, before), Vote(0.125, before)),
-            (Vote(0.125, before), Vote(0.0625, before), Vote(0.5, between)),
-        ],
+        [(0.75, 4.0), (0.5, 3.5)],
+        [(Vote(0.25), Vote(0.125)), (Vote(0.125), Vote(0.0625), Vote(0.5))],
     )
     kept = without_votes([rank0, rank1])
-    # own: step 0 (0.125, 0.125) -> 0.25 before the forward; step 1 (0.125, 0.0625) before, 0.25 between
+    # own: step 0 (0.125, 0.125) -> 0.25; step 1 (0.125, 0.0625, 0.25) -> 0.4375
     assert [s.seconds for s in kept[0].steps] == [
         StepSeconds(1.0, 1.0, 1.0, 0.5, 3.75),
         StepSeconds(1.0, 1.0, 1.0, 0.0625, 3.0625),
     ]
     assert [s.seconds for s in kept[1].steps] == [s.seconds for s in kept[0].steps]  # the same times here
-    assert kept[0].waits == rank0.waits == (0.75, 0.25)  # the slow rank reads the votes as timed
+    assert kept[0].waits == rank0.waits == (0.75, 0.5)  # the slow rank reads the votes as timed
     assert without_votes([rank0]) == [rank0]  # one rank: no vote is exchanged
 
 
 def test_votes_that_do_not_line_up_leave_the_rows_as_they_are() -> None:
-    rank0 = _row([(0.75, 4.0)], [(Vote(0.125, True), Vote(0.625, True))])
-    rank1 = _row([(0.75, 4.0)], [(Vote(0.125, True),)])
+    rank0 = _row([(0.75, 4.0)], [(Vote(0.125), Vote(0.625))])
+    rank1 = _row([(0.75, 4.0)], [(Vote(0.125),)])
     assert without_votes([rank0, rank1]) == [rank0, rank1]
     assert without_votes([rank0, _row([(0.75, 4.0)], [])]) == [rank0, _row([(0.75, 4.0)], [])]
 
@@ -114,8 +108,8 @@ def test_a_ranks_wait_for_a_slower_one_in_the_votes_before_a_communication_step_
     from flops_callbacks.session.rank_part import vote_waits
 
     votes = [
-        [(Vote(0.031, True), Vote(0.001, True)), (Vote(0.002, True),)],  # rank 0: steps 5 and 6
-        [(Vote(0.001, True), Vote(0.001, True)), (Vote(0.003, True),)],  # rank 1
+        [(Vote(0.031), Vote(0.001)), (Vote(0.002),)],  # rank 0: steps 5 and 6
+        [(Vote(0.001), Vote(0.001)), (Vote(0.003),)],  # rank 1
     ]
     waits = vote_waits(votes)
     assert waits == [[pytest.approx(0.030), 0.0], [0.0, pytest.approx(0.001)]]

@@ -128,6 +128,12 @@ def test_one_sequence_of_a_padded_batch_takes_its_row_and_per_row_tensors() -> N
     cut = one_sequence(batch, layout, 5)
     assert cut["input_ids"].tolist() == [[9, 10, 11, 12, 13]] and cut["attention_mask"].tolist() == [[1] * 5]
     assert cut["score"].tolist() == [2.0]
+    # a multi-label batch's float labels, as many as the padded length: the row's targets, whole
+    labels = torch.arange(14.0).view(2, 7)
+    cut = one_sequence({**batch, "labels": labels}, layout, 5)
+    assert cut["labels"].tolist() == [labels[1].tolist()] and cut["input_ids"].shape == (1, 5)
+    token_labels = one_sequence({**batch, "labels": ids}, layout, 5)["labels"]  # a causal LM's: token ids
+    assert token_labels.tolist() == [[9, 10, 11, 12, 13]]
 
 
 def test_an_encoder_decoders_rows_pair_their_encoder_with_their_decoders_span() -> None:
