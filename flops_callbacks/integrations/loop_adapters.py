@@ -141,8 +141,13 @@ def plain_adapter(model: torch.nn.Module, log: LogFn | None, log_dir: str | Path
         sizes = ParallelSizes(world_size=world, data_parallel=world)
         return TrainingContext(sizes, parameters_dtype(user))
 
+    def step_calls() -> list[tuple[Any, str]]:
+        # a gradient scaler's step is the loop's optimizer step: its unscale and checks are the step's, and
+        # one it skipped (inf gradients) still ends the step, as accelerate's and Fabric's wrappers do
+        return [(torch.amp.GradScaler, "step")]
+
     user = unwrapped(model)
-    return LoopAdapter(user, model, context, _PlainSink(None, log, log_dir))
+    return LoopAdapter(user, model, context, _PlainSink(None, log, log_dir), step_calls=step_calls)
 
 
 class _AccelerateSink(_PlainSink):

@@ -12,9 +12,9 @@ the profiler finds the phases itself, with hooks that live only inside that bloc
   :class:`~flops_callbacks.integrations.wrapped_method.WrappedMethod`); else (``torch.autograd.grad``) where
   autograd first reaches the model's output (a hook on each output tensor);
 * optimizer step: the optimizer's ``step`` (torch's global optimizer step pre- and post-hooks), or the
-  framework's wrapper of it where the loop calls that (``AcceleratedOptimizer.step``, Fabric's strategy's
-  ``optimizer_step``: their work before the inner ``step`` is the step's), up to the block's end
-  (``zero_grad``, an LR scheduler).
+  wrapper of it where the loop calls that (``AcceleratedOptimizer.step``, Fabric's strategy's
+  ``optimizer_step``, a plain loop's ``GradScaler.step``: their work before the inner ``step`` is the
+  step's, and a step they skipped still ends it), up to the block's end (``zero_grad``, an LR scheduler).
 
 An iteration whose block ran no optimizer ``step`` is a micro-batch of the step that ends at the next
 one (gradient accumulation). Why wrap ``torch.autograd.backward`` (in the window's blocks only): torch

@@ -274,6 +274,32 @@ def test_a_ctrl_c_while_the_windows_end_measures_the_hooks_cost_leaves_no_hook(
     assert leftovers(model, optimizer) == before
 
 
+def test_a_step_a_gradient_scaler_skipped_still_ends_the_optimizer_step() -> None:
+    """A plain loop with ``torch.amp.GradScaler`` and inf gradients on the counting step: the scaler skips
+    the optimizer's step(), and the loop's step ends all the same, as under accelerate and Fabric (it was
+    merged into the next one: the counting step counted two micro-batches, and the profiler's steps fell
+    one behind the loop's). Nothing of the scaler's wrapper stays."""
+    original = torch.amp.GradScaler.__dict__["step"]
+    model = nn.Linear(4, 2, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    prof = StepProfiler(model, **WINDOW)
+    x = torch.randn(BATCH, 4)
+    for i in range(STEPS):
+        with prof.step(x):
+            scaler.scale(model(x).sum()).backward()
+            if i == PROFILE_STEP:
+                model.weight.grad[0, 0] = float("inf")  # the scaler skips this step
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    prof.close()
+    assert scaler.get_scale() < 65536.0  # the scaler did skip a step (and backed off)
+    assert prof.global_step == STEPS and prof.result is not None
+    assert prof.result.profile.fwd_flops == 2 * BATCH * 4 * 2  # one micro-batch's Linear(4, 2)
+    assert torch.amp.GradScaler.__dict__["step"] is original
+
+
 def test_a_lazy_model_profiled_from_step_0_has_its_window_start_once_its_first_forward_made_it() -> None:
     """``LazyLinear`` has no weight before its first forward: a window at step 0 would count nothing
     (it failed, and was dropped with a warning); it starts at step 1, on the parameters that forward made."""
