@@ -134,7 +134,7 @@ def tokens(batch: Any) -> int:
 import lightning as L  # noqa: E402  (the LightningModule and callback are pickled by ddp_spawn: module level)
 
 from flops_callbacks.session.window_plan import COMM_MIN  # noqa: E402
-from tests.sharded_workers import zero_config  # noqa: E402  (the checkout is on the path)
+from tests.sharded_workers import without_shm_build, zero_config  # noqa: E402  (the checkout is on the path)
 from tests.support import end_group_at_exit, end_process  # noqa: E402
 
 
@@ -227,6 +227,8 @@ def hf(data: str, clean: Any, directory: Path) -> None:
         comm_steps=int(os.environ.get("FLOPS_COMM_STEPS", COMM_MIN)),  # "auto"'s up to 25: test_comm
     )  # fmt: skip
     zero = os.environ.get("FLOPS_ZERO_STAGE")  # test_ranks: the same run sharded by DeepSpeed ZeRO
+    if zero:
+        without_shm_build()
     args = TrainingArguments(
         output_dir=str(directory / "out"),
         use_cpu=True,

@@ -71,6 +71,16 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def without_shm_build() -> None:
+    """DeepSpeed's CPU accelerator JIT-builds a shared-memory all-reduce (C++, about 50 s on a fresh machine,
+    once: the first DeepSpeed run of the suite paid it) when its communication starts; only its inference
+    all-reduce uses it, never ZeRO training, which runs on the process group's collectives as without it."""
+    import importlib
+
+    # by its module's name: the attribute deepspeed.comm.torch is the torch package, which it imports
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
 def zero_config(stage: int) -> dict[str, Any]:
     """ZeRO ``stage`` with the batch sizes from the Trainer; stage 3 partitions every parameter (by
     default it keeps parameters under 100 K elements whole on every device: all of these)."""
@@ -161,6 +171,7 @@ def hf_zero(directory: Path, stage: int) -> None:
 
     from flops_callbacks.integrations.hf import HFFlopsCallback
 
+    without_shm_build()
     args = TrainingArguments(
         output_dir=str(directory / "out"),
         use_cpu=True,  # without it accelerate finds no GPU and runs each process alone
@@ -199,6 +210,7 @@ def readers(directory: Path) -> None:
     from flops_callbacks.integrations import hf, lightning
     from flops_callbacks.parallel import global_numel, sharded_params, stored_numel
 
+    without_shm_build()
     deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
     model = mlp()
     # ZeRO-3 partitions the weights and keeps the biases (at most PERSISTED elements) whole everywhere

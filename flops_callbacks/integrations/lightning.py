@@ -240,8 +240,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         if trainer.global_step == self._step_at_batch_start:
             return  # gradients are accumulating: the optimizer step has not run yet
         self._end_step()
-        # a property the Trainer sets in its constructor, unknown to its annotations; Lightning's cadence
-        every = trainer.log_every_n_steps  # type: ignore[attr-defined]
+        every = trainer.log_every_n_steps  # Lightning's cadence (set in its constructor)
         logs = bool(every) and (_logging_step(trainer) + 1) % every == 0
         session.step_end(trainer.global_step, _Sink(trainer), logs=logs)
         if session.result is not None and self._profiled_step is None:
