@@ -931,6 +931,18 @@ def test_validation_time_is_left_out_of_throughput(tmp_path: Path) -> None:
     assert float(rows[1][names.THROUGHPUT_SAMPLES_PER_SEC]) > 4 * BATCH / 0.2
 
 
+def test_validation_inside_the_window_is_neither_a_clean_steps_data_nor_its_wall(tmp_path: Path) -> None:
+    """Validation after every batch, 2 x 0.05 s, inside the window too: out of the clean step's data wait
+    and wall step (between two steps it read as the next one's data: "bound by the input pipeline")."""
+    callback = quiet_callback()
+    module = SlowlyValidatedMLP()
+    fit(tmp_path, module, callback, val_check_interval=1, check_val_every_n_epoch=None)
+    (clean,) = callback.result.steps.clean
+    assert ("validation", clean) in module.events  # right before the clean step: in its wall
+    metrics = callback.result.metrics()
+    assert metrics[names.DATA_LATENCY] < 0.05 and metrics[names.WALL_LATENCY] < 0.05, metrics
+
+
 def test_throughput_false_logs_no_throughput(tmp_path: Path) -> None:
     logger = CSVLogger(tmp_path)
     callback = quiet_callback(throughput=False)
