@@ -640,6 +640,22 @@ def test_evaluation_from_its_first_instruction_to_its_last_leaves_throughput_unc
     assert before.evaluate[9] - a[9] > 2 * (a[12] - before.evaluate[9])
 
 
+def test_evaluation_inside_the_window_is_neither_a_clean_steps_data_nor_its_wall(tmp_path: Path) -> None:
+    """An evaluation of 0.1 s after every step, inside the window too: out of the clean steps' data wait
+    and wall step (it read as the next step's data: "bound by the input pipeline")."""
+    model = SleepyRegressor(0.0, 0.0, tiny_ops=2)
+    callback = quiet(profile_step=1, clean_steps=2)
+    train(
+        tmp_path, model, [callback], report_to=(), trainer_class=SlowToStartEvaluation,
+        datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(BATCH)}, max_steps=window_end(1, 2),
+        eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=BATCH,
+    )  # fmt: skip
+    result = callback.result
+    assert result is not None and len(result.steps.clean) == 2
+    metrics = result.metrics()
+    assert metrics[names.DATA_LATENCY] < 0.05 and metrics[names.WALL_LATENCY] < 0.05, metrics
+
+
 def test_epoch_logging_logs_throughput_at_every_epoch_end_after_the_window(tmp_path: Path) -> None:
     # 16 sequences in batches of 4: epochs end at steps 4, 8, 12 and 16; the window ends at 8
     callback = quiet()
