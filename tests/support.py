@@ -384,3 +384,21 @@ def loss_counts(model: nn.Module, batch: dict[str, torch.Tensor], **extra: Any) 
     finally:
         engine.stop()
     return BatchCounts.of(engine.profile().model)
+
+
+class VoteClock:
+    """A rank's steps' clock (the one the session gives its window plan) that only its votes move: the
+    i-th vote takes ``waits[i]`` seconds (``rest`` past the list's end). A fake ``Ranks``' gather calls
+    :meth:`vote`."""
+
+    def __init__(self, waits: list[float], rest: float = 0.0) -> None:
+        self.waits, self.rest, self.now = waits, rest, 0.0
+
+    def mark(self) -> float:
+        return self.now
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def vote(self) -> None:
+        self.now += self.waits.pop(0) if self.waits else self.rest

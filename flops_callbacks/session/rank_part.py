@@ -23,7 +23,7 @@ from flops_callbacks.session.energy_reads import rank_energy
 from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_plan import Kind, Vote, VoteMarks, rank_waits, vote_seconds
+from flops_callbacks.session.window_plan import Kind, Vote, VoteMarks, rank_waits, vote_seconds, votes_own
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, WindowStep, clean_figures
 from flops_callbacks.timing.energy_figures import EnergySpan
 
@@ -150,10 +150,15 @@ def without_votes(rows: Sequence[RankRow]) -> list[RankRow]:
     The energy stays as read: the counter cannot tell the votes' joules apart, and the device draws less
     in them than in the steps' work (a share of the span's joules would take out too much)."""
     votes = [r.votes for r in rows]
-    own = _own_votes(votes)  # each clean step's votes' own seconds
-    if own is None or any(len(each) != len(r.steps) for each, r in zip(votes, rows, strict=True)):
+    if len({len(each) for each in votes}) != 1 or any(len(r.votes) != len(r.steps) for r in rows):
         return list(rows)
-    return [_less(r, [sum(v.seconds for v in step) for step in own]) for r in rows]
+    own = []  # each clean step's votes' own seconds
+    for same in zip(*votes, strict=True):  # one step's votes, by rank
+        least = votes_own([[v.seconds for v in step] for step in same])
+        if least is None:
+            return list(rows)
+        own.append(sum(least))
+    return [_less(r, own) for r in rows]
 
 
 def vote_waits(votes: Sequence[Sequence[Sequence[Vote]]]) -> list[list[float]]:
@@ -164,18 +169,6 @@ def vote_waits(votes: Sequence[Sequence[Sequence[Vote]]]) -> list[list[float]]:
         return [[0.0] * len(each) for each in votes]
     by_step = [rank_waits([[v.seconds for v in step] for step in same]) for same in zip(*votes, strict=True)]
     return [list(waits) for waits in zip(*by_step, strict=True)] if by_step else [[] for _ in votes]
-
-
-def _own_votes(votes: Sequence[Sequence[Sequence[Vote]]]) -> list[list[Vote]] | None:
-    """Each step's votes' own time (``votes``: each rank's steps' votes, by rank): a vote's least over the
-    ranks, the last rank to reach it waiting for none (:func:`without_votes`); None with one rank, or
-    where the ranks' votes do not line up."""
-    if len(votes) < 2 or len({tuple(len(v) for v in each) for each in votes}) != 1:
-        return None
-    return [
-        [Vote(min(s.seconds for s in same)) for same in zip(*step, strict=True)]
-        for step in zip(*votes, strict=True)
-    ]
 
 
 def _less(row: RankRow, votes: Sequence[float]) -> RankRow:

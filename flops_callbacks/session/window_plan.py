@@ -53,6 +53,7 @@ __all__ = [
     "median_known",
     "rank_waits",
     "vote_seconds",
+    "votes_own",
 ]
 
 # clean_steps="auto": the fewest clean steps a run must leave it (fewer is told at the run's start; its median
@@ -165,15 +166,23 @@ class Vote(NamedTuple):
     seconds: float
 
 
+def votes_own(seconds: Sequence[Sequence[float]]) -> list[float] | None:
+    """Each of one step's votes' own seconds (``seconds``: each rank's seconds in each vote, by rank): its
+    least over the ranks (the last rank to reach a vote waits for none: its time there is the exchange
+    itself); None with one rank, or where the ranks' votes do not line up."""
+    if len(seconds) < 2 or len({len(mine) for mine in seconds}) != 1:
+        return None
+    return [min(same) for same in zip(*seconds, strict=True)]
+
+
 def rank_waits(seconds: Sequence[Sequence[float]]) -> list[float]:
     """Each rank's wait for a slower rank in one step's votes (``seconds``: each rank's seconds in each of
-    the step's votes, by rank): its seconds beyond each vote's least over the ranks (the last rank to reach
-    a vote waits for none: its time there is the exchange itself). Zeros with one rank, or where the
-    ranks' votes do not line up."""
-    if len(seconds) < 2 or len({len(mine) for mine in seconds}) != 1:
+    the step's votes, by rank): its seconds beyond each vote's own (:func:`votes_own`). Zeros with one
+    rank, or where the ranks' votes do not line up."""
+    own = votes_own(seconds)
+    if own is None:
         return [0.0] * len(seconds)
-    least = [min(same) for same in zip(*seconds, strict=True)]
-    return [sum(s - low for s, low in zip(mine, least, strict=True)) for mine in seconds]
+    return [sum(s - low for s, low in zip(mine, own, strict=True)) for mine in seconds]
 
 
 class Decision(NamedTuple):

@@ -200,11 +200,11 @@ class WindowStep:
         fwd, bwd, opt = self.phases.seconds()
         clock = self.phases.clock
         first = self.phases.first_mark
-        known = self.start_mark is not None and self.end_mark is not None and first is not None
-        paused = sum(clock.seconds(a, b) for a, b in self.paused)
-        wall = max(clock.seconds(self.start_mark, self.end_mark) - paused, 0.0) if known else 0.0
-        data = clock.seconds(self.start_mark, first) + self.phases.wait_seconds() if known else 0.0
-        data = max(data - paused, 0.0) if known else 0.0
+        data = wall = 0.0
+        if self.start_mark is not None and self.end_mark is not None and first is not None:
+            paused = sum(clock.seconds(a, b) for a, b in self.paused)
+            wall = max(clock.seconds(self.start_mark, self.end_mark) - paused, 0.0)
+            data = max(clock.seconds(self.start_mark, first) + self.phases.wait_seconds() - paused, 0.0)
         return {"fwd": fwd, "bwd": bwd, "step": opt, "iter": fwd + bwd + opt, "data": data, "wall": wall}
 
     def work(self, counts: BatchCounts | None = None) -> StepWork:

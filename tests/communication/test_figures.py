@@ -19,6 +19,7 @@ from flops_callbacks.options import Options
 from flops_callbacks.session.ranks import Ranks
 from flops_callbacks.session.run_plan import RunPlan
 from flops_callbacks.session.window_plan import COMM_MAX, COMM_MIN, Kind, WindowPlan, Wish, before_clean
+from tests.support import VoteClock
 
 MT, COMM = Kind.MODULE_TIMING, Kind.COMMUNICATION
 
@@ -109,22 +110,16 @@ def test_the_steps_agree_by_the_ranks_mean_and_a_step_no_rank_read_is_no_figure(
     assert comm_window([3.0, None, 3.0, 3.0], [3.0, None, 3.0, 3.0]) == [*HEAD, *[COMM] * 4, None]
 
 
-class VotingRanks(TwoRanks):
+class VotingRanks(TwoRanks, VoteClock):
     """:class:`TwoRanks` whose votes take ``waits[i]`` seconds of rank 0's steps' clock at its i-th vote
-    (0.1 ms past the list's end); the other rank's take 0.1 ms each."""
+    (0.1 ms past the list's end: :class:`~tests.support.VoteClock`); the other rank's take 0.1 ms each."""
 
     def __init__(self, theirs: list[float | None], waits: list[float]) -> None:
-        super().__init__(theirs)
-        self.waits, self.now = waits, 0.0
-
-    def mark(self) -> float:
-        return self.now
-
-    def seconds(self, start: float, end: float) -> float:
-        return end - start
+        TwoRanks.__init__(self, theirs)
+        VoteClock.__init__(self, waits, rest=0.1 * MS)
 
     def gather(self, mine: tuple[float, ...]) -> list[tuple[float, ...]]:
-        self.now += self.waits.pop(0) if self.waits else 0.1 * MS
+        self.vote()
         ours, theirs = super().gather(mine)
         votes = (0.1 * MS,) * len(Wish.of(mine).votes)
         return [ours, Wish.of(theirs)._replace(votes=votes).numbers()]

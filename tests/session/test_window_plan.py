@@ -19,6 +19,7 @@ from flops_callbacks.session.window_plan import (
     head,
     vote_seconds,
 )
+from tests.support import VoteClock
 
 P, M, K, C = Kind.COUNTING, Kind.MODULE_TIMING, Kind.CHECK, Kind.CLEAN
 S, X, L = Kind.SHAPE_COUNTING, Kind.SKIPPED, Kind.LEAD_IN
@@ -205,23 +206,14 @@ def test_a_rank_that_failed_drops_the_window_on_every_rank() -> None:
     assert decision.drop and decision.why == "rank 1's profiler failed"
 
 
-class WaitingRanks:
+class WaitingRanks(VoteClock):
     """One rank among two whose exchanges take the seconds ``waits`` lists, one per vote, on a clock of its
-    own (the steps' clock the session gives the plan)."""
+    own (:class:`~tests.support.VoteClock`)."""
 
     several, world = True, 2
 
-    def __init__(self, waits: list[float]) -> None:
-        self.waits, self.now = waits, 0.0
-
-    def mark(self) -> float:
-        return self.now
-
-    def seconds(self, start: float, end: float) -> float:
-        return end - start
-
     def gather(self, mine: tuple[float, ...]) -> list[tuple[float, ...]]:
-        self.now += self.waits.pop(0)
+        self.vote()
         return [mine, Wish().numbers()]
 
 
