@@ -216,6 +216,10 @@ def _warnings(result: WindowResult, doubts: TreeCheck, details: str) -> list[str
         lines.append(f"warning: the flops depend on the batch's content, {sources.in_words()}{where}")
     if sources is not None and sources.on_steps:
         lines.append(f"note: shapes counted on training steps, not off the clock{where}")
+    layout = result.layout
+    if layout is not None and layout.not_apart and (layout.padding > 0 or layout.packed):
+        what = "padding and packing" if layout.packed else "padding"
+        lines.append(f"warning: model flops and MFU count the {what} (not told apart){where}")
     if s.skipped:
         skipped = step_list(s.skipped)
         lines.append(f"warning: clean steps left out (batch shapes not countable): {skipped}{where}")

@@ -285,9 +285,10 @@ class ThroughputMeter:
             if sequences is not None and not layout.plain:
                 item = LaidOut(layout, p.batch, p.signature, p.replay)
                 alone = sequences.model_flops(item, beyond=True)
-                if alone is None and self.off_clock is not None and self.off_clock.usable(p.replay):
+                off_clock = self.off_clock
+                if alone is None and not sequences.why_not and off_clock and off_clock.usable(p.replay):
                     with self._own_work():  # (none where no count can run: no pause, no synchronization)
-                        sequences.settle(self._model, self.off_clock, [item], beyond=True)
+                        sequences.settle(self._model, off_clock, [item], beyond=True)
                     alone = sequences.model_flops(item, beyond=True)
                 if alone is not None:
                     model = alone * self.flops.correction

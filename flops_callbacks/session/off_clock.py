@@ -29,7 +29,7 @@ from flops_callbacks.session.window_steps import WindowStep
 
 __all__ = ["NO_REPLAY", "OffClock", "Replay"]
 
-NO_REPLAY = "the adapter has no step function to replay"
+NO_REPLAY = "no training step to run again (StepProfiler runs the loop's own code)"
 
 
 class Replay(NamedTuple):
@@ -124,12 +124,20 @@ class OffClock:
 
     def count(self, model: torch.nn.Module, replay: Replay, later: bool) -> BatchCounts | None:
         """A micro-batch's fake count; None where it cannot run (then no other is tried: ``why_not``)."""
+        counts = self.attempt(model, replay, later)
+        if isinstance(counts, str):
+            self.why_not = counts
+            return None
+        return counts
+
+    def attempt(self, model: torch.nn.Module, replay: Replay, later: bool) -> BatchCounts | str:
+        """A fake count of ``replay``'s arguments, or why it cannot run (other fake counts still run: a
+        batch cut to one sequence may fail where the batches as run count)."""
         start = time.perf_counter()
         try:
             return self._count(model, replay, later)
         except FakeCountUnavailable as error:
-            self.why_not = str(error)
-            return None
+            return str(error)
         finally:
             self.counts += 1
             self.seconds += time.perf_counter() - start

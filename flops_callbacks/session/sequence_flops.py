@@ -89,15 +89,19 @@ class SequenceFlops:
         self, model: torch.nn.Module, off_clock: OffClock, item: LaidOut, n: Unit
     ) -> BatchCounts | None:
         """One sequence of ``n`` of ``item`` counted under fake tensors, kept in the table; None (and
-        ``why_not`` said) where no fake count runs."""
+        ``why_not`` said) where no fake count runs. One that fails ends this run's one-sequence counts
+        (the next would fail alike), not the fake counts of batches as run (module times, new shapes)."""
         replay = item.replay
-        if not isinstance(replay, Replay) or not off_clock.usable(replay):
-            self.why_not = self.why_not or off_clock.reason(replay)
+        if self.why_not:
             return None
-        counts = off_clock.count(model, Replay(replay.step, one_sequence(replay.args, item.layout, n)), False)
+        if not isinstance(replay, Replay) or not off_clock.usable(replay):
+            self.why_not = off_clock.reason(replay)
+            return None
+        cut = Replay(replay.step, one_sequence(replay.args, item.layout, n))
+        counts = off_clock.attempt(model, cut, False)
         self.counts += 1
-        if counts is None:
-            self.why_not = self.why_not or off_clock.reason(replay)
+        if isinstance(counts, str):
+            self.why_not = f"one sequence alone could not be counted ({counts})"
             return None
         self.table.record(self.alone_signature(item, n), counts)
         return counts

@@ -364,3 +364,68 @@ def test_a_window_cut_before_its_clean_steps_reads_one_steps_flops_and_tokens_an
     assert work.counts.run_flops == counted(model, batch).run_flops  # that step's batch as run
     assert result.layout is not None and result.layout.padding > 0
     assert result.layout.not_apart == "no clean step ran: the step timed instead was counted as run"
+
+
+class PooledNorm(nn.Module):
+    """Attention, then each row's mean token through a BatchNorm: a batch of one row cannot train it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(VOCAB, WIDTH), nn.BatchNorm1d(WIDTH)
+        self.out = nn.Linear(WIDTH, 2)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        scores = (h @ h.transpose(-1, -2)).masked_fill(attention_mask[:, None, :] == 0, -1e9)
+        h = scores.softmax(-1) @ h
+        pooled = (h * attention_mask[..., None]).sum(1) / attention_mask.sum(1, keepdim=True)
+        return self.out(self.norm(pooled))
+
+
+class Console(Sink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = ""
+
+    def console(self, text: str) -> None:
+        self.text += text
+
+
+def test_a_sequence_that_cannot_run_alone_leaves_the_padding_in_said_and_the_module_view_whole() -> None:
+    """A model whose one-row batch fails (BatchNorm in training): each sequence alone cannot be counted,
+    so model flops are the batches as run, the summary warns, and the reason is in the report; the fake
+    counts of the batches as run go on (the module-timing steps' trees, the clean steps' new shapes)."""
+    torch.manual_seed(0)
+    model = PooledNorm()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    lengths = torch.randint(2, 30, (16, 4), generator=torch.Generator().manual_seed(1)).tolist()
+    batches = [padded(row) for row in lengths]
+    session = StepSession(Options(profile_step=1, clean_steps=3, flops_audit=0), "test", publish=publish)
+    session.train_start(0)
+    console = Console()
+    window = []
+    for number, batch in enumerate(batches):
+        if session.result is not None:
+            break
+        run_step(session, model, optimizer, batch, number, console, loss_of=attending_loss, replay=step)
+        window.append(batch)
+    result = session.result
+    assert result is not None and result.layout is not None and result.steps.clean
+    assert result.layout.not_apart.startswith(
+        "one sequence alone could not be counted (ValueError: Expected more than 1 value per channel"
+    )
+    assert result.steps.module_shapes_match  # the module-timing steps' own batches counted off the clock
+    assert "no module timing" not in console.text
+    assert "warning: model flops and MFU count the padding (not told apart)" in console.text
+    as_run = {counted(model, batches[n]).run_flops for n in result.steps.clean}
+    work = result.figures().median_step().work.counts
+    assert work.model_flops == work.run_flops in as_run
+    sink = Sink()
+    after = batches[len(window) :]
+    for i, batch in enumerate(after):
+        run_step(session, model, optimizer, batch, len(window) + i, sink, loss_of=attending_loss, replay=step)
+    session.log_throughput(len(batches), sink)
+    (metrics,) = sink.logged
+    per_sample = metrics[names.THROUGHPUT_FLOPS_PER_SEC] / metrics[names.THROUGHPUT_SAMPLES_PER_SEC]
+    assert per_sample == pytest.approx(sum(counted(model, b).run_flops for b in after) / (4 * len(after)))
+    session.train_end(len(batches), sink)
