@@ -62,9 +62,10 @@ def generate_loop(model: torch.nn.Module, kwargs: dict[str, Any]) -> Callable[[G
             run.step_ended(output)
 
         processors = LogitsProcessorList([*(kwargs.get("logits_processor") or ()), _TokenMarks(run)])
-        handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+        # the step begins before the caller's own pre-hooks and ends after their hooks: their time is its
+        handles = [model.register_forward_pre_hook(before, prepend=True), model.register_forward_hook(after)]
         if encoder is not None:  # the prefill begins with the encoder's call
-            handles.append(encoder.register_forward_pre_hook(before))
+            handles.append(encoder.register_forward_pre_hook(before, prepend=True))
         try:
             return model.generate(**{**kwargs, "logits_processor": processors})  # type: ignore[operator]
         finally:

@@ -135,8 +135,21 @@ def profile_decode_loop(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loop):
+        raise ValueError(f"loop must be a callable taking the run, loop(run), got {loop!r}")
     check_int("warm_up", warm_up, 0)
     check_int("runs", runs, 1)
+    for name, value, least in (("batch_size", batch_size, 1), ("prompt_tokens", prompt_tokens, 1)):
+        if value is not None:
+            check_int(name, value, least)
+    if padding_tokens is not None:
+        check_int("padding_tokens", padding_tokens, 0)
+        positions = batch_size * prompt_tokens if batch_size and prompt_tokens else None
+        if positions is not None and padding_tokens >= positions:
+            raise ValueError(
+                f"padding_tokens must be fewer than batch_size x prompt_tokens ({positions}: the prompts' "
+                f"positions), got {padding_tokens}"
+            )
     check_causal_attention(causal_attention)
     check_peak_flops(peak_flops)
     check_peak_bandwidth(peak_bandwidth)
@@ -145,29 +158,32 @@ def profile_decode_loop(
     timed: list[GenerationRun] = []
     output = None
     counter = _energy_counter(device)
+    draws = _SameDraws(device)
     with eval_mode(model), grads_set_aside(model.parameters()):
         for _ in range(warm_up):
-            loop(GenerationRun(clock))
+            draws.run(loop, GenerationRun(clock))
         collect_counting_garbage()  # the warm-ups': not in a timed run
         with collector_off(), _running(counter):
             for _ in range(runs):
                 run = GenerationRun(clock, energy=None if isinstance(counter, str) else counter)
                 run.begin()
-                output = loop(run)
+                output = draws.run(loop, run)
                 run.end()
                 timed.append(run)
         timer = ModuleTimer(model, clock)  # a run of its own: every module call marked, nothing counted
         timer.start()
         try:
-            loop(GenerationRun(clock))
+            draws.run(loop, GenerationRun(clock))
         finally:
             timer.stop()
         counting = GenerationRun(clock, CountingEngine(model, causal_attention=causal_attention))
         counting.begin()
         try:
-            loop(counting)
+            draws.run(loop, counting)
         finally:
             counting.end()
+    draws.leave()
+    _same_tokens(timed, counting)
     dtype = parameters_dtype(model)
     peak, no_peak = resolve_peak(given_peak(peak_flops), device, dtype)
     bandwidth, no_bandwidth = resolve_bandwidth(given_bandwidth(peak_bandwidth), device)
@@ -201,6 +217,50 @@ def profile_decode_loop(
         no_energy_reason=_no_energy(counter, timed),
     )
     return GenerationProfile(result, output)
+
+
+class _SameDraws:
+    """Every run draws the random numbers a first ``generate()`` would draw (sampling makes the same
+    tokens in each, so the counting run's flops and the timed runs' latencies are of one generation), and
+    the generator is left as one run leaves it. A loop that marks no step is said at its first run."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.devices = [device] if device.type == "cuda" else []
+        self.start = self._state()
+        self.after: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+
+    def _state(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in self.devices]
+
+    def _set(self, state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+        torch.set_rng_state(state[0])
+        for d, device_state in zip(self.devices, state[1], strict=True):
+            torch.cuda.set_rng_state(device_state, d)
+
+    def run(self, loop: Callable[[GenerationRun], Any], run: GenerationRun) -> Any:
+        self._set(self.start)
+        output = loop(run)
+        if self.after is None:
+            self.after = self._state()
+            if not run.steps:
+                raise ValueError(
+                    "loop(run) marked no step: mark the prompt's forward in `with run.prefill():` and each "
+                    "decode step in `with run.decode_step():`"
+                )
+        return output
+
+    def leave(self) -> None:
+        if self.after is not None:
+            self._set(self.after)
+
+
+def _same_tokens(timed: list[GenerationRun], counting: GenerationRun) -> None:
+    """Said where the runs made different numbers of tokens (a loop whose generation changes from run to
+    run): the flops are the counting run's, the latencies the timed runs'."""
+    made = sorted({run.tokens_out for run in [*timed, counting]})
+    if len(made) > 1:
+        warn(f"{OWNER}: the runs made different numbers of tokens ({', '.join(map(str, made))}): the flops "
+             "are the counting run's generation, the latencies the timed runs'")  # fmt: skip
 
 
 def _energy_counter(device: torch.device) -> EnergyCounter | str:
@@ -292,6 +352,11 @@ def profile_generation(
     the sequences ``generate()`` returns (``num_return_sequences`` per prompt). The result's ``output`` is
     the last timed run's output.
     """
+    if not callable(getattr(model, "generate", None)):
+        raise ValueError(
+            f"model must have a generate() (a transformers model), got {type(model).__name__}; "
+            "profile a loop of one's own with profile_decode_loop"
+        )
     batch, prompt, padding = prompt_shape(generate_kwargs)
     loop = generate_loop(model, generate_kwargs)
     profile = profile_decode_loop(

@@ -103,8 +103,9 @@ def generation_head(result: GenerationResult) -> str:
             prompt += f", {result.padding_tokens} of {positions} positions padding"
         lines.append(_row("prompt tokens", prompt))
     decode_steps = result.decode_work.steps if result.decode_work else 0
+    new_tokens = f"{result.new_tokens} (1 from the prefill, {decode_steps} from decode steps)"
     lines += [
-        _row("new tokens per sequence", f"{result.new_tokens} (the prefill's, {decode_steps} decode steps')"),
+        _row("new tokens per sequence", new_tokens),
         _row("latencies from", f"{runs} timed run(s) after {result.warm_up} warm-up(s): medians"),
         _row("flops and bytes from", "a counting run apart (op by op; the decode's: the mean of its steps)"),
     ]
@@ -134,6 +135,8 @@ def generation_head(result: GenerationResult) -> str:
         lines.append("    " + _row("time to first token", duration_to_string(m[names.TIME_TO_FIRST_TOKEN])))
     lines += _rate_rows(result, "prefill")
     lines += ["", "Decode, per token (one decode step: a token for each sequence):"]
+    if not decode_steps and not result.token_gaps:
+        lines.append("    no decode step (one new token: the prefill's)")
     if names.DECODE_FLOPS_PER_TOKEN in m:
         lines.append("    " + _row("flops", number_to_string(m[names.DECODE_FLOPS_PER_TOKEN])))
         moved = bytes_to_string(m[names.DECODE_BYTES_PER_TOKEN])

@@ -71,6 +71,11 @@ class GenerationRun:
         return self.engine is not None
 
     @property
+    def tokens_out(self) -> int:
+        """Tokens out so far (one for each sequence)."""
+        return self._tokens_out
+
+    @property
     def steps(self) -> int:
         """Model steps recorded so far (the prefill included)."""
         return len(self.profiles) if self.counting else len(self._steps)

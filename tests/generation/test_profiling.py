@@ -489,3 +489,76 @@ def test_num_return_sequences_makes_each_returned_sequence_count_in_the_batch_an
     assert profile.metrics[metrics.GENERATION_TOKENS_PER_SEC] == pytest.approx(rate, rel=1e-12)
     assert re.search(r"^batch size \(sequences\): +6$", profile.report, re.MULTILINE)
     assert "64 per sequence, 24 of 384 positions padding" in profile.report
+
+
+def test_sampling_makes_the_same_generation_in_every_run_and_leaves_the_generator_as_one_generate() -> None:
+    """With sampling and a reachable end of sequence, seeded runs of one generate() stop at different
+    lengths: every profiled run starts from the caller's random state, so the counting run's steps and
+    the timed runs' tokens are of one generation, the output is the first seeded generate()'s, and the
+    random state after is as after that one call."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=32,
+        max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight[2] = 0  # the end of sequence: a logit of 0 among the others, reachable
+    sampled = {"input_ids": torch.randint(3, 32, (1, 6)), "max_new_tokens": 20, "do_sample": True}
+    torch.manual_seed(7)
+    lengths = [model.generate(**sampled).shape[1] - 6 for _ in range(6)]
+    assert len(set(lengths)) > 1  # the generations differ from call to call
+    torch.manual_seed(7)
+    first = model.generate(**sampled)
+    after_one = torch.get_rng_state()
+    torch.manual_seed(7)
+    profile = profile_generation(model, **sampled, runs=3, warm_up=1)
+    result = profile.result
+    assert torch.equal(profile.output, first)
+    assert torch.equal(torch.get_rng_state(), after_one)
+    new = first.shape[1] - 6
+    assert [run.tokens for run in result.runs] == [new] * 3 and len(result.work) == new
+    assert result.decode_work is not None and result.decode_work.steps == new - 1
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"batch_size": 0}, "batch_size must be an int >= 1, got 0"),
+        ({"batch_size": "2"}, "batch_size must be an int >= 1, got '2'"),
+        ({"prompt_tokens": -5}, "prompt_tokens must be an int >= 1, got -5"),
+        ({"padding_tokens": -1}, "padding_tokens must be an int >= 0, got -1"),
+        ({"batch_size": 2, "prompt_tokens": 5, "padding_tokens": 10}, "padding_tokens must be fewer than"),
+    ],
+)
+def test_a_decode_loops_sizes_are_checked_before_it_runs(arguments: dict[str, Any], named: str) -> None:
+    calls: list[GenerationRun] = []
+    with pytest.raises(ValueError, match=re.escape(named)):
+        profile_decode_loop(torch.nn.Linear(2, 2), calls.append, **arguments)
+    assert not calls
+
+
+def test_a_loop_that_is_no_callable_or_marks_no_step_and_a_model_without_generate_are_refused() -> None:
+    with pytest.raises(ValueError, match="loop must be a callable taking the run"):
+        profile_decode_loop(torch.nn.Linear(2, 2), 5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="marked no step: mark the prompt's forward in `with run.prefill"):
+        profile_decode_loop(torch.nn.Linear(2, 2), lambda run: None)
+    with pytest.raises(ValueError, match="model must have a generate.*got Linear; .* profile_decode_loop"):
+        profile_generation(torch.nn.Linear(2, 2), input_ids=torch.ones(1, 2, dtype=torch.long))
+
+
+def test_the_callers_own_pre_hook_on_the_model_is_in_its_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pre-hook of the caller's on the model runs inside the model's call: its time is the step's."""
+    import flops_callbacks.timing.clock as clock_module
+
+    virtual = VirtualTime()
+    monkeypatch.setattr(clock_module, "time", virtual)
+    monkeypatch.setattr(SleepyGPT2, "clock", virtual)
+    model, hook = sleepy(), 0.040
+    handle = model.register_forward_pre_hook(lambda module, args: virtual.sleep(hook))
+    try:
+        profile = profile_generation(model, **prompt(), max_new_tokens=3, **GREEDY, runs=1, warm_up=0)
+    finally:
+        handle.remove()
+    (run,) = profile.result.runs
+    assert run.steps == pytest.approx((PREFILL_SLEEP + hook, DECODE_SLEEP + hook, DECODE_SLEEP + hook))

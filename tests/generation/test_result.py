@@ -7,6 +7,7 @@ import math
 import pytest
 
 from flops_callbacks import metrics as names
+from flops_callbacks.generation.report import render_generation
 from flops_callbacks.generation.result import CountedStep, GenerationResult, quantile
 from flops_callbacks.generation.run import RunTimes, cache_bytes
 from flops_callbacks.peaks import Bandwidth, Peak
@@ -100,6 +101,9 @@ def test_decode_is_memory_bound_against_the_roofs() -> None:
 def test_a_generation_of_one_token_has_no_decode_figures() -> None:
     one = result(work=(CountedStep(100, 40, 1000),), runs=(RunTimes(1.0, 0.3, 1, 1, (0.2,), ()),))
     assert not {k for k in one.metrics() if "decode" in k}
+    report = render_generation(one)
+    assert "new tokens per sequence:" in report and "1 (1 from the prefill, 0 from decode steps)" in report
+    assert "    no decode step (one new token: the prefill's)" in report
 
 
 def test_quantile_interpolates_between_ranks() -> None:
