@@ -62,9 +62,21 @@ class JobMeter:
         if self.meter is not None and self.ok:
             self.meter.micro_batch_end()  # an audited micro-batch's count ends here
 
-    def step_end(self) -> None:
+    def step_end(self, global_step: int, sink: Sink, logs: bool, lead_in: bool) -> None:
+        """An optimizer step ended: an audit of it ends; ``logs``: the job's interval is logged;
+        ``lead_in``: the next step starts a re-profile window, whose time is paused from here (the next
+        batch's wait included)."""
         if self.meter is not None and self.ok:
             self.meter.step_end()
+        if logs:
+            self.log(global_step, sink)
+        if lead_in:
+            self.pause()
+
+    def step_raised(self) -> None:
+        """A step raised and the loop goes on: an audit of it stops, and metering goes on."""
+        if self.meter is not None and self.ok:
+            self.meter.step_raised()
 
     def pause(self) -> None:
         if self.meter is not None:

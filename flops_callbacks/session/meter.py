@@ -347,6 +347,15 @@ class ThroughputMeter:
             self._unknown = []
             self.resume()
 
+    def step_raised(self) -> None:
+        """The step raised and the loop goes on: an audit of it stops (its clock resumes, its count is no
+        interval's); the next micro-batch is a step's first."""
+        self._later = False
+        if self._engine is not None:
+            self._stop_audit()
+            self._unknown = []
+            self.resume()
+
     def _stop_audit(self) -> None:
         engine, self._engine, self._counting = self._engine, None, None
         if engine is not None and engine.running:

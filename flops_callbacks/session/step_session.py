@@ -44,7 +44,7 @@ from flops_callbacks.session.run_plan import RunPlan, unwritable_destinations
 from flops_callbacks.session.sequence_flops import SequenceFlops
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.window_plan import FAILED, RAISED, Decision, Kind, WindowPlan, Wish
-from flops_callbacks.session.window_steps import WindowStep
+from flops_callbacks.session.window_steps import Pauses, WindowStep
 from flops_callbacks.timing.clock import clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
 from flops_callbacks.timing.phase_memory import phase_memory_for
@@ -107,7 +107,7 @@ class StepSession:
         meter.layout_samples = options.batch_size_fn is None
         self._steps: list[WindowStep] = []  # the window's steps so far (this rank's record of them)
         self._step: WindowStep | None = None  # the window step in progress
-        self._paused: tuple[Any, list[tuple[Any, Any]]] = (None, [])  # a pause's start, next step's pauses
+        self._pauses = Pauses()  # declared pauses inside the window (evaluation)
         self.instruments = Instruments(options)
         self._model: torch.nn.Module | None = None
         self._context = TrainingContext()
@@ -195,11 +195,8 @@ class StepSession:
         if self.plan.open:
             self._finish(global_step, sink)
         elif self.result is None and self._should_have_run() and sink.is_logging_rank:
-            warn(
-                f"{self.owner}: no optimizer step started at or after "
-                f"profile_step={self.options.profile_step} (training ended at global step {global_step}): "
-                "no profile ran.",
-            )
+            warn(f"{self.owner}: no optimizer step started at profile_step={self.options.profile_step} or "
+                 f"after (training ended at global step {global_step}): no profile ran.")  # fmt: skip
 
     def _after_window(self, sink: Sink) -> None:
         """The profiler's own counting since the window, written into its files (logging rank)."""
@@ -227,11 +224,13 @@ class StepSession:
         try:
             self.instruments.stop()
         finally:
-            self._steps, self._step, self._model, self._context = [], None, None, TrainingContext()
-            self._paused = (None, [])
+            self._steps, self._step, self._model, self._pauses = [], None, None, Pauses()
+            self._context = TrainingContext()
             self.instruments.drop()
             self.off_clock.drop()
-            if meter:
+            if raised:  # the loop goes on: metering too (a window dropped for it resumes it)
+                self.job_meter.step_raised()
+            elif meter:
                 self.job_meter.close()
 
     # --- steps ---------------------------------------------------------------------------------------
@@ -272,9 +271,8 @@ class StepSession:
         device = module_device(model)
         clock = self.plan.clock = self._steps[0].phases.clock if self._steps else clock_for(device)
         start_mark = self._steps[-1].end_mark if self._steps else None
-        memory = phase_memory_for(device) if kind is None else None  # peaks on clean steps only
-        step = WindowStep(kind, global_step, StepPhases(clock, memory), start_mark, paused=self._paused[1])
-        self._paused = (None, [])
+        phases = StepPhases(clock, phase_memory_for(device) if kind is None else None)  # peaks: clean steps
+        step = WindowStep(kind, global_step, phases, start_mark, paused=self._pauses.take())
         self._steps.append(step)
         self._step = step
         self.instruments.for_step(step, model, runs)
@@ -381,9 +379,7 @@ class StepSession:
         if not self.plan.open:
             if self.job_meter.running:
                 with self.guard.own_work("ending a step", DROPPED, self._abandon):
-                    self.job_meter.step_end()
-                if logs:
-                    self.log_throughput(global_step, sink)
+                    self.job_meter.step_end(global_step, sink, logs, self.plan.starts_at(global_step))
             return
         done, comm = (self._end_window_step() if self._step is not None else None) or (False, None)
         decision = self.plan.vote(Wish(drop=self.plan.failed, done=done, comm=comm), ended=True)
@@ -415,11 +411,17 @@ class StepSession:
 
     def _drop(self, decision: Decision) -> None:
         """Every rank agreed to drop the window: said once, by the logging rank, unless this rank's own
-        failure was said already. No other window starts in this run."""
-        self.plan.reset(run=True)
+        failure was said already. No other window starts in this run, unless a step raised in a re-profile
+        window: then metering goes on and the next window starts on the grid."""
+        again = self.plan.drop(decision.raised and self.job_meter.running and not self._abandoned)
         self._window_ran = True
+        went_on = f"the re-profile window is dropped; throughput/* goes on; the next starts at step {again}"
         if self._logging_rank and not self._abandoned:
-            warn(f"{self.owner}: {decision.why}; {DROPPED} on every rank. Training goes on.")
+            how = went_on if again is not None else f"{DROPPED} on every rank"
+            warn(f"{self.owner}: {decision.why}; {how}. Training goes on.")
+        if again is not None:
+            self.close(meter=False)
+            return self.job_meter.resume()
         self._abandoned = True
         self.close()
 
@@ -488,13 +490,11 @@ class StepSession:
         """Evaluation starts: its time is not training throughput, nor a window step's."""
         self.job_meter.pause()
         if self.plan.open and self._steps:
-            self._paused = (self.plan.clock.mark(), self._paused[1])
+            self._pauses.begin(self.plan.clock.mark())
 
     @_own_work("resuming throughput")
     def resume_throughput(self) -> None:
-        start, pending = self._paused
-        if start is not None and self.plan.open:  # in this window step's wall, or in the next one's
-            (self._step.paused if self._step is not None else pending).append((start, self.plan.clock.mark()))
-            self._paused = (None, pending)
-        if not self.plan.open:  # a re-profile window's time is not metered: resumed at its end
+        if self.plan.open:  # in this window step's wall, or in the next one's
+            self._pauses.end(self.plan.clock.mark(), self._step)
+        else:  # a re-profile window's time is not metered: resumed at its end
             self.job_meter.resume()

@@ -194,10 +194,11 @@ class Decision(NamedTuple):
     content: bool  # some rank's table found content-dependent flops
     done: bool
     why: str = ""
+    raised: bool = False  # dropped because a step of a rank raised (not the profiler's own failure)
 
     @classmethod
-    def dropped(cls, why: str) -> Decision:
-        return cls(True, False, False, False, False, why)
+    def dropped(cls, why: str, raised: bool = False) -> Decision:
+        return cls(True, False, False, False, False, why, raised)
 
 
 class WindowPlan:
@@ -227,6 +228,15 @@ class WindowPlan:
         if run:
             self.next_window = None
 
+    def drop(self, again: bool) -> int | None:
+        """The window is dropped: no other starts in this run, unless ``again`` (a step raised in it) and
+        it is a re-profile window: then the next starts on the grid. Returns that step (None: none)."""
+        start, every, reprofile = self.next_window, self.options.profile_every, self.reprofile
+        self.reset(run=True)
+        if again and reprofile and start is not None and every is not None:
+            self.next_window = start + every
+        return self.next_window
+
     def ended(self, last_step: int) -> None:
         """The window whose last step started at ``last_step`` ended (agreed): the next one's start."""
         every, first = self.options.profile_every, self.options.profile_step
@@ -234,8 +244,12 @@ class WindowPlan:
 
     def due(self, global_step: int) -> bool:
         """Whether a re-profile window starts at this step (the same on every rank: module doc)."""
-        self.reprofile = self.next_window is not None and global_step >= self.next_window
+        self.reprofile = self.starts_at(global_step)
         return self.reprofile
+
+    def starts_at(self, global_step: int) -> bool:
+        """Whether the step numbered ``global_step`` would start a re-profile window (nothing changes)."""
+        return self.next_window is not None and global_step >= self.next_window
 
     @property
     def before_clean(self) -> int:
@@ -320,7 +334,7 @@ class WindowPlan:
             where = f" on rank {rank}" if self.ranks.several else ""
             if code == RAISED:
                 return Decision.dropped(
-                    f"a window step raised{where} (the exception your loop went on after)"
+                    f"a window step raised{where} (the exception your loop went on after)", raised=True
                 )
             return Decision.dropped(f"rank {rank}'s profiler failed" if where else "the profiler failed")
         # a communication step's figures as the window's end gives them: each rank's with its wait for a

@@ -41,6 +41,7 @@ __all__ = [
     "CleanStep",
     "Spread",
     "StepWork",
+    "Pauses",
     "WindowStep",
     "clean_figures",
     "mean",
@@ -316,3 +317,26 @@ def clean_figures(
         own = each[i] if each is not None else counts
         timed.append(CleanStep(s.work(own), StepSeconds(*(seconds[name] for name in SUMS))))
     return CleanFigures(tuple(timed))
+
+
+class Pauses:
+    """The run's declared pauses inside a window (evaluation): the one open now, and those closed between
+    two window steps, which are in the next one's wall (out of its data and wall time)."""
+
+    def __init__(self) -> None:
+        self.start: Any = None  # the open pause's clock mark (None: none is open)
+        self.waiting: list[tuple[Any, Any]] = []
+
+    def begin(self, mark: Any) -> None:
+        self.start = mark
+
+    def end(self, mark: Any, step: WindowStep | None) -> None:
+        """The open pause ends: in ``step``'s wall, or (None: between two steps) in the next one's."""
+        if self.start is not None:
+            (step.paused if step is not None else self.waiting).append((self.start, mark))
+            self.start = None
+
+    def take(self) -> list[tuple[Any, Any]]:
+        """The pauses a window step that starts now holds (those since the last one ended)."""
+        waiting, self.waiting, self.start = self.waiting, [], None
+        return waiting

@@ -13,6 +13,8 @@ from __future__ import annotations
 import csv
 import json
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -281,3 +283,70 @@ def test_profile_every_must_be_an_int_of_at_least_1_or_none(bad: object) -> None
         Options(profile_every=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="FlopsProfilerCallback: profile_every must be an int >= 1 or None"):
         FlopsProfilerCallback(profile_every=bad)  # type: ignore[arg-type]
+
+
+# --- the throughput meter around re-profile windows, and a loop that goes on after an exception -----------
+
+
+def every_loop(steps: int, raise_at: int | None = None, data: float = 0.0) -> tuple[list, list[float], list]:
+    """A StepProfiler loop of ``steps`` steps (a window at 3, re-profiled every 15, throughput logged every
+    5 steps), each waiting ``data`` seconds for its batch; the block of loop index ``raise_at`` raises,
+    and the loop goes on. Returns what was logged, each step's stopwatch seconds, and the warnings."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    logged: list[tuple[int, dict[str, float]]] = []
+    prof = StepProfiler(
+        model, log=lambda m, s: logged.append((s, m)), profile_step=3, clean_steps=5, profile_every=15,
+        log_every_n_steps=5, print_profile=False, flops_audit=0,
+    )  # fmt: skip
+    seconds = []
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for i in range(steps):
+            start = time.perf_counter()
+            time.sleep(data)
+            x = torch.randn(BATCH, IN)
+            try:
+                with prof.step(x):
+                    loss = model(x).sum()
+                    if i == raise_at:
+                        raise ValueError("a batch the loop skips")
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            except ValueError:
+                optimizer.zero_grad()
+            seconds.append(time.perf_counter() - start)
+        prof.close()
+    assert not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in model.modules())
+    return logged, seconds, [str(w.message) for w in said if "StepProfiler" in str(w.message)]
+
+
+def test_throughput_across_a_re_profile_window_leaves_out_its_lead_in_steps_wait_for_its_batch() -> None:
+    """Each step waits 50 ms for its batch: an interval that spans a window counts the samples of its
+    steps outside the window and their time only (the lead-in step's wait for its batch was counted
+    without its samples: 4 steps' samples over 5 waits, 0.83x)."""
+    data = 0.05
+    logged, seconds, _ = every_loop(40, data=data)
+    rates = [m[names.THROUGHPUT_SAMPLES_PER_SEC] for _, m in logged if names.THROUGHPUT_SAMPLES_PER_SEC in m]
+    windows = [step for step, m in logged if names.FWD_FLOPS in m]
+    assert windows == [13, 24, 39] and len(rates) == 4  # at 15, 25, 30 and 40 (20 and 35: in a window)
+    step = sorted(seconds)[len(seconds) // 2]  # a metered step: the wait and a tiny model's step
+    for rate in rates:
+        assert 0.93 < rate * step / BATCH < 1.07
+
+
+def test_an_exception_the_loop_goes_on_after_keeps_throughput_and_the_re_profile_windows() -> None:
+    # outside any window: nothing to drop, every later interval and window logged
+    logged, _, said = every_loop(60, raise_at=27)
+    assert [s for s, m in logged if names.FWD_FLOPS in m] == [13, 24, 39, 54] and not said
+    assert [s for s, m in logged if names.THROUGHPUT_SAMPLES_PER_SEC in m] == [15, 25, 30, 40, 45, 55]
+    # in the re-profile window that starts at 18: that window is dropped, said; the next (33) runs
+    logged, _, said = every_loop(60, raise_at=20)
+    assert said == [
+        "StepProfiler: a window step raised (the exception your loop went on after); the re-profile window "
+        "is dropped; throughput/* goes on; the next starts at step 33. Training goes on."
+    ]
+    assert [s for s, m in logged if names.FWD_FLOPS in m] == [13, 39, 54]
+    assert [s for s, m in logged if names.THROUGHPUT_SAMPLES_PER_SEC in m] == [15, 25, 30, 40, 45, 55]
