@@ -11,7 +11,13 @@ from pathlib import Path
 
 from flops_callbacks.files import unwritable_reason
 from flops_callbacks.options import Options
-from flops_callbacks.session.window_plan import CLEAN_MIN, COMM_MAX, MODULE_TIMING_STEPS, before_clean
+from flops_callbacks.session.window_plan import (
+    CLEAN_MIN,
+    COMM_MAX,
+    MODULE_TIMING_STEPS,
+    before_clean,
+    resumed_window,
+)
 from flops_callbacks.user_warning import warn
 
 __all__ = ["RunPlan", "unwritable_destinations"]
@@ -41,8 +47,8 @@ class RunPlan:
         comm: int = 0,
     ) -> RunPlan:
         clean = CLEAN_MIN if options.clean_steps == "auto" else options.clean_steps
-        per = steps_per_batch
-        first = global_step + -(-(options.profile_step - global_step) // per) * per
+        per, start = steps_per_batch, resumed_window(options, global_step) or options.profile_step
+        first = global_step + -(-(start - global_step) // per) * per
         last = first + (before_clean(comm=comm) + clean - 1) * per
         return cls(options, global_step, max_steps, per, first, last, comm)
 
@@ -54,6 +60,8 @@ class RunPlan:
 
     @property
     def resumed_past(self) -> bool:
+        """Resumed past ``profile_step``: its window does not run (with ``profile_every``, the grid's
+        next does, :func:`~flops_callbacks.session.window_plan.resumed_window`)."""
         return self.global_step > self.options.profile_step
 
     @property
@@ -64,7 +72,7 @@ class RunPlan:
         """Say now if no profile can run in this run, or only a cut-short one, or one cut short if
         ``comm_steps="auto"`` runs all its communication steps."""
         profile_step, max_steps = self.options.profile_step, self.max_steps
-        if self.resumed_past:
+        if self.resumed_past and self.options.profile_every is None:
             before = (
                 f"step {profile_step} was profiled before the checkpoint "
                 f"(flops_profile_step{profile_step}.txt in that run's log dir)"
@@ -73,7 +81,7 @@ class RunPlan:
             )
             warn(
                 f"{owner}: resumed at step {self.global_step}, {before}: no profile runs in this run. "
-                "Set profile_step >= the step you resume from to profile again.",
+                "Set profile_step >= the step you resume from, or profile_every, to profile again.",
             )
         elif self.unreachable and max_steps is not None:
             warn(

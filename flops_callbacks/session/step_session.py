@@ -164,7 +164,7 @@ class StepSession:
         now so that an unwritable one is said before the run rather than at the window's end."""
         self.close()
         self.guard.forget()
-        self.plan.reset(run=True)
+        self.plan.new_run(global_step)
         self.result = None
         self.flops = ShapeFlops()
         self.off_clock.forget()

@@ -52,6 +52,7 @@ __all__ = [
     "median_interval",
     "median_known",
     "rank_waits",
+    "resumed_window",
     "vote_seconds",
     "votes_own",
 ]
@@ -201,6 +202,15 @@ class Decision(NamedTuple):
         return cls(True, False, False, False, False, why, raised)
 
 
+def resumed_window(options: Options, global_step: int) -> int | None:
+    """Where a run resumed at ``global_step`` past ``profile_step`` has its first window with
+    ``profile_every``: the grid's first step at or after it (None: not resumed past it, or no grid)."""
+    every, first = options.profile_every, options.profile_step
+    if every is None or global_step <= first:
+        return None
+    return first + every * -(-(global_step - first) // every)
+
+
 class WindowPlan:
     """The window's agreed state: its steps' kinds so far, whether it is open, and whether this rank
     failed in it (then it wishes a drop at the next vote)."""
@@ -213,6 +223,7 @@ class WindowPlan:
         self.failed = 0  # this rank wishes a drop (FAILED or RAISED: why)
         self.reprofile = False  # the open window reuses the previous one's profile (module doc)
         self.next_window: int | None = None  # where the next re-profile window starts (None: none)
+        self.profiled = False  # a window of this run ended: the next ones reuse its profile
         self._lined_up = 0  # the window step whose ranks last lined up (lines_up)
         self.comm_seen: list[tuple[float, float]] = []  # each read communication step's, the ranks' mean
         self.clock: Clock = CpuClock()  # the window steps' clock, on which the votes are marked
@@ -226,7 +237,13 @@ class WindowPlan:
         self.comm_seen, self.marks, self._end_vote = [], [], None
         self.clock = CpuClock()
         if run:
-            self.next_window = None
+            self.next_window, self.profiled = None, False
+
+    def new_run(self, global_step: int) -> None:
+        """A run starts at ``global_step``: no window yet. Resumed past ``profile_step`` with
+        ``profile_every``, its first window is a whole one (its own counts) at the grid's next step."""
+        self.reset(run=True)
+        self.next_window = resumed_window(self.options, global_step)
 
     def drop(self, again: bool) -> int | None:
         """The window is dropped: no other starts in this run, unless ``again`` (a step raised in it) and
@@ -234,18 +251,20 @@ class WindowPlan:
         start, every, reprofile = self.next_window, self.options.profile_every, self.reprofile
         self.reset(run=True)
         if again and reprofile and start is not None and every is not None:
-            self.next_window = start + every
+            self.next_window, self.profiled = start + every, True
         return self.next_window
 
     def ended(self, last_step: int) -> None:
         """The window whose last step started at ``last_step`` ended (agreed): the next one's start."""
         every, first = self.options.profile_every, self.options.profile_step
         self.next_window = None if every is None else first + every * ((last_step - first) // every + 1)
+        self.profiled = True
 
     def due(self, global_step: int) -> bool:
-        """Whether a re-profile window starts at this step (the same on every rank: module doc)."""
-        self.reprofile = self.starts_at(global_step)
-        return self.reprofile
+        """Whether a window of the grid starts at this step (the same on every rank: module doc): a
+        re-profile window, or a resumed run's first."""
+        self.reprofile = self.starts_at(global_step) and self.profiled
+        return self.starts_at(global_step)
 
     def starts_at(self, global_step: int) -> bool:
         """Whether the step numbered ``global_step`` would start a re-profile window (nothing changes)."""

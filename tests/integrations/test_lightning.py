@@ -751,10 +751,31 @@ def test_resume_past_an_unprofiled_profile_step_warns_at_train_start(tmp_path: P
     )
     expected = (
         f"{OURS}: resumed at step 3, past profile_step={PROFILE_STEP}: no profile runs in this run. "
-        "Set profile_step >= the step you resume from to profile again."
+        "Set profile_step >= the step you resume from, or profile_every, to profile again."
     )
     assert at_start == ours == [expected]
     assert trainer.global_step == 5 and callback.result is None
+
+
+def test_a_run_resumed_past_profile_step_with_profile_every_profiles_whole_at_the_grids_next_step(
+    tmp_path: Path,
+) -> None:
+    """Resumed at step 3, past profile_step=2, re-profiled every 10: the resumed run's first window is a
+    whole one (its own counting and module timing) at step 12, the grid's next, and says nothing at its
+    start."""
+    trainer = fit(tmp_path, MLP(), None, max_steps=3)
+    trainer.save_checkpoint(tmp_path / "step3.ckpt")
+    callback = quiet_callback(profile_every=10)
+    last = window_end(12, CLEAN)
+    trainer, at_start, ours = fit_watching_warnings(
+        tmp_path, MLP(), callback, max_steps=last + 1, ckpt_path=tmp_path / "step3.ckpt"
+    )
+    assert at_start == ours == []
+    result = callback.result
+    assert result is not None and laid_out(result.steps) == window_steps(12, CLEAN)
+    assert not result.steps.reused and result.published_at == last
+    assert (result.profile.fwd_flops, result.profile.bwd_flops) == (fwd_flops(BATCH), bwd_flops(BATCH))
+    assert Path(trainer.log_dir, "flops_profile_step12.json").is_file()
 
 
 def test_resume_after_the_profiled_window_warns_that_it_ran_before(tmp_path: Path) -> None:
