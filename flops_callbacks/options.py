@@ -105,8 +105,9 @@ class Options:
         profile_every: After the first window, another every N steps, at the first step of
             ``profile_step + k*N`` after the previous window: a lead-in step and its clean steps only
             (the first window's counts and module tree reused, and said); each window's files are
-            ``flops_profile_step{first step}.*`` and its metrics are logged at the step it ended. A run
-            resumed past ``profile_step`` has a whole window (its own counts) at the first step of
+            ``flops_profile_step{first step}.*`` and its metrics are logged at the step it ended; one
+            the run would cut short (its length known) is not started. A run resumed past
+            ``profile_step`` has a whole window (its own counts) at the first step of
             ``profile_step + k*N`` from where it resumed. None: the first window only.
         report: What the console shows: ``"summary"``, the figures read in ten seconds (rates, the
             step's split, what bounds it, the top modules, the sizes), or ``"full"``, DeepSpeed's layout

@@ -164,7 +164,7 @@ class StepSession:
         now so that an unwritable one is said before the run rather than at the window's end."""
         self.close()
         self.guard.forget()
-        self.plan.new_run(global_step)
+        self.plan.new_run(global_step, max_steps, steps_per_batch)
         self.result = None
         self.flops = ShapeFlops()
         self.off_clock.forget()

@@ -224,6 +224,7 @@ class WindowPlan:
         self.reprofile = False  # the open window reuses the previous one's profile (module doc)
         self.next_window: int | None = None  # where the next re-profile window starts (None: none)
         self.profiled = False  # a window of this run ended: the next ones reuse its profile
+        self.run_end: tuple[int | None, int] = (None, 1)  # the run's max_steps (if known), steps per batch
         self._lined_up = 0  # the window step whose ranks last lined up (lines_up)
         self.comm_seen: list[tuple[float, float]] = []  # each read communication step's, the ranks' mean
         self.clock: Clock = CpuClock()  # the window steps' clock, on which the votes are marked
@@ -239,11 +240,12 @@ class WindowPlan:
         if run:
             self.next_window, self.profiled = None, False
 
-    def new_run(self, global_step: int) -> None:
-        """A run starts at ``global_step``: no window yet. Resumed past ``profile_step`` with
-        ``profile_every``, its first window is a whole one (its own counts) at the grid's next step."""
+    def new_run(self, global_step: int, max_steps: int | None = None, steps_per_batch: int = 1) -> None:
+        """A run of ``max_steps`` (if known) starts at ``global_step``: no window yet. Resumed past
+        ``profile_step`` with ``profile_every``, its first window is a whole one at the grid's next step."""
         self.reset(run=True)
         self.next_window = resumed_window(self.options, global_step)
+        self.run_end = (max_steps, steps_per_batch)
 
     def drop(self, again: bool) -> int | None:
         """The window is dropped: no other starts in this run, unless ``again`` (a step raised in it) and
@@ -259,6 +261,13 @@ class WindowPlan:
         every, first = self.options.profile_every, self.options.profile_step
         self.next_window = None if every is None else first + every * ((last_step - first) // every + 1)
         self.profiled = True
+        clean = CLEAN_MIN if self.options.clean_steps == "auto" else self.options.clean_steps
+        (max_steps, per), start = self.run_end, self.next_window
+        last = (
+            None if start is None else start + (before_clean(True) + clean - 1) * per
+        )  # its last clean step
+        if last is not None and max_steps is not None and max_steps <= last:
+            self.next_window = None  # a window the run would cut short is not started
 
     def due(self, global_step: int) -> bool:
         """Whether a window of the grid starts at this step (the same on every rank: module doc): a

@@ -288,7 +288,9 @@ def test_profile_every_must_be_an_int_of_at_least_1_or_none(bad: object) -> None
 # --- the throughput meter around re-profile windows, and a loop that goes on after an exception -----------
 
 
-def every_loop(steps: int, raise_at: int | None = None, data: float = 0.0) -> tuple[list, list[float], list]:
+def every_loop(
+    steps: int, raise_at: int | None = None, data: float = 0.0, max_steps: int | None = None
+) -> tuple[list, list[float], list]:
     """A StepProfiler loop of ``steps`` steps (a window at 3, re-profiled every 15, throughput logged every
     5 steps), each waiting ``data`` seconds for its batch; the block of loop index ``raise_at`` raises,
     and the loop goes on. Returns what was logged, each step's stopwatch seconds, and the warnings."""
@@ -298,7 +300,7 @@ def every_loop(steps: int, raise_at: int | None = None, data: float = 0.0) -> tu
     logged: list[tuple[int, dict[str, float]]] = []
     prof = StepProfiler(
         model, log=lambda m, s: logged.append((s, m)), profile_step=3, clean_steps=5, profile_every=15,
-        log_every_n_steps=5, print_profile=False, flops_audit=0,
+        log_every_n_steps=5, print_profile=False, flops_audit=0, max_steps=max_steps,
     )  # fmt: skip
     seconds = []
     with warnings.catch_warnings(record=True) as said:
@@ -350,3 +352,15 @@ def test_an_exception_the_loop_goes_on_after_keeps_throughput_and_the_re_profile
     ]
     assert [s for s, m in logged if names.FWD_FLOPS in m] == [13, 39, 54]
     assert [s for s, m in logged if names.THROUGHPUT_SAMPLES_PER_SEC in m] == [15, 25, 30, 40, 45, 55]
+
+
+@pytest.mark.parametrize(("max_steps", "windows"), [(23, [13]), (24, [13, 24])])
+def test_a_re_profile_window_the_run_would_cut_short_is_not_started(
+    max_steps: int, windows: list[int]
+) -> None:
+    """The window at 18 needs its lead-in and 5 clean steps, 18 .. 23: a run of 23 steps (0 .. 22) would
+    cut it, so it does not start and throughput goes on through it; a run of 24 has it whole."""
+    logged, _, said = every_loop(max_steps, max_steps=max_steps)
+    assert [s for s, m in logged if names.FWD_FLOPS in m] == windows and not said
+    metered = [s for s, m in logged if names.THROUGHPUT_SAMPLES_PER_SEC in m]
+    assert metered == ([15, 20] if max_steps == 23 else [15])
