@@ -1,9 +1,13 @@
-"""The processes of tests/integrations/test_step_profiler.py's two-rank fault: a DDP loop on gloo under
+"""The processes of tests/integrations/test_step_profiler.py's two-rank faults: a DDP loop on gloo under
 ``torchrun`` with ``StepProfiler`` and ``prof.close()`` in a ``finally``, rank 1 raising its own error in a
 window step. Rank 1 writes ``rank1.json`` (the seconds from its raise to ``close()``'s return) and lets its
 error end the process; rank 0 waits in the step's all-reduce until torchrun ends it.
 
-``python raised_workers.py DIR``
+With ``go_on STEP``, rank 1 raises after its backward at window step STEP and the loop goes on after the
+error (a batch skipped): every rank writes ``rank{r}.json`` (its steps, the profiler's warnings, the
+window's result, the hooks left, its seconds).
+
+``python raised_workers.py DIR [go_on STEP]``
 """
 
 from __future__ import annotations
@@ -48,5 +52,45 @@ def main(directory: Path) -> None:
             (directory / f"rank{rank}.json").write_text(json.dumps(closed))
 
 
+def going_on(directory: Path, raises_at: int) -> None:
+    import warnings
+
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    prof = StepProfiler(model, profile_step=PROFILE_STEP, clean_steps=3, print_profile=False)
+    start, steps = time.perf_counter(), 0
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            for step in range(24):
+                try:
+                    with prof.step(torch.ones(8, 16)):
+                        model(torch.ones(8, 16)).sum().backward()
+                        if rank == 1 and step == raises_at:
+                            raise ValueError("rank 1's own error")
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        steps += 1
+                except ValueError:
+                    optimizer.zero_grad()
+        finally:
+            prof.close()
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    ran = {
+        "steps": steps,
+        "said": [str(w.message) for w in said if "StepProfiler" in str(w.message)],
+        "result": prof.result is not None,
+        "hooks": hooks,
+        "seconds": time.perf_counter() - start,
+    }
+    (directory / f"rank{rank}.json").write_text(json.dumps(ran))
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[2:3] == ["go_on"]:
+        going_on(Path(sys.argv[1]), int(sys.argv[3]))
+    else:
+        main(Path(sys.argv[1]))

@@ -43,7 +43,7 @@ from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.run_plan import RunPlan, unwritable_destinations
 from flops_callbacks.session.sequence_flops import SequenceFlops
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_plan import FAILED, RAISED, Decision, Kind, WindowPlan, Wish
+from flops_callbacks.session.window_plan import FAILED, Decision, Kind, WindowPlan, Wish
 from flops_callbacks.session.window_steps import Pauses, WindowStep
 from flops_callbacks.timing.clock import clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
@@ -219,8 +219,8 @@ class StepSession:
         """Stop everything that runs and drop this rank's window (an exception ended the run): no hook,
         mode or tag of the profiler remains. Safe to call at any time, any number of times. ``raised``: a
         step's user code raised and the loop may go on: an open window is dropped at the next vote."""
-        if raised and self.plan.open:
-            self.plan.failed = self.plan.failed or RAISED
+        if raised:
+            self.plan.raised()
         try:
             self.instruments.stop()
         finally:
@@ -244,6 +244,8 @@ class StepSession:
     ) -> None:
         """An optimizer step starts (before its first micro-batch). ``runs``: what the framework calls,
         when it is a wrapper of ``model`` (the HF Trainer's compiled model): a compile is seen there."""
+        if (owed := self.plan.owed_vote()) is not None and owed.drop:
+            self._drop(owed)
         if not self.plan.open:
             late = self._window_ran or self._resumed_past or not self.enabled
             if (late or global_step < self.options.profile_step) and not self.plan.due(global_step):
@@ -282,9 +284,7 @@ class StepSession:
         rank while its batches decide it; and this step's instrument. ``replay``: how the adapter's step
         runs this micro-batch again (for a count off the clock), or why it cannot."""
         if not self.plan.open:
-            if self.job_meter.running:
-                self._meter_batch(batch, replay)
-            return
+            return self._meter_batch(batch, replay)
         read = self._read_batch(batch) if self._step is not None else None
         if (decides := self.plan.batch_decides) or self.plan.lines_up():  # lines_up: comm step's start
             if read is not None and read.later:  # the vote lies between the phases (the HF Trainer's run on)
@@ -377,9 +377,8 @@ class StepSession:
     def step_end(self, global_step: int, sink: Sink, logs: bool = False) -> None:
         """The optimizer step ended (on every rank); ``logs`` says whether this is a logging step."""
         if not self.plan.open:
-            if self.job_meter.running:
-                with self.guard.own_work("ending a step", DROPPED, self._abandon):
-                    self.job_meter.step_end(global_step, sink, logs, self.plan.starts_at(global_step))
+            with self.guard.own_work("ending a step", DROPPED, self._abandon):
+                self.job_meter.step_end(global_step, sink, logs, self.plan.starts_at(global_step))
             return
         done, comm = (self._end_window_step() if self._step is not None else None) or (False, None)
         decision = self.plan.vote(Wish(drop=self.plan.failed, done=done, comm=comm), ended=True)

@@ -45,6 +45,7 @@ __all__ = [
     "Kind",
     "WindowPlan",
     "Vote",
+    "VOTES_MAX",
     "VoteMarks",
     "Wish",
     "before_clean",
@@ -116,6 +117,9 @@ def before_clean(reprofile: bool = False, comm: int = 0) -> int:
 
 
 FAILED, RAISED = 1, 2  # why a rank wishes the window dropped: its own work failed; a step of it raised
+# the votes' seconds a wish holds, at most: every rank's row has one length (gloo aborts the process where
+# two ranks' rows differ, as when one rank casts a vote another rank skipped); more are summed into the last
+VOTES_MAX = 8
 
 
 class Wish(NamedTuple):
@@ -132,18 +136,23 @@ class Wish(NamedTuple):
     votes: tuple[float, ...] = ()
 
     def numbers(self) -> tuple[float, ...]:
-        """As the ranks gather it (:meth:`~flops_callbacks.session.ranks.Ranks.gather`): each flag 0 or 1,
-        then the communication step's two seconds (NaN for none), then the votes' seconds."""
+        """As the ranks gather it (:meth:`~flops_callbacks.session.ranks.Ranks.gather`), one length on
+        every rank: each flag 0 or 1, the communication step's two seconds (NaN for none), how many votes
+        follow, and their seconds (at most :data:`VOTES_MAX`, NaN after them)."""
         comm = self.comm if self.comm is not None else (math.nan, math.nan)
         flags = (self.drop, self.new_shape, self.checkable, self.content, self.done)
-        return (*(float(f) for f in flags), *comm, *self.votes)
+        head, rest = self.votes[: VOTES_MAX - 1], self.votes[VOTES_MAX - 1 :]
+        votes = (*head, sum(rest)) if rest else head
+        padding = (math.nan,) * (VOTES_MAX - len(votes))
+        return (*(float(f) for f in flags), *comm, float(len(votes)), *votes, *padding)
 
     @classmethod
     def of(cls, numbers: Sequence[float]) -> Wish:
         """The wish :meth:`numbers` gave."""
-        drop, new_shape, checkable, content, done, exposed, span, *votes = numbers
+        drop, new_shape, checkable, content, done, exposed, span, count, *votes = numbers
         comm = None if math.isnan(exposed) else (exposed, span)
-        return cls(int(drop), new_shape != 0, checkable != 0, content != 0, done != 0, comm, tuple(votes))
+        flags = (int(drop), new_shape != 0, checkable != 0, content != 0, done != 0)
+        return cls(*flags, comm, tuple(votes[: int(count)]))
 
 
 class VoteMarks(NamedTuple):
@@ -224,6 +233,7 @@ class WindowPlan:
         self.reprofile = False  # the open window reuses the previous one's profile (module doc)
         self.next_window: int | None = None  # where the next re-profile window starts (None: none)
         self.profiled = False  # a window of this run ended: the next ones reuse its profile
+        self.owed = False  # a window step of this rank raised before its end's vote (:meth:`owed_vote`)
         self.run_end: tuple[int | None, int] = (None, 1)  # the run's max_steps (if known), steps per batch
         self._lined_up = 0  # the window step whose ranks last lined up (lines_up)
         self.comm_seen: list[tuple[float, float]] = []  # each read communication step's, the ranks' mean
@@ -235,6 +245,7 @@ class WindowPlan:
     def reset(self, run: bool = False) -> None:
         """The window ended (or was dropped); with ``run`` no other window starts in this run."""
         self.kinds, self.open, self.failed, self.reprofile, self._lined_up = [], False, 0, False, 0
+        self.owed = False
         self.comm_seen, self.marks, self._end_vote = [], [], None
         self.clock = CpuClock()
         if run:
@@ -341,6 +352,20 @@ class WindowPlan:
     def batch_decides(self) -> bool:
         """Whether the current step's micro-batches vote on its kind (every rank answers the same)."""
         return self.open and bool(self.kinds) and self.kind in (None, Kind.CLEAN)
+
+    def raised(self) -> None:
+        """A window step's user code raised and the loop may go on: this rank wishes a drop, and owes the
+        step's end vote, in which the other ranks wait (:meth:`owed_vote`)."""
+        if self.open:
+            self.failed, self.owed = self.failed or RAISED, True
+
+    def owed_vote(self) -> Decision | None:
+        """At the next step's start, before its own votes: the end vote the step that raised did not take
+        (the other ranks' end vote, or their first vote of the next step; a drop), or None."""
+        if not self.owed:
+            return None
+        self.owed = False
+        return self.vote(Wish(drop=self.failed), ended=True)
 
     def vote(self, wish: Wish, ended: bool = False) -> Decision:
         """Every rank's wishes, agreed: a drop if any rank wants one (or a rank does not answer), a

@@ -518,3 +518,35 @@ def test_a_rank_whose_block_raised_closes_at_once_while_the_other_waits_in_the_s
     assert done.returncode != 0 and "ValueError: rank 1's own error" in done.stderr
     closed = json.loads((tmp_path / "rank1.json").read_text())
     assert closed["close_seconds"] < 10, closed
+
+
+@pytest.mark.parametrize("kind", ["module timing", "communication"])
+def test_a_rank_that_raised_in_a_window_step_and_went_on_drops_the_window_with_the_other(
+    tmp_path: Path, kind: str
+) -> None:
+    """Two ranks under torchrun; rank 1 raises after its backward in a window step and its loop goes on
+    (a batch skipped). Rank 0 waits in the step's end vote, which rank 1 skipped: rank 1 casts it at its
+    next step's start, so both drop the window there, at once (not after the ranks' 300 s timeout; nor
+    a gloo abort from two votes of different lengths), and train to the end."""
+    import os
+    import sys
+
+    from tests.support import comm_steps, module_steps, run_bounded
+
+    step = module_steps(2)[0] if kind == "module timing" else comm_steps(2)[0]
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(root / "tests" / "raised_workers.py"), str(tmp_path), "go_on", str(step)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = run_bounded(command, timeout=200, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["steps"] for r in ranks] == [24, 23]
+    assert ranks[0]["said"] == [
+        "StepProfiler: a window step raised on rank 1 (the exception your loop went on after); the profile "
+        "window is dropped and nothing of the profiler stays; this run goes on unprofiled on every rank. "
+        "Training goes on."
+    ]
+    assert ranks[1]["said"] == []  # said once, by the logging rank
+    assert not any(r["result"] for r in ranks) and not any(r["hooks"] for r in ranks)
+    assert max(r["seconds"] for r in ranks) < 60
