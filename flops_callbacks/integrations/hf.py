@@ -159,7 +159,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
 
     default_tokens_fn = staticmethod(input_ids_tokens)  # type: ignore[assignment]
     _trainer: weakref.ref[transformers.Trainer] | None = None
-    _evaluations = 0  # on_evaluate events to come before throughput resumes (one per evaluation set)
+    _held = 0  # on_evaluate (one per evaluation set) and on_save events to come before the clocks resume
     _ended = False  # the run's last step ended it (its window published): on_train_end has nothing to end
 
     def _current_trainer(self) -> transformers.Trainer | None:
@@ -175,7 +175,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._unwrap()
-        self._ended, self._evaluations = False, 0
+        self._ended, self._held = False, 0
         trainer = _calling_trainer()
         self._trainer = weakref.ref(trainer) if trainer is not None else None
         profile_step = self.session.options.profile_step
@@ -252,8 +252,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
             # (theirs on_train_end, before ours, ends an MLflow run, closes a TensorBoard writer)
             self._ended = True
             self.session.train_end(state.global_step, sink)
-        if control.should_evaluate:
-            self._pause_for_evaluation()
+        self._hold(control)
 
     @override
     def on_epoch_end(
@@ -261,29 +260,41 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     ) -> None:
         if control.should_log:  # logging_strategy="epoch"
             self.session.log_throughput(state.global_step, self._sink(args, state))
-        if control.should_evaluate:
-            self._pause_for_evaluation()
+        self._hold(control)
 
-    def _pause_for_evaluation(self) -> None:
-        """The evaluation's time is not the run's throughput: paused until its last ``on_evaluate``, one
-        per evaluation set (a dict of them is evaluated set by set, each with its own event)."""
-        trainer = self._current_trainer()
-        sets = getattr(trainer, "eval_dataset", None)
-        self._evaluations = len(sets) if isinstance(sets, Mapping) and sets else 1
-        self.session.pause_throughput()
+    def _hold(self, control: TrainerControl) -> None:
+        """An evaluation and a checkpoint's save are not the run's training (nor a window step's data or
+        wall): the clocks pause until the last ``on_evaluate`` (one per evaluation set: a dict of them is
+        evaluated set by set) and the ``on_save`` that follow. (A save decided by the evaluation,
+        ``save_strategy="best"``, is not known here: its time stays in the next step's data.)"""
+        held = 0
+        if control.should_evaluate:
+            sets = getattr(self._current_trainer(), "eval_dataset", None)
+            held = len(sets) if isinstance(sets, Mapping) and sets else 1
+        held += 1 if control.should_save else 0
+        if held:
+            self._held = held
+            self.session.pause_throughput()
 
     @override
     def on_evaluate(self, *args: Any, **kwargs: Any) -> None:
-        self._evaluations -= 1
-        if self._evaluations <= 0:
-            self._evaluations = 0
-            self.session.resume_throughput()
+        self._release()
+
+    @override
+    def on_save(self, *args: Any, **kwargs: Any) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._held > 0:
+            self._held -= 1
+            if not self._held:
+                self.session.resume_throughput()
 
     def _evaluated(self) -> None:
-        """A step starts: any evaluation before it has ended (resumed here where its events fell short:
-        an evaluation loop of a subclass's own)."""
-        if self._evaluations:
-            self._evaluations = 0
+        """A step starts: any evaluation or save before it has ended (resumed here where their events fell
+        short: an evaluation loop of a subclass's own)."""
+        if self._held:
+            self._held = 0
             self.session.resume_throughput()
 
     @override

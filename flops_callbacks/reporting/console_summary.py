@@ -237,7 +237,7 @@ def _sizes(result: WindowResult) -> str:
     if len(result.rank_latencies) > 1:
         iters = [sum(latencies) for latencies in result.rank_latencies]
         low, high = duration_to_string(min(iters)), duration_to_string(max(iters))
-        text += f"; times: the slowest rank's (iter {low} .. {high})"
+        text += f"; times: each step's slowest rank (the ranks' own median iter {low} .. {high})"
     return text
 
 

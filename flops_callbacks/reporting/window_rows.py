@@ -326,7 +326,7 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     if len(result.rank_latencies) > 1:
         iters = [sum(latencies) for latencies in result.rank_latencies]
         spread = f"{duration_to_string(min(iters))} .. {duration_to_string(max(iters))}"
-        lines.append((f"iter latency over {len(iters)} ranks, min .. max (slowest shown)", spread))
+        lines.append((f"each rank's own median iter latency over {len(iters)} ranks, min .. max", spread))
         lines += rank_count_lines(result)
     lines.append(("compute dtype (picks the peak)", result.compute_dtype or "unknown"))
     lines.append(("peak memory allocated fwd / bwd / step (clean steps)", _peak_memory_text(result)))
