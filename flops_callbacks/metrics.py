@@ -135,8 +135,8 @@ ITER_LATENCY = PREFIX + "iter_latency"  # fwd + bwd + step latency
 CLEAN_STEPS = PREFIX + "clean_steps"  # clean steps the latencies rest on (0: none ran, latencies inflated)
 # Achieved FLOPS: the median step's own flops over its latencies (the printed report's rates are these:
 # flops_callbacks.session.result.phase_rates). Model flops (fwd + bwd) unless named hardware.
-FWD_FLOPS_PER_SEC = PREFIX + "fwd_flops_per_sec"  # the median step's fwd flops / fwd latency
-BWD_FLOPS_PER_SEC = PREFIX + "bwd_flops_per_sec"  # the median step's bwd flops / bwd latency (no recompute)
+FWD_FLOPS_PER_SEC = PREFIX + "fwd_flops_per_sec"  # the median step's model fwd flops / fwd latency
+BWD_FLOPS_PER_SEC = PREFIX + "bwd_flops_per_sec"  # the median step's model bwd flops / bwd latency
 FLOPS_PER_SEC = PREFIX + "flops_per_sec"  # the median step's (fwd + bwd flops) / iter latency
 # the median step's (fwd + bwd + recompute flops) / iter latency
 HARDWARE_FLOPS_PER_SEC = PREFIX + "hardware_flops_per_sec"
