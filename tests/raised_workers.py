@@ -28,13 +28,19 @@ PROFILE_STEP = 2
 RAISES_AT = comm_steps(PROFILE_STEP)[0]  # a communication step: every rank's window is open
 
 
-def main(directory: Path) -> None:
+def ddp_loop() -> tuple[int, nn.Module, torch.optim.Optimizer, StepProfiler]:
+    """This process's rank, its DDP model on gloo, its optimizer and its profiler."""
     torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     prof = StepProfiler(model, profile_step=PROFILE_STEP, clean_steps=3, print_profile=False)
+    return rank, model, optimizer, prof
+
+
+def main(directory: Path) -> None:
+    rank, model, optimizer, prof = ddp_loop()
     raised = 0.0
     try:
         for step in range(20):
@@ -55,12 +61,7 @@ def main(directory: Path) -> None:
 def going_on(directory: Path, raises_at: int) -> None:
     import warnings
 
-    torch.distributed.init_process_group("gloo")
-    rank = torch.distributed.get_rank()
-    torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    prof = StepProfiler(model, profile_step=PROFILE_STEP, clean_steps=3, print_profile=False)
+    rank, model, optimizer, prof = ddp_loop()
     start, steps = time.perf_counter(), 0
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
