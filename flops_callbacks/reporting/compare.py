@@ -5,9 +5,9 @@ what they return.
 
 What counts as noise, in one place (:func:`is_noise`): a latency's range is what its clean steps spread
 over, their fastest and slowest tenth left out (:data:`TRIM`: a step a neighbour's job stalled is not the
-configuration's spread; under 10 steps, min .. max); a rate's is the same steps' range turned into a rate
-(the rate if every step had taken the fastest or the slowest step's time; a rate of the steps' totals,
-wall samples per second, scaled from their mean step); a step's energy (per step, sample, token) is the
+configuration's spread; under 10 steps, min .. max); a rate's is what the same steps' own rates spread over
+(each step's work over its own time: with batches of changing lengths a long batch's step is slower at
+the same rate, so the steps' times alone would read the lengths as noise); a step's energy (per step, sample, token) is the
 wall step's range scaled from their mean, the same power over a faster or a slower step, and tokens per
 joule its inverse; a count (flops, bytes, params) and the mean power are exact and have none. A
 change is noise when the new run's figure lies within the base run's range: the base run's own steps
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from flops_callbacks import metrics as names
@@ -33,6 +33,7 @@ from flops_callbacks import units
 from flops_callbacks.phase_names import PROFILE_PASSES
 from flops_callbacks.profile import Profile
 from flops_callbacks.reporting.profile_file import SavedProfile
+from flops_callbacks.session.window_steps import CleanFigures, StepWork
 
 __all__ = [
     "Change",
@@ -73,6 +74,19 @@ _RANGE_OF: dict[str, tuple[str, bool]] = {
     names.HARDWARE_FLOPS_PER_SEC: ("iter", True),
     names.WALL_TOKENS_PER_SEC: ("wall", True),
     names.TOKENS_PER_JOULE: ("wall", True),
+}
+# the work a rate counts in one clean step (None: the step does not say); a rate without one here counts
+# the same work in every step (MFU and HFU are their FLOPS over the peak)
+_WORK_OF: dict[str, Callable[[StepWork], float | None]] = {
+    names.FWD_FLOPS_PER_SEC: lambda w: w.counts.model_fwd_flops,
+    names.BWD_FLOPS_PER_SEC: lambda w: w.counts.model_bwd_flops,
+    **dict.fromkeys((names.FLOPS_PER_SEC, names.MFU), lambda w: w.counts.model_flops),
+    **dict.fromkeys((names.HARDWARE_FLOPS_PER_SEC, names.HFU), lambda w: w.counts.hardware_flops),
+    **dict.fromkeys((names.SAMPLES_PER_SEC, names.WALL_SAMPLES_PER_SEC), lambda w: w.samples),
+    **dict.fromkeys(
+        (names.TOKENS_PER_SEC, names.WALL_TOKENS_PER_SEC, names.TOKENS_PER_JOULE), lambda w: w.tokens
+    ),
+    names.REAL_TOKENS_PER_SEC: lambda w: w.real_tokens,
 }
 # the energy of a step, a sample, a token: at the window's power a slower wall step burns longer, so its
 # range is the wall step's, scaled (lower is better)
@@ -130,25 +144,48 @@ def _ranges(saved: SavedProfile) -> dict[str, tuple[float, float, float, float]]
     return found
 
 
+def _rate_range(clean: CleanFigures, name: str, value: float) -> tuple[float, float] | None:
+    """What rate ``name`` (``value`` as logged) spreads over its clean steps: each step's own work over
+    its own time, scaled as the figure is from the same rate of the step it is of (the median step, or
+    the steps' totals); None where a step took no time."""
+    key, work_of = _RANGE_OF[name][0], _WORK_OF.get(name, lambda w: None)
+
+    def work(w: StepWork) -> float:
+        amount = work_of(w)
+        return 1.0 if amount is None or not all(work_of(s) for s in clean.work) else float(amount)
+
+    seconds = [step.latency(key) for step in clean.steps]
+    if not seconds or min(seconds) <= 0:
+        return None
+    if name in _OF_TOTALS:
+        of = sum(work(s) for s in clean.work) / sum(seconds)
+    else:
+        median = clean.median_step()
+        of = work(median.work) / median.latency(key) if median.latency(key) > 0 else 0.0
+    if of <= 0:
+        return None
+    return spread_range(
+        [value * work(step.work) / s / of for step, s in zip(clean.steps, seconds, strict=True)]
+    )
+
+
 def figures(saved: SavedProfile) -> dict[str, Figure]:
     """Every metric of ``saved`` with its range, by name without the prefix, in the report's order.
 
     Args:
         saved: the saved profile to read.
     """
-    ranges = _ranges(saved)
+    ranges, clean = _ranges(saved), saved.result.figures()
     ordered = [n for n in ORDER if n in saved.metrics] + [n for n in saved.metrics if n not in ORDER]
     found = {}
     for name in ordered:
         value = saved.metrics[name]
         low = high = value
         if name in _RANGE_OF and _RANGE_OF[name][0] in ranges:
-            median, mean, fastest, slowest = ranges[_RANGE_OF[name][0]]
-            middle = mean if name in _OF_TOTALS else median  # the step time the figure is of
             if not _RANGE_OF[name][1]:
-                low, high = fastest, slowest
-            elif fastest > 0 and slowest > 0:  # a rate: fastest step -> highest rate
-                low, high = value * middle / slowest, value * middle / fastest
+                low, high = ranges[_RANGE_OF[name][0]][2:]
+            else:
+                low, high = _rate_range(clean, name, value) or (value, value)
         elif name in _ENERGY_OF and _ENERGY_OF[name] in ranges:
             _, mean, fastest, slowest = ranges[_ENERGY_OF[name]]
             if mean > 0:  # the same power over the fastest and the slowest step
@@ -322,7 +359,7 @@ def _wobble(saved: SavedProfile) -> float:
         saved: the run (the base) whose clean steps are read.
     """
     ranges = _ranges(saved)
-    return sum(ranges[p][2] - ranges[p][1] for p in ("fwd", "bwd") if p in ranges)
+    return sum(ranges[p][3] - ranges[p][2] for p in ("fwd", "bwd") if p in ranges)
 
 
 def module_changes(a: SavedProfile, b: SavedProfile) -> list[ModuleChange]:

@@ -4,10 +4,24 @@ which of the two held."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
-from flops_callbacks.reporting.compare import Change, Figure, figure_text, is_noise, spread_range
+from flops_callbacks import metrics as names
+from flops_callbacks.reporting.compare import (
+    Change,
+    Figure,
+    figure_text,
+    figures,
+    is_noise,
+    module_changes,
+    spread_range,
+)
 from flops_callbacks.reporting.gate_rules import Rule, judge
+from flops_callbacks.reporting.profile_file import SavedProfile, load
 
 MS = 1e-3
 
@@ -113,3 +127,55 @@ def test_a_range_leaves_out_the_fastest_and_slowest_tenth_of_ten_steps_or_more()
 def test_a_count_of_steps_reads_as_a_whole_number() -> None:
     assert figure_text(Figure("clean_steps", 5.0, 5.0, 5.0)) == "5"
     assert figure_text(Figure("clean_steps", 19.5, 19.0, 20.0, runs=4)) == "19.5"  # a median of runs
+
+
+def rewritten(path: Path, tmp_path: Path, edit: Callable[[dict], None]) -> SavedProfile:
+    """The saved run at ``path`` with ``edit`` applied to its JSON, read back."""
+    data = json.loads(path.read_text())
+    edit(data)
+    out = tmp_path / f"edited_{path.parent.name}.json"
+    out.write_text(json.dumps(data))
+    return load(out)
+
+
+def test_a_rates_range_is_its_steps_own_rates_so_batches_of_changing_lengths_at_one_rate_are_exact(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Six clean steps of 1, 2 and 3 times the work in 1, 2 and 3 ms: every step ran at one rate, so
+    FLOPS has no range; samples per second (4 samples a step) spreads from 4 / 3 ms to 4 / 1 ms. The
+    steps' times alone spread 3x, and read the lengths as noise."""
+    scale = [1, 2, 3, 1, 2, 3]
+
+    def edit(data: dict) -> None:
+        for step, k in zip(data["clean_each"], scale, strict=True):
+            step["work"]["counts"] = {name: k * 1000 for name in step["work"]["counts"]}
+            step["work"]["samples"] = 4
+            step["seconds"].update(fwd=k * 3e-4, bwd=k * 6e-4, step=k * 1e-4)
+        # the median step by FLOPS: a tie, so the middle two in order (3 and 1 times): 2 ms and 4000 flops
+        data["metrics"][names.FLOPS_PER_SEC] = 2 * 2000 / 2e-3
+        data["metrics"][names.SAMPLES_PER_SEC] = 4 / 2e-3
+
+    found = figures(rewritten(runs["A"], tmp_path, edit))
+    rate, samples = found["flops_per_sec"], found["samples_per_sec"]
+    assert (rate.low, rate.high) == (pytest.approx(2e6), pytest.approx(2e6))
+    assert (samples.low, samples.high) == (pytest.approx(4 / 3e-3), pytest.approx(4 / 1e-3))
+
+
+def test_a_modules_change_within_the_base_runs_phase_wobble_is_noise(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A's clean forwards spread over 5 ms (its backwards as they were): a module that did the same work and
+    moved by less than that plus the backwards' spread is noise; B's slowed module (+150 ms) is not."""
+
+    def edit(data: dict) -> None:
+        for i, step in enumerate(data["clean_each"]):
+            step["seconds"]["fwd"] = 0.06 + (0.005 if i == 0 else 0.0)
+
+    a = rewritten(runs["A"], tmp_path, edit)
+    bwd = [step["seconds"]["bwd"] for step in json.loads(runs["A"].read_text())["clean_each"]]
+    wobble = 0.005 + max(bwd) - min(bwd)  # six steps: none left out of the range
+    found = {m.name: m for m in module_changes(a, load(runs["B"]))}
+    assert found["slow"].noise is False
+    same = [m for m in found.values() if m.flops[0] == m.flops[1] and m.bytes[0] == m.bytes[1]]
+    assert {m.name: m.noise for m in same} == {m.name: abs(m.delta_seconds) <= wobble for m in same}
+    assert {"embed", "head", "mixer"} <= {m.name for m in same if m.noise}
