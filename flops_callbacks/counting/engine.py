@@ -55,6 +55,20 @@ from flops_callbacks.user_warning import warn
 __all__ = ["CountingEngine"]
 
 _current_autograd_node = torch._C._current_autograd_node
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _recomputing(node: Any) -> bool:
+    """Whether an op the backward runs is ``torch.utils.checkpoint`` recomputing a forward that is no
+    module's call (``checkpoint(F.scaled_dot_product_attention, q, k, v)``; a module's is known from its
+    hooks): the reentrant checkpoint's own backward node, or the saved-tensor hooks the non-reentrant one
+    recomputes under. Either builds a graph: a backward op runs with grad off (but under create_graph)."""
+    if not torch.is_grad_enabled():
+        return False
+    if node.name() == "CheckpointFunctionBackward":
+        return True
+    hooks = _top_saved_tensors_hooks(True)
+    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
 @dataclass(slots=True)
@@ -123,6 +137,7 @@ class CountingEngine:
         self._flops_in_call = False
         self._bwd_start: Any = None
         self._in_backward = False
+        self._reentrant: Site | None = None  # where a reentrant checkpoint of a functional was called
 
     def start(self) -> None:
         if self.running:
@@ -308,6 +323,20 @@ class CountingEngine:
         forward = _current_autograd_node() is None and not (self._stack and self._stack[-1].recompute)
         self._tags.tag(out, ctx, self._saved.watch if forward else None)
 
+    def _backward_site(self, node: Any) -> tuple[int, Site]:
+        """The phase and the place of an op the backward runs: its node's tag. A checkpointed functional
+        (no module's call) recomputes under the tag of the node whose backward recomputes it; with the
+        reentrant checkpoint, the recomputed graph's backward runs next, its nodes untagged (no torch
+        function mode runs in an autograd Function's backward): its work goes where the checkpoint was."""
+        tag = cast(dict, node.metadata).get(TAG)
+        if _recomputing(node):
+            ctx = tag or self._ctx or self._context()
+            self._reentrant = ctx if node.name() == "CheckpointFunctionBackward" else None
+            return REC, ctx
+        if tag is not None:
+            self._reentrant = None
+        return BWD, tag or self._reentrant or self._ctx or self._context()
+
     # --- ops: the hot path ---------------------------------------------------------------------------
 
     def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -325,7 +354,7 @@ class CountingEngine:
         if self._stack and self._stack[-1].recompute:
             phase, ctx = REC, self._ctx or self._context()
         elif node is not None:
-            phase, ctx = BWD, cast(dict, node.metadata).get(TAG) or self._ctx or self._context()
+            phase, ctx = self._backward_site(node)
         else:
             phase, ctx = FWD, self._ctx or self._context()
         timed = phase == BWD or kind is OpKind.UNCOUNTED

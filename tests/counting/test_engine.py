@@ -9,6 +9,7 @@ from dataclasses import fields
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as module_globals
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -165,6 +166,61 @@ def test_recompute_under_activation_checkpointing_is_apart() -> None:
     assert 2 * profile.recompute_macs == UP
     assert 2 * profile.bwd_macs == 2 * (UP + DOWN)
     assert profile.modules["mlp.up"].recompute_macs * 2 == UP
+
+
+class CheckpointedCore(nn.Module):
+    """q, k, v from one Linear, then attention checkpointed as a function (no module of its own):
+    ``use_reentrant`` None is the same model unchecked."""
+
+    HEADS, LENGTH, DIM = 2, 8, 8
+
+    def __init__(self, use_reentrant: bool | None) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(self.HEADS * self.DIM, 3 * self.HEADS * self.DIM)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[0], self.LENGTH, 3, self.HEADS, self.DIM)
+        q, k, v = self.qkv(x).view(shape).permute(2, 0, 3, 1, 4)
+        if self.use_reentrant is None:
+            return F.scaled_dot_product_attention(q, k, v)
+        return checkpoint(F.scaled_dot_product_attention, q, k, v, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpointed_functional_is_recomputed_apart_and_its_backward_is_the_models(
+    use_reentrant: bool,
+) -> None:
+    """Checkpointing changes no backward flop: it adds the attention's forward again, as recompute, to the
+    module that called it (QK^T and AV: 2 x 2 x B x heads x L x L x dim). The reentrant checkpoint's
+    backward of its recomputed graph is the model's backward too, not work outside the model."""
+    batch, c = 2, CheckpointedCore
+    x = torch.randn(batch, c.LENGTH, c.HEADS * c.DIM)
+    torch.manual_seed(0)
+    plain = traced(CheckpointedCore(None), x).profile()
+    torch.manual_seed(0)
+    checkpointed = traced(CheckpointedCore(use_reentrant), x).profile()
+    attention = 2 * 2 * batch * c.HEADS * c.LENGTH * c.LENGTH * c.DIM
+    assert (checkpointed.fwd_flops, checkpointed.bwd_flops) == (plain.fwd_flops, plain.bwd_flops)
+    assert checkpointed.recompute_flops == plain.recompute_flops + attention
+    assert checkpointed.modules[""].recompute_flops == checkpointed.recompute_flops
+    assert checkpointed.modules["qkv"].recompute_flops == 0
+
+
+def test_a_backward_that_makes_a_graph_is_backward_not_recompute() -> None:
+    """A gradient penalty (``create_graph=True``) runs its backward with grad on, as a recompute does."""
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(B, D_IN, requires_grad=True)
+    tracer = CountingEngine(model)
+    tracer.start()
+    try:
+        (grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+        grad.pow(2).sum().backward()
+    finally:
+        tracer.stop()
+    profile = tracer.profile()
+    assert profile.recompute_flops == 0 and 2 * profile.fwd_macs == UP + DOWN
+    assert profile.bwd_flops > 2 * (UP + DOWN)  # the first backward, then the backward of that backward
 
 
 def test_the_tracer_holds_no_activation_a_graph_frees_and_its_recompute_is_freed_too() -> None:
