@@ -68,17 +68,25 @@ __all__ = ["AUDIT_COST", "LoggingInterval", "ThroughputMeter", "audit_every", "t
 
 AUDIT_COST = 0.01  # flops_audit="auto": the audits' share of the run's time, at most
 MIN_AUDIT_EVERY = 10  # steps between audits, at the least (a count that costs nothing is still an event)
+# "auto" audits every n steps with n sharing no factor with 2 .. 8 (210 = 2 x 3 x 5 x 7): work that repeats
+# every few steps (a GAN's generator every other step, a penalty every 4th) is met on every step of its
+# cycle by the next few audits, where an even n would land on the same step of it every time
+_PERIODS = 210
 
 
 def audit_every(audit: int | Literal["auto"], step_seconds: float, count_seconds: float | None) -> int | None:
     """Steps between audits (None: never): ``audit`` itself, or for "auto" as many as make a counted
-    step's extra time (``count_seconds`` less ``step_seconds``) ``AUDIT_COST`` of theirs."""
+    step's extra time (``count_seconds`` less ``step_seconds``) ``AUDIT_COST`` of theirs, off the beat of
+    a short cycle (:data:`_PERIODS`)."""
     if audit != "auto":
         return audit or None
     if step_seconds <= 0 or count_seconds is None:
         return None  # no clean step timed: nothing to weigh the cost against
     extra = max(count_seconds - step_seconds, 0.0)
-    return max(math.ceil(extra / (AUDIT_COST * step_seconds)), MIN_AUDIT_EVERY)
+    every = max(math.ceil(extra / (AUDIT_COST * step_seconds)), MIN_AUDIT_EVERY)
+    while math.gcd(every, _PERIODS) != 1:
+        every += 1
+    return every
 
 
 class LoggingInterval(NamedTuple):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from flops_callbacks.phase_names import BACKWARD, OPTIMIZER_STEP
 from flops_callbacks.reporting.publish import publish
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import leading_batch_size, shape_signature
-from flops_callbacks.session.meter import ThroughputMeter
+from flops_callbacks.session.meter import ThroughputMeter, audit_every
 from flops_callbacks.session.step_session import StepSession
 from tests.support import first_clean
 
@@ -179,3 +180,41 @@ def test_an_evaluation_before_training_does_not_keep_later_intervals_paused() ->
     meter.start(session.result, model, session.flops)
     metered_step(meter, model, torch.randn(4, IN))
     assert meter.metrics()[names.THROUGHPUT_FLOPS_PER_SEC] > 0
+
+
+class EveryOtherStep(nn.Module):
+    """Linear(IN, OUT) after a 20 ms sleep (a step's time the count barely adds to: audits come at their
+    closest spacing), and on every other call four more of it: work of a 2-step cycle, as a GAN's
+    generator stepping every other batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(IN, OUT)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        self.calls += 1
+        y = self.linear(x)
+        for _ in range(4 if self.calls % 2 else 0):
+            y = y + self.linear(x)
+        return y
+
+
+@pytest.mark.parametrize("cost", [(1.0, 1.0), (1.0, 1.05), (0.01, 0.0125), (0.002, 0.1)])
+def test_auto_audits_are_spaced_off_every_short_cycle_and_a_given_spacing_is_kept(cost: tuple) -> None:
+    every = audit_every("auto", *cost)
+    assert every is not None and every >= 10
+    assert all(every % period for period in range(2, 9))  # no cycle of 2 .. 8 steps divides it
+    assert audit_every(10, *cost) == 10
+
+
+def test_work_of_a_two_step_cycle_the_window_saw_one_side_of_is_found_by_the_audits() -> None:
+    model = EveryOtherStep()
+    meter = profiled_meter(model, [4] * first_clean(0))
+    assert meter.every is not None and meter.every % 2  # "auto": an odd spacing
+    with pytest.warns(UserWarning, match=r"did [\d.]+x the flops the shape table gave") as said:
+        for _ in range(2 * meter.every + 2):  # the second audit is on the other step of the cycle
+            metered_step(meter, model, torch.randn(4, IN))
+    ratio = float(re.search(r"did ([\d.]+)x", str(said[0].message)).group(1))  # type: ignore[union-attr]
+    assert ratio < 0.25 or ratio > 4  # five Linears' work against one's (and its additions)
