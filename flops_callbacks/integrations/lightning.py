@@ -123,8 +123,11 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     * backward: ``on_before_backward`` -> ``on_before_optimizer_step`` (or the end of a micro-batch
       that only accumulates): the backward with its gradient all-reduce, ``on_after_backward``,
       GradScaler's unscale.
-    * optimizer step: ``on_before_optimizer_step`` -> ``on_train_batch_end``: clipping, the update,
-      LR schedulers.
+    * optimizer step: ``on_before_optimizer_step`` -> the strategy's ``optimizer_step`` returns (automatic
+      optimization; manual: ``training_step`` returns): clipping, the update.
+    * data: from Lightning's start of the next batch's fetch (its data fetcher's profiler start) to its
+      forward; what runs after our ``on_train_batch_end`` before it (later callbacks' such as
+      ``ModelCheckpoint``'s save, logging) is the step's other.
 
     In automatic optimization the strategy's ``backward`` and ``optimizer_step`` are wrapped for a window
     micro-batch too (instance attributes, removed at its end): what those calls raise (but a
@@ -184,7 +187,12 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             # automatic optimization: the backward and the optimizer step are Lightning's (manual: the user's
             # training_step calls them and may catch what they raise; its own guard sees what it does not)
             if pl_module.automatic_optimization:
-                self._guards = tuple(WrappedMethod(strategy, n, self._closing, once=False) for n in _GUARDED)
+                self._guards = tuple(
+                    WrappedMethod(
+                        strategy, n, self._stepping if n == "optimizer_step" else self._closing, once=False
+                    )
+                    for n in _GUARDED
+                )
 
     def _user_code(self, training_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The strategy's ``training_step``: the forward restarts at the user's code and the phases stop
@@ -207,6 +215,26 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         except BaseException:
             self.session.guard.closing(self._close)
             raise
+
+    def _stepping(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The strategy's optimizer step (its closure runs the forward and backward first): the step's timed
+        part ends where it returns; Lightning's LR schedulers and the callbacks before ours are its other."""
+        out = self._closing(call, args, kwargs)
+        self.session.stop_timing()
+        return out
+
+    def _watch_fetch(self, trainer: pl.Trainer) -> None:
+        """Until the next micro-batch starts: mark where Lightning starts fetching it, so that the wait for
+        data starts there, not at our batch end (the callbacks after ours, a checkpoint's save, logging: the
+        step's other). Lightning has no event there: its data fetcher's profiler start, an instance
+        attribute its epoch loop sets (one it sets again at an epoch's start puts ours away)."""
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if self.session.window_open and "_start_profiler" in getattr(fetcher, "__dict__", {}):
+            self._guards = (*self._guards, WrappedMethod(fetcher, "_start_profiler", self._fetching))
+
+    def _fetching(self, start: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self.session.fetching()
+        return start(*args, **kwargs)
 
     def _unguard(self) -> None:
         guards, self._guards = self._guards, ()
@@ -238,13 +266,16 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         session = self.session
         session.micro_batch_end(pause=True)  # validation may run before the next micro-batch
         if trainer.global_step == self._step_at_batch_start:
-            return  # gradients are accumulating: the optimizer step has not run yet
+            return self._watch_fetch(
+                trainer
+            )  # gradients are accumulating: the optimizer step has not run yet
         self._end_step()
         every = trainer.log_every_n_steps  # Lightning's cadence (set in its constructor)
         logs = bool(every) and (_logging_step(trainer) + 1) % every == 0
         session.step_end(trainer.global_step, _Sink(trainer), logs=logs)
         if session.result is not None and self._profiled_step is None:
             self._profiled_step = session.result.step
+        self._watch_fetch(trainer)
 
     def _end_step(self) -> None:
         self._unwrap()

@@ -188,7 +188,7 @@ class StepSession:
     @_own_work("ending the run")
     def train_end(self, global_step: int, sink: Sink) -> None:
         """The run ended (on every rank): publish a window it cut short, or say that none ran."""
-        self._stop_instruments()
+        self.instruments.stop(self.flops, self._step)  # a counted micro-batch's counts: the table
         self._step = None
         self._after_window(sink)
         self.job_meter.close()
@@ -210,8 +210,7 @@ class StepSession:
                 self.publish(self.result, self.options, log_dir, sink, self.guard, skip, True)  # files only
 
     def _should_have_run(self) -> bool:
-        """A window was expected and no warning at train start said otherwise (a run shorter than
-        its announced length, an iterable dataset that ran out)."""
+        """A window was expected and no warning at train start said otherwise (a run cut short)."""
         return self.enabled and not (self._resumed_past or self._unreachable or self._abandoned)
 
     @_own_work("cleaning up", abandon=False)
@@ -274,7 +273,7 @@ class StepSession:
         clock = self.plan.clock = self._steps[0].phases.clock if self._steps else clock_for(device)
         start_mark = self._steps[-1].end_mark if self._steps else None
         phases = StepPhases(clock, phase_memory_for(device) if kind is None else None)  # peaks: clean steps
-        step = WindowStep(kind, global_step, phases, start_mark, paused=self._pauses.take())
+        step = WindowStep(kind, global_step, phases, start_mark, **self._pauses.take())
         self._steps.append(step)
         self._step = step
         self.instruments.for_step(step, model, runs)
@@ -360,13 +359,19 @@ class StepSession:
         if step is None:
             self.job_meter.micro_batch_end()
             return
-        self._stop_instruments()
+        self.instruments.stop(self.flops, self._step)
         if self._counting_failed():
             return
         if pause or (step.kind == Kind.COUNTING and self.off_clock.trial is not None):
             step.phases.stop()  # the trial of a fake count, right after the real count, is no phase's
         if step.kind == Kind.COUNTING and self._model is not None:
             self.off_clock.try_trial(self._model, self.flops)
+
+    @_own_work("marking a fetch")
+    def fetching(self) -> None:
+        """The framework starts fetching the next micro-batch: the wait for data starts here."""
+        if self.plan.open and self._steps:
+            self._pauses.fetching(self.plan.clock.mark(), self._step)
 
     @_own_work("marking a phase")
     def stop_timing(self) -> None:
@@ -392,7 +397,7 @@ class StepSession:
         """This rank's window step ended: whether it has its clean steps, and its (exposed, span)."""
         step = self._step
         assert step is not None
-        self._stop_instruments()
+        self.instruments.stop(self.flops, self._step)
         if self._counting_failed():
             return False, None
         step.phases.stop()
@@ -423,10 +428,6 @@ class StepSession:
             return self.job_meter.resume()
         self._abandoned = True
         self.close()
-
-    def _stop_instruments(self) -> None:
-        """Stop what runs; a counted micro-batch's counts go in the table."""
-        self.instruments.stop(self.flops, self._step)
 
     def _counting_failed(self) -> bool:
         """Whether a formula failed while counting (said here, and the window dropped)."""

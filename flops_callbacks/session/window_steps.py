@@ -115,6 +115,9 @@ class WindowStep:
     start_mark: Any = None  # the previous window step's end: where this wall step starts
     end_mark: Any = None
     paused: list[tuple[Any, Any]] = field(default_factory=list)  # in its wall, the run's declared pauses
+    # where the framework began fetching its first batch, and how many of ``paused`` came before (None: the
+    # wait for data is all its time before its first forward)
+    fetch: tuple[Any, int] | None = None
     ended: bool = False  # its end marked (a meta clock's marks are None)
     signatures: list[Signature] = field(default_factory=list)
     # each micro-batch, and how the adapter's step runs it again, where the window's end may count it
@@ -196,8 +199,9 @@ class WindowStep:
 
     def seconds(self) -> dict[str, float]:
         """Seconds of each latency of this step (data and wall 0 without the previous step's end). Its data
-        time is the wait before its first forward and between its micro-batches; a pause the run declared
-        (evaluation: ``pause()`` / ``resume()``) is neither its data nor its wall."""
+        time is the wait before its first forward and between its micro-batches (from the fetch's start,
+        where the framework says it); a pause the run declared (evaluation: ``pause()`` / ``resume()``) is
+        neither its data nor its wall."""
         fwd, bwd, opt = self.phases.seconds()
         clock = self.phases.clock
         first = self.phases.first_mark
@@ -205,7 +209,9 @@ class WindowStep:
         if self.start_mark is not None and self.end_mark is not None and first is not None:
             paused = sum(clock.seconds(a, b) for a, b in self.paused)
             wall = max(clock.seconds(self.start_mark, self.end_mark) - paused, 0.0)
-            data = max(clock.seconds(self.start_mark, first) + self.phases.wait_seconds() - paused, 0.0)
+            waited_from, before = self.fetch or (self.start_mark, 0)
+            paused -= sum(clock.seconds(a, b) for a, b in self.paused[:before])
+            data = max(clock.seconds(waited_from, first) + self.phases.wait_seconds() - paused, 0.0)
         return {"fwd": fwd, "bwd": bwd, "step": opt, "iter": fwd + bwd + opt, "data": data, "wall": wall}
 
     def work(self, counts: BatchCounts | None = None) -> StepWork:
@@ -326,6 +332,16 @@ class Pauses:
     def __init__(self) -> None:
         self.start: Any = None  # the open pause's clock mark (None: none is open)
         self.waiting: list[tuple[Any, Any]] = []
+        self.fetch: tuple[Any, int] | None = None  # the next step's fetch: its mark, the pauses before it
+
+    def fetching(self, mark: Any, step: WindowStep | None) -> None:
+        """The framework starts fetching the next micro-batch at ``mark``: of ``step`` (between its
+        micro-batches), or (None) of the next window step (:attr:`WindowStep.fetch`). What ran since the
+        last one (other callbacks, logging) is no wait for data: the step's other time."""
+        if step is not None:
+            step.phases.fetching(mark)
+        else:
+            self.fetch = (mark, len(self.waiting))
 
     def begin(self, mark: Any) -> None:
         self.start = mark
@@ -336,7 +352,9 @@ class Pauses:
             (step.paused if step is not None else self.waiting).append((self.start, mark))
             self.start = None
 
-    def take(self) -> list[tuple[Any, Any]]:
-        """The pauses a window step that starts now holds (those since the last one ended)."""
-        waiting, self.waiting, self.start = self.waiting, [], None
-        return waiting
+    def take(self) -> dict[str, Any]:
+        """What a window step that starts now holds: the pauses since the last one ended, and its fetch
+        (:class:`WindowStep`'s ``paused`` and ``fetch``)."""
+        held = {"paused": self.waiting, "fetch": self.fetch}
+        self.waiting, self.start, self.fetch = [], None, None
+        return held

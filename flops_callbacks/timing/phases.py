@@ -94,6 +94,12 @@ class StepPhases:
         self._close(self.current, mark)
         self._ended, self._since = self.current, mark
 
+    def fetching(self, mark: Any) -> None:
+        """The framework starts fetching the next micro-batch at ``mark``: the wait for it starts there, and
+        what ran since timing stopped (other callbacks' work after the last micro-batch) is no wait."""
+        if self.current is None and self._stopped is not None:
+            self._stopped = mark
+
     def stop(self) -> None:
         """Stop timing (between micro-batches, at the end of the step); a held-open gap continues the
         phase that ended."""

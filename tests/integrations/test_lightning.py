@@ -25,11 +25,13 @@ import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -1073,6 +1075,44 @@ def test_the_forward_is_training_step_and_lightnings_work_around_it_is_the_steps
     metrics = result.metrics()  # the median step's wall step, less its wait for data and fwd + bwd + step
     other = metrics[names.WALL_LATENCY] - metrics[names.DATA_LATENCY] - result.iter_latency
     assert other == pytest.approx(2 * SLEEP, rel=0.15)  # the two sleeps, in the wall step's split
+
+
+class SlowBatchEnd(L.Callback):
+    """Work in ``on_train_batch_end`` (a metric upload, a checkpoint's save), made long."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        time.sleep(SLEEP)
+
+
+def slow_collate(rows: list) -> Any:
+    time.sleep(SLEEP / 2)
+    return torch.utils.data.default_collate(rows)
+
+
+def test_callbacks_batch_ends_before_and_after_ours_and_a_checkpoints_save_are_the_steps_other_not_its_data(
+    tmp_path: Path,
+) -> None:
+    """A callback before ours and one after ours each sleep in ``on_train_batch_end``, and
+    ``ModelCheckpoint`` (which Lightning moves last) saves after every step: the optimizer step is its
+    sleep alone, the wait for data the collate function's sleep alone, the rest is the step's other
+    (they read as the optimizer step and the data wait: "bound by the input pipeline")."""
+    callback = quiet_callback(profile_step=0, clean_steps=3)
+    end = window_end(0, 3)
+    data = torch.utils.data.TensorDataset(torch.randn(end * 2, 4))
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    fit(
+        tmp_path, SleepyModule(SLEEP, SLEEP, SLEEP), None,
+        torch.utils.data.DataLoader(data, batch_size=2, collate_fn=slow_collate), max_steps=end,
+        callbacks=[SlowBatchEnd(), callback, SlowBatchEnd(), saving], enable_checkpointing=True,
+    )  # fmt: skip
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == end  # a save after every step, the window's too
+    result = callback.result
+    assert (result.fwd_latency, result.bwd_latency) == pytest.approx((SLEEP, SLEEP), rel=0.15)
+    assert result.step_latency == pytest.approx(SLEEP, rel=0.15)  # not the callback's sleep before ours too
+    metrics = result.metrics()
+    assert metrics[names.DATA_LATENCY] == pytest.approx(SLEEP / 2, rel=0.15)  # the collate function's
+    other = metrics[names.WALL_LATENCY] - metrics[names.DATA_LATENCY] - result.iter_latency
+    assert other >= 2 * SLEEP  # both callbacks' sleeps and the save
 
 
 def test_a_gan_stepping_two_optimizers_in_one_step_gets_each_phase_within_15_percent(tmp_path: Path) -> None:
