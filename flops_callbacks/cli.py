@@ -39,12 +39,14 @@ from flops_callbacks.reporting.compare import (
     own_seconds,
     percent_text,
     range_text,
+    setup_note,
     work_note,
 )
 from flops_callbacks.reporting.gate_rules import Rule, gate
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_file import SavedProfile, load, load_runs
 from flops_callbacks.reporting.publish import picture
+from flops_callbacks.reporting.tree_check import TreeCheck
 from flops_callbacks.reporting.window_rows import report_text, tree_doubts
 from flops_callbacks.units import bytes_to_string, duration_to_string, number_to_string
 
@@ -237,18 +239,39 @@ def _runs(path: str) -> list[SavedProfile]:
 
 def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     a, b = _window(args.a), _window(args.b)
-    note, figures, alone = work_note(a, b), changes(a, b), one_sided(a, b)
+    figures, alone, notes = changes(a, b), one_sided(a, b), _notes(a, b)
     # a reused tree holds an earlier window's module times: no change of this window's to show
     modules = module_changes(a, b) if not (a.result.steps.reused or b.result.steps.reused) else []
     if args.json:
-        data = _diff_json(a, b, note, figures, modules)
+        data = _diff_json(a, b, figures, modules)
         data["one_sided"] = [{"name": n, "in": side, "why_not_the_other": why} for n, side, why in alone]
         print(json.dumps(data, indent=2), file=out)
     else:
-        print(_diff_text(a, b, note, (figures, alone), modules[: args.top], len(modules), paint), file=out)
+        print(_diff_text(a, b, notes, (figures, alone), modules[: args.top], len(modules), paint), file=out)
     if args.html:
-        _write_page(args.html, _diff_html(a, b, note, figures))
+        _write_page(args.html, _diff_html(a, b, notes, figures))
     return EXIT_OK
+
+
+def _notes(a: SavedProfile, b: SavedProfile) -> list[str]:
+    """Why the runs' figures do not compare as they read, each a sentence: other work, other setups,
+    latencies of no clean step, module times not measured in the window."""
+    notes = [note for note in (work_note(a, b), setup_note(a, b)) if note]
+    for label, saved in (("A", a), ("B", b)):
+        steps = saved.result.steps
+        if not steps.clean:
+            notes.append(
+                f"{label}'s latencies rest on no clean step (clean_steps 0: the run ended before them): they "
+                "are its counting or module-timing step's, inflated by the profiler's own work, so its times "
+                "and rates are not its configuration's"
+            )
+        if steps.reused:
+            why = f"a re-profile window: its module tree is the window's of step {steps.counting}, reused"
+            notes.append(f"{label} timed no module ({why}): no module's change is shown")
+        elif not steps.module_timing:
+            why = "the run ended before its module-timing steps: its module times are the counting step's"
+            notes.append(f"{label} timed no module ({why}, slowed by counting)")
+    return notes
 
 
 def _timed_modules(saved: SavedProfile) -> bool:
@@ -325,7 +348,7 @@ def _module_rows(modules: list[ModuleChange], paint: _Paint) -> list[str]:
 def _diff_text(
     a: SavedProfile,
     b: SavedProfile,
-    note: str | None,
+    notes: list[str],
     figures: tuple[list[Change], list[tuple[str, str, str]]],
     modules: list[ModuleChange],
     total: int,
@@ -337,19 +360,8 @@ def _diff_text(
     for label, saved in (("A", a), ("B", b)):  # several ranks: the rank the others wait for, or none
         if saved.result.slow_rank is not None:
             lines.append(f"slow rank, {label}: {slow_rank_text(saved.result.slow_rank)}")
-    if note:
+    for note in notes:
         lines += ["", paint(f"NOTE: {note}.", RED)]
-    for label, saved in (("A", a), ("B", b)):
-        steps = saved.result.steps
-        if steps.reused:
-            why = f"a re-profile window: its module tree is the window's of step {steps.counting}, reused"
-            lines += [
-                "",
-                paint(f"NOTE: {label} timed no module ({why}): its modules are left out below.", RED),
-            ]
-        elif not steps.module_timing:
-            why = "the run ended before its module-timing steps: its module times are the counting step's"
-            lines += ["", paint(f"NOTE: {label} timed no module ({why}, slowed by counting).", RED)]
     lines += [
         "",
         "Headline figures: each latency as logged (the median step's) and its range over the clean steps "
@@ -375,24 +387,23 @@ def _number(value: float) -> float | None:
     return value if math.isfinite(value) else None  # JSON has no infinity
 
 
-def _figure_json(f: Figure) -> dict[str, float]:
-    return {"value": f.value, "low": f.low, "high": f.high, "runs": f.runs}
-
-
 def _diff_json(
-    a: SavedProfile, b: SavedProfile, note: str | None, figures: list[Change], modules: list[ModuleChange]
+    a: SavedProfile, b: SavedProfile, figures: list[Change], modules: list[ModuleChange]
 ) -> dict[str, Any]:
+    note = work_note(a, b)
     return {
         "a": a.source,
         "b": b.source,
         "same_work": note is None,
         "work_note": note,
+        "setup_note": setup_note(a, b),
+        "clean_steps": {"a": len(a.result.steps.clean), "b": len(b.result.steps.clean)},
         "module_times_measured": {"a": _timed_modules(a), "b": _timed_modules(b)},
         "figures": [
             {
                 "name": c.name,
-                "a": _figure_json(c.a),
-                "b": _figure_json(c.b),
+                "a": c.a.data(),
+                "b": c.b.data(),
                 "relative": _number(c.relative),
                 "noise": c.noise,
                 "direction": {1: "better", -1: "worse", 0: None}[c.direction],
@@ -414,8 +425,9 @@ def _diff_json(
     }
 
 
-def _diff_html(a: SavedProfile, b: SavedProfile, note: str | None, figures: list[Change]) -> str:
-    """B's picture, each module coloured by the change of its own time against A's same-named module."""
+def _diff_html(a: SavedProfile, b: SavedProfile, notes: list[str], figures: list[Change]) -> str:
+    """B's picture, each module coloured by the change of its own time against A's same-named module; by
+    its achieved FLOPS where either run's module times are an earlier window's (no change to colour by)."""
     shown = ("fwd_latency", "bwd_latency", "step_latency", "iter_latency", "flops_per_sec", "mfu")
     headline = [("A (compared against)", a.source), ("B (drawn)", b.source)]
     headline += [
@@ -423,6 +435,7 @@ def _diff_html(a: SavedProfile, b: SavedProfile, note: str | None, figures: list
         for c in figures
         if c.name in shown
     ]
+    tree, said = tree_doubts(b.result), [f"{n}." for n in notes]
     own = own_seconds(a.result.profile)
     base = {
         name: {
@@ -434,13 +447,15 @@ def _diff_html(a: SavedProfile, b: SavedProfile, note: str | None, figures: list
         for name, m in a.result.profile.modules.items()
         if name in b.result.profile.modules
     }
+    # an earlier window's module times (a re-profile window's): B drawn by its achieved FLOPS, no change
+    reused = a.result.steps.reused or b.result.steps.reused
     return render_html(
         b.result.profile,
         title=f"flops_callbacks diff: {b.source} against {a.source}",
         headline=headline,
         no_roofline=f"a diff draws no roofline (flops-callbacks show {b.source} --html OUT draws B's)",
-        doubts=tree_doubts(b.result),
-        against={"label": "A", "note": note or "", "modules": base},
+        doubts=TreeCheck(said + tree.notes, tree.flagged) if reused else tree,
+        against=None if reused else {"label": "A", "note": " ".join(said), "modules": base},
     )
 
 
@@ -451,7 +466,7 @@ def _gate(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     rules = [Rule.parse(text) for text in args.fail_on]  # before the files: a typo is said first
     base, new = _runs(args.base), _runs(args.new)
     checks = gate(base, new, rules)
-    note = work_note(base[0], new[0])
+    note, setup = work_note(base[0], new[0]), setup_note(base[0], new[0])
     failed = [v for v in checks if v.failed]
     code = EXIT_WORSE if failed else EXIT_OK
     if args.json:
@@ -464,26 +479,14 @@ def _gate(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
             "new_runs": [saved.source for saved in new],
             "same_work": note is None,
             "work_note": note,
-            "checks": [
-                {
-                    "rule": str(v.rule),
-                    "figure": v.rule.figure,
-                    "limit": v.rule.limit,  # a fraction: 0.1 for 10%
-                    "worse_when": "grows" if v.rule.grows else "falls",
-                    "base": _figure_json(v.change.a),
-                    "new": _figure_json(v.change.b),
-                    "relative": _number(v.change.relative),
-                    "noise": v.change.noise,
-                    "failed": v.failed,
-                    "reason": v.reason,
-                }  # fmt: skip
-                for v in checks
-            ],
+            "setup_note": setup,
+            "checks": [v.data() for v in checks],
         }
         print(json.dumps(data, indent=2), file=out)
         return code
-    if note:
-        print(f"{PROG} gate: note: {note}", file=sys.stderr)
+    for said in (note, setup):
+        if said:
+            print(f"{PROG} gate: note: {said}", file=sys.stderr)
     if failed:
         print(paint("FAIL", RED) + ": " + "; ".join(v.reason for v in failed), file=out)
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import html
 import io
 import json
 import os
@@ -26,6 +27,7 @@ from flops_callbacks.communication.slow_rank import find_slow_rank
 from flops_callbacks.reporting.compare import figures
 from flops_callbacks.reporting.profile_file import json_data, load
 from tests.communication.test_slow_rank import forward_sleep
+from tests.reporting.test_compare import rewritten
 from tests.saved_runs import BATCH, SLOWER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -461,3 +463,131 @@ def test_show_and_diff_say_the_slow_rank_of_a_several_rank_file(
     rows = {re.split(r" {2,}", line)[0]: re.split(r" {2,}", line) for line in lines}
     assert rows["slow_rank"][1:3] == ["rank 1", "none"]
     assert rows["slow_rank_extra_latency"][1:3] == ["20 ms", "0 s"]
+
+
+def page_data(page: Path) -> dict:
+    """The data a picture's page draws (its modules, and the run it is compared against)."""
+    found = re.search(r'<script type="application/json" id="profile-data">(.*?)</script>', page.read_text())
+    return json.loads(found[1])
+
+
+def test_diff_picture_of_a_window_that_timed_no_module_colours_no_change_and_says_why(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A re-profile window (its first step 50, after the counting step 1 of the window it reuses) holds
+    that window's module tree: the picture colours no module by a change (none is measured, so none is
+    "the same"), and says so above the chart, as the text diff does."""
+
+    def reprofiled(data: dict) -> None:
+        data["steps"]["first"] = 50
+
+    window = rewritten(runs["A2"], tmp_path, reprofiled).source
+    note = "timed no module (a re-profile window: its module tree is the window's of step 1, reused)"
+    for a, b, label in ((str(runs["A"]), window, "B"), (window, str(runs["A"]), "A")):
+        page, said = tmp_path / f"{label}.html", f"{label} {note}: no module's change is shown."
+        done = cli("diff", a, b, "--html", str(page))
+        assert done.returncode == 0 and f"NOTE: {said}" in done.stdout.splitlines()
+        assert page_data(page)["against"] is None  # B's modules drawn by their achieved FLOPS
+        assert f"<li>{said}</li>" in html.unescape(page.read_text())  # above the chart
+
+
+def cut_short(data: dict) -> None:
+    """The run as one that ended before its clean steps leaves it: no clean step, its latencies the one
+    step timed instead (a module-timing step's)."""
+    data["steps"]["clean"] = []
+    data["clean_each"] = data["clean_each"][:1]
+    data["metrics"]["flops_profiler/clean_steps"] = 0.0
+
+
+def test_a_run_with_no_clean_step_is_noted_by_diff_and_refused_by_a_gate_on_its_times(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    a, cut = str(runs["A"]), rewritten(runs["A2"], tmp_path, cut_short).source
+    done = cli("diff", a, cut)
+    assert done.returncode == 0
+    assert (
+        "NOTE: B's latencies rest on no clean step (clean_steps 0: the run ended before them): they are its "
+        "counting or module-timing step's, inflated by the profiler's own work, so its times and rates are "
+        "not its configuration's."
+    ) in done.stdout.splitlines()
+    assert json.loads(cli("diff", a, cut, "--json").stdout)["clean_steps"] == {"a": 6, "b": 0}
+    for rule in ("iter_latency:+10%", "samples_per_sec:-5%", "mfu:-5%"):
+        done = cli("gate", a, cut, "--fail-on", rule)
+        figure = rule.partition(":")[0]
+        assert (done.returncode, done.stdout) == (2, "")
+        assert done.stderr == (
+            f"flops-callbacks gate: error: --fail-on {rule}: {cut} has no clean step (clean_steps 0: the run "
+            f"ended before them), so its {figure} is its counting or module-timing step's, inflated by the "
+            "profiler's own work, not the configuration's: gate a run long enough for its clean steps, or a "
+            "count (bwd_bytes, bwd_flops, clean_steps, fwd_bytes, fwd_flops, fwd_macs, padding_fraction, "
+            "params, recompute_flops, saved_activation_bytes)\n"
+        )
+    # counts are no clock's: gated as any run's, and exact (A's forward 19712 flops, then 1000 more)
+    done = cli("gate", cut, a, "--fail-on", "fwd_flops:+0%")
+    assert (done.returncode, done.stdout) == (
+        0,
+        "ok: fwd_flops: 19.71 K -> 19.71 K (+0.0%), within fwd_flops:+0%\n",
+    )
+
+    def grown(data: dict) -> None:
+        data["metrics"]["flops_profiler/fwd_flops"] += 1000
+        data["profile"]["modules"][""]["fwd_flops"] += 1000
+
+    done = cli("gate", cut, rewritten(runs["A"], tmp_path, grown).source, "--fail-on", "fwd_flops:+0%")
+    assert done.returncode == 1
+    assert done.stdout == (  # 1000 / 19712 = +5.07%
+        "FAIL: fwd_flops got worse: 19.71 K -> 20.71 K (+5.1%), beyond fwd_flops:+0% (a count: exact, no "
+        "range)\n"
+    )
+
+
+def test_diff_and_gate_name_each_difference_of_setup(runs: dict[str, Path], tmp_path: Path) -> None:
+    """A against A2 as a 2-rank bf16 run on CUDA would leave it, with twice A's peak: each difference named,
+    A's -> B's, and what it does to the figures where that is not plain; the gate's exit code as before."""
+
+    def elsewhere(data: dict) -> None:
+        data["parallel"].update(world_size=2, data_parallel=2)
+        data["profile"]["device"] = "cuda:0"
+        data["compute_dtype"] = "bf16"
+        data["peak"]["flops"] = 2e11
+
+    a, b = str(runs["A"]), rewritten(runs["A2"], tmp_path, elsewhere).source
+    note = (
+        "the runs ran on different setups: world size 1 -> 2; data-parallel size 1 -> 2 (samples and tokens "
+        "per second count every replica); device type cpu -> cuda; compute dtype fp32 -> bf16; peak FLOPS "
+        "100 GFLOPS -> 200 GFLOPS (MFU and HFU are over each run's own)"
+    )
+    done = cli("diff", a, b)
+    assert done.returncode == 0 and f"NOTE: {note}." in done.stdout.splitlines()
+    assert json.loads(cli("diff", a, b, "--json").stdout)["setup_note"] == note
+    assert "NOTE: the runs ran on" not in cli("diff", a, str(runs["A2"])).stdout
+    done = cli("gate", a, b, "--fail-on", "fwd_flops:+0%")
+    assert (done.returncode, done.stderr) == (0, f"flops-callbacks gate: note: {note}\n")
+    assert json.loads(cli("gate", a, b, "--fail-on", "fwd_flops:+0%", "--json").stdout)["setup_note"] == note
+
+    def remeasured(data: dict) -> None:  # peak_flops="measure" again on the same device: 5% apart
+        data["peak"]["flops"] = 1.05e11
+
+    again = rewritten(runs["A2"], tmp_path, remeasured).source
+    assert "NOTE: the runs ran on" not in cli("diff", a, again).stdout
+
+
+def test_show_and_diff_exit_2_on_a_hand_damaged_file_naming_the_field(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    cases = {
+        '"steps": "clean" is null, expected a list of step numbers': lambda d: d["steps"].update(clean=None),
+        '"clean_each" is [], expected a list of each clean step\'s work and seconds (at least the one step a '
+        "window with no clean step timed instead)": lambda d: d.update(clean_each=[]),
+    }
+    for i, (why, damage) in enumerate(cases.items()):
+        data, damaged = json.loads(runs["A"].read_text()), tmp_path / f"damaged{i}.json"
+        damage(data)
+        damaged.write_text(json.dumps(data))
+        for args in (("show", str(damaged)), ("diff", str(runs["A"]), str(damaged))):
+            done = cli(*args)
+            assert (done.returncode, done.stdout) == (2, ""), args
+            assert done.stderr == (
+                f"flops-callbacks {args[0]}: error: {damaged}: a profile of schema version 2, but malformed: "
+                f"{why}\n"
+            )

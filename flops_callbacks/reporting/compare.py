@@ -7,9 +7,10 @@ What counts as noise, in one place (:func:`is_noise`): a latency's range is what
 over, their fastest and slowest tenth left out (:data:`TRIM`: a step a neighbour's job stalled is not the
 configuration's spread; under 10 steps, min .. max); a rate's is what the same steps' own rates spread over
 (each step's work over its own time: with batches of changing lengths a long batch's step is slower at
-the same rate, so the steps' times alone would read the lengths as noise); a step's energy (per step, sample, token) is the
-wall step's range scaled from their mean, the same power over a faster or a slower step, and tokens per
-joule its inverse; a count (flops, bytes, params) and the mean power are exact and have none. A
+the same rate, so the steps' times alone would read the lengths as noise); a step's energy (per step,
+sample, token) is the wall step's range scaled from their mean, the same power over a faster or a slower
+step, and tokens per joule its inverse; a count (flops, bytes, params) and the mean power are exact and
+have none (:data:`COUNTS`: a run with no clean step has them as any run does). A
 change is noise when the new run's figure lies within the base run's range: the base run's own steps
 spread that far with nothing changed. A module's own time has no range of its own (its latency is one
 module-timing step's), so its change is noise when it is within the base run's phase wobble:
@@ -38,6 +39,7 @@ from flops_callbacks.session.window_steps import CleanFigures, StepWork
 __all__ = [
     "Change",
     "Figure",
+    "COUNTS",
     "ModuleChange",
     "changes",
     "figure_text",
@@ -46,14 +48,13 @@ __all__ = [
     "module_changes",
     "one_sided",
     "one_sided_lines",
-    "one_configuration",
     "own_seconds",
     "percent_text",
     "range_text",
     "run_figures",
+    "setup_note",
     "short",
     "spread_range",
-    "why_absent",
     "work_note",
 ]
 
@@ -110,6 +111,13 @@ def short(name: str) -> str:
     return name.removeprefix(names.PREFIX)
 
 
+# the figures no clock makes (counts, and padding's share of them): a run with no clean step has them as any
+COUNTS = frozenset(short(n) for n in (
+    names.FWD_FLOPS, names.BWD_FLOPS, names.RECOMPUTE_FLOPS, names.FWD_MACS, names.FWD_BYTES, names.BWD_BYTES,
+    names.SAVED_ACTIVATION_BYTES, names.PARAMS, names.CLEAN_STEPS, names.PADDING_FRACTION,
+))  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Figure:
     """One metric of a run as logged, with its range (its own value at both ends when exact); of
@@ -120,6 +128,10 @@ class Figure:
     low: float
     high: float
     runs: int = 1  # how many runs the value is the median of
+
+    def data(self) -> dict[str, float]:
+        """As JSON data (what ``diff --json`` and ``gate --json`` print)."""
+        return {"value": self.value, "low": self.low, "high": self.high, "runs": self.runs}
 
 
 def spread_range(values: list[float]) -> tuple[float, float]:
@@ -212,19 +224,6 @@ def run_figures(runs: Sequence[SavedProfile]) -> dict[str, Figure]:
     return found
 
 
-def one_configuration(runs: Sequence[SavedProfile]) -> None:
-    """ValueError naming the first of ``runs`` that did other work than the first run (another model or
-    batch): runs of one configuration, or their median means nothing.
-
-    Args:
-        runs: the runs of one side of a gate.
-    """
-    for saved in runs[1:]:
-        note = work_note(runs[0], saved)
-        if note is not None:
-            raise ValueError(f"{saved.source} is not a run of {runs[0].source}'s configuration: {note}")
-
-
 def is_noise(a: Figure, b: Figure) -> bool:
     """Whether ``b`` lies within ``a``'s range: the base's own clean steps (or runs) spread that far.
 
@@ -287,7 +286,8 @@ def changes(a: SavedProfile, b: SavedProfile) -> list[Change]:
 
 def work_note(a: SavedProfile, b: SavedProfile) -> str | None:
     """What says the runs did different work (another model or batch), so that their times are not
-    comparable; None when their flops per step are the same.
+    comparable; None when their flops per step are the same, or when their params and batch sizes are and
+    either run's batches vary from step to step (its flops then follow each batch's lengths).
 
     Args:
         a: the first run.
@@ -296,14 +296,41 @@ def work_note(a: SavedProfile, b: SavedProfile) -> str | None:
     pa, pb = a.result.profile, b.result.profile
     if (pa.fwd_flops, pa.bwd_flops, pa.recompute_flops) == (pb.fwd_flops, pb.bwd_flops, pb.recompute_flops):
         return None
+    size = a.batch_size(), b.batch_size()
+    if pa.params == pb.params and size[0] == size[1] and (a.varies() or b.varies()):
+        return None  # one configuration whose batches vary: each one's flops follow its lengths
     flops = f"{units.number_to_string(pa.hardware_flops)} -> {units.number_to_string(pb.hardware_flops)}"
     params = f"params {units.params_to_string(pa.params)} -> {units.params_to_string(pb.params)}"
-    samples = f"samples per device {a.result.samples} -> {b.result.samples}"
+    samples = "samples per device {} -> {}".format(*("n/a" if n is None else n for n in size))
     return (
         f"the runs did different work: fwd+bwd+recompute flops per step {flops} "
         f"({percent_text(_relative(pa.hardware_flops, pb.hardware_flops))}; {params}, {samples}): "
         "another model or another batch, so their times are not comparable"
     )
+
+
+_PEAK_WOBBLE = 0.1  # two peaks this close are one device's, measured twice (peak_flops="measure")
+# what a difference of setup does to the figures, where it is not plain
+_SETUP_EFFECT = {
+    "data-parallel size": " (samples and tokens per second count every replica)",
+    "peak FLOPS": " (MFU and HFU are over each run's own)",
+}
+
+
+def setup_note(a: SavedProfile, b: SavedProfile) -> str | None:
+    """What says the runs ran on different setups (world or data-parallel size, device type, compute dtype,
+    peak FLOPS: :meth:`~.profile_file.SavedProfile.setup`), each A's -> B's; None when they did not.
+
+    Args:
+        a: the first run.
+        b: the second run.
+    """
+    sa, sb = a.setup(), b.setup()
+    peaks = [s.result.peak.flops for s in (a, b) if s.result.peak is not None]
+    if len(peaks) == 2 and abs(peaks[1] - peaks[0]) <= _PEAK_WOBBLE * peaks[0]:
+        sa.pop("peak FLOPS"), sb.pop("peak FLOPS")  # peak_flops="measure" from run to run: the same device
+    found = [f"{k} {sa[k]} -> {sb[k]}{_SETUP_EFFECT.get(k, '')}" for k in sa if k in sb and sa[k] != sb[k]]
+    return f"the runs ran on different setups: {'; '.join(found)}" if found else None
 
 
 @dataclass(frozen=True)
@@ -387,20 +414,6 @@ def module_changes(a: SavedProfile, b: SavedProfile) -> list[ModuleChange]:
     return sorted(found, key=ModuleChange.sort_key, reverse=True)
 
 
-def why_absent(saved: SavedProfile, figure: str) -> str:
-    """Why ``saved`` has no ``figure`` (a name without the prefix), as its file says ("": it says nothing):
-    an energy figure's counter, MFU's and HFU's peak.
-
-    Args:
-        saved: the run without the figure.
-        figure: the figure's short name.
-    """
-    name = f"{names.PREFIX}{figure}"
-    if name in names.ENERGY:
-        return saved.result.no_energy_reason
-    return saved.result.no_peak_reason if name in names.WITH_PEAK else ""
-
-
 def one_sided(a: SavedProfile, b: SavedProfile) -> list[tuple[str, str, str]]:
     """The figures only one run has: (the figure, the run that has it, "A" or "B", why the other has none).
 
@@ -409,8 +422,8 @@ def one_sided(a: SavedProfile, b: SavedProfile) -> list[tuple[str, str, str]]:
         b: the second run.
     """
     fa, fb = figures(a), figures(b)
-    return [(n, "A", why_absent(b, n)) for n in fa if n not in fb] + [
-        (n, "B", why_absent(a, n)) for n in fb if n not in fa
+    return [(n, "A", b.why_absent(n)) for n in fa if n not in fb] + [
+        (n, "B", a.why_absent(n)) for n in fb if n not in fa
     ]
 
 

@@ -4,24 +4,26 @@ gate in CI does not fail on the noise of a shared machine."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from flops_callbacks.reporting.compare import (
+    COUNTS,
     Change,
     figure_text,
     figures,
-    one_configuration,
     percent_text,
     range_text,
     run_figures,
     short,
-    why_absent,
+    work_note,
 )
 from flops_callbacks.reporting.profile_file import SavedProfile
 
-__all__ = ["Check", "Rule", "gate", "judge"]
+__all__ = ["Check", "Rule", "gate", "judge", "one_configuration"]
 
 _RULE = re.compile(r"^([A-Za-z0-9_/]+):([+-])(\d+(?:\.\d*)?|\.\d+)%$")
 
@@ -63,11 +65,41 @@ class Check:
     failed: bool
     reason: str
 
+    def data(self) -> dict[str, Any]:
+        """As JSON data (what ``gate --json`` prints of it)."""
+        relative = self.change.relative
+        return {
+            "rule": str(self.rule),
+            "figure": self.rule.figure,
+            "limit": self.rule.limit,  # a fraction: 0.1 for 10%
+            "worse_when": "grows" if self.rule.grows else "falls",
+            "base": self.change.a.data(),
+            "new": self.change.b.data(),
+            "relative": relative if math.isfinite(relative) else None,  # JSON has no infinity
+            "noise": self.change.noise,
+            "failed": self.failed,
+            "reason": self.reason,
+        }
+
+
+def one_configuration(runs: Sequence[SavedProfile]) -> None:
+    """ValueError naming the first of ``runs`` that did other work than the first run (another model or
+    batch: :func:`~.compare.work_note`): runs of one configuration, or their median means nothing.
+
+    Args:
+        runs: the runs of one side of a gate.
+    """
+    for saved in runs[1:]:
+        note = work_note(runs[0], saved)
+        if note is not None:
+            raise ValueError(f"{saved.source} is not a run of {runs[0].source}'s configuration: {note}")
+
 
 def gate(base: Sequence[SavedProfile], new: Sequence[SavedProfile], rules: list[Rule]) -> list[Check]:
     """Each rule applied to the ``new`` runs against the ``base`` runs (one or more of each, every run
-    of a side of one configuration); ValueError naming a figure a file does not have, or a run of a
-    side that did other work than its first.
+    of a side of one configuration); ValueError naming a figure a file does not have, a run of a side
+    that did other work than its first, or a run with no clean step for a figure a clock makes (its
+    latencies are its counting or module-timing step's, inflated by the profiler's own work).
 
     A rule fails when the new figure is worse than the base's by more than the rule's limit and lies
     beyond the base's range on the worse side (above its slowest clean step for a latency of one run,
@@ -87,18 +119,27 @@ def gate(base: Sequence[SavedProfile], new: Sequence[SavedProfile], rules: list[
             if rule.figure not in found:
                 saved = next(s for s in side if rule.figure not in figures(s))
                 known = ", ".join(figures(saved))
-                why = why_absent(saved, rule.figure)
+                why = saved.why_absent(rule.figure)
                 raise ValueError(
                     f"--fail-on {rule}: {saved.source} has no figure {rule.figure!r}"
                     + (f": {why}" if why else "")
                     + f" (it has: {known})"
                 )
+        cut = next((s for s in (*base, *new) if not s.result.steps.clean), None)
+        if cut is not None and rule.figure not in COUNTS:
+            raise ValueError(
+                f"--fail-on {rule}: {cut.source} has no clean step (clean_steps 0: the run ended before "
+                f"them), so its {rule.figure} is its counting or module-timing step's, inflated by the "
+                "profiler's own work, not the configuration's: gate a run long enough for its clean steps, "
+                f"or a count ({', '.join(sorted(COUNTS))})"
+            )
         checks.append(judge(rule, Change(fa[rule.figure], fb[rule.figure])))
     return checks
 
 
 def judge(rule: Rule, change: Change) -> Check:
-    """One rule on one change: failed when worse beyond the limit and beyond the base's range.
+    """One rule on one change: failed when worse beyond the limit and beyond the base's range (a count of
+    one run has none: it is exact).
 
     Args:
         rule: the rule.
@@ -110,12 +151,16 @@ def judge(rule: Rule, change: Change) -> Check:
     beyond = b.value > a.high if grows else b.value < a.low
     moved = f"{figure_text(a)} -> {figure_text(b)} ({percent_text(change.relative)})"
     side = "above" if grows else "below"
-    if a.runs == 1:
-        base_range = f"the base run's range over its clean steps (A {range_text(a)})"
-    else:
+    if a.runs > 1:
         base_range = f"the base's range over its {a.runs} runs (A {range_text(a)})"
+    elif rule.figure in COUNTS:
+        base_range = ""
+    else:
+        base_range = f"the base run's range over its clean steps (A {range_text(a)})"
     if over and beyond:
-        reason = f"{rule.figure} got worse: {moved}, beyond {rule} and {side} {base_range}"
+        reason = f"{rule.figure} got worse: {moved}, beyond {rule}" + (
+            f" and {side} {base_range}" if base_range else " (a count: exact, no range)"
+        )
     elif over:
         reason = f"{rule.figure}: {moved}, beyond {rule} but within {base_range}: noise"
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.window_steps import SUMS, CleanFigures, CleanStep, StepSeconds, StepWork
 from flops_callbacks.timing.energy_figures import EnergySpan
 from flops_callbacks.timing.hook_cost import HookCost
+from flops_callbacks.units import flops_to_string
 
 __all__ = [
     "SCHEMA",
@@ -63,6 +65,39 @@ class SavedProfile:
     result: WindowResult
     metrics: dict[str, float]
     report: dict[str, int] = dataclasses.field(default_factory=dict)  # module_depth, top_modules of its .txt
+
+    def varies(self) -> bool:
+        """Whether the clean steps' flops changed from step to step (batches of changing lengths)."""
+        return len({w.counts for w in self.result.figures().work}) > 1
+
+    def batch_size(self) -> int | float | None:
+        """Samples per device of a clean step: their median (an epoch's last, short batch is not the batch
+        size); None where unknown, or where packed rows hold a changing number of sequences (samples)."""
+        samples = [w.samples for w in self.result.figures().work]
+        known = [n for n in samples if n is not None]
+        packed = self.result.layout is not None and self.result.layout.packed
+        return statistics.median_low(known) if len(known) == len(samples) and not packed else None
+
+    def why_absent(self, figure: str) -> str:
+        """Why the run has no ``figure`` (a metric's name without the prefix), as its file says ("": it says
+        nothing): an energy figure's counter, MFU's and HFU's peak."""
+        name = f"{names.PREFIX}{figure}"
+        if name in names.ENERGY:
+            return self.result.no_energy_reason
+        return self.result.no_peak_reason if name in names.WITH_PEAK else ""
+
+    def setup(self) -> dict[str, str]:
+        """What the run ran on, in words: its world and data-parallel sizes, device type, and the compute
+        dtype and peak FLOPS where its file has them (what a comparison names where two runs differ)."""
+        r = self.result
+        found = {"world size": str(r.parallel.world_size)}
+        found["data-parallel size"] = str(r.parallel.data_parallel)
+        found["device type"] = r.profile.device.split(":")[0]
+        if r.compute_dtype is not None:
+            found["compute dtype"] = r.compute_dtype
+        if r.peak is not None:
+            found["peak FLOPS"] = flops_to_string(r.peak.flops)
+        return found
 
 
 def json_data(result: WindowResult, report: dict[str, int] | None = None) -> dict[str, Any]:
@@ -249,6 +284,14 @@ def _steps(entry: dict[str, Any]) -> dict[str, Any]:
     """The window's steps as saved; a file written before ``module_trace_by`` was kept chose the tree of a
     step of other batch shapes by its batch size, and every other tree as the median by time."""
     steps = _tuples(entry)
+    for f in dataclasses.fields(WindowSteps):  # the step numbers and counts that every reader reads
+        if f.name not in steps or f.type not in ("int", "tuple[int, ...]"):
+            continue
+        value, one = steps[f.name], f.type == "int"
+        many = isinstance(value, tuple) and all(type(v) is int for v in value)
+        if not (type(value) is int if one else many):
+            wanted = "an integer" if one else "a list of step numbers"
+            raise ValueError(f'"steps": "{f.name}" is {json.dumps(entry[f.name])}, expected {wanted}')
     if "module_trace_by" not in steps:
         steps["module_trace_by"] = "median" if steps.get("profile_step") is None else "batch"
     return steps
@@ -256,6 +299,11 @@ def _steps(entry: dict[str, Any]) -> dict[str, Any]:
 
 def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
     peak, bandwidth = data["peak"], data["bandwidth"]
+    if not isinstance(data["clean_each"], list) or not data["clean_each"]:
+        raise ValueError(
+            f'"clean_each" is {json.dumps(data["clean_each"])}, expected a list of each clean step\'s work '
+            "and seconds (at least the one step a window with no clean step timed instead)"
+        )
     clean = CleanFigures(
         tuple(
             CleanStep(_work(each["work"]), StepSeconds(*(each["seconds"][name] for name in SUMS)))

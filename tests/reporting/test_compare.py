@@ -19,8 +19,9 @@ from flops_callbacks.reporting.compare import (
     is_noise,
     module_changes,
     spread_range,
+    work_note,
 )
-from flops_callbacks.reporting.gate_rules import Rule, judge
+from flops_callbacks.reporting.gate_rules import Rule, gate, judge
 from flops_callbacks.reporting.profile_file import SavedProfile, load
 
 MS = 1e-3
@@ -179,3 +180,46 @@ def test_a_modules_change_within_the_base_runs_phase_wobble_is_noise(
     same = [m for m in found.values() if m.flops[0] == m.flops[1] and m.bytes[0] == m.bytes[1]]
     assert {m.name: m.noise for m in same} == {m.name: abs(m.delta_seconds) <= wobble for m in same}
     assert {"embed", "head", "mixer"} <= {m.name for m in same if m.noise}
+
+
+def padded(scale: list[int], counted: int, samples: int = 4) -> Callable[[dict], None]:
+    """A's run as a shuffled, dynamically padded loader leaves it: its clean steps did ``scale`` times A's
+    work (``samples`` each), its counting step ``counted`` times."""
+
+    def edit(data: dict) -> None:
+        for step, k in zip(data["clean_each"], scale, strict=True):
+            step["work"]["counts"] = {name: k * v for name, v in step["work"]["counts"].items()}
+            step["work"]["samples"] = samples
+        data["samples_per_device"] = samples
+        for name in ("fwd_flops", "bwd_flops"):
+            data["profile"]["modules"][""][name] *= counted
+
+    return edit
+
+
+def test_runs_whose_batches_vary_are_one_configuration_whatever_their_counting_steps_batch(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two runs of one dynamically padded configuration: counting steps of 1 and 2 times A's work, clean
+    steps of 1 to 3 times it, 4 samples each, the same params: no other work, and a gate reads them as one
+    configuration's runs. Other params or another batch size still is other work, said with the counting
+    steps' flops (A's: 19712 forward + 37520 backward = 57.23 K, twice that 114.46 K)."""
+    short = rewritten(runs["A"], tmp_path, padded([1, 2, 3, 1, 2, 3], 1))
+    long = rewritten(runs["A2"], tmp_path, padded([3, 1, 2, 2, 3, 1], 2))
+    assert work_note(short, long) is None and work_note(long, short) is None
+    (check,) = gate([short, long], [long], [Rule.parse("flops_per_sec:-50%")])  # no "not a run of"
+    assert check.change.a.runs == 2
+
+    def wider(data: dict) -> None:
+        padded([3, 1, 2, 2, 3, 1], 2)(data)
+        data["profile"]["modules"][""]["params"] += 1000
+
+    other = "the runs did different work: fwd+bwd+recompute flops per step 57.23 K -> 114.46 K (+100.0%; "
+    why = "another model or another batch, so their times are not comparable"
+    assert work_note(short, rewritten(runs["A2"], tmp_path, wider)) == (
+        f"{other}params 2.53 K -> 3.53 K, samples per device 4 -> 4): {why}"
+    )
+    bigger = rewritten(runs["A2"], tmp_path, padded([3, 1, 2, 2, 3, 1], 2, samples=8))
+    assert work_note(short, bigger) == f"{other}params 2.53 K -> 2.53 K, samples per device 4 -> 8): {why}"
+    with pytest.raises(ValueError, match=r"is not a run of .*'s configuration: the runs did different work"):
+        gate([short, bigger], [short], [Rule.parse("flops_per_sec:-50%")])

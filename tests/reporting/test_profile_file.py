@@ -119,6 +119,28 @@ def test_an_unknown_schema_version_or_a_missing_key_is_refused(runs: dict[str, P
         from_json(without, "cut.json")
 
 
+def test_a_hand_damaged_step_list_or_an_empty_clean_each_is_refused_naming_the_field(
+    runs: dict[str, Path],
+) -> None:
+    """Fields every reader counts or takes a median of: refused as read, not failed on later."""
+    data = json.loads(runs["A"].read_text())
+
+    def steps(**changed: object) -> dict:
+        return {**data, "steps": {**data["steps"], **changed}}
+
+    cases = {
+        '"steps": "clean" is null, expected a list of step numbers': steps(clean=None),
+        '"steps": "skipped" is [6.5], expected a list of step numbers': steps(skipped=[6.5]),
+        '"steps": "counting" is "1", expected an integer': steps(counting="1"),
+        '"clean_each" is [], expected a list of each clean step\'s work and seconds (at least the one step a '
+        "window with no clean step timed instead)": {**data, "clean_each": []},
+    }
+    for why, damaged in cases.items():
+        with pytest.raises(ProfileFileError) as raised:
+            from_json(damaged, "hand.json")
+        assert str(raised.value) == f"hand.json: a profile of schema version 2, but malformed: {why}"
+
+
 def test_what_a_cpu_run_leaves_empty_round_trips_too(runs: dict[str, Path]) -> None:
     """The fields a single-process CPU run leaves empty, as a sharded GPU run or the HF adapter fills them:
     written, read back, written again, the same; the report and picture rendered from either, the same."""
