@@ -255,6 +255,16 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         self._hold(control)
 
     @override
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """The step's log is written (the reporting backends' ``on_log`` come before ours): the wait for the
+        next batch starts here, the writing is the step's other (an evaluation's or a save's log is in its
+        pause already)."""
+        if not self._held:
+            self.session.fetching()
+
+    @override
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:

@@ -684,6 +684,28 @@ def test_a_checkpoints_save_inside_the_window_is_neither_a_clean_steps_data_nor_
     assert metrics[names.DATA_LATENCY] < 0.05 and metrics[names.WALL_LATENCY] < 0.05, metrics
 
 
+class SlowToLog(TrainerCallback):
+    """A reporting backend that takes a while to write each log (an MLflow server, a W&B upload): before
+    ours in the list, as the Trainer puts the ``report_to`` backends."""
+
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        time.sleep(SLEEP)
+
+
+def test_a_backends_writing_of_each_steps_log_is_the_steps_other_not_the_next_ones_data(
+    tmp_path: Path,
+) -> None:
+    model = SleepyRegressor(0.0, 0.0, tiny_ops=2)
+    callback = quiet(profile_step=1, clean_steps=2)
+    train(
+        tmp_path, model, [SlowToLog(), callback], report_to=(), datasets={"train_dataset": Pairs(64)},
+        max_steps=window_end(1, 2), logging_steps=1,
+    )  # fmt: skip
+    metrics = callback.result.metrics()
+    assert metrics[names.DATA_LATENCY] < SLEEP / 2, metrics  # it read as the next step's wait for data
+    assert metrics[names.WALL_LATENCY] > SLEEP, metrics  # in the wall step: its other
+
+
 def test_epoch_logging_logs_throughput_at_every_epoch_end_after_the_window(tmp_path: Path) -> None:
     # 16 sequences in batches of 4: epochs end at steps 4, 8, 12 and 16; the window ends at 8
     callback = quiet()
