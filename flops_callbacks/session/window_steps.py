@@ -115,9 +115,7 @@ class WindowStep:
     start_mark: Any = None  # the previous window step's end: where this wall step starts
     end_mark: Any = None
     paused: list[tuple[Any, Any]] = field(default_factory=list)  # in its wall, the run's declared pauses
-    # where the framework began fetching its first batch, and how many of ``paused`` came before (None: the
-    # wait for data is all its time before its first forward)
-    fetch: tuple[Any, int] | None = None
+    fetch: Any = None  # where the framework began fetching its first batch (None: its wait is all before it)
     ended: bool = False  # its end marked (a meta clock's marks are None)
     signatures: list[Signature] = field(default_factory=list)
     # each micro-batch, and how the adapter's step runs it again, where the window's end may count it
@@ -201,18 +199,23 @@ class WindowStep:
         """Seconds of each latency of this step (data and wall 0 without the previous step's end). Its data
         time is the wait before its first forward and between its micro-batches (from the fetch's start,
         where the framework says it); a pause the run declared (evaluation: ``pause()`` / ``resume()``) is
-        neither its data nor its wall."""
-        fwd, bwd, opt = self.phases.seconds()
-        clock = self.phases.clock
+        no part of any of them, wherever it falls (between two steps, inside a block)."""
+        fwd, bwd, opt = self.phases.seconds(self._unpaused)
         first = self.phases.first_mark
         data = wall = 0.0
         if self.start_mark is not None and self.end_mark is not None and first is not None:
-            paused = sum(clock.seconds(a, b) for a, b in self.paused)
-            wall = max(clock.seconds(self.start_mark, self.end_mark) - paused, 0.0)
-            waited_from, before = self.fetch or (self.start_mark, 0)
-            paused -= sum(clock.seconds(a, b) for a, b in self.paused[:before])
-            data = max(clock.seconds(waited_from, first) + self.phases.wait_seconds() - paused, 0.0)
+            wall = max(self._unpaused(self.start_mark, self.end_mark), 0.0)
+            waited = self._unpaused(self.fetch or self.start_mark, first)
+            data = max(waited + self.phases.wait_seconds(self._unpaused), 0.0)
         return {"fwd": fwd, "bwd": bwd, "step": opt, "iter": fwd + bwd + opt, "data": data, "wall": wall}
+
+    def _unpaused(self, start: Any, end: Any) -> float:
+        """Seconds from ``start`` to ``end`` less the run's declared pauses that overlap them."""
+        clock = self.phases.clock
+        seconds = clock.seconds(start, end)
+        for a, b in self.paused:  # each pause's ends, in seconds from ``start``
+            seconds -= max(min(clock.seconds(start, b), seconds) - max(clock.seconds(start, a), 0.0), 0.0)
+        return seconds
 
     def work(self, counts: BatchCounts | None = None) -> StepWork:
         """What this step did; ``counts``: its flops when its own are not known (the profile's)."""
@@ -332,7 +335,7 @@ class Pauses:
     def __init__(self) -> None:
         self.start: Any = None  # the open pause's clock mark (None: none is open)
         self.waiting: list[tuple[Any, Any]] = []
-        self.fetch: tuple[Any, int] | None = None  # the next step's fetch: its mark, the pauses before it
+        self.fetch: Any = None  # where the framework began fetching the next window step's first batch
 
     def fetching(self, mark: Any, step: WindowStep | None) -> None:
         """The framework starts fetching the next micro-batch at ``mark``: of ``step`` (between its
@@ -341,7 +344,7 @@ class Pauses:
         if step is not None:
             step.phases.fetching(mark)
         else:
-            self.fetch = (mark, len(self.waiting))
+            self.fetch = mark
 
     def begin(self, mark: Any) -> None:
         self.start = mark

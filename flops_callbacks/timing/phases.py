@@ -11,6 +11,7 @@ second manual chunk); anything else continues the phase that ended.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from flops_callbacks.phase_names import BACKWARD, FORWARD, STEP_PHASES
@@ -115,12 +116,14 @@ class StepPhases:
         if self.memory is not None:
             self.memory.close(name)
 
-    def wait_seconds(self) -> float:
-        """Seconds between a micro-batch's end and a later one's forward (the loader's fetch of it)."""
-        return sum(self.clock.seconds(a, b) for a, b in self.waits)
+    def wait_seconds(self, length: Callable[[Any, Any], float] | None = None) -> float:
+        """Seconds between a micro-batch's end and a later one's forward (the loader's fetch of it);
+        ``length``: how a span between two marks is measured (the clock's seconds by default)."""
+        return sum((length or self.clock.seconds)(a, b) for a, b in self.waits)
 
-    def seconds(self) -> tuple[float, float, float]:
-        """Seconds in (forward, backward, optimizer step)."""
+    def seconds(self, length: Callable[[Any, Any], float] | None = None) -> tuple[float, float, float]:
+        """Seconds in (forward, backward, optimizer step); ``length`` as for :meth:`wait_seconds`."""
+        measure = length or self.clock.seconds
         return tuple(  # type: ignore[return-value]
-            sum(self.clock.seconds(a, b) for a, b in self._spans.get(name, ())) for name in STEP_PHASES
+            sum(measure(a, b) for a, b in self._spans.get(name, ())) for name in STEP_PHASES
         )

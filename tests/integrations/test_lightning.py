@@ -1115,6 +1115,23 @@ def test_callbacks_batch_ends_before_and_after_ours_and_a_checkpoints_save_are_t
     assert other >= 2 * SLEEP  # both callbacks' sleeps and the save
 
 
+def test_a_validation_between_micro_batches_is_no_part_of_the_data_its_wait_holds(tmp_path: Path) -> None:
+    """Two micro-batches a step, each collated in SLEEP / 2, and a validation (6 x 0.05 s) between them at
+    every step: the step's data is its two collates (the validation was taken from a wait that starts
+    after it, where Lightning fetches the second micro-batch: 0 s)."""
+    callback = quiet_callback(profile_step=2, clean_steps=3)
+    data = loader(2 * BATCH * (window_end(2, 3) + 1)).dataset
+    fit(
+        tmp_path, SlowlyValidatedMLP(), callback,
+        torch.utils.data.DataLoader(data, batch_size=BATCH, collate_fn=slow_collate),
+        max_steps=window_end(2, 3), accumulate_grad_batches=2, val_check_interval=1,
+        check_val_every_n_epoch=None,
+    )  # fmt: skip
+    metrics = callback.result.metrics()
+    assert metrics[names.DATA_LATENCY] == pytest.approx(SLEEP, rel=0.15)  # 2 x SLEEP / 2
+    assert metrics[names.WALL_LATENCY] < SLEEP + 0.15  # the validation is out of the wall step too
+
+
 def test_a_gan_stepping_two_optimizers_in_one_step_gets_each_phase_within_15_percent(tmp_path: Path) -> None:
     # unequal parts: the discriminator's forward timed as optimizer step would show as 0.1 s too little
     # forward and too much step; each phase's 0.2 s dwarfs the tiny ops' few ms

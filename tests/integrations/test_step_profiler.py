@@ -196,6 +196,42 @@ def test_the_wait_for_every_micro_batch_is_data_and_a_declared_pause_is_no_part_
         assert 0 <= other < 0.75 * evaluation, (paused, other)
 
 
+@pytest.mark.parametrize("where", ["before the forward", "after the optimizer step"])
+def test_a_pause_declared_inside_the_block_is_no_part_of_the_phase_it_falls_in(where: str) -> None:
+    """An evaluation of 0.1 s declared with pause() / resume() inside the block, at its start (in the
+    forward phase) or after the optimizer step (in the step phase): out of that phase as out of the wall
+    (it was left in the phase: a step phase of 10x the wall step, "bound by the optimizer step")."""
+    evaluation = 0.1
+    torch.manual_seed(0)
+    model = SleepyNet()
+    optimizer = SleepySGD(model.parameters(), STEP)
+    prof = StepProfiler(model, **WINDOW)
+
+    def evaluate() -> None:
+        prof.pause()
+        time.sleep(evaluation)
+        prof.resume()
+
+    for x in batches(STEPS):
+        with prof.step(x):
+            if where == "before the forward":
+                evaluate()
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if where == "after the optimizer step":
+                evaluate()
+    prof.close()
+    metrics = prof.metrics
+    assert metrics is not None
+    assert_sleeps_measured(metrics)  # each phase still holds its own sleep
+    assert (
+        metrics[names.FWD_LATENCY] < FWD + evaluation / 2
+        and metrics[names.STEP_LATENCY] < STEP + evaluation / 2
+    )
+    assert metrics[names.ITER_LATENCY] <= metrics[names.WALL_LATENCY] < FWD + BWD + STEP + evaluation / 2
+
+
 def test_a_step_outside_the_block_is_said_once_and_stopiteration_in_a_block_ends_the_data() -> None:
     """The loop's step() after the block: no step ends, a warning says so once (the counting step would
     count every block of the run). Then a loop whose ``next(it)`` raises StopIteration inside the block:
