@@ -62,6 +62,7 @@ __all__ = [
     "given_bandwidth",
     "given_peak",
     "measure_peak",
+    "measured_dtype",
     "parameters_dtype",
     "Peak",
     "peak_from_env",
@@ -103,6 +104,19 @@ def parameters_dtype(model: torch.nn.Module) -> str | None:
     if dtype == torch.float32:
         return fp32_matmul_dtype()
     return {torch.bfloat16: BF16, torch.float16: FP16}.get(dtype)
+
+
+def measured_dtype(declared: str | None, matmuls: torch.dtype | None) -> str | None:
+    """The compute dtype a peak is read for: ``declared`` (the framework's precision, or the parameters'
+    dtype), unless the counted matmuls produced a half precision it did not say (a loop's own
+    ``torch.autocast``: the parameters stay fp32, the matmuls run in bf16 at a 15x higher peak).
+
+    Args:
+        declared: a :data:`DTYPES` name, or None.
+        matmuls: the dtype most of the counted MACs produced (None: none counted).
+    """
+    half = {torch.bfloat16: BF16, torch.float16: FP16}.get(matmuls) if matmuls is not None else None
+    return half if half is not None and declared in (None, FP32, TF32) else declared
 
 
 def _positive(value: Any, name: str, what: str, example: str, also: str = "") -> float | None:

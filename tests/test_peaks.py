@@ -28,6 +28,7 @@ from flops_callbacks.peaks import (
     check_peak_flops,
     chip_for,
     fp32_matmul_dtype,
+    measured_dtype,
     resolve_bandwidth,
     resolve_peak,
     table_bandwidth,
@@ -286,3 +287,28 @@ def test_hf_training_arguments_give_the_compute_dtype(restore_matmul_precision: 
     assert hf.compute_dtype(args(), model, SimpleNamespace(mixed_precision="fp8")) == FP8
     torch.set_float32_matmul_precision("high")
     assert hf.compute_dtype(args(), torch.nn.Linear(2, 2)) == TF32
+
+
+def test_a_loops_own_autocast_is_the_compute_dtype_its_counted_matmuls_ran_in() -> None:
+    """A plain loop under ``torch.autocast`` (bf16 on the CPU): the parameters stay fp32, the matmuls
+    produce bf16, and the peak is read for bf16 (an H100's fp32 peak is 15x below its bf16 one). A dtype
+    the framework declared stays: fp8 (TransformerEngine) runs its matmuls as no aten op shows."""
+    from flops_callbacks import StepProfiler
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = StepProfiler(model, profile_step=1, clean_steps=1, print_profile=False, peak_flops=1e12)
+    for _ in range(8):
+        x = torch.randn(4, 8)
+        with prof.step(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    prof.close()
+    assert prof.result is not None and prof.result.compute_dtype == BF16
+    assert measured_dtype(FP32, torch.float16) == FP16 and measured_dtype(None, torch.bfloat16) == BF16
+    assert measured_dtype(FP8, torch.bfloat16) == FP8 and measured_dtype(BF16, torch.float32) == BF16
+    assert measured_dtype(TF32, torch.float32) == TF32 and measured_dtype(FP32, None) == FP32

@@ -337,6 +337,12 @@ class CountingEngine:
             self._reentrant = None
         return BWD, tag or self._reentrant or self._ctx or self._context()
 
+    def matmul_dtype(self) -> torch.dtype | None:
+        """The dtype most of the counted MACs (matmuls, convolutions, attention) produced, None before any:
+        under ``torch.autocast`` the autocast dtype, which the parameters do not say."""
+        found = self._rec.macs_by_dtype
+        return max(found, key=found.__getitem__) if found else None
+
     # --- ops: the hot path ---------------------------------------------------------------------------
 
     def run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -381,6 +387,9 @@ class CountingEngine:
                 counted = "its formula"
                 count = entry.count(func, args, kwargs, out, self.causal_half)
                 ctx.add(phase, ctx.functional or func._overloadpacket.__name__, count, moved)
+                if count.macs:  # what the matmuls ran in: autocast's dtype, not the parameters'
+                    dtype = (out if isinstance(out, torch.Tensor) else out[0]).dtype
+                    self._rec.macs_by_dtype[dtype] = self._rec.macs_by_dtype.get(dtype, 0) + count.macs
                 self._rec.counted_calls += 1
                 self._flops_in_call = True
         except Exception as error:  # the count's failure, not the op's: the op's result goes on

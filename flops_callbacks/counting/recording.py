@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 from flops_callbacks.counting.registry import OpCount
 from flops_callbacks.phase_names import PROFILE_PASSES
 from flops_callbacks.profile import Counts
@@ -150,6 +152,7 @@ class Recording:
     module_calls: dict[str, int]  # forward calls of each profiled module (recomputes left out)
     contexts: dict[tuple[str, ...], dict[str | None, Site]] = field(default_factory=dict)
     counted_calls: int = 0  # op calls with a formula
+    macs_by_dtype: dict[torch.dtype, int] = field(default_factory=dict)  # matmul-like MACs by output dtype
     free_calls: int = 0  # op calls without arithmetic
     uncounted: dict[str, list[Span]] = field(default_factory=dict)  # each call of each op without a formula
     # (module name, start, end, recompute) of every module call

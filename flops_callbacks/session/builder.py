@@ -18,7 +18,7 @@ from flops_callbacks.communication.figures import CommFigures, comm_figures, com
 from flops_callbacks.communication.slow_rank import RankTimes, SlowRank, find_slow_rank
 from flops_callbacks.counting.estimate import estimate_rows, model_config
 from flops_callbacks.parallel import sharded_params
-from flops_callbacks.peaks import Bandwidth, Peak, resolve_bandwidth, resolve_peak
+from flops_callbacks.peaks import Bandwidth, Peak, measured_dtype, resolve_bandwidth, resolve_peak
 from flops_callbacks.phase_names import STEP_PHASES
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.batch import Signature
@@ -303,7 +303,8 @@ def _counted(
         busy = _device_busy(module_steps, clean, trace_step)
     fwd, bwd, step = latencies
     device = torch.device(profile.device)
-    peak, no_peak_reason = resolve_peak(peaks[0], device, context.compute_dtype)
+    dtype = measured_dtype(context.compute_dtype, local.matmul_dtype)
+    peak, no_peak_reason = resolve_peak(peaks[0], device, dtype)
     bandwidth, no_bandwidth_reason = resolve_bandwidth(peaks[1], device)
     profile = dataclasses.replace(profile, fwd_latency=fwd, bwd_latency=bwd)
     counted = local.profile_step  # the step whose batches the profile counted
@@ -342,7 +343,7 @@ def _counted(
         tokens=mean([r.counted_tokens for r in rows]),
         micro_batches=len(counted.signatures),
         parallel=context.parallel,
-        compute_dtype=context.compute_dtype,
+        compute_dtype=dtype,
         peak=peak,
         no_peak_reason=no_peak_reason,
         bandwidth=bandwidth,

@@ -16,6 +16,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import torch
+
 from flops_callbacks.communication.breakdown import CommBreakdown
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.profile import Profile
@@ -100,6 +102,7 @@ class LocalWindow:
     energy: EnergySpan | str = "no clean step ran"  # the energy counter over the clean steps, or why none
     timed: list[WindowStep] = dataclasses.field(default_factory=list)  # the clean steps, or who stands in
     as_run: bool = False  # no clean step ran, and the one timed instead has its batch's flops as run
+    matmul_dtype: torch.dtype | None = None  # what the counted matmuls produced (autocast's dtype)
 
     @property
     def profile_step(self) -> WindowStep:
@@ -243,7 +246,7 @@ def local_window(
     energy = rank_energy(steps, clean)
     return LocalWindow(
         profile, ran, module_steps, clean, figures, source, counting, sources, comm, profiled, energy, timed,
-        as_run,
+        as_run, engine.matmul_dtype(),
     )  # fmt: skip
 
 
