@@ -42,7 +42,7 @@ from flops_callbacks.reporting.compare import (
     setup_note,
     work_note,
 )
-from flops_callbacks.reporting.gate_rules import Rule, gate
+from flops_callbacks.reporting.gate_rules import Rule, gate, varying_note
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_file import SavedProfile, load, load_runs
 from flops_callbacks.reporting.publish import picture
@@ -256,7 +256,7 @@ def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
 def _notes(a: SavedProfile, b: SavedProfile) -> list[str]:
     """Why the runs' figures do not compare as they read, each a sentence: other work, other setups,
     latencies of no clean step, module times not measured in the window."""
-    notes = [note for note in (work_note(a, b), setup_note(a, b)) if note]
+    notes = [note for note in (work_note(a, b), varying_note(a, b), setup_note(a, b)) if note]
     for label, saved in (("A", a), ("B", b)):
         steps = saved.result.steps
         if not steps.clean:

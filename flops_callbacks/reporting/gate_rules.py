@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flops_callbacks import metrics as names
 from flops_callbacks.reporting.compare import (
     COUNTS,
     Change,
@@ -23,7 +24,16 @@ from flops_callbacks.reporting.compare import (
 )
 from flops_callbacks.reporting.profile_file import SavedProfile
 
-__all__ = ["Check", "Rule", "gate", "judge", "one_configuration"]
+__all__ = ["BATCH_COUNTS", "Check", "Rule", "gate", "judge", "one_configuration", "varying_note"]
+
+# the counts of one batch, the counting step's: with batches of changing lengths, that batch's, not the run's
+BATCH_COUNTS = frozenset(
+    short(n)
+    for n in (
+        names.FWD_FLOPS, names.BWD_FLOPS, names.RECOMPUTE_FLOPS, names.FWD_MACS, names.FWD_BYTES,
+        names.BWD_BYTES, names.SAVED_ACTIVATION_BYTES,
+    )
+)  # fmt: skip
 
 _RULE = re.compile(r"^([A-Za-z0-9_/]+):([+-])(\d+(?:\.\d*)?|\.\d+)%$")
 
@@ -125,6 +135,13 @@ def gate(base: Sequence[SavedProfile], new: Sequence[SavedProfile], rules: list[
                     + (f": {why}" if why else "")
                     + f" (it has: {known})"
                 )
+        varying = next((s for s in (*base, *new) if s.varies()), None)
+        if varying is not None and rule.figure in BATCH_COUNTS:
+            raise ValueError(
+                f"--fail-on {rule}: {varying.source}'s batches vary in length (dynamic padding, packing), so "
+                f"its {rule.figure} is its counting step's one batch's, not the run's: gate params:+0% for "
+                "the model's size, or a rate (flops_per_sec, mfu)"
+            )
         cut = next((s for s in (*base, *new) if not s.result.steps.clean), None)
         if cut is not None and rule.figure not in COUNTS:
             raise ValueError(
@@ -135,6 +152,24 @@ def gate(base: Sequence[SavedProfile], new: Sequence[SavedProfile], rules: list[
             )
         checks.append(judge(rule, Change(fa[rule.figure], fb[rule.figure])))
     return checks
+
+
+def varying_note(a: SavedProfile, b: SavedProfile) -> str | None:
+    """What says that a run's batches vary in length, so that its flops, MACs and bytes are one batch's (the
+    counting step's); None when neither run's do.
+
+    Args:
+        a: the first run.
+        b: the second run.
+    """
+    varying = [label for label, saved in (("A", a), ("B", b)) if saved.varies()]
+    if not varying:
+        return None
+    whose = "A's and B's batches vary" if len(varying) == 2 else f"{varying[0]}'s batches vary"
+    return (
+        f"{whose} in length (dynamic padding, packing): flops, MACs and bytes are each run's counting step's "
+        "one batch's, not comparable; the rates (flops_per_sec, mfu) and params are"
+    )
 
 
 def judge(rule: Rule, change: Change) -> Check:

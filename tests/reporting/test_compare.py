@@ -21,7 +21,7 @@ from flops_callbacks.reporting.compare import (
     spread_range,
     work_note,
 )
-from flops_callbacks.reporting.gate_rules import Rule, gate, judge
+from flops_callbacks.reporting.gate_rules import Rule, gate, judge, varying_note
 from flops_callbacks.reporting.profile_file import SavedProfile, load
 
 MS = 1e-3
@@ -223,3 +223,26 @@ def test_runs_whose_batches_vary_are_one_configuration_whatever_their_counting_s
     assert work_note(short, bigger) == f"{other}params 2.53 K -> 2.53 K, samples per device 4 -> 8): {why}"
     with pytest.raises(ValueError, match=r"is not a run of .*'s configuration: the runs did different work"):
         gate([short, bigger], [short], [Rule.parse("flops_per_sec:-50%")])
+
+
+def test_a_count_of_one_batch_of_runs_whose_batches_vary_is_said_and_not_gated(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """With batches of changing lengths a run's fwd_flops is its counting step's one batch's: two runs of
+    one configuration differ by their counting steps' lengths (here 1 and 2 times A's work), which a gate on
+    it would call a grown model. The gate refuses it naming the file, and the note says which runs vary;
+    params, and runs whose batches do not vary, are gated as before."""
+    short = rewritten(runs["A"], tmp_path, padded([1, 2, 3, 1, 2, 3], 1))
+    long = rewritten(runs["A2"], tmp_path, padded([3, 1, 2, 2, 3, 1], 2))
+    with pytest.raises(ValueError, match=r"--fail-on fwd_flops:\+0%: .*edited_.*'s batches vary in length"):
+        gate([short], [long], [Rule.parse("fwd_flops:+0%")])
+    (check,) = gate([short], [long], [Rule.parse("params:+0%")])
+    assert not check.failed
+    assert varying_note(short, long) == (
+        "A's and B's batches vary in length (dynamic padding, packing): flops, MACs and bytes are each run's "
+        "counting step's one batch's, not comparable; the rates (flops_per_sec, mfu) and params are"
+    )
+    fixed = load(runs["A2"])
+    assert varying_note(fixed, long).startswith("B's batches vary") and varying_note(fixed, fixed) is None
+    (same,) = gate([fixed], [fixed], [Rule.parse("fwd_flops:+0%")])
+    assert not same.failed
