@@ -56,6 +56,7 @@ __all__ = ["CountingEngine"]
 
 _current_autograd_node = torch._C._current_autograd_node
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_CHECKPOINT_HOOKS = ("_recomputation_hook.", "_checkpoint_hook.")  # torch.utils.checkpoint's hooks
 
 
 def _recomputing(node: Any) -> bool:
@@ -63,12 +64,12 @@ def _recomputing(node: Any) -> bool:
     module's call (``checkpoint(F.scaled_dot_product_attention, q, k, v)``; a module's is known from its
     hooks): the reentrant checkpoint's own backward node, or the saved-tensor hooks the non-reentrant one
     recomputes under. Either builds a graph: a backward op runs with grad off (but under create_graph)."""
+    if node.name() == "CheckpointFunctionBackward":  # a checkpoint inside its recompute runs with grad off
+        return True
     if not torch.is_grad_enabled():
         return False
-    if node.name() == "CheckpointFunctionBackward":
-        return True
-    hooks = _top_saved_tensors_hooks(True)
-    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
+    hooks = _top_saved_tensors_hooks(True)  # a checkpoint nested in the recompute pushes its own
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(_CHECKPOINT_HOOKS)
 
 
 @dataclass(slots=True)
@@ -329,8 +330,8 @@ class CountingEngine:
         reentrant checkpoint, the recomputed graph's backward runs next, its nodes untagged (no torch
         function mode runs in an autograd Function's backward): its work goes where the checkpoint was."""
         tag = cast(dict, node.metadata).get(TAG)
-        if _recomputing(node):
-            ctx = tag or self._ctx or self._context()
+        if _recomputing(node):  # (a reentrant checkpoint nested in another's recompute: its node untagged)
+            ctx = tag or self._reentrant or self._ctx or self._context()
             self._reentrant = ctx if node.name() == "CheckpointFunctionBackward" else None
             return REC, ctx
         if tag is not None:

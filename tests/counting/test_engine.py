@@ -207,6 +207,55 @@ def test_a_checkpointed_functional_is_recomputed_apart_and_its_backward_is_the_m
     assert checkpointed.modules["qkv"].recompute_flops == 0
 
 
+class NestedCheckpoints(nn.Module):
+    """h @ w1, GELU, then a checkpointed method (h @ w2, GELU) inside a checkpointed method, then h @ w3:
+    weights used as functions, no module but the root."""
+
+    ROWS, WIDTH = 32, 64
+
+    def __init__(self, use_reentrant: bool | None) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = (nn.Parameter(torch.randn(self.WIDTH, self.WIDTH)) for _ in range(3))
+        self.use_reentrant = use_reentrant
+
+    def inner(self, h: torch.Tensor) -> torch.Tensor:
+        return F.gelu(h @ self.w2)
+
+    def outer(self, h: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(h @ self.w1)
+        h = (
+            self.inner(h)
+            if self.use_reentrant is None
+            else checkpoint(self.inner, h, use_reentrant=self.use_reentrant)
+        )
+        return h @ self.w3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_reentrant is None:
+            return self.outer(x)
+        return checkpoint(self.outer, x, use_reentrant=self.use_reentrant)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoints_nested_in_plain_functions_recompute_apart(use_reentrant: bool) -> None:
+    """The outer checkpoint recomputes the whole forward: three matmuls (2 x 32 x 64 x 64 each) and two GELUs
+    (one flop an element); the reentrant inner one, run with grad off inside it, recomputes its own matmul
+    and GELU once more for its backward. The backward is the unchecked model's, but for one elementwise add
+    of an activation's gradient (32 x 64) the checkpoint makes."""
+    n = NestedCheckpoints
+    matmul, gelu = 2 * n.ROWS * n.WIDTH * n.WIDTH, n.ROWS * n.WIDTH
+    x = torch.randn(n.ROWS, n.WIDTH, requires_grad=True)
+    torch.manual_seed(0)
+    plain = traced(NestedCheckpoints(None), x).profile()
+    torch.manual_seed(0)
+    nested = traced(NestedCheckpoints(use_reentrant), x).profile()
+    assert plain.fwd_flops == nested.fwd_flops == 3 * matmul + 2 * gelu
+    assert 0 <= nested.bwd_flops - plain.bwd_flops <= gelu
+    again = matmul + gelu if use_reentrant else 0
+    assert nested.recompute_flops == 3 * matmul + 2 * gelu + again
+    assert nested.modules[""].bwd_flops == nested.bwd_flops  # none outside the model
+
+
 def test_a_backward_that_makes_a_graph_is_backward_not_recompute() -> None:
     """A gradient penalty (``create_graph=True``) runs its backward with grad on, as a recompute does."""
     torch.manual_seed(0)
