@@ -240,8 +240,7 @@ def _runs(path: str) -> list[SavedProfile]:
 def _diff(args: argparse.Namespace, out: TextIO, paint: _Paint) -> int:
     a, b = _window(args.a), _window(args.b)
     figures, alone, notes = changes(a, b), one_sided(a, b), _notes(a, b)
-    # a reused tree holds an earlier window's module times: no change of this window's to show
-    modules = module_changes(a, b) if not (a.result.steps.reused or b.result.steps.reused) else []
+    modules = module_changes(a, b) if _shown(a) and _shown(b) else []
     if args.json:
         data = _diff_json(a, b, figures, modules)
         data["one_sided"] = [{"name": n, "in": side, "why_not_the_other": why} for n, side, why in alone]
@@ -265,8 +264,12 @@ def _notes(a: SavedProfile, b: SavedProfile) -> list[str]:
                 "are its counting or module-timing step's, inflated by the profiler's own work, so its times "
                 "and rates are not its configuration's"
             )
-        if steps.reused:
-            why = f"a re-profile window: its module tree is the window's of step {steps.counting}, reused"
+        if not _shown(saved):
+            why = (
+                f"a re-profile window: its module tree is the window's of step {steps.counting}, reused"
+                if steps.reused
+                else "its module-timing steps ran other batch shapes than its counting step"
+            )
             notes.append(f"{label} timed no module ({why}): no module's change is shown")
         elif not steps.module_timing:
             why = "the run ended before its module-timing steps: its module times are the counting step's"
@@ -274,9 +277,10 @@ def _notes(a: SavedProfile, b: SavedProfile) -> list[str]:
     return notes
 
 
-def _timed_modules(saved: SavedProfile) -> bool:
-    """Whether the run's window timed its modules itself (not a re-profile window's reused tree)."""
-    return bool(saved.result.steps.module_timing) and not saved.result.steps.reused
+def _shown(saved: SavedProfile) -> bool:
+    """Whether the run's module times are its window's own (not a reused tree, nor 0s of other shapes)."""
+    s = saved.result.steps
+    return not s.reused and (s.module_shapes_match or not s.module_timing)
 
 
 def _run_line(label: str, saved: SavedProfile) -> str:
@@ -376,8 +380,8 @@ def _diff_text(
     ]
     if modules:
         lines += _module_rows(modules, paint)
-    elif a.result.steps.reused or b.result.steps.reused:
-        lines.append("    (left out: a re-profile window's module tree is an earlier window's, reused)")
+    elif not (_shown(a) and _shown(b)):
+        lines.append("    (left out: a run's module times are not its window's own, NOTE above)")
     elif not total:
         lines.append("    (no module changed)")
     return "\n".join(lines)
@@ -398,7 +402,9 @@ def _diff_json(
         "work_note": note,
         "setup_note": setup_note(a, b),
         "clean_steps": {"a": len(a.result.steps.clean), "b": len(b.result.steps.clean)},
-        "module_times_measured": {"a": _timed_modules(a), "b": _timed_modules(b)},
+        "module_times_measured": {
+            k: bool(v.result.steps.module_timing) and _shown(v) for k, v in (("a", a), ("b", b))
+        },
         "figures": [
             {
                 "name": c.name,
@@ -447,8 +453,8 @@ def _diff_html(a: SavedProfile, b: SavedProfile, notes: list[str], figures: list
         for name, m in a.result.profile.modules.items()
         if name in b.result.profile.modules
     }
-    # an earlier window's module times (a re-profile window's): B drawn by its achieved FLOPS, no change
-    reused = a.result.steps.reused or b.result.steps.reused
+    # module times not a window's own (a reused tree): B drawn by its achieved FLOPS, no change to colour
+    reused = not (_shown(a) and _shown(b))
     return render_html(
         b.result.profile,
         title=f"flops_callbacks diff: {b.source} against {a.source}",

@@ -491,6 +491,30 @@ def test_diff_picture_of_a_window_that_timed_no_module_colours_no_change_and_say
         assert f"<li>{said}</li>" in html.unescape(page.read_text())  # above the chart
 
 
+def test_diff_of_a_run_whose_module_timing_steps_ran_other_shapes_shows_no_module_change(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A run whose module-timing steps had other batch shapes than its counting step has no module times
+    (0 s each: two batches' would mix): diff listed every module falling to 0 s as noise. Now a NOTE says
+    why, no module is listed, and ``--json`` says its module times were not measured."""
+
+    def other_shapes(data: dict) -> None:
+        data["steps"]["module_shapes_match"] = False
+        for module in data["profile"]["modules"].values():
+            module.update(fwd_latency=0.0, bwd_latency=0.0, recompute_latency=0.0)
+
+    b = rewritten(runs["A2"], tmp_path, other_shapes).source
+    done = cli("diff", str(runs["A"]), b)
+    said = (
+        "NOTE: B timed no module (its module-timing steps ran other batch shapes than its counting step): "
+        "no module's change is shown."
+    )
+    assert done.returncode == 0 and said in done.stdout.splitlines()
+    assert "(left out: a run's module times are not its window's own, NOTE above)" in done.stdout
+    data = json.loads(cli("diff", str(runs["A"]), b, "--json").stdout)
+    assert data["modules"] == [] and data["module_times_measured"] == {"a": True, "b": False}
+
+
 def cut_short(data: dict) -> None:
     """The run as one that ended before its clean steps leaves it: no clean step, its latencies the one
     step timed instead (a module-timing step's)."""
