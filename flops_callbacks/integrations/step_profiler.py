@@ -283,6 +283,10 @@ class _Iteration:
         profiler = self.profiler
         if profiler._iteration is not None:
             raise RuntimeError("StepProfiler.step: a block is already open (blocks do not nest)")
+        with profiler.session.own():  # out of the window steps' data, phases and wall
+            return self._enter(profiler)
+
+    def _enter(self, profiler: StepProfiler) -> _Iteration:
         try:
             profiler._begin(self.batch)  # a user's batch_size_fn or tokens_fn may raise here
             profiler._iteration = self
@@ -310,6 +314,10 @@ class _Iteration:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
+        with self.profiler.session.own():  # out of the window steps' data, phases and wall
+            self._exit(error)
+
+    def _exit(self, error: BaseException | None) -> None:
         self.remove_hooks()
         if error is not None and not isinstance(error, StopIteration):
             self.profiler._abandon_iteration()

@@ -126,9 +126,8 @@ class StepSession:
         self.enabled, self.meter, self.job_meter.meter = False, None, None
 
     def _abandon(self) -> None:
-        """The profiler's own work failed: drop what runs. An open window is dropped on every rank at its
-        next vote (this rank wishes it); metering stops on every rank at the next exchange (this rank
-        keeps joining them, with nothing)."""
+        """The profiler's own work failed: drop what runs. Every rank drops an open window at its next vote
+        and stops metering at the next exchange (this rank joins them with nothing)."""
         self._abandoned = True
         self.plan.failed = FAILED if self.plan.open else 0
         self.job_meter.fail()
@@ -140,6 +139,15 @@ class StepSession:
     def window_open(self) -> bool:
         """Between the counting step's start and the window's end (this rank's instruments)."""
         return bool(self._steps)
+
+    @property
+    def _expected(self) -> bool:  # a window was expected, and no warning at train start said otherwise
+        return self.enabled and not (self._resumed_past or self._unreachable or self._abandoned)
+
+    def own(self) -> Any:
+        """The profiler's own work in an event, out of the steps' times (one process: ``Pauses.own``)."""
+        clock = self.plan.clock if self._steps and not self.ranks.several else None
+        return self._pauses.own(clock, lambda: self._step)
 
     @property
     def wants_batches(self) -> bool:
@@ -159,9 +167,8 @@ class StepSession:
     ) -> None:
         """A run starts (on every rank): forget an earlier run's window, make the ranks' process group,
         and warn now (on the logging rank) if no profile can run in this one, or only a cut-short one.
-        ``steps_per_batch``: global steps each optimizer step of the window takes (Lightning's manual
-        optimization with several optimizers). ``log_dir``: where the window's files will go, checked
-        now so that an unwritable one is said before the run rather than at the window's end."""
+        ``steps_per_batch``: global steps each optimizer step takes (Lightning's manual optimization with
+        several optimizers). ``log_dir``: where the files go, checked now rather than at the window's end."""
         self.close()
         self.guard.forget()
         self.plan.new_run(global_step, max_steps, steps_per_batch)
@@ -194,7 +201,7 @@ class StepSession:
         self.job_meter.close()
         if self.plan.open:
             self._finish(global_step, sink)
-        elif self.result is None and self._should_have_run() and sink.is_logging_rank:
+        elif self.result is None and self._expected and sink.is_logging_rank:
             warn(f"{self.owner}: no optimizer step started at profile_step={self.options.profile_step} or "
                  f"after (training ended at global step {global_step}): no profile ran.")  # fmt: skip
 
@@ -209,15 +216,10 @@ class StepSession:
                 skip, log_dir = set(self._unwritable), self._log_dir
                 self.publish(self.result, self.options, log_dir, sink, self.guard, skip, True)  # files only
 
-    def _should_have_run(self) -> bool:
-        """A window was expected and no warning at train start said otherwise (a run cut short)."""
-        return self.enabled and not (self._resumed_past or self._unreachable or self._abandoned)
-
     @_own_work("cleaning up", abandon=False)
     def close(self, meter: bool = True, raised: bool = False) -> None:
-        """Stop everything that runs and drop this rank's window (an exception ended the run): no hook,
-        mode or tag of the profiler remains. Safe to call at any time, any number of times. ``raised``: a
-        step's user code raised and the loop may go on: an open window is dropped at the next vote."""
+        """Stop what runs, drop this rank's window: no hook, mode or tag of the profiler remains (at any time,
+        any number of times). ``raised``: a step raised, the loop may go on: dropped at the next vote."""
         if raised:
             self.plan.raised()
         try:
@@ -252,9 +254,10 @@ class StepSession:
             if any(torch.nn.parameter.is_lazy(p) for p in model.parameters()):
                 return  # the first forward makes the parameters the window counts: it starts after it
             self.plan.failed = FAILED if self._abandoned else 0  # failed before the window: votes to drop it
-        kind = self.plan.start_step()  # on every rank alike: the window's steps are the same everywhere
-        if not self.plan.failed:
-            self._begin_step(kind, global_step, model, context, runs)
+        with self.own():
+            kind = self.plan.start_step()  # on every rank alike: the window's steps are the same everywhere
+            if not self.plan.failed:
+                self._begin_step(kind, global_step, model, context, runs)
 
     @_own_work("starting a step")
     def _begin_step(
@@ -283,19 +286,20 @@ class StepSession:
         rank while its batches decide it; and this step's instrument. ``replay``: how the adapter's step
         runs this micro-batch again (for a count off the clock), or why it cannot."""
         if not self.plan.open:
-            return self._meter_batch(batch, replay)
-        read = self._read_batch(batch) if self._step is not None else None
-        if (decides := self.plan.batch_decides) or self.plan.lines_up():  # lines_up: comm step's start
-            if read is not None and read.later:  # the vote lies between the phases (the HF Trainer's run on)
-                self.stop_timing()
-            decision = self.plan.vote(self._wish(read, replay))
-            if decision.drop:
-                self._drop(decision)
-                return
-            if decides:
-                self.plan.batch_kind(decision)
-        if read is not None and self._step is not None:
-            self._begin_micro_batch(batch, read, replay)
+            with self.guard.own_work("reading the batch", DROPPED, self._abandon):
+                return self.job_meter.micro_batch_start(batch, replay)
+        with self.own():
+            read = self._read_batch(batch) if self._step is not None else None
+            if (decides := self.plan.batch_decides) or self.plan.lines_up():  # lines_up: comm step's start
+                if read is not None and read.later:  # the vote lies between the phases (the HF Trainer's)
+                    self.stop_timing()
+                decision = self.plan.vote(self._wish(read, replay))
+                if decision.drop:
+                    return self._drop(decision)
+                if decides:
+                    self.plan.batch_kind(decision)
+            if read is not None and self._step is not None:
+                self._begin_micro_batch(batch, read, replay)
 
     def _wish(self, read: _Read | None, replay: Replay | str | None) -> Wish:
         """This rank's wish for the step's kind (:class:`~flops_callbacks.session.window_plan.Wish`)."""
@@ -303,10 +307,6 @@ class StepSession:
             return Wish(drop=self.plan.failed)
         unknown, fake, content = read.counts is None, self.off_clock.usable(replay), self.flops.content
         return Wish(self.plan.failed, unknown and not fake, not unknown or fake, content is not None)
-
-    @_own_work("reading the batch")
-    def _meter_batch(self, batch: Any, replay: Replay | str | None) -> None:
-        self.job_meter.micro_batch_start(batch, replay)
 
     @_own_work("reading the batch")
     def _read_batch(self, batch: Any) -> _Read:
@@ -385,8 +385,9 @@ class StepSession:
             with self.guard.own_work("ending a step", DROPPED, self._abandon):
                 self.job_meter.step_end(global_step, sink, logs, self.plan.starts_at(global_step))
             return
-        done, comm = (self._end_window_step() if self._step is not None else None) or (False, None)
-        decision = self.plan.vote(Wish(drop=self.plan.failed, done=done, comm=comm), ended=True)
+        with self.own():
+            done, comm = (self._end_window_step() if self._step is not None else None) or (False, None)
+            decision = self.plan.vote(Wish(drop=self.plan.failed, done=done, comm=comm), ended=True)
         if decision.drop:
             self._drop(decision)
         elif decision.done or self.plan.capped():
@@ -416,7 +417,7 @@ class StepSession:
     def _drop(self, decision: Decision) -> None:
         """Every rank agreed to drop the window: said once, by the logging rank, unless this rank's own
         failure was said already. No other window starts in this run, unless a step raised in a re-profile
-        window: then metering goes on and the next window starts on the grid."""
+        window: metering goes on, the next window starts on the grid."""
         again = self.plan.drop(decision.raised and self.job_meter.running and not self._abandoned)
         self._window_ran = True
         went_on = f"the re-profile window is dropped; throughput/* goes on; the next starts at step {again}"
@@ -481,8 +482,7 @@ class StepSession:
     # --- throughput ----------------------------------------------------------------------------------
 
     def log_throughput(self, global_step: int, sink: Sink) -> None:
-        """Log the job's ``throughput/*`` of the interval since the last call (a logging event, which
-        every rank reaches: :class:`~flops_callbacks.session.job_meter.JobMeter`)."""
+        """Log the job's ``throughput/*`` since the last call (a logging event, which every rank reaches)."""
         self.job_meter.log(global_step, sink)
 
     @_own_work("pausing throughput")

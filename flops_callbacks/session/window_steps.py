@@ -17,9 +17,10 @@ its wall step (from the previous step's end to its own). The clean steps' figure
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -210,11 +211,17 @@ class WindowStep:
         return {"fwd": fwd, "bwd": bwd, "step": opt, "iter": fwd + bwd + opt, "data": data, "wall": wall}
 
     def _unpaused(self, start: Any, end: Any) -> float:
-        """Seconds from ``start`` to ``end`` less the run's declared pauses that overlap them."""
+        """Seconds from ``start`` to ``end`` less the pauses that overlap them (the run's declared ones, the
+        profiler's own work: their union, as an event's own work may hold another's)."""
         clock = self.phases.clock
         seconds = clock.seconds(start, end)
-        for a, b in self.paused:  # each pause's ends, in seconds from ``start``
-            seconds -= max(min(clock.seconds(start, b), seconds) - max(clock.seconds(start, a), 0.0), 0.0)
+        inside = sorted((clock.seconds(start, a), clock.seconds(start, b)) for a, b in self.paused)
+        reached = 0.0  # seconds from ``start`` the pauses so far cover up to
+        for a, b in inside:
+            a, b = max(a, reached), min(b, clock.seconds(start, end))
+            if b > a:
+                seconds -= b - a
+                reached = b
         return seconds
 
     def work(self, counts: BatchCounts | None = None) -> StepWork:
@@ -354,6 +361,24 @@ class Pauses:
         if self.start is not None:
             (step.paused if step is not None else self.waiting).append((self.start, mark))
             self.start = None
+
+    @contextlib.contextmanager
+    def own(self, clock: Any, running: Callable[[], WindowStep | None]) -> Iterator[None]:
+        """The profiler's own work in an event, on ``clock`` (None: left in, as with several ranks, whose
+        votes are taken out apart): like a declared pause, no part of the step ``running`` at its start nor
+        of the one at its end, or (none) of the next one's."""
+        if clock is None:
+            yield
+            return
+        before, start = running(), clock.mark()
+        yield
+        end, after = clock.mark(), running()
+        if before is not None and before.ended:  # split at its end: none of its marks lies past it (the
+            before.paused.append((start, before.end_mark))  # "auto" stop reads it without a synchronize)
+            start = before.end_mark
+        elif before is not None and before is not after:
+            before.paused.append((start, end))
+        (after.paused if after is not None else self.waiting).append((start, end))
 
     def take(self) -> dict[str, Any]:
         """What a window step that starts now holds: the pauses since the last one ended, and its fetch

@@ -232,6 +232,41 @@ def test_a_pause_declared_inside_the_block_is_no_part_of_the_phase_it_falls_in(w
     assert metrics[names.ITER_LATENCY] <= metrics[names.WALL_LATENCY] < FWD + BWD + STEP + evaluation / 2
 
 
+def test_the_profilers_own_work_between_blocks_is_in_no_steps_data_phase_or_wall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The profiler's own work in a window step's events (its votes, its step start), made long (OWN each):
+    a loop fed from memory waits for no data, and read it as data ("bound by the input pipeline": 37% of a
+    small model's step) or as the step's other. Each phase still holds its own sleep alone."""
+    from flops_callbacks.session.window_plan import WindowPlan
+
+    own = 0.03
+    for name in ("vote", "start_step"):
+        slowed = getattr(WindowPlan, name)
+
+        def slow(self: WindowPlan, *args: object, _call: object = slowed, **kwargs: object) -> object:
+            time.sleep(own)
+            return _call(self, *args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(WindowPlan, name, slow)
+    torch.manual_seed(0)
+    model = SleepyNet()
+    optimizer = SleepySGD(model.parameters(), STEP)
+    prof = StepProfiler(model, **WINDOW)
+    for x in batches(STEPS):  # from memory: no wait for data
+        with prof.step(x):
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    prof.close()
+    metrics = prof.metrics
+    assert metrics is not None
+    assert_sleeps_measured(metrics)
+    assert metrics[names.DATA_LATENCY] < own / 2, metrics
+    assert metrics[names.ITER_LATENCY] < FWD + BWD + STEP + own / 2, metrics
+    assert metrics[names.WALL_LATENCY] < metrics[names.ITER_LATENCY] + own / 2, metrics
+
+
 def test_a_step_outside_the_block_is_said_once_and_stopiteration_in_a_block_ends_the_data() -> None:
     """The loop's step() after the block: no step ends, a warning says so once (the counting step would
     count every block of the run). Then a loop whose ``next(it)`` raises StopIteration inside the block:
