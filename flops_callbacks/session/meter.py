@@ -162,6 +162,7 @@ class ThroughputMeter:
         self.every: int | None = None  # steps between audits (None: never)
         self._until: int | None = None  # steps until the next audit
         self._scheduled = False  # the step counted now is an audit (not a shape's count on arrival)
+        self._before_audit = False  # paused since the step before an audit ended: its wait is no interval's
         self._audit_start = 0.0  # when the audit now counted started (its whole time sets the next's place)
         self._step_seconds = 0.0  # the window's step: what an audit's time is weighed against
         self._engine: CountingEngine | None = None  # the audited step's engine
@@ -215,7 +216,8 @@ class ThroughputMeter:
         signature = shape_signature(batch)
         if self._engine is None and self.flops.current(signature, later) is None:
             self._count_off_clock(signature, later, replay)
-        if not later and self._paused_at is None:
+        if not later and (self._paused_at is None or self._before_audit):
+            self._before_audit = False
             self._audit_due(self.flops.current(signature, later) is None)
         if self._engine is not None:  # an audited step: counted
             self._counting = (signature, later, _totals(self._engine))
@@ -354,6 +356,14 @@ class ThroughputMeter:
                 self._until = self.every = audit_every(self.audit, self._step_seconds, spent)
             self._unknown = []
             self.resume()
+        if (
+            self._until is not None
+            and self._until <= 1
+            and self._model is not None
+            and self._paused_at is None
+        ):
+            self.pause()  # the next step is audited: its wait for its batch is no interval's, as its time
+            self._before_audit = True
 
     def step_raised(self) -> None:
         """The step raised and the loop goes on: an audit of it stops (its clock resumes, its count is no
@@ -409,6 +419,7 @@ class ThroughputMeter:
         """Stop metering (an audit in progress stops: nothing of it remains)."""
         self._stop_audit()
         self._started, self.energy, self._model = False, None, None  # the model is the user's to free
+        self._before_audit = False
         self._samples, self._flops, self._tokens, self._pending, self._own = 0, 0.0, 0, [], 0.0
 
     def _restart(self, now: float) -> None:

@@ -218,3 +218,22 @@ def test_work_of_a_two_step_cycle_the_window_saw_one_side_of_is_found_by_the_aud
             metered_step(meter, model, torch.randn(4, IN))
     ratio = float(re.search(r"did ([\d.]+)x", str(said[0].message)).group(1))  # type: ignore[union-attr]
     assert ratio < 0.25 or ratio > 4  # five Linears' work against one's (and its additions)
+
+
+def test_an_audited_steps_wait_for_its_batch_is_out_of_the_interval_as_its_time_and_samples() -> None:
+    """Six steps after the window, each waiting WAIT for its batch, every third audited (flops_audit=3:
+    steps 3 and 6): the interval holds the four others, their waits included, and not the audited steps'
+    waits (0.67x a stopwatch over the unaudited steps when it did)."""
+    wait, size = 0.03, 4
+    model = nn.Linear(IN, OUT)
+    meter = profiled_meter(model, [size] * first_clean(0), audit=3)
+    counted: list[bool] = []  # each step's forward: under the audit's counting mode or not
+    model.register_forward_pre_hook(lambda *_: counted.append(bool(_get_current_dispatch_mode_stack())))
+    meter.metrics()  # a fresh interval
+    for _ in range(6):
+        time.sleep(wait)  # the loader's fetch of the next batch
+        metered_step(meter, model, torch.randn(size, IN))
+    assert counted == [False, False, True, False, False, True]
+    rate = meter.metrics()[names.THROUGHPUT_SAMPLES_PER_SEC]
+    samples = 4 * size * 2  # the four unaudited steps' samples, over both data-parallel replicas
+    assert samples / (5 * wait) < rate <= samples / (4 * wait)  # four waits, not six
