@@ -153,6 +153,7 @@ class StepProfiler:
         self._in_step = False  # an optimizer step has started: its micro-batches so far ran no step()
         self._unstepped = 0  # blocks in a row that ran no optimizer step (said once at _UNSTEPPED)
         self._iteration: _Iteration | None = None
+        self._ended = self._said_ended = False  # close() ended the run: a later block runs unprofiled
 
     # --- results -------------------------------------------------------------------------------------
 
@@ -176,6 +177,12 @@ class StepProfiler:
         if optimizer_step is not None and not isinstance(optimizer_step, bool):
             raise ValueError(
                 f"StepProfiler.step: optimizer_step must be True, False or None, got {optimizer_step!r}"
+            )
+        if self._ended and not self._said_ended:
+            self._said_ended = True
+            warn(
+                "StepProfiler: a block after close(), which ended this profiler's run: it runs unprofiled, "
+                "and prof.result keeps the run's window. Make a new StepProfiler to profile another loop."
             )
         return _Iteration(self, batch, optimizer_step)
 
@@ -202,7 +209,17 @@ class StepProfiler:
         if self._iteration is not None:
             self._iteration.remove_hooks()
         if self._running:
-            self._running = False
+            self._running, self._ended = False, True
+            if (
+                0 < self._unstepped < _UNSTEPPED
+                and not self.global_step
+                and self.adapter.sink.is_logging_rank
+            ):
+                warn(  # else the session's "training ended at global step 0" says no more than that
+                    f"StepProfiler: {self._unstepped} blocks ran and none ran an optimizer step, so no step "
+                    "ended and no profile ran. Call the optimizer's step() inside `with prof.step(...)`, or "
+                    "pass optimizer_step=True to the block that ends a step."
+                )
             if not self._raised:  # else its ranks may wait in the step's collectives: no exchange now
                 self.session.train_end(self.global_step, self.adapter.sink)
         self.session.close()
@@ -281,6 +298,8 @@ class _Iteration:
 
     def __enter__(self) -> _Iteration:
         profiler = self.profiler
+        if profiler._ended:  # a block after close(): nothing of the profiler runs in it
+            return self
         if profiler._iteration is not None:
             raise RuntimeError("StepProfiler.step: a block is already open (blocks do not nest)")
         with profiler.session.own():  # out of the window steps' data, phases and wall
@@ -314,6 +333,8 @@ class _Iteration:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self.profiler._ended:
+            return
         with self.profiler.session.own():  # out of the window steps' data, phases and wall
             self._exit(error)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import FlopCounterMode
 
 from flops_callbacks import StepProfiler
@@ -287,6 +288,34 @@ def test_a_step_outside_the_block_is_said_once_and_stopiteration_in_a_block_ends
     said = [str(w.message) for w in caught if "ran no optimizer step" in str(w.message)]
     assert len(said) == 1 and said[0].startswith(f"StepProfiler: {_UNSTEPPED} blocks in a row ran no")
     assert prof.global_step == 0
+    # a block after close() runs unprofiled, said once, and the result stays the run's
+    window = StepProfiler(model, profile_step=1, clean_steps=1, print_profile=False)
+    for x in xs[:8]:
+        with window.step(x):
+            model(x).sum().backward()
+            optimizer.step()
+    window.close()
+    kept = window.result
+    assert kept is not None
+    with pytest.warns(
+        UserWarning, match=r"a block after close\(\), which ended this profiler's run"
+    ) as after:
+        for x in xs[:8]:
+            with window.step(x):
+                hooks = bool(
+                    model._forward_pre_hooks or model._forward_hooks or _get_current_dispatch_mode_stack()
+                )
+                model(x).sum().backward()
+                optimizer.step()
+    assert len(after) == 1 and window.result is kept and not hooks
+    # a short loop that never reaches that many blocks is told at close(), not only "no profile ran"
+    prof = StepProfiler(model, profile_step=2, print_profile=False)
+    with pytest.warns(UserWarning, match=r"StepProfiler: 10 blocks ran and none ran an optimizer step"):
+        for x in xs[:10]:
+            with prof.step(x):
+                model(x).sum().backward()
+            optimizer.step()
+        prof.close()
 
     data = iter([torch.randn(BATCH, 4) for _ in range(END - 2)])  # ends before the window's last clean step
     prof = StepProfiler(model, **WINDOW)
