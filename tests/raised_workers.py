@@ -22,7 +22,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flops_callbacks import StepProfiler  # noqa: E402
-from tests.support import comm_steps  # noqa: E402
+from tests.support import comm_steps, end_process  # noqa: E402
 
 PROFILE_STEP = 2
 RAISES_AT = comm_steps(PROFILE_STEP)[0]  # a communication step: every rank's window is open
@@ -88,6 +88,7 @@ def going_on(directory: Path, raises_at: int) -> None:
         "seconds": time.perf_counter() - start,
     }
     (directory / f"rank{rank}.json").write_text(json.dumps(ran))
+    end_process()  # a gloo job left to the interpreter's teardown aborts now and then
 
 
 if __name__ == "__main__":

@@ -339,6 +339,7 @@ class _Iteration:
             self._exit(error)
 
     def _exit(self, error: BaseException | None) -> None:
+        self.profiler.session.stop_timing()  # the block's code ended: removing the hooks is no phase's
         self.remove_hooks()
         if error is not None and not isinstance(error, StopIteration):
             self.profiler._abandon_iteration()

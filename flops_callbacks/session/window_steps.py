@@ -366,15 +366,15 @@ class Pauses:
     def own(self, clock: Any, running: Callable[[], WindowStep | None]) -> Iterator[None]:
         """The profiler's own work in an event, on ``clock`` (None: left in, as with several ranks, whose
         votes are taken out apart): like a declared pause, no part of the step ``running`` at its start nor
-        of the one at its end, or (none) of the next one's."""
+        of the one at its end, or (none) of the next one's. A step that ended in it keeps its seconds as
+        they were read at its end (its timed part had stopped)."""
         if clock is None:
             yield
             return
         before, start = running(), clock.mark()
         yield
         end, after = clock.mark(), running()
-        if before is not None and before.ended:  # split at its end: none of its marks lies past it (the
-            before.paused.append((start, before.end_mark))  # "auto" stop reads it without a synchronize)
+        if before is not None and before.ended:  # from its end on: the "auto" stop read its seconds already
             start = before.end_mark
         elif before is not None and before is not after:
             before.paused.append((start, end))
