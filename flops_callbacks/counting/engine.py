@@ -338,6 +338,13 @@ class CountingEngine:
             self._reentrant = None
         return BWD, tag or self._reentrant or self._ctx or self._context()
 
+    def _matmul_ran(self, out: Any, macs: int) -> None:
+        """A forward op's MACs, by the dtype of its first output tensor (an op may return several)."""
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        first = next((t for t in outs if isinstance(t, torch.Tensor)), None)
+        if first is not None:
+            self._rec.macs_by_dtype[first.dtype] = self._rec.macs_by_dtype.get(first.dtype, 0) + macs
+
     def matmul_dtype(self) -> torch.dtype | None:
         """The dtype most of the counted MACs (matmuls, convolutions, attention) produced, None before any:
         under ``torch.autocast`` the autocast dtype, which the parameters do not say."""
@@ -388,9 +395,8 @@ class CountingEngine:
                 counted = "its formula"
                 count = entry.count(func, args, kwargs, out, self.causal_half)
                 ctx.add(phase, ctx.functional or func._overloadpacket.__name__, count, moved)
-                if count.macs:  # what the matmuls ran in: autocast's dtype, not the parameters'
-                    dtype = (out if isinstance(out, torch.Tensor) else out[0]).dtype
-                    self._rec.macs_by_dtype[dtype] = self._rec.macs_by_dtype.get(dtype, 0) + count.macs
+                if count.macs and phase == FWD:  # what the matmuls ran in: autocast's dtype, not the params'
+                    self._matmul_ran(out, count.macs)
                 self._rec.counted_calls += 1
                 self._flops_in_call = True
         except Exception as error:  # the count's failure, not the op's: the op's result goes on

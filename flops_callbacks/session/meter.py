@@ -409,6 +409,8 @@ class ThroughputMeter:
                 self.energy.pause()
 
     def resume(self) -> None:
+        if self._before_audit:  # an evaluation between a step and the audited one: its wait stays out
+            return
         if self._started and self._paused_at is not None:
             self._paused += self._now() - self._paused_at
             self._paused_at = None

@@ -256,6 +256,18 @@ def test_checkpoints_nested_in_plain_functions_recompute_apart(use_reentrant: bo
     assert nested.modules[""].bwd_flops == nested.bwd_flops  # none outside the model
 
 
+def test_a_convolution_on_an_input_that_needs_no_grad_is_counted() -> None:
+    """The first layer of a CNN: its backward returns no input gradient (None beside the weight's and the
+    bias's), which the count of what the matmuls ran in once read as a tensor, failing the whole count."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 2))
+    tracer = traced(model, torch.randn(4, 3, 8, 8))
+    assert tracer.failure is None
+    conv = 2 * 4 * 8 * 6 * 6 * 3 * 3 * 3  # 2 x batch x out channels x output positions x kernel volume
+    assert tracer.profile().modules["0"].fwd_macs * 2 == conv
+    assert tracer.matmul_dtype() == torch.float32
+
+
 def test_a_backward_that_makes_a_graph_is_backward_not_recompute() -> None:
     """A gradient penalty (``create_graph=True``) runs its backward with grad on, as a recompute does."""
     torch.manual_seed(0)

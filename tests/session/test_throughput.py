@@ -230,9 +230,12 @@ def test_an_audited_steps_wait_for_its_batch_is_out_of_the_interval_as_its_time_
     counted: list[bool] = []  # each step's forward: under the audit's counting mode or not
     model.register_forward_pre_hook(lambda *_: counted.append(bool(_get_current_dispatch_mode_stack())))
     meter.metrics()  # a fresh interval
-    for _ in range(6):
+    for step in range(6):
         time.sleep(wait)  # the loader's fetch of the next batch
         metered_step(meter, model, torch.randn(size, IN))
+        if step == 4:  # an evaluation right before the audited step: its resume keeps the wait out
+            meter.pause()
+            meter.resume()
     assert counted == [False, False, True, False, False, True]
     rate = meter.metrics()[names.THROUGHPUT_SAMPLES_PER_SEC]
     samples = 4 * size * 2  # the four unaudited steps' samples, over both data-parallel replicas
