@@ -93,6 +93,9 @@ def fp32_matmul_dtype() -> str:
     return TF32 if tf32 else FP32
 
 
+_HALF = {torch.bfloat16: BF16, torch.float16: FP16}  # the half precisions' DTYPES names
+
+
 def parameters_dtype(model: torch.nn.Module) -> str | None:
     """The compute dtype of ``model``'s matmuls without autocast: its floating parameters' dtype, with
     fp32 as :func:`fp32_matmul_dtype` says (None for dtypes the table has no column for).
@@ -103,7 +106,7 @@ def parameters_dtype(model: torch.nn.Module) -> str | None:
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     if dtype == torch.float32:
         return fp32_matmul_dtype()
-    return {torch.bfloat16: BF16, torch.float16: FP16}.get(dtype)
+    return _HALF.get(dtype)
 
 
 def measured_dtype(declared: str | None, matmuls: torch.dtype | None) -> str | None:
@@ -115,7 +118,7 @@ def measured_dtype(declared: str | None, matmuls: torch.dtype | None) -> str | N
         declared: a :data:`DTYPES` name, or None.
         matmuls: the dtype most of the counted MACs produced (None: none counted).
     """
-    half = {torch.bfloat16: BF16, torch.float16: FP16}.get(matmuls) if matmuls is not None else None
+    half = _HALF.get(matmuls) if matmuls is not None else None
     return half if half is not None and declared in (None, FP32, TF32) else declared
 
 

@@ -97,11 +97,6 @@ class _Sink:
             print(text)
 
 
-# the strategy's calls a window micro-batch's work runs in besides training_step (the backward, the optimizer
-# step with clipping and, in automatic optimization, the closure): what they raise closes the window there
-_GUARDED = ("backward", "optimizer_step")
-
-
 class FlopsProfilerCallback(SessionCallback, pl.Callback):
     """Profiles a short window of optimizer steps of a Lightning run: a console summary, the full
     DeepSpeed-style report in the log dir, metrics in every logger.
@@ -146,7 +141,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     _step_at_batch_start: int | None = None  # the global step of the optimizer step in progress
     _step_hooks: tuple[Any, ...] | list[Any] = ()  # manual optimization: optimizer step post hooks
     _profiled_step: int | None = None  # kept in checkpoints: a resumed run knows it ran
-    _guards: tuple[WrappedMethod, ...] = ()  # a window micro-batch's _GUARDED calls of the strategy
+    _guards: tuple[WrappedMethod, ...] = ()  # a window micro-batch's wrapped calls of the strategy
 
     def state_dict(self) -> dict[str, Any]:
         return {"profiled_step": self._profiled_step}
@@ -187,11 +182,12 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             # automatic optimization: the backward and the optimizer step are Lightning's (manual: the user's
             # training_step calls them and may catch what they raise; its own guard sees what it does not)
             if pl_module.automatic_optimization:
+                # the calls its work runs in besides training_step (the backward, the optimizer step with
+                # clipping and the closure): what they raise closes the window there; the step's return ends
+                # the timed part
                 self._guards = tuple(
-                    WrappedMethod(
-                        strategy, n, self._stepping if n == "optimizer_step" else self._closing, once=False
-                    )
-                    for n in _GUARDED
+                    WrappedMethod(strategy, name, around, once=False)
+                    for name, around in (("backward", self._closing), ("optimizer_step", self._stepping))
                 )
 
     def _user_code(self, training_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -266,9 +262,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         session = self.session
         session.micro_batch_end(pause=True)  # validation may run before the next micro-batch
         if trainer.global_step == self._step_at_batch_start:
-            return self._watch_fetch(
-                trainer
-            )  # gradients are accumulating: the optimizer step has not run yet
+            return self._watch_fetch(trainer)  # gradients accumulate: the optimizer step has not run yet
         self._end_step()
         every = trainer.log_every_n_steps  # Lightning's cadence (set in its constructor)
         logs = bool(every) and (_logging_step(trainer) + 1) % every == 0

@@ -640,19 +640,31 @@ def test_evaluation_from_its_first_instruction_to_its_last_leaves_throughput_unc
     assert before.evaluate[9] - a[9] > 2 * (a[12] - before.evaluate[9])
 
 
-def test_evaluation_inside_the_window_is_neither_a_clean_steps_data_nor_its_wall(tmp_path: Path) -> None:
-    """An evaluation of 0.1 s after every step, inside the window too: out of the clean steps' data wait
-    and wall step (it read as the next step's data: "bound by the input pipeline")."""
-    model = SleepyRegressor(0.0, 0.0, tiny_ops=2)
+EVERY_STEP_EVALUATION: dict[str, Any] = {
+    "eval_strategy": "steps",
+    "eval_steps": 1,
+    "per_device_eval_batch_size": BATCH,
+}
+
+
+def held_out(tmp_path: Path, trainer_class: type[Trainer], **arguments: Any) -> dict[str, float]:
+    """The metrics of a window (two clean steps) of a Trainer of ``trainer_class`` whose work after each
+    step (``arguments``: an evaluation, a save) is slow: what the clean steps' data and wall hold."""
     callback = quiet(profile_step=1, clean_steps=2)
     train(
-        tmp_path, model, [callback], report_to=(), trainer_class=SlowToStartEvaluation,
-        datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(BATCH)}, max_steps=window_end(1, 2),
-        eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=BATCH,
+        tmp_path, SleepyRegressor(0.0, 0.0, tiny_ops=2), [callback], report_to=(),
+        trainer_class=trainer_class, datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(BATCH)},
+        max_steps=window_end(1, 2), **arguments,
     )  # fmt: skip
     result = callback.result
     assert result is not None and len(result.steps.clean) == 2
-    metrics = result.metrics()
+    return result.metrics()
+
+
+def test_evaluation_inside_the_window_is_neither_a_clean_steps_data_nor_its_wall(tmp_path: Path) -> None:
+    """An evaluation of 0.1 s after every step, inside the window too: out of the clean steps' data wait
+    and wall step (it read as the next step's data: "bound by the input pipeline")."""
+    metrics = held_out(tmp_path, SlowToStartEvaluation, **EVERY_STEP_EVALUATION)
     assert metrics[names.DATA_LATENCY] < 0.05 and metrics[names.WALL_LATENCY] < 0.05, metrics
 
 
@@ -670,17 +682,8 @@ def test_a_checkpoints_save_inside_the_window_is_neither_a_clean_steps_data_nor_
 ) -> None:
     """A save of 0.1 s after every step (after an evaluation, too), inside the window: out of the clean
     steps' data wait and wall step (it read as the next step's data: "bound by the input pipeline")."""
-    model = SleepyRegressor(0.0, 0.0, tiny_ops=2)
-    callback = quiet(profile_step=1, clean_steps=2)
-    evaluation = {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": BATCH}
-    train(
-        tmp_path, model, [callback], report_to=(), trainer_class=SlowToSave,
-        datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(BATCH)}, max_steps=window_end(1, 2),
-        save_strategy="steps", save_steps=1, **(evaluation if evaluates else {}),
-    )  # fmt: skip
-    result = callback.result
-    assert result is not None and len(result.steps.clean) == 2
-    metrics = result.metrics()
+    evaluation = EVERY_STEP_EVALUATION if evaluates else {}
+    metrics = held_out(tmp_path, SlowToSave, save_strategy="steps", save_steps=1, **evaluation)
     assert metrics[names.DATA_LATENCY] < 0.05 and metrics[names.WALL_LATENCY] < 0.05, metrics
 
 
