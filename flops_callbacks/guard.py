@@ -32,10 +32,12 @@ class Guard:
 
     Args:
         owner: the callback's name, as warnings say it.
+        goes_on: what a failure's warning ends with (what carries on after it).
     """
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, goes_on: str = "Training goes on.") -> None:
         self.owner = owner
+        self.goes_on = goes_on
         self._passing: BaseException | None = None  # the user's exception on its way out
         self._said: set[str] = set()
 
@@ -90,7 +92,7 @@ class Guard:
         return None
 
     def fail(self, what: str, error: BaseException, kept: str) -> None:
-        """Say that ``what`` failed with ``error`` (once per ``what``); training goes on.
+        """Say that ``what`` failed with ``error`` (once per ``what``), and what goes on.
 
         Args:
             what: the work that failed.
@@ -100,7 +102,8 @@ class Guard:
         if what in self._said:
             return
         self._said.add(what)
-        warn(f"{self.owner}: {what} failed ({type(error).__name__}: {error}); {kept}. Training goes on.")
+        said = f"{self.owner}: {what} failed ({type(error).__name__}: {error}); {kept}. {self.goes_on}"
+        warn(said.rstrip())
 
     def closing(self, close: Callable[[], None]) -> None:
         """Run an adapter's ``close`` as the user's exception passes (every door closes its window so): a

@@ -3,7 +3,8 @@
 A pre-hook and a hook on the model alone (its outermost calls: every other module keeps torch's fast call
 path) mark each step (an encoder-decoder's prefill begins at its encoder's call, which ``generate()``
 makes first, and ends with the decoder's first call); a logits processor, appended to the caller's,
-marks each token, as ``generate()`` calls it once per token on every decoding strategy. All are removed
+marks each token, as ``generate()`` calls it once per token on every decoding strategy that calls the
+model once per token (:func:`check_one_call_per_token` refuses the others). All are removed
 when ``generate()`` returns or raises. transformers is imported here only, when a generation is profiled.
 """
 
@@ -16,7 +17,38 @@ import torch
 
 from flops_callbacks.generation.run import GenerationRun
 
-__all__ = ["generate_loop", "prompt_shape", "returned_sequences"]
+__all__ = ["check_one_call_per_token", "generate_loop", "prompt_shape", "returned_sequences"]
+
+# generate()'s settings under which its model calls are not one per token: assisted decoding (a draft's
+# candidates checked several at a time, and the logits processor run on each candidate position) and
+# classifier-free guidance (the processor calls the model a second time for each token)
+_SEVERAL_CALLS = {
+    "assistant_model": "assisted decoding",
+    "prompt_lookup_num_tokens": "prompt lookup decoding",
+    "assistant_early_exit": "self-speculative decoding",
+    "use_mtp": "multi-token prediction",
+    "guidance_scale": "classifier-free guidance",
+}
+
+
+def check_one_call_per_token(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse a ``generate()`` whose model calls are not one per token (:data:`_SEVERAL_CALLS`): its steps
+    and tokens would be miscounted. Read from ``kwargs``, their ``generation_config`` and the model's."""
+    configs = [kwargs.get("generation_config"), getattr(model, "generation_config", None)]
+    for key, what in _SEVERAL_CALLS.items():
+        value = (
+            kwargs[key]
+            if key in kwargs
+            else next((getattr(c, key) for c in configs if getattr(c, key, None) is not None), None)
+        )
+        if value is None or value is False or (key == "guidance_scale" and value == 1):
+            continue
+        shown = type(value).__name__ if isinstance(value, torch.nn.Module) else repr(value)
+        raise ValueError(
+            f"{key}={shown} ({what}) is not profiled: its model calls are not one per token, which "
+            "profile_generation's steps and tokens are; profile generate() without it, or mark the steps of "
+            "a loop of your own with profile_decode_loop"
+        )
 
 
 def prompt_shape(kwargs: dict[str, Any]) -> tuple[int | None, int | None, int | None]:

@@ -26,7 +26,12 @@ import torch
 
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.files import write_text
-from flops_callbacks.generation.generate_marks import generate_loop, prompt_shape, returned_sequences
+from flops_callbacks.generation.generate_marks import (
+    check_one_call_per_token,
+    generate_loop,
+    prompt_shape,
+    returned_sequences,
+)
 from flops_callbacks.generation.json_file import generation_json
 from flops_callbacks.generation.module_times import (
     COUNTING_RUN_SOURCE,
@@ -43,6 +48,7 @@ from flops_callbacks.peaks import (
     check_peak_flops,
     given_bandwidth,
     given_peak,
+    measured_dtype,
     parameters_dtype,
     resolve_bandwidth,
     resolve_peak,
@@ -79,22 +85,29 @@ class GenerationProfile:
     def report(self) -> str:
         """The text report ("" and a warning if rendering it failed)."""
         text = ""
-        with Guard(OWNER).own_work("rendering the report", "the metrics are kept"):
+        with Guard(OWNER, goes_on="").own_work("rendering the report", "the metrics are kept"):
             text = render_generation(self.result)
         return text
 
     def json_data(self) -> dict[str, Any]:
         return generation_json(self.result)
 
-    def save(self, path: str | Path) -> Path:
-        """Write the JSON to ``path``; returns the path."""
+    def save(self, path: str | Path) -> Path | None:
+        """Write the JSON to ``path``; returns the path, or None and a warning where writing it failed."""
         import json
 
-        return write_text(path, json.dumps(self.json_data(), indent=1) + "\n")
+        written = None
+        with Guard(OWNER, goes_on="").own_work(f"saving {path}", "nothing was written"):
+            written = write_text(path, json.dumps(self.json_data(), indent=1) + "\n")
+        return written
 
-    def save_picture(self, path: str | Path) -> Path:
-        """Write the HTML picture (the middle decode step's module tree) to ``path``; returns the path."""
-        return write_text(path, generation_picture(self.result))
+    def save_picture(self, path: str | Path) -> Path | None:
+        """Write the HTML picture (the middle decode step's module tree) to ``path``; returns the path, or
+        None and a warning where there is no tree to draw (the counting failed) or drawing it failed."""
+        written = None
+        with Guard(OWNER, goes_on="").own_work(f"drawing the picture to {path}", "nothing was written"):
+            written = write_text(path, generation_picture(self.result))
+        return written
 
 
 def profile_decode_loop(
@@ -184,10 +197,14 @@ def profile_decode_loop(
             counting.end()
     draws.leave()
     _same_tokens(timed, counting)
-    dtype = parameters_dtype(model)
+    _one_step_per_token(counting)
+    dtype = measured_dtype(parameters_dtype(model), counting.matmul_dtype)
     peak, no_peak = resolve_peak(given_peak(peak_flops), device, dtype)
     bandwidth, no_bandwidth = resolve_bandwidth(given_bandwidth(peak_bandwidth), device)
     failure = _counting_failure(counting)
+    if counting.cache_failure and not failure:
+        warn(f"{OWNER}: reading the KV cache's bytes failed ({counting.cache_failure}); the cache's size is "
+             "not reported, the flops and bytes are")  # fmt: skip
     profiles = [] if failure else counting.profiles
     first = counting.prefill_steps  # the first decode step's index
     middle = (len(profiles) - first - 1) // 2 if len(profiles) > first else None  # among the decode steps
@@ -263,6 +280,15 @@ def _same_tokens(timed: list[GenerationRun], counting: GenerationRun) -> None:
              "are the counting run's generation, the latencies the timed runs'")  # fmt: skip
 
 
+def _one_step_per_token(counting: GenerationRun) -> None:
+    """Said where the model's calls after the prefill were not one per token (a logits processor that
+    calls the model, a decoding strategy of its own): the decode's figures are then per call."""
+    decode_steps, tokens = counting.steps - counting.prefill_steps, counting.tokens_out
+    if not counting.failure and tokens and decode_steps != tokens - 1:
+        warn(f"{OWNER}: the model was called {decode_steps} times after the prefill for {tokens - 1} more "
+             "tokens: the decode's figures per token are per model call")  # fmt: skip
+
+
 def _energy_counter(device: torch.device) -> EnergyCounter | str:
     """The device's energy counter for the timed runs, or why there is none (the profiler's own work: a
     failure is a reason, and the generation goes on)."""
@@ -305,8 +331,13 @@ def _with_module_times(
         pairs = ((0, prefill), (decode_call, decode))
         short = [call for call, tree in pairs if tree is not None and call not in tables]
         if short:  # sampled to an earlier EOS: that run has no such step, and no tree mixes two sources
-            warn(f"{OWNER}: the module-timing run made fewer model calls than the counting run (no call "
-                 f"{short[0]}); the trees keep the counting run's module latencies")  # fmt: skip
+            why = (
+                "the loop never called the model itself, only its submodules (its own calls are the steps)"
+                if not tables
+                else f"it made fewer model calls than the counting run: no call {short[0]}"
+            )
+            warn(f"{OWNER}: the module-timing run has no step to time ({why}); the trees keep the counting "
+                 "run's module latencies")  # fmt: skip
             return prefill, decode, COUNTING_RUN_SOURCE
         trees = []
         for call, tree in pairs:
@@ -357,6 +388,7 @@ def profile_generation(
             f"model must have a generate() (a transformers model), got {type(model).__name__}; "
             "profile a loop of one's own with profile_decode_loop"
         )
+    check_one_call_per_token(model, generate_kwargs)
     batch, prompt, padding = prompt_shape(generate_kwargs)
     loop = generate_loop(model, generate_kwargs)
     profile = profile_decode_loop(

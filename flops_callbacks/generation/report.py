@@ -102,7 +102,10 @@ def generation_head(result: GenerationResult) -> str:
             positions = result.prompt_tokens * result.batch_size
             prompt += f", {result.padding_tokens} of {positions} positions padding"
         lines.append(_row("prompt tokens", prompt))
-    decode_steps = result.decode_work.steps if result.decode_work else 0
+    timed = result.runs[0] if result.runs else None  # its steps: the counting may have failed
+    decode_steps = (
+        (len(timed.steps) - timed.prefill_steps) if timed else (len(result.work) - result.prefill_steps)
+    )
     new_tokens = f"{result.new_tokens} (1 from the prefill, {decode_steps} from decode steps)"
     lines += [
         _row("new tokens per sequence", new_tokens),

@@ -214,9 +214,10 @@ class GenerationResult:
             m[names.DECODE_FORWARD_LATENCY] = statistics.median(forwards)
         if runs:
             m[names.GENERATION_LATENCY] = statistics.median(run.total for run in runs)
-            if self.batch_size is not None:
-                tokens = sum(self.batch_size * run.tokens for run in runs)
-                m[names.GENERATION_TOKENS_PER_SEC] = tokens / sum(run.total for run in runs)
+            latency = m[names.GENERATION_LATENCY]
+            if self.batch_size is not None and latency > 0:  # of the median run: one slow run weighs nothing
+                tokens = self.batch_size * statistics.median(run.tokens for run in runs)
+                m[names.GENERATION_TOKENS_PER_SEC] = tokens / latency
         if self.kv_cache_bytes is not None:
             m[names.KV_CACHE_BYTES] = float(self.kv_cache_bytes)
         m.update(self._energy_metrics())

@@ -11,7 +11,7 @@ Python, several times a clean step's time on a model of small ops.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +58,8 @@ class GenerationRun:
         self.failure = ""  # what went wrong in the counting ("": nothing): counting stops there
         self.profiles: list[Profile] = []  # the counting run's, one per step
         self.kv_cache_bytes: int | None = None
+        self.matmul_dtype: torch.dtype | None = None  # what the counted matmuls produced (autocast's)
+        self.cache_failure = ""  # why reading the KV cache's bytes failed ("": it did not): none reported
         self.prefill_steps = 0  # steps that ended before the first token
         self._tokens_out = 0
         self._start: Any = None
@@ -126,12 +128,12 @@ class GenerationRun:
                 return
             try:
                 self.profiles.append(self.engine.profile())
+                self.matmul_dtype = self.matmul_dtype or self.engine.matmul_dtype()  # the prefill's, mostly
                 self.engine.reset()
-                found = output_cache_bytes(output)
             except Exception as error:  # the profiler's own work: the user's generation goes on
                 self.failure = f"reading step {len(self.profiles)}'s counts ({type(error).__name__}: {error})"
                 return
-            self.kv_cache_bytes = found if found is not None else self.kv_cache_bytes
+            self._read_cache(output_cache_bytes, output)
             return
         end = self.clock.mark()
         if self._step_start is not None:
@@ -172,7 +174,20 @@ class GenerationRun:
         """The KV cache (a cache object or tuples of tensors): its bytes are reported as the cache's at
         the end of the run."""
         if self.engine is not None:
-            self.kv_cache_bytes = cache_bytes(cache)
+            self._read_cache(cache_bytes, cache)
+
+    def _read_cache(self, bytes_of: Callable[[Any], int | None], found: Any) -> None:
+        """The cache's bytes, kept where found; a failure (the profiler's own work) reports none, and the
+        counts and the user's loop go on."""
+        if self.cache_failure:
+            return
+        try:
+            size = bytes_of(found)
+        except Exception as error:
+            self.cache_failure, self.kv_cache_bytes = f"{type(error).__name__}: {error}", None
+            return
+        if size is not None:
+            self.kv_cache_bytes = size
 
     def times(self) -> RunTimes:
         """The run's seconds (synchronizes once)."""
@@ -199,26 +214,32 @@ def output_cache_bytes(output: Any) -> int | None:
 
 
 def cache_bytes(cache: Any) -> int | None:
-    """Bytes of the tensors a KV cache holds (each storage once): a cache object (its layers' keys and
-    values) or nested tuples of tensors; None where there is none."""
-    seen: set[int] = set()
+    """Bytes of the tensors a KV cache holds: a cache object (its layers' keys and values) or nested
+    tuples of tensors; None where there is none. Each view counts once, and the views of one storage (a
+    preallocated buffer's layers, a fused key-value tensor's halves) never more than the storage."""
+    views: dict[Any, dict[tuple[Any, ...], int]] = {}  # storage -> each distinct view's bytes
+    capacity: dict[Any, int] = {}  # storage -> its bytes
 
-    def walk(found: Any, depth: int) -> int | None:
+    def walk(found: Any, depth: int) -> bool:
         if isinstance(found, torch.Tensor):
-            key = found.untyped_storage().data_ptr() if found.device.type != "meta" else id(found)
-            if key in seen:
-                return 0
-            seen.add(key)
-            return found.nbytes
+            if found.device.type == "meta":  # no storage to share
+                storage, size = id(found), found.nbytes
+            else:
+                storage, size = found.untyped_storage().data_ptr(), found.untyped_storage().nbytes()
+            view = (found.storage_offset(), tuple(found.shape), found.stride(), found.dtype)
+            views.setdefault(storage, {})[view] = found.nbytes
+            capacity[storage] = size
+            return True
         if depth > 4:
-            return None
+            return False
         if isinstance(found, (tuple, list)):
-            parts = [walk(item, depth + 1) for item in found]
+            items: Any = found
         elif hasattr(found, "__dict__") and not isinstance(found, (torch.nn.Module, type)):
-            parts = [walk(value, depth + 1) for value in vars(found).values()]
+            items = vars(found).values()
         else:
-            return None
-        known = [p for p in parts if p is not None]
-        return sum(known) if known else None
+            return False
+        return any([walk(item, depth + 1) for item in items])  # a list: every item walked
 
-    return walk(cache, 0)
+    if not walk(cache, 0):
+        return None
+    return sum(min(sum(found.values()), capacity[storage]) for storage, found in views.items())

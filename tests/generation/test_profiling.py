@@ -12,6 +12,7 @@ a clock only the sleeps move; the comparison with outside timers on a real model
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable
@@ -317,9 +318,7 @@ def test_a_module_timing_run_shorter_than_the_counting_run_leaves_the_trees_the_
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(transformers.GPT2LMHeadModel, "generate", generate)
-    with pytest.warns(
-        UserWarning, match="the module-timing run made fewer model calls than the counting run"
-    ):
+    with pytest.warns(UserWarning, match="it made fewer model calls than the counting run: no call"):
         profile = profile_generation(built("gpt2"), **prompt(), max_new_tokens=8, **GREEDY, runs=1)
     assert profile.result.module_latencies.startswith("the counting run")
     assert "Module latencies below: the counting run (inflated by counting" in profile.report
@@ -444,6 +443,99 @@ def test_a_failure_of_the_profiler_warns_and_the_latencies_are_kept(monkeypatch:
         profile = profile_generation(model, **prompt(), max_new_tokens=3, **GREEDY, runs=1, warm_up=0)
     assert metrics.PREFILL_FLOPS not in profile.metrics and metrics.PREFILL_LATENCY in profile.metrics
     assert "NOT COUNTED" in profile.report
+
+
+def test_a_failure_reading_the_cache_keeps_the_counts_and_a_failed_picture_or_file_only_warns(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from flops_callbacks.generation import run
+
+    def unreadable(output: Any) -> int | None:
+        raise RuntimeError("a cache of its own kind")
+
+    monkeypatch.setattr(run, "output_cache_bytes", unreadable)
+    model = built("gpt2")
+    with pytest.warns(UserWarning, match="reading the KV cache's bytes failed .*a cache of its own kind"):
+        profile = profile_generation(model, **prompt(), max_new_tokens=3, **GREEDY, runs=1, warm_up=0)
+    assert profile.metrics[metrics.PREFILL_FLOPS] > 0 and metrics.KV_CACHE_BYTES not in profile.metrics
+    assert profile.save_picture(tmp_path / "kept.html") == tmp_path / "kept.html"
+
+    counted = dataclasses.replace(profile.result, work=(), prefill=None, decode=None, counting_failure="x")
+    failed = GenerationProfile(counted)
+    assert "(1 from the prefill, 2 from decode steps)" in failed.report  # the timed run's steps
+    with pytest.warns(UserWarning, match="drawing the picture .*no module tree to draw.*nothing was written"):
+        assert failed.save_picture(tmp_path / "none.html") is None
+    assert not (tmp_path / "none.html").exists()
+    (tmp_path / "taken").write_text("a file where a folder should be")
+    with pytest.warns(UserWarning, match="saving .*nothing was written"):
+        assert failed.save(tmp_path / "taken" / "generation.json") is None
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"prompt_lookup_num_tokens": 3},
+        {"guidance_scale": 1.5},
+        {"assistant_model": "draft"},
+        {"generation_config": "prompt_lookup_num_tokens"},
+    ],
+    ids=["prompt-lookup", "guidance", "assistant", "in-a-config"],
+)
+def test_a_generate_that_calls_the_model_other_than_once_per_token_is_refused_before_it_runs(
+    arguments: dict[str, Any],
+) -> None:
+    """Assisted decoding checks several tokens per call (its processor runs per candidate), guidance calls
+    the model twice per token: counted as steps and tokens they gave 31 tokens for 10, or half the flops
+    per token."""
+    model = built("gpt2")
+    if arguments.get("assistant_model") == "draft":
+        arguments = {"assistant_model": built("gpt2")}
+    if arguments.get("generation_config"):
+        config = transformers.GenerationConfig(prompt_lookup_num_tokens=3, max_new_tokens=4, **GREEDY)
+        arguments = {"generation_config": config}
+    named = next(iter({"generation_config": "prompt_lookup_num_tokens"}.get(k, k) for k in arguments))
+    with pytest.raises(ValueError, match=f"{named}=.* is not profiled: its model calls are not one per"):
+        profile_generation(model, **prompt(), max_new_tokens=4, **GREEDY, **arguments)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_processor_that_calls_the_model_is_said_to_make_the_decode_figures_per_call() -> None:
+    model = built("gpt2")
+
+    def second_opinion(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        model(input_ids[:, -1:])  # a second model call for each token
+        return scores
+
+    processors = transformers.LogitsProcessorList([second_opinion])
+    with pytest.warns(UserWarning, match="called 6 times after the prefill for 3 more tokens.*per model"):
+        profile_generation(
+            model, **prompt(), max_new_tokens=4, **GREEDY, logits_processor=processors, runs=1, warm_up=0
+        )
+
+
+def test_a_generation_under_autocast_takes_the_peak_of_the_autocast_dtype() -> None:
+    """The parameters stay fp32; the matmuls run in bf16, whose peak is 15x fp32's on an H100."""
+    model = built("gpt2")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        profile = profile_generation(model, **prompt(), max_new_tokens=2, **GREEDY, runs=1, warm_up=0)
+    assert profile.result.compute_dtype == "bf16"
+    plain = profile_generation(model, **prompt(), max_new_tokens=2, **GREEDY, runs=1, warm_up=0)
+    assert plain.result.compute_dtype == "fp32"
+
+
+def test_a_loop_that_calls_only_the_models_submodules_is_said_so() -> None:
+    model = built("gpt2")
+    inputs = prompt()
+
+    def loop(run: GenerationRun) -> None:
+        with run.prefill():
+            hidden = model.transformer(**inputs).last_hidden_state
+            token = model.lm_head(hidden[:, -1:]).argmax(-1)
+        with run.decode_step():
+            model.lm_head(model.transformer(token).last_hidden_state)
+
+    with pytest.warns(UserWarning, match="the loop never called the model itself, only its submodules"):
+        profile_decode_loop(model, loop, runs=1, warm_up=0)
 
 
 def test_an_encoder_decoders_prefill_is_its_encoder_and_first_decoder_call() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -73,7 +74,7 @@ def test_every_metric_worked_out_by_hand() -> None:
             names.DECODE_LATENCY_P90: 0.9,
             names.DECODE_FORWARD_LATENCY: 0.1,  # median of 0.1, 0.1, 0.1, 0.1, 0.2, 0.3
             names.GENERATION_LATENCY: 2.0,
-            names.GENERATION_TOKENS_PER_SEC: 2 * 4 * 2 / 4.0,  # sequences x tokens x runs / their seconds
+            names.GENERATION_TOKENS_PER_SEC: 2 * 4 / 2.0,  # sequences x a run's tokens / the latency
             names.KV_CACHE_BYTES: 4096,
             names.PREFILL_MFU: 100 / 0.3 / 1000,
             names.PREFILL_MBU: 1000 / 0.3 / 10_000,
@@ -112,12 +113,26 @@ def test_quantile_interpolates_between_ranks() -> None:
     assert math.isnan(quantile([], 0.5))
 
 
-def test_cache_bytes_counts_each_storage_once() -> None:
+def test_tokens_per_sec_is_the_latencys_not_dragged_down_by_one_slow_run() -> None:
+    """A stall in one of three runs: the latency is the median run's, and so is the rate beside it."""
+    runs = result().runs
+    slow = (runs[0], dataclasses.replace(runs[0], total=10.0), dataclasses.replace(runs[0], total=1.25))
+    m = result(runs=slow).metrics()
+    assert m[names.GENERATION_LATENCY] == 1.25
+    assert m[names.GENERATION_TOKENS_PER_SEC] == pytest.approx(2 * 4 / 1.25)
+
+
+def test_cache_bytes_counts_each_view_once_and_a_storage_at_most_whole() -> None:
     import torch
 
     keys = torch.zeros(2, 4, 10, 8)
     assert cache_bytes(((keys, torch.zeros(2, 4, 10, 8)), (keys, keys[:, :, :5]))) == 2 * keys.nbytes
     assert cache_bytes(None) is None and cache_bytes(3) is None
+    # a preallocated buffer's layers, and a fused tensor's key and value halves: their whole storage
+    buffer = torch.zeros(2, 4, 2, 8, 32, 16)
+    assert cache_bytes(tuple((buffer[0, layer], buffer[1, layer]) for layer in range(4))) == buffer.nbytes
+    fused = torch.zeros(2, 8, 32, 32)
+    assert cache_bytes(((fused[..., :16], fused[..., 16:]),)) == fused.nbytes
 
 
 def test_a_prefill_in_chunks_is_the_steps_before_the_first_token() -> None:
