@@ -55,7 +55,8 @@ class Roofline:
     def verdict(self) -> str:
         """``"memory-bound at 12% of the roofline"``, or ``"overhead-bound at 0.3% of the roofline
         (memory roof)"`` far below both roofs."""
-        at = f"{100 * self.roofline_fraction:.2g}% of the roofline"
+        share = 100 * self.roofline_fraction  # two digits below 10%, whole percents above (not 1e+02%)
+        at = f"{share:.0f}% of the roofline" if share >= 10 else f"{share:.2g}% of the roofline"
         if self.overhead_bound:
             return f"overhead-bound at {at} ({self.limiter} roof)"
         return f"{self.limiter}-bound at {at}"

@@ -289,6 +289,13 @@ def test_gate_exits_2_on_an_unknown_figure_or_a_bad_rule_and_names_it(
         "fwd_latency:10%": "--fail-on 'fwd_latency:10%': expected FIGURE:+N%",
         "fwd_latency:+ten%": "--fail-on 'fwd_latency:+ten%': expected FIGURE:+N%",
         "fwd_latency+10%": "--fail-on 'fwd_latency+10%': expected FIGURE:+N%",
+        # a rule that would fail on an improvement (it said "samples_per_sec got worse" of a 43% rise)
+        "samples_per_sec:+10%": (
+            "--fail-on samples_per_sec:+10%: samples_per_sec is better higher, so the rule would fail on an "
+            "improvement; a gate fails on it getting worse: samples_per_sec:-10%"
+        ),
+        "fwd_latency:-2.5%": "--fail-on fwd_latency:-2.5%: fwd_latency is better lower, so the rule would "
+        "fail on an improvement; a gate fails on it getting worse: fwd_latency:+2.5%",
     }
     for rule, message in cases.items():
         assert main(["gate", a, a, "--fail-on", rule]) == 2

@@ -33,6 +33,11 @@ def test_the_larger_term_is_the_limiter_and_the_fraction_is_bound_over_latency()
     r = roofline(10**6, 10**9, 20e-3, 1e12, 1e12)
     assert r is not None and r.limiter == MEMORY and r.roofline_fraction == pytest.approx(0.05)
     assert r.overhead_bound and r.verdict() == "overhead-bound at 5% of the roofline (memory roof)"
+    # at or above the roof (a fused kernel moves fewer bytes than its ops' operands): whole percents
+    r = roofline(10**9, 10**6, 0.98e-3, 1e12, 1e12)
+    assert r is not None and r.verdict() == "compute-bound at 102% of the roofline"
+    r = roofline(10**9, 10**6, 1e-2 / 0.97, 1e12, 1e12)
+    assert r is not None and r.verdict() == "overhead-bound at 9.7% of the roofline (compute roof)"
     # equal terms: not compute (the flops term must be the larger); no latency or no work: no verdict
     tie = roofline(10**6, 10**6, 1.0, 1e12, 1e12)
     assert tie is not None and tie.limiter == MEMORY

@@ -267,10 +267,19 @@ class Change:
         """+1 when B is better, -1 when worse, 0 when equal or neither (a count: more work is not worse)."""
         if self.a.value == self.b.value:
             return 0
-        up = 1 if self.b.value > self.a.value else -1
-        if self.name.endswith("_latency") or f"{names.PREFIX}{self.name}" in _ENERGY_OF:
-            return -up
-        return up if f"{names.PREFIX}{self.name}" in _RANGE_OF else 0
+        return (1 if self.b.value > self.a.value else -1) * better_up(self.name)
+
+
+def better_up(name: str) -> int:
+    """+1 for a figure better higher (a rate), -1 better lower (a latency, an energy), 0 for neither (a
+    count: more work is not worse).
+
+    Args:
+        name: the figure's short name.
+    """
+    if name.endswith("_latency") or f"{names.PREFIX}{name}" in _ENERGY_OF:
+        return -1
+    return 1 if f"{names.PREFIX}{name}" in _RANGE_OF else 0
 
 
 def changes(a: SavedProfile, b: SavedProfile) -> list[Change]:

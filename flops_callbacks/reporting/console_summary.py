@@ -100,21 +100,9 @@ def bound_by(split: Split, result: WindowResult) -> str:
         split: the step's time split into its parts.
         result: the window's result (its rooflines and peaks).
     """
-    if split.timed_wall and split.share("data") >= BOUND_SHARE:
-        return (
-            f"the input pipeline: {split.share('data'):.0%} of the step waits for data "
-            "(more DataLoader num_workers, pin_memory=True, prefetch_factor)"
-        )
-    idle = result.device_idle()
-    if idle is not None and idle >= BOUND_SHARE:  # before the loop's and the step's: their host time too
-        return (
-            f"the host: the GPU idle {idle:.0%} of fwd + bwd, waiting for launches "
-            "(torch.compile, CUDA graphs or a larger batch usually help)"
-        )
-    if split.timed_wall and split.share("other") >= BOUND_SHARE:
-        return f"the loop's own work: {split.share('other'):.0%} of the step is outside the phases"
-    if split.share("step") >= BOUND_SHARE:
-        return f"the optimizer step: {split.share('step'):.0%} of the step"
+    found = _largest_bound(split, result.device_idle())
+    if found:
+        return found
     comm = result.comm
     beyond = beyond_compute(comm, waited_for(result.slow_rank, comm.step.exposed)) if comm is not None else ""
     if comm is not None and comm.step.span and comm.step.exposed >= BOUND_SHARE * comm.step.span:
@@ -128,6 +116,26 @@ def bound_by(split: Split, result: WindowResult) -> str:
     ranked = sorted(limits.items(), key=lambda kv: kv[1], reverse=True)
     shares = ", ".join(f"{kind} {share:.0%}" for kind, share in ranked)
     return f"{ranked[0][0]} ({model:.0%} of the step in fwd + bwd; module time {shares}){beyond}"
+
+
+def _largest_bound(split: Split, idle: float | None) -> str:
+    """What bounds the step outside the model's compute ("": nothing does): the largest of the wait for
+    data, the loop's own work and the optimizer step (a part that prints as 30% of the wall step or more),
+    or the host where the GPU idles 30% of fwd + bwd, unless the data's wait is the largest (the loop's
+    and the step's host time have the host's cause)."""
+    pipeline = "more DataLoader num_workers, pin_memory=True, prefetch_factor"
+    says = {
+        "data": "the input pipeline: {:.0%} of the step waits for data (" + pipeline + ")",
+        "other": "the loop's own work: {:.0%} of the step is outside the phases",
+        "step": "the optimizer step: {:.0%} of the step",
+    }
+    parts = [*(["data", "other"] if split.timed_wall else []), "step"]
+    largest = max(parts, key=split.share)
+    bounding = round(split.share(largest), 2) >= BOUND_SHARE
+    if idle is not None and round(idle, 2) >= BOUND_SHARE and not (bounding and largest == "data"):
+        helps = "torch.compile, CUDA graphs or a larger batch usually help"
+        return f"the host: the GPU idle {idle:.0%} of fwd + bwd, waiting for launches ({helps})"
+    return says[largest].format(split.share(largest)) if bounding else ""
 
 
 def _limiters(result: WindowResult) -> dict[str, float]:
