@@ -5,7 +5,8 @@ generation's result its own, :meth:`flops_callbacks.generation.result.Generation
 Flops and latencies are per device; ``samples_per_sec`` and ``tokens_per_sec`` count every
 data-parallel replica. Latencies are in seconds, rates per second, MFU and HFU fractions of the
 device's dense peak FLOPS (logged only when a peak is known: :mod:`flops_callbacks.peaks`).
-In a multi-process run the latencies are the slowest rank's.
+In a multi-process run the latencies are those of the rank every other waited for (the slow rank's
+where one stands out).
 
 The latencies are the median step's: the clean step whose FLOPS (its own flops over its own iter latency)
 is the median of the clean steps' (of an even count, the mean of the two middle ones; with batches of one

@@ -5,7 +5,8 @@ made slow by a known sleep, whose windows name it.
 
 * ``loop``: DDP in a loop of one's own with ``StepProfiler`` (under ``torchrun``);
 * ``lightning``: Lightning's ``ddp`` strategy (its own launcher starts the second process);
-* ``hf``: the HF Trainer's DDP (under ``torchrun``).
+* ``hf``: the HF Trainer's DDP (under ``torchrun``); ``hf-accumulating``: with 2 micro-batches a step,
+  each sleeping half the step's sleep.
 
 Two windows: the first (with its communication steps) while the slow rank sleeps in its model's forward,
 the second (a re-profile window: clean steps only, ``profile_every``) once it sleeps in its batches'
@@ -154,7 +155,7 @@ def lightning(directory: Path, sleeper: Sleeper) -> None:
     save(directory, trainer.global_rank, windows)
 
 
-def hf(directory: Path, sleeper: Sleeper) -> None:
+def hf(directory: Path, sleeper: Sleeper, accumulation: int = 1) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from flops_callbacks.integrations.hf import HFFlopsCallback
@@ -170,6 +171,7 @@ def hf(directory: Path, sleeper: Sleeper) -> None:
         output_dir=str(directory / "out"), use_cpu=True, ddp_backend="gloo",
         ddp_timeout=int(TIMEOUT.total_seconds()), per_device_train_batch_size=BATCH, max_steps=STEPS,
         save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
+        gradient_accumulation_steps=accumulation,
     )  # fmt: skip
     trainer = Trainer(
         model=Slowed(sleeper), args=args, train_dataset=Pairs(WIDTH), data_collator=Collate(sleeper),
@@ -182,6 +184,9 @@ def hf(directory: Path, sleeper: Sleeper) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     kind, out, slow = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    sleep = Sleeper(slow, (float(sys.argv[4]) if len(sys.argv) > 4 else 20.0) / 1e3)
-    {"loop": loop, "lightning": lightning, "hf": hf}[kind](out, sleep)
+    seconds = (float(sys.argv[4]) if len(sys.argv) > 4 else 20.0) / 1e3
+    if kind == "hf-accumulating":  # 2 micro-batches a step, each sleeping half the step's sleep
+        hf(out, Sleeper(slow, seconds / 2), accumulation=2)
+    else:
+        {"loop": loop, "lightning": lightning, "hf": hf}[kind](out, Sleeper(slow, seconds))
     end_process()

@@ -76,6 +76,7 @@ class RankTimes(NamedTuple):
     phases: dict[str, tuple[float, ...]]  # each clean step's seconds of each phase, by phase
     waits: tuple[float, ...]  # each clean step's seconds in the profiler's votes before its forward
     comm: tuple[CommBreakdown | None, ...] = ()  # each communication step's split (None: unread)
+    comm_waits: tuple[float, ...] = ()  # each communication step's seconds in the profiler's votes
 
 
 @dataclass(frozen=True)
@@ -222,17 +223,25 @@ def _beyond(mine: Sequence[float | None], theirs: Sequence[float | None]) -> flo
     return _typical([t for t in theirs if t is not None]) - _typical([m for m in mine if m is not None])
 
 
+def _votes(rank: RankTimes, comm: bool) -> tuple[float, ...]:
+    """A rank's seconds in the profiler's votes, step by step, on the steps its communication waits are
+    read from (:func:`_held`): a clean step votes at each micro-batch and a communication step at its
+    first only, so that with gradient accumulation the two kinds split one wait differently, and a wait
+    told from one kind's votes and the other's exposed time was counted up to twice."""
+    return rank.comm_waits if comm and len(rank.comm_waits) == len(rank.comm) else rank.waits
+
+
 def _waits(
     ranks: Sequence[RankTimes], slow: int, comm: bool, part: str = DATA
 ) -> tuple[tuple[float, ...], bool]:
     """Each rank's waiting a step beyond the slow rank's own, in the profiler's votes and in communication
-    (0 at least; its own: 0), and whether the others wait more in communication than in the votes. Where
-    the slow rank's ``part`` is its own communication, the others' wait is in the votes alone (its exposed
-    time beyond theirs is the extra, not their wait)."""
+    on the same steps (0 at least; its own: 0), and whether the others wait more in communication than in
+    the votes. Where the slow rank's ``part`` is its own communication, the others' wait is in the votes
+    alone (its exposed time beyond theirs is the extra, not their wait)."""
     mine = ranks[slow]
     beyond = [
         (
-            _beyond(mine.waits, rank.waits),
+            _beyond(_votes(mine, comm), _votes(rank, comm)),
             0.0 if part == COMMUNICATION else _beyond(_held(mine, comm), _held(rank, comm)),
         )
         for r, rank in enumerate(ranks)

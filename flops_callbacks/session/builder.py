@@ -166,19 +166,23 @@ def phases(step: CleanStep) -> tuple[float, float, float]:
     return step.latency("fwd"), step.latency("bwd"), step.latency("step")
 
 
-def _job_step(steps: Sequence[CleanStep]) -> CleanStep:
-    """One step of every rank's as the job saw it: the slowest rank's times (every rank waited for it),
-    the ranks' mean work per device (every rank's own batches)."""
-    slowest = max(steps, key=lambda s: s.latency("iter"))
-    return CleanStep(StepWork.combined([s.work for s in steps], mean), slowest.seconds)
+def _job_step(steps: Sequence[CleanStep], held_back: int | None) -> CleanStep:
+    """One step of every rank's as the job saw it: the times of the rank every other waited for (the
+    ``held_back`` rank, else the step's slowest), the ranks' mean work per device (their own batches)."""
+    timed = steps[held_back] if held_back is not None else max(steps, key=lambda s: s.latency("iter"))
+    return CleanStep(StepWork.combined([s.work for s in steps], mean), timed.seconds)
 
 
-def job_figures(rows: Sequence[RankRow]) -> CleanFigures:
+def job_figures(rows: Sequence[RankRow], held_back: int | None = None) -> CleanFigures:
     """The job's clean steps, step by step (:func:`_job_step`); ranks that timed different numbers of
-    steps: their median steps, as one."""
+    steps: their median steps, as one. ``held_back``: the slow rank, where one stands out: its times on
+    every step. The others' steps are as long as its (they wait for it at each collective), so the
+    slowest by a few microseconds is any rank's, and the phases flipped between the slow rank's (its
+    forward 50 ms) and a waiting rank's (its backward 50 ms: the wait) from one run to the next."""
     if len({len(r.steps) for r in rows}) == 1:
-        return CleanFigures(tuple(_job_step(step) for step in zip(*(r.steps for r in rows), strict=True)))
-    return CleanFigures((_job_step([CleanFigures(r.steps).median_step() for r in rows]),))
+        steps = zip(*(r.steps for r in rows), strict=True)
+        return CleanFigures(tuple(_job_step(step, held_back) for step in steps))
+    return CleanFigures((_job_step([CleanFigures(r.steps).median_step() for r in rows], held_back),))
 
 
 def build_result(
@@ -197,7 +201,8 @@ def build_result(
     FLOPS and bandwidth, if given; ``not_apart``: why a padded or packed batch's model work is its run's.
     The clean steps' figures are built here for both."""
     job = without_votes(rows)  # the training's own figures; the slow rank reads the rows as timed
-    figures = job_figures(job)
+    slow = slow_rank(rows, model)
+    figures = job_figures(job, slow.rank if slow is not None and slow.stands_out else None)
     energy, no_energy = job_energy([r.energy for r in rows])
     fwd, bwd, step = phases(figures.median_step())
     if isinstance(local, ReusedWindow):  # no clean step of a re-profile window marks the model's forward
@@ -237,7 +242,7 @@ def build_result(
         clean=figures,
         flops_sources=local.sources,
         energy=energy,
-        slow_rank=slow_rank(rows, model),
+        slow_rank=slow,
         no_energy_reason=no_energy,
         layout=layout,
     )
@@ -254,6 +259,7 @@ def slow_rank(rows: Sequence[RankRow], model: torch.nn.Module) -> SlowRank | Non
             {p: tuple(s.latency(f) for s in r.steps) for p, f in PHASE_FIELDS.items()},
             r.waits,
             r.comm,
+            r.comm_waits,
         )
         for r in rows
     ]

@@ -82,6 +82,11 @@ class RankRow(NamedTuple):
         """Each clean step's seconds in the profiler's votes (in its data time)."""
         return tuple(sum(v.seconds for v in votes) for votes in self.votes)
 
+    @property
+    def comm_waits(self) -> tuple[float, ...]:
+        """Each communication step's seconds in the profiler's votes."""
+        return tuple(sum(v.seconds for v in votes) for votes in self.comm_votes)
+
 
 @dataclasses.dataclass
 class LocalWindow:

@@ -94,6 +94,20 @@ def test_a_rank_asleep_in_its_forward_is_named_with_its_extra_and_the_wait_of_th
     )
 
 
+def test_with_gradient_accumulation_the_wait_is_told_from_one_kind_of_steps_votes_and_exposed_time() -> None:
+    """Rank 1 sleeps 25 ms in each of 2 micro-batches' forward. A clean step votes at each micro-batch:
+    rank 0 waits 25 ms in the second's vote and 25 in the all-reduce; a communication step votes at its
+    first only: rank 0 waits all 50 ms in the all-reduce. The wait is 50 ms (it read 25 + 50 = 75)."""
+    ranks = [
+        rank([1.0] * 3, [25.2] * 3, [6.0] * 3, [31.0] * 3, [comm_step(6.0, 58.0, 52.0)] * 3),
+        rank([1.0] * 3, [0.2] * 3, [56.0] * 3, [6.0] * 3, [comm_step(56.0, 8.0, 2.0)] * 3),
+    ]
+    ranks = [r._replace(comm_waits=(0.2 * MS,) * 3) for r in ranks]
+    found = find_slow_rank(ranks)
+    assert found is not None and (found.rank, found.part, found.comm) == (1, "forward", True)
+    assert found.extra == pytest.approx(50 * MS) and found.waits == pytest.approx((50 * MS, 0.0))
+
+
 def test_the_same_steps_without_the_sleep_name_no_rank() -> None:
     """Both ranks' forward 3 ms give or take their noise, both wait 2 ms in the all-reduce."""
     ranks = [
