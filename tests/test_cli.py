@@ -353,6 +353,7 @@ def test_bad_options_and_unwritable_pages_exit_2_naming_the_option(
         ("diff", a, a, "--top", "-1"): "diff: error: argument --top: expected an int >= 0, got '-1'",
         ("show", a, "--html", str(page)): f"show: error: --html {page}: cannot be written (",
         ("show", str(binary)): f"show: error: {binary}: not a profile: not UTF-8 text (invalid start byte)",
+        ("show", str(tmp_path)): f"show: error: {tmp_path}: a folder, not a profile file (flops_profile_step",
     }
     for args, message in cases.items():
         done = cli(*args)

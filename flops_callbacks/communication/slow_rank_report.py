@@ -34,7 +34,7 @@ PART_WORDS = {
     FORWARD: "fwd",
     BACKWARD: "bwd",
     OPTIMIZER_STEP: "step",
-    COMMUNICATION: "its own communication",
+    COMMUNICATION: "own communication",
 }
 MAX_RANK_ROWS = 16  # ranks in the report's table; the JSON holds every rank
 

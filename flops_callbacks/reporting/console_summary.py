@@ -180,7 +180,11 @@ def _top_lines(result: WindowResult) -> list[str]:
     total_time = sum(t for t, _ in own.values())
     total_flops = sum(f for _, f in own.values())
     timed = bool(result.steps.module_timing) and result.steps.module_shapes_match and total_time > 0
-    by_time = sorted(own, key=lambda n: own[n][0], reverse=True)[:TOP] if timed else []
+    by_time = (
+        [n for n in sorted(own, key=lambda n: own[n][0], reverse=True)[:TOP] if own[n][0] > 0]
+        if timed
+        else []
+    )
     by_flops = [n for n in sorted(own, key=lambda n: own[n][1], reverse=True)[:TOP] if own[n][1] > 0]
     column = NAME + 18
     lines = [_row("top modules", f"{'by own time (fwd + bwd)':<{column}}by own flops (fwd + bwd)")]

@@ -208,6 +208,8 @@ def load(path: str | Path) -> SavedProfile:
     """The profile file at ``path``; :class:`ProfileFileError` naming it when it cannot be read, is not
     JSON, is not a profile, or has a schema version this package does not know."""
     source = str(path)
+    if Path(path).is_dir():
+        raise ProfileFileError(f"{source}: a folder, not a profile file (flops_profile_step{{N}}.json)")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as error:

@@ -202,8 +202,9 @@ def render_coverage(profile: Profile) -> str:
         lines.append("Every op that does arithmetic was counted.")
     o = profile.outside_model
     if o.hardware_flops:
-        lines.append(
-            f"Outside the model's modules (loss, optimizer): fwd {units.number_to_string(o.fwd_flops)}flops, "
-            f"bwd {units.number_to_string(o.bwd_flops)}flops (not in the model totals)."
+        ahead, back = units.number_to_string(o.fwd_flops), units.number_to_string(o.bwd_flops)
+        lines.append(  # its "fwd" is all work outside the backward: the loss's forward and the optimizer step
+            f"Outside the model's modules (not in the model totals): {ahead}flops outside the backward (the "
+            f"loss, the optimizer step), {back}flops in it (the loss's backward)."
         )
     return "\n".join(lines)

@@ -154,7 +154,7 @@ def picture(result: WindowResult) -> str:
         ("step latency", duration_to_string(metrics[names.STEP_LATENCY])),
         ("FLOPS per device", flops_to_string(metrics[names.FLOPS_PER_SEC])),
         (
-            "samples/second (compute)",
+            "samples/second (step)",
             f"{metrics[names.SAMPLES_PER_SEC]:.2f}" if names.SAMPLES_PER_SEC in metrics else "n/a",
         ),
     ]

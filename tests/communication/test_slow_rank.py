@@ -23,6 +23,7 @@ from flops_callbacks.communication.slow_rank_report import (
     slow_rank_from_data,
     slow_rank_lines,
     slow_rank_text,
+    waited_for,
 )
 
 MS = 1e-3
@@ -306,5 +307,7 @@ def test_a_rank_whose_own_communication_is_slow_is_named_where_the_others_wait_f
     assert (found.extra, found.wait) == pytest.approx((10 * MS, 10 * MS))
     assert (
         slow_rank_text(found)
-        == "1 of 2, its own communication +10 ms over the median; the others wait 10 ms a step"
+        == "1 of 2, own communication +10 ms over the median; the others wait 10 ms a step"
     )
+    # "rank 1's its own communication" where the verdict names the rank before its part
+    assert waited_for(found, 10 * MS) == "rank 1's own communication (+10 ms a step: slow rank)"

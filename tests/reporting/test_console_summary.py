@@ -95,6 +95,16 @@ def test_without_a_batch_size_samples_per_second_says_why_and_tokens_are_left_ou
     assert not any(line.startswith("tokens/s") for line in lines)
 
 
+def test_a_module_with_no_own_time_is_not_a_top_module() -> None:
+    """A LightningModule whose training_step calls its ``model`` never runs itself: 0 s of its own."""
+    result = window()
+    root = dataclasses.replace(result.profile.modules[""], fwd_latency=0.15, bwd_latency=0.3)  # a + b's
+    profile = dataclasses.replace(result.profile, modules={**result.profile.modules, "": root})
+    text = render_console_summary(dataclasses.replace(result, profile=profile), TreeCheck())
+    rows = [" ".join(line.split()) for line in text.splitlines()[12:15]]
+    assert rows == ["b 300 ms 67% a 180 60%", "a 150 ms 33% b 90 30%", "(Net) 30 10%"]
+
+
 def test_the_verdict_names_the_largest_part_of_30_percent_or_more_as_printed() -> None:
     result = window()
 

@@ -359,6 +359,15 @@ def test_the_diff_page_paints_the_slowed_module_red_and_its_parents_grey(
     assert colour("slow") == SLOWER_RED
     assert colour("") != SLOWER_RED and colour("slow.linear") != SLOWER_RED
     assert '<span id="legend-title">own forward time against A</span>' in dom
+    # every headline value whole: a change's A value and its noise verdict were cut to "(-13.1%, A…"
+    measure = (
+        "<script>document.body.dataset.cut = [...document.querySelectorAll('.headline dd')]"
+        ".filter(d => d.scrollWidth > d.clientWidth).length;</script></body>"
+    )
+    measured = tmp_path / "measured.html"
+    measured.write_text(diff_page.read_text().replace("</body>", measure))
+    dom = chromium("--dump-dom", measured.as_uri(), tmp=tmp_path).stdout
+    assert 'data-cut="0"' in dom and ", A " in dom.split('class="headline"')[1].split("</dl>")[0]
     png = tmp_path / "diff.png"
     chromium(f"--screenshot={png}", diff_page.as_uri(), tmp=tmp_path)
     width, height, rows = read_png(png)

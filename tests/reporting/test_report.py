@@ -125,3 +125,24 @@ def test_module_lines_read_like_print_model_with_numbers_then_the_modules_settin
     assert f", {macs} MACs = {share:g}% MACs, " in first
     assert first.endswith(", in_features=8, out_features=16, bias=True)")
     assert "  (1): ReLU(0 = 0% Params, 0 MACs = 0% MACs" in text
+
+
+def test_the_coverage_says_the_work_outside_the_models_modules_by_where_it_ran() -> None:
+    """A loss outside the model and SGD's update in the profile: the loss's forward and the update are
+    outside the backward (they were said as "fwd"), the loss's backward inside it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, OUT))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with FlopsProfiler(model) as prof:
+        loss = model(torch.randn(B, IN)).pow(2).sum()  # pow: B x OUT flops; sum: one per element
+        loss.backward()
+        optimizer.step()  # p.add_(grad, alpha=-lr): one elementwise op, one flop per parameter
+    outside = prof.get_profile().outside_model
+    params = IN * HID + HID + HID * OUT + OUT
+    assert outside.fwd_flops == B * OUT + B * OUT + params
+    line = next(x for x in render_profile(prof.get_profile()).splitlines() if x.startswith("Outside"))
+    assert line == (
+        f"Outside the model's modules (not in the model totals): {number_to_string(outside.fwd_flops)}flops "
+        f"outside the backward (the loss, the optimizer step), {number_to_string(outside.bwd_flops)}flops in "
+        "it (the loss's backward)."
+    )
