@@ -39,13 +39,12 @@ from flops_callbacks.reporting.compare import (
     own_seconds,
     percent_text,
     range_text,
-    setup_note,
-    work_note,
 )
-from flops_callbacks.reporting.gate_rules import Rule, gate, varying_note
+from flops_callbacks.reporting.gate_rules import Rule, gate
 from flops_callbacks.reporting.picture import render_html
 from flops_callbacks.reporting.profile_file import SavedProfile, load, load_runs
 from flops_callbacks.reporting.publish import picture
+from flops_callbacks.reporting.run_notes import setup_note, varying_note, work_note
 from flops_callbacks.reporting.tree_check import TreeCheck
 from flops_callbacks.reporting.window_rows import report_text, tree_doubts
 from flops_callbacks.units import bytes_to_string, duration_to_string, number_to_string

@@ -7,7 +7,11 @@ With ``go_on STEP``, rank 1 raises after its backward at window step STEP and th
 error (a batch skipped): every rank writes ``rank{r}.json`` (its steps, the profiler's warnings, the
 window's result, the hooks left, its seconds).
 
-``python raised_workers.py DIR [go_on STEP]``
+With ``uneven``, rank 1's loop ends at window step ``RAISES_AT`` (uneven inputs under DDP's ``join()``)
+and it closes its profiler inside the ``join()`` while rank 0 goes on to 24 steps: every rank writes
+``rank{r}.json`` as with ``go_on``.
+
+``python raised_workers.py DIR [go_on STEP | uneven]``
 """
 
 from __future__ import annotations
@@ -91,8 +95,34 @@ def going_on(directory: Path, raises_at: int) -> None:
     end_process()  # a gloo job left to the interpreter's teardown aborts now and then
 
 
+def uneven(directory: Path) -> None:
+    import warnings
+
+    rank, model, optimizer, prof = ddp_loop()
+    start, steps = time.perf_counter(), 0
+    with warnings.catch_warnings(record=True) as said, model.join():
+        warnings.simplefilter("always")
+        for _ in range(RAISES_AT if rank == 1 else 24):
+            with prof.step(torch.ones(8, 16)):
+                model(torch.ones(8, 16)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += 1
+        prof.close()  # rank 1's, in a window step of rank 0's
+    ran = {
+        "steps": steps,
+        "said": [str(w.message) for w in said if "StepProfiler" in str(w.message)],
+        "result": prof.result is not None,
+        "seconds": time.perf_counter() - start,
+    }
+    (directory / f"rank{rank}.json").write_text(json.dumps(ran))
+    end_process()
+
+
 if __name__ == "__main__":
-    if sys.argv[2:3] == ["go_on"]:
+    if sys.argv[2:3] == ["uneven"]:
+        uneven(Path(sys.argv[1]))
+    elif sys.argv[2:3] == ["go_on"]:
         going_on(Path(sys.argv[1]), int(sys.argv[3]))
     else:
         main(Path(sys.argv[1]))

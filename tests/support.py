@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from flops_callbacks import metrics as names
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.phase_names import BACKWARD, OPTIMIZER_STEP
@@ -60,9 +61,17 @@ def destroy_group() -> None:
 
 def end_group_at_exit() -> None:
     """For a process that must end by returning (a ddp_spawn rank hands Lightning its results after its
-    training ends): destroy the process group at exit, before the interpreter finalizes, so no gloo thread
-    is left to free tensors then (the abort ``end_process`` avoids)."""
-    atexit.register(destroy_group)
+    training ends), once its training ended: at exit, after multiprocessing has flushed its queues to the
+    parent, leave as :func:`end_process` does, without the interpreter's teardown (destroying the group
+    alone still let a gloo thread abort a spawned rank there now and then)."""
+    atexit.register(end_process)
+
+
+def held_back(latencies: list[list[float]], metrics: dict[str, float]) -> list[float]:
+    """The rank's (fwd, bwd, step) whose latencies the job's are: the slow rank's where one stands out,
+    else the slowest's (one clean step: each rank's median is its step)."""
+    slow = int(metrics[names.SLOW_RANK])
+    return latencies[slow] if slow >= 0 else max(latencies, key=sum)
 
 
 def run_bounded(

@@ -226,6 +226,13 @@ class _FabricSink(_PlainSink):
     def _logging_rank(self) -> bool:
         return bool(self.framework.is_global_zero)
 
+    def log_dir(self) -> str | Path | None:
+        """The files' folder, each logger's experiment made first: a CSV logger that finds its folder
+        holding the profile's files warns that it is not empty and its log files will be deleted."""
+        for logger in self.framework.loggers:
+            logger.experiment  # noqa: B018  (made on the logging rank, a no-op elsewhere)
+        return self._log_dir
+
     def _log_to_framework(self, metrics: dict[str, float], step: int) -> None:
         self.framework.log_dict(metrics, step=step)
         for logger in self.framework.loggers:

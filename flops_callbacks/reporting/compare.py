@@ -51,11 +51,10 @@ __all__ = [
     "own_seconds",
     "percent_text",
     "range_text",
+    "relative",
     "run_figures",
-    "setup_note",
     "short",
     "spread_range",
-    "work_note",
 ]
 
 # the metric whose range over the clean steps gives a figure's range, and whether the figure is a rate
@@ -234,7 +233,7 @@ def is_noise(a: Figure, b: Figure) -> bool:
     return a.low <= b.value <= a.high
 
 
-def _relative(a: float, b: float) -> float:
+def relative(a: float, b: float) -> float:
     if a == b:
         return 0.0
     return (b - a) / abs(a) if a else math.copysign(math.inf, b - a)
@@ -255,7 +254,7 @@ class Change:
     @property
     def relative(self) -> float:
         """(B - A) / A; infinite when A is 0 and B is not."""
-        return _relative(self.a.value, self.b.value)
+        return relative(self.a.value, self.b.value)
 
     @property
     def noise(self) -> bool:
@@ -291,55 +290,6 @@ def changes(a: SavedProfile, b: SavedProfile) -> list[Change]:
     """
     fa, fb = figures(a), figures(b)
     return [Change(fa[n], fb[n]) for n in fa if n in fb]
-
-
-def work_note(a: SavedProfile, b: SavedProfile) -> str | None:
-    """What says the runs did different work (another model or batch), so that their times are not
-    comparable; None when their flops per step are the same, or when their params and batch sizes are and
-    either run's batches vary from step to step (its flops then follow each batch's lengths).
-
-    Args:
-        a: the first run.
-        b: the second run.
-    """
-    pa, pb = a.result.profile, b.result.profile
-    if (pa.fwd_flops, pa.bwd_flops, pa.recompute_flops) == (pb.fwd_flops, pb.bwd_flops, pb.recompute_flops):
-        return None
-    size = a.batch_size(), b.batch_size()
-    if pa.params == pb.params and size[0] == size[1] and (a.varies() or b.varies()):
-        return None  # one configuration whose batches vary: each one's flops follow its lengths
-    flops = f"{units.number_to_string(pa.hardware_flops)} -> {units.number_to_string(pb.hardware_flops)}"
-    params = f"params {units.params_to_string(pa.params)} -> {units.params_to_string(pb.params)}"
-    samples = "samples per device {} -> {}".format(*("n/a" if n is None else n for n in size))
-    return (
-        f"the runs did different work: fwd+bwd+recompute flops per step {flops} "
-        f"({percent_text(_relative(pa.hardware_flops, pb.hardware_flops))}; {params}, {samples}): "
-        "another model or another batch, so their times are not comparable"
-    )
-
-
-_PEAK_WOBBLE = 0.1  # two peaks this close are one device's, measured twice (peak_flops="measure")
-# what a difference of setup does to the figures, where it is not plain
-_SETUP_EFFECT = {
-    "data-parallel size": " (samples and tokens per second count every replica)",
-    "peak FLOPS": " (MFU and HFU are over each run's own)",
-}
-
-
-def setup_note(a: SavedProfile, b: SavedProfile) -> str | None:
-    """What says the runs ran on different setups (world or data-parallel size, device type, compute dtype,
-    peak FLOPS: :meth:`~.profile_file.SavedProfile.setup`), each A's -> B's; None when they did not.
-
-    Args:
-        a: the first run.
-        b: the second run.
-    """
-    sa, sb = a.setup(), b.setup()
-    peaks = [s.result.peak.flops for s in (a, b) if s.result.peak is not None]
-    if len(peaks) == 2 and abs(peaks[1] - peaks[0]) <= _PEAK_WOBBLE * peaks[0]:
-        sa.pop("peak FLOPS"), sb.pop("peak FLOPS")  # peak_flops="measure" from run to run: the same device
-    found = [f"{k} {sa[k]} -> {sb[k]}{_SETUP_EFFECT.get(k, '')}" for k in sa if k in sb and sa[k] != sb[k]]
-    return f"the runs ran on different setups: {'; '.join(found)}" if found else None
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ from flops_callbacks.reporting.compare import (
     range_text,
     run_figures,
     short,
-    work_note,
 )
 from flops_callbacks.reporting.profile_file import SavedProfile
+from flops_callbacks.reporting.run_notes import work_note
 
-__all__ = ["BATCH_COUNTS", "Check", "Rule", "gate", "judge", "one_configuration", "varying_note"]
+__all__ = ["BATCH_COUNTS", "Check", "Rule", "gate", "judge", "one_configuration"]
 
 # the counts of one batch, the counting step's: with batches of changing lengths, that batch's, not the run's
 BATCH_COUNTS = frozenset(
@@ -95,7 +95,7 @@ class Check:
 
 def one_configuration(runs: Sequence[SavedProfile]) -> None:
     """ValueError naming the first of ``runs`` that did other work than the first run (another model or
-    batch: :func:`~.compare.work_note`): runs of one configuration, or their median means nothing.
+    batch: :func:`~.run_notes.work_note`): runs of one configuration, or their median means nothing.
 
     Args:
         runs: the runs of one side of a gate.
@@ -159,24 +159,6 @@ def gate(base: Sequence[SavedProfile], new: Sequence[SavedProfile], rules: list[
             )
         checks.append(judge(rule, Change(fa[rule.figure], fb[rule.figure])))
     return checks
-
-
-def varying_note(a: SavedProfile, b: SavedProfile) -> str | None:
-    """What says that a run's batches vary in length, so that its flops, MACs and bytes are one batch's (the
-    counting step's); None when neither run's do.
-
-    Args:
-        a: the first run.
-        b: the second run.
-    """
-    varying = [label for label, saved in (("A", a), ("B", b)) if saved.varies()]
-    if not varying:
-        return None
-    whose = "A's and B's batches vary" if len(varying) == 2 else f"{varying[0]}'s batches vary"
-    return (
-        f"{whose} in length (dynamic padding, packing): flops, MACs and bytes are each run's counting step's "
-        "one batch's, not comparable; the rates (flops_per_sec, mfu) and params are"
-    )
 
 
 def judge(rule: Rule, change: Change) -> Check:

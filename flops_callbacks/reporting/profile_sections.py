@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from flops_callbacks import units
-from flops_callbacks.profile import ModuleProfile, Profile
+from flops_callbacks.profile import Counts, ModuleProfile, Profile
 from flops_callbacks.roofline import OVERHEAD_FRACTION, Roofline
 
 __all__ = ["render_aggregated", "render_coverage", "render_detailed", "render_roofline", "rule"]
@@ -82,15 +82,20 @@ def _module_items(m: ModuleProfile, root: ModuleProfile) -> str:
     return ", ".join(items)
 
 
+def _functional(name: str, c: Counts) -> str:
+    """``linear 1.2 Mfwd/2.4 Mbwd x2``, ``relu 64 flops x1``, with a recompute's ``/... rec`` (a call made
+    only in the recompute has no forward call: ``x0``)."""
+    if not c.bwd_flops and not c.recompute_flops:
+        return f"{name} {units.number_to_string(c.fwd_flops)}flops x{c.calls}"
+    flops = f"{units.number_to_string(c.fwd_flops)}fwd/{units.number_to_string(c.bwd_flops)}bwd"
+    if c.recompute_flops:
+        flops += f"/{units.number_to_string(c.recompute_flops)}rec"
+    return f"{name} {flops} x{c.calls}"
+
+
 def _functionals_line(m: ModuleProfile) -> str:
     ranked = sorted(m.functionals.items(), key=lambda kv: kv[1].hardware_flops, reverse=True)
-    shown = [
-        f"{name} {units.number_to_string(c.fwd_flops)}fwd/{units.number_to_string(c.bwd_flops)}bwd x{c.calls}"
-        if c.bwd_flops
-        else f"{name} {units.number_to_string(c.fwd_flops)}flops x{c.calls}"
-        for name, c in ranked
-        if c.hardware_flops
-    ]
+    shown = [_functional(name, c) for name, c in ranked if c.hardware_flops]
     return "functionals: " + "; ".join(shown) if shown else ""
 
 

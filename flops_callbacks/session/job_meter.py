@@ -96,7 +96,7 @@ class JobMeter:
             with self.guard.own_work("measuring throughput", "throughput/* stops"):
                 mine = self.meter.interval()
         try:
-            intervals = self.ranks.exchange(mine)
+            intervals = self.ranks.exchange(mine, throughput=True)
         except RankFailure as failure:
             intervals = [None]
             self.guard.fail("exchanging throughput across ranks", failure, "throughput/* stops")

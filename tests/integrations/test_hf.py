@@ -53,7 +53,15 @@ from flops_callbacks.session.window_plan import COMM_MIN
 from flops_callbacks.units import duration_to_string, number_to_string, params_to_string
 from tests.raising import RaiseInBackward
 from tests.sleepy import Sleepy, SleepySGD
-from tests.support import end_process, first_clean, laid_out, module_steps, window_end, window_steps
+from tests.support import (
+    end_process,
+    first_clean,
+    held_back,
+    laid_out,
+    module_steps,
+    window_end,
+    window_steps,
+)
 
 # The window: counting step 2, the module-timing steps, one clean step; published when that step has
 # ended, at WINDOW_END. Runs go one step past it unless a test is about where they end.
@@ -1046,7 +1054,7 @@ def test_ddp_two_processes_report_data_parallel_size_from_world_process_zero(tmp
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     # every rank profiled its window; the gathered latencies are the same everywhere, the slowest reported
     assert ranks[0]["ranks"] == ranks[1]["ranks"] and len(ranks[0]["ranks"]) == 2
-    slowest = max(ranks[0]["ranks"], key=sum)
+    slowest = held_back(ranks[0]["ranks"], ranks[0]["metrics"])
     for rank in ranks:
         assert ParallelSizes(**rank["parallel"]) == ParallelSizes(world_size=2, data_parallel=2)
         assert rank["published_at"] == DDP_END and rank["clean"] == CLEAN_STEPS  # the window whole

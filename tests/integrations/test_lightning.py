@@ -49,6 +49,7 @@ from tests.support import (
     check_step,
     end_process,
     first_clean,
+    held_back,
     laid_out,
     lightning_settings,
     module_source,
@@ -1449,19 +1450,20 @@ def run_two_processes(directory: Path, mode: str) -> subprocess.CompletedProcess
 
 def assert_one_report_of_the_slowest_rank(run: subprocess.CompletedProcess, directory: Path) -> dict:
     """Rank 0 alone printed and logged; every rank gathered the same latencies; the metrics are the
-    slowest rank's. Returns rank 0's metrics as logged."""
+    slow rank's where one stands out (the others wait for it), else the slowest rank's. Returns rank 0's
+    metrics as logged."""
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count(f"Profile Summary at step {PROFILE_STEP}") == 1
     ranks = [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert ranks[0]["ranks"] == ranks[1]["ranks"] and len(ranks[0]["ranks"]) == 2
-    slowest = max(ranks[0]["ranks"], key=sum)
+    slowest = held_back(ranks[0]["ranks"], ranks[0]["metrics"])
     logger_dir = directory / "lightning_logs" / "version_0"
     with open(logger_dir / "metrics.csv", newline="") as f:
         # two ranks: the window has communication steps, so it ends later
         end = window_end(PROFILE_STEP, CLEAN, comm=True)
         values = logged_once(list(csv.DictReader(f)), with_peak=True, step=end - 1)  # Lightning's step
     assert [values[n] for n in (names.FWD_LATENCY, names.BWD_LATENCY, names.STEP_LATENCY)] == slowest
-    assert values[names.ITER_LATENCY] == sum(slowest) == max(map(sum, ranks[0]["ranks"]))
+    assert values[names.ITER_LATENCY] == sum(slowest)
     # and the communication step's four figures and the slow rank's three, which a one-process run has not
     assert set(ranks[0]["metrics"]) - set(values) == set(names.COMM) | set(names.SLOW)
     several = (*names.COMM, *names.SLOW)

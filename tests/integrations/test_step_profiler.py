@@ -504,6 +504,40 @@ def test_fabric_loop_logs_through_log_dict_and_profiles_the_users_model(tmp_path
     assert (Path(fabric.logger.log_dir) / "flops_profile_step2.json").is_file()
 
 
+def test_a_fabric_csv_logger_keeps_its_metrics_file_and_says_nothing_of_the_profilers_files(
+    tmp_path: Path,
+) -> None:
+    """The profile's files went into the CSV logger's folder before its experiment existed: Lightning then
+    warned that the folder was not empty and that its log files would be deleted."""
+    import csv
+    import warnings
+
+    from lightning.fabric import Fabric
+    from lightning.fabric.loggers import CSVLogger
+
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=CSVLogger(tmp_path, name="run"))
+    user_model = SleepyNet()
+    model, optimizer = fabric.setup(user_model, SleepySGD(user_model.parameters(), STEP))
+    prof = StepProfiler(model, fabric=fabric, log_every_n_steps=1, **WINDOW)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for x in batches(STEPS):
+            with prof.step(x):
+                fabric.backward(model(x).sum())
+                optimizer.step()
+                optimizer.zero_grad()
+        prof.close()
+        fabric.logger.finalize("success")
+    assert not [w for w in said if "exists and is not empty" in str(w.message)]
+    folder = Path(fabric.logger.log_dir)
+    assert (folder / "flops_profile_step2.json").is_file()
+    with open(folder / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    window = [r for r in rows if r.get(names.FWD_LATENCY)]
+    assert [int(r["step"]) for r in window] == [END]
+    assert float(window[0][names.FWD_LATENCY]) == pytest.approx(prof.metrics[names.FWD_LATENCY])
+
+
 def test_fabric_step_starts_at_the_strategys_call_and_a_skipped_inner_step_still_ends_it() -> None:
     """The precision plugin's work before the inner ``step`` is the step's; a step it skipped (as a
     gradient scaler skips one with inf gradients) still ends the optimizer step."""
@@ -650,3 +684,31 @@ def test_a_rank_that_raised_in_a_window_step_and_went_on_drops_the_window_with_t
     assert ranks[1]["said"] == []  # said once, by the logging rank
     assert not any(r["result"] for r in ranks) and not any(r["hooks"] for r in ranks)
     assert max(r["seconds"] for r in ranks) < 60
+
+
+def test_a_rank_whose_loop_ends_inside_the_window_under_join_drops_it_with_the_other_at_once(
+    tmp_path: Path,
+) -> None:
+    """Uneven inputs under DDP's ``join()``: rank 1's loop ends at a communication step and it closes its
+    profiler there, inside the ``join()``, while rank 0 votes in its next window step. The close's
+    exchange meets that vote in one collective of one size: both ranks drop the window at once and rank 0
+    trains to its end (rank 1's close was a gloo size mismatch that aborted it, and the job with it)."""
+    import os
+    import sys
+
+    from tests.raised_workers import RAISES_AT
+    from tests.support import run_bounded
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(root / "tests" / "raised_workers.py"), str(tmp_path), "uneven"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = run_bounded(command, timeout=200, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["steps"] for r in ranks] == [24, RAISES_AT]
+    assert ranks[0]["said"][0].startswith(
+        "StepProfiler: the ranks' vote failed (the ranks reached different points (rank 0 at a vote, rank 1 "
+        "at the window's end: a rank's loop ended early?)); the profile window is dropped"
+    ), ranks[0]["said"]
+    assert not any(r["result"] for r in ranks) and max(r["seconds"] for r in ranks) < 60

@@ -19,10 +19,10 @@ from flops_callbacks.reporting.compare import (
     is_noise,
     module_changes,
     spread_range,
-    work_note,
 )
-from flops_callbacks.reporting.gate_rules import Rule, gate, judge, varying_note
+from flops_callbacks.reporting.gate_rules import Rule, gate, judge
 from flops_callbacks.reporting.profile_file import SavedProfile, load
+from flops_callbacks.reporting.run_notes import varying_note, work_note
 
 MS = 1e-3
 

@@ -146,3 +146,31 @@ def test_the_coverage_says_the_work_outside_the_models_modules_by_where_it_ran()
         f"outside the backward (the loss, the optimizer step), {number_to_string(outside.bwd_flops)}flops in "
         "it (the loss's backward)."
     )
+
+
+def test_a_functional_run_only_in_a_recompute_shows_its_recompute_flops() -> None:
+    """A checkpointed function of two Linears: the recompute's work of a functional is on its line (it
+    read ``0 flops x0``, the recompute left out)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(IN, HID), nn.Linear(HID, OUT)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(lambda y: self.l2(torch.relu(self.l1(y))), x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    with FlopsProfiler(model) as prof:
+        model(torch.randn(B, IN, requires_grad=True)).sum().backward()
+    l1 = prof.get_profile().modules["l1"]
+    (recomputed,) = [(name, c) for name, c in l1.functionals.items() if c.recompute_flops]
+    assert recomputed[1].recompute_flops == 2 * B * IN * HID  # the recompute's matmul
+    text = render_profile(prof.get_profile(), detailed=True)
+    said = [line.strip() for line in text.splitlines() if line.strip().startswith("functionals: ")]
+    assert said and not any(" 0 flops x0" in line for line in said), said
+    zero, matmul = number_to_string(0), number_to_string(2 * B * IN * HID)
+    rec = f"{recomputed[0]} {zero}fwd/{zero}bwd/{matmul}rec x0"
+    assert any(rec in line for line in said), said
