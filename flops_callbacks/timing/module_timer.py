@@ -127,12 +127,14 @@ class ModuleTimer:
         self._started = 0  # module calls started so far: the marks before which hooks ran
         # name, start mark, calls started at it, recompute, inputs
         self._stack: list[tuple[str, Any, int, bool, list[Any]]] = []
-        self._calls: list[tuple[str, list[Any], set[int]]] = []  # name, output nodes, input node ids
+        # the modules a call's backward is given to (:meth:`_owners`), its output nodes, its input node ids
+        self._calls: list[tuple[tuple[str, ...], list[Any], set[int]]] = []
         # name, start mark, calls started by it, end mark, calls started by it, recompute
         self._fwd_spans: list[tuple[str, Any, int, Any, int, bool]] = []
-        self._node_spans: list[tuple[str, Any, Any, int]] = []  # name, start, end, calls started
+        # the modules a node is given to, its start and end marks, the calls started at its end
+        self._node_spans: list[tuple[tuple[str, ...], Any, Any, int]] = []
         self._node_start: dict[int, Any] = {}
-        self._owner: dict[int, str] = {}  # node id -> module name, for the nodes armed
+        self._owner: dict[int, tuple[str, ...]] = {}  # node id -> the modules it is given to (nodes armed)
         self._armed: list[Any] = []  # node hook handles of the current backward
         self._exit: contextlib.ExitStack | None = None
         self._thread: int | None = None
@@ -229,7 +231,25 @@ class ModuleTimer:
         else:
             return
         if not recompute and torch.is_grad_enabled():
-            self._calls.append((name, _grad_fns(output), {id(n) for n in inputs}))
+            self._calls.append((self._owners(name), _grad_fns(output), {id(n) for n in inputs}))
+
+    def _owners(self, name: str) -> tuple[str, ...]:
+        """The modules a call of ``name`` is inside, as its forward was: the calls still open around it and
+        the containers between two of them (a ``ModuleList``, never called), itself last; above the
+        outermost call, every module (the model's call holds its work). A shared module called from
+        outside its own parent is its caller's, not its first name's parent's: its backward time goes
+        where its forward time and its flops go."""
+        path: list[str] = []
+        outer: str | None = None
+        for inner in (*(frame[0] for frame in self._stack), name):
+            if outer is None:
+                path += ancestors(inner)
+            elif not outer or inner.startswith(outer + "."):  # the containers between the two
+                below = outer + "." if outer else ""
+                path += [a for a in ancestors(inner) if a != outer and a.startswith(below)]
+            path.append(inner)
+            outer = inner
+        return tuple(dict.fromkeys(path))
 
     # --- backward ----------------------------------------------------------------------------------
 
@@ -237,17 +257,17 @@ class ModuleTimer:
         """Give the nodes of the calls so far to their modules and hook them (call before the backward
         phase's mark: the walk is not part of any module's time)."""
         calls, self._calls = self._calls, []
-        for name, outputs, received in calls:  # post-hook order: the innermost module claims first
+        for owners, outputs, received in calls:  # post-hook order: the innermost module claims first
             pending = list(outputs)
             while pending:
                 node = pending.pop()
                 key = id(node)
                 if key in self._owner or key in received:
                     continue
-                self._owner[key] = name
+                self._owner[key] = owners
                 if type(node).__name__ != "AccumulateGrad":  # a leaf: no execution of its own to hook
                     self._armed.append(node.register_prehook(self._node_pre(key)))
-                    self._armed.append(node.register_hook(self._node_post(key, name)))
+                    self._armed.append(node.register_hook(self._node_post(key, owners)))
                 pending.extend(n for n, _ in node.next_functions if n is not None)
 
     def _node_pre(self, key: int) -> Any:
@@ -256,11 +276,11 @@ class ModuleTimer:
 
         return pre
 
-    def _node_post(self, key: int, name: str) -> Any:
+    def _node_post(self, key: int, owners: tuple[str, ...]) -> Any:
         def post(grad_inputs: Any, grad_outputs: Any) -> None:
             start = self._node_start.pop(key, None)
             if start is not None:
-                self._node_spans.append((name, start, self.clock.mark(), self._started))
+                self._node_spans.append((owners, start, self.clock.mark(), self._started))
 
         return post
 
@@ -292,9 +312,9 @@ class ModuleTimer:
             phase: Phase = RECOMPUTE if is_recompute else FORWARD
             spans.append(ModuleSpan(name, phase, seconds(origin, start, started), duration, depth_of(name)))
         extent: dict[str, tuple[float, float]] = {}
-        for name, start, end, started in self._node_spans:
+        for owners, start, end, started in self._node_spans:
             begin, duration = seconds(origin, start, started), seconds(start, end)
-            for owner in (*ancestors(name), name):
+            for owner in owners:
                 bwd[owner] = bwd.get(owner, 0.0) + duration
                 first, last = extent.get(owner, (begin, begin + duration))
                 extent[owner] = (min(first, begin), max(last, begin + duration))

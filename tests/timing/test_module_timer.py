@@ -77,6 +77,35 @@ def test_recompute_under_activation_checkpointing_is_timed_apart() -> None:
     assert holds_sleep(times.recompute["block"], 0.05)
 
 
+def test_a_module_shared_by_two_parents_gives_each_caller_its_calls_backward() -> None:
+    """One block inside ``a`` and ``b`` (named ``a.shared``, its first name): each parent's backward holds
+    its own call's, as its forward and its flops do, and the block's holds both. ``b`` read none of its
+    call's backward and ``a`` both calls' (a child twice its parent, and 1.5 TFLOPS on one CPU thread)."""
+
+    class Block(nn.Module):
+        def __init__(self, shared: nn.Module) -> None:
+            super().__init__()
+            self.shared = shared
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.shared(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            shared = Sleepy(fwd=0.02, bwd=0.05, tiny_ops=1)
+            self.a, self.b = Block(shared), Block(shared)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    _, times = timed(Net(), torch.randn(2, 4))
+    for parent in ("a", "b"):
+        assert holds_sleep(times.fwd[parent], 0.02) and holds_sleep(times.bwd[parent], 0.05), parent
+    assert holds_sleep(times.fwd["a.shared"], 0.04) and holds_sleep(times.bwd["a.shared"], 0.1)
+    assert holds_sleep(times.bwd[""], 0.1)
+
+
 def test_nothing_stays_on_torch_the_modules_or_the_nodes() -> None:
     model = Two()
     x = torch.randn(2, 4)
