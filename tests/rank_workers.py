@@ -116,7 +116,7 @@ def save(
             "metrics": result.metrics(),
             "steps": {"counting": result.steps.counting, "clean": list(result.steps.clean),
                       "shape_counting": list(result.steps.shape_counting),
-                      "module_timing": list(result.steps.module_timing)},
+                      "module_timing": list(result.steps.module_timing), "profiled": result.steps.profiled},
             "published_at": result.published_at,
             "first": result.step,
             "clean_counts": result.figures().counts._asdict(),

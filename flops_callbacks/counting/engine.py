@@ -57,6 +57,9 @@ __all__ = ["CountingEngine"]
 _current_autograd_node = torch._C._current_autograd_node
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _CHECKPOINT_HOOKS = ("_recomputation_hook.", "_checkpoint_hook.")  # torch.utils.checkpoint's hooks
+# DDP's reducer copies each gradient into its bucket scaled by 1 / world size, in the parameter's
+# AccumulateGrad: the all-reduce's averaging, no work of the model's (an unsharded copy does none)
+_BUCKET_COPY = torch.ops.aten.mul.out
 
 
 def _recomputing(node: Any) -> bool:
@@ -362,6 +365,8 @@ class CountingEngine:
             return func(*args, **kwargs)
         moves = bytes_rule(func)
         node = _current_autograd_node()
+        if func is _BUCKET_COPY and node is not None and node.name().endswith("AccumulateGrad"):
+            kind = OpKind.FREE  # its bytes are moved; its multiply is the gradients' averaging
         if moves is None and node is None and kind is OpKind.FREE:  # views: most forward ops
             self._rec.free_calls += 1
             return func(*args, **kwargs)

@@ -3,9 +3,11 @@ totals equal to the profile's, and the running sums laid out as Counts. Counts a
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -372,3 +374,50 @@ def test_no_tag_stays_on_a_parameters_gradient_accumulator_that_outlives_the_ste
     finally:
         tracer.stop()
     assert all(TAG not in node.metadata for node in accumulators)
+
+
+DDP_WORKER = """
+import json, sys, torch, torch.nn as nn
+from flops_callbacks import FlopsProfiler
+from tests.support import end_process
+torch.distributed.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+ddp = nn.parallel.DistributedDataParallel(model)
+x = torch.randn(4, 8)
+ddp(x).sum().backward()  # the reducer's first backward builds its buckets
+counts = {}
+for name, run in (("plain", model), ("ddp", ddp)):
+    model.zero_grad(set_to_none=True)  # no accumulation into earlier gradients
+    with FlopsProfiler(model) as prof:
+        run(x).sum().backward()
+    counts[name] = prof.get_profile().bwd_flops
+rank = torch.distributed.get_rank()
+open(f"{sys.argv[1]}/rank{rank}.json", "w").write(json.dumps(counts))
+end_process()
+"""
+
+
+def test_ddps_averaging_of_the_gradients_is_no_model_backward_work(tmp_path: Path) -> None:
+    """DDP's reducer copies each gradient into its bucket scaled by 1 / world size (``mul.out`` in the
+    parameter's AccumulateGrad): it counted as the model's backward, one flop per parameter more than an
+    unsharded copy of the model does, so the flops per device depended on the job's size."""
+    import os
+    import sys
+
+    from tests.support import run_bounded
+
+    worker = tmp_path / "ddp_worker.py"
+    worker.write_text(DDP_WORKER)
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(worker), str(tmp_path)]  # fmt: skip
+    done = run_bounded(command, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    # backward by hand: each Linear's weight and bias gradients (dW = dY^T X, db = sum dY: one add per
+    # element), the second's input gradient (the first's input needs none), relu's mask (one per element)
+    weights = 2 * 4 * 8 * 16 + 4 * 16 + 2 * 4 * 16 * 2 + 4 * 2
+    expected = weights + 2 * 4 * 16 * 2 + 4 * 16
+    for rank in range(2):
+        counts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert counts == {"plain": expected, "ddp": expected}, counts

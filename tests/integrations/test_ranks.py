@@ -108,7 +108,9 @@ def check_one_window_and_the_jobs_figures(ranks: list[dict[str, Any]], hf: bool 
         extra = {"num_items_in_batch": torch.tensor(seen["items"][step])} if hf else {}
         return counted_fwd(seen["batches"][step], **extra)
 
-    truth = [fwd(seen, PROFILE_STEP) for seen in ranks]
+    # each rank's profile's batch: the counting step's, or (the tree's batch, of the median size of its own
+    # module-timing steps) one of those steps' where they had other shapes, counted apart
+    truth = [fwd(seen, seen["steps"]["profiled"]) for seen in ranks]
     assert metrics[names.FWD_FLOPS] == round(sum(truth) / world)  # per GPU: the ranks' mean
     assert len(set(truth)) == world or ranks[0]["data"] == "constant"  # the ranks did differ
     clean = [sum(fwd(seen, s) for s in steps["clean"]) for seen in ranks]
