@@ -124,11 +124,14 @@ class ModuleTimer:
         tree = ModuleTree(model)
         self._names = tree.names  # the counting engine's names: one record per module
         self._modules = tree.modules
+        self._containers = tree.container_ancestors
+        self._owned: dict[tuple[str, ...], tuple[str, ...]] = {}  # a call's stack -> its owners
         self._started = 0  # module calls started so far: the marks before which hooks ran
         # name, start mark, calls started at it, recompute, inputs
         self._stack: list[tuple[str, Any, int, bool, list[Any]]] = []
-        # the modules a call's backward is given to (:meth:`_owners`), its output nodes, its input node ids
-        self._calls: list[tuple[tuple[str, ...], list[Any], set[int]]] = []
+        # a call's name, the frames open around it (:meth:`_owners` reads them at :meth:`arm`), its output
+        # nodes, its input node ids
+        self._calls: list[tuple[str, tuple[Any, ...], list[Any], set[int]]] = []
         # name, start mark, calls started by it, end mark, calls started by it, recompute
         self._fwd_spans: list[tuple[str, Any, int, Any, int, bool]] = []
         # the modules a node is given to, its start and end marks, the calls started at its end
@@ -231,25 +234,30 @@ class ModuleTimer:
         else:
             return
         if not recompute and torch.is_grad_enabled():
-            self._calls.append((self._owners(name), _grad_fns(output), {id(n) for n in inputs}))
+            # the frames open around it, as they are: their names are read at arm(), in no module's time
+            self._calls.append((name, tuple(self._stack), _grad_fns(output), {id(n) for n in inputs}))
 
-    def _owners(self, name: str) -> tuple[str, ...]:
-        """The modules a call of ``name`` is inside, as its forward was: the calls still open around it and
-        the containers between two of them (a ``ModuleList``, never called), itself last; above the
-        outermost call, every module (the model's call holds its work). A shared module called from
-        outside its own parent is its caller's, not its first name's parent's: its backward time goes
-        where its forward time and its flops go."""
+    def _owners(self, stack: tuple[str, ...]) -> tuple[str, ...]:
+        """The modules a call is inside, as the counting engine gives its work: the calls open around it
+        (``stack``, the call itself last) and the containers between two of them (a ``ModuleList``, never
+        called); above the outermost call, every module (the model's call holds its work). A shared module
+        called from outside its own parent is its caller's, not its first name's parent's: its backward
+        time goes where its forward time and its flops go."""
+        found = self._owned.get(stack)
+        if found is not None:
+            return found
         path: list[str] = []
         outer: str | None = None
-        for inner in (*(frame[0] for frame in self._stack), name):
+        for inner in stack:
             if outer is None:
                 path += ancestors(inner)
-            elif not outer or inner.startswith(outer + "."):  # the containers between the two
+            elif not outer or inner.startswith(outer + "."):
                 below = outer + "." if outer else ""
-                path += [a for a in ancestors(inner) if a != outer and a.startswith(below)]
+                path += [a for a in self._containers.get(inner, ()) if a.startswith(below)]
             path.append(inner)
             outer = inner
-        return tuple(dict.fromkeys(path))
+        found = self._owned[stack] = tuple(dict.fromkeys(path))
+        return found
 
     # --- backward ----------------------------------------------------------------------------------
 
@@ -257,7 +265,8 @@ class ModuleTimer:
         """Give the nodes of the calls so far to their modules and hook them (call before the backward
         phase's mark: the walk is not part of any module's time)."""
         calls, self._calls = self._calls, []
-        for owners, outputs, received in calls:  # post-hook order: the innermost module claims first
+        for name, frames, outputs, received in calls:  # post-hook order: the innermost module claims first
+            owners = self._owners((*(frame[0] for frame in frames), name))
             pending = list(outputs)
             while pending:
                 node = pending.pop()
