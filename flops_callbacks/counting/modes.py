@@ -21,6 +21,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from flops_callbacks.counting.registry import decomposes
+
 __all__ = ["DispatchMode", "FunctionMode"]
 
 
@@ -48,6 +50,11 @@ class DispatchMode(TorchDispatchMode):
             # DTensor (tensor parallelism, FSDP2) runs the op as ops on its local shards, which come
             # back here: counted there, flops are this device's, not the global tensor's.
             return NotImplemented
+        if torch.is_inference_mode_enabled() and decomposes(func):  # its parts, through this mode again
+            with self:
+                out = func.decompose(*args, **(kwargs or {}))
+            if out is not NotImplemented:
+                return out
         fake = bool(types) and _is_subclass_of(types, "torch._subclasses.fake_tensor", "FakeTensor")
         if fake and not self.engine.fake:
             return func(*args, **(kwargs or {}))  # DTensor's shape propagation: runs nothing

@@ -21,6 +21,7 @@ import torch
 from torch.utils.flop_counter import flop_registry as _torch_registry
 
 __all__ = [
+    "decomposes",
     "entry_for",
     "Formula",
     "FormulaEntry",
@@ -152,15 +153,25 @@ def _kind_of(kind: OpKind | str) -> OpKind:
         raise ValueError(f"kind must be one of {accepted}, got {kind!r}") from None
 
 
+def _has_formula(op: Any) -> bool:
+    """Whether ``op`` (a packet or an overload) has an entry already, its own or, for an overload, its
+    packet's (an overload's entry takes over its packet's: registering it replaces that one for it).
+    torch's own formulas are fallbacks, which an entry of ours replaces."""
+    if op in _ENTRIES:
+        return True
+    return isinstance(op, torch._ops.OpOverload) and op._overloadpacket in _ENTRIES
+
+
 def _add(ops: Any, entry: FormulaEntry, replace: bool) -> None:
     found = _ops_of(ops)
     if not replace:
-        taken = [str(op) for op in found if op in _ENTRIES]
+        taken = [str(op) for op in found if _has_formula(op)]
         if taken:
             raise ValueError(f"{', '.join(taken)} already registered; pass replace=True to replace")
     for op in found:
         _ENTRIES[op] = entry
     _RESOLVED.clear()
+    _DECOMPOSES.clear()
 
 
 def register_formula(
@@ -235,6 +246,27 @@ def entry_for(func: torch._ops.OpOverload) -> FormulaEntry:
     found = _RESOLVED.get(func)
     if found is None:
         found = _RESOLVED[func] = _resolve(func)
+    return found
+
+
+_DECOMPOSES: dict[torch._ops.OpOverload, bool] = {}
+
+
+def decomposes(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` has no formula of its own and runs as its parts: an op with a
+    CompositeImplicitAutograd kernel (``aten.linear``, ``aten.layer_norm``,
+    ``aten.scaled_dot_product_attention``), which autograd splits before a dispatch mode sees it, but which
+    reaches the mode whole under ``torch.inference_mode`` (counted as its parts there too, as
+    FlopCounterMode does: whole, it was uncounted, and attention 0 with no word).
+
+    Args:
+        func: the overload called.
+    """
+    found = _DECOMPOSES.get(func)
+    if found is None:
+        whole = entry_for(func).kind in _COUNTED or func.is_view
+        composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+        found = _DECOMPOSES[func] = composite and not whole
     return found
 
 

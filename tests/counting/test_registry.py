@@ -125,6 +125,14 @@ def test_a_custom_op_with_a_formula_is_counted_in_forward_and_backward_in_its_mo
 def test_registering_an_op_twice_is_refused_unless_replaced() -> None:
     with pytest.raises(ValueError, match=r"aten\.mm already registered; pass replace=True"):
         register_formula(aten.mm)(lambda args, kwargs, out: 0)
+    # an overload of a registered packet: its entry would take over the packet's (it did, silently)
+    with pytest.raises(ValueError, match=r"aten\.mm\.default already registered; pass replace=True"):
+        register_formula(aten.mm.default)(lambda args, kwargs, out: 0)
+    weight = torch.ones(8, 2)
+    assert (
+        profile_step(Call(lambda x: torch.mm(x, weight)), torch.ones(4, 8), backward=False).fwd_flops
+        == 2 * 4 * 8 * 2
+    )
     with pytest.raises(ValueError, match="flops_test.scaled_mm already registered"):
         register_formula([aten.erfinv, torch.ops.flops_test.scaled_mm])(lambda args, kwargs, out: 0)
     assert entry_for(aten.erfinv.default).kind is OpKind.ELEMENTWISE  # nothing of a refused list is kept
