@@ -34,8 +34,14 @@ _SEVERAL_CALLS = {
 def check_one_call_per_token(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     """Refuse a ``generate()`` whose model calls are not one per token (:data:`_SEVERAL_CALLS`): its steps
     and tokens would be miscounted. Read from ``kwargs``, their ``generation_config`` and the model's."""
+    from transformers import GenerationMixin
+
     configs = [kwargs.get("generation_config"), getattr(model, "generation_config", None)]
+    # a model's own generate() (MusicGen, Janus) batches its guidance into one call a token
+    own_generate = getattr(type(model), "generate", None) is not GenerationMixin.generate
     for key, what in _SEVERAL_CALLS.items():
+        if key == "guidance_scale" and own_generate:
+            continue
         value = (
             kwargs[key]
             if key in kwargs

@@ -214,10 +214,16 @@ class GenerationResult:
             m[names.DECODE_FORWARD_LATENCY] = statistics.median(forwards)
         if runs:
             m[names.GENERATION_LATENCY] = statistics.median(run.total for run in runs)
-            latency = m[names.GENERATION_LATENCY]
-            if self.batch_size is not None and latency > 0:  # of the median run: one slow run weighs nothing
-                tokens = self.batch_size * statistics.median(run.tokens for run in runs)
-                m[names.GENERATION_TOKENS_PER_SEC] = tokens / latency
+            if self.batch_size is not None:  # the median run's (one slow run weighs nothing), as the latency
+                ordered = sorted(runs, key=lambda run: run.total)
+                middle = ordered[
+                    (len(ordered) - 1) // 2 : len(ordered) // 2 + 1
+                ]  # one, or the two of an even count
+                seconds = sum(run.total for run in middle)
+                if seconds > 0:
+                    m[names.GENERATION_TOKENS_PER_SEC] = (
+                        self.batch_size * sum(r.tokens for r in middle) / seconds
+                    )
         if self.kv_cache_bytes is not None:
             m[names.KV_CACHE_BYTES] = float(self.kv_cache_bytes)
         m.update(self._energy_metrics())

@@ -126,12 +126,6 @@ def gate(base: Sequence[SavedProfile], new: Sequence[SavedProfile], rules: list[
     fa, fb = run_figures(base), run_figures(new)
     checks = []
     for rule in rules:
-        if better_up(rule.figure) == (1 if rule.grows else -1):
-            better, worse = ("higher", "-") if rule.grows else ("lower", "+")
-            raise ValueError(
-                f"--fail-on {rule}: {rule.figure} is better {better}, so the rule would fail on an "
-                f"improvement; a gate fails on it getting worse: {rule.figure}:{worse}{100 * rule.limit:g}%"
-            )
         for side, found in ((base, fa), (new, fb)):
             if rule.figure not in found:
                 saved = next(s for s in side if rule.figure not in figures(s))
@@ -142,6 +136,12 @@ def gate(base: Sequence[SavedProfile], new: Sequence[SavedProfile], rules: list[
                     + (f": {why}" if why else "")
                     + f" (it has: {known})"
                 )
+        if better_up(rule.figure) == (1 if rule.grows else -1):
+            better, worse = ("higher", "-") if rule.grows else ("lower", "+")
+            raise ValueError(
+                f"--fail-on {rule}: {rule.figure} is better {better}, so the rule would fail on an "
+                f"improvement; a gate fails on it getting worse: {rule.figure}:{worse}{100 * rule.limit:g}%"
+            )
         varying = next((s for s in (*base, *new) if s.varies()), None)
         if varying is not None and rule.figure in BATCH_COUNTS:
             raise ValueError(

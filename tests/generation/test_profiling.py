@@ -499,6 +499,21 @@ def test_a_generate_that_calls_the_model_other_than_once_per_token_is_refused_be
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
+def test_guidance_is_left_to_a_model_whose_own_generate_batches_it() -> None:
+    """MusicGen and Janus override generate(), batch the unconditional rows and call the model once a
+    token: their checkpoints' guidance_scale (3.0) was refused. The base generate() calls it twice."""
+    from flops_callbacks.generation.generate_marks import check_one_call_per_token
+
+    class OwnGenerate(transformers.GPT2LMHeadModel):
+        def generate(self, *args: Any, **kwargs: Any) -> Any:
+            return super().generate(*args, **kwargs)
+
+    config = built("gpt2").config
+    check_one_call_per_token(OwnGenerate(config), {"guidance_scale": 3.0})
+    with pytest.raises(ValueError, match="guidance_scale=3.0"):
+        check_one_call_per_token(transformers.GPT2LMHeadModel(config), {"guidance_scale": 3.0})
+
+
 def test_a_processor_that_calls_the_model_is_said_to_make_the_decode_figures_per_call() -> None:
     model = built("gpt2")
 

@@ -122,6 +122,19 @@ def test_tokens_per_sec_is_the_latencys_not_dragged_down_by_one_slow_run() -> No
     assert m[names.GENERATION_TOKENS_PER_SEC] == pytest.approx(2 * 4 / 1.25)
 
 
+def test_tokens_per_sec_is_the_median_runs_when_runs_made_different_numbers_of_tokens() -> None:
+    """Sampling to an EOS: runs of 10 tokens in 5 s, 100 in 1 s and 50 in 0.5 s. The latency is the 1 s
+    run's, and so is the rate: 100 tokens a sequence in 1 s (the tokens' median over the seconds' read
+    50)."""
+    run = result().runs[0]
+    runs = tuple(
+        dataclasses.replace(run, tokens=tokens, total=total)
+        for tokens, total in ((10, 5.0), (100, 1.0), (50, 0.5))
+    )
+    m = result(runs=runs).metrics()
+    assert m[names.GENERATION_LATENCY] == 1.0 and m[names.GENERATION_TOKENS_PER_SEC] == 2 * 100 / 1.0
+
+
 def test_cache_bytes_counts_each_view_once_and_a_storage_at_most_whole() -> None:
     import torch
 
