@@ -218,11 +218,11 @@ class GenerationResult:
                 ordered = sorted(runs, key=lambda run: run.total)
                 middle = ordered[
                     (len(ordered) - 1) // 2 : len(ordered) // 2 + 1
-                ]  # one, or the two of an even count
-                seconds = sum(run.total for run in middle)
-                if seconds > 0:
+                ]  # one, or two of an even count
+                total = sum(run.total for run in middle)
+                if total > 0:
                     m[names.GENERATION_TOKENS_PER_SEC] = (
-                        self.batch_size * sum(r.tokens for r in middle) / seconds
+                        self.batch_size * sum(r.tokens for r in middle) / total
                     )
         if self.kv_cache_bytes is not None:
             m[names.KV_CACHE_BYTES] = float(self.kv_cache_bytes)
