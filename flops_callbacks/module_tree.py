@@ -45,7 +45,7 @@ class ModuleTree:
         self.names: dict[int, str] = {}  # by id(module)
         self.ignored: dict[str, torch.nn.Module] = {}  # modules of an ignored type by name, parents first
         for name, module in self.paths:
-            if name and isinstance(module, ignore_types):
+            if name and type(module) in ignore_types:  # the type itself, as DeepSpeed: not its subclasses
                 self.ignored.setdefault(name, module)
                 continue
             if id(module) in self.names or name in self.modules:

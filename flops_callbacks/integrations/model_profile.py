@@ -84,29 +84,26 @@ def get_model_profile(
     run = model if mode == "forward" else getattr(model, mode)  # __call__, so hooks run
 
     def run_once() -> torch.Tensor | None:
-        """One call of the model; the loss to back-propagate with ``backward``, else None."""
-        if backward:
-            return _loss(run(*call_args, **call_kwargs), loss_fn)
-        with torch.no_grad():
-            run(*call_args, **call_kwargs)
-        return None
+        """One call of the model in the caller's grad mode, as DeepSpeed's (a forward may take gradients
+        itself: a force field's, a gradient penalty's); the loss to back-propagate with ``backward``."""
+        output = run(*call_args, **call_kwargs)
+        return _loss(output, loss_fn) if backward else None
 
     prof = FlopsProfiler(model, causal_attention=causal_attention)
     inputs = torch.utils._pytree.tree_leaves((call_args, call_kwargs))
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
     with eval_mode(model), grads_set_aside([*model.parameters(), *leaves]):
         for _ in range(warm_up):
-            with torch.no_grad():
-                run(*call_args, **call_kwargs)
+            run(*call_args, **call_kwargs)
         prof.start_profile(ignore_list=ignore_modules)
         try:
             loss = run_once()
             if loss is not None:
                 loss.backward()
             prof.stop_profile()
-            # we own the loop: latencies from clean passes, not from the counting one
-            profile = time_clean(prof.get_profile(), model, run_once)
-            if print_profile:
+            profile = prof.get_profile()
+            if print_profile:  # we own the loop: latencies from clean passes, not the counting one's
+                profile = time_clean(profile, model, run_once)
                 args = (warm_up, module_depth, top_modules, detailed, output_file)
                 prof._print(profile, CLEAN_PASS_SOURCE, *args, [("model mode", EVAL_MODE_NOTE)])
         finally:

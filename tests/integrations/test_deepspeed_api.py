@@ -377,6 +377,22 @@ def test_ignore_list_folds_a_module_into_its_parent() -> None:
     assert "1" not in m and m[""].fwd_flops == FWD
 
 
+def test_ignore_list_ignores_a_type_itself_not_its_subclasses() -> None:
+    """As DeepSpeed (``type(module) in ignore_list``): ignoring nn.Linear swallowed a subclass of it too
+    (``nn.MultiheadAttention``'s out_proj, a quantized linear), its MACs read 0."""
+
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), MyLinear(4, 4))
+    prof = FlopsProfiler(model)
+    prof.start_profile(ignore_list=[nn.Linear])
+    model(torch.ones(1, 4))
+    prof.stop_profile()
+    assert "0" not in prof.get_profile().modules and get_module_macs(model[1]) == 16
+    prof.end_profile()
+
+
 def test_reset_profile_zeroes_counts_and_keeps_profiling() -> None:
     model, x = mlp(), torch.randn(B, IN)
     prof = FlopsProfiler(model)
@@ -792,3 +808,26 @@ def test_get_model_profile_report_says_the_mode_and_the_counting_pass_points_to_
     prof.end_profile()
     assert "the counting pass" in text and "StepProfiler" in text
     assert "StepProfiler" in (FlopsProfiler.get_total_duration.__doc__ or "")
+
+
+def test_get_model_profile_calls_the_model_in_the_callers_grad_mode_and_once_when_not_printing() -> None:
+    """A force field's forward takes the energy's gradient itself: under the ``no_grad`` the call ran in,
+    it raised where DeepSpeed's returns; without a report to print, the two timing passes ran anyway."""
+
+    class Force(nn.Module):
+        calls = 0
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.energy = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            Force.calls += 1
+            x = x.requires_grad_(True)
+            return -torch.autograd.grad(self.energy(x).sum(), x)[0]
+
+    flops, macs, params = get_model_profile(
+        Force(), args=[torch.randn(5, 3)], print_profile=False, warm_up=1, as_string=False
+    )
+    assert (macs, params) == (5 * 3 * 16 + 5 * 16 * 1, 3 * 16 + 16 + 16 + 1)  # the two Linears' forward
+    assert Force.calls == 2  # the warm-up and the counted call
