@@ -45,7 +45,7 @@ class ModuleTree:
         self.names: dict[int, str] = {}  # by id(module)
         self.ignored: dict[str, torch.nn.Module] = {}  # modules of an ignored type by name, parents first
         for name, module in self.paths:
-            if name and type(module) in ignore_types:  # the type itself, as DeepSpeed: not its subclasses
+            if name and _own_type(module) in ignore_types:  # the type itself (DeepSpeed), not a subclass
                 self.ignored.setdefault(name, module)
                 continue
             if id(module) in self.names or name in self.modules:
@@ -169,6 +169,14 @@ def eager_compiled_code() -> contextlib.AbstractContextManager[None]:
     if "torch._dynamo" not in sys.modules:
         return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
+
+
+def _own_type(module: torch.nn.Module) -> type:
+    """The class ``module`` was made as: FSDP2's ``fully_shard`` swaps a block's class for one made on the
+    fly (``FSDPBlock``, bases ``FSDPModule`` and ``Block``), which ``ignore_list=[Block]`` means too."""
+    cls = type(module)
+    bases = cls.__bases__
+    return bases[1] if len(bases) == 2 and bases[0].__name__ == "FSDPModule" else cls
 
 
 def ancestors(name: str) -> list[str]:

@@ -57,9 +57,10 @@ __all__ = ["CountingEngine"]
 _current_autograd_node = torch._C._current_autograd_node
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _CHECKPOINT_HOOKS = ("_recomputation_hook.", "_checkpoint_hook.")  # torch.utils.checkpoint's hooks
-# DDP's reducer copies each gradient into its bucket scaled by 1 / world size, in the parameter's
+# DDP's reducer copies each gradient into its bucket scaled by 1 / world size (``mul.out``), or divides
+# it there (``gradient_as_bucket_view``, a communication hook's ``div_``), in the parameter's
 # AccumulateGrad: the all-reduce's averaging, no work of the model's (an unsharded copy does none)
-_BUCKET_COPY = torch.ops.aten.mul.out
+_AVERAGING = frozenset((torch.ops.aten.mul.out, torch.ops.aten.div_.Scalar, torch.ops.aten.div_.Tensor))
 
 
 def _recomputing(node: Any) -> bool:
@@ -365,7 +366,7 @@ class CountingEngine:
             return func(*args, **kwargs)
         moves = bytes_rule(func)
         node = _current_autograd_node()
-        if func is _BUCKET_COPY and node is not None and node.name().endswith("AccumulateGrad"):
+        if func in _AVERAGING and node is not None and node.name().endswith("AccumulateGrad"):
             kind = OpKind.FREE  # its bytes are moved; its multiply is the gradients' averaging
         if moves is None and node is None and kind is OpKind.FREE:  # views: most forward ops
             self._rec.free_calls += 1

@@ -50,8 +50,8 @@ class DispatchMode(TorchDispatchMode):
             # DTensor (tensor parallelism, FSDP2) runs the op as ops on its local shards, which come
             # back here: counted there, flops are this device's, not the global tensor's.
             return NotImplemented
-        if torch.is_inference_mode_enabled() and decomposes(func):  # its parts, through this mode again
-            with self:
+        if not self.engine.fake and decomposes(func) and _plain(types, args, kwargs):
+            with self:  # its parts, through this mode again
                 out = func.decompose(*args, **(kwargs or {}))
             if out is not NotImplemented:
                 return out
@@ -81,6 +81,18 @@ class DispatchMode(TorchDispatchMode):
             small = _factory_numel(func, args, kwargs) <= FACTORY_MAX
             return small or func.overloadpacket is torch.ops.aten.arange
         return all(t in self.made for t in _written(func, args, kwargs))
+
+
+def _plain(types: Any, args: tuple, kwargs: dict | None) -> bool:
+    """Whether an op that reached the mode whole (:func:`~.registry.decomposes`: under inference_mode, or
+    on inference tensors) is on plain dense tensors, which its generic parts serve: a subclass's own
+    handler or a nested tensor's kernel must run instead (decomposed, they raised or recursed)."""
+    if any(t is not torch.Tensor for t in types):
+        return False
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return not any(t.is_nested for t in tensors) and (
+        torch.is_inference_mode_enabled() or any(t.is_inference() for t in tensors)
+    )
 
 
 FACTORY_MAX = 2**24  # elements of a factory a fake count runs for real: a 4096 x 4096 mask

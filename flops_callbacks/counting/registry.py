@@ -264,9 +264,13 @@ def decomposes(func: torch._ops.OpOverload) -> bool:
     """
     found = _DECOMPOSES.get(func)
     if found is None:
-        whole = entry_for(func).kind in _COUNTED or func.is_view
-        composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
-        found = _DECOMPOSES[func] = composite and not whole
+        if func.namespace == "prim":  # prim.device and its kind answer queries; asked, prim.device aborts
+            found = False
+        else:
+            whole = entry_for(func).kind in _COUNTED or func.is_view
+            has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+            found = has_kernel(func.name(), "CompositeImplicitAutograd") and not whole
+        _DECOMPOSES[func] = found
     return found
 
 

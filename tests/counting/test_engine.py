@@ -382,12 +382,20 @@ from flops_callbacks import FlopsProfiler
 from tests.support import end_process
 torch.distributed.init_process_group("gloo")
 torch.manual_seed(0)
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-ddp = nn.parallel.DistributedDataParallel(model)
 x = torch.randn(4, 8)
-ddp(x).sum().backward()  # the reducer's first backward builds its buckets
+hooked = nn.parallel.DistributedDataParallel(model)
+hooked.register_comm_hook(None, default_hooks.allreduce_hook)  # divides each bucket itself
+runs = {
+    "plain": model,
+    "ddp": nn.parallel.DistributedDataParallel(model),
+    "bucket view": nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True),
+    "comm hook": hooked,
+}
 counts = {}
-for name, run in (("plain", model), ("ddp", ddp)):
+for name, run in runs.items():
+    run(x).sum().backward()  # the reducer's first backward builds its buckets
     model.zero_grad(set_to_none=True)  # no accumulation into earlier gradients
     with FlopsProfiler(model) as prof:
         run(x).sum().backward()
@@ -400,8 +408,9 @@ end_process()
 
 def test_ddps_averaging_of_the_gradients_is_no_model_backward_work(tmp_path: Path) -> None:
     """DDP's reducer copies each gradient into its bucket scaled by 1 / world size (``mul.out`` in the
-    parameter's AccumulateGrad): it counted as the model's backward, one flop per parameter more than an
-    unsharded copy of the model does, so the flops per device depended on the job's size."""
+    parameter's AccumulateGrad), or divides it there (``gradient_as_bucket_view``, a communication hook):
+    it counted as the model's backward, one flop per parameter more than an unsharded copy of the model
+    does, so the flops per device depended on the job's size."""
     import os
     import sys
 
@@ -420,7 +429,7 @@ def test_ddps_averaging_of_the_gradients_is_no_model_backward_work(tmp_path: Pat
     expected = weights + 2 * 4 * 16 * 2 + 4 * 16
     for rank in range(2):
         counts = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert counts == {"plain": expected, "ddp": expected}, counts
+        assert counts == dict.fromkeys(("plain", "ddp", "bucket view", "comm hook"), expected), counts
 
 
 def test_under_inference_mode_an_op_autograd_would_split_is_counted_as_its_parts() -> None:
@@ -451,3 +460,32 @@ def test_under_inference_mode_an_op_autograd_would_split_is_counted_as_its_parts
     # attention's MACs by hand: q k^T and p v, 4 heads of 16 over 16 x 16 positions, batch 2
     projections = 16 * 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64)  # q, k and v (2 KV heads), o
     assert counts[1][2] == projections + 2 * 2 * 4 * 16 * 16 * 16
+
+
+def test_an_op_on_nested_tensors_runs_their_own_kernel_under_inference_mode() -> None:
+    """A composite op reaching the mode whole is counted as its parts on plain tensors only: a nested
+    tensor's own kernel runs as without the profiler (decomposed, it raised "NestedTensorImpl doesn't
+    support sizes", or recursed)."""
+    from flops_callbacks import FlopsProfiler
+
+    linear = nn.Linear(8, 4).eval()
+    for layout in (torch.strided, torch.jagged):
+        nested = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], layout=layout)
+        with torch.inference_mode():
+            expected = linear(nested)
+            with FlopsProfiler(linear):
+                out = linear(nested)
+        assert all(torch.equal(a, b) for a, b in zip(out.unbind(), expected.unbind(), strict=True))
+
+
+def test_a_model_of_inference_tensors_is_counted_as_its_parts_outside_inference_mode() -> None:
+    """Tensors made under inference_mode have no autograd keys: ``aten.linear`` reaches the mode whole
+    under no_grad too."""
+    from flops_callbacks import FlopsProfiler
+
+    with torch.inference_mode():
+        linear, x = nn.Linear(8, 4), torch.randn(2, 8)
+    with FlopsProfiler(linear) as prof, torch.no_grad():
+        linear(x)
+    profile = prof.get_profile()
+    assert (profile.fwd_macs, profile.coverage.uncounted) == (2 * 8 * 4, [])

@@ -393,6 +393,18 @@ def test_ignore_list_ignores_a_type_itself_not_its_subclasses() -> None:
     prof.end_profile()
 
 
+def test_ignore_list_names_a_block_that_fsdp2_sharded_by_its_own_class() -> None:
+    """``fully_shard`` swaps a block's class for one made on the fly, whose bases are FSDPModule and the
+    block's class: ``ignore_list=[Block]`` means it too (the exact type did not match it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from flops_callbacks.module_tree import ModuleTree
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0].__class__ = type("FSDPLinear", (FSDPModule, nn.Linear), {})  # what fully_shard makes
+    assert sorted(ModuleTree(model, (nn.Linear,)).ignored) == ["0", "1"]
+
+
 def test_reset_profile_zeroes_counts_and_keeps_profiling() -> None:
     model, x = mlp(), torch.randn(B, IN)
     prof = FlopsProfiler(model)
