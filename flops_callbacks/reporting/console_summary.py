@@ -134,7 +134,9 @@ def _largest_bound(split: Split, idle: float | None) -> str:
     bounding = round(split.share(largest), 2) >= BOUND_SHARE
     if idle is not None and round(idle, 2) >= BOUND_SHARE and not (bounding and largest == "data"):
         helps = "torch.compile, CUDA graphs or a larger batch usually help"
-        return f"the host: the GPU idle {idle:.0%} of fwd + bwd, waiting for launches ({helps})"
+        host = f"the host: the GPU idle {idle:.0%} of fwd + bwd, waiting for launches ({helps})"
+        data = split.share("data") if split.timed_wall else 0.0
+        return host + (f"; {data:.0%} of the step waits for data" if round(data, 2) >= BOUND_SHARE else "")
     return says[largest].format(split.share(largest)) if bounding else ""
 
 

@@ -43,6 +43,10 @@ def test_a_device_idle_for_30_percent_of_fwd_and_bwd_is_the_host_after_the_data(
     # before the loop's own work and the optimizer step (their host time is the same cause)
     assert bound_by(split(0.1, 0.2, 0.2, 0.15, 0.35), idle).startswith("the host: the GPU idle 80%")
     assert bound_by(split(0.4, 0.2, 0.2, 0.1, 0.1), idle).startswith("the input pipeline: 40%")
+    # a data wait of 30% or more beside a larger part of the host's: said too (its remedy is another)
+    assert bound_by(split(0.35, 0.1, 0.1, 0.05, 0.4), idle).endswith(
+        "usually help); 35% of the step waits for data"
+    )
     # a device busy 71% of fwd + bwd (idle 29%): the model bounds the step, as without the figure
     busy = dataclasses.replace(window(), device_busy={"forward": 0.2, "backward": 0.335, "optimizer_step": 0})
     assert bound_by(split(0.05, 0.4, 0.4, 0.1, 0.05), busy).startswith(
