@@ -77,6 +77,24 @@ class ModuleTree:
         above = self.ancestors_of(parent)
         return above + [parent] if parent in self.modules else above
 
+    def between(self, outer: str | None, name: str) -> list[str]:
+        """The modules a call of ``name`` made inside a call of ``outer`` is in without entering them: the
+        containers between the two that cannot be called (``ModuleList``, ``ModuleDict``); none where
+        ``name`` is not below ``outer`` (a shared module called from outside its own parent: no static
+        path); with no call open (``outer`` None: a submodule called from outside the model), every
+        module above it. The counting engine gives them its work, the module timer its backward.
+
+        Args:
+            outer: the innermost call open around it, or None.
+            name: the module called.
+        """
+        if outer is None:
+            return self.ancestors[name]
+        containers = self.container_ancestors[name]
+        if not containers or (outer and not name.startswith(outer + ".")):
+            return []
+        return [a for a in containers if a.startswith(outer + ".") or (not outer and a)]
+
     def param_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """Parameters (all, trainable) under each module, each tensor once per module (tied ones
         count in every module that holds them); a sharded parameter counts this device's shard."""

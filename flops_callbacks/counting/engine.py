@@ -221,18 +221,9 @@ class CountingEngine:
         return threading.get_ident() == self._thread or self._dispatch in _get_current_dispatch_mode_stack()
 
     def _virtual_ancestors(self, name: str) -> list[str]:
-        """Ancestors of ``name`` its caller did not enter that still own its work: containers that
-        cannot be called (``ModuleList``, ``ModuleDict``) between the caller and ``name``, or, for a
-        submodule called from outside the model, everything above it."""
-        if not self._stack:
-            return self.tree.ancestors[name]
-        containers = self.tree.container_ancestors[name]
-        if not containers:
-            return containers
-        top = self._stack[-1].name
-        if top and not name.startswith(top + "."):
-            return []  # a shared module called from outside its own parent: no static path
-        return [a for a in containers if a.startswith(top + ".") or (not top and a)]
+        """Ancestors of ``name`` its caller did not enter that still own its work
+        (:meth:`~flops_callbacks.module_tree.ModuleTree.between` the top of the stack and it)."""
+        return self.tree.between(self._stack[-1].name if self._stack else None, name)
 
     def _push(self, name: str, start: Any, recompute: bool, virtual: bool) -> None:
         key = self._stack[-1].key if self._stack else ()
@@ -366,11 +357,11 @@ class CountingEngine:
             return func(*args, **kwargs)
         moves = bytes_rule(func)
         node = _current_autograd_node()
-        if func in _AVERAGING and node is not None and node.name().endswith("AccumulateGrad"):
-            kind = OpKind.FREE  # its bytes are moved; its multiply is the gradients' averaging
         if moves is None and node is None and kind is OpKind.FREE:  # views: most forward ops
             self._rec.free_calls += 1
             return func(*args, **kwargs)
+        if node is not None and func in _AVERAGING and node.name().endswith("AccumulateGrad"):
+            kind = OpKind.FREE  # its bytes are moved; its multiply is the gradients' averaging
         if self._stack and self._stack[-1].recompute:
             phase, ctx = REC, self._ctx or self._context()
         elif node is not None:

@@ -124,7 +124,7 @@ class ModuleTimer:
         tree = ModuleTree(model)
         self._names = tree.names  # the counting engine's names: one record per module
         self._modules = tree.modules
-        self._containers = tree.container_ancestors
+        self._tree = tree
         self._owned: dict[tuple[str, ...], tuple[str, ...]] = {}  # a call's stack -> its owners
         self._started = 0  # module calls started so far: the marks before which hooks ran
         # name, start mark, calls started at it, recompute, inputs
@@ -249,12 +249,7 @@ class ModuleTimer:
         path: list[str] = []
         outer: str | None = None
         for inner in stack:
-            if outer is None:
-                path += ancestors(inner)
-            elif not outer or inner.startswith(outer + "."):
-                below = outer + "." if outer else ""
-                path += [a for a in self._containers.get(inner, ()) if a.startswith(below)]
-            path.append(inner)
+            path += [*self._tree.between(outer, inner), inner]
             outer = inner
         found = self._owned[stack] = tuple(dict.fromkeys(path))
         return found
