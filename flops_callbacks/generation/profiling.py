@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -85,7 +85,7 @@ class GenerationProfile:
     def report(self) -> str:
         """The text report ("" and a warning if rendering it failed)."""
         text = ""
-        with Guard(OWNER, goes_on="").own_work("rendering the report", "the metrics are kept"):
+        with _own_work("rendering the report", "the metrics are kept"):
             text = render_generation(self.result)
         return text
 
@@ -97,7 +97,7 @@ class GenerationProfile:
         import json
 
         written = None
-        with Guard(OWNER, goes_on="").own_work(f"saving {path}", "nothing was written"):
+        with _own_work(f"saving {path}", "nothing was written"):
             written = write_text(path, json.dumps(self.json_data(), indent=1) + "\n")
         return written
 
@@ -105,9 +105,15 @@ class GenerationProfile:
         """Write the HTML picture (the middle decode step's module tree) to ``path``; returns the path, or
         None and a warning where there is no tree to draw (the counting failed) or drawing it failed."""
         written = None
-        with Guard(OWNER, goes_on="").own_work(f"drawing the picture to {path}", "nothing was written"):
+        with _own_work(f"drawing the picture to {path}", "nothing was written"):
             written = write_text(path, generation_picture(self.result))
         return written
+
+
+def _own_work(what: str, kept: str) -> AbstractContextManager[None]:
+    """The profiler's own work on a finished generation (:meth:`~flops_callbacks.guard.Guard.own_work`):
+    a failure is said, and nothing goes on after it."""
+    return Guard(OWNER, goes_on="").own_work(what, kept)
 
 
 def profile_decode_loop(

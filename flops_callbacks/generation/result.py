@@ -212,18 +212,13 @@ class GenerationResult:
             m[names.DECODE_LATENCY_P90] = quantile(gaps, 0.9)
         if forwards:
             m[names.DECODE_FORWARD_LATENCY] = statistics.median(forwards)
-        if runs:
-            m[names.GENERATION_LATENCY] = statistics.median(run.total for run in runs)
-            if self.batch_size is not None:  # the median run's (one slow run weighs nothing), as the latency
-                ordered = sorted(runs, key=lambda run: run.total)
-                middle = ordered[
-                    (len(ordered) - 1) // 2 : len(ordered) // 2 + 1
-                ]  # one, or two of an even count
-                total = sum(run.total for run in middle)
-                if total > 0:
-                    m[names.GENERATION_TOKENS_PER_SEC] = (
-                        self.batch_size * sum(r.tokens for r in middle) / total
-                    )
+        if runs:  # the median run (of an even count, the two middle ones): one slow run weighs nothing
+            ordered = sorted(runs, key=lambda run: run.total)
+            middle = ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
+            total = sum(run.total for run in middle)
+            m[names.GENERATION_LATENCY] = total / len(middle)
+            if self.batch_size is not None and total > 0:
+                m[names.GENERATION_TOKENS_PER_SEC] = self.batch_size * sum(r.tokens for r in middle) / total
         if self.kv_cache_bytes is not None:
             m[names.KV_CACHE_BYTES] = float(self.kv_cache_bytes)
         m.update(self._energy_metrics())

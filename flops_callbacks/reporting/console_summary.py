@@ -182,12 +182,11 @@ def _top_lines(result: WindowResult) -> list[str]:
     total_time = sum(t for t, _ in own.values())
     total_flops = sum(f for _, f in own.values())
     timed = bool(result.steps.module_timing) and result.steps.module_shapes_match and total_time > 0
-    by_time = (
-        [n for n in sorted(own, key=lambda n: own[n][0], reverse=True)[:TOP] if own[n][0] > 0]
-        if timed
-        else []
-    )
-    by_flops = [n for n in sorted(own, key=lambda n: own[n][1], reverse=True)[:TOP] if own[n][1] > 0]
+
+    def top(i: int) -> list[str]:  # the modules of most own time (0) or flops (1): none with none of it
+        return [n for n in sorted(own, key=lambda n: own[n][i], reverse=True)[:TOP] if own[n][i] > 0]
+
+    by_time, by_flops = top(0) if timed else [], top(1)
     column = NAME + 18
     lines = [_row("top modules", f"{'by own time (fwd + bwd)':<{column}}by own flops (fwd + bwd)")]
     for i in range(max(len(by_time), len(by_flops), 1)):

@@ -75,6 +75,13 @@ def chromium(*args: str, tmp: Path, window: tuple[int, int] = WINDOW) -> subproc
     return done
 
 
+def dom_after(page: Path, script: str, tmp: Path) -> str:
+    """``page``'s DOM once Chromium ran it with ``script`` run after its own, at the body's end."""
+    ran = tmp / f"ran-{page.name}"
+    ran.write_text(page.read_text().replace("</body>", f"<script>{script}</script></body>"))
+    return chromium("--dump-dom", ran.as_uri(), tmp=tmp).stdout
+
+
 def embedded_data(html: str) -> dict:
     return json.loads(re.search(r'<script type="application/json" id="profile-data">(.*?)</script>', html)[1])
 
@@ -199,12 +206,10 @@ def test_a_click_zooms_into_a_module_and_the_toggle_shows_backward_latency(
     profile: Profile, page: Path, tmp_path: Path
 ) -> None:
     clicks = (
-        "<script>document.querySelector('[data-name=\"transformer.h.1\"]').click();"
-        "document.querySelector('[data-phase=\"bwd\"]').click();</script></body>"
+        "document.querySelector('[data-name=\"transformer.h.1\"]').click();"
+        "document.querySelector('[data-phase=\"bwd\"]').click();"
     )
-    clicked = tmp_path / "clicked.html"
-    clicked.write_text(page.read_text().replace("</body>", clicks))
-    dom = chromium("--dump-dom", clicked.as_uri(), tmp=tmp_path).stdout
+    dom = dom_after(page, clicks, tmp_path)
 
     def style(name: str) -> str:
         return re.search(f'data-name="{re.escape(name)}" style="([^"]*)"', dom)[1]
@@ -293,13 +298,11 @@ def test_the_roofline_chart_plots_every_module_of_the_tree_under_two_roofs(
 
 @needs_chromium
 def test_a_click_on_a_point_zooms_the_tree_to_that_module(roofline_page: Path, tmp_path: Path) -> None:
-    clicks = (
-        "<script>document.querySelector('#roofline circle[data-name=\\\"transformer.h.1.mlp\\\"]')"
-        ".dispatchEvent(new MouseEvent('click'));</script></body>"
+    click = (
+        "document.querySelector('#roofline circle[data-name=\\\"transformer.h.1.mlp\\\"]')"
+        ".dispatchEvent(new MouseEvent('click'));"
     )
-    clicked = tmp_path / "clicked.html"
-    clicked.write_text(roofline_page.read_text().replace("</body>", clicks))
-    dom = chromium("--dump-dom", clicked.as_uri(), tmp=tmp_path).stdout
+    dom = dom_after(roofline_page, click, tmp_path)
     style = re.search('data-name="transformer.h.1.mlp" style="([^"]*)"', dom)[1]
     assert "left: 0%; width: 100%" in style  # the icicle zoomed to it
     assert "<b>mlp</b>" in dom.split('id="crumbs"')[1].split("</div>")[0]
@@ -361,12 +364,10 @@ def test_the_diff_page_paints_the_slowed_module_red_and_its_parents_grey(
     assert '<span id="legend-title">own forward time against A</span>' in dom
     # every headline value whole: a change's A value and its noise verdict were cut to "(-13.1%, A…"
     measure = (
-        "<script>document.body.dataset.cut = [...document.querySelectorAll('.headline dd')]"
-        ".filter(d => d.scrollWidth > d.clientWidth).length;</script></body>"
+        "document.body.dataset.cut = [...document.querySelectorAll('.headline dd')]"
+        ".filter(d => d.scrollWidth > d.clientWidth).length;"
     )
-    measured = tmp_path / "measured.html"
-    measured.write_text(diff_page.read_text().replace("</body>", measure))
-    dom = chromium("--dump-dom", measured.as_uri(), tmp=tmp_path).stdout
+    dom = dom_after(diff_page, measure, tmp_path)
     assert 'data-cut="0"' in dom and ", A " in dom.split('class="headline"')[1].split("</dl>")[0]
     png = tmp_path / "diff.png"
     chromium(f"--screenshot={png}", diff_page.as_uri(), tmp=tmp_path)
