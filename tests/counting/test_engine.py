@@ -64,6 +64,46 @@ def test_forward_and_backward_are_attributed_to_their_modules() -> None:
     assert (up.params, profile.params, profile.trainable_params) == (D_IN * D_HID, params, params)
 
 
+class Looped(nn.Module):
+    """An ``nn.Sequential`` looped over, never called (as timm's ``checkpoint_seq`` and torch's
+    ``checkpoint_sequential`` cut one), beside one that is called."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.layers = Mlp()
+        self.seq = nn.Sequential(
+            nn.Linear(D_OUT, D_HID, bias=False), nn.ReLU(), nn.Linear(D_HID, D_OUT, bias=False)
+        )
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(x)
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint_sequential(self.seq, 2, x, use_reentrant=False)
+        for layer in self.seq:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["looped", "checkpoint_sequential"])
+def test_a_sequential_looped_over_holds_its_layers_work_as_deepspeeds_sums_do(checkpointed: bool) -> None:
+    """Its layers' forward, backward and recompute are its own, and the model owns none of them (it read
+    0 flops, its work the model's, whose own flops then doubled the top modules' shares)."""
+    x = torch.randn(B, D_IN, requires_grad=True)
+    profile = traced(Looped(checkpointed), x).profile()
+    seq, first, last = (profile.modules[n] for n in ("seq", "seq.0", "seq.2"))
+    ahead = 2 * B * D_OUT * D_HID  # each of the two Linear(2 <-> 16)
+    assert seq.fwd_flops == first.fwd_flops + profile.modules["seq.1"].fwd_flops + last.fwd_flops
+    assert (first.fwd_macs * 2, last.fwd_macs * 2) == (ahead, ahead)
+    assert seq.bwd_macs * 2 == 4 * ahead  # weight and input gradients of both
+    children = [m for n, m in profile.modules.items() if n.startswith("seq.")]
+    assert seq.recompute_flops == sum(m.recompute_flops for m in children)
+    assert (seq.recompute_latency > 0) == checkpointed  # its first layer ran again
+    assert profile.fwd_flops == profile.modules["layers"].fwd_flops + seq.fwd_flops  # the model owns none
+    assert profile.bwd_flops == profile.modules["layers"].bwd_flops + seq.bwd_flops
+    assert seq.calls == 0
+
+
 class SparseUp(Mlp):
     """``up`` as a sparse matrix times the input (a pruned weight): its bytes are not its shape's."""
 

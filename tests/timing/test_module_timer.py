@@ -77,6 +77,27 @@ def test_recompute_under_activation_checkpointing_is_timed_apart() -> None:
     assert holds_sleep(times.recompute["block"], 0.05)
 
 
+def test_a_sequential_looped_over_holds_its_layers_backward_as_its_forward() -> None:
+    """An ``nn.Sequential`` iterated, never called: its forward and backward are its layers' (its backward
+    read 0, under its layers' 0.08 s: "longer in the backward than their parent" in the report)."""
+
+    class Looped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seq = nn.Sequential(
+                Sleepy(fwd=0.02, bwd=0.05, tiny_ops=1), Sleepy(fwd=0.01, bwd=0.03, tiny_ops=1)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.seq:
+                x = layer(x)
+            return x
+
+    _, times = timed(Looped(), torch.randn(2, 4))
+    assert holds_sleep(times.fwd["seq"], 0.03) and holds_sleep(times.bwd["seq"], 0.08)
+    assert times.bwd["seq"] <= times.bwd[""]
+
+
 def test_a_module_shared_by_two_parents_gives_each_caller_its_calls_backward() -> None:
     """One block inside ``a`` and ``b`` (named ``a.shared``, its first name): each parent's backward holds
     its own call's, as its forward and its flops do, and the block's holds both. ``b`` read none of its
