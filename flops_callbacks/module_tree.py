@@ -27,6 +27,9 @@ __all__ = [
 ]
 
 
+_CONTAINER_FORWARDS = (torch.nn.Module.forward, torch.nn.Sequential.forward)
+
+
 class ModuleTree:
     """Names, ancestors and parameter holders of ``model``'s modules (except ``ignore_types``).
 
@@ -55,6 +58,13 @@ class ModuleTree:
         self.ancestors: dict[str, list[str]] = {}
         for name in self.modules:  # walk order: every parent before its children
             self.ancestors[name] = self.ancestors_of(name)
+        # ancestors whose children may be called past them: those that cannot be called (ModuleList,
+        # ModuleDict) and those whose forward only calls their children (nn.Sequential: looped over, cut by
+        # checkpoint_sequential); a module with a forward of its own called past keeps to its own calls
+        containers = {name for name, m in self.modules.items() if type(m).forward in _CONTAINER_FORWARDS}
+        self.container_ancestors = {
+            name: [a for a in ancestors if a in containers] for name, ancestors in self.ancestors.items()
+        }
         self._param_holders: list[tuple[torch.nn.Parameter, tuple[str, ...]]] | None = None  # when read
 
     def ancestors_of(self, name: str) -> list[str]:
@@ -73,24 +83,23 @@ class ModuleTree:
         return above + [parent] if parent in self.modules else above
 
     def between(self, outer: str | None, name: str) -> list[str]:
-        """The modules a call of ``name`` made inside a call of ``outer`` is in without entering them: every
-        module between the two, which this call went past (a ``ModuleList`` or ``ModuleDict``, which
-        cannot be called; an ``nn.Sequential`` looped over or cut by ``checkpoint_sequential``); none where
-        ``name`` is not below ``outer`` (a shared module called from outside its own parent: no static
-        path); with no call open (``outer`` None: a submodule called from outside the model), every module
-        above it. The counting engine gives them its work, the module timer its backward: as DeepSpeed's
-        sums over the module tree do, whichever module made the call.
+        """The modules a call of ``name`` made inside a call of ``outer`` is in without entering them: the
+        containers between the two (``ModuleList``, ``ModuleDict``, an ``nn.Sequential`` looped over, as
+        DeepSpeed's sums over the tree hold them); none where ``name`` is not below ``outer`` (a shared
+        module called from outside its own parent: no static path); with no call open (``outer`` None: a
+        submodule called from outside the model), every module above it. The counting engine gives them
+        its work, the module timer its backward.
 
         Args:
             outer: the innermost call open around it, or None.
             name: the module called.
         """
-        above = self.ancestors[name]
         if outer is None:
-            return above
-        if not above or above[-1] == outer or (outer and not name.startswith(outer + ".")):
-            return []  # called by its parent (the rule), or from outside its own parent
-        return [a for a in above if a.startswith(outer + ".")] if outer else [a for a in above if a]
+            return self.ancestors[name]
+        containers = self.container_ancestors[name]
+        if not containers or (outer and not name.startswith(outer + ".")):
+            return []
+        return [a for a in containers if a.startswith(outer + ".") or (not outer and a)]
 
     def param_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """Parameters (all, trainable) under each module, each tensor once per module (tied ones
