@@ -268,6 +268,11 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if control.should_training_stop and self.session.window_open:
+            # a stop decided after our on_step_end (EarlyStoppingCallback at an evaluation, a later callback):
+            # the window is published here, while the reporting callbacks still log (as in on_step_end)
+            self._ended = True
+            self.session.train_end(state.global_step, self._sink(args, state))
         if control.should_log:  # logging_strategy="epoch"
             self.session.log_throughput(state.global_step, self._sink(args, state))
         self._hold(control)

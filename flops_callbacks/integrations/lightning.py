@@ -8,6 +8,7 @@ hook starts which phase, where the parallel sizes and the compute dtype are, and
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -130,7 +131,9 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     ``on_exception``, which Lightning calls in turn with no ``try``; other exceptions reach ours there
     (docs: "When something fails").
 
-    In manual optimization, ``on_after_backward`` and the end of each ``optimizer.step()`` end a phase,
+    In manual optimization, a backward starts at ``on_before_backward`` (``manual_backward``) or, for a plain
+    ``loss.backward()``, where ``torch.autograd.backward`` is called (wrapped for a window micro-batch, as
+    ``StepProfiler`` does); ``on_after_backward`` and the end of each ``optimizer.step()`` end a phase,
     and the next event says what ran in between: a backward starting next means a forward ran (a GAN's
     second model, a second chunk); otherwise the phase continues (:mod:`flops_callbacks.timing.phases`).
 
@@ -141,7 +144,9 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     _step_at_batch_start: int | None = None  # the global step of the optimizer step in progress
     _step_hooks: tuple[Any, ...] | list[Any] = ()  # manual optimization: optimizer step post hooks
     _profiled_step: int | None = None  # kept in checkpoints: a resumed run knows it ran
-    _guards: tuple[WrappedMethod, ...] = ()  # a window micro-batch's wrapped calls of the strategy
+    _guards: tuple[WrappedMethod, ...] = ()  # a window micro-batch's wrapped calls (strategy, autograd)
+    _in_manual_backward = False  # between on_before_backward and on_after_backward
+    _thread: int | None = None  # the thread of the window micro-batch (manual optimization)
 
     def state_dict(self) -> dict[str, Any]:
         return {"profiled_step": self._profiled_step}
@@ -189,6 +194,10 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
                     WrappedMethod(strategy, name, around, once=False)
                     for name, around in (("backward", self._closing), ("optimizer_step", self._stepping))
                 )
+            else:  # a plain ``loss.backward()`` calls no hook of Lightning's: where autograd starts is seen
+                self._thread = threading.get_ident()
+                autograd = WrappedMethod(torch.autograd, "backward", self._autograd_backward, once=False)
+                self._guards = (autograd,)
 
     def _user_code(self, training_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The strategy's ``training_step``: the forward restarts at the user's code and the phases stop
@@ -219,6 +228,14 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         self.session.stop_timing()
         return out
 
+    def _autograd_backward(self, backward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Manual optimization: autograd starts outside ``manual_backward`` (a plain ``loss.backward()``,
+        which Lightning's docs advise against and users write): the backward starts here, as there. It
+        read 0 s, its time the forward's."""
+        if not self._in_manual_backward and threading.get_ident() == self._thread:
+            self.session.phase(BACKWARD)
+        return backward(*args, **kwargs)
+
     def _watch_fetch(self, trainer: pl.Trainer) -> None:
         """Until the next micro-batch starts: mark where Lightning starts fetching it, so that the wait for
         data starts there, not at our batch end (the callbacks after ours, a checkpoint's save, logging: the
@@ -242,10 +259,12 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self._in_manual_backward = True
         self.session.phase(BACKWARD)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._in_manual_backward = False
         self.session.phase_end()
 
     @override

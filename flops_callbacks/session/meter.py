@@ -258,10 +258,10 @@ class ThroughputMeter:
         off_clock, model = self.off_clock, self._model
         if off_clock is None or model is None or not isinstance(replay, Replay):
             return
-        if not off_clock.usable(replay):
+        if not off_clock.hopeful(replay):
             return
-        with self._own_work():
-            counts = off_clock.count(model, replay, later)
+        with self._own_work():  # a first fake count's trial too (off_clock)
+            counts = off_clock.count(model, replay, later) if off_clock.usable(replay, model) else None
         if counts is not None:
             self.flops.audit(signature, later, counts)
 
@@ -296,7 +296,7 @@ class ThroughputMeter:
                 item = LaidOut(layout, p.batch, p.signature, p.replay)
                 alone = sequences.model_flops(item, beyond=True)
                 off_clock = self.off_clock
-                if alone is None and not sequences.why_not and off_clock and off_clock.usable(p.replay):
+                if alone is None and not sequences.why_not and off_clock and off_clock.hopeful(p.replay):
                     with self._own_work():  # (none where no count can run: no pause, no synchronization)
                         sequences.settle(self._model, off_clock, [item], beyond=True)
                     alone = sequences.model_flops(item, beyond=True)

@@ -2,9 +2,13 @@
 (:mod:`flops_callbacks.counting.fake_count`) of the adapter's step function, so that a step whose shapes
 the flops table cannot give is timed as a clean step like any other.
 
-Whether fake counts run is tried once, on the counting step's first micro-batch, right after its real
-count (in that step, whose time is no figure's): the fake count must equal the real one (else, or where
-it raises, the reason is kept and such shapes are counted on training steps, as the report says).
+Whether fake counts run is tried once, the first time one is wanted, at a point no figure's time holds
+(the check step, the window's end, a meter's count out of its clock): a fake count of the counting step's
+first micro-batch must equal its real count (else, or where it raises, the reason is kept and such shapes
+are counted on training steps, as the report says). Why not at once, on the counting step: the trial runs
+the user's step function again, and a run whose batches keep one shape wants no fake count at all; what
+that function does outside the model (an iterator of its own stepped) would happen once more for nothing.
+A vote meanwhile counts on the trial (:meth:`OffClock.hopeful`).
 A clean step's unknown micro-batches are counted at the window's end, before the ranks exchange their
 figures: the time after a step's end is the next step's (its wall and data time start there), and with
 several ranks one rank's count there would hold the others in their next all-reduce (the waiting
@@ -56,20 +60,31 @@ class OffClock:
         self.causal_attention = causal_attention
         self.why_not: str | None = None  # None: not tried yet; "": fake counts run; else why they do not
         self.trial: tuple[Replay, Signature, bool] | None = None  # the counting step's first micro-batch
+        self._trial: tuple[Replay, bool, BatchCounts] | None = None  # it, with its real count: to be tried
         self._pending: list[_Pending] = []
         self.counts, self.seconds = 0, 0.0  # fake counts run in this run, and their time (the profiler's)
 
     def forget(self) -> None:
         """A new run: nothing tried yet."""
-        self.why_not, self.trial, self._pending = None, None, []
+        self.why_not, self.trial, self._trial, self._pending = None, None, None, []
         self.counts, self.seconds = 0, 0.0
 
     def drop(self) -> None:
-        """The window is dropped: nothing waits for a count."""
+        """The window is dropped: nothing waits for a count (a trial whose real count is known stays)."""
         self.trial, self._pending = None, []
 
-    def usable(self, replay: Replay | str | None) -> bool:
+    def usable(self, replay: Replay | str | None, model: torch.nn.Module | None) -> bool:
+        """Whether a fake count of ``replay`` runs; tries fake counts first where not yet tried (call
+        where no figure's time runs)."""
+        if isinstance(replay, Replay) and model is not None:
+            self.ready(model)
         return isinstance(replay, Replay) and self.why_not == ""
+
+    def hopeful(self, replay: Replay | str | None) -> bool:
+        """Whether a fake count of ``replay`` runs, or may once tried (a vote's, on a timed step)."""
+        return isinstance(replay, Replay) and (
+            self.why_not == "" or (self.why_not is None and bool(self._trial))
+        )
 
     def reason(self, replay: Replay | str | None) -> str:
         """Why a micro-batch's unknown shapes are counted on its training step."""
@@ -92,25 +107,32 @@ class OffClock:
         first is the trial's; a check's new shape is counted now (its real count checks it), a clean
         step's at the window's end; one counted on its step is said with why. Returns its counts now."""
         if kind == Kind.COUNTING and not step.signatures and isinstance(replay, Replay):
-            self.trial = (replay, signature, later)  # tried at the step's end
-        elif counts is None and isinstance(replay, Replay) and self.usable(replay):
-            if kind == Kind.CHECK:
+            self.trial = (replay, signature, later)  # held at the step's end (hold_trial)
+        elif counts is None and isinstance(replay, Replay):
+            if kind == Kind.CHECK and self.usable(replay, model):  # the check step is no figure's time
                 counts = self.count_now(model, replay, signature, later, flops)
-            elif kind == Kind.CLEAN:
+            elif kind == Kind.CLEAN and self.hopeful(replay):
                 self.defer(step, signature, later, replay)
         if counts is None and kind in (Kind.CHECK, Kind.SHAPE_COUNTING):
             flops.counted_on_steps.setdefault((later, signature), self.reason(replay))
         return counts
 
-    def try_trial(self, model: torch.nn.Module, flops: ShapeFlops) -> None:
-        """The counting step's first micro-batch ended: its fake count must equal its real count."""
+    def hold_trial(self, flops: ShapeFlops) -> None:
+        """The counting step's first micro-batch ended: it is tried when a fake count is first wanted."""
         trial, self.trial = self.trial, None
         if trial is None or self.why_not is not None:
             return
         replay, signature, later = trial
         real = flops.counted.get((later, signature))
-        if real is None:
+        if real is not None:
+            self._trial = (replay, later, real)
+
+    def ready(self, model: torch.nn.Module) -> None:
+        """Try fake counts where not yet tried: the counting step's batch faked must equal its real count."""
+        trial, self._trial = self._trial, None
+        if trial is None or self.why_not is not None:
             return
+        replay, later, real = trial
         faked = self.count(model, replay, later)
         if faked is None:
             return  # why_not says why
@@ -145,7 +167,7 @@ class OffClock:
     def profile(self, model: torch.nn.Module, replays: list[Any]) -> Profile | None:
         """The module tree of a step's micro-batches (each one's replay) counted under fake tensors; None
         where a fake count cannot run (a micro-batch without its replay, or ``why_not``)."""
-        if not replays or not all(isinstance(r, Replay) and self.usable(r) for r in replays):
+        if not replays or not all(self.usable(r, model) for r in replays):
             return None
         start = time.perf_counter()
         try:
@@ -174,6 +196,8 @@ class OffClock:
         """The window ends: each waiting micro-batch's counts, from the table (predicted from the points
         counted since) or a fake count; a step whose count fails keeps unknown flops (left out)."""
         pending, self._pending = self._pending, []
+        if pending and model is not None:
+            self.ready(model)
         first = {(p.later, tuple(d for shape, _ in p.signature for d in shape)): p for p in pending}
         for key in extremes_first(list(first)):  # the fewest counts that verify a fit over the rest
             p = first[key]

@@ -94,7 +94,7 @@ class SequenceFlops:
         replay = item.replay
         if self.why_not:
             return None
-        if not isinstance(replay, Replay) or not off_clock.usable(replay):
+        if not isinstance(replay, Replay) or not off_clock.usable(replay, model):
             self.why_not = off_clock.reason(replay)
             return None
         cut = Replay(replay.step, one_sequence(replay.args, item.layout, n))

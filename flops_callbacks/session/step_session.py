@@ -305,7 +305,7 @@ class StepSession:
         """This rank's wish for the step's kind (:class:`~flops_callbacks.session.window_plan.Wish`)."""
         if read is None:
             return Wish(drop=self.plan.failed)
-        unknown, fake, content = read.counts is None, self.off_clock.usable(replay), self.flops.content
+        unknown, fake, content = read.counts is None, self.off_clock.hopeful(replay), self.flops.content
         return Wish(self.plan.failed, unknown and not fake, not unknown or fake, content is not None)
 
     @_own_work("reading the batch")
@@ -362,10 +362,10 @@ class StepSession:
         self.instruments.stop(self.flops, self._step)
         if self._counting_failed():
             return
-        if pause or (step.kind == Kind.COUNTING and self.off_clock.trial is not None):
-            step.phases.stop()  # the trial of a fake count, right after the real count, is no phase's
-        if step.kind == Kind.COUNTING and self._model is not None:
-            self.off_clock.try_trial(self._model, self.flops)
+        if pause:
+            step.phases.stop()
+        if step.kind == Kind.COUNTING:
+            self.off_clock.hold_trial(self.flops)
 
     @_own_work("marking a fetch")
     def fetching(self) -> None:

@@ -225,12 +225,26 @@ class WarningsAtFirstStep(TrainerCallback):
             self.seen = [str(w.message) for w in self.caught if "HFFlopsCallback" in str(w.message)]
 
 
+class StopsAt(TrainerCallback):
+    """After ours: stops the run at a step's end, after our ``on_step_end`` (as ``EarlyStoppingCallback``
+    does in its ``on_evaluate``)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+@pytest.mark.parametrize("stop", ["max_steps", "a callback after ours"])
 def test_a_window_the_runs_end_cuts_short_reaches_the_reporters_own_tensorboard_file_and_mlflow_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: str
 ) -> None:
-    """The run ends in the window's module-timing steps: its window is published at the last step's end,
-    while the Trainer's TensorBoard writer and MLflow run are open (their on_train_end, before ours,
-    closes them: a later log opened a second event file and a second MLflow run)."""
+    """The run ends in the window's module-timing steps: its window is published at the last step's end
+    (at the epoch's end where a later callback stops the run), while the Trainer's TensorBoard writer and
+    MLflow run are open (their on_train_end, before ours, closes them: a later log opened a second event
+    file and a second MLflow run, which got every metric of the profile)."""
     pytest.importorskip("mlflow")
     import mlflow
 
@@ -239,7 +253,9 @@ def test_a_window_the_runs_end_cuts_short_reaches_the_reporters_own_tensorboard_
     mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())  # over one an earlier MLFlowLogger set for good
     end = PROFILE_STEP + 1  # the counting step and a module-timing step
     callback = quiet()
-    trainer = train(tmp_path, gpt2(), [callback], report_to=("tensorboard", "mlflow"), max_steps=end)
+    callbacks, steps = ([callback], end) if stop == "max_steps" else ([callback, StopsAt(end)], end + 10)
+    trainer = train(tmp_path, gpt2(), callbacks, report_to=("tensorboard", "mlflow"), max_steps=steps)
+    assert trainer.state.global_step == end
     assert callback.result is not None and callback.result.published_at == end
     (run_dir,) = (Path(trainer.args.output_dir) / "runs").iterdir()
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1

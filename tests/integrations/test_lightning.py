@@ -694,8 +694,8 @@ class KeepsOutputs(MLP):
 
 
 def test_a_training_step_run_again_for_a_fake_count_changes_nothing_the_run_keeps(tmp_path: Path) -> None:
-    # the counting step's trial and step 6's new shape are fake counts of training_step: the list it
-    # appends to, its counter and Python's random numbers are the unprofiled run's
+    # the trial of fake counts (the counting step's batch) and step 6's new shape are fake counts of
+    # training_step: the list it appends to, its counter and Python's random numbers are the unprofiled run's
     def run(callback: FlopsProfilerCallback | None) -> tuple[KeepsOutputs, float]:
         torch.manual_seed(0)
         random.seed(0)
@@ -709,6 +709,42 @@ def test_a_training_step_run_again_for_a_fake_count_changes_nothing_the_run_keep
     assert callback.result is not None and callback.result.steps.shapes_counted == 2
     assert (profiled.steps_seen, after_profiled) == (plain.steps_seen, after_plain) == (14, after_plain)
     assert profiled.epoch_means == plain.epoch_means and len(plain.epoch_means) == 2
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters(), strict=True))
+
+
+class DrawsItsOwnBatches(MLP):
+    """Semi-supervised: each step draws a second batch from an iterator of its own (no module, no container:
+    a fake count of ``training_step`` would step it once more)."""
+
+    def on_train_start(self) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.unlabelled = iter(torch.randn(64, BATCH, IN, generator=generator))
+        self.drawn: list[float] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        extra = next(self.unlabelled)
+        self.drawn.append(float(extra[0, 0]))
+        return super().training_step(batch, batch_idx) + 0.1 * self.head(self.block(extra)).pow(2).mean()
+
+
+def test_batches_of_one_shape_run_no_fake_count_so_a_step_with_its_own_iterator_trains_as_unprofiled(
+    tmp_path: Path,
+) -> None:
+    """Fake counts are tried only where a new shape wants one: with one shape throughout, the user's
+    ``training_step`` runs once per batch (the counting step's trial ran it again: the run drew one of its
+    own batches more from then on, and its weights differed from the unprofiled run's)."""
+
+    def run(callback: FlopsProfilerCallback | None) -> DrawsItsOwnBatches:
+        torch.manual_seed(0)
+        module = DrawsItsOwnBatches()
+        fit(tmp_path / str(callback is not None), module, callback, loader(48), max_steps=14)
+        return module
+
+    plain = run(None)
+    callback = quiet_callback(clean_steps=3)
+    profiled = run(callback)
+    assert callback.result is not None and callback.session.off_clock.counts == 0
+    assert profiled.drawn == plain.drawn and len(plain.drawn) == 14
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters(), strict=True))
 
 
@@ -1008,9 +1044,11 @@ class SleepyGAN(L.LightningModule):
         generator: tuple[float, float, float],
         discriminator: tuple[float, float, float],
         tiny_ops: int = 60,
+        plain: bool = False,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
+        self.plain = plain  # loss.backward(), not Lightning's manual_backward
         self.generator = Sleepy(generator[0], generator[1], tiny_ops)
         self.discriminator = Sleepy(discriminator[0], discriminator[1], tiny_ops)
         self.step_seconds = (generator[2], discriminator[2])
@@ -1019,7 +1057,10 @@ class SleepyGAN(L.LightningModule):
         for model, optimizer in zip((self.generator, self.discriminator), self.optimizers(), strict=True):
             loss = model(batch[0]).sum()
             optimizer.zero_grad()
-            self.manual_backward(loss)
+            if self.plain:
+                loss.backward()
+            else:
+                self.manual_backward(loss)
             optimizer.step()
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -1133,14 +1174,22 @@ def test_a_validation_between_micro_batches_is_no_part_of_the_data_its_wait_hold
     assert metrics[names.WALL_LATENCY] < SLEEP + 0.15  # the validation is out of the wall step too
 
 
-def test_a_gan_stepping_two_optimizers_in_one_step_gets_each_phase_within_15_percent(tmp_path: Path) -> None:
+@pytest.mark.parametrize("plain", [False, True], ids=["manual_backward", "loss.backward"])
+def test_a_gan_stepping_two_optimizers_in_one_step_gets_each_phase_within_15_percent(
+    tmp_path: Path, plain: bool
+) -> None:
+    """Each phase of both models, whether the backward is Lightning's ``manual_backward`` or a plain
+    ``loss.backward()`` (which read 0 s of backward, its time the forward's)."""
     # unequal parts: the discriminator's forward timed as optimizer step would show as 0.1 s too little
     # forward and too much step; each phase's 0.2 s dwarfs the tiny ops' few ms
     generator, discriminator = (0.10, 0.06, 0.08), (0.10, 0.14, 0.12)
     callback = quiet_callback(profile_step=0, clean_steps=3)
     # two optimizer steps per batch: the window's batches start at global steps 0, 2, 4, ...
     window = window_end(0, 3)
-    fit(tmp_path, SleepyGAN(generator, discriminator), callback, sleepy_loader(window), max_steps=2 * window)
+    backward = torch.autograd.backward
+    model = SleepyGAN(generator, discriminator, plain=plain)
+    fit(tmp_path, model, callback, sleepy_loader(window), max_steps=2 * window)
+    assert torch.autograd.backward is backward  # the window's wrapper is gone
     result = callback.result
     assert result.steps.clean == tuple(2 * step for step in range(first_clean(0), window))
     expected = [g + d for g, d in zip(generator, discriminator, strict=True)]  # 0.2 s each
