@@ -134,9 +134,9 @@ class ModuleTimer:
         self._calls: list[tuple[str, tuple[Any, ...], list[Any], set[int]]] = []
         # name, start mark, calls started by it, end mark, calls started by it, recompute
         self._fwd_spans: list[tuple[str, Any, int, Any, int, bool]] = []
-        # the modules a node is given to, its start and end marks, the calls started at its end
-        self._node_spans: list[tuple[tuple[str, ...], Any, Any, int]] = []
-        self._node_start: dict[int, Any] = {}
+        # the modules a node is given to, its start and end marks, the calls started at its end and its start
+        self._node_spans: list[tuple[tuple[str, ...], Any, Any, int, int]] = []
+        self._node_start: dict[int, tuple[Any, int]] = {}
         self._owner: dict[int, tuple[str, ...]] = {}  # node id -> the modules it is given to (nodes armed)
         self._armed: list[Any] = []  # node hook handles of the current backward
         self._exit: contextlib.ExitStack | None = None
@@ -276,7 +276,7 @@ class ModuleTimer:
 
     def _node_pre(self, key: int) -> Any:
         def pre(grad_outputs: Any) -> None:
-            self._node_start[key] = self.clock.mark()
+            self._node_start[key] = (self.clock.mark(), self._started)
 
         return pre
 
@@ -284,7 +284,7 @@ class ModuleTimer:
         def post(grad_inputs: Any, grad_outputs: Any) -> None:
             start = self._node_start.pop(key, None)
             if start is not None:
-                self._node_spans.append((owners, start, self.clock.mark(), self._started))
+                self._node_spans.append((owners, start[0], self.clock.mark(), self._started, start[1]))
 
         return post
 
@@ -308,7 +308,15 @@ class ModuleTimer:
         bwd: dict[str, float] = {}
         spans: list[ModuleSpan] = []
         origin = self._origin
-        durations, _, _ = self._forward_tree(seconds)
+        durations, parent, _ = self._forward_tree(seconds)
+        fwd_spans = self._fwd_spans
+        # a recompute that ran inside a node (non-reentrant checkpointing unpacks a saved tensor there) is the
+        # recompute's time, not the node's owners' backward: each outermost one, by the call that opened it
+        recomputes = [
+            (span[2], durations[i])
+            for i, span in enumerate(fwd_spans)
+            if span[5] and not (i in parent and fwd_spans[parent[i]][5])
+        ]
         for span, duration in zip(self._fwd_spans, durations, strict=True):
             name, start, started, _, _, is_recompute = span
             table = recompute if is_recompute else fwd
@@ -316,8 +324,10 @@ class ModuleTimer:
             phase: Phase = RECOMPUTE if is_recompute else FORWARD
             spans.append(ModuleSpan(name, phase, seconds(origin, start, started), duration, depth_of(name)))
         extent: dict[str, tuple[float, float]] = {}
-        for owners, start, end, started in self._node_spans:
-            begin, duration = seconds(origin, start, started), seconds(start, end)
+        for owners, start, end, started, began in self._node_spans:
+            inside = sum(d for opened, d in recomputes if began < opened <= started)
+            begin = seconds(origin, start, started)
+            duration = max(seconds(start, end, started - began) - inside, 0.0)
             for owner in owners:
                 bwd[owner] = bwd.get(owner, 0.0) + duration
                 first, last = extent.get(owner, (begin, begin + duration))

@@ -155,7 +155,9 @@ def recorded(name: str) -> tuple[dict[str, Any], KernelClock, ModuleTimer]:
     # a node's owners (the modules open around its call); a trace recorded before they were kept holds
     # its module's name, whose owners were its name's ancestors (no recorded model shares a module)
     owners = lambda found: tuple(found) if isinstance(found, list) else (*ancestors(found), found)  # noqa: E731
-    timer._node_spans = [(owners(span[0]), *span[1:]) for span in state["node_spans"]]
+    # with the calls started at its start (a trace recorded before they were kept: those at its end)
+    began = lambda span: span[4] if len(span) > 4 else span[3]  # noqa: E731
+    timer._node_spans = [(owners(span[0]), *span[1:4], began(span)) for span in state["node_spans"]]
     timer._origin = state["origin"]
     return state, clock, timer
 
