@@ -8,7 +8,8 @@ first micro-batch must equal its real count (else, or where it raises, the reaso
 are counted on training steps, as the report says). Why not at once, on the counting step: the trial runs
 the user's step function again, and a run whose batches keep one shape wants no fake count at all; what
 that function does outside the model (an iterator of its own stepped) would happen once more for nothing.
-A vote meanwhile counts on the trial (:meth:`OffClock.hopeful`).
+Until then a new shape on a clean step makes it a shape-counting step (counted, not timed), where the
+trial runs.
 A clean step's unknown micro-batches are counted at the window's end, before the ranks exchange their
 figures: the time after a step's end is the next step's (its wall and data time start there), and with
 several ranks one rank's count there would hold the others in their next all-reduce (the waiting
@@ -69,9 +70,12 @@ class OffClock:
         self.why_not, self.trial, self._trial, self._pending = None, None, None, []
         self.counts, self.seconds = 0, 0.0
 
-    def drop(self) -> None:
-        """The window is dropped: nothing waits for a count (a trial whose real count is known stays)."""
+    def drop(self, ended: bool = False) -> None:
+        """The window is dropped: nothing waits for a count (a trial whose real count is known stays for the
+        meter's counts, until the run ``ended``: it holds a batch and the trainer)."""
         self.trial, self._pending = None, []
+        if ended:
+            self._trial = None
 
     def usable(self, replay: Replay | str | None, model: torch.nn.Module | None) -> bool:
         """Whether a fake count of ``replay`` runs; tries fake counts first where not yet tried (call
@@ -81,7 +85,7 @@ class OffClock:
         return isinstance(replay, Replay) and self.why_not == ""
 
     def hopeful(self, replay: Replay | str | None) -> bool:
-        """Whether a fake count of ``replay`` runs, or may once tried (a vote's, on a timed step)."""
+        """Whether a fake count of ``replay`` runs, or may once tried (a meter's, before its clock pauses)."""
         return isinstance(replay, Replay) and (
             self.why_not == "" or (self.why_not is None and bool(self._trial))
         )
@@ -111,7 +115,9 @@ class OffClock:
         elif counts is None and isinstance(replay, Replay):
             if kind == Kind.CHECK and self.usable(replay, model):  # the check step is no figure's time
                 counts = self.count_now(model, replay, signature, later, flops)
-            elif kind == Kind.CLEAN and self.hopeful(replay):
+            elif kind == Kind.SHAPE_COUNTING:
+                self.usable(replay, model)  # (nor is this one's): fake counts are tried here for the next
+            elif kind == Kind.CLEAN and self.usable(replay, None):
                 self.defer(step, signature, later, replay)
         if counts is None and kind in (Kind.CHECK, Kind.SHAPE_COUNTING):
             flops.counted_on_steps.setdefault((later, signature), self.reason(replay))

@@ -57,8 +57,7 @@ DROPPED = "the profile window is dropped and nothing of the profiler stays; this
 
 
 def _own_work(what: str, abandon: bool = True) -> Callable[[F], F]:
-    """An event of the session, run as the profiler's own work (with ``abandon``, a failure drops the
-    window for the rest of the run)."""
+    """An event of the session as the profiler's own work (``abandon``: a failure drops the window)."""
     return guarded_event(what, DROPPED if abandon else "training goes on", "_abandon" if abandon else None)
 
 
@@ -204,6 +203,7 @@ class StepSession:
         elif self.result is None and self._expected and sink.is_logging_rank:
             warn(f"{self.owner}: no optimizer step started at profile_step={self.options.profile_step} or "
                  f"after (training ended at global step {global_step}): no profile ran.")  # fmt: skip
+        self.off_clock.drop(ended=True)  # its trial holds a batch and the trainer
 
     def _after_window(self, sink: Sink) -> None:
         """The profiler's own counting since the window, written into its files (logging rank)."""
@@ -305,7 +305,9 @@ class StepSession:
         """This rank's wish for the step's kind (:class:`~flops_callbacks.session.window_plan.Wish`)."""
         if read is None:
             return Wish(drop=self.plan.failed)
-        unknown, fake, content = read.counts is None, self.off_clock.hopeful(replay), self.flops.content
+        unknown, content = read.counts is None, self.flops.content
+        model = self._model if unknown and not self.plan.checked else None  # a check or shape count: untimed
+        fake = self.off_clock.usable(replay, model)  # (given the model: fake counts tried first, if not yet)
         return Wish(self.plan.failed, unknown and not fake, not unknown or fake, content is not None)
 
     @_own_work("reading the batch")
@@ -345,16 +347,14 @@ class StepSession:
 
     @_own_work("marking a phase")
     def phase_end(self) -> None:
-        """The framework says the running phase ended, not what comes next
-        (:mod:`flops_callbacks.timing.phases`)."""
+        """The running phase ended, not saying what follows (:mod:`flops_callbacks.timing.phases`)."""
         if self._step is not None:
             self._step.phases.end()
         self.instruments.phase_end()
 
     @_own_work("ending a micro-batch")
     def micro_batch_end(self, pause: bool = True) -> None:
-        """After a micro-batch: its instrument stops; with ``pause`` the phase clock stops too (what runs
-        until the next micro-batch, such as a validation run, is not part of the step)."""
+        """After a micro-batch: its instrument stops; with ``pause`` its phase clock (validation may come)."""
         step = self._step
         if step is None:
             self.job_meter.micro_batch_end()

@@ -243,9 +243,8 @@ def _warmed_up(root: Path, callbacks: list[L.Callback], schedule: str) -> tuple[
         torch.randn(64, 8, generator=generator), torch.randn(64, 4, generator=generator)
     )
     batches = [list(range(4 * i, 4 * i + 4)) for i in range(12)]
-    batches[6] = batches[6][
-        :3
-    ]  # a clean step's new shape: a fake count, its trial first, at the window's end
+    # new shapes after the check: step 6's counted on its step, where fake counts are tried; step 7's faked
+    batches[6], batches[7] = batches[6][:3], batches[7][:2]
     trainer = L.Trainer(callbacks=callbacks, **lightning_settings(root, 12))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_sampler=batches))
     return module, trainer
@@ -258,8 +257,9 @@ def test_a_replay_of_a_step_that_steps_its_lr_scheduler_leaves_the_schedule_and_
     plain, plain_trainer = _warmed_up(tmp_path / "plain", [], schedule)
     callback = FlopsProfilerCallback(profile_step=1, clean_steps=2, print_profile=False)
     profiled, trainer = _warmed_up(tmp_path / "profiled", [callback], schedule)
-    assert callback.result is not None and callback.session.off_clock.counts == 2  # the trial, step 6
-    assert 6 in callback.result.steps.clean
+    assert callback.result is not None and callback.session.off_clock.counts == 2  # the trial, step 7
+    steps = callback.result.steps
+    assert (steps.shape_counting, steps.clean) == ((5, 6), (7, 8))  # 5: the check step, counted too
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     assert scheduler.last_epoch == plain_trainer.lr_scheduler_configs[0].scheduler.last_epoch == 12
     assert trainer.optimizers[0].param_groups[0]["lr"] == plain_trainer.optimizers[0].param_groups[0]["lr"]
