@@ -25,6 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import logging
 from collections import OrderedDict, UserDict
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
@@ -79,6 +80,19 @@ def _hooks_off(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, name, hooks in held:
             setattr(module, name, hooks)
+
+
+@contextlib.contextmanager
+def _torch_quiet() -> Iterator[None]:
+    """Fake tensors' own logger off: an op whose meta kernel fails (``aten._grouped_mm`` in fp32, an MoE's
+    experts on a CPU) logs its traceback at ERROR before it raises, 22 lines on the console for a fake
+    count that is said not to run (:class:`FakeCountUnavailable`, in the report) and a step that trains on."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    was, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = was
 
 
 def _copied(batch: Any, clones: list[torch.Tensor]) -> Any:
@@ -204,6 +218,7 @@ def _fake_engine(
             torch.random.fork_rng(devices),
             _reparametrize_module(model, state, tie_weights=True),
             _hooks_off(model),
+            _torch_quiet(),
             mode,
         ):
             for batch, later in batches:

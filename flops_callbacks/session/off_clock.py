@@ -2,14 +2,14 @@
 (:mod:`flops_callbacks.counting.fake_count`) of the adapter's step function, so that a step whose shapes
 the flops table cannot give is timed as a clean step like any other.
 
-Whether fake counts run is tried once, the first time one is wanted, at a point no figure's time holds
-(the check step, the window's end, a meter's count out of its clock): a fake count of the counting step's
-first micro-batch must equal its real count (else, or where it raises, the reason is kept and such shapes
-are counted on training steps, as the report says). Why not at once, on the counting step: the trial runs
-the user's step function again, and a run whose batches keep one shape wants no fake count at all; what
-that function does outside the model (an iterator of its own stepped) would happen once more for nothing.
-Until then a new shape on a clean step makes it a shape-counting step (counted, not timed), where the
-trial runs.
+Whether fake counts run is tried once, the first time one is wanted, at a point no figure's time holds:
+a fake count of the counting step's first micro-batch must equal its real count (else, or where it raises,
+the reason is kept and such shapes are counted on training steps, as the report says). Why not at once, on
+the counting step: the trial runs the user's step function again, and a run whose batches keep one shape
+wants no fake count at all; what that function does outside the model (an iterator of its own stepped)
+would happen once more for nothing. Where: at the vote of the first window's first step after its head,
+which is the check or a shape count (neither timed) whatever the trial finds; after the check, on the
+shape-counting step a new shape then makes; at the window's end; in a meter's count, out of its clock.
 A clean step's unknown micro-batches are counted at the window's end, before the ranks exchange their
 figures: the time after a step's end is the next step's (its wall and data time start there), and with
 several ranks one rank's count there would hold the others in their next all-reduce (the waiting

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import random
 from collections.abc import Iterator, MutableMapping
 from typing import Any
@@ -106,6 +107,29 @@ def test_a_shape_that_depends_on_the_data_is_said_not_counted() -> None:
     with pytest.raises(FakeCountUnavailable, match="Dynamic|data"):
         fake_count(model, lambda m, x: m(x).sum().backward(), torch.randn(4, 8))
     assert model.up.weight.grad is None and model.training
+
+
+def test_an_op_whose_meta_kernel_fails_is_said_once_and_torch_logs_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Fake tensors log a failing meta kernel's traceback at ERROR before they raise (22 lines on the
+    console for an MoE's ``aten._grouped_mm`` in fp32 on a CPU); the fake count says why it cannot run."""
+    library = torch.library.Library("fc_fake_count_test", "DEF")
+    library.define("no_meta(Tensor x) -> Tensor")
+    library.impl("no_meta", lambda x: x.clone(), "CPU")
+
+    def meta(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this meta kernel wants bf16")
+
+    library.impl("no_meta", meta, "Meta")
+    model = _Mlp()
+    step = lambda m, x: torch.ops.fc_fake_count_test.no_meta(m(x)).sum().backward()  # noqa: E731
+    step(model, torch.randn(4, 8))  # the real kernel runs
+    model.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.DEBUG), pytest.raises(FakeCountUnavailable, match="wants bf16"):
+        fake_count(model, step, torch.randn(4, 8))
+    assert [r for r in caplog.records if r.name.startswith("torch")] == []
+    assert not logging.getLogger("torch._subclasses.fake_tensor").disabled
 
 
 def test_a_failure_in_the_step_function_is_said_and_the_model_left_as_it_was() -> None:
