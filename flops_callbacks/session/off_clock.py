@@ -32,9 +32,10 @@ from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops, extreme
 from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import WindowStep
 
-__all__ = ["NO_REPLAY", "OffClock", "Replay"]
+__all__ = ["NO_REPLAY", "OffClock", "Replay", "TRIED_ON_ITS_STEP"]
 
 NO_REPLAY = "no training step to run again (StepProfiler runs the loop's own code)"
+TRIED_ON_ITS_STEP = "the first new shape after the check, whose step tried fake counts"
 
 
 class Replay(NamedTuple):
@@ -115,8 +116,9 @@ class OffClock:
         elif counts is None and isinstance(replay, Replay):
             if kind == Kind.CHECK and self.usable(replay, model):  # the check step is no figure's time
                 counts = self.count_now(model, replay, signature, later, flops)
-            elif kind == Kind.SHAPE_COUNTING:
-                self.usable(replay, model)  # (nor is this one's): fake counts are tried here for the next
+            elif kind == Kind.SHAPE_COUNTING and self.why_not is None and self._trial is not None:
+                if self.usable(replay, model):  # an untimed step: fake counts tried here
+                    flops.counted_on_steps.setdefault((later, signature), TRIED_ON_ITS_STEP)
             elif kind == Kind.CLEAN and self.usable(replay, None):
                 self.defer(step, signature, later, replay)
         if counts is None and kind in (Kind.CHECK, Kind.SHAPE_COUNTING):

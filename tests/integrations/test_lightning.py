@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from flops_callbacks import metrics as names
 from flops_callbacks.integrations.lightning import FlopsProfilerCallback, parallel_sizes
 from flops_callbacks.parallel import ParallelSizes
+from flops_callbacks.session.off_clock import TRIED_ON_ITS_STEP
 from flops_callbacks.session.window_plan import COMM_MIN
 from flops_callbacks.units import duration_to_string, flops_to_string, number_to_string
 from tests.sleepy import Sleepy, SleepySGD
@@ -633,28 +634,28 @@ def test_a_run_ending_inside_the_window_warns_at_start_and_publishes_what_it_had
 
 
 def test_a_step_with_new_batch_shapes_is_timed_its_flops_counted_off_the_clock(tmp_path: Path) -> None:
-    # 20 samples in batches of 3: the last batch of the epoch (step 6) has 2 samples, on the window's
-    # first clean step
+    # 20 samples in batches of 3: the last batch of each epoch (steps 6 and 13) has 2 samples; step 6 is
+    # the window's first step after the check, step 13 a clean step
     profile_step = 6 - first_clean(0)
-    callback = quiet_callback(profile_step=profile_step, clean_steps=3)
-    fit(tmp_path, MLP(), callback, loader(20), max_steps=9)
+    callback = quiet_callback(profile_step=profile_step, clean_steps=7)
+    fit(tmp_path, MLP(), callback, loader(20), max_steps=15)
     result = callback.result
     steps = result.steps
     assert (steps.counting, steps.module_timing, steps.clean, steps.skipped) == (
         profile_step,
         module_steps(profile_step),
-        (6, 7, 8),
+        tuple(range(7, 14)),
         (),
     )
-    # the check step counts a known shape again; step 6's new shape is counted under fake tensors
-    assert (steps.shape_counting, steps.shapes, steps.shapes_counted) == ((check_step(profile_step),), 2, 2)
-    assert [s.work.counts.model_flops for s in result.clean.steps] == [
-        fwd_flops(2) + bwd_flops(2),
-        fwd_flops(BATCH) + bwd_flops(BATCH),
-        fwd_flops(BATCH) + bwd_flops(BATCH),
-    ]
-    assert steps.latency_source == "median of 3 clean step(s)"
-    assert result.published_at == 9 and result.flops_sources.on_steps == ""
+    # the check step counts a known shape again; step 6's new shape is counted on its step, where fake counts
+    # are tried (the first new shape since the check: one fake count); clean step 13 has that shape
+    assert (steps.shape_counting, steps.shapes, steps.shapes_counted) == ((check_step(profile_step), 6), 2, 2)
+    assert callback.session.off_clock.counts == 1
+    full, last = fwd_flops(BATCH) + bwd_flops(BATCH), fwd_flops(2) + bwd_flops(2)
+    assert [s.work.counts.model_flops for s in result.clean.steps] == [full] * 6 + [last]
+    assert steps.latency_source == "median of 7 clean step(s)"
+    assert result.published_at == 14
+    assert result.flops_sources.on_steps == f"shapes [(2, 8), (2, 4)]: {TRIED_ON_ITS_STEP}"
 
 
 def test_without_a_step_function_to_replay_a_new_shape_is_counted_on_its_own_step(tmp_path: Path) -> None:
