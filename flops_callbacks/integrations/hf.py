@@ -261,6 +261,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         """The step's log is written (the reporting backends' ``on_log`` come before ours): the wait for the
         next batch starts here, the writing is the step's other (an evaluation's or a save's log is in its
         pause already)."""
+        self._publish_if_stopping(args, state, control)  # the run's last log: before the reporters' train end
         if not self._held:
             self.session.fetching()
 
@@ -268,11 +269,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if control.should_training_stop and self.session.window_open:
-            # a stop decided after our on_step_end (EarlyStoppingCallback at an evaluation, a later callback):
-            # the window is published here, while the reporting callbacks still log (as in on_step_end)
-            self._ended = True
-            self.session.train_end(state.global_step, self._sink(args, state))
+        self._publish_if_stopping(args, state, control)
         if control.should_log:  # logging_strategy="epoch"
             self.session.log_throughput(state.global_step, self._sink(args, state))
         self._hold(control)
@@ -292,12 +289,29 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
             self.session.pause_throughput()
 
     @override
-    def on_evaluate(self, *args: Any, **kwargs: Any) -> None:
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._release()
+        self._publish_if_stopping(args, state, control)
 
     @override
-    def on_save(self, *args: Any, **kwargs: Any) -> None:
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._release()
+        self._publish_if_stopping(args, state, control)
+
+    def _publish_if_stopping(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl
+    ) -> None:
+        """A stop decided after our ``on_step_end`` (``EarlyStoppingCallback`` at an evaluation, at a step's
+        or an epoch's end; a callback after ours): a window it cut short is published at our next event, at
+        the latest the run's last log, while the reporting callbacks still log (their ``on_train_end`` comes
+        before ours: it ends an MLflow run and closes a TensorBoard writer, and a later log opens others)."""
+        if control.should_training_stop and self.session.window_open and not self._ended:
+            self._ended = True
+            self.session.train_end(state.global_step, self._sink(args, state))
 
     def _release(self) -> None:
         if self._held > 0:

@@ -62,7 +62,8 @@ class OffClock:
         self.causal_attention = causal_attention
         self.why_not: str | None = None  # None: not tried yet; "": fake counts run; else why they do not
         self.trial: tuple[Replay, Signature, bool] | None = None  # the counting step's first micro-batch
-        self._trial: tuple[Replay, bool, BatchCounts] | None = None  # it, with its real count: to be tried
+        # it, with its real count and the parameters it ran with (:func:`_parameters`): to be tried
+        self._trial: tuple[Replay, bool, BatchCounts, tuple[Any, ...]] | None = None
         self._pending: list[_Pending] = []
         self.counts, self.seconds = 0, 0.0  # fake counts run in this run, and their time (the profiler's)
 
@@ -125,22 +126,25 @@ class OffClock:
             flops.counted_on_steps.setdefault((later, signature), self.reason(replay))
         return counts
 
-    def hold_trial(self, flops: ShapeFlops) -> None:
+    def hold_trial(self, flops: ShapeFlops, model: torch.nn.Module | None) -> None:
         """The counting step's first micro-batch ended: it is tried when a fake count is first wanted."""
         trial, self.trial = self.trial, None
-        if trial is None or self.why_not is not None:
+        if trial is None or self.why_not is not None or model is None:
             return
         replay, signature, later = trial
         real = flops.counted.get((later, signature))
         if real is not None:
-            self._trial = (replay, later, real)
+            self._trial = (replay, later, real, _parameters(model))
 
     def ready(self, model: torch.nn.Module) -> None:
         """Try fake counts where not yet tried: the counting step's batch faked must equal its real count."""
         trial, self._trial = self._trial, None
         if trial is None or self.why_not is not None:
             return
-        replay, later, real = trial
+        replay, later, real, parameters = trial
+        if _parameters(model) != parameters:  # its count is another model's (a backbone unfrozen since)
+            self.why_not = "the model's parameters changed since the counting step: no count checks a fake"
+            return
         faked = self.count(model, replay, later)
         if faked is None:
             return  # why_not says why
@@ -223,3 +227,9 @@ class OffClock:
             model, replay.step, replay.args, later=later, causal_attention=self.causal_attention
         )
         return BatchCounts.of(counted)
+
+
+def _parameters(model: torch.nn.Module) -> tuple[Any, ...]:
+    """What of the parameters a step's count depends on besides the batch: which train, their dtypes and
+    shapes (a backbone unfrozen, an adapter added, a cast)."""
+    return tuple((p.requires_grad, p.dtype, p.shape) for p in model.parameters())

@@ -228,7 +228,7 @@ class StepSession:
             self._steps, self._step, self._model, self._pauses = [], None, None, Pauses()
             self._context = TrainingContext()
             self.instruments.drop()
-            self.off_clock.drop()
+            self.off_clock.drop(ended=meter and not raised)  # the metering ends: nothing to fake-count
             if raised:  # the loop goes on: metering too (a window dropped for it resumes it)
                 self.job_meter.step_raised()
             elif meter:
@@ -306,8 +306,8 @@ class StepSession:
         if read is None:
             return Wish(drop=self.plan.failed)
         unknown, content = read.counts is None, self.flops.content
-        model = self._model if unknown and not self.plan.checked else None  # a check or shape count: untimed
-        fake = self.off_clock.usable(replay, model)  # (given the model: fake counts tried first, if not yet)
+        model = self._model if unknown and not self.plan.checked and self.plan.kind is None else None
+        fake = self.off_clock.usable(replay, model)  # model: tried first, on an untimed check or shape count
         return Wish(self.plan.failed, unknown and not fake, not unknown or fake, content is not None)
 
     @_own_work("reading the batch")
@@ -365,7 +365,7 @@ class StepSession:
         if pause:
             step.phases.stop()
         if step.kind == Kind.COUNTING:
-            self.off_clock.hold_trial(self.flops)
+            self.off_clock.hold_trial(self.flops, self._model)
 
     @_own_work("marking a fetch")
     def fetching(self) -> None:

@@ -226,18 +226,22 @@ class WarningsAtFirstStep(TrainerCallback):
 
 
 class StopsAt(TrainerCallback):
-    """After ours: stops the run at a step's end, after our ``on_step_end`` (as ``EarlyStoppingCallback``
-    does in its ``on_evaluate``)."""
+    """After ours: stops the run at a step's end, after our ``on_step_end``, or at an evaluation there (as
+    ``EarlyStoppingCallback`` does in its ``on_evaluate``, at a step's or an epoch's end)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, evaluating: bool = False) -> None:
+        self.step, self.evaluating = step, evaluating
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.global_step == self.step and not self.evaluating:
+            control.should_training_stop = True
+
+    def on_evaluate(self, args, state, control, **kwargs) -> None:
         if state.global_step == self.step:
             control.should_training_stop = True
 
 
-@pytest.mark.parametrize("stop", ["max_steps", "a callback after ours"])
+@pytest.mark.parametrize("stop", ["max_steps", "a callback after ours", "an evaluation at the epoch's end"])
 def test_a_window_the_runs_end_cuts_short_reaches_the_reporters_own_tensorboard_file_and_mlflow_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: str
 ) -> None:
@@ -254,7 +258,13 @@ def test_a_window_the_runs_end_cuts_short_reaches_the_reporters_own_tensorboard_
     end = PROFILE_STEP + 1  # the counting step and a module-timing step
     callback = quiet()
     callbacks, steps = ([callback], end) if stop == "max_steps" else ([callback, StopsAt(end)], end + 10)
-    trainer = train(tmp_path, gpt2(), callbacks, report_to=("tensorboard", "mlflow"), max_steps=steps)
+    evaluating: dict[str, Any] = {}
+    if stop == "an evaluation at the epoch's end":  # an epoch of `end` steps, evaluated at its end
+        callbacks[1] = StopsAt(end, evaluating=True)
+        datasets = {"train_dataset": TokenDataset(end * BATCH), "eval_dataset": TokenDataset(BATCH)}
+        evaluating = {"datasets": datasets, "eval_strategy": "epoch", "logging_steps": 2}
+    report_to = ("tensorboard", "mlflow")
+    trainer = train(tmp_path, gpt2(), callbacks, report_to=report_to, max_steps=steps, **evaluating)
     assert trainer.state.global_step == end
     assert callback.result is not None and callback.result.published_at == end
     (run_dir,) = (Path(trainer.args.output_dir) / "runs").iterdir()

@@ -264,3 +264,41 @@ def test_a_replay_of_a_step_that_steps_its_lr_scheduler_leaves_the_schedule_and_
     assert scheduler.last_epoch == plain_trainer.lr_scheduler_configs[0].scheduler.last_epoch == 12
     assert trainer.optimizers[0].param_groups[0]["lr"] == plain_trainer.optimizers[0].param_groups[0]["lr"]
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters(), strict=True))
+
+
+class Unfreezes(L.LightningModule):
+    """A frozen backbone, unfrozen at step 20 (after the window) by a callback: from then on a step's count
+    is another model's than the counting step's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 32), nn.ReLU()).requires_grad_(False)
+        self.head = nn.Linear(32, 4)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return F.mse_loss(self.head(self.backbone(batch[0])), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == 20:
+            self.backbone.requires_grad_(True)
+
+
+def test_a_model_changed_since_the_counting_step_is_not_checked_against_its_count(tmp_path: Path) -> None:
+    """Fake counts are tried where first wanted (here the meter's short batch at step 30): a backbone unfrozen
+    since the counting step makes that step's count another model's, so no count can check a fake one, as
+    said. It was compared anyway, and fake counts were off for the run as if they had counted wrong ("a fake
+    count of the counting step's batch did 7568 flops, its real count 4240")."""
+    batches = [list(range(4 * i, 4 * i + 4)) for i in range(40)]
+    batches[30] = batches[30][:2]  # after the window, after the unfreeze
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(160, 8, generator=generator), torch.randn(160, 4))
+    callback = FlopsProfilerCallback(profile_step=1, clean_steps=3, print_profile=False)
+    trainer = L.Trainer(callbacks=[callback], **lightning_settings(tmp_path, 40))
+    trainer.fit(Unfreezes(), torch.utils.data.DataLoader(data, batch_sampler=batches))
+    assert callback.result is not None and callback.session.off_clock.counts == 0  # none checked, none ran
+    assert callback.session.off_clock.why_not == (
+        "the model's parameters changed since the counting step: no count checks a fake"
+    )
