@@ -68,9 +68,15 @@ class _Sink:
     """Where the session's results go in Lightning: the Trainer's loggers (at Lightning's own logging
     step, :func:`_logging_step`, so that our points line up with the run's), its log dir, its console."""
 
-    def __init__(self, trainer: pl.Trainer) -> None:
+    def __init__(self, trainer: pl.Trainer, ended: bool = False) -> None:
         self.trainer = trainer
         self.is_logging_rank = trainer.is_global_zero
+        # at the run's end the counter has passed its last batch: Lightning logs its epoch-end metrics one
+        # back too, at the last batch's step (its fit loop's ``on_advance_end``)
+        self._back = int(ended)
+
+    def _step(self) -> int:
+        return max(_logging_step(self.trainer) - self._back, 0)
 
     def log_dir(self) -> str | None:
         return self.trainer.log_dir or self.trainer.default_root_dir
@@ -78,13 +84,13 @@ class _Sink:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         # Straight to the loggers: pl_module.log would re-emit a one-shot value at later steps.
         for logger in self.trainer.loggers:
-            logger.log_metrics(metrics, step=_logging_step(self.trainer))
+            logger.log_metrics(metrics, step=self._step())
             logger.save()
 
     def log_report(self, markdown: str | None, html: str | None, step: int) -> None:
         for logger in self.trainer.loggers:
             if isinstance(logger, TensorBoardLogger) and markdown is not None:
-                logger.experiment.add_text(names.REPORT, markdown, global_step=_logging_step(self.trainer))
+                logger.experiment.add_text(names.REPORT, markdown, global_step=self._step())
             elif isinstance(logger, WandbLogger) and html is not None:
                 import wandb
 
@@ -324,7 +330,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_step()
-        self.session.train_end(trainer.global_step, _Sink(trainer))
+        self.session.train_end(trainer.global_step, _Sink(trainer, ended=True))
         if self.session.result is not None and self._profiled_step is None:
             self._profiled_step = self.session.result.step
 

@@ -620,14 +620,20 @@ def test_a_run_ending_inside_the_window_warns_at_start_and_publishes_what_it_had
 ) -> None:
     callback, logger = quiet_callback(), CSVLogger(tmp_path)
     max_steps = FIRST_CLEAN  # counting and module timing only: no clean step
-    _, at_start, ours = fit_watching_warnings(tmp_path, MLP(), callback, max_steps=max_steps, logger=logger)
+    _, at_start, ours = fit_watching_warnings(
+        tmp_path, LoggingMLP(), callback, max_steps=max_steps, logger=logger, log_every_n_steps=1
+    )
     assert at_start == ours and len(ours) == 1
     assert f"the run has {max_steps} steps: the latencies will rest on 0 clean step(s)" in ours[0]
     result = callback.result
     assert result.steps.module_timing == MODULE_STEPS and result.steps.clean == ()
     assert result.steps.latency_source.startswith("the module timing step")
     assert result.published_at == max_steps  # at train end
-    values = logged_once(csv_metrics(logger), step=max_steps)
+    # at the run's last batch's own step, beside its train_loss (not one past it, where Lightning's
+    # counter stands at train end and no point of the run's is)
+    rows = csv_metrics(logger)
+    assert [int(row["step"]) for row in rows if row.get("train_loss")][-1] == max_steps - 1
+    values = logged_once(rows, step=max_steps - 1)
     assert (values[names.FWD_FLOPS], values[names.BWD_FLOPS]) == (fwd_flops(BATCH), bwd_flops(BATCH))
     report = (Path(logger.log_dir) / f"flops_profile_step{PROFILE_STEP}.txt").read_text()
     assert summary_value(report, "fwd / bwd / step latency from") == result.steps.latency_source
