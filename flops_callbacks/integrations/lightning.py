@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -19,6 +20,7 @@ try:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
     from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+    from lightning.pytorch.utilities.model_helpers import is_overridden
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 except ImportError as err:  # the core needs only torch; the Lightning callback is an extra
     raise ImportError(
@@ -153,6 +155,9 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     _guards: tuple[WrappedMethod, ...] = ()  # a window micro-batch's wrapped calls (strategy, autograd)
     _in_manual_backward = False  # between on_before_backward and on_after_backward
     _thread: int | None = None  # the thread of the window micro-batch (manual optimization)
+    _module_hook: WrappedMethod | None = (
+        None  # the module's own on_train_batch_start, wrapped till it returns
+    )
 
     def state_dict(self) -> dict[str, Any]:
         return {"profiled_step": self._profiled_step}
@@ -175,6 +180,32 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
 
     @override
     def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if is_overridden("on_train_batch_start", pl_module):
+            # the module's own hook comes after ours and may return -1: the epoch's rest is skipped, this
+            # batch never trains. The micro-batch starts once the hook has returned anything else.
+            around = partial(self._unless_skipped, trainer, pl_module, batch, batch_idx)
+            self._module_hook = WrappedMethod(pl_module, "on_train_batch_start", around)
+        else:
+            self._batch_start(trainer, pl_module, batch, batch_idx)
+
+    def _unless_skipped(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        hook: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+    ) -> Any:
+        response = hook(*args, **kwargs)
+        if not (isinstance(response, int) and response == -1):  # Lightning's own test: ``response == -1``
+            self._batch_start(trainer, pl_module, batch, batch_idx)
+        return response
+
+    def _batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         session = self.session
@@ -299,6 +330,8 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     def _end_step(self) -> None:
         self._unwrap()
         self._unguard()
+        if self._module_hook is not None:  # a fault between our hook and the module's left it wrapped
+            self._module_hook.remove()
         self._step_at_batch_start = None
         hooks, self._step_hooks = self._step_hooks, ()
         for handle in hooks:

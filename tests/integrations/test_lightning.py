@@ -953,6 +953,43 @@ def test_throughput_is_logged_at_every_logging_step_after_the_window_over_every_
         previous = step
 
 
+class ShortEpochsMLP(MLP):
+    """Skips each epoch's rest at its fourth batch, as Lightning's ``on_train_batch_start`` returning -1
+    does: three steps an epoch, and a batch at each epoch's end that never trains."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if batch_idx == 3 else None
+
+
+def test_a_batch_the_module_skips_with_minus_one_is_no_steps_and_no_intervals(tmp_path: Path) -> None:
+    # epochs of three steps: the window (counting step 2, module timing 3-5, check 6, clean 7-11) and the
+    # intervals after it cross an epoch's end every three steps, where a batch started and was skipped
+    clean, end = 5, 24
+    before, clock, logger = BatchEnds(), StepClock(), CSVLogger(tmp_path)
+    callback = quiet_callback(clean_steps=clean, flops_audit=0)
+    module = ShortEpochsMLP()
+    trainer = fit(
+        tmp_path, module, None, callbacks=[before, callback, clock], max_steps=end, log_every_n_steps=4,
+        logger=logger,
+    )  # fmt: skip
+    assert trainer.current_epoch == end // 3 and "on_train_batch_start" not in vars(module)
+    result = callback.result
+    assert result.steps == window_steps(PROFILE_STEP, clean, module_trace=result.steps.module_trace)
+    assert (result.samples, result.micro_batches) == (BATCH, 1)
+    counted = {PROFILE_STEP, *MODULE_STEPS, check_step(PROFILE_STEP)}
+    assert {step for step, hooks in clock.hooks.items() if hooks} == counted
+    rows = [row for row in csv_metrics(logger) if row.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
+    logged = {int(row["step"]) + 1: float(row[names.THROUGHPUT_SAMPLES_PER_SEC]) for row in rows}
+    previous = window_end(PROFILE_STEP, clean)
+    assert sorted(logged) == [s for s in range(4, end + 1, 4) if s > previous]
+    for step, rate in sorted(logged.items()):
+        samples = BATCH * (step - previous)  # the skipped batches' not among them
+        shortest = before.ended[step] - clock.ended[previous]
+        longest = clock.ended[step] - before.ended[previous]
+        assert samples / longest <= rate <= samples / shortest, step
+        previous = step
+
+
 class LoggingMLP(MLP):
     """The MLP logging its own loss each batch, as a user's module does (``self.log``)."""
 

@@ -314,6 +314,29 @@ def test_an_exception_in_a_window_step_reaches_the_caller_and_leaves_nothing(
     assert_a_clean_fit_counts_as_a_fresh_process(tmp_path / "clean", fresh_counts)
 
 
+class BatchHookMLP(FaultyMLP):
+    """With its own ``on_train_batch_start`` (Lightning calls it after every callback's): ours wraps it
+    for one call, so that a batch it skips with -1 starts nothing."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.fault.check("the module's on_train_batch_start")
+
+
+@pytest.mark.parametrize("point", ["on_train_batch_start", "the module's on_train_batch_start"])
+def test_a_fault_before_or_in_the_modules_own_batch_start_leaves_it_unwrapped(
+    tmp_path: Path, point: str
+) -> None:
+    fault = Fault(point, WINDOW_STEPS["counting"])  # a callback's after ours (the wrapper not called yet)
+    module, callback, injector = BatchHookMLP(fault), quiet_callback(), Injector(fault)
+    before = process_state(module)
+    with pytest.raises(RuntimeError) as raised:
+        fit(tmp_path, module, callback, [injector])
+    assert raised.value is fault.error and injector.seen is fault.error
+    assert "on_train_batch_start" not in vars(module)
+    assert_same_state(before, process_state(module))
+    assert not callback.session.window_open and callback.result is None
+
+
 class FailingCleanup(L.Callback):
     """Before ours in the list: its ``on_exception`` raises, and Lightning calls no later callback's."""
 
