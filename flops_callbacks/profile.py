@@ -11,6 +11,7 @@ once). Latencies are in seconds.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
@@ -266,8 +267,12 @@ class Profile:
         """
 
         def counts(entry: dict[str, Any], kind: type[Counts] = Counts) -> Any:
-            known = {f.name for f in fields(kind)}
-            return kind(**{k: v for k, v in entry.items() if k in known})
+            known = {f.name: f.type for f in fields(kind)}
+            found = {k: v for k, v in entry.items() if k in known}
+            for key, value in found.items():  # a count or a time as anything else would fail later, unnamed
+                if known[key] in ("int", "float") and (type(value) not in (int, float) or value != value):
+                    raise ValueError(f'a module\'s "{key}" is {json.dumps(value)}, expected a number')
+            return kind(**found)
 
         modules = {}
         for name, entry in data["modules"].items():

@@ -597,11 +597,24 @@ def test_diff_and_gate_name_each_difference_of_setup(runs: dict[str, Path], tmp_
     assert (done.returncode, done.stderr) == (0, f"flops-callbacks gate: note: {note}\n")
     assert json.loads(cli("gate", a, b, "--fail-on", "fwd_flops:+0%", "--json").stdout)["setup_note"] == note
 
-    def remeasured(data: dict) -> None:  # peak_flops="measure" again on the same device: 5% apart
+    # a peak given 5% apart is named too (MFU moves by the peaks' ratio, not by the run's speed); measured
+    # by each run, the note says so
+    def given(data: dict) -> None:
         data["peak"]["flops"] = 1.05e11
 
-    again = rewritten(runs["A2"], tmp_path, remeasured).source
-    assert "NOTE: the runs ran on" not in cli("diff", a, again).stdout
+    def measured(data: dict) -> None:
+        data["peak"]["source"] = "measured: fp32 dense matmul 512x512 on cpu, best of 5 in 0.4 s"
+
+    named = "the runs ran on different setups: peak FLOPS 100 GFLOPS -> 105 GFLOPS"
+    again = rewritten(runs["A2"], tmp_path, given).source
+    assert (
+        f"NOTE: {named} (MFU and HFU are over each run's own)." in cli("diff", a, again).stdout.splitlines()
+    )
+    a_measured = rewritten(runs["A"], tmp_path, measured).source
+    b_measured = rewritten(runs["A2"], tmp_path, lambda d: (given(d), measured(d))).source
+    done = cli("gate", a_measured, b_measured, "--fail-on", "fwd_flops:+0%")
+    note = f"{named} (each run measured its own: MFU and HFU are over each run's own)"
+    assert (done.returncode, done.stderr) == (0, f"flops-callbacks gate: note: {note}\n")
 
 
 def test_show_and_diff_exit_2_on_a_hand_damaged_file_naming_the_field(
@@ -611,6 +624,20 @@ def test_show_and_diff_exit_2_on_a_hand_damaged_file_naming_the_field(
         '"steps": "clean" is null, expected a list of step numbers': lambda d: d["steps"].update(clean=None),
         '"clean_each" is [], expected a list of each clean step\'s work and seconds (at least the one step a '
         "window with no clean step timed instead)": lambda d: d.update(clean_each=[]),
+        # a value of the wrong type or no number: named here, not a TypeError in the comparison (exit 1, as
+        # a regression) or a NaN that every rule passes
+        'a clean step\'s "seconds": "fwd" is null, expected a number': lambda d: d["clean_each"][0][
+            "seconds"
+        ].update(fwd=None),
+        'a clean step\'s "seconds": "bwd" is "0.01", expected a number': lambda d: d["clean_each"][-1][
+            "seconds"
+        ].update(bwd="0.01"),
+        'a module\'s "fwd_latency" is "x", expected a number': lambda d: d["profile"]["modules"][""].update(
+            fwd_latency="x"
+        ),
+        '"metrics": "flops_profiler/fwd_latency" is nan, expected a finite number': lambda d: d[
+            "metrics"
+        ].update({"flops_profiler/fwd_latency": float("nan")}),
     }
     for i, (why, damage) in enumerate(cases.items()):
         data, damaged = json.loads(runs["A"].read_text()), tmp_path / f"damaged{i}.json"

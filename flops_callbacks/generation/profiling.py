@@ -394,6 +394,7 @@ def profile_generation(
             f"model must have a generate() (a transformers model), got {type(model).__name__}; "
             "profile a loop of one's own with profile_decode_loop"
         )
+    model = _what_generate_calls(model)
     check_one_call_per_token(model, generate_kwargs)
     batch, prompt, padding = prompt_shape(generate_kwargs)
     loop = generate_loop(model, generate_kwargs)
@@ -410,3 +411,20 @@ def profile_generation(
         profile.result, batch_size=rows, padding_tokens=None if padding is None else padding * (rows // batch)
     )
     return GenerationProfile(result, profile.output)
+
+
+def _what_generate_calls(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``model.generate()`` calls: a ``torch.compile`` wrapper hands ``generate`` on to the
+    module it wraps, which calls itself, uncompiled (the wrapper's hooks never run): that module, said."""
+    inner = getattr(model, "_orig_mod", None)
+    if not isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or not isinstance(
+        inner, torch.nn.Module
+    ):
+        return model
+    warn(
+        "profile_generation: generate() on a torch.compile wrapper runs the wrapped model uncompiled "
+        "(transformers calls the model's own forward): it is profiled as it runs. To generate compiled, "
+        "compile the forward (model.forward = torch.compile(model.forward)) or set generate()'s "
+        "compile_config"
+    )
+    return inner

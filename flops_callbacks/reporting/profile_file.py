@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import statistics
 from dataclasses import dataclass
@@ -252,12 +253,24 @@ def from_json(data: Any, source: str = "<data>") -> SavedProfile:
         )
     try:
         metrics = {str(k): float(v) for k, v in data["metrics"].items()}
+        if wrong := [
+            (k, v) for k, v in metrics.items() if not math.isfinite(v)
+        ]:  # a comparison would pass it
+            raise ValueError(f'"metrics": "{wrong[0][0]}" is {wrong[0][1]}, expected a finite number')
         return SavedProfile(source, _result(data, metrics), metrics, _report(data.get("report")))
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         what = f"missing key {error}" if isinstance(error, KeyError) else str(error)
         raise ProfileFileError(
             f"{source}: a profile of schema version {version}, but malformed: {what}"
         ) from None
+
+
+def _seconds(seconds: dict[str, Any], name: str) -> float:
+    """A clean step's seconds of one phase, a number (else the comparison would fail on it, unnamed)."""
+    value = seconds[name]
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ValueError(f'a clean step\'s "seconds": "{name}" is {json.dumps(value)}, expected a number')
+    return float(value)
 
 
 def _report(found: Any) -> dict[str, int]:
@@ -308,7 +321,7 @@ def _result(data: dict[str, Any], metrics: dict[str, float]) -> WindowResult:
         )
     clean = CleanFigures(
         tuple(
-            CleanStep(_work(each["work"]), StepSeconds(*(each["seconds"][name] for name in SUMS)))
+            CleanStep(_work(each["work"]), StepSeconds(*(_seconds(each["seconds"], name) for name in SUMS)))
             for each in data["clean_each"]
         )
     )

@@ -37,7 +37,6 @@ def work_note(a: SavedProfile, b: SavedProfile) -> str | None:
     )
 
 
-_PEAK_WOBBLE = 0.1  # two peaks this close are one device's, measured twice (peak_flops="measure")
 # what a difference of setup does to the figures, where it is not plain
 _SETUP_EFFECT = {
     "data-parallel size": " (samples and tokens per second count every replica)",
@@ -47,17 +46,18 @@ _SETUP_EFFECT = {
 
 def setup_note(a: SavedProfile, b: SavedProfile) -> str | None:
     """What says the runs ran on different setups (world or data-parallel size, device type, compute dtype,
-    peak FLOPS: :meth:`~.profile_file.SavedProfile.setup`), each A's -> B's; None when they did not.
+    peak FLOPS: :meth:`~.profile_file.SavedProfile.setup`), each A's -> B's; None when they did not. Peaks
+    that differ are named however close: a given one was meant, a measured one moves MFU by its own ratio.
 
     Args:
         a: the first run.
         b: the second run.
     """
     sa, sb = a.setup(), b.setup()
-    peaks = [s.result.peak.flops for s in (a, b) if s.result.peak is not None]
-    if len(peaks) == 2 and abs(peaks[1] - peaks[0]) <= _PEAK_WOBBLE * peaks[0]:
-        sa.pop("peak FLOPS"), sb.pop("peak FLOPS")  # peak_flops="measure" from run to run: the same device
-    found = [f"{k} {sa[k]} -> {sb[k]}{_SETUP_EFFECT.get(k, '')}" for k in sa if k in sb and sa[k] != sb[k]]
+    effect = dict(_SETUP_EFFECT)
+    if all(s.result.peak is not None and s.result.peak.kind == "measured" for s in (a, b)):
+        effect["peak FLOPS"] = " (each run measured its own: MFU and HFU are over each run's own)"
+    found = [f"{k} {sa[k]} -> {sb[k]}{effect.get(k, '')}" for k in sa if k in sb and sa[k] != sb[k]]
     return f"the runs ran on different setups: {'; '.join(found)}" if found else None
 
 

@@ -379,6 +379,23 @@ def test_a_loop_of_ones_own_counts_what_generate_counts() -> None:
     assert profile.result.runs[0].tokens == NEW and len(profile.result.runs[0].token_gaps) == NEW - 1
 
 
+def test_a_compiled_wrappers_generate_is_the_wrapped_models_profiled_as_it_runs_and_said() -> None:
+    """``torch.compile(model).generate()`` runs the wrapped model's own calls, uncompiled: its hooks mark
+    them (the wrapper's never run), and a warning says how to generate compiled."""
+    generated, model = profiled("llama-gqa")
+    wrapper = torch.compile(model, backend="eager")
+    hooks = (dict(model._forward_pre_hooks), dict(model._forward_hooks), dict(wrapper._forward_pre_hooks))
+    with pytest.warns(UserWarning, match=r"generate\(\) on a torch.compile wrapper runs the wrapped model "):
+        profile = profile_generation(wrapper, **prompt(), max_new_tokens=NEW, **GREEDY, runs=1)
+    assert profile.result.work == generated.result.work  # the same steps, op for op
+    assert torch.equal(profile.output, generated.output)
+    assert (
+        dict(model._forward_pre_hooks),
+        dict(model._forward_hooks),
+        dict(wrapper._forward_pre_hooks),
+    ) == hooks
+
+
 def test_a_decode_step_before_the_prefill_is_refused() -> None:
     model = built("gpt2")
 
