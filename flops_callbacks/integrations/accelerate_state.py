@@ -99,8 +99,20 @@ def compute_dtype(args: Any, model: torch.nn.Module, accelerator: Any = None) ->
     mixed = str(getattr(accelerator, "mixed_precision", "no"))
     if mixed == "fp8":
         return FP8
+    if _autocasts_nothing(accelerator, mixed):
+        return parameters_dtype(model)
     if getattr(args, "bf16", False) or mixed == "bf16":
         return BF16
     if getattr(args, "fp16", False) or mixed == "fp16":
         return FP16
     return parameters_dtype(model)
+
+
+def _autocasts_nothing(accelerator: Any, mixed: str) -> bool:
+    """Whether accelerate, asked for fp16 or bf16, autocasts nothing: fp16 on a CPU (its ``native_amp``
+    off, with no error), where the matmuls run in the parameters' dtype. DeepSpeed and Megatron-LM cast
+    the model themselves, with ``native_amp`` off too."""
+    if accelerator is None or mixed not in ("fp16", "bf16") or getattr(accelerator, "native_amp", True):
+        return False
+    backend = str(getattr(accelerator, "distributed_type", ""))
+    return "DEEPSPEED" not in backend and "MEGATRON" not in backend

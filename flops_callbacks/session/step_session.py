@@ -195,7 +195,7 @@ class StepSession:
     def train_end(self, global_step: int, sink: Sink) -> None:
         """The run ended (on every rank): publish a window it cut short, or say that none ran."""
         self.instruments.stop(self.flops, self._step)  # a counted micro-batch's counts: the table
-        self._step = None
+        self._steps, self._step = [s for s in self._steps if s is not self._step], None  # cut: no step
         self._after_window(sink)
         self.job_meter.close()
         if self.plan.open:

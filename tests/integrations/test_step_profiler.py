@@ -162,6 +162,31 @@ def test_two_micro_batches_per_optimizer_step_report_the_flops_of_both() -> None
     model.zero_grad()
 
 
+def test_a_step_the_loops_end_cuts_between_its_micro_batches_is_no_clean_step() -> None:
+    """Data that runs out between a step's micro-batches: the optimizer step never runs, and at close()
+    that half step is none of the window's (it read as a clean step of half the samples and wall 0 s)."""
+    model = SleepyNet()
+    optimizer = SleepySGD(model.parameters(), STEP)
+    prof = StepProfiler(model, profile_step=PROFILE_STEP, clean_steps=CLEAN + 5, print_profile=False)
+    for i, x in enumerate(batches(2 * END + 1)):  # END full steps of two micro-batches, and one more
+        with prof.step(x):
+            model(x).sum().backward()
+            if i % 2 == 1:
+                optimizer.step()
+                optimizer.zero_grad()
+    prof.close()
+    result = prof.result
+    assert result is not None and prof.global_step == END
+    first_clean = END - CLEAN
+    assert result.steps.clean == tuple(range(first_clean, END)) and result.steps.skipped == ()
+    steps = result.figures().steps
+    assert [s.work.samples for s in steps] == [2 * BATCH] * CLEAN
+    assert all(s.seconds.wall >= 2 * FWD + 2 * BWD + STEP for s in steps)  # every step's own sleeps
+    metrics = prof.metrics
+    assert metrics[names.WALL_SAMPLES_PER_SEC] <= metrics[names.SAMPLES_PER_SEC]
+    assert metrics[names.ITER_LATENCY] >= 2 * FWD + 2 * BWD + STEP
+
+
 DATA = 0.02  # seconds the loader below waits for each micro-batch
 
 
@@ -332,7 +357,8 @@ def test_a_step_outside_the_block_is_said_once_and_stopiteration_in_a_block_ends
                 break
         prof.close()
     assert prof.global_step == END - 2 and prof.result is not None  # the window as far as it went
-    assert len(prof.result.steps.clean) == CLEAN - 1, prof.result.steps
+    # its clean steps that ran: the block whose next() ended the data stepped nothing, and is none of them
+    assert prof.result.steps.clean == (END - CLEAN,), prof.result.steps
 
 
 def test_a_ctrl_c_while_the_windows_end_measures_the_hooks_cost_leaves_no_hook(
@@ -602,6 +628,30 @@ def test_accelerate_loop_logs_through_accelerator_log_with_its_dtype_and_sizes(t
     found = scalars(tmp_path)
     assert found[names.FWD_LATENCY] == [(END, pytest.approx(prof.metrics[names.FWD_LATENCY]))]
     assert [step for step, _ in found["throughput/samples_per_sec"]] == [END + 1, END + 2]
+
+
+def test_accelerates_fp16_on_a_cpu_autocasts_nothing_and_is_its_parameters_dtype() -> None:
+    """``mixed_precision="fp16"`` on a CPU: accelerate turns its autocast off (``native_amp``), with no
+    error; the matmuls run in fp32, as the model's output says, and so does the profile (and a measured
+    peak is then fp32's, not fp16's)."""
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    prof = StepProfiler(model, accelerator=accelerator, **WINDOW)
+    dtypes = set()
+    for x in batches(STEPS):
+        with prof.step(x):
+            out = model(x)
+            dtypes.add(out.dtype)
+            accelerator.backward(out.sum())
+            optimizer.step()
+            optimizer.zero_grad()
+    prof.close()
+    assert dtypes == {torch.float32}
+    assert prof.result is not None and prof.result.compute_dtype == "fp32"
 
 
 def test_a_loop_that_goes_on_after_a_window_step_raised_drops_the_window_and_says_so() -> None:
