@@ -417,9 +417,8 @@ def _what_generate_calls(model: torch.nn.Module) -> torch.nn.Module:
     """The module ``model.generate()`` calls: a ``torch.compile`` wrapper hands ``generate`` on to the
     module it wraps, which calls itself, uncompiled (the wrapper's hooks never run): that module, said."""
     inner = getattr(model, "_orig_mod", None)
-    if not isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or not isinstance(
-        inner, torch.nn.Module
-    ):
+    compiled = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    if not compiled or not isinstance(inner, torch.nn.Module):
         return model
     warn(
         "profile_generation: generate() on a torch.compile wrapper runs the wrapped model uncompiled "

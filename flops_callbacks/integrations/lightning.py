@@ -155,9 +155,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     _guards: tuple[WrappedMethod, ...] = ()  # a window micro-batch's wrapped calls (strategy, autograd)
     _in_manual_backward = False  # between on_before_backward and on_after_backward
     _thread: int | None = None  # the thread of the window micro-batch (manual optimization)
-    _module_hook: WrappedMethod | None = (
-        None  # the module's own on_train_batch_start, wrapped till it returns
-    )
+    _module_hook: WrappedMethod | None = None  # the module's on_train_batch_start, wrapped till it returns
 
     def state_dict(self) -> dict[str, Any]:
         return {"profiled_step": self._profiled_step}

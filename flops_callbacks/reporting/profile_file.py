@@ -253,10 +253,9 @@ def from_json(data: Any, source: str = "<data>") -> SavedProfile:
         )
     try:
         metrics = {str(k): float(v) for k, v in data["metrics"].items()}
-        if wrong := [
-            (k, v) for k, v in metrics.items() if not math.isfinite(v)
-        ]:  # a comparison would pass it
-            raise ValueError(f'"metrics": "{wrong[0][0]}" is {wrong[0][1]}, expected a finite number')
+        for name, value in metrics.items():  # a NaN would pass every comparison
+            if not math.isfinite(value):
+                raise ValueError(f'"metrics": "{name}" is {value}, expected a finite number')
         return SavedProfile(source, _result(data, metrics), metrics, _report(data.get("report")))
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         what = f"missing key {error}" if isinstance(error, KeyError) else str(error)
