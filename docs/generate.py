@@ -15,7 +15,8 @@ A block between ``<!-- generated: NAME -->`` and ``<!-- /generated -->`` lines i
 
 A number between ``<!-- plan: NAME -->`` and ``<!-- /plan -->`` is the constant ``NAME`` of
 ``flops_callbacks/session/window_plan.py`` (the window's layout); ``BEFORE_CLEAN`` is the steps before the
-clean ones in one process. Importable without mkdocs (the tests read the same tables).
+clean ones in one process, ``CHECK_AFTER`` the steps from the counting step to the check in one process.
+Importable without mkdocs (the tests read the same tables).
 
     python docs/generate.py          # rewrite what is stale, name each file rewritten
     python docs/generate.py --check  # exit 1 naming each stale file, write nothing
@@ -251,6 +252,8 @@ def _plan(name: str) -> str:
 
     if name == "BEFORE_CLEAN":  # one process: the head and the check
         return str(window_plan.before_clean())
+    if name == "CHECK_AFTER":  # one process: the check comes right after the head
+        return str(len(window_plan.head()))
     if not hasattr(window_plan, name):
         raise ValueError(f"docs: flops_callbacks.session.window_plan has no {name} (the window's layout)")
     return str(getattr(window_plan, name))

@@ -141,7 +141,7 @@ BWD_FLOPS_PER_SEC = PREFIX + "bwd_flops_per_sec"  # the median step's model bwd 
 FLOPS_PER_SEC = PREFIX + "flops_per_sec"  # the median step's (fwd + bwd flops) / iter latency
 # the median step's (fwd + bwd + recompute flops) / iter latency
 HARDWARE_FLOPS_PER_SEC = PREFIX + "hardware_flops_per_sec"
-SAMPLES_PER_SEC = PREFIX + "samples_per_sec"  # the median step's samples per device x dp / iter latency
+SAMPLES_PER_SEC = PREFIX + "samples_per_sec"  # the median step's samples per device x dp size / iter latency
 # the median step's tokens per device x dp size / iter latency (if known)
 TOKENS_PER_SEC = PREFIX + "tokens_per_sec"
 MFU = PREFIX + "mfu"  # flops_per_sec / peak FLOPS (model flops: recompute excluded)

@@ -113,7 +113,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     ``Trainer(callbacks=[FlopsProfilerCallback(profile_step=10)])``. The window starts at the first
     optimizer step at or after ``trainer.global_step == profile_step`` (all its
     ``accumulate_grad_batches`` micro-batches, automatic or manual optimization); its steps are laid
-    out in the docs' "How counting and timing work" page. At its end rank 0 prints the summary through
+    out in the docs' "Counting and timing" page. At its end rank 0 prints the summary through
     the progress bar (or writes the report to ``output_file``), writes the report, a JSON, a picture and
     a trace as ``flops_profile_step{N}.*`` into ``trainer.log_dir``, and logs the ``flops_profiler/*``
     metrics (:mod:`flops_callbacks.metrics`) once, at that global step, to every logger. After the

@@ -89,7 +89,7 @@ class StepProfiler:
                 optimizer.step(); optimizer.zero_grad()
         prof.close()
 
-    The window (laid out in the docs' "How counting and timing work" page), the console summary, the
+    The window (laid out in the docs' "Counting and timing" page), the console summary, the
     files and the ``flops_profiler/*`` metrics are the callbacks' (:mod:`flops_callbacks.session.
     step_session`); after it, every ``log_every_n_steps`` optimizer steps, ``throughput/*``. Metrics go to
     ``log(metrics, step)`` and to ``accelerator.log`` / ``fabric.log_dict``, on the logging rank only.

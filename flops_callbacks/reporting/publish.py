@@ -76,10 +76,10 @@ def publish(
         report = full + "\n"
         files.append((Path(options.output_file), lambda: report))
     elif full is not None and (options.print_profile or options.output_file is not None):
-        # an output_file said to be unwritable at the start: the report comes to the console instead
+        # an output_file said to be unwritable at the start: its full report comes to the console instead
         with guard.own_work("printing the report", "the metrics are logged"):
             details = str(stem.with_suffix(".txt")) if to_log_dir and stem is not None else ""
-            sink.console(console_text(result, options, full, details))
+            sink.console(full if options.output_file else console_text(result, options, full, details))
     if to_log_dir and stem is not None:
         if full is not None:
             files.append((stem.with_suffix(".txt"), lambda: full + "\n"))

@@ -25,9 +25,9 @@ counting within ``AUDIT_COST`` of the run's time: the window's counting step aga
 tells what the first count costs, each audit's own time the next one's place. A shape the table can
 neither give nor predict (a model whose counts are no polynomial of its shapes, a batch size the window
 never saw) is counted under fake tensors with the interval's clock paused (:mod:`.off_clock`; its
-seconds logged as ``throughput/profiler_seconds``), where that runs; else it gets no flops until an
-audit counts it: an interval with one logs samples and tokens per second, not flops, and a warning says
-so once.
+seconds logged as ``throughput/profiler_seconds``), where that runs; else it is counted for real when
+it comes, in its interval, unless audits are off: then it gets no flops, an interval with one logs
+samples and tokens per second, not flops, and a warning says so once.
 
 Time is the wall time between logging steps, read after one device synchronize per logging interval
 (and one at each pause and resume), every step of the interval included, the slowest rank's; flops are
