@@ -387,13 +387,28 @@ def _replay(trainer: transformers.Trainer, inputs: Any, rest: tuple) -> Replay |
 
 
 class _TrainingStep:
-    """``trainer.training_step(model, inputs, num_items_in_batch)``, as a step function."""
+    """``trainer.training_step(model, inputs, num_items_in_batch)``, as a step function: ``self.log`` says
+    nothing of it (its values are fake; a log is written to the reporters and ``log_history`` at once)."""
 
     def __init__(self, trainer: transformers.Trainer) -> None:
         self.trainer = self.owner = trainer  # owner: its attributes kept (fake_count)
 
+    @property
+    def kept(self) -> list[Any]:
+        """What a ``compute_loss`` may change besides the model and the trainer, kept too (fake_count): the
+        trainer's state (a counter of one's own on ``self.state``) and control."""
+        return [self.trainer.state, self.trainer.control]
+
     def __call__(self, model: torch.nn.Module, args: tuple) -> Any:
-        return self.trainer.training_step(model, *args)
+        quiet = WrappedMethod(self.trainer, "log", _nothing, once=False)
+        try:
+            return self.trainer.training_step(model, *args)
+        finally:
+            quiet.remove()
+
+
+def _nothing(original: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    return None
 
 
 def _context(trainer: transformers.Trainer, args: Any, model: torch.nn.Module) -> TrainingContext:

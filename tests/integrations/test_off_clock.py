@@ -118,6 +118,42 @@ def test_a_grouped_length_run_counts_its_new_shapes_off_the_clock(tmp_path: Path
     assert tree == _offline(trainer, collator.batches[steps.module_trace])
 
 
+class LoggingTrainer(Trainer):
+    """A Trainer whose ``compute_loss`` logs each batch's length and counts its tokens on ``self.state``."""
+
+    def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, **kwargs: Any) -> Any:
+        self.log({"seq_len": float(inputs["input_ids"].shape[1])})
+        self.state.my_tokens = getattr(self.state, "my_tokens", 0) + int(inputs["attention_mask"].sum())
+        return super().compute_loss(model, inputs, return_outputs, **kwargs)
+
+
+def test_a_replay_of_a_compute_loss_that_logs_and_counts_on_the_state_logs_and_counts_as_unprofiled(
+    tmp_path: Path,
+) -> None:
+    """The fake counts run the Trainer's ``training_step`` again on each new length: its ``self.log`` says
+    nothing (a log is written to the reporters and ``log_history`` at once: the fake lengths showed as
+    points) and what it adds to ``self.state`` is put back."""
+    runs = {}
+    for profiled in (False, True):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(profiled)), use_cpu=True, max_steps=24,
+            per_device_train_batch_size=4, logging_steps=1, save_strategy="no", report_to=[],
+            disable_tqdm=True, seed=0, train_sampling_strategy="group_by_length",
+        )  # fmt: skip
+        callback = HFFlopsCallback(profile_step=3, print_profile=False)
+        trainer = LoggingTrainer(
+            _gpt2(), args, train_dataset=Lengths(200), data_collator=PadToLongest(),
+            callbacks=[callback] if profiled else [],
+        )  # fmt: skip
+        trainer.train()
+        logged = [(e["step"], e["seq_len"]) for e in trainer.state.log_history if "seq_len" in e]
+        runs[profiled] = (logged, trainer.state.my_tokens, callback.session.result)
+    result = runs[True][2]
+    assert result is not None and result.steps.shapes > 1  # new lengths counted off the clock
+    assert result.steps.shape_counting == (check_step(3),) and result.steps.skipped == ()
+    assert runs[True][:2] == runs[False][:2] and len(runs[False][0]) == 24
+
+
 VOCAB_L, WIDTH, BRANCH = 50, 16, 48  # the model's extra block runs on sequences longer than BRANCH
 
 
