@@ -80,8 +80,9 @@ class RunPlan:
                 else f"past profile_step={profile_step}"
             )
             warn(
-                f"{owner}: resumed at step {self.global_step}, {before}: no profile runs in this run. "
-                "Set profile_step >= the step you resume from, or profile_every, to profile again.",
+                f"{owner}: resumed at step {self.global_step}, {before}: no profile runs in this run, and no "
+                "throughput/* (it meters with a window's counts). Set profile_step >= the step you resume "
+                "from, or profile_every, to profile again.",
             )
         elif self.unreachable and max_steps is not None:
             warn(

@@ -796,8 +796,9 @@ def test_resume_past_an_unprofiled_profile_step_warns_at_train_start(tmp_path: P
         tmp_path, MLP(), callback, max_steps=5, ckpt_path=tmp_path / "step3.ckpt"
     )
     expected = (
-        f"{OURS}: resumed at step 3, past profile_step={PROFILE_STEP}: no profile runs in this run. "
-        "Set profile_step >= the step you resume from, or profile_every, to profile again."
+        f"{OURS}: resumed at step 3, past profile_step={PROFILE_STEP}: no profile runs in this run, and no "
+        "throughput/* (it meters with a window's counts). Set profile_step >= the step you resume from, or "
+        "profile_every, to profile again."
     )
     assert at_start == ours == [expected]
     assert trainer.global_step == 5 and callback.result is None
