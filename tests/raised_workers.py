@@ -7,11 +7,15 @@ With ``go_on STEP``, rank 1 raises after its backward at window step STEP and th
 error (a batch skipped): every rank writes ``rank{r}.json`` (its steps, the profiler's warnings, the
 window's result, the hooks left, its seconds).
 
+With ``after_step STEP``, rank 1 raises after its optimizer step at STEP, past the window, and its loop
+goes on: every rank writes ``rank{r}.json`` (its steps, the steps it logged ``throughput/*`` at, its
+seconds).
+
 With ``uneven``, rank 1's loop ends at window step ``RAISES_AT`` (uneven inputs under DDP's ``join()``)
 and it closes its profiler inside the ``join()`` while rank 0 goes on to 24 steps: every rank writes
 ``rank{r}.json`` as with ``go_on``.
 
-``python raised_workers.py DIR [go_on STEP | uneven]``
+``python raised_workers.py DIR [go_on STEP | after_step STEP | uneven]``
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from tests.support import comm_steps, end_process  # noqa: E402
 
 PROFILE_STEP = 2
 RAISES_AT = comm_steps(PROFILE_STEP)[0]  # a communication step: every rank's window is open
+THROUGHPUT = "throughput/samples_per_sec"
 
 
 def ddp_loop() -> tuple[int, nn.Module, torch.optim.Optimizer, StepProfiler]:
@@ -95,6 +100,38 @@ def going_on(directory: Path, raises_at: int) -> None:
     end_process()  # a gloo job left to the interpreter's teardown aborts now and then
 
 
+def after_step(directory: Path, raises_at: int) -> None:
+    """Rank 1 raises after its optimizer step at ``raises_at``, past the window, and its loop goes on: the
+    step ran, and counts on every rank alike (their ``throughput/*`` exchanges at the same steps)."""
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    logged: list[int] = []
+    prof = StepProfiler(
+        model, profile_step=PROFILE_STEP, clean_steps=3, comm_steps=3, print_profile=False,
+        log_every_n_steps=4, log=lambda metrics, step: logged.append(step) if THROUGHPUT in metrics else None,
+    )  # fmt: skip
+    start = time.perf_counter()
+    try:
+        for step in range(24):
+            try:
+                with prof.step(torch.ones(8, 16)):
+                    model(torch.ones(8, 16)).sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    if rank == 1 and step == raises_at:
+                        raise ValueError("rank 1's own error")
+            except ValueError:
+                pass
+    finally:
+        prof.close()
+    ran = {"steps": prof.global_step, "logged": logged, "result": prof.result is not None}
+    (directory / f"rank{rank}.json").write_text(json.dumps({**ran, "seconds": time.perf_counter() - start}))
+    end_process()
+
+
 def uneven(directory: Path) -> None:
     import warnings
 
@@ -124,5 +161,7 @@ if __name__ == "__main__":
         uneven(Path(sys.argv[1]))
     elif sys.argv[2:3] == ["go_on"]:
         going_on(Path(sys.argv[1]), int(sys.argv[3]))
+    elif sys.argv[2:3] == ["after_step"]:
+        after_step(Path(sys.argv[1]), int(sys.argv[3]))
     else:
         main(Path(sys.argv[1]))

@@ -77,8 +77,9 @@ def held_back(latencies: list[list[float]], metrics: dict[str, float]) -> list[f
 def run_bounded(
     args: list[str], timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run ``args`` in a session of its own; past ``timeout`` seconds kill its whole process group (the
-    processes it launched too) and fail: a hang fails the test instead of stalling the suite."""
+    """Run ``args`` in a session of its own; past ``timeout`` seconds kill its whole process group and
+    every process under it (torchrun starts its workers in sessions of their own, out of the group's reach)
+    and fail: a hang fails the test instead of stalling the suite."""
     process = subprocess.Popen(
         args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
@@ -86,13 +87,32 @@ def run_bounded(
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        _kill_all(process.pid)
         out, err = process.communicate()
         raise AssertionError(f"hung: killed after {timeout} s: {' '.join(args)}\n{err[-3000:]}") from None
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            _kill_all(process.pid)
     return subprocess.CompletedProcess(args, process.returncode, out, err)
+
+
+def _kill_all(pid: int) -> None:
+    """SIGKILL to ``pid``'s process group and to every process under it, found in ``/proc`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    under, todo = [], [pid]
+    while todo:
+        found = children.get(todo.pop(), [])
+        under += found
+        todo += found
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in under:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
 
 
 @contextlib.contextmanager

@@ -343,6 +343,8 @@ class _Iteration:
         self.remove_hooks()
         if error is not None and not isinstance(error, StopIteration):
             self.profiler._abandon_iteration()
+            if self.stepped and self.optimizer_step is not False:  # after the optimizer's step: the step ran
+                self.profiler._end(True)  # and ends here, as on every other rank (its end vote, its log)
             return  # the exception passes unchanged
         # StopIteration: the loop's data ran out in the block (``next(it)`` inside it): a block that ran no
         # step, and the window what it has (``close()`` publishes it); the exception passes unchanged

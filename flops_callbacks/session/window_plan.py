@@ -372,7 +372,7 @@ class WindowPlan:
         count, a check or the content's rhythm if any rank's batch asks, the end only when every rank
         is done. ``ended``: the vote at a window step's end (else a micro-batch's); it is marked on the
         steps' clock (:attr:`marks`)."""
-        clock = self.clock
+        clock, self.owed = self.clock, self.owed and not ended  # an end vote cast is owed no more
         if ended and self.kind == Kind.COMMUNICATION and self.marks:  # its figures count the rank's waits
             wish = wish._replace(votes=tuple(v.seconds for v in vote_seconds(self.marks[-1:])[0]))
         start = clock.mark()

@@ -59,6 +59,7 @@ from tests.support import (
     held_back,
     laid_out,
     module_steps,
+    run_bounded,
     window_end,
     window_steps,
 )
@@ -1056,25 +1057,11 @@ def test_profile_step_beyond_the_run_warns_once_at_train_start(tmp_path: Path) -
 
 
 def test_ddp_two_processes_report_data_parallel_size_from_world_process_zero(tmp_path: Path) -> None:
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            __file__,
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        # the worker runs this file as __main__: the checkout on the path makes `tests` importable
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
-        },
-    )
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    # the worker runs this file as __main__: the checkout on the path makes `tests` importable
+    path = os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    run = run_bounded([*launcher, __file__, str(tmp_path)], timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count(f"Profile Summary at step {PROFILE_STEP}") == 1  # world process zero only
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

@@ -1297,9 +1297,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_this_file(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """This file as a script (its workers at the end), with the repository importable."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    return run_bounded([sys.executable, __file__, *args], timeout=timeout, env=env)  # DDP's processes too
 
 
 def progress_bar_worker(directory: Path, bar: str) -> None:

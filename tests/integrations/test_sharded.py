@@ -32,6 +32,7 @@ from flops_callbacks import metrics as names
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.parallel import ParallelSizes, global_numel, sharded_params, stored_numel
 from flops_callbacks.units import params_to_string
+from tests.support import run_bounded
 
 WORKERS = Path(__file__).parents[1] / "sharded_workers.py"
 DEEPSPEED_ENV = {"DS_ACCELERATOR": "cpu"}  # DeepSpeed's CPU accelerator, whatever else is installed
@@ -83,9 +84,7 @@ def whole(model: torch.nn.Module) -> int:
 
 
 def run_workers(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    run = subprocess.run(
-        command, capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})}
-    )
+    run = run_bounded(command, timeout=240, env={**os.environ, **(env or {})})  # torchrun's workers too
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return run
 

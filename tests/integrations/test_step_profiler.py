@@ -736,6 +736,34 @@ def test_a_rank_that_raised_in_a_window_step_and_went_on_drops_the_window_with_t
     assert max(r["seconds"] for r in ranks) < 60
 
 
+@pytest.mark.parametrize("at", ["window", "after"])
+def test_a_rank_that_raised_after_its_optimizer_step_and_went_on_counts_the_step_as_the_other(
+    tmp_path: Path, at: str
+) -> None:
+    """Two ranks under torchrun; rank 1 raises after its optimizer step and its loop goes on. The step
+    ran: it counts on rank 1 too, so both ranks exchange ``throughput/*`` at the same steps (rank 1 one
+    behind waited in DDP's all-reduce while rank 0 waited in the exchange, for the ranks' 300 s timeout).
+    In a window step, its end vote is cast there, and both drop the window at once."""
+    import os
+    import sys
+
+    from tests.support import module_steps, run_bounded
+
+    step = module_steps(2)[0] if at == "window" else 17  # the window ends at step 13 (3 communication steps)
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(root / "tests" / "raised_workers.py"), str(tmp_path), "after_step", str(step)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = run_bounded(command, timeout=150, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["steps"] for r in ranks] == [24, 24]
+    # the logging rank's throughput/*, at the logging steps every rank reached (a dropped window: none)
+    assert [r["logged"] for r in ranks] == [[16, 20, 24] if at == "after" else [], []]
+    assert [r["result"] for r in ranks] == [at == "after"] * 2
+    assert max(r["seconds"] for r in ranks) < 60
+
+
 def test_a_rank_whose_loop_ends_inside_the_window_under_join_drops_it_with_the_other_at_once(
     tmp_path: Path,
 ) -> None:
