@@ -77,8 +77,11 @@ def _steps_words(comm: CommFigures) -> str:
     )
 
 
-def comm_lines(comm: CommFigures | None, metrics: dict[str, float]) -> list[tuple[str, str]]:
-    """The full report's rows of the median communication step ([] where none ran)."""
+def comm_lines(
+    comm: CommFigures | None, metrics: dict[str, float], waiting_for: str = ""
+) -> list[tuple[str, str]]:
+    """The full report's rows of the median communication step ([] where none ran); ``waiting_for``: the
+    slow rank the exposed time waits for, as the summary says it (:func:`beyond_compute`)."""
     if comm is None or names.COMM_LATENCY not in metrics:
         return []
     timeline = "a GPU's kernels" if comm.device else "gloo's work and the host's ops"
@@ -108,7 +111,7 @@ def comm_lines(comm: CommFigures | None, metrics: dict[str, float]) -> list[tupl
         seconds = f"{duration_to_string(row.seconds[0])} .. {duration_to_string(row.seconds[1])}"
         label = f"  {row.op}: calls, bytes, time and bus bandwidth (ranks' min .. max)"
         lines.append((label, f"{row.calls}, {size}, {seconds}, {bus}"))
-    lines.append(("beyond compute, the step spends most on", beyond_compute(comm)))
+    lines.append(("beyond compute, the step spends most on", beyond_compute(comm, waiting_for)))
     return lines
 
 
@@ -124,8 +127,9 @@ def comm_console_row(comm: CommFigures) -> str:
     )
 
 
-def comm_data(comm: CommFigures | None) -> dict[str, Any] | None:
-    """The communication step as JSON-ready data (seconds, bytes, bytes/s)."""
+def comm_data(comm: CommFigures | None, waiting_for: str = "") -> dict[str, Any] | None:
+    """The communication step as JSON-ready data (seconds, bytes, bytes/s); its verdict as
+    :func:`comm_lines` says it."""
     if comm is None:
         return None
 
@@ -156,7 +160,7 @@ def comm_data(comm: CommFigures | None) -> dict[str, Any] | None:
             }
             for row in comm.collectives
         ],
-        "verdict": beyond_compute(comm),
+        "verdict": beyond_compute(comm, waiting_for),
     }
 
 

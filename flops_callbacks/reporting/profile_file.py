@@ -22,7 +22,7 @@ from typing import Any
 
 from flops_callbacks import metrics as names
 from flops_callbacks.communication.report import comm_data, comm_from_data
-from flops_callbacks.communication.slow_rank_report import slow_rank_data, slow_rank_from_data
+from flops_callbacks.communication.slow_rank_report import slow_rank_data, slow_rank_from_data, waited_for
 from flops_callbacks.options import Options, check_report_args
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
@@ -167,7 +167,7 @@ def json_data(result: WindowResult, report: dict[str, int] | None = None) -> dic
     if report is not None:
         data["report"] = report
     if result.comm is not None:  # the median communication step's split (several ranks)
-        data["communication"] = comm_data(result.comm)
+        data["communication"] = comm_data(result.comm, waited_for(result.slow_rank, result.comm.step.exposed))
     if result.slow_rank is not None:  # the rank the others wait for, or none (several ranks)
         data["slow_rank"] = slow_rank_data(result.slow_rank)
     return data

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from flops_callbacks import metrics as names
 from flops_callbacks.communication.report import comm_lines
-from flops_callbacks.communication.slow_rank_report import slow_rank_lines
+from flops_callbacks.communication.slow_rank_report import slow_rank_lines, waited_for
 from flops_callbacks.options import Options
 from flops_callbacks.phase_names import STEP_PHASES
 from flops_callbacks.reporting.energy_rows import energy_lines
@@ -321,7 +321,8 @@ def timing_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
     lines += layout_lines(result)
     lines += [*wall_lines(metrics), *spread_lines(result), *model_forward_lines(result)]
     lines += device_busy_lines(result, metrics)
-    lines += comm_lines(result.comm, metrics)
+    waits = waited_for(result.slow_rank, result.comm.step.exposed) if result.comm is not None else ""
+    lines += comm_lines(result.comm, metrics, waits)  # the summary's words: the rank waited for
     lines += slow_rank_lines(result.slow_rank)
     if len(result.rank_latencies) > 1:
         iters = [sum(latencies) for latencies in result.rank_latencies]

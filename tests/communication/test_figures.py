@@ -299,6 +299,28 @@ def test_exposed_time_most_of_which_the_ranks_wait_for_a_slow_rank_is_said_as_th
     assert waited_for(slow, 60e-3) == "" and waited_for(None, 3e-3) == ""
 
 
+def test_the_full_report_and_the_json_say_the_wait_for_the_slow_rank_as_the_summary_does():
+    """The window's verdict on its exposed time is one sentence wherever it is read: the summary's
+    "beyond compute" words, the full report's row and the JSON's ``verdict`` (they said the all-reduce)."""
+    import dataclasses
+
+    from flops_callbacks.options import Options
+    from flops_callbacks.reporting.console_summary import render_console_summary
+    from flops_callbacks.reporting.profile_file import json_data
+    from flops_callbacks.reporting.tree_check import TreeCheck
+    from flops_callbacks.reporting.window_rows import report_text
+    from tests.communication.test_slow_rank import found_slow
+    from tests.reporting.test_console_summary import window
+
+    figures = comm_figures([rank(2, 0.004), rank(4, 0.002)], None, (5, 6, 7), 7, iter_seconds=0.011)
+    result = dataclasses.replace(window(), comm=figures, slow_rank=found_slow())
+    said = "mostly waiting for rank 1's fwd (+20 ms a step: slow rank)"
+    assert said in render_console_summary(result, TreeCheck(), "")
+    (row,) = [line for line in report_text(result, Options(), True).splitlines() if "spends most on" in line]
+    assert row.endswith(f"exposed communication: 3 ms (30% of the step), {said}")
+    assert json_data(result)["communication"]["verdict"].endswith(said)
+
+
 def test_no_rank_with_a_split_is_no_figures():
     assert comm_figures([None, None], None, (5, 6, 7), 7, 0.01) is None
 
