@@ -293,7 +293,9 @@ def find_slow_rank(ranks: Sequence[RankTimes], unsharded: bool = True) -> SlowRa
     floor = max(FLOOR_SHARE * step, MIN_EXTRA)
     candidates = _candidates(samples, told, floor)
     found = _named(candidates, ranks, comm)
-    if found is None and comm:  # no rank's own work: a rank's own communication, where others wait for it
+    # no rank's own work beyond the noise: a rank's own communication, where the others wait for it (where
+    # own work stands out unwaited, as two ranks slow in different parts lined up by the votes, it is not)
+    if comm and not any(c.extra > c.threshold for c in candidates):
         more = _candidates(samples, (COMMUNICATION,), floor)
         candidates, told, found = candidates + more, (*told, COMMUNICATION), _named(more, ranks, comm)
     if not candidates:

@@ -293,6 +293,26 @@ def test_the_docs_console_line_is_the_ones_the_console_prints() -> None:
     assert f"\nslow rank     {slow_rank_text(ran)}\n" in page
 
 
+def test_two_ranks_slow_in_different_parts_are_not_one_ranks_own_communication() -> None:
+    """Rank 0 30 ms slow in its forward, rank 1 30 ms slow in its data: the vote before the forward lines
+    them up (rank 0 waits there for rank 1's data), and rank 1 then waits 30 ms in the all-reduce for rank
+    0's forward. Its exposed time is that wait, not its own communication: own work stands out on both
+    ranks, so no rank's communication is named (it was, as the slow rank's)."""
+    ranks = [
+        rank(
+            [1.0, 1.1, 0.9], [30.2] * 3, [33.0] * 3, [6.0] * 3,
+            [comm_step(33.0, 6.0, e) for e in (2.0, 2.1, 1.9)],
+        ),
+        rank(
+            [31.0, 31.1, 30.9], [0.2] * 3, [3.0] * 3, [36.0] * 3,
+            [comm_step(3.0, 36.0, e) for e in (32.0, 32.1, 31.9)],
+        ),
+    ]  # fmt: skip
+    found = find_slow_rank(ranks)
+    assert found is not None and found.part != "communication" and not found.stands_out
+    assert slow_rank_text(found).startswith("none stands out")
+
+
 def test_a_rank_whose_own_communication_is_slow_is_named_where_the_others_wait_for_it_in_the_votes() -> None:
     """Rank 1's collectives take 10 ms more on their own (its compute as rank 0's), and rank 0 waits for it
     in the profiler's vote at the next step's start: 10.2 against 0.2 ms."""
