@@ -32,7 +32,7 @@ except ImportError as err:  # the core needs only torch; the HF callback is an e
 from flops_callbacks import metrics as names
 from flops_callbacks.integrations.accelerate_state import compute_dtype, parallel_sizes
 from flops_callbacks.integrations.callback_base import SessionCallback, input_ids_tokens
-from flops_callbacks.integrations.wrapped_method import WrappedMethod
+from flops_callbacks.integrations.wrapped_method import WrappedMethod, silenced
 from flops_callbacks.metrics import FWD_FLOPS
 from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
 from flops_callbacks.profile import Profile
@@ -400,15 +400,11 @@ class _TrainingStep:
         return [self.trainer.state, self.trainer.control]
 
     def __call__(self, model: torch.nn.Module, args: tuple) -> Any:
-        quiet = WrappedMethod(self.trainer, "log", _nothing, once=False)
+        quiet = WrappedMethod(self.trainer, "log", silenced, once=False)
         try:
             return self.trainer.training_step(model, *args)
         finally:
             quiet.remove()
-
-
-def _nothing(original: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-    return None
 
 
 def _context(trainer: transformers.Trainer, args: Any, model: torch.nn.Module) -> TrainingContext:

@@ -31,7 +31,7 @@ except ImportError as err:  # the core needs only torch; the Lightning callback 
 from flops_callbacks import metrics as names
 from flops_callbacks.integrations.callback_base import SessionCallback
 from flops_callbacks.integrations.strategy_state import precision_dtype, strategy_sizes
-from flops_callbacks.integrations.wrapped_method import WrappedMethod
+from flops_callbacks.integrations.wrapped_method import WrappedMethod, silenced
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
 from flops_callbacks.session.adapter_api import TrainingContext
@@ -407,7 +407,7 @@ class _TrainingStep:
         module = cast(pl.LightningModule, model)
         if not is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2):
             args = args[:1]
-        quiet = [WrappedMethod(module, name, _nothing, once=False) for name in ("log", "log_dict")]
+        quiet = [WrappedMethod(module, name, silenced, once=False) for name in ("log", "log_dict")]
         try:
             with self.trainer.precision_plugin.train_step_context():
                 out = module.training_step(*args)
@@ -422,7 +422,3 @@ class _TrainingStep:
 def _within(scheduler: Any) -> list[Any]:
     """A scheduler and those it steps (``SequentialLR``'s and ``ChainedScheduler``'s ``_schedulers``)."""
     return [scheduler, *(s for inner in getattr(scheduler, "_schedulers", ()) for s in _within(inner))]
-
-
-def _nothing(original: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-    return None

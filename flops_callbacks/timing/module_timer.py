@@ -317,7 +317,7 @@ class ModuleTimer:
             for i, span in enumerate(fwd_spans)
             if span[5] and not (i in parent and fwd_spans[parent[i]][5])
         ]
-        for span, duration in zip(self._fwd_spans, durations, strict=True):
+        for span, duration in zip(fwd_spans, durations, strict=True):
             name, start, started, _, _, is_recompute = span
             table = recompute if is_recompute else fwd
             table[name] = table.get(name, 0.0) + duration

@@ -7,6 +7,9 @@ two accumulated micro-batches against torch's FlopCounterMode, and nothing left 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -22,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from flops_callbacks import StepProfiler
 from flops_callbacks import metrics as names
 from tests.sleepy import SleepInBackward, Sleepy, SleepySGD
-from tests.support import leftovers, window_end
+from tests.support import leftovers, run_bounded, window_end
 
 FWD, BWD, STEP = 0.03, 0.02, 0.01  # seconds slept by the forward, the backward, the optimizer step
 LOSS_FWD, LOSS_BWD = 0.015, 0.025  # seconds slept by a loss computed outside the model, and its backward
@@ -367,8 +370,6 @@ def test_a_ctrl_c_while_the_windows_end_measures_the_hooks_cost_leaves_no_hook(
     """The window's end times a probe module with the module timer's global hooks on and off; a
     KeyboardInterrupt at the entry of the probe's stop() (where one lands: a call's first bytecode) left
     the hooks on for the rest of the process. The session's close removes them."""
-    import sys
-
     from torch.nn.modules import module as torch_module
 
     from flops_callbacks.timing import module_timer
@@ -683,22 +684,26 @@ def test_a_loop_that_goes_on_after_a_window_step_raised_drops_the_window_and_say
     assert prof.result is None and leftovers(model, optimizer) == before
 
 
+def raised_workers(directory: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """tests/raised_workers.py on two ranks under torchrun (bounded: a hang fails the test)."""
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(root / "tests" / "raised_workers.py"), str(directory), *args]  # fmt: skip
+    return run_bounded(command, timeout=timeout, env={**os.environ, "PYTHONPATH": str(root)})
+
+
+def ranks_written(directory: Path) -> list[dict[str, Any]]:
+    """Each rank's ``rank{r}.json`` from tests/raised_workers.py."""
+    return [json.loads((directory / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 def test_a_rank_whose_block_raised_closes_at_once_while_the_other_waits_in_the_steps_all_reduce(
     tmp_path: Path,
 ) -> None:
     """Two ranks under torchrun, ``prof.close()`` in a ``finally``: rank 1 raises in a window step while
     rank 0 waits in its all-reduce. Rank 1's close exchanges nothing (rank 0 never would), so its error
     ends the job at once, not after the ranks' 300 s timeout."""
-    import os
-    import sys
-
-    from tests.support import run_bounded
-
-    root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(root / "tests" / "raised_workers.py"), str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    done = run_bounded(command, timeout=150, env=env)
+    done = raised_workers(tmp_path, timeout=150)
     assert done.returncode != 0 and "ValueError: rank 1's own error" in done.stderr
     closed = json.loads((tmp_path / "rank1.json").read_text())
     assert closed["close_seconds"] < 10, closed
@@ -712,19 +717,12 @@ def test_a_rank_that_raised_in_a_window_step_and_went_on_drops_the_window_with_t
     (a batch skipped). Rank 0 waits in the step's end vote, which rank 1 skipped: rank 1 casts it at its
     next step's start, so both drop the window there, at once (not after the ranks' 300 s timeout; nor
     a gloo abort from two votes of different lengths), and train to the end."""
-    import os
-    import sys
-
-    from tests.support import comm_steps, module_steps, run_bounded
+    from tests.support import comm_steps, module_steps
 
     step = module_steps(2)[0] if kind == "module timing" else comm_steps(2)[0]
-    root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(root / "tests" / "raised_workers.py"), str(tmp_path), "go_on", str(step)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    done = run_bounded(command, timeout=200, env=env)
+    done = raised_workers(tmp_path, "go_on", str(step), timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = ranks_written(tmp_path)
     assert [r["steps"] for r in ranks] == [24, 23]
     assert ranks[0]["said"] == [
         "StepProfiler: a window step raised on rank 1 (the exception your loop went on after); the profile "
@@ -744,19 +742,12 @@ def test_a_rank_that_raised_after_its_optimizer_step_and_went_on_counts_the_step
     ran: it counts on rank 1 too, so both ranks exchange ``throughput/*`` at the same steps (rank 1 one
     behind waited in DDP's all-reduce while rank 0 waited in the exchange, for the ranks' 300 s timeout).
     In a window step, its end vote is cast there, and both drop the window at once."""
-    import os
-    import sys
-
-    from tests.support import module_steps, run_bounded
+    from tests.support import module_steps
 
     step = module_steps(2)[0] if at == "window" else 17  # the window ends at step 13 (3 communication steps)
-    root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(root / "tests" / "raised_workers.py"), str(tmp_path), "after_step", str(step)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    done = run_bounded(command, timeout=150, env=env)
+    done = raised_workers(tmp_path, "after_step", str(step), timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = ranks_written(tmp_path)
     assert [r["steps"] for r in ranks] == [24, 24]
     # the logging rank's throughput/*, at the logging steps every rank reached (a dropped window: none)
     assert [r["logged"] for r in ranks] == [[16, 20, 24] if at == "after" else [], []]
@@ -771,19 +762,11 @@ def test_a_rank_whose_loop_ends_inside_the_window_under_join_drops_it_with_the_o
     profiler there, inside the ``join()``, while rank 0 votes in its next window step. The close's
     exchange meets that vote in one collective of one size: both ranks drop the window at once and rank 0
     trains to its end (rank 1's close was a gloo size mismatch that aborted it, and the job with it)."""
-    import os
-    import sys
-
     from tests.raised_workers import RAISES_AT
-    from tests.support import run_bounded
 
-    root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(root / "tests" / "raised_workers.py"), str(tmp_path), "uneven"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    done = run_bounded(command, timeout=200, env=env)
+    done = raised_workers(tmp_path, "uneven", timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = ranks_written(tmp_path)
     assert [r["steps"] for r in ranks] == [24, RAISES_AT]
     assert ranks[0]["said"][0].startswith(
         "StepProfiler: the ranks' vote failed (the ranks reached different points (rank 0 at a vote, rank 1 "
