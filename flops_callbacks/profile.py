@@ -12,13 +12,20 @@ once). Latencies are in seconds.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from flops_callbacks.module_tree import parent_in
 
-__all__ = ["Counts", "Coverage", "ModuleProfile", "Profile", "UncountedOp"]
+__all__ = ["Counts", "Coverage", "ModuleProfile", "Profile", "UncountedOp", "is_number"]
+
+
+def is_number(value: object) -> bool:
+    """A figure read back from a profile file is a finite int or float (a string would fail later, unnamed;
+    a NaN would pass every comparison)."""
+    return type(value) in (int, float) and math.isfinite(value)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -270,7 +277,7 @@ class Profile:
             known = {f.name: f.type for f in fields(kind)}
             found = {k: v for k, v in entry.items() if k in known}
             for key, value in found.items():  # a count or a time as anything else would fail later, unnamed
-                if known[key] in ("int", "float") and (type(value) not in (int, float) or value != value):
+                if known[key] in ("int", "float") and not is_number(value):
                     raise ValueError(f'a module\'s "{key}" is {json.dumps(value)}, expected a number')
             return kind(**found)
 

@@ -26,7 +26,7 @@ from flops_callbacks.communication.slow_rank_report import slow_rank_data, slow_
 from flops_callbacks.options import Options, check_report_args
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
-from flops_callbacks.profile import Profile
+from flops_callbacks.profile import Profile, is_number
 from flops_callbacks.roofline import as_data
 from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.result import AfterWindow, BatchLayout, WindowResult, WindowSteps
@@ -267,7 +267,7 @@ def from_json(data: Any, source: str = "<data>") -> SavedProfile:
 def _seconds(seconds: dict[str, Any], name: str) -> float:
     """A clean step's seconds of one phase, a number (else the comparison would fail on it, unnamed)."""
     value = seconds[name]
-    if type(value) not in (int, float) or not math.isfinite(value):
+    if not is_number(value):
         raise ValueError(f'a clean step\'s "seconds": "{name}" is {json.dumps(value)}, expected a number')
     return float(value)
 

@@ -61,23 +61,25 @@ class OffClock:
     def __init__(self, causal_attention: CausalAttention = "full") -> None:
         self.causal_attention = causal_attention
         self.why_not: str | None = None  # None: not tried yet; "": fake counts run; else why they do not
-        self.trial: tuple[Replay, Signature, bool] | None = None  # the counting step's first micro-batch
-        # it, with its real count and the parameters it ran with (:func:`_parameters`): to be tried
-        self._trial: tuple[Replay, bool, BatchCounts, tuple[Any, ...]] | None = None
+        # the counting step's first micro-batch; then, once its real count is known, that micro-batch held
+        # with it and the parameters it ran with (:func:`_parameters`): the trial of fake counts, run where
+        # one is first wanted (ready)
+        self.first_batch: tuple[Replay, Signature, bool] | None = None
+        self._held: tuple[Replay, bool, BatchCounts, tuple[Any, ...]] | None = None
         self._pending: list[_Pending] = []
         self.counts, self.seconds = 0, 0.0  # fake counts run in this run, and their time (the profiler's)
 
     def forget(self) -> None:
         """A new run: nothing tried yet."""
-        self.why_not, self.trial, self._trial, self._pending = None, None, None, []
+        self.why_not, self.first_batch, self._held, self._pending = None, None, None, []
         self.counts, self.seconds = 0, 0.0
 
     def drop(self, ended: bool = False) -> None:
         """The window is dropped: nothing waits for a count (a trial whose real count is known stays for the
         meter's counts, until the run ``ended``: it holds a batch and the trainer)."""
-        self.trial, self._pending = None, []
+        self.first_batch, self._pending = None, []
         if ended:
-            self._trial = None
+            self._held = None
 
     def usable(self, replay: Replay | str | None, model: torch.nn.Module | None) -> bool:
         """Whether a fake count of ``replay`` runs; tries fake counts first where not yet tried (call
@@ -89,7 +91,7 @@ class OffClock:
     def hopeful(self, replay: Replay | str | None) -> bool:
         """Whether a fake count of ``replay`` runs, or may once tried (a meter's, before its clock pauses)."""
         return isinstance(replay, Replay) and (
-            self.why_not == "" or (self.why_not is None and bool(self._trial))
+            self.why_not == "" or (self.why_not is None and bool(self._held))
         )
 
     def reason(self, replay: Replay | str | None) -> str:
@@ -113,11 +115,11 @@ class OffClock:
         first is the trial's; a check's new shape is counted now (its real count checks it), a clean
         step's at the window's end; one counted on its step is said with why. Returns its counts now."""
         if kind == Kind.COUNTING and not step.signatures and isinstance(replay, Replay):
-            self.trial = (replay, signature, later)  # held at the step's end (hold_trial)
+            self.first_batch = (replay, signature, later)  # held at the step's end (hold_trial)
         elif counts is None and isinstance(replay, Replay):
             if kind == Kind.CHECK and self.usable(replay, model):  # the check step is no figure's time
                 counts = self.count_now(model, replay, signature, later, flops)
-            elif kind == Kind.SHAPE_COUNTING and self.why_not is None and self._trial is not None:
+            elif kind == Kind.SHAPE_COUNTING and self.why_not is None and self._held is not None:
                 if self.usable(replay, model):  # an untimed step: fake counts tried here
                     flops.counted_on_steps.setdefault((later, signature), TRIED_ON_ITS_STEP)
             elif kind == Kind.CLEAN and self.usable(replay, None):
@@ -128,17 +130,17 @@ class OffClock:
 
     def hold_trial(self, flops: ShapeFlops, model: torch.nn.Module | None) -> None:
         """The counting step's first micro-batch ended: it is tried when a fake count is first wanted."""
-        trial, self.trial = self.trial, None
+        trial, self.first_batch = self.first_batch, None
         if trial is None or self.why_not is not None or model is None:
             return
         replay, signature, later = trial
         real = flops.counted.get((later, signature))
         if real is not None:
-            self._trial = (replay, later, real, _parameters(model))
+            self._held = (replay, later, real, _parameters(model))
 
     def ready(self, model: torch.nn.Module) -> None:
         """Try fake counts where not yet tried: the counting step's batch faked must equal its real count."""
-        trial, self._trial = self._trial, None
+        trial, self._held = self._held, None
         if trial is None or self.why_not is not None:
             return
         replay, later, real, parameters = trial
