@@ -1,22 +1,25 @@
 """The throughput meter after the window, on every rank: this rank's :class:`ThroughputMeter`, and the
 exchange of every rank's interval at the logging steps, which every rank reaches, for the job's
 ``throughput/*``. A rank whose meter failed keeps joining the exchanges with nothing, and at the next
-one every rank stops.
+one every rank stops. A run resumed past its window meters from its first step, with no window's table.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from flops_callbacks.guard import Guard
-from flops_callbacks.session.adapter_api import Sink
+from flops_callbacks.peaks import Peak, measured_dtype, resolve_peak
+from flops_callbacks.session.adapter_api import Sink, TrainingContext
 from flops_callbacks.session.meter import ThroughputMeter, throughput_metrics
 from flops_callbacks.session.off_clock import Replay
 from flops_callbacks.session.ranks import RankFailure, Ranks
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import ShapeFlops
+from flops_callbacks.timing.clock import module_device
 
 __all__ = ["JobMeter"]
 
@@ -28,6 +31,7 @@ class JobMeter:
         self.meter, self.ranks, self.guard = meter, ranks, guard
         self.running = False  # the events are routed (every rank, from the window's agreed end)
         self.ok = False  # this rank's meter runs (else it joins the exchanges with nothing)
+        self.unwindowed = False  # resumed past the window, none other due: metering starts at the next step
 
     def start(
         self, result: WindowResult | None, model: torch.nn.Module, flops: ShapeFlops, again: bool = False
@@ -43,10 +47,34 @@ class JobMeter:
             self.meter.start(result, model, flops)
             self.ok = True
 
+    def start_unwindowed(
+        self, model: torch.nn.Module, context: Callable[[], TrainingContext] | None, given: Peak | None
+    ) -> None:
+        """A run resumed past its window meters from this step on every rank, with no window's table
+        (:meth:`.ThroughputMeter.start_unwindowed`); ``given``: the user's peak. Once, when ``unwindowed``."""
+        if not self.unwindowed:
+            return
+        self.unwindowed = False
+        self.running, self.ok = self.meter is not None, False
+        if self.meter is None:
+            return
+        with self.guard.own_work("starting throughput", "throughput/* is not logged"):
+            device = module_device(model)
+            found = context() if context is not None else TrainingContext()
+            declared = found.compute_dtype
+
+            def peak_of(matmuls: torch.dtype | None) -> float | None:
+                peak, _ = resolve_peak(given, device, measured_dtype(declared, matmuls))
+                return peak.flops if peak is not None else None
+
+            self.meter.start_unwindowed(model, found.parallel.data_parallel, peak_of)
+            self.ok = True
+
     def fail(self) -> None:
         """This rank's own work failed: its meter stops; with other ranks it joins their exchanges."""
         running = self.running and self.ranks.several
         self.close()
+        self.unwindowed = False
         self.running = running
 
     def close(self) -> None:

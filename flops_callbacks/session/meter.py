@@ -29,6 +29,9 @@ seconds logged as ``throughput/profiler_seconds``), where that runs; else it is 
 it comes, in its interval, unless audits are off: then it gets no flops, an interval with one logs
 samples and tokens per second, not flops, and a warning says so once.
 
+A run resumed past its window meters with no window's table: its first step is audited, its count the
+table's first shape (:meth:`ThroughputMeter.start_unwindowed`).
+
 Time is the wall time between logging steps, read after one device synchronize per logging interval
 (and one at each pause and resume), every step of the interval included, the slowest rank's; flops are
 model flops (fwd + bwd, recompute excluded) per device: the ranks' mean, as
@@ -186,17 +189,45 @@ class ThroughputMeter:
         self.after = AfterWindow()  # the profiler's own work since the window, for the report
         self.energy: IntervalEnergy | None = None  # the energy counter over each interval, where cheap
         self._model: torch.nn.Module | None = None  # while metering: what audits and fake counts count
+        self._arrivals = (
+            False  # a shape the table cannot give is counted as it comes (audits run, or no window)
+        )
+        self._peak_of: Callable[[torch.dtype | None], float | None] | None = (
+            None  # no window: the peak's, once
+        )
 
     def start(self, result: WindowResult, model: torch.nn.Module, flops: ShapeFlops) -> None:
         """Take the window's flops table and sizes, and start the first interval now."""
-        self.flops = flops
-        self.data_parallel = result.parallel.data_parallel
         self.peak = result.peak.flops if result.peak is not None else None
+        self.every = audit_every(self.audit, result.iter_latency, result.counting_iter)
+        self._begin(model, flops, result.parallel.data_parallel, result.iter_latency)
+
+    def start_unwindowed(
+        self,
+        model: torch.nn.Module,
+        data_parallel: int,
+        peak_of: Callable[[torch.dtype | None], float | None],
+    ) -> None:
+        """Meter a run with no window of its own (resumed past ``profile_step``) from its next step, which
+        is audited: its count is the table's first shape (out of its interval, as any audit), and the
+        dtype its matmuls produced reads the peak (``peak_of``). Then audits every ``flops_audit`` steps
+        (``"auto"``: none, no clean step weighs their cost), and a shape the table cannot give is counted
+        when it comes, in its interval."""
+        self.peak, self._peak_of = None, peak_of
+        self.every = self.audit if isinstance(self.audit, int) and self.audit > 0 else None
+        self._begin(model, ShapeFlops(), data_parallel, 0.0)
+        self._until, self._arrivals = 1, True
+
+    def _begin(
+        self, model: torch.nn.Module, flops: ShapeFlops, data_parallel: int, step_seconds: float
+    ) -> None:
+        self.flops = flops
+        self.data_parallel = data_parallel
         self._clock = clock_for(module_device(model))
         self._model = model
-        self.every = audit_every(self.audit, result.iter_latency, result.counting_iter)
         self._until = self.every
-        self._step_seconds = result.iter_latency  # what an audited step's time is weighed against
+        self._arrivals = self.every is not None  # a shape the table cannot give is counted as it comes
+        self._step_seconds = step_seconds  # what an audited step's time is weighed against
         self.energy = IntervalEnergy.of(module_device(model))  # None where no counter is cheap to read
         self._started = True
         self._later = False
@@ -308,11 +339,13 @@ class ThroughputMeter:
         """At a step's first micro-batch: start an audit when one is due (out of the interval, as an
         evaluation is), or count a shape the table cannot give yet (outside the verified range: rare,
         as each count widens it), in the interval."""
-        if self._until is None or self._model is None:
+        if self._model is None:
             return
-        self._until -= 1
-        self._scheduled = self._until <= 0  # (a shape's count on arrival keeps the rhythm every rank shares)
-        if not self._scheduled and not unknown:
+        if self._until is not None:
+            self._until -= 1
+        # (a shape's count on arrival keeps the rhythm every rank shares)
+        self._scheduled = self._until is not None and self._until <= 0
+        if not self._scheduled and not (unknown and self._arrivals):
             return
         if self._scheduled:
             self.pause()  # the audited step's time and work are no interval's
@@ -328,10 +361,13 @@ class ThroughputMeter:
         if engine.failure is not None:
             what, error = engine.failure
             self._until = self.every = None
+            self._arrivals = False
             warn(f"flops_callbacks: counting an audited step failed ({what}: {error!r}); no more audits.")
             return
         signature, later, before = counting
         counts = _totals(engine).minus(before)
+        if self._peak_of is not None:  # no window read the peak: the dtype the first count's matmuls produced
+            self.peak, self._peak_of = self._peak_of(engine.matmul_dtype()), None
         if self._unknown and self._flops is not None:
             self._unknown.pop()
             self._flops += counts.model_flops
@@ -348,12 +384,15 @@ class ThroughputMeter:
     def step_end(self) -> None:
         """After an optimizer step: the next micro-batch is a step's first; an audit ends here."""
         self._later = False
+        if self.energy is not None:
+            self.energy.keep_up()
         if self._engine is not None:
             self._stop_audit()
             collect_counting_garbage()
-            if self._scheduled and self.every is not None:  # what this audit cost sets the next one's place
+            if self._scheduled:  # what this audit cost sets the next one's place
                 spent = time.perf_counter() - self._audit_start
-                self._until = self.every = audit_every(self.audit, self._step_seconds, spent)
+                every = audit_every(self.audit, self._step_seconds, spent) if self.every is not None else None
+                self._until = self.every = every
             self._unknown = []
             self.resume()
         if (
@@ -421,6 +460,7 @@ class ThroughputMeter:
         """Stop metering (an audit in progress stops: nothing of it remains)."""
         self._stop_audit()
         self._started, self.energy, self._model = False, None, None  # the model is the user's to free
+        self._peak_of = None
         self._before_audit = False
         self._samples, self._flops, self._tokens, self._pending, self._own = 0, 0.0, 0, [], 0.0
 

@@ -79,10 +79,14 @@ class RunPlan:
                 if profiled_before
                 else f"past profile_step={profile_step}"
             )
+            meter = (
+                "; throughput/* goes on from its first step (counted, out of the metered time)"
+                if self.options.throughput
+                else ""
+            )
             warn(
-                f"{owner}: resumed at step {self.global_step}, {before}: no profile runs in this run, and no "
-                "throughput/* (it meters with a window's counts). Set profile_step >= the step you resume "
-                "from, or profile_every, to profile again.",
+                f"{owner}: resumed at step {self.global_step}, {before}: no profile runs in this run{meter}. "
+                "Set profile_step >= the step you resume from, or profile_every, to profile again.",
             )
         elif self.unreachable and max_steps is not None:
             warn(

@@ -84,8 +84,7 @@ class StepSession:
         tokens_fn: Callable[[Any], int | None] | None = None,
         publish: Publish | None = None,
     ) -> None:
-        self.options = options
-        self.owner = owner
+        self.options, self.owner = options, owner
         self.publish = publish  # None: the result is kept (``self.result``), not published
         self.guard = Guard(owner)
         self.batches = BatchReader(options, owner, self.guard, tokens_fn)
@@ -111,8 +110,7 @@ class StepSession:
         self._model: torch.nn.Module | None = None
         self._context = TrainingContext()
         self._window_ran = False  # this run's window ended (published or dropped): no other starts
-        self._resumed_past = False
-        self._unreachable = False  # said at train start: profile_step is past the run's last step
+        self._resumed_past = self._unreachable = False  # said at train start: past profile_step, past the end
         self._abandoned = False  # the profiler's own work failed in this run: it goes on unprofiled
         self._logging_rank = True
         self._unwritable: dict[str, str] = {}  # "output_file" / "log_dir" -> why, said at train start
@@ -181,6 +179,7 @@ class StepSession:
         self._unwritable = {}
         plan = RunPlan.of(self.options, global_step, max_steps, steps_per_batch)
         self._resumed_past, self._unreachable = plan.resumed_past, plan.unreachable
+        self.job_meter.unwindowed = plan.resumed_past and self.options.profile_every is None
         if not self.enabled:
             return
         with self.guard.own_work("making the profiler's process group", DROPPED, self._abandon):
@@ -250,6 +249,7 @@ class StepSession:
         if not self.plan.open:
             late = self._window_ran or self._resumed_past or not self.enabled
             if (late or global_step < self.options.profile_step) and not self.plan.due(global_step):
+                self.job_meter.start_unwindowed(model, context, self.given_peak)  # once, if resumed past it
                 return  # no window starts: the first at profile_step, then one each profile_every steps
             if any(torch.nn.parameter.is_lazy(p) for p in model.parameters()):
                 return  # the first forward makes the parameters the window counts: it starts after it

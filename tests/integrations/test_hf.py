@@ -1038,6 +1038,26 @@ def test_resuming_past_profile_step_warns_at_train_start_whether_or_not_it_was_p
         assert callback.result is None
 
 
+def test_a_run_resumed_past_its_window_logs_throughput_with_the_windows_flops(tmp_path: Path) -> None:
+    """A run resumed after its profiled window meters from its first step (counted, out of the metered
+    time): ``throughput/*`` at each logging step after it, each step's flops those the window counted."""
+    save = {"save_strategy": "steps", "save_steps": WINDOW_END, "max_steps": WINDOW_END, "report_to": ()}
+    first = quiet()
+    train(tmp_path, gpt2(), [first], **save)
+    assert first.result is not None
+    per_step = first.result.profile.fwd_flops + first.result.profile.bwd_flops  # model flops, one device
+    callback, end = quiet(), WINDOW_END + 6
+    trainer = make_trainer(tmp_path, gpt2(), [callback], report_to=(), max_steps=end)
+    trainer.train(resume_from_checkpoint=True)
+    assert callback.result is None and leftovers(trainer) == []
+    rates = dict(logged(trainer, names.THROUGHPUT_SAMPLES_PER_SEC))
+    flops = dict(logged(trainer, names.THROUGHPUT_FLOPS_PER_SEC))
+    # logged at every step (the checkpoint's logging_steps=1) but the first: its interval has no step
+    assert sorted(rates) == sorted(flops) == list(range(WINDOW_END + 2, end + 1))
+    for step, rate in rates.items():
+        assert flops[step] / rate == pytest.approx(per_step / BATCH, rel=1e-12), step
+
+
 def test_profile_step_beyond_the_run_warns_once_at_train_start(tmp_path: Path) -> None:
     callback = HFFlopsCallback(profile_step=50, print_profile=False)
     with warnings.catch_warnings(record=True) as caught:

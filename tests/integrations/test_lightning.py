@@ -796,12 +796,50 @@ def test_resume_past_an_unprofiled_profile_step_warns_at_train_start(tmp_path: P
         tmp_path, MLP(), callback, max_steps=5, ckpt_path=tmp_path / "step3.ckpt"
     )
     expected = (
-        f"{OURS}: resumed at step 3, past profile_step={PROFILE_STEP}: no profile runs in this run, and no "
-        "throughput/* (it meters with a window's counts). Set profile_step >= the step you resume from, or "
-        "profile_every, to profile again."
+        f"{OURS}: resumed at step 3, past profile_step={PROFILE_STEP}: no profile runs in this run; "
+        "throughput/* goes on from its first step (counted, out of the metered time). Set profile_step >= "
+        "the step you resume from, or profile_every, to profile again."
     )
     assert at_start == ours == [expected]
     assert trainer.global_step == 5 and callback.result is None
+
+
+def test_a_run_resumed_past_profile_step_meters_throughput_from_its_first_step(tmp_path: Path) -> None:
+    """Resumed at step 3, past profile_step=2, with no window of its own: its first step is counted (out of
+    the metered time, as an audit) and ``throughput/*`` is logged at every logging step after it, with
+    that step's flops and the peak read for the dtype it ran in."""
+    trainer = fit(tmp_path, MLP(), None, max_steps=3)
+    trainer.save_checkpoint(tmp_path / "step3.ckpt")
+    peak, before, clock, logger = 1e9, BatchEnds(), StepClock(), CSVLogger(tmp_path / "resumed")
+    callback = quiet_callback(tokens_fn=tokens, peak_flops=peak)
+    module = MLP()
+    before_model, before_torch = model_state(module), torch_namespace()
+    fit(
+        tmp_path, module, None, callbacks=[before, callback, clock], max_steps=19, log_every_n_steps=4,
+        logger=logger, ckpt_path=tmp_path / "step3.ckpt",
+    )  # fmt: skip
+    assert callback.result is None
+    assert {step for step, hooks in clock.hooks.items() if hooks} == {3}  # the counted step alone
+    assert_nothing_left(module, before_model, before_torch)
+    rows = [row for row in csv_metrics(logger) if row.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
+    logged = {
+        int(row["step"]) + 1: {k: float(row[k]) for k in names.THROUGHPUT if row.get(k)} for row in rows
+    }
+    assert sorted(logged) == [8, 12, 16]  # Lightning's logging steps after the first (counted) one
+    previous = 4  # the first interval starts when the counted step 3 ends
+    for step, values in sorted(logged.items()):
+        samples = BATCH * (step - previous)
+        assert values[names.THROUGHPUT_FLOPS_PER_SEC] / values[names.THROUGHPUT_SAMPLES_PER_SEC] == (
+            pytest.approx((fwd_flops(BATCH) + bwd_flops(BATCH)) / BATCH, rel=1e-12)
+        )
+        assert values[names.THROUGHPUT_MFU] == pytest.approx(values[names.THROUGHPUT_FLOPS_PER_SEC] / peak)
+        assert values[names.THROUGHPUT_TOKENS_PER_SEC] == pytest.approx(
+            IN * values[names.THROUGHPUT_SAMPLES_PER_SEC], rel=1e-12
+        )
+        shortest = before.ended[step] - clock.ended[previous]
+        longest = clock.ended[step] - before.ended[previous]
+        assert samples / longest <= values[names.THROUGHPUT_SAMPLES_PER_SEC] <= samples / shortest, step
+        previous = step
 
 
 def test_a_run_resumed_past_profile_step_with_profile_every_profiles_whole_at_the_grids_next_step(
