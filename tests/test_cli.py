@@ -635,9 +635,9 @@ def test_show_and_diff_exit_2_on_a_hand_damaged_file_naming_the_field(
         'a module\'s "fwd_latency" is "x", expected a number': lambda d: d["profile"]["modules"][""].update(
             fwd_latency="x"
         ),
-        'a module\'s "fwd_flops" is Infinity, expected a number': lambda d: d["profile"]["modules"][""].update(
-            fwd_flops=float("inf")
-        ),
+        'a module\'s "fwd_flops" is Infinity, expected a number': lambda d: d["profile"]["modules"][
+            ""
+        ].update(fwd_flops=float("inf")),
         '"metrics": "flops_profiler/fwd_latency" is nan, expected a finite number': lambda d: d[
             "metrics"
         ].update({"flops_profiler/fwd_latency": float("nan")}),

@@ -5,10 +5,11 @@ meter's intervals after the window (``throughput/power``, ``throughput/tokens_pe
 The window's counter (:func:`~flops_callbacks.timing.energy.energy_counter`) is made at the window's first
 step, read right after each window step's end mark and stopped at the window's end: a clean step's energy
 runs from the previous window step's end to its own, the steps of its wall latency. The meter reads a
-counter of its own once per logging interval and around its pauses, only where reading it is cheap and
-needs nothing running between reads (RAPL; NVML's total energy), never sampled power (a thread for the
-whole run). The counter is read on the host, without waiting for the device: in a steady loop the host
-runs ahead of the device by about the same at both ends of a span.
+counter of its own once per logging interval and around its pauses (a RAPL counter also at the first
+step end :data:`KEEP_UP_S` after its last read, so that no wrap falls between two reads), only where
+reading it is cheap and needs nothing running between reads (RAPL; NVML's total energy), never sampled
+power (a thread for the whole run). The counter is read on the host, without waiting for the device: in
+a steady loop the host runs ahead of the device by about the same at both ends of a span.
 
 Reading it is the profiler's own work: a failure leaves the window (or the meter) without energy, says
 why in one line, and nothing else changes.
@@ -16,6 +17,7 @@ why in one line, and nothing else changes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +38,7 @@ from flops_callbacks.timing.energy_figures import (
 from flops_callbacks.user_warning import warn
 
 __all__ = [
+    "KEEP_UP_S",
     "IntervalEnergy",
     "WindowEnergy",
     "energy_metrics",
@@ -43,6 +46,11 @@ __all__ = [
     "rank_energy",
     "throughput_energy",
 ]
+
+# seconds between two reads of a RAPL counter while the meter runs, at most (plus a step): a counter's
+# range lasts minutes (262 kJ on Intel: 22 minutes at 200 W; ranges of a quarter of that exist) and an
+# interval may last longer, losing a wrap; two reads over half a range apart read as a reset
+KEEP_UP_S = 5.0
 
 
 class WindowEnergy:
@@ -176,6 +184,7 @@ class IntervalEnergy:
         self.counter: RaplEnergy | NvmlEnergy | None = counter
         self._from: Reading | None = None  # the last read while the interval runs (None: paused)
         self._pairs: list[tuple[Reading, Reading]] = []
+        self._read_at = time.monotonic()
 
     @classmethod
     def of(cls, device: torch.device) -> IntervalEnergy | None:
@@ -190,12 +199,19 @@ class IntervalEnergy:
         counter = self.counter
         if counter is None:
             return None
+        self._read_at = time.monotonic()
         try:
             return read(counter)
         except Exception as error:  # the profiler's own work: throughput/* goes on without energy
             warn(f"flops_callbacks: {read_failure(counter, error)}; throughput/* goes on without energy.")
             self.counter, self._from, self._pairs = None, None, []
             return None
+
+    def keep_up(self) -> None:
+        """A step ended: a RAPL counter is read if its last read is :data:`KEEP_UP_S` old (its total takes
+        in a wrap only between two reads less than half a range apart; NVML's does not wrap)."""
+        if isinstance(self.counter, RaplEnergy) and time.monotonic() - self._read_at > KEEP_UP_S:
+            self._read()
 
     def restart(self) -> None:
         """An interval starts now."""

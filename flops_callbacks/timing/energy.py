@@ -188,8 +188,12 @@ class RaplEnergy:
     """The RAPL package domains of this host and their DRAM subdomains, summed, each counter's wrap handled.
 
     A counter runs from 0 to ``max_energy_range_uj`` and starts again at 0: a reading below the previous
-    one has wrapped once. NB: two reads more than one range apart (about 262 kJ on Intel: over 20 minutes
-    at 200 W) lose a wrap, so read at least that often.
+    one has wrapped once, unless that would make more than half a range since it: then the counter was
+    reset (a driver reload, a suspend) and the total goes back by as much, which every span over it reads
+    as a counter that went back (no figure), not as a wrap's hundreds of kilojoules. Two reads more than
+    half a range apart (about 131 kJ on Intel: 11 minutes at 200 W) are taken for a reset, so read more
+    often (the throughput meter reads every few seconds:
+    :data:`~flops_callbacks.session.energy_reads.KEEP_UP_S`).
 
     Args:
         zones: each domain's ``energy_uj`` file, its ``max_energy_range_uj`` and its first reading.
@@ -219,7 +223,9 @@ class RaplEnergy:
     def read(self) -> float:
         for zone in self._zones:
             now = int(self._read_text(zone.path))
-            wrapped = now < zone.last_uj
+            if not 0 <= now <= zone.range_uj:
+                raise ValueError(f"{zone.path} reads {now}, outside 0 .. max_energy_range_uj={zone.range_uj}")
+            wrapped = now < zone.last_uj and zone.range_uj - zone.last_uj + now <= zone.range_uj // 2
             self._total_uj += (zone.range_uj - zone.last_uj + now) if wrapped else now - zone.last_uj
             zone.last_uj = now
         return self._total_uj / 1e6

@@ -216,6 +216,42 @@ def test_an_interval_leaves_out_what_its_pauses_hold_and_the_next_starts_at_its_
     assert (first.joules, first.brackets, second.joules, second.brackets) == (13.0, 2, 7.0, 1)
 
 
+def test_an_interval_longer_than_the_counters_range_keeps_every_wrap_by_reading_at_step_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A RAPL range of 10 J and steps of 4 J: an interval of five steps wraps twice; read at its ends only,
+    it would lose 10 J. Read at a step's end once ``KEEP_UP_S`` have passed since the last read (0 here:
+    every step), it is exact; with the default, a step a few milliseconds long reads nothing."""
+    path, raw = tmp_path / "energy_uj", 0
+
+    def advance(joules: float) -> None:
+        nonlocal raw
+        raw += round(joules * 1e6)
+        path.write_text(f"{raw % 10_000_000}\n")
+
+    advance(1.0)
+    reads: list[Path] = []
+
+    def read_text(file: Path) -> str:
+        reads.append(file)
+        return file.read_text()
+
+    counter = RaplEnergy([(path, 10_000_000, 1_000_000)], "RAPL package", "RAPL on test", read_text)
+    interval = IntervalEnergy(counter)
+    interval.restart()
+    for _ in range(3):
+        advance(4.0)
+        interval.keep_up()  # the default KEEP_UP_S: not yet
+    assert len(reads) == 1  # the interval's start only
+    interval.take()
+    monkeypatch.setattr("flops_callbacks.session.energy_reads.KEEP_UP_S", 0.0)
+    for _ in range(5):
+        advance(4.0)
+        interval.keep_up()
+    span = interval.take()
+    assert span is not None and span.joules == pytest.approx(20.0, abs=1e-9)
+
+
 def test_the_meter_uses_only_counters_cheap_to_read(rapl: FakeRapl, monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(IntervalEnergy.of(CPU), IntervalEnergy)  # RAPL: a file read per domain
     sampled = SampledPower(lambda: 1.0, "GPU-a")

@@ -90,6 +90,23 @@ def test_a_counter_that_wraps_past_its_range_between_two_reads_adds_what_ran_to_
     assert (first, second, third) == (9.0, 10.5, 12.5)
 
 
+def test_a_counter_reset_reads_as_going_back_and_a_reading_outside_its_range_is_refused(tmp_path: Path) -> None:
+    """A drop that would be a wrap of over half a range is a reset (a driver reload, a suspend): the total
+    goes back by it, so that every span over it reads no figure, not a wrap of the whole range."""
+    pkg = zone(tmp_path / "intel-rapl:0", "package-0", 5_000_000, range_uj=262_143_328_850)
+    counter = rapl_counter(tmp_path)
+    assert isinstance(counter, RaplEnergy)
+    assert counter.read() == 5.0
+    set_uj(pkg, 1_000_000)  # reset to 1 J: a wrap would add 262 kJ
+    assert counter.read() == 1.0
+    set_uj(pkg, 3_000_000)  # +2 J from there
+    assert counter.read() == 3.0
+    for raw in (-5, 262_143_328_851):
+        set_uj(pkg, raw)
+        with pytest.raises(ValueError, match=f"reads {raw}, outside 0 .. max_energy_range_uj=262143328850"):
+            counter.read()
+
+
 def test_an_energy_file_that_cannot_be_read_means_no_counter_with_the_reason_even_as_root(
     tmp_path: Path,
 ) -> None:
