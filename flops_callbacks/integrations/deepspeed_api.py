@@ -30,6 +30,7 @@ from flops_callbacks.units import duration_to_string, macs_to_string, number_to_
 
 __all__ = [
     "check_model",
+    "check_module_types",
     "COUNTING_PASS_SOURCE",
     "FlopsProfiler",
     "get_module_duration",
@@ -45,6 +46,8 @@ COUNTING_PASS_SOURCE = (
 
 # DeepSpeed's engine timer names (deepspeed.utils.timer); their elapsed() is in milliseconds.
 _ENGINE_TIMERS = {"fwd_latency": "fwd", "bwd_latency": "bwd", "step_latency": "step"}
+# what the report reads of a DeepSpeed engine (:meth:`FlopsProfiler._run_context`)
+_ENGINE_ATTRIBUTES = ("world_size", "mp_world_size", "train_micro_batch_size_per_gpu", "wall_clock_breakdown")
 
 
 def check_model(model: Any) -> torch.nn.Module:
@@ -53,24 +56,52 @@ def check_model(model: Any) -> torch.nn.Module:
     return model
 
 
-# module -> (the profiler that profiles it, its name in that profile). Weak on both sides: the registry
-# keeps neither a model nor a profiler alive, and nothing is stored on the module itself.
-_REGISTRY: weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref[FlopsProfiler], str]] = (
+def check_module_types(name: str, types: Any) -> tuple[type, ...]:
+    """``ignore_list`` / ``ignore_modules``: None or a list of module classes (a name or an instance
+    would match nothing, silently)."""
+    if types is None:
+        return ()
+    found = tuple(types) if isinstance(types, (list, tuple, set, frozenset)) else None
+    if found is None or not all(isinstance(t, type) and issubclass(t, torch.nn.Module) for t in found):
+        raise TypeError(
+            f"{name} must be None or a list of torch.nn.Module classes (nn.Dropout), got {types!r}"
+        )
+    return found
+
+
+# module -> the profilers that profile it, each with the module's name in its profile, the latest started
+# last (a profile of a submodule inside a profile of its model: when it ends, the model's answers again).
+# Weak on both sides: the registry keeps neither a model nor a profiler alive, and nothing is stored on
+# the module itself.
+_REGISTRY: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[weakref.ref[FlopsProfiler], str]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def _record(module: torch.nn.Module, getter: str) -> ModuleProfile | None:
-    """The module's record in its profiler's current profile; None for a module of the profiled model
-    that has no record of its own (its type was in ``ignore_list``)."""
-    entry = _REGISTRY.get(module)
-    profiler = entry[0]() if entry else None
-    if entry is None or profiler is None or profiler._engine is None:
-        raise ValueError(
-            f"{getter}: module {type(module).__name__} has no profile: call it between start_profile() "
-            "and end_profile() of a FlopsProfiler of its model"
-        )
-    return profiler.get_profile().modules.get(entry[1])
+    """The module's record in the current profile of the latest started profiler of it not ended; None
+    for a module of the profiled model that has no record of its own (its type was in ``ignore_list``)."""
+    for ref, name in reversed(_REGISTRY.get(module, [])):
+        profiler = ref()
+        if profiler is not None and profiler._engine is not None:
+            return profiler.get_profile().modules.get(name)
+    raise ValueError(
+        f"{getter}: module {type(module).__name__} has no profile: call it between start_profile() "
+        "and end_profile() of a FlopsProfiler of its model"
+    )
+
+
+def _register(profiler: FlopsProfiler, names: Iterable[tuple[str, torch.nn.Module]]) -> None:
+    """``profiler`` profiles these modules now (``names`` empty: no more), the latest of their profilers."""
+    me = weakref.ref(profiler)
+    for module in profiler.model.modules():
+        entries = [e for e in _REGISTRY.get(module, []) if e[0]() not in (None, profiler)]
+        if entries:
+            _REGISTRY[module] = entries
+        else:
+            _REGISTRY.pop(module, None)
+    for name, module in names:
+        _REGISTRY.setdefault(module, []).append((me, name))
 
 
 def get_module_flops(module: torch.nn.Module) -> int:
@@ -136,6 +167,11 @@ class FlopsProfiler:
     ) -> None:
         self.model = check_model(model)
         check_causal_attention(causal_attention)
+        missing = [a for a in _ENGINE_ATTRIBUTES if ds_engine is not None and not hasattr(ds_engine, a)]
+        if missing:
+            raise TypeError(
+                f"ds_engine must be None or a DeepSpeed engine, got {ds_engine!r} (no {missing[0]})"
+            )
         if isinstance(recompute_fwd_factor, bool) or not isinstance(recompute_fwd_factor, (int, float)):
             raise ValueError(f"recompute_fwd_factor must be a number, got {recompute_fwd_factor!r}")
         self.ds_engine = ds_engine
@@ -149,18 +185,17 @@ class FlopsProfiler:
     def start_profile(self, ignore_list: Iterable[type] | None = None) -> None:
         """Start counting (and reset earlier counts). Modules whose type is in ``ignore_list`` get no
         record of their own; their work counts towards their parent."""
+        ignore_types = check_module_types("ignore_list", ignore_list)
         if self._engine is not None:
             self._engine.stop()
         self._engine = CountingEngine(
             self.model,
-            ignore_types=tuple(ignore_list or ()),
+            ignore_types=ignore_types,
             causal_attention=self.causal_attention,
         )
         self._engine.start()
         self.started = True
-        me = weakref.ref(self)
-        for name, module in _profiled_names(self.model):
-            _REGISTRY[module] = (me, name)
+        _register(self, _profiled_names(self.model))
 
     def stop_profile(self) -> None:
         """Stop counting and remove every hook and mode; the counts stay readable and ``started`` stays
@@ -178,6 +213,7 @@ class FlopsProfiler:
         self.stop_profile()
         self._engine = None
         self.started = False
+        _register(self, ())
 
     def __enter__(self) -> FlopsProfiler:
         self.start_profile()

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from flops_callbacks.integrations.deepspeed_api import FlopsProfiler, check_model
-from flops_callbacks.options import CausalAttention, check_causal_attention, check_report_args
+from flops_callbacks.integrations.deepspeed_api import FlopsProfiler, check_model, check_module_types
+from flops_callbacks.options import CausalAttention, check_causal_attention, check_flag, check_report_args
 from flops_callbacks.timing.clean_pass import CLEAN_PASS_SOURCE, eval_mode, grads_set_aside, time_clean
 from flops_callbacks.units import macs_to_string, number_to_string, params_to_string
 
@@ -67,6 +67,22 @@ def get_model_profile(
     check_model(model)
     check_report_args(module_depth, top_modules)
     check_causal_attention(causal_attention)
+    for name, flag in (("print_profile", print_profile), ("detailed", detailed), ("as_string", as_string)):
+        check_flag(name, flag)
+    check_flag("backward", backward)
+    ignore_types = check_module_types("ignore_modules", ignore_modules)
+    if input_shape is not None and not (
+        isinstance(input_shape, (tuple, list))
+        and input_shape
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in input_shape)
+    ):
+        raise ValueError(f"input_shape must be a tuple of ints > 0 such as (2, 128), got {input_shape!r}")
+    if args is not None and not isinstance(args, (list, tuple)):
+        raise TypeError(
+            f"args must be a list or tuple of the model's positional inputs, got {type(args).__name__}"
+        )
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict of the model's keyword inputs, got {type(kwargs).__name__}")
     if isinstance(warm_up, bool) or not isinstance(warm_up, int) or warm_up < 0:
         raise ValueError(f"warm_up must be an int >= 0, got {warm_up!r}")
     if input_shape is not None and args:
@@ -95,7 +111,7 @@ def get_model_profile(
     with eval_mode(model), grads_set_aside([*model.parameters(), *leaves]):
         for _ in range(warm_up):
             run(*call_args, **call_kwargs)
-        prof.start_profile(ignore_list=ignore_modules)
+        prof.start_profile(ignore_list=list(ignore_types))
         try:
             loss = run_once()
             if loss is not None:

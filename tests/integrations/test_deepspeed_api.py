@@ -438,6 +438,9 @@ def test_causal_half_counts_the_unmasked_part_only() -> None:
     assert half.get_profile().fwd_macs * 2 == qk_and_av * 36 // 64  # 1+2+...+8 of 8x8 scores
 
 
+_FLAGS = ("print_profile", "detailed", "as_string", "backward")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -448,6 +451,14 @@ def test_causal_half_counts_the_unmasked_part_only() -> None:
         ({"mode": "no_such_method"}, ValueError, "mode must be one of"),
         ({"args": [torch.randn(B, IN)]}, ValueError, "either input_shape or args"),
         ({"causal_attention": "quarter"}, ValueError, r"causal_attention must be one of \('full', 'half'\)"),
+        # a truthy string is no yes: "no" ran a backward and printed the detailed tree
+        *(({name: "no"}, ValueError, f"{name} must be True or False") for name in _FLAGS),
+        ({"ignore_modules": nn.Linear}, TypeError, "ignore_modules must be None or a list of torch.nn"),
+        ({"ignore_modules": ["Linear"]}, TypeError, "ignore_modules must be None or a list"),  # matched none
+        ({"input_shape": 4}, ValueError, r"input_shape must be a tuple of ints > 0 such as \(2, 128\)"),
+        ({"input_shape": ()}, ValueError, "input_shape must be a tuple of ints > 0"),
+        ({"input_shape": None, "args": torch.randn(B, IN)}, TypeError, "args must be a list or tuple"),
+        ({"input_shape": None, "kwargs": [torch.randn(B, IN)]}, TypeError, "kwargs must be a dict"),
     ],
 )
 def test_bad_input_names_the_argument(kwargs: dict, error: type, match: str) -> None:
@@ -459,6 +470,10 @@ def test_bad_input_names_the_argument(kwargs: dict, error: type, match: str) -> 
 def test_bad_constructor_and_report_arguments() -> None:
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         FlopsProfiler(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ds_engine must be None or a DeepSpeed engine, got 'x'"):
+        FlopsProfiler(mlp(), ds_engine="x")  # it failed at print_model_profile, on dp_world_size
+    with pytest.raises(TypeError, match="ignore_list must be None or a list of torch.nn.Module classes"):
+        FlopsProfiler(mlp()).start_profile(ignore_list=nn.Linear)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="causal_attention"):
         FlopsProfiler(mlp(), causal_attention="none")
     prof = FlopsProfiler(mlp())
@@ -650,6 +665,25 @@ def test_get_module_getters_read_the_profile_and_write_nothing_on_modules() -> N
     prof.end_profile()
     with pytest.raises(ValueError, match="get_module_flops: module Linear has no profile"):
         get_module_flops(model[0])
+
+
+def test_a_profile_of_a_submodule_inside_the_models_leaves_the_getters_reading_the_models_after_it() -> None:
+    model, x = mlp(), torch.randn(B, IN)
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    model(x)
+    inner = FlopsProfiler(model[2])
+    inner.start_profile()
+    assert get_module_flops(model[2]) == 0  # the latest profile of it: nothing ran since it started
+    inner.end_profile()
+    assert get_module_flops(model[0]) == 2 * B * IN * HID
+    assert get_module_flops(model[2]) == 2 * B * HID * OUT  # the model's profile (it raised: no profile)
+    get_model_profile(model[2], input_shape=(B, HID), print_profile=False)  # started and ended inside
+    # the model's profile again, which counted that profile's two calls of it too (warm-up, counting)
+    assert get_module_macs(model[2]) == 3 * B * HID * OUT
+    prof.end_profile()
+    with pytest.raises(ValueError, match="get_module_flops: module Linear has no profile"):
+        get_module_flops(model[2])
 
 
 def test_module_list_duration_is_its_childrens_as_deepspeed() -> None:

@@ -90,7 +90,9 @@ def test_a_counter_that_wraps_past_its_range_between_two_reads_adds_what_ran_to_
     assert (first, second, third) == (9.0, 10.5, 12.5)
 
 
-def test_a_counter_reset_reads_as_going_back_and_a_reading_outside_its_range_is_refused(tmp_path: Path) -> None:
+def test_a_counter_reset_reads_as_going_back_and_a_reading_outside_its_range_is_refused(
+    tmp_path: Path,
+) -> None:
     """A drop that would be a wrap of over half a range is a reset (a driver reload, a suspend): the total
     goes back by it, so that every span over it reads no figure, not a wrap of the whole range."""
     pkg = zone(tmp_path / "intel-rapl:0", "package-0", 5_000_000, range_uj=262_143_328_850)
