@@ -35,6 +35,7 @@ from typing import Any, cast
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from flops_callbacks.counting import elementwise_formulas, formulas  # noqa: F401  (the built-in entries)
@@ -117,6 +118,7 @@ class CountingEngine:
         self._thread: int | None = None
         self._exit: contextlib.ExitStack | None = None
         self._dispatch = DispatchMode(self)
+        self._function = FunctionMode(self)
         self.made = self._dispatch.made  # a fake count's own real tensors (what its real ops may write to)
         self._tags = NodeTags()
         # A formula that raised (what was being counted, the error): counting stops there, the op's
@@ -170,13 +172,26 @@ class CountingEngine:
             stack.callback(register_module_forward_pre_hook(self._pre_hook).remove)
             stack.callback(register_module_forward_hook(self._post_hook, always_call=True).remove)
             stack.enter_context(self._dispatch)
-            stack.enter_context(FunctionMode(self))
+            stack.enter_context(self._function)
         except BaseException:
             stack.close()
             raise
         self._exit = stack
         self._saved.start(self.model)
         self._thread = threading.get_ident()
+
+    def entered_after(self) -> list[object]:
+        """The modes entered after this engine's that are still on (another profile's, a FlopCounterMode):
+        torch's modes leave last in, first out, and stopping now would take theirs off instead of ours."""
+        above: list[object] = []
+        stacks: list[tuple[object, list[Any]]] = [
+            (self._dispatch, _get_current_dispatch_mode_stack()),
+            (self._function, _get_current_function_mode_stack()),
+        ]
+        for mine, stack in stacks:
+            if self.running and mine in stack:
+                above += stack[stack.index(mine) + 1 :]
+        return above
 
     def stop(self) -> None:
         """Remove every hook, mode and tag; counts are kept for :meth:`profile`."""

@@ -186,8 +186,7 @@ class FlopsProfiler:
         """Start counting (and reset earlier counts). Modules whose type is in ``ignore_list`` get no
         record of their own; their work counts towards their parent."""
         ignore_types = check_module_types("ignore_list", ignore_list)
-        if self._engine is not None:
-            self._engine.stop()
+        self.stop_profile()
         self._engine = CountingEngine(
             self.model,
             ignore_types=ignore_types,
@@ -199,9 +198,22 @@ class FlopsProfiler:
 
     def stop_profile(self) -> None:
         """Stop counting and remove every hook and mode; the counts stay readable and ``started`` stays
-        True until :meth:`end_profile` (as DeepSpeed)."""
-        if self._engine is not None:
-            self._engine.stop()
+        True until :meth:`end_profile` (as DeepSpeed). Refused, with nothing changed, while a mode entered
+        after :meth:`start_profile` is on (another profile's, a ``FlopCounterMode``): torch takes modes off
+        last in, first out, so stopping would take that one's off, and it would count nothing after."""
+        if self._engine is None:
+            return
+        above = self._engine.entered_after()
+        if above:
+            kind = type(above[-1])
+            mode = f"{kind.__module__}.{kind.__qualname__}"
+            if kind.__module__.startswith("flops_callbacks."):
+                mode = "another profile of flops_callbacks (a FlopsProfiler started later)"
+            raise RuntimeError(
+                f"stop_profile: {mode} was entered after start_profile and is still on; torch's modes leave "
+                "last in, first out: leave it (or stop that profile) first"
+            )
+        self._engine.stop()
 
     def reset_profile(self) -> None:
         """Zero the counts (profiling continues if it was on)."""

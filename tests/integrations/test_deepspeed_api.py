@@ -16,6 +16,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils.flop_counter import FlopCounterMode
 
 from flops_callbacks import (
     FlopsProfiler,
@@ -684,6 +687,37 @@ def test_a_profile_of_a_submodule_inside_the_models_leaves_the_getters_reading_t
     prof.end_profile()
     with pytest.raises(ValueError, match="get_module_flops: module Linear has no profile"):
         get_module_flops(model[2])
+
+
+def test_a_stop_out_of_the_modes_order_is_refused_with_nothing_changed_and_each_count_stays_whole() -> None:
+    """torch takes modes off last in, first out: stopping a profile while a mode entered after it is on
+    would take that mode off instead (the later profiler, a FlopCounterMode then counted nothing)."""
+    first, second, x = nn.Linear(IN, HID), nn.Linear(IN, OUT), torch.randn(B, IN)
+    a, b = FlopsProfiler(first), FlopsProfiler(second)
+    a.start_profile()
+    b.start_profile()
+    with pytest.raises(RuntimeError, match="another profile of flops_callbacks .* still on; torch's modes"):
+        a.stop_profile()
+    with pytest.raises(RuntimeError, match="still on"):
+        a.start_profile()  # a restart stops first
+    second(x)
+    first(x)
+    b.stop_profile()
+    a.stop_profile()  # in order now
+    assert (a.get_total_flops(), b.get_total_flops()) == (2 * B * IN * HID, 2 * B * IN * OUT)
+    b.end_profile()
+    a.end_profile()
+    model, counter = nn.Linear(IN, HID), FlopCounterMode(display=False)
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    with counter:
+        model(x)
+        with pytest.raises(RuntimeError, match="torch.utils.flop_counter._FlopCounterMode was entered"):
+            prof.end_profile()
+        model(x)
+    assert prof.get_total_flops() == counter.get_total_flops() == 2 * 2 * B * IN * HID
+    prof.end_profile()
+    assert not _get_current_dispatch_mode_stack() and not _get_current_function_mode_stack()
 
 
 def test_module_list_duration_is_its_childrens_as_deepspeed() -> None:
