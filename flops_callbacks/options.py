@@ -108,7 +108,8 @@ class Options:
             ``flops_profile_step{first step}.*`` and its metrics are logged at the step it ended; one
             the run would cut short (its length known) is not started. A run resumed past
             ``profile_step`` has a whole window (its own counts) at the first step of
-            ``profile_step + k*N`` from where it resumed. None: the first window only.
+            ``profile_step + k*N`` from where it resumed. Needs ``clean_steps`` of 1 or more (or
+            "auto"). None: the first window only.
         report: What the console shows: ``"summary"``, the figures read in ten seconds (rates, the
             step's split, what bounds it, the top modules, the sizes), or ``"full"``, DeepSpeed's layout
             (all its summary rows, DeepSpeed's and ours, the aggregated profile, the coverage). The report
@@ -157,6 +158,11 @@ class Options:
         every = self.profile_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"profile_every must be an int >= 1 or None, got {every!r}")
+        if every is not None and self.clean_steps == 0:
+            raise ValueError(
+                "profile_every needs clean_steps 'auto' or an int >= 1, got clean_steps=0: a re-profile "
+                "window times its clean steps only (with none it would time nothing)"
+            )
         check_report_args(self.module_depth, self.top_modules)
         for name in ("detailed", "print_profile", "throughput"):
             check_flag(name, getattr(self, name))

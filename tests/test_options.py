@@ -55,6 +55,10 @@ def test_the_defaults_are_the_documented_ones() -> None:
         ({"peak_bandwidth": float("inf")}, "peak_bandwidth must be the peak memory bandwidth"),
         ({"profile_every": 0}, "profile_every must be an int >= 1 or None, got 0"),
         ({"profile_every": 20.0}, "profile_every must be an int >= 1 or None, got 20.0"),
+        (  # a re-profile window times its clean steps only: with none it ran nothing, silently
+            {"profile_every": 20, "clean_steps": 0},
+            "profile_every needs clean_steps 'auto' or an int >= 1, got clean_steps=0",
+        ),
         ({"report": "short"}, "report must be one of ('summary', 'full'), got 'short'"),
         ({"report": None}, "report must be one of ('summary', 'full'), got None"),
     ],

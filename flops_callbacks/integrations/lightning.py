@@ -378,7 +378,8 @@ def _run_length(trainer: pl.Trainer) -> int | None:
         steps = trainer.estimated_stepping_batches
     except Exception:  # an iterable dataset of unknown length: the length is not known
         return None
-    return int(steps) if steps != float("inf") else None
+    # an iterable dataset of no length with max_epochs: Lightning gives max_steps, -1 (and inf for no limit)
+    return int(steps) if steps != float("inf") and steps >= 0 else None
 
 
 def _replay(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Replay | str:

@@ -274,6 +274,8 @@ class WindowPlan:
         self.profiled = True
         clean = CLEAN_MIN if self.options.clean_steps == "auto" else self.options.clean_steps
         (max_steps, per), start = self.run_end, self.next_window
+        if start is not None:  # the first step it can start at: the run's optimizer steps go by ``per``
+            start = last_step + -(-(start - last_step) // per) * per
         last = (
             None if start is None else start + (before_clean(True) + clean - 1) * per
         )  # its last clean step

@@ -279,12 +279,50 @@ def test_the_next_window_starts_on_the_grid_after_the_last_one_ended() -> None:
     assert never.next_window is None
 
 
+@pytest.mark.parametrize(("max_steps", "third"), [(56, None), (57, 45)])
+def test_with_two_global_steps_an_optimizer_step_a_window_the_run_would_cut_is_not_started(
+    max_steps: int, third: int | None
+) -> None:
+    """Lightning's manual optimization with two optimizers: the run's steps go 0, 2, 4 ...; the grid's 45
+    starts at 46, and its lead-in and 5 clean steps end at 56: a run of 56 steps would cut it."""
+    plan = WindowPlan(Options(profile_step=5, profile_every=20, clean_steps=5), Ranks())
+    plan.new_run(0, max_steps, 2)
+    plan.ended(36)  # the second window's last step (it started at 26)
+    assert plan.next_window == third
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "20"])
 def test_profile_every_must_be_an_int_of_at_least_1_or_none(bad: object) -> None:
     with pytest.raises(ValueError, match=f"profile_every must be an int >= 1 or None, got {bad!r}"):
         Options(profile_every=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="FlopsProfilerCallback: profile_every must be an int >= 1 or None"):
         FlopsProfilerCallback(profile_every=bad)  # type: ignore[arg-type]
+
+
+class Endless(torch.utils.data.IterableDataset):
+    """60 batches and no ``__len__``: Lightning cannot know the run's length."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        generator = torch.Generator().manual_seed(0)
+        return ((torch.randn(BATCH, IN, generator=generator), torch.randn(BATCH, OUT, generator=generator))
+                for _ in range(60))  # fmt: skip
+
+
+def test_a_lightning_run_of_unknown_length_re_profiles_and_says_nothing_at_its_start(tmp_path: Path) -> None:
+    """An iterable dataset of no length and ``max_epochs``: Lightning's length is ``max_steps``, -1, which
+    read as a run of -1 steps: "profile_step=5 is never reached", and no re-profile window started."""
+    callback = FlopsProfilerCallback(profile_step=PROFILE_STEP, clean_steps=CLEAN, profile_every=EVERY,
+                                     print_profile=False)  # fmt: skip
+    settings = lightning_settings(tmp_path, -1, max_epochs=1, logger=CSVLogger(tmp_path))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(callbacks=[callback], **settings)
+        trainer.fit(MLP(), torch.utils.data.DataLoader(Endless(), batch_size=None))
+    assert trainer.global_step == 60
+    assert not [w for w in said if "FlopsProfilerCallback" in str(w.message)]
+    with open(Path(settings["logger"].log_dir) / "metrics.csv", newline="") as f:
+        logged = [int(row["step"]) for row in csv.DictReader(f) if row.get(names.FWD_FLOPS)]
+    assert logged == [ends(start) - 1 for start in (PROFILE_STEP, 25, 45)]
 
 
 # --- the throughput meter around re-profile windows, and a loop that goes on after an exception -----------
