@@ -212,11 +212,14 @@ class ThroughputMeter:
         is audited: its count is the table's first shape (out of its interval, as any audit), and the
         dtype its matmuls produced reads the peak (``peak_of``). Then audits every ``flops_audit`` steps
         (``"auto"``: none, no clean step weighs their cost), and a shape the table cannot give is counted
-        when it comes, in its interval."""
+        when it comes, in its interval. ``flops_audit=0`` counts nothing: samples and tokens only."""
         self.peak, self._peak_of = None, peak_of
         self.every = self.audit if isinstance(self.audit, int) and self.audit > 0 else None
         self._begin(model, ShapeFlops(), data_parallel, 0.0)
-        self._until, self._arrivals = 1, True
+        if self.audit != 0:
+            self._until, self._arrivals = 1, True
+        else:
+            self._warned_unknown = True  # no flops: said at the run's start
 
     def _begin(
         self, model: torch.nn.Module, flops: ShapeFlops, data_parallel: int, step_seconds: float

@@ -79,10 +79,13 @@ class RunPlan:
                 if profiled_before
                 else f"past profile_step={profile_step}"
             )
+            counted = (
+                "counted, out of the metered time"
+                if self.options.flops_audit != 0
+                else "no flops: flops_audit=0"
+            )
             meter = (
-                "; throughput/* goes on from its first step (counted, out of the metered time)"
-                if self.options.throughput
-                else ""
+                f"; throughput/* goes on from its first step ({counted})" if self.options.throughput else ""
             )
             warn(
                 f"{owner}: resumed at step {self.global_step}, {before}: no profile runs in this run{meter}. "

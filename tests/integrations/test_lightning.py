@@ -842,6 +842,27 @@ def test_a_run_resumed_past_profile_step_meters_throughput_from_its_first_step(t
         previous = step
 
 
+def test_a_run_resumed_past_profile_step_with_audits_off_meters_samples_and_counts_nothing(
+    tmp_path: Path,
+) -> None:
+    trainer = fit(tmp_path, MLP(), None, max_steps=3)
+    trainer.save_checkpoint(tmp_path / "step3.ckpt")
+    clock, logger = StepClock(), CSVLogger(tmp_path / "resumed")
+    callback = quiet_callback(flops_audit=0)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fit(
+            tmp_path, MLP(), callback, callbacks=[clock], max_steps=11, log_every_n_steps=4, logger=logger,
+            ckpt_path=tmp_path / "step3.ckpt",
+        )  # fmt: skip
+    (ours,) = [str(w.message) for w in said if OURS in str(w.message)]  # no "shape neither counted" after it
+    assert "throughput/* goes on from its first step (no flops: flops_audit=0)" in ours
+    assert not any(clock.hooks.values())  # no step counted
+    rows = [row for row in csv_metrics(logger) if row.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
+    assert [int(row["step"]) + 1 for row in rows] == [4, 8]  # the first interval holds step 3 too
+    assert not any(row.get(names.THROUGHPUT_FLOPS_PER_SEC) for row in rows)
+
+
 def test_a_run_resumed_past_profile_step_with_profile_every_profiles_whole_at_the_grids_next_step(
     tmp_path: Path,
 ) -> None:
