@@ -24,7 +24,13 @@ MAX_SIZE = {"cpu": 2048}  # the largest matrix side per device type (others: 819
 _START, _ACCELERATOR_MAX = 256, 8192
 _TRIAL = 0.025  # seconds a trial aims at: many calls of a small matrix, one of a large one
 _LONG_ENOUGH = 0.02  # a call this long is timed well: the sizes stop growing
-_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {
+    "fp64": torch.float64,
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 _MARGIN = 0.85  # of the time allowed, what the trials may plan to fill: a slow last trial still fits
 _cache: dict[tuple[str, str], Measured] = {}
 _clock, _mm = time.perf_counter, torch.mm  # what the tests replace with a device of known speed

@@ -16,6 +16,7 @@ __all__ = [
     "FP8",
     "FP16",
     "FP32",
+    "FP64",
     "GB",
     "T",
     "TF32",
@@ -24,8 +25,8 @@ __all__ = [
     "chip_for",
 ]
 
-FP32, TF32, BF16, FP16, FP8 = "fp32", "tf32", "bf16", "fp16", "fp8"
-DTYPES = (FP32, TF32, BF16, FP16, FP8)
+FP64, FP32, TF32, BF16, FP16, FP8 = "fp64", "fp32", "tf32", "bf16", "fp16", "fp8"
+DTYPES = (FP64, FP32, TF32, BF16, FP16, FP8)  # fp64: no chip has a column (a peak is given or measured)
 T = 1e12  # TFLOPS
 
 

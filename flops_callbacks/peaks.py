@@ -14,6 +14,7 @@ for bf16, and only warns on an unknown device.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from flops_callbacks.peak_table import (
     FP8,
     FP16,
     FP32,
+    FP64,
     GB,
     TF32,
     Chip,
@@ -56,6 +58,7 @@ __all__ = [
     "MEASURED",
     "FP16",
     "FP32",
+    "FP64",
     "fp32_matmul_dtype",
     "FP8",
     "GB",
@@ -84,8 +87,13 @@ _Figure = TypeVar("_Figure")  # Peak or Bandwidth
 _Value = TypeVar("_Value")  # what an argument's check returns
 
 
-def fp32_matmul_dtype() -> str:
-    """``tf32`` when torch lets fp32 matmuls use TF32 tensor cores, else ``fp32``."""
+def fp32_matmul_dtype(device: torch.device | None = None) -> str:
+    """What an fp32 matmul runs in on ``device``: on a CPU, ``bf16`` where torch lets oneDNN run them in
+    bf16 (AMX), else ``fp32`` (its "tf32" runs at the fp32 rate); elsewhere ``tf32`` when torch lets them
+    use TF32 tensor cores, else ``fp32``."""
+    if device is not None and device.type == "cpu":
+        mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
+        return BF16 if getattr(mkldnn, "fp32_precision", None) == "bf16" else FP32
     precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
     if isinstance(precision, str):  # torch >= 2.9; reading allow_tf32 there can raise after the new API
         return TF32 if precision == "tf32" else FP32
@@ -98,15 +106,16 @@ _HALF = {torch.bfloat16: BF16, torch.float16: FP16}  # the half precisions' DTYP
 
 def parameters_dtype(model: torch.nn.Module) -> str | None:
     """The compute dtype of ``model``'s matmuls without autocast: its floating parameters' dtype, with
-    fp32 as :func:`fp32_matmul_dtype` says (None for dtypes the table has no column for).
+    fp32 as :func:`fp32_matmul_dtype` says (None for a dtype no matmul rate is known for).
 
     Args:
         model: the model whose parameters are read.
     """
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    found = next((p for p in model.parameters() if p.is_floating_point()), None)
+    dtype = torch.float32 if found is None else found.dtype
     if dtype == torch.float32:
-        return fp32_matmul_dtype()
-    return _HALF.get(dtype)
+        return fp32_matmul_dtype(None if found is None else found.device)
+    return FP64 if dtype == torch.float64 else _HALF.get(dtype)
 
 
 def measured_dtype(declared: str | None, matmuls: torch.dtype | None) -> str | None:
@@ -127,7 +136,7 @@ def _positive(value: Any, name: str, what: str, example: str, also: str = "") ->
     (``also``: another value the argument takes, said in the error)."""
     if value is None:
         return None
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's scalars too
     if not number or not 0 < value < float("inf"):
         unset = "unset" if name.isupper() else "None"  # an environment variable's name is upper case
         raise ValueError(

@@ -17,6 +17,7 @@ from flops_callbacks.peaks import (
     ENV_VAR,
     FP8,
     FP32,
+    FP64,
     Peak,
     PeakToMeasure,
     given_peak,
@@ -152,3 +153,15 @@ def test_each_peak_says_in_a_word_where_it_came_from(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(ENV_VAR, "312e12")
     from_env = given_peak(None)
     assert from_env == Peak(312e12, f"{ENV_VAR} environment variable") and from_env.kind == "given"
+
+
+def test_an_fp64_model_measures_an_fp64_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float64 model's dtype is fp64 (it was unknown: no MFU, and "measure" refused to run)."""
+    device = FakeDevice({256: 2e10, 512: 2e10, 1024: 2e10, 2048: 2e10})
+    on(device, monkeypatch)
+    made: list[torch.dtype] = []
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: made.append(k["dtype"]) or randn(*a, **k))
+    peak, why = resolve_peak(PeakToMeasure("peak_flops='measure'"), CPU, FP64)
+    assert why == "" and peak is not None and peak.flops == pytest.approx(2e10)
+    assert peak.source.startswith("measured: fp64 dense matmul") and set(made) == {torch.float64}

@@ -12,6 +12,7 @@ import torch
 from transformers import TrainingArguments
 
 from flops_callbacks.integrations import hf, lightning
+from flops_callbacks.integrations.strategy_state import precision_dtype
 from flops_callbacks.options import Options
 from flops_callbacks.peaks import (
     BANDWIDTH_ENV_VAR,
@@ -22,6 +23,7 @@ from flops_callbacks.peaks import (
     FP8,
     FP16,
     FP32,
+    FP64,
     TF32,
     Bandwidth,
     Peak,
@@ -29,6 +31,7 @@ from flops_callbacks.peaks import (
     chip_for,
     fp32_matmul_dtype,
     measured_dtype,
+    parameters_dtype,
     resolve_bandwidth,
     resolve_peak,
     table_bandwidth,
@@ -149,6 +152,26 @@ def test_fp32_matmuls_count_as_tf32_only_when_torch_allows_it(restore_matmul_pre
     assert fp32_matmul_dtype() == TF32
 
 
+def test_on_a_cpu_fp32_matmuls_are_fp32_or_onednns_bf16_never_cudas_tf32(
+    restore_matmul_precision: None,
+) -> None:
+    """The CPU's setting is oneDNN's: "medium" runs fp32 matmuls in bf16 (AMX), "high" at the fp32 rate.
+    It read CUDA's, and said tf32 on a CPU."""
+    cpu, model = torch.device("cpu"), torch.nn.Linear(2, 2)
+    torch.set_float32_matmul_precision("highest")
+    assert fp32_matmul_dtype(cpu) == parameters_dtype(model) == FP32
+    torch.set_float32_matmul_precision("high")
+    assert fp32_matmul_dtype(cpu) == parameters_dtype(model) == FP32 and fp32_matmul_dtype() == TF32
+    torch.set_float32_matmul_precision("medium")
+    assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+    assert fp32_matmul_dtype(cpu) == parameters_dtype(model) == BF16
+
+
+def test_a_float64_model_and_lightnings_64_true_compute_in_fp64() -> None:
+    model = torch.nn.Linear(2, 2).double()
+    assert parameters_dtype(model) == precision_dtype("64-true", model) == FP64
+
+
 @pytest.mark.parametrize(
     "value",
     [
@@ -166,6 +189,14 @@ def test_fp32_matmuls_count_as_tf32_only_when_torch_allows_it(restore_matmul_pre
 def test_bad_peak_flops_fails_at_construction_naming_the_argument(value: object) -> None:
     with pytest.raises(ValueError, match="peak_flops must be the dense peak FLOPS of one device"):
         Options(peak_flops=value)  # type: ignore[arg-type]
+
+
+def test_a_numpy_scalar_is_a_number() -> None:
+    """numpy's float32 and int64 (a peak read from a table or a config): "must be a positive number"."""
+    for value in (numpy.float32(1e12), numpy.int64(10**12)):
+        assert Options(peak_flops=value, peak_bandwidth=value).peak_flops == value  # type: ignore[arg-type]
+        given = StepSession(Options(peak_flops=value), "test").given_peak  # type: ignore[arg-type]
+        assert given == Peak(float(value), "peak_flops argument")
 
 
 def test_environment_variable_sets_the_peak_and_the_argument_wins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -255,7 +286,7 @@ def test_bandwidth_environment_variable_and_the_argument_wins(monkeypatch: pytes
 
 @pytest.mark.parametrize(
     ("precision", "dtype"),
-    [("bf16-mixed", BF16), ("bf16-true", BF16), ("16-true", FP16), ("32-true", FP32), ("64-true", None)],
+    [("bf16-mixed", BF16), ("bf16-true", BF16), ("16-true", FP16), ("32-true", FP32), ("64-true", FP64)],
 )
 def test_lightning_precision_plugin_gives_the_compute_dtype(
     precision: str, dtype: str | None, restore_matmul_precision: None
@@ -268,7 +299,8 @@ def test_lightning_precision_plugin_gives_the_compute_dtype(
 def test_lightning_fp32_with_tf32_allowed_and_transformer_engine(restore_matmul_precision: None) -> None:
     trainer = L.Trainer(accelerator="cpu", precision="32-true", logger=False, enable_progress_bar=False)
     torch.set_float32_matmul_precision("high")
-    assert lightning.compute_dtype(trainer, torch.nn.Linear(2, 2)) == TF32
+    assert lightning.compute_dtype(trainer, torch.nn.Linear(2, 2, device="meta")) == TF32  # off a CPU
+    assert lightning.compute_dtype(trainer, torch.nn.Linear(2, 2)) == FP32  # oneDNN's "tf32": the fp32 rate
     # TransformerEnginePrecision cannot be built without transformer_engine: its precision string only
     assert lightning.compute_dtype(SimpleNamespace(precision="transformer-engine"), None) == FP8
 
@@ -286,7 +318,7 @@ def test_hf_training_arguments_give_the_compute_dtype(restore_matmul_precision: 
     assert hf.compute_dtype(args(), model.to(torch.bfloat16)) == BF16  # a model loaded in bf16
     assert hf.compute_dtype(args(), model, SimpleNamespace(mixed_precision="fp8")) == FP8
     torch.set_float32_matmul_precision("high")
-    assert hf.compute_dtype(args(), torch.nn.Linear(2, 2)) == TF32
+    assert hf.compute_dtype(args(), torch.nn.Linear(2, 2, device="meta")) == TF32  # off a CPU
 
 
 def test_a_loops_own_autocast_is_the_compute_dtype_its_counted_matmuls_ran_in() -> None:

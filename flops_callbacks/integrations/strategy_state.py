@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from flops_callbacks.parallel import ParallelSizes
-from flops_callbacks.peaks import BF16, FP8, FP16, parameters_dtype
+from flops_callbacks.peaks import BF16, FP8, FP16, FP64, parameters_dtype
 
 __all__ = ["precision_dtype", "strategy_sizes"]
 
@@ -68,4 +68,4 @@ def precision_dtype(precision: str, model: torch.nn.Module) -> str | None:
         return FP16
     if precision.startswith("32"):
         return parameters_dtype(model)
-    return None  # 64-true: the peak table has no fp64 column
+    return FP64 if precision.startswith("64") else None
