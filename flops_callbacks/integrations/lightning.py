@@ -36,6 +36,7 @@ from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
 from flops_callbacks.session.adapter_api import TrainingContext
 from flops_callbacks.session.off_clock import Replay
+from flops_callbacks.user_warning import warn
 
 __all__ = ["compute_dtype", "FlopsProfilerCallback", "parallel_sizes"]
 
@@ -156,6 +157,8 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     _in_manual_backward = False  # between on_before_backward and on_after_backward
     _thread: int | None = None  # the thread of the window micro-batch (manual optimization)
     _module_hook: WrappedMethod | None = None  # the module's on_train_batch_start, wrapped till it returns
+    _iterating = False  # training_step(dataloader_iter): the step fetches its own batches
+    _fetched: Any = None  # then: the last batch Lightning handed our hook (an epoch's first step hands None)
 
     def state_dict(self) -> dict[str, Any]:
         return {"profiled_step": self._profiled_step}
@@ -166,6 +169,16 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_step()
+        step = pl_module.training_step  # Lightning's own test for the flavour (its data fetcher's choice)
+        self._iterating = is_param_in_hook_signature(step, "dataloader_iter", explicit=True)
+        self._fetched = None
+        if self._iterating and trainer.is_global_zero:
+            warn(
+                f"{self.session.owner}: training_step(dataloader_iter) fetches its batches inside the step, "
+                "where no callback sees them: samples and tokens count the batch Lightning hands "
+                "on_train_batch_start (the last one fetched before the step), one a step. A step that "
+                "fetches k batches: pass batch_size_fn (and tokens_fn) returning k times a batch's."
+            )
         self.session.train_start(
             trainer.global_step,
             max_steps=_run_length(trainer),
@@ -213,7 +226,11 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             if session.window_open and not pl_module.automatic_optimization:
                 hooks = [opt.register_step_post_hook(self._after_step) for opt in trainer.optimizers]
                 self._step_hooks = hooks
-        session.micro_batch_start(batch, _replay(trainer, pl_module, batch, batch_idx))
+        if self._iterating:  # an epoch's first step is handed None: the batch before it stands for it
+            batch = self._fetched = self._fetched if batch is None else batch
+            session.micro_batch_start(batch, "training_step(dataloader_iter) fetches its own batches")
+        else:
+            session.micro_batch_start(batch, _replay(trainer, pl_module, batch, batch_idx))
         self._unwrap()
         self._unguard()
         if session.window_open:
@@ -357,10 +374,12 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             self.session.close()
         finally:
             self._end_step()
+            self._fetched = None  # the user's data is not held
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_step()
+        self._fetched = None
         self.session.train_end(trainer.global_step, _Sink(trainer, ended=True))
         if self.session.result is not None and self._profiled_step is None:
             self._profiled_step = self.session.result.step

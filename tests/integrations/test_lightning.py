@@ -1050,6 +1050,46 @@ def test_a_batch_the_module_skips_with_minus_one_is_no_steps_and_no_intervals(tm
         previous = step
 
 
+class TwoBatchMLP(MLP):
+    """``training_step(dataloader_iter)`` fetching two batches a step, as a loop of its own does."""
+
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+        return sum(super(TwoBatchMLP, self).training_step(next(dataloader_iter)[0], 0) for _ in range(2))
+
+
+def test_a_dataloader_iter_step_is_said_at_the_start_and_batch_size_fn_counts_its_batches(
+    tmp_path: Path,
+) -> None:
+    """Lightning hands our hook the last batch fetched before the step (None at an epoch's first): said
+    once at the start, with how batch_size_fn counts a step's k batches; each interval's samples/s lies
+    between stopwatches, and no "NoneType batch" is said."""
+    end, before, after, logger = 24, BatchEnds(), BatchEnds(), CSVLogger(tmp_path)
+    callback = quiet_callback(clean_steps=3, flops_audit=0, batch_size_fn=lambda batch: 2 * len(batch[0]))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fit(
+            tmp_path, TwoBatchMLP(), None, callbacks=[before, callback, after], max_steps=end,
+            log_every_n_steps=4, logger=logger,
+        )  # fmt: skip
+    ours = [str(w.message) for w in said if OURS in str(w.message)]
+    assert len(ours) == 1 and ours[0].startswith(f"{OURS}: training_step(dataloader_iter) fetches its")
+    result = callback.result
+    assert result is not None and result.samples == 2 * BATCH
+    # the two uses' gradients of each parameter added: a flop each
+    profile = result.profile
+    assert (profile.fwd_flops, profile.bwd_flops) == (2 * fwd_flops(BATCH), 2 * bwd_flops(BATCH) + PARAMS)
+    rows = [row for row in csv_metrics(logger) if row.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
+    logged = {int(row["step"]) + 1: float(row[names.THROUGHPUT_SAMPLES_PER_SEC]) for row in rows}
+    previous = window_end(PROFILE_STEP, 3)
+    assert sorted(logged) == [s for s in range(4, end + 1, 4) if s > previous]
+    for step, rate in sorted(logged.items()):
+        samples = 2 * BATCH * (step - previous)
+        shortest = before.ended[step] - after.ended[previous]
+        longest = after.ended[step] - before.ended[previous]
+        assert samples / longest <= rate <= samples / shortest, step
+        previous = step
+
+
 class LoggingMLP(MLP):
     """The MLP logging its own loss each batch, as a user's module does (``self.log``)."""
 
