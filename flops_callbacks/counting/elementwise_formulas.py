@@ -76,7 +76,8 @@ def _group_norm_flop(args: tuple, kwargs: dict, out: Any) -> int:
 
 @elementwise(aten.native_group_norm_backward)
 def _group_norm_backward_flop(args: tuple, kwargs: dict, out: Any) -> int:
-    return 2 * _norm_flops(args[1], args[5], 5, 4)
+    # (grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask)
+    return 2 * _norm_flops(args[1], args[4], 5, 4)
 
 
 @elementwise(
@@ -99,7 +100,10 @@ def _batch_norm_eval_flop(args: tuple, kwargs: dict, out: Any) -> int:
     + present("batch_norm_backward", "cudnn_batch_norm_backward", "miopen_batch_norm_backward")
 )
 def _batch_norm_backward_flop(args: tuple, kwargs: dict, out: Any) -> int:
-    return 2 * _norm_flops(args[1], args[2], 5, 4)
+    # (grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, ...): twice the
+    # forward, training's or inference's
+    training = args[7] if len(args) > 7 and isinstance(args[7], bool) else True
+    return 2 * (_norm_flops(args[1], args[2], 5, 4) if training else _norm_flops(args[1], args[2], 2, 1))
 
 
 # Weight normalization (HuBERT's and SpeechT5's positional convolution; torch's registry has no formula):
@@ -234,6 +238,12 @@ def _accumulate_flop(args: tuple, kwargs: dict, out: Any) -> int:
     return largest_tensor_numel(args[3] if len(args) > 3 else args[0])
 
 
+@elementwise(present("col2im"))
+def _col2im_flop(args: tuple, kwargs: dict, out: Any) -> int:
+    """``F.fold`` (and ``F.unfold``'s backward): every column value added into its output position."""
+    return args[0].numel()
+
+
 @elementwise(
     [aten.scatter.reduce, aten.scatter.value_reduce, aten.scatter_.reduce, aten.scatter_.value_reduce]
 )
@@ -312,7 +322,7 @@ _FREE_NAMES = """
     new_empty_strided empty_strided arange scalar_tensor triu tril _unsafe_view _local_scalar_dense
     constant_pad_nd repeat roll flip expand_copy view_copy _reshape_copy resize_ set_ detach_
     _assert_async _assert_tensor_metadata sym_constrain_range_for_size _functional_sym_constrain_range
-    masked_fill_ index_fill im2col col2im _pin_memory record_stream eye linspace
+    masked_fill_ index_fill im2col _pin_memory record_stream eye linspace
     unsafe_split unsafe_split_with_sizes unsafe_chunk
     nonzero nonzero_static _unique _unique2 unique_dim unique_consecutive unique_dim_consecutive
     masked_scatter masked_scatter_ masked_select take index_copy index_copy_ repeat_interleave one_hot

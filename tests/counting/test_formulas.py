@@ -451,6 +451,37 @@ def test_layer_norm(affine: bool, per_element: int) -> None:
     assert dense(profile) == (0, 0)
 
 
+@pytest.mark.parametrize(("affine", "per_element"), [(True, 5), (False, 4)])
+def test_group_norm_backward_is_twice_its_forward_with_or_without_weights(
+    affine: bool, per_element: int
+) -> None:
+    x = leaf(2, 4, 5, 5)
+    profile = profile_of(nn.GroupNorm(2, 4, affine=affine), x, backward=True)
+    # (the backward read N, an int, as its weight: always 4 per element, 1600 for 2000 here)
+    assert (profile.fwd_flops, profile.bwd_flops) == (per_element * x.numel(), 2 * per_element * x.numel())
+
+
+@pytest.mark.parametrize(("training", "per_element"), [(True, 5), (False, 2)])
+def test_batch_norm_backward_is_twice_its_forward_in_training_or_inference(
+    training: bool, per_element: int
+) -> None:
+    """Inference applies the running statistics (scale and shift: 2 per element); its backward was
+    counted as training's (10 per element for 2 forward)."""
+    x, norm = leaf(2, 4, 5, 5), nn.BatchNorm2d(4)
+    profile = profile_of(norm.train(training), x, backward=True)
+    norm_flops = [
+        (c.fwd_flops, c.bwd_flops) for name, c in profile.modules[""].functionals.items() if "norm" in name
+    ]
+    assert norm_flops == [(per_element * x.numel(), 2 * per_element * x.numel())]
+
+
+def test_fold_adds_every_column_value_into_its_output() -> None:
+    """``F.fold`` (aten.col2im) sums overlapping patches: one add per value (it was counted free)."""
+    columns = leaf(1, 8, 9, grad=False)  # 2 channels x 2x2 kernel, 3x3 positions, stride 1 -> 4x4
+    profile = profile_of(Call(lambda t: F.fold(t, (4, 4), 2)), columns)
+    assert profile.fwd_flops == columns.numel() and profile.coverage.uncounted == []
+
+
 def test_softmax() -> None:
     x = leaf(3, 4, 7)
     profile = profile_of(Call(lambda t: F.softmax(t, dim=-1)), x, backward=True)
