@@ -33,9 +33,10 @@ _CONTAINER_FORWARDS = (torch.nn.Module.forward, torch.nn.Sequential.forward)
 class ModuleTree:
     """Names, ancestors and parameter holders of ``model``'s modules (except ``ignore_types``).
 
-    A shared module is profiled under its first name; ``torch.compile``'s ``_orig_mod`` wrapper
-    level is left out of the names; a module of an ignored type is not profiled (``ignored``): its own
-    work counts towards its nearest profiled ancestor, its children are profiled.
+    A shared module is profiled under its first name; ``torch.compile``'s wrapper (an
+    ``OptimizedModule``) is left out, the module it wraps named in its place; a module of an ignored
+    type is not profiled (``ignored``): its own work counts towards its nearest profiled ancestor, its
+    children are profiled.
 
     Args:
         model: the model whose modules are named.
@@ -51,8 +52,11 @@ class ModuleTree:
             if name and _own_type(module) in ignore_types:  # the type itself (DeepSpeed), not a subclass
                 self.ignored.setdefault(name, module)
                 continue
-            if id(module) in self.names or name in self.modules:
-                continue  # the _orig_mod wrapper level, or a module seen under an earlier name
+            wrapper = self.modules.get(name)
+            if wrapper is not None and wrapper._modules.get("_orig_mod") is module:
+                del self.names[id(wrapper)]  # torch.compile's wrapper: its name is the model's it wraps
+            elif id(module) in self.names or name in self.modules:
+                continue  # a module seen under an earlier name
             self.names[id(module)] = name
             self.modules[name] = module
         self.ancestors: dict[str, list[str]] = {}

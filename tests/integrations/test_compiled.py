@@ -123,6 +123,34 @@ def test_a_model_compiled_in_place_is_counted_and_timed_eagerly_with_no_new_grap
     assert compiled_graphs() == graphs  # the compiled graph ran again, unchanged
 
 
+def test_a_wrapped_compiled_models_tree_is_the_models_own_from_its_root() -> None:
+    """``torch.compile(model)`` handed to StepProfiler or FlopsProfiler: the root is the model (a
+    ``Stack``), as Lightning and the HF Trainer report theirs, not torch's ``OptimizedModule`` wrapper."""
+    from flops_callbacks import FlopsProfiler, StepProfiler
+
+    model = stack()
+    compiled = torch.compile(model, backend="eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = StepProfiler(compiled, profile_step=1, clean_steps=1, print_profile=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the eager note
+        for _ in range(window_end(1, 1) + 1):
+            x = torch.randn(BATCH, WIDTH)
+            with prof.step(x):
+                compiled(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        prof.close()
+        with FlopsProfiler(compiled) as counted:
+            compiled(torch.randn(BATCH, WIDTH))
+    assert prof.result is not None
+    for profile in (prof.result.profile, counted.get_profile()):
+        root = profile.modules[""]
+        assert (root.class_name, root.calls) == ("Stack", 1)
+        assert sorted(profile.modules)[:3] == ["", "blocks", "blocks.0"]
+        assert root.fwd_flops == 4 * (2 * BATCH * WIDTH * WIDTH + BATCH * WIDTH)  # addmm, relu
+
+
 # --- Lightning: torch.compile(lightning_module) passed to Trainer.fit -------------------------------------
 
 
