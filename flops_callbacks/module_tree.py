@@ -161,6 +161,13 @@ def dynamo_compiled_anything() -> bool:
     return utils is not None and bool(utils.counters["stats"].get("unique_graphs"))
 
 
+def dynamo_frames() -> int:
+    """The frames dynamo has compiled (or tried to) in this process: one more is a compile (0 where dynamo
+    is not loaded)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["frames"].get("total", 0))
+
+
 def has_compiled(modules: Iterable[torch.nn.Module]) -> bool:
     """Whether any of ``modules`` was ``torch.compile``d, in any of the ways that leave a mark on it:
     wrapped (``torch.compile(module)``: an ``OptimizedModule``), in place (``module.compile()``), or

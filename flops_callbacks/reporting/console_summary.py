@@ -236,6 +236,8 @@ def _warnings(result: WindowResult, doubts: TreeCheck, details: str) -> list[str
     if s.skipped:
         skipped = step_list(s.skipped)
         lines.append(f"warning: clean steps left out (batch shapes not countable): {skipped}{where}")
+    if s.compiled:
+        lines.append(f"note: clean steps left out (torch.compile compiled in them): {step_list(s.compiled)}")
     if not s.module_shapes_match and s.module_timing:
         lines.append(f"warning: no module latencies (other batch shapes than the counting step's){where}")
     return lines

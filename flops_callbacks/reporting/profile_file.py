@@ -112,11 +112,11 @@ def json_data(result: WindowResult, report: dict[str, int] | None = None) -> dic
         "step": result.step,
         "published_at_step": result.published_at,
         # a one-process window has no communication steps, a fixed-shape one profiles its counting step, a
-        # CPU times its modules by their hooks
+        # CPU times its modules by their hooks, an uncompiled model compiles nothing
         "steps": {
             k: v
             for k, v in dataclasses.asdict(result.steps).items()
-            if v or k not in ("communication", "profile_step", "module_kernels")
+            if v or k not in ("communication", "profile_step", "module_kernels", "compiled", "eager_tree")
         },
         "model_forward": result.model_forward,  # seconds; steps: steps.model_forward
         "model_forward_high": result.model_forward_high,  # the slowest of those steps'

@@ -46,6 +46,7 @@ def check_tree(
     model_forward_high: float | None = None,
     trace: int | None = None,
     flops_ratio: float = 1.0,
+    eager: bool = False,
 ) -> TreeCheck:
     """The notes on ``profile``'s module latencies against the phases' (seconds, clean steps; scaled up by
     ``flops_ratio`` where the tree's batch did more work); the model's forward against ``model_forward``
@@ -62,6 +63,8 @@ def check_tree(
         model_forward_high: the slowest clean step's model forward, seconds.
         trace: the module-timing step whose tree ``profile`` holds (None: unknown).
         flops_ratio: the tree's batch's flops (fwd + bwd as run) over the median clean step's.
+        eager: the modules were timed eagerly beside compiled clean steps (``torch.compile``): a longer
+            tree is the eager model's, said as such, not a slowed step.
     """
     check = TreeCheck()
     if not module_steps:
@@ -78,9 +81,10 @@ def check_tree(
             own = (model_forward, "the model's own forward")
             spread = (model_forward_high or model_forward) / model_forward
             slack = min(max(PHASE_SLACK, spread), OWN_SLACK_CAP)
-            _check_root(profile, kind, own, which, check, both_ways=True, slack=slack)
+            _check_root(profile, kind, own, which, check, both_ways=True, slack=slack, eager=eager)
         else:
-            _check_root(profile, kind, (phase * scale, f"the {_words(kind)} phase{scaled}"), which, check)
+            against = (phase * scale, f"the {_words(kind)} phase{scaled}")
+            _check_root(profile, kind, against, which, check, eager=eager)
         _check_parents(profile, kind, check)
     return check
 
@@ -101,6 +105,7 @@ def _check_root(
     check: TreeCheck,
     both_ways: bool = False,
     slack: float = PHASE_SLACK,
+    eager: bool = False,
 ) -> None:
     """The model's latency against ``reference`` (seconds, words): longer is a slowed module-timing step;
     shorter (``both_ways``: the same calls, not a phase with more in it) a slowed clean step, or too much
@@ -116,6 +121,11 @@ def _check_root(
     )
     if ratio < 1:
         note += f"a slowed clean step, or too much taken out for the hooks: the {words} widths read short"
+    elif eager:
+        note += (
+            f"the modules ran eagerly there and compiled on the clean steps (torch.compile), so the "
+            f"{words} widths are the eager model's, not the compiled code's"
+        )
     else:
         hooks = ", or their hooks cost more than was taken out" if both_ways else ""
         note += f"the steps that timed the modules were slowed{hooks}, so their {words} widths "

@@ -128,6 +128,8 @@ def source_lines(result: WindowResult) -> list[tuple[str, str]]:
         lines.append(("steps counted, not timed (new batch shapes, checks)", step_list(shown)))
     if s.skipped:
         lines.append(("clean steps left out (batch shapes not countable)", step_list(s.skipped)))
+    if s.compiled:
+        lines.append(("clean steps left out (torch.compile compiled in them)", step_list(s.compiled)))
     return lines
 
 
@@ -392,6 +394,7 @@ def tree_doubts(result: WindowResult) -> TreeCheck:
         high,
         steps.module_trace,
         ratio,
+        steps.eager_tree,
     )
 
 

@@ -223,6 +223,7 @@ def build_result(
         first=steps[0].number,
         clean=tuple(s.number for s in clean),
         skipped=tuple(s.number for s in steps if s.kind in (Kind.CLEAN, Kind.SKIPPED) and s not in clean),
+        compiled=tuple(s.number for s in steps if s.kind == Kind.COMPILED),
         latency_source=local.source,
         shape_counting=tuple(s.number for s in steps if s.kind in (Kind.CHECK, Kind.SHAPE_COUNTING)),
         shapes=shapes,
@@ -338,6 +339,7 @@ def _counted(
             model_forward_shapes_match=forward_shapes_match,
             communication=tuple(s.number for s in local.comm_steps),
             profile_step=local.profiled.number if local.profiled is not None else None,
+            eager_tree=local.compiled,
             module_kernels=any(
                 s.timer is not None and isinstance(s.timer.clock, KernelClock) for s in module_steps
             ),

@@ -14,7 +14,7 @@ import torch
 
 from flops_callbacks.communication.recorder import CommRecorder
 from flops_callbacks.counting.engine import CountingEngine
-from flops_callbacks.module_tree import dynamo_compiled_anything, has_compiled
+from flops_callbacks.module_tree import dynamo_compiled_anything, dynamo_frames, has_compiled
 from flops_callbacks.options import Options
 from flops_callbacks.phase_names import BACKWARD, FORWARD
 from flops_callbacks.session.batch import Signature
@@ -58,6 +58,7 @@ class Instruments:
     def for_step(self, step: WindowStep, model: torch.nn.Module, runs: torch.nn.Module | None) -> None:
         """A window step starts: the counting step's engine, or a module-timing step's timer."""
         self.energy.start(model)  # at the window's first step: its device's counter
+        step.frames = dynamo_frames()
         if step.kind == Kind.COUNTING:
             compiled = None if runs is None else has_compiled(runs.modules())
             causal = self.options.causal_attention
@@ -177,6 +178,10 @@ class Instruments:
         """A window step ended: a module-timing step names the outermost modules clean steps mark; the
         communication step's profiler stops and its split is read."""
         self.energy.read(step)  # right after its end mark
+        if step.kind == Kind.CLEAN and dynamo_frames() > step.frames:
+            # compiled code met a shape it had not compiled (the steps before ran eagerly): the compile's
+            # seconds are in its time; left out, as another clean step is run
+            step.kind = Kind.COMPILED
         if step.kind == Kind.MODULE_TIMING and self.mark_outer and self.timer is not None:
             self.outermost = self.timer.outermost()
         recorder, self.shape_engine, self.timer, self.recorder = self.recorder, None, None, None

@@ -108,6 +108,7 @@ class LocalWindow:
     timed: list[WindowStep] = dataclasses.field(default_factory=list)  # the clean steps, or who stands in
     as_run: bool = False  # no clean step ran, and the one timed instead has its batch's flops as run
     matmul_dtype: torch.dtype | None = None  # what the counted matmuls produced (autocast's dtype)
+    compiled: bool = False  # torch.compile'd code: eager on the counted and module-timing steps only
 
     @property
     def profile_step(self) -> WindowStep:
@@ -251,7 +252,7 @@ def local_window(
     energy = rank_energy(steps, clean)
     return LocalWindow(
         profile, ran, module_steps, clean, figures, source, counting, sources, comm, profiled, energy, timed,
-        as_run, engine.matmul_dtype(),
+        as_run, engine.matmul_dtype(), engine.compiled,
     )  # fmt: skip
 
 

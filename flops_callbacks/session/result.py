@@ -153,6 +153,8 @@ class WindowSteps:
     # the module latencies are the device's kernels launched in each call (a CUDA device, torch.profiler's
     # activity records), not the clock between the hooks
     module_kernels: bool = False
+    compiled: tuple[int, ...] = ()  # clean steps left out: torch.compile compiled in them (a new shape)
+    eager_tree: bool = False  # compiled code: the modules timed eagerly, the clean steps compiled
 
     @property
     def profiled(self) -> int:

@@ -87,6 +87,7 @@ class Kind(str, Enum):
     CLEAN = "clean"  # timed: the window's latencies and rates
     SHAPE_COUNTING = "shape counting"  # counted, not timed: its shapes' flops had no other source
     SKIPPED = "skipped"  # timed, but its shapes' flops are unknown (no shape counting left)
+    COMPILED = "compiled"  # a clean step torch.compile compiled in (dynamo's frames): timed, left out
     LEAD_IN = "lead-in"  # a re-profile window's first: its end is where the first clean step's wall starts
     COMMUNICATION = "communication"  # under torch.profiler: where the step's time goes between ranks
 

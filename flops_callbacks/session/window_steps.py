@@ -138,6 +138,7 @@ class WindowStep:
     comm: CommBreakdown | None = None  # the communication step's split of its time
     votes: tuple[Vote, ...] = ()  # the profiler's votes in its wall, on this rank (session.window_plan)
     energy: Reading | str | None = None  # the energy counter right after its end mark, or why none
+    frames: int = 0  # dynamo's compiled frames at its start (a clean step that compiled is left out)
 
     def add(
         self,

@@ -151,6 +151,39 @@ def test_a_wrapped_compiled_models_tree_is_the_models_own_from_its_root() -> Non
         assert root.fwd_flops == 4 * (2 * BATCH * WIDTH * WIDTH + BATCH * WIDTH)  # addmm, relu
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_clean_step_in_which_torch_compile_compiled_is_left_out_and_said(
+    tmp_path: Path, compiled: bool
+) -> None:
+    """``profile_step=0``: the window's first steps run eagerly, so the compiled code first runs (and
+    compiles, here a second or more with inductor) on the first clean step; its time was a clean step's,
+    in the wall rates and the latencies' max. It is left out and said; the model uncompiled: none is."""
+    from flops_callbacks import StepProfiler
+
+    model = stack()
+    runs = torch.compile(model, backend="eager") if compiled else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    report = tmp_path / "report.txt"
+    prof = StepProfiler(runs, profile_step=0, clean_steps=3, print_profile=False, output_file=report)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the eager note
+        for _ in range(window_end(0, 3) + 2):
+            x = torch.randn(BATCH, WIDTH)
+            with prof.step(x):
+                runs(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        prof.close()
+    steps = prof.result.steps
+    first = first_clean(0)
+    if compiled:
+        assert steps.compiled == (first,) and first not in steps.clean and steps.eager_tree
+        assert "clean steps left out (torch.compile compiled in them)" in report.read_text()
+    else:
+        assert steps.compiled == () and steps.clean[0] == first and not steps.eager_tree
+    assert len(steps.clean) >= 2 and not steps.skipped
+
+
 # --- Lightning: torch.compile(lightning_module) passed to Trainer.fit -------------------------------------
 
 

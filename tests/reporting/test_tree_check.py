@@ -62,6 +62,18 @@ def test_a_model_three_times_its_forward_phase_names_the_module_holding_the_exce
     assert set(check.flagged) == {"", "b"}
 
 
+def test_an_eager_tree_beside_compiled_clean_steps_is_said_to_be_the_eager_models_not_a_slowed_step() -> None:
+    """torch.compile: the modules are timed eagerly, the clean steps run compiled code; a tree 1.5x the
+    compiled forward said "the steps that timed the modules were slowed", and a rerun changed nothing."""
+    profile = hand_profile({"": (15 * MS, 18 * MS), "a": (14 * MS, 8 * MS)})
+    check = check_tree(profile, fwd_phase=10 * MS, bwd_phase=20 * MS, module_steps=(3,), eager=True)
+    (note,) = check.notes
+    assert "1.50x the forward phase" in note and "slowed" not in note
+    assert note.endswith("the modules ran eagerly there and compiled on the clean steps (torch.compile), so "
+                         "the forward widths are the eager model's, not the compiled code's")  # fmt: skip
+    assert set(check.flagged) == {""}  # no module blamed
+
+
 def test_a_child_longer_than_its_parent_is_named_in_each_phase() -> None:
     profile = hand_profile({"": (9 * MS, 15 * MS), "a": (2 * MS, 6 * MS), "a.x": (3 * MS, 5 * MS)})
     check = check_tree(profile, fwd_phase=10 * MS, bwd_phase=20 * MS, module_steps=(3,))
