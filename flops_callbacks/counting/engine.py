@@ -251,6 +251,8 @@ class CountingEngine:
         recompute = bool(self._stack and self._stack[-1].recompute)
         recompute = recompute or _current_autograd_node() is not None
         if not recompute and torch.is_grad_enabled():  # a checkpoint holds its inputs
+            if self._stack:  # nodes made in the caller that no call tagged (a custom autograd Function's
+                self._tag(args, self._context_for(None))  # apply): the caller's, not this module's
             self._saved.enter(args, self._context_for(None))
         start = self.clock.mark()
         for ancestor in self._virtual_ancestors(name):

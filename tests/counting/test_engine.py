@@ -64,6 +64,41 @@ def test_forward_and_backward_are_attributed_to_their_modules() -> None:
     assert (up.params, profile.params, profile.trainable_params) == (D_IN * D_HID, params, params)
 
 
+class HandMatmul(torch.autograd.Function):
+    """A custom autograd Function: its node is made by ``apply``, which no torch function mode sees."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x, w = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad @ w.T, x.T @ grad
+
+
+class CustomThenLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D_IN, D_IN))
+        self.inner = nn.Linear(D_IN, D_IN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(HandMatmul.apply(x, self.w))
+
+
+def test_a_custom_functions_backward_is_the_module_that_applied_it_not_the_next_one() -> None:
+    """Its node was tagged by the next call's walk, with that call's place: ``inner`` held both
+    backwards (4 matmuls) and the model none of its own."""
+    x = torch.randn(B, D_IN, requires_grad=True)
+    profile = traced(CustomThenLinear(), x).profile()
+    matmul = 2 * B * D_IN * D_IN
+    assert profile.modules["inner"].bwd_flops == 2 * matmul  # its input's gradient and its weight's
+    assert profile.model.bwd_flops == 4 * matmul  # its own two: the Function's backward
+    assert profile.modules["inner"].saved_bytes == B * D_IN * 4  # inner saved its input, not x and w
+
+
 class Looped(nn.Module):
     """An ``nn.Sequential`` looped over, never called (as timm's ``checkpoint_seq`` and torch's
     ``checkpoint_sequential`` cut one), beside one that is called."""
