@@ -3,8 +3,9 @@
 A window shaped by each rank alone ends on different steps when ranks see other batch shapes, and a
 profiler collective then meets a framework's (a hang under Lightning, a gloo mismatch under the HF
 Trainer). So every collective of the package goes through :class:`Ranks`, on a gloo process group of
-its own (created once per run, at its start, by every rank: it never queues behind the training's NCCL
-work and never pairs with a framework's collective) with a timeout on every wait. The callers reach it
+its own (made at a run's start by every rank, once per default group and shared by every profiler of the
+process: one gloo group holds threads and sockets; it never queues behind the training's NCCL work and
+never pairs with a framework's collective) with a timeout on every wait. The callers reach it
 only at points every rank reaches in lock step (:mod:`flops_callbacks.session.window_plan`).
 
 Every collective opens with one tensor all-gather of :data:`ROW` floats that names what each rank is at
@@ -35,6 +36,10 @@ RANK_TIMEOUT = 300.0  # seconds a profiler collective may wait for the slowest r
 ROW = 64  # floats every rank gives in a collective's first all-gather: what it is at, and a vote's numbers
 # what a rank is at in a collective, by the code its row opens with
 _AT = ("a vote", "the window's end", "the throughput's exchange")
+# the profiler's process groups: by the default group's id and the timeout, (that default group, ours).
+# Every profiler of the process shares one (each making its own leaked a gloo group, 5 sockets and 3
+# threads, per callback or StepProfiler made); one whose collective failed is made anew by the next run.
+_GROUPS: dict[tuple[int, float], tuple[Any, Any]] = {}
 
 
 class RankFailure(RuntimeError):
@@ -76,8 +81,19 @@ class Ranks:
             self._group, self._lost = None, ""
             self._default = default
             self.world, self.rank = dist.get_world_size(), dist.get_rank()
-            timeout = datetime.timedelta(seconds=self.timeout)
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
+            key = (id(default), self.timeout)
+            made = _GROUPS.get(key)
+            if made is None or made[0] is not default:  # (an id reused by a default group made anew)
+                timeout = datetime.timedelta(seconds=self.timeout)
+                made = _GROUPS[key] = (default, dist.new_group(backend="gloo", timeout=timeout))
+            self._group = made[1]
+
+    def _forget_group(self) -> None:
+        """The group failed: never waited on again in this run, and made anew by the next run's start."""
+        group, self._group = self._group, None
+        for key, (_, shared) in list(_GROUPS.items()):
+            if shared is group:
+                del _GROUPS[key]
 
     @property
     def several(self) -> bool:
@@ -123,7 +139,7 @@ class Ranks:
         codes = [int(t[0]) for t in every]
         if len(set(codes)) > 1:  # every rank sees the same rows: every rank stops here
             where = ", ".join(f"rank {rank} at {_AT[code]}" for rank, code in enumerate(codes))
-            self._group = None
+            self._forget_group()
             self._lost = f"the ranks reached different points ({where}: a rank's loop ended early?)"
             raise RankFailure(self._lost)
         return [tuple(t[1:].tolist()) for t in every]
@@ -140,6 +156,6 @@ class Ranks:
         try:
             call(self._group)
         except Exception as error:  # gloo raises RuntimeError (timeouts, closed peers) and others
-            self._group = None
+            self._forget_group()
             self._lost = f"{type(error).__name__}: {error}"
             raise RankFailure(self._lost) from error

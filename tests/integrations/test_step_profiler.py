@@ -186,7 +186,11 @@ def test_a_step_the_loops_end_cuts_between_its_micro_batches_is_no_clean_step() 
     assert [s.work.samples for s in steps] == [2 * BATCH] * CLEAN
     assert all(s.seconds.wall >= 2 * FWD + 2 * BWD + STEP for s in steps)  # every step's own sleeps
     metrics = prof.metrics
-    assert metrics[names.WALL_SAMPLES_PER_SEC] <= metrics[names.SAMPLES_PER_SEC]
+    # each step's wall holds its iter: the wall rate is at most the steps' samples over their summed iter
+    # (the median step's rate may lie either side of it: one fast step of three moved it past on a loaded
+    # machine)
+    iters = sum(s.seconds.iter for s in steps)
+    assert metrics[names.WALL_SAMPLES_PER_SEC] <= CLEAN * 2 * BATCH / iters * (1 + 1e-9)
     assert metrics[names.ITER_LATENCY] >= 2 * FWD + 2 * BWD + STEP
 
 
@@ -695,6 +699,22 @@ def raised_workers(directory: Path, *args: str, timeout: float) -> subprocess.Co
 def ranks_written(directory: Path) -> list[dict[str, Any]]:
     """Each rank's ``rank{r}.json`` from tests/raised_workers.py."""
     return [json.loads((directory / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_the_profilers_of_a_process_share_one_gloo_group_of_their_own(tmp_path: Path) -> None:
+    """Three StepProfilers in turn on two ranks: one process group of the profiler's beside the default
+    one, however many are made (each made its own, never destroyed: a gloo group's sockets and threads per
+    callback or profiler, leaked across a sweep of runs); each one's window and throughput as alone."""
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(root / "tests" / "group_workers.py"), str(tmp_path)]  # fmt: skip
+    done = run_bounded(command, timeout=240, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for written in ranks_written(tmp_path):
+        assert written["groups"] == [2, 2, 2]
+        assert all(run["result"] for run in written["runs"])
+    logged = ranks_written(tmp_path)[0]["runs"]
+    assert logged[0]["logged"] and logged[0]["logged"] == logged[1]["logged"] == logged[2]["logged"]
 
 
 def test_a_rank_whose_block_raised_closes_at_once_while_the_other_waits_in_the_steps_all_reduce(
