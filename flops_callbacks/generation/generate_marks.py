@@ -33,8 +33,18 @@ _SEVERAL_CALLS = {
 
 def check_one_call_per_token(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     """Refuse a ``generate()`` whose model calls are not one per token (:data:`_SEVERAL_CALLS`): its steps
-    and tokens would be miscounted. Read from ``kwargs``, their ``generation_config`` and the model's."""
+    and tokens would be miscounted. Read from ``kwargs``, their ``generation_config`` and the model's. A
+    cache object of the caller's is refused too: every run would share it (the first fills it)."""
     from transformers import GenerationMixin
+
+    for key in ("past_key_values", "cache"):  # the cache's argument before transformers 5.24, and from it
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"{key} is not profiled: profile_generation calls generate() several times (warm-up, "
+                "timed, counted), and one cache object would carry each call's tokens into the next; pass "
+                "none (each call makes its own), or mark the steps of a loop of your own with "
+                "profile_decode_loop"
+            )
 
     configs = [kwargs.get("generation_config"), getattr(model, "generation_config", None)]
     # a model's own generate() (MusicGen, Janus) batches its guidance into one call a token

@@ -279,7 +279,8 @@ class _SameDraws:
 
 def _same_tokens(timed: list[GenerationRun], counting: GenerationRun) -> None:
     """Said where the runs made different numbers of tokens (a loop whose generation changes from run to
-    run): the flops are the counting run's, the latencies the timed runs'."""
+    run): the flops are the counting run's, the latencies the timed runs'. (Which tokens is not compared:
+    the work of a step depends on how many, not which.)"""
     made = sorted({run.tokens_out for run in [*timed, counting]})
     if len(made) > 1:
         warn(f"{OWNER}: the runs made different numbers of tokens ({', '.join(map(str, made))}): the flops "

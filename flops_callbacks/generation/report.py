@@ -241,10 +241,11 @@ def render_generation(
             f"Prefill{chunk}", result, "prefill", result.prefill, module_depth, detailed, top_modules
         )
     if result.decode is not None:
-        step = f"decode step {result.decode_shown} of {result.decode_work.steps if result.decode_work else 0}"
+        shown = (result.decode_shown or 0) + 1  # counted from 1, as the steps are said
+        step = f"decode step {shown} of {result.decode_work.steps if result.decode_work else 0}"
         title = f"Decode ({step}: the cache at mid-length)"
         parts += _tree(title, result, "decode", result.decode, module_depth, detailed, top_modules)
-        parts.append(render_coverage(result.decode))
+        parts.append(render_coverage(result.decode, "generate()'s own between model calls: choosing tokens"))
     parts.append("-" * _WIDTH)
     return "\n\n".join(parts)
 

@@ -214,14 +214,17 @@ def output_cache_bytes(output: Any) -> int | None:
 
 
 def cache_bytes(cache: Any) -> int | None:
-    """Bytes of the tensors a KV cache holds: a cache object (its layers' keys and values) or nested
-    tuples of tensors; None where there is none. Each view counts once, and the views of one storage (a
+    """Bytes of the tensors a KV cache holds: a cache object (its layers' keys and values, not the int64
+    or bool tensors it keeps its lengths and windows in) or nested tuples of tensors; None where there is
+    none. Each view counts once, and the views of one storage (a
     preallocated buffer's layers, a fused key-value tensor's halves) never more than the storage."""
     views: dict[Any, dict[tuple[Any, ...], int]] = {}  # storage -> each distinct view's bytes
     capacity: dict[Any, int] = {}  # storage -> its bytes
 
     def walk(found: Any, depth: int) -> bool:
         if isinstance(found, torch.Tensor):
+            if found.dtype in (torch.int64, torch.bool):  # a cache's bookkeeping (its length, a window)
+                return False
             if found.device.type == "meta":  # no storage to share
                 storage, size = id(found), found.nbytes
             else:

@@ -184,11 +184,13 @@ def _intensity(r: Roofline) -> str:
     return f"{r.intensity:.3g} flops/B" if r.intensity is not None else "no bytes"
 
 
-def render_coverage(profile: Profile) -> str:
+def render_coverage(profile: Profile, outside: str | None = None) -> str:
     """What was counted, what had no arithmetic, and every op that had no formula (never hidden).
 
     Args:
         profile: the profile whose coverage is printed.
+        outside: what the work outside the model's modules is, where not a training step's (its loss and
+            optimizer step): generation's token choice.
     """
     c = profile.coverage
     lines = [
@@ -206,7 +208,10 @@ def render_coverage(profile: Profile) -> str:
     else:
         lines.append("Every op that does arithmetic was counted.")
     o = profile.outside_model
-    if o.hardware_flops:
+    if o.hardware_flops and outside is not None:
+        total = units.number_to_string(o.hardware_flops)
+        lines.append(f"Outside the model's modules (not in the model totals): {total}flops ({outside}).")
+    elif o.hardware_flops:
         ahead, back = units.number_to_string(o.fwd_flops), units.number_to_string(o.bwd_flops)
         lines.append(  # its "fwd" is all work outside the backward: the loss's forward and the optimizer step
             f"Outside the model's modules (not in the model totals): {ahead}flops outside the backward (the "

@@ -173,7 +173,7 @@ def test_the_report_says_the_verdict_per_phase_and_decode_is_memory_bound() -> N
     assert f"roofline: {verdicts['decode'].intensity:.3g} flops/B, {verdicts['decode'].verdict()}" in (
         " ".join(profile.report.split())
     )
-    assert "Prefill" in profile.report and f"decode step {MIDDLE} of {DECODE_STEPS}" in profile.report
+    assert "Prefill" in profile.report and f"decode step {MIDDLE + 1} of {DECODE_STEPS}" in profile.report
 
 
 def test_without_peaks_no_fraction_is_logged_and_the_report_says_why() -> None:
@@ -514,6 +514,33 @@ def test_a_generate_that_calls_the_model_other_than_once_per_token_is_refused_be
     with pytest.raises(ValueError, match=f"{named}=.* is not profiled: its model calls are not one per"):
         profile_generation(model, **prompt(), max_new_tokens=4, **GREEDY, **arguments)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_cache_object_of_the_callers_is_refused_and_left_as_it_was() -> None:
+    """Every generate() call shared it: the first filled it, the next failed deep in transformers ("cannot
+    reshape tensor of 0 elements") and the caller's cache held the runs' positions."""
+    model = built("llama-gqa")
+    cache = transformers.DynamicCache(config=model.config)
+    with pytest.raises(ValueError, match=f"{CACHE} is not profiled: profile_generation calls generate"):
+        profile_generation(model, **prompt(), max_new_tokens=4, **GREEDY, **{CACHE: cache})
+    assert cache.get_seq_length() == 0
+
+
+def test_a_static_caches_bytes_are_its_keys_and_values_and_the_decode_tree_is_named_from_one() -> None:
+    """A static cache keeps its length in an int64 tensor per layer, which counted as the cache's (16
+    bytes more); the decode tree shown is the middle step, said counting from 1; generate()'s own work
+    between the model calls is said as such, not as a loss and an optimizer step."""
+    model = built("llama-gqa")
+    settings = {**prompt(padded=0), "max_new_tokens": 6, **GREEDY, "cache_implementation": "static"}
+    profile = profile_generation(model, **settings, runs=1)
+    out = model.generate(**settings, return_dict_in_generate=True)
+    cache = getattr(out, CACHE, None) or out.past_key_values
+    keys_and_values = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert profile.metrics[metrics.KV_CACHE_BYTES] == keys_and_values
+    assert profile.result.decode_shown == 2  # of decode steps 0 .. 4: the third
+    assert "Decode (decode step 3 of 5: the cache at mid-length)" in profile.report
+    assert "(generate()'s own between model calls: choosing tokens)." in profile.report
+    assert "the optimizer step" not in profile.report
 
 
 def test_guidance_is_left_to_a_model_whose_own_generate_batches_it() -> None:
