@@ -193,7 +193,8 @@ TOKENS_PER_JOULE = PREFIX + "tokens_per_joule"  # the job's tokens per step / en
 POWER = PREFIX + "power"  # mean watts of the job's devices over the clean steps
 
 # Continuous throughput, at every logging step after the profile window (flops_callbacks.session.meter):
-# rates over the wall time since the previous logging step, flops from the measured flops per batch.
+# rates over the wall time since the previous logging step, flops from the measured flops per batch. A
+# logging step whose interval held only an audited step (out of the metered time) logs none.
 THROUGHPUT_PREFIX = "throughput/"
 THROUGHPUT_SAMPLES_PER_SEC = THROUGHPUT_PREFIX + "samples_per_sec"  # all data-parallel replicas
 THROUGHPUT_TOKENS_PER_SEC = THROUGHPUT_PREFIX + "tokens_per_sec"  # all replicas, when tokens are known

@@ -199,8 +199,10 @@ class ThroughputMeter:
     def start(self, result: WindowResult, model: torch.nn.Module, flops: ShapeFlops) -> None:
         """Take the window's flops table and sizes, and start the first interval now."""
         self.peak = result.peak.flops if result.peak is not None else None
-        self.every = audit_every(self.audit, result.iter_latency, result.counting_iter)
-        self._begin(model, flops, result.parallel.data_parallel, result.iter_latency)
+        # a window with no clean step timed its counting step instead: nothing to weigh a count against
+        step = result.iter_latency if result.steps.clean else 0.0
+        self.every = audit_every(self.audit, step, result.counting_iter)
+        self._begin(model, flops, result.parallel.data_parallel, step)
 
     def start_unwindowed(
         self,
@@ -229,7 +231,7 @@ class ThroughputMeter:
         self._clock = clock_for(module_device(model))
         self._model = model
         self._until = self.every
-        self._arrivals = self.every is not None  # a shape the table cannot give is counted as it comes
+        self._arrivals = self.audit != 0  # a shape the table cannot give is counted as it comes
         self._step_seconds = step_seconds  # what an audited step's time is weighed against
         self.energy = IntervalEnergy.of(module_device(model))  # None where no counter is cheap to read
         self._started = True

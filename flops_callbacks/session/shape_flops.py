@@ -423,7 +423,10 @@ class ShapeFlops:
                     "steps' flops are estimated from their counted neighbours (the report says how sure).",
                 )
         self.counted[key] = counts
-        self._known, self._beyond, self._fits = {}, {}, {}
+        family = _family(key)  # its family's lookups and fit are stale; the other families' stand
+        self._known = {k: v for k, v in self._known.items() if _family(k) != family}
+        self._beyond = {k: v for k, v in self._beyond.items() if _family(k) != family}
+        self._fits.pop(family, None)
         if step is not None:
             total, n, before = self.by_step.get(step, (BatchCounts.zero(), 0, BatchCounts.zero()))
             table = None if said is None or before is None else before.plus(said)
@@ -442,16 +445,21 @@ class ShapeFlops:
             pass
         counts = self.counted.get(key)
         if counts is None:
-            family, dims = _family(key), _dims(key)
-            if family not in self._fits:  # one polynomial over the family's every counted point
-                points = [(_dims(s), c) for s, c in self.counted.items() if _family(s) == family]
-                self._fits[family] = (_fit(points) if len(points) >= 3 else None, points)
-            fit, points = self._fits[family]
+            fit, points = self._family_fit(_family(key))
+            dims = _dims(key)
             counts = fit.predict(dims, beyond) if fit is not None else None
             if counts is None and points:  # piecewise: each range between a model's branches on its own
                 counts = _predict(points, dims)
         known[key] = counts
         return counts
+
+    def _family_fit(self, family: tuple) -> tuple[_Fit | None, list[tuple[tuple[int, ...], BatchCounts]]]:
+        """One polynomial over the family's every counted point (None: fewer than 3, or none fits), made
+        once per count of the family: an exact fit over its points, tens of milliseconds with many."""
+        if family not in self._fits:
+            points = [(_dims(s), c) for s, c in self.counted.items() if _family(s) == family]
+            self._fits[family] = (_fit(points) if len(points) >= 3 else None, points)
+        return self._fits[family]
 
     def source(self, signature: Signature, later: bool = False) -> str:
         """How a signature's counts were obtained: "counted", "predicted", "extrapolated" or "unknown"."""
@@ -470,6 +478,7 @@ class ShapeFlops:
         table = self.get(signature, later, beyond=True)
         if table is None or key not in self.counted and self.get(signature, later) is None:
             self.record(signature, counts, later)  # a new (or extrapolated) shape: a point of its family
+            self._family_fit(_family(key))  # fitted now, where the count's time is (out of the meter's clock)
         if table is not None and table.run_flops:
             self.correction = counts.run_flops / table.run_flops
         self.audited[key] = counts

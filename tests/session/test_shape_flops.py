@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration
 
 from flops_callbacks.counting.engine import CountingEngine
+from flops_callbacks.session import shape_flops
 from flops_callbacks.session.batch import shape_signature
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 
@@ -64,6 +66,34 @@ def test_dims_that_never_varied_or_stop_being_equal_are_not_predicted() -> None:
     assert table.get((((3, 10), torch.int64), ((3, 10), torch.int64))) is None  # the batch size never varied
     assert table.get((((2, 10), torch.int64), ((2, 11), torch.int64))) is None  # L and L' were always equal
     assert table.get((((2, 10), torch.float32), ((2, 10), torch.int64))) is None  # another family
+
+
+def test_a_familys_fit_is_made_where_its_new_count_is_and_a_count_of_another_family_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The meter reads the table on its clock: a count after the window (an audit, a fake count: both out
+    of that clock) emptied every family's fit, and the next new shape's lookup refitted on the clock (tens
+    of milliseconds with many points: metered steps read 5-8x slower)."""
+    fits: list[int] = []
+    made = shape_flops._fit
+    monkeypatch.setattr(shape_flops, "_fit", lambda points: fits.append(len(points)) or made(points))
+
+    def ids(rows: int, length: int) -> tuple:
+        return (((rows, length), torch.int64), ((rows, length), torch.int64))
+
+    def counts(rows: int, length: int) -> BatchCounts:
+        return BatchCounts(rows * (5 + 3 * length + 2 * length**2), rows * length, 0, 7, 1, 0)
+
+    table, other = ShapeFlops(), ((((4,), torch.float32),))
+    for length in (1, 2, 3, 12):
+        table.record(ids(2, length), counts(2, length))
+    fits.clear()  # (each record's content check fitted the points before it)
+    assert table.current(ids(2, 10)) == counts(2, 10).run_flops and fits == [4]
+    table.audit(other, False, BatchCounts(1, 0, 0, 0, 0, 0))  # another family's count
+    assert table.current(ids(2, 20)) == counts(2, 20).run_flops and fits == [4]  # the fit kept
+    table.audit(ids(2, 30), False, counts(2, 30))  # a new point of the family: refitted there
+    assert fits == [4, 5]
+    assert table.current(ids(2, 40)) == counts(2, 40).run_flops and fits == [4, 5]  # not on the clock
 
 
 def test_counts_that_are_no_polynomial_keep_being_counted() -> None:

@@ -211,13 +211,27 @@ def test_auto_audits_are_spaced_off_every_short_cycle_and_a_given_spacing_is_kep
 
 def test_work_of_a_two_step_cycle_the_window_saw_one_side_of_is_found_by_the_audits() -> None:
     model = EveryOtherStep()
-    meter = profiled_meter(model, [4] * first_clean(0))
-    assert meter.every is not None and meter.every % 2  # "auto": an odd spacing
+    meter = profiled_meter(model, [4] * first_clean(0), audit=11)  # odd, as "auto"'s spacings are
+    assert meter.every == 11
     with pytest.warns(UserWarning, match=r"did [\d.]+x the flops the shape table gave") as said:
         for _ in range(2 * meter.every + 2):  # the second audit is on the other step of the cycle
             metered_step(meter, model, torch.randn(4, IN))
     ratio = float(re.search(r"did ([\d.]+)x", str(said[0].message)).group(1))  # type: ignore[union-attr]
     assert ratio < 0.25 or ratio > 4  # five Linears' work against one's (and its additions)
+
+
+def test_a_window_with_no_clean_step_schedules_no_auto_audit_and_counts_a_new_shape_as_it_comes() -> None:
+    """The window timed no clean step (its counting step stood in): "auto" has nothing to weigh a count
+    against. It weighed the counting step against itself (no extra cost) and audited every 11 steps:
+    17-19% of a run's time. A shape the table cannot give is still counted as it comes."""
+    model = nn.Linear(IN, OUT)
+    meter = profiled_meter(model, [4] * first_clean(0))
+    assert meter.every is None
+    for _ in range(12):
+        metered_step(meter, model, torch.randn(4, IN))
+    metered_step(meter, model, torch.randn(7, IN))  # a batch size the window never saw
+    flops = meter.metrics()[names.THROUGHPUT_FLOPS_PER_SEC]
+    assert flops > 0  # counted: known from then on
 
 
 def test_an_audited_steps_wait_for_its_batch_is_out_of_the_interval_as_its_time_and_samples() -> None:
