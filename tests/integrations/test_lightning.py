@@ -374,8 +374,8 @@ def test_report_is_printed_once_and_saved_whole_with_its_json_next_to_the_logs(l
     ran = logged_run["callback"].result.steps
     assert ran.communication == ()  # one process: no communication step, and the file does not name one
     # nor a profile step of its own (the module-timing steps had the counting step's shapes)
-    # nor module times from a GPU's kernels
-    left = ("communication", "profile_step", "module_kernels")
+    # nor module times from a GPU's kernels, nor compiled code
+    left = ("communication", "profile_step", "module_kernels", "compiled", "eager_tree")
     written = {k: v for k, v in dataclasses.asdict(ran).items() if k not in left}
     assert laid_out(ran) == WINDOW and saved["steps"] == json.loads(json.dumps(written))
     assert (saved["steps"]["shapes"], saved["steps"]["shapes_counted"]) == (1, 1)
