@@ -161,12 +161,12 @@ def without_votes(rows: Sequence[RankRow]) -> list[RankRow]:
     votes = [r.votes for r in rows]
     if len({len(each) for each in votes}) != 1 or any(len(r.votes) != len(r.steps) for r in rows):
         return list(rows)
-    own = []  # each clean step's votes' own seconds
+    own = []  # each clean step's votes' own seconds, each vote's
     for same in zip(*votes, strict=True):  # one step's votes, by rank
         least = votes_own([[v.seconds for v in step] for step in same])
         if least is None:
             return list(rows)
-        own.append(sum(least))
+        own.append(least)
     return [_less(r, own) for r in rows]
 
 
@@ -180,14 +180,15 @@ def vote_waits(votes: Sequence[Sequence[Sequence[Vote]]]) -> list[list[float]]:
     return [list(waits) for waits in zip(*by_step, strict=True)] if by_step else [[] for _ in votes]
 
 
-def _less(row: RankRow, votes: Sequence[float]) -> RankRow:
-    """``row`` less each clean step's votes' own seconds (``votes``), from its data time and its wall
-    (:func:`without_votes`)."""
+def _less(row: RankRow, votes: Sequence[Sequence[float]]) -> RankRow:
+    """``row`` less each clean step's votes' own seconds (``votes``: each vote's), from its wall, and from
+    its data time those that lie in it (:func:`without_votes`)."""
     steps = []
-    for step, own in zip(row.steps, votes, strict=True):
+    for step, own, mine in zip(row.steps, votes, row.votes, strict=True):
         seconds = step.seconds
         if seconds.wall > 0:  # 0: not known
-            seconds = seconds._replace(data=max(seconds.data - own, 0.0), wall=max(seconds.wall - own, 0.0))
+            data = seconds.data - sum(o for o, vote in zip(own, mine, strict=True) if vote.in_data)
+            seconds = seconds._replace(data=max(data, 0.0), wall=max(seconds.wall - sum(own), 0.0))
         steps.append(CleanStep(step.work, seconds))
     return row._replace(steps=tuple(steps))
 
@@ -277,8 +278,10 @@ def local_part(
     """This rank's part of the window that ended: a re-profile window's on ``base`` (the previous
     result), else the counting step's engine's; None when it has nothing (no micro-batch, no clean step).
     ``votes``: each step's votes of the profiler in its wall, in order, as marked."""
-    for step, own in zip(steps, vote_seconds(votes), strict=False):
-        step.votes = own
+    for step, own, marks in zip(steps, vote_seconds(votes), votes, strict=False):
+        start = step.fetch or step.start_mark  # where its data time starts
+        after = [start is None or m.start is None or m.clock.seconds(start, m.start) >= 0 for m in marks]
+        step.votes = tuple(vote._replace(in_data=inside) for vote, inside in zip(own, after, strict=True))
     if base is not None:
         return reused_window(steps, base, flops)
     if engine is None or not steps or not steps[0].signatures:

@@ -171,10 +171,12 @@ def vote_seconds(marks: Sequence[Sequence[VoteMarks]]) -> list[tuple[Vote, ...]]
 
 class Vote(NamedTuple):
     """One vote this rank took part in, in a step's wall: its seconds on the step's clock (the part of its
-    time the vote held). Every vote lies in the step's data time: before its first forward, or between its
-    micro-batches, where the phases are stopped."""
+    time the vote held), and whether it lies in the step's data time: a micro-batch's vote does (before its
+    forward, or between micro-batches, where the phases are stopped), the previous step's end vote where the
+    data time starts at that step's end (Lightning's starts at its fetch, after our batch end's vote)."""
 
     seconds: float
+    in_data: bool = True
 
 
 def votes_own(seconds: Sequence[Sequence[float]]) -> list[float] | None:

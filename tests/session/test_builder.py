@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 
 from flops_callbacks.session import builder
-from flops_callbacks.session.rank_part import RankRow, without_votes
-from flops_callbacks.session.shape_flops import BatchCounts
-from flops_callbacks.session.window_plan import Kind, Vote
+from flops_callbacks.session.rank_part import RankRow, local_part, without_votes
+from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
+from flops_callbacks.session.window_plan import Kind, Vote, VoteMarks
 from flops_callbacks.session.window_steps import CleanStep, StepSeconds, StepWork, WindowStep
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
@@ -88,6 +88,23 @@ def test_each_votes_least_time_over_the_ranks_comes_out_of_every_ranks_data_wait
     assert [s.seconds for s in kept[1].steps] == [s.seconds for s in kept[0].steps]  # the same times here
     assert kept[0].waits == rank0.waits == (0.75, 0.5)  # the slow rank reads the votes as timed
     assert without_votes([rank0]) == [rank0]  # one rank: no vote is exchanged
+
+
+def test_a_vote_before_the_steps_data_time_comes_out_of_its_wall_not_its_data() -> None:
+    """Lightning's data time starts at its fetch, after our batch end, where the previous step's end vote
+    ran: that vote came out of a data time that never held it (0 s of data under DDP, a collate of 4 ms)."""
+    outside = (Vote(0.25, in_data=False), Vote(0.125))  # the previous step's end vote, the micro-batch's
+    kept = without_votes([_row([(0.5, 4.0)], [outside]), _row([(0.5, 4.0)], [outside])])
+    assert [s.seconds for s in kept[0].steps] == [StepSeconds(1.0, 1.0, 1.0, 0.375, 3.625)]
+
+
+def test_a_steps_votes_lie_in_its_data_time_from_where_its_fetch_starts() -> None:
+    """The marks decide: a vote that started before the step's fetch mark is not in its data time."""
+    clock = CpuClock()
+    step = WindowStep(Kind.CLEAN, 7, StepPhases(clock), start_mark=1.0, fetch=2.0)
+    marks = [VoteMarks(clock, 1.5, 1.75), VoteMarks(clock, 2.5, 2.625)]  # the end vote, then the batch's
+    local_part([step], ShapeFlops(), None, None, votes=[marks])
+    assert step.votes == (Vote(0.25, in_data=False), Vote(0.125, in_data=True))
 
 
 def test_votes_that_do_not_line_up_leave_the_rows_as_they_are() -> None:
