@@ -180,7 +180,7 @@ class Instruments:
         self.energy.read(step)  # right after its end mark
         if step.kind == Kind.CLEAN and dynamo_frames() > step.frames:
             # compiled code met a shape it had not compiled (the steps before ran eagerly): the compile's
-            # seconds are in its time; left out, as another clean step is run
+            # seconds are in its time; left out ("auto" times another, an int clean_steps one fewer)
             step.kind = Kind.COMPILED
         if step.kind == Kind.MODULE_TIMING and self.mark_outer and self.timer is not None:
             self.outermost = self.timer.outermost()

@@ -189,12 +189,10 @@ class ThroughputMeter:
         self.after = AfterWindow()  # the profiler's own work since the window, for the report
         self.energy: IntervalEnergy | None = None  # the energy counter over each interval, where cheap
         self._model: torch.nn.Module | None = None  # while metering: what audits and fake counts count
-        self._arrivals = (
-            False  # a shape the table cannot give is counted as it comes (audits run, or no window)
-        )
-        self._peak_of: Callable[[torch.dtype | None], float | None] | None = (
-            None  # no window: the peak's, once
-        )
+        # a shape the table cannot give is counted as it comes (unless flops_audit=0)
+        self._arrivals = False
+        # a run with no window: the peak for the dtype its first count's matmuls produced (read then)
+        self._peak_of: Callable[[torch.dtype | None], float | None] | None = None
 
     def start(self, result: WindowResult, model: torch.nn.Module, flops: ShapeFlops) -> None:
         """Take the window's flops table and sizes, and start the first interval now."""
