@@ -123,6 +123,17 @@ def test_a_model_compiled_in_place_is_counted_and_timed_eagerly_with_no_new_grap
     assert compiled_graphs() == graphs  # the compiled graph ran again, unchanged
 
 
+def loop(prof: Any, runs: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    """``steps`` training steps of ``runs`` on random batches under the StepProfiler ``prof``, then closed."""
+    for _ in range(steps):
+        x = torch.randn(BATCH, WIDTH)
+        with prof.step(x):
+            runs(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    prof.close()
+
+
 def test_a_wrapped_compiled_models_tree_is_the_models_own_from_its_root() -> None:
     """``torch.compile(model)`` handed to StepProfiler or FlopsProfiler: the root is the model (a
     ``Stack``), as Lightning and the HF Trainer report theirs, not torch's ``OptimizedModule`` wrapper."""
@@ -134,13 +145,7 @@ def test_a_wrapped_compiled_models_tree_is_the_models_own_from_its_root() -> Non
     prof = StepProfiler(compiled, profile_step=1, clean_steps=1, print_profile=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the eager note
-        for _ in range(window_end(1, 1) + 1):
-            x = torch.randn(BATCH, WIDTH)
-            with prof.step(x):
-                compiled(x).sum().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-        prof.close()
+        loop(prof, compiled, optimizer, window_end(1, 1) + 1)
         with FlopsProfiler(compiled) as counted:
             compiled(torch.randn(BATCH, WIDTH))
     assert prof.result is not None
@@ -167,13 +172,7 @@ def test_a_clean_step_in_which_torch_compile_compiled_is_left_out_and_said(
     prof = StepProfiler(runs, profile_step=0, clean_steps=3, print_profile=False, output_file=report)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the eager note
-        for _ in range(window_end(0, 3) + 2):
-            x = torch.randn(BATCH, WIDTH)
-            with prof.step(x):
-                runs(x).sum().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-        prof.close()
+        loop(prof, runs, optimizer, window_end(0, 3) + 2)
     steps = prof.result.steps
     first = first_clean(0)
     if compiled:

@@ -136,6 +136,17 @@ def test_a_loss_computed_outside_the_model_is_forward_work_and_its_backward_star
     assert metrics[names.STEP_LATENCY] >= 0.98 * STEP
 
 
+def accumulated(prof: StepProfiler, model: nn.Module, optimizer: torch.optim.Optimizer, xs: list) -> None:
+    """A loop of two micro-batches an optimizer step over ``xs`` under ``prof``, then closed."""
+    for i, x in enumerate(xs):
+        with prof.step(x):
+            model(x).sum().backward()
+            if i % 2 == 1:
+                optimizer.step()
+                optimizer.zero_grad()
+    prof.close()
+
+
 def test_two_micro_batches_per_optimizer_step_report_the_flops_of_both() -> None:
     """Gradient accumulation: the block without an optimizer step is a micro-batch of the next step."""
     torch.manual_seed(0)
@@ -144,13 +155,7 @@ def test_two_micro_batches_per_optimizer_step_report_the_flops_of_both() -> None
     xs = batches(2 * STEPS)
     xs = [torch.randn(BATCH, 8) for _ in xs]
     prof = StepProfiler(model, **WINDOW)
-    for i, x in enumerate(xs):
-        with prof.step(x):
-            model(x).sum().backward()
-            if i % 2 == 1:
-                optimizer.step()
-                optimizer.zero_grad()
-    prof.close()
+    accumulated(prof, model, optimizer, xs)
     result = prof.result
     assert result is not None and result.micro_batches == 2 and result.samples == 2 * BATCH
     with FlopCounterMode(display=False) as reference:
@@ -171,13 +176,7 @@ def test_a_step_the_loops_end_cuts_between_its_micro_batches_is_no_clean_step() 
     model = SleepyNet()
     optimizer = SleepySGD(model.parameters(), STEP)
     prof = StepProfiler(model, profile_step=PROFILE_STEP, clean_steps=CLEAN + 5, print_profile=False)
-    for i, x in enumerate(batches(2 * END + 1)):  # END full steps of two micro-batches, and one more
-        with prof.step(x):
-            model(x).sum().backward()
-            if i % 2 == 1:
-                optimizer.step()
-                optimizer.zero_grad()
-    prof.close()
+    accumulated(prof, model, optimizer, batches(2 * END + 1))  # END full steps, and one micro-batch more
     result = prof.result
     assert result is not None and prof.global_step == END
     first_clean = END - CLEAN
