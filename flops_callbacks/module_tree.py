@@ -157,15 +157,18 @@ def _module_paths(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 def dynamo_compiled_anything() -> bool:
     """Whether dynamo compiled any graph in this process (a compiled function that calls modules
     leaves no mark on them; hooks put on them would then change what dynamo guards on)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    return utils is not None and bool(utils.counters["stats"].get("unique_graphs"))
+    return bool(_dynamo_count("stats", "unique_graphs"))
 
 
 def dynamo_frames() -> int:
-    """The frames dynamo has compiled (or tried to) in this process: one more is a compile (0 where dynamo
-    is not loaded)."""
+    """The frames dynamo has compiled (or tried to) in this process: one more is a compile."""
+    return _dynamo_count("frames", "total")
+
+
+def _dynamo_count(group: str, name: str) -> int:
+    """One of dynamo's counters (0 where dynamo is not loaded: it is never imported here)."""
     utils = sys.modules.get("torch._dynamo.utils")
-    return 0 if utils is None else int(utils.counters["frames"].get("total", 0))
+    return 0 if utils is None else int(utils.counters[group].get(name, 0))
 
 
 def has_compiled(modules: Iterable[torch.nn.Module]) -> bool:
