@@ -204,7 +204,8 @@ THROUGHPUT_MFU = THROUGHPUT_PREFIX + "mfu"  # flops_per_sec / peak FLOPS, when a
 # clock: not in the rates above), the slowest rank's
 THROUGHPUT_PROFILER_SECONDS = THROUGHPUT_PREFIX + "profiler_seconds"
 # where the counter is cheap to read (RAPL, NVML's total energy: one read per interval; not sampled power)
-# and the interval spans 20 of its resolutions
+# and the interval spans 20 of its resolutions, with no pause learned of when it ended (an HF Trainer's save
+# a callback after ours asked for: the counter was not read where it began)
 THROUGHPUT_POWER = THROUGHPUT_PREFIX + "power"  # mean watts of the job's devices over the interval
 THROUGHPUT_TOKENS_PER_JOULE = THROUGHPUT_PREFIX + "tokens_per_joule"  # all replicas' tokens / job's joules
 

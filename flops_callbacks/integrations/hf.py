@@ -160,6 +160,8 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     default_tokens_fn = staticmethod(input_ids_tokens)  # type: ignore[assignment]
     _trainer: weakref.ref[transformers.Trainer] | None = None
     _held = 0  # on_evaluate (one per evaluation set) and on_save events to come before the clocks resume
+    _ended_step: int | None = None  # the global step whose on_step_end came last (None: a step runs)
+    _logged_step: int | None = None  # the global step throughput/* was logged at last
     _ended = False  # the run's last step ended it (its window published): on_train_end has nothing to end
 
     def _current_trainer(self) -> transformers.Trainer | None:
@@ -175,7 +177,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._unwrap()
-        self._ended, self._held = False, 0
+        self._ended, self._held, self._ended_step, self._logged_step = False, 0, None, None
         trainer = _calling_trainer()
         self._trainer = weakref.ref(trainer) if trainer is not None else None
         profile_step = self.session.options.profile_step
@@ -207,6 +209,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         **kwargs: Any,
     ) -> None:
         self._evaluated()
+        self._ended_step = None
         trainer = self._current_trainer()
         if model is None or trainer is None:
             return
@@ -245,6 +248,9 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         self._unwrap()
         # DefaultFlowCallback, first in the list, has decided by now whether this step logs / evaluates
         sink = self._sink(args, state)
+        self._ended_step = state.global_step  # a window's step logs nothing (nor its last: the meter starts)
+        logs = control.should_log or self.session.window_open
+        self._logged_step = state.global_step if logs else self._logged_step
         self.session.step_end(state.global_step, sink, logs=control.should_log)
         last = control.should_training_stop or 0 < state.max_steps <= state.global_step
         if last and self.session.window_open:
@@ -260,8 +266,14 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     ) -> None:
         """The step's log is written (the reporting backends' ``on_log`` come before ours): the wait for the
         next batch starts here, the writing is the step's other (an evaluation's or a save's log is in its
-        pause already)."""
+        pause already). The step's training log (its ``loss``) where ours logged nothing: a callback after
+        ours set ``should_log`` at the step's end; ``throughput/*`` is logged now."""
         self._publish_if_stopping(args, state, control)  # the run's last log: before the reporters' train end
+        logs = kwargs.get("logs")
+        step = state.global_step
+        if isinstance(logs, Mapping) and "loss" in logs and self._ended_step == step != self._logged_step:
+            self._logged_step = step
+            self.session.log_throughput(step, self._sink(args, state))
         if not self._held:
             self.session.fetching()
 
@@ -271,14 +283,16 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
     ) -> None:
         self._publish_if_stopping(args, state, control)
         if control.should_log:  # logging_strategy="epoch"
+            self._logged_step = state.global_step
             self.session.log_throughput(state.global_step, self._sink(args, state))
         self._hold(control)
 
     def _hold(self, control: TrainerControl) -> None:
         """An evaluation and a checkpoint's save are not the run's training (nor a window step's data or
         wall): the clocks pause until the last ``on_evaluate`` (one per evaluation set: a dict of them is
-        evaluated set by set) and the ``on_save`` that follow. (A save decided by the evaluation,
-        ``save_strategy="best"``, is not known here: its time stays in the next step's data.)"""
+        evaluated set by set) and the ``on_save`` that follow. One decided after this (by a callback after
+        ours, or a save by the evaluation: ``save_strategy="best"``) is taken out when it ends
+        (:meth:`_release`)."""
         held = 0
         if control.should_evaluate:
             sets = getattr(self._current_trainer(), "eval_dataset", None)
@@ -314,10 +328,15 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
             self.session.train_end(state.global_step, self._sink(args, state))
 
     def _release(self) -> None:
+        """An evaluation (of one set) or a save ended. One not announced at our ``on_step_end`` ran from
+        there (or from the last one's end) to here: that span is paused after the fact."""
         if self._held > 0:
             self._held -= 1
             if not self._held:
                 self.session.resume_throughput()
+        elif self._ended_step is not None:  # between steps (not an evaluation before the first, nor after)
+            self.session.pause_throughput(late=True)
+            self.session.resume_throughput()
 
     def _evaluated(self) -> None:
         """A step starts: any evaluation or save before it has ended (resumed here where their events fell
@@ -333,7 +352,7 @@ class HFFlopsCallback(SessionCallback, TrainerCallback):
         self._unwrap()
         if not self._ended:  # a run ended before its last step (an exception's is closed, not ended)
             self.session.train_end(state.global_step, self._sink(args, state))
-        self._trainer, self._ended = None, False
+        self._trainer, self._ended, self._ended_step = None, False, None
 
     # --- the micro-batch scope -----------------------------------------------------------------------
 

@@ -184,6 +184,7 @@ class IntervalEnergy:
         self.counter: RaplEnergy | NvmlEnergy | None = counter
         self._from: Reading | None = None  # the last read while the interval runs (None: paused)
         self._pairs: list[tuple[Reading, Reading]] = []
+        self._unknown = False  # the interval's joules lost a span (a pause learned of late)
         self._read_at = time.monotonic()
 
     @classmethod
@@ -215,11 +216,14 @@ class IntervalEnergy:
 
     def restart(self) -> None:
         """An interval starts now."""
-        self._pairs, self._from = [], self._read()
+        self._pairs, self._from, self._unknown = [], self._read(), False
 
-    def pause(self) -> None:
-        """The meter's clock stops: the energy until now is the interval's."""
-        if self._from is not None and (now := self._read()) is not None:
+    def pause(self, late: bool = False) -> None:
+        """The meter's clock stops: the energy until now is the interval's; ``late``: it stopped earlier,
+        at a point no read was taken: the interval has no figure (its joules cannot be told apart)."""
+        if late and self._from is not None:
+            self._unknown = True
+        elif self._from is not None and (now := self._read()) is not None:
             self._pairs.append((self._from, now))
         self._from = None
 
@@ -231,11 +235,11 @@ class IntervalEnergy:
         """The interval's span (None: none read), and a new interval from now."""
         running = self._from is not None
         self.pause()
-        pairs = self._pairs
-        self._pairs, self._from = [], None
+        pairs, unknown = self._pairs, self._unknown
+        self._pairs, self._from, self._unknown = [], None, False
         if running:
             self._from = pairs[-1][1] if pairs else self._read()
-        if not pairs:
+        if not pairs or unknown:
             return None
         try:
             return span_over(pairs)

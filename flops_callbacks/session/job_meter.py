@@ -106,9 +106,9 @@ class JobMeter:
         if self.meter is not None and self.ok:
             self.meter.step_raised()
 
-    def pause(self) -> None:
+    def pause(self, late: bool = False) -> None:
         if self.meter is not None:
-            self.meter.pause()
+            self.meter.pause(late)
 
     def resume(self) -> None:
         if self.meter is not None:

@@ -62,7 +62,7 @@ from flops_callbacks.session.result import AfterWindow, WindowResult
 from flops_callbacks.session.sequence_flops import LaidOut, SequenceFlops
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
 from flops_callbacks.session.token_layout import HeldLayout, layout_tensors
-from flops_callbacks.timing.clock import NullClock, clock_for, module_device
+from flops_callbacks.timing.clock import NullClock, SyncClock, clock_for, module_device
 from flops_callbacks.timing.collector import collect_counting_garbage
 from flops_callbacks.timing.energy_figures import EnergySpan
 from flops_callbacks.user_warning import warn
@@ -235,6 +235,7 @@ class ThroughputMeter:
         self._started = True
         self._later = False
         self._paused_at: float | None = None
+        self._ended: Any = None  # the clock's mark at the last step's end (None: none since the start)
         self.after = AfterWindow()
         self._restart(self._now())
         if self.energy is not None:
@@ -387,6 +388,8 @@ class ThroughputMeter:
     def step_end(self) -> None:
         """After an optimizer step: the next micro-batch is a step's first; an audit ends here."""
         self._later = False
+        # where a pause learned of late starts (a SyncClock's mark synchronizes: the host's time there)
+        self._ended = time.perf_counter() if isinstance(self._clock, SyncClock) else self._clock.mark()
         if self.energy is not None:
             self.energy.keep_up()
         if self._engine is not None:
@@ -441,20 +444,26 @@ class ThroughputMeter:
         """This rank's ``throughput/*`` of the interval since the last call, as if it were the job."""
         return throughput_metrics([self.interval()], self.data_parallel, self.peak)
 
-    def pause(self) -> None:
-        """Stop the interval's clock (evaluation) until :meth:`resume`."""
-        if not self._started:
+    def pause(self, late: bool = False) -> None:
+        """Stop the interval's clock (evaluation) until :meth:`resume`; ``late``: from the last step's end
+        (or the interval's start, or the last resume, if later), for a pause learned of when it has ended
+        (an evaluation or a save no event announced). The energy counter was not read there: that
+        interval has no energy figure."""
+        if not self._started or self._paused_at is not None:
             return
-        if self._paused_at is None:
-            self._paused_at = self._now()
-            if self.energy is not None:
-                self.energy.pause()
+        now = self._paused_at = self._now()
+        if late and self._ended is not None:
+            ago = self._clock.seconds(self._ended, self._clock.mark())
+            self._paused_at = max(now - ago, self._counting_since)
+        if self.energy is not None:
+            self.energy.pause(late)
 
     def resume(self) -> None:
         if self._before_audit:  # an evaluation between a step and the audited one: its wait stays out
             return
         if self._started and self._paused_at is not None:
-            self._paused += self._now() - self._paused_at
+            now = self._counting_since = self._now()
+            self._paused += now - self._paused_at
             self._paused_at = None
             if self.energy is not None:
                 self.energy.resume()
@@ -468,7 +477,8 @@ class ThroughputMeter:
         self._samples, self._flops, self._tokens, self._pending, self._own = 0, 0.0, 0, [], 0.0
 
     def _restart(self, now: float) -> None:
-        self._start, self._paused = now, 0.0
+        self._start = self._counting_since = now  # counting since: the interval's start, or its last resume
+        self._paused = 0.0
         self._samples, self._flops, self._tokens, self._own = 0, 0.0, 0, 0.0
 
     def _now(self) -> float:

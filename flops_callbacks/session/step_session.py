@@ -169,13 +169,11 @@ class StepSession:
         self.close()
         self.guard.forget()
         self.plan.new_run(global_step, max_steps, steps_per_batch)
-        self.result = None
-        self.flops = ShapeFlops()
+        self.result, self.flops = None, ShapeFlops()
         self.off_clock.forget()
         self.sequences.forget()
         self._window_ran = self._abandoned = False
-        self._logging_rank = is_logging_rank
-        self.batches.said_no_size = False
+        self._logging_rank, self.batches.said_no_size = is_logging_rank, False
         self._unwritable = {}
         plan = RunPlan.of(self.options, global_step, max_steps, steps_per_batch)
         self._resumed_past, self._unreachable = plan.resumed_past, plan.unreachable
@@ -404,6 +402,7 @@ class StepSession:
         step.phases.stop()
         self.instruments.step_ended(step)  # a trace read now is this step's time, not the next one's
         step.end_mark, step.ended = step.phases.clock.mark(), True
+        self._pauses.quiet = step.end_mark
         self._step = None
         if step.kind == Kind.COUNTING:
             collect_counting_garbage()  # now, outside every clock
@@ -486,11 +485,12 @@ class StepSession:
         self.job_meter.log(global_step, sink)
 
     @_own_work("pausing throughput")
-    def pause_throughput(self) -> None:
-        """Evaluation starts: its time is not training throughput, nor a window step's."""
-        self.job_meter.pause()
+    def pause_throughput(self, late: bool = False) -> None:
+        """Evaluation starts: its time is not training throughput, nor a window step's; ``late``: it
+        started at the last step's end (or pause's end): learned of when it ended, resumed right after."""
+        self.job_meter.pause(late)
         if self.plan.open and self._steps:
-            self._pauses.begin(self.plan.clock.mark())
+            self._pauses.begin(self.plan.clock.mark(), late)
 
     @_own_work("resuming throughput")
     def resume_throughput(self) -> None:

@@ -344,6 +344,7 @@ class Pauses:
         self.start: Any = None  # the open pause's clock mark (None: none is open)
         self.waiting: list[tuple[Any, Any]] = []
         self.fetch: Any = None  # where the framework began fetching the next window step's first batch
+        self.quiet: Any = None  # the last step's end, or the last pause's: where a late pause starts
 
     def fetching(self, mark: Any, step: WindowStep | None) -> None:
         """The framework starts fetching the next micro-batch at ``mark``: of ``step`` (between its
@@ -354,14 +355,17 @@ class Pauses:
         else:
             self.fetch = mark
 
-    def begin(self, mark: Any) -> None:
-        self.start = mark
+    def begin(self, mark: Any, late: bool = False) -> None:
+        """A pause starts at ``mark``; ``late``: it started at the last step's end or pause's (learned
+        of when it has ended: an evaluation or a save no event announced), ``mark`` where there is none."""
+        self.start = self.quiet if late and self.quiet is not None else mark
 
     def end(self, mark: Any, step: WindowStep | None) -> None:
         """The open pause ends: in ``step``'s wall, or (None: between two steps) in the next one's."""
         if self.start is not None:
             (step.paused if step is not None else self.waiting).append((self.start, mark))
             self.start = None
+            self.quiet = mark
 
     @contextlib.contextmanager
     def own(self, clock: Any, running: Callable[[], WindowStep | None]) -> Iterator[None]:
@@ -385,5 +389,5 @@ class Pauses:
         """What a window step that starts now holds: the pauses since the last one ended, and its fetch
         (:class:`WindowStep`'s ``paused`` and ``fetch``)."""
         held = {"paused": self.waiting, "fetch": self.fetch}
-        self.waiting, self.start, self.fetch = [], None, None
+        self.waiting, self.start, self.fetch, self.quiet = [], None, None, None
         return held

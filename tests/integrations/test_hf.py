@@ -19,6 +19,7 @@ import sys
 import time
 import warnings
 import weakref
+from collections.abc import Container
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -469,12 +470,21 @@ class Marks(TrainerCallback):
     def __init__(self) -> None:
         self.step_end: dict[int, float] = {}
         self.evaluate: dict[int, float] = {}
+        self.save: dict[int, float] = {}
+        self.log: dict[int, float] = {}  # the Trainer's training logs (its loss)
 
     def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.step_end[state.global_step] = time.perf_counter()
 
     def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.evaluate[state.global_step] = time.perf_counter()
+
+    def on_save(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self.save[state.global_step] = time.perf_counter()
+
+    def on_log(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if "loss" in kwargs["logs"]:
+            self.log[state.global_step] = time.perf_counter()
 
 
 class StepClock(Probe):
@@ -682,12 +692,15 @@ EVERY_STEP_EVALUATION: dict[str, Any] = {
 }
 
 
-def held_out(tmp_path: Path, trainer_class: type[Trainer], **arguments: Any) -> dict[str, float]:
+def held_out(
+    tmp_path: Path, trainer_class: type[Trainer], after: tuple[TrainerCallback, ...] = (), **arguments: Any
+) -> dict[str, float]:
     """The metrics of a window (two clean steps) of a Trainer of ``trainer_class`` whose work after each
-    step (``arguments``: an evaluation, a save) is slow: what the clean steps' data and wall hold."""
+    step (``arguments``, or callbacks ``after`` ours: an evaluation, a save) is slow: what the clean
+    steps' data and wall hold."""
     callback = quiet(profile_step=1, clean_steps=2)
     train(
-        tmp_path, SleepyRegressor(0.0, 0.0, tiny_ops=2), [callback], report_to=(),
+        tmp_path, SleepyRegressor(0.0, 0.0, tiny_ops=2), [callback, *after], report_to=(),
         trainer_class=trainer_class, datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(BATCH)},
         max_steps=window_end(1, 2), **arguments,
     )  # fmt: skip
@@ -719,6 +732,73 @@ def test_a_checkpoints_save_inside_the_window_is_neither_a_clean_steps_data_nor_
     steps' data wait and wall step (it read as the next step's data: "bound by the input pipeline")."""
     evaluation = EVERY_STEP_EVALUATION if evaluates else {}
     metrics = held_out(tmp_path, SlowToSave, save_strategy="steps", save_steps=1, **evaluation)
+    assert metrics[names.DATA_LATENCY] < 0.05 and metrics[names.WALL_LATENCY] < 0.05, metrics
+
+
+class LateFlags(TrainerCallback):
+    """A user's own schedule, after ours in the list: at a step's end it logs every ``log_every`` steps,
+    evaluates and saves at the steps given; decisions our ``on_step_end`` (before it) does not see."""
+
+    def __init__(self, log_every: int, evaluate: Container[int] = (), save: Container[int] = ()) -> None:
+        self.log_every, self.evaluate, self.save = log_every, evaluate, save
+
+    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        step = state.global_step
+        control.should_log |= step % self.log_every == 0
+        control.should_evaluate |= step in self.evaluate
+        control.should_save |= step in self.save
+
+
+class SlowToEvaluateAndSave(SlowToStartEvaluation, SlowToSave):
+    """Both: an evaluation's 0.1 s set-up and a save's 0.1 s."""
+
+
+@pytest.mark.parametrize("work", ["evaluate", "save", "best"])
+def test_a_log_and_an_evaluation_or_a_save_a_callback_after_ours_decides_are_seen(
+    tmp_path: Path, work: str
+) -> None:
+    # the Trainer's own schedule never logs (logging_steps past the run's end), never saves nor evaluates:
+    # the late callback logs every 3 steps and evaluates (0.1 s set-up + 8 batches) or saves (0.1 s) after
+    # step 9's log; "best": the Trainer evaluates at 9 (announced) and saves (0.1 s) after it, for a best
+    # loss. The window ends at 6: throughput/* was logged nowhere (the flags came after our on_step_end),
+    # and the work after step 9 was in the interval logged at 12 (a save: 46 vs 219 samples/s)
+    step_sleep = 0.05
+    before, after = Marks(), Marks()
+    late, trainer_class, schedule = LateFlags(3), SlowToEvaluateAndSave, {"save_strategy": "no"}
+    if work == "best":
+        schedule = {"save_strategy": "best", "metric_for_best_model": "loss", "eval_strategy": "steps"}
+    else:
+        late = LateFlags(3, **{work: (9,)})
+    trainer = train(
+        tmp_path, SleepyRegressor(step_sleep, 0.0, tiny_ops=2), report_to=(),
+        callbacks=[before, quiet(profile_step=0, flops_audit=0), late, after], trainer_class=trainer_class,
+        datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(8 * BATCH)}, max_steps=18,
+        logging_steps=100, per_device_eval_batch_size=BATCH, eval_steps=9, **schedule,
+    )  # fmt: skip
+    assert sorted(before.log) == [3, 6, 9, 12, 15, 18]
+    rates = dict(logged(trainer, names.THROUGHPUT_SAMPLES_PER_SEC))
+    assert sorted(rates) == [9, 12, 15, 18] and window_end(0, 1) == 6  # the window's end logs no interval
+    # each interval's seconds lie between what the two stopwatches read around our logs (ours in the
+    # Trainer's log, between theirs); at 12, from the work's end (our resume) to the log
+    done = "evaluate" if work == "evaluate" else "save"
+    worked_before, worked_after = getattr(before, done)[9], getattr(after, done)[9]
+    assert worked_before - after.log[9] > 0.09  # the work took more than half the interval's training
+    for step in (12, 15):  # (18's: to the pause of its evaluation, announced where it is "best")
+        shortest, longest = before.log[step] - after.log[step - 3], after.log[step] - before.log[step - 3]
+        if step == 12:
+            shortest, longest = before.log[12] - worked_after, after.log[12] - worked_before
+        assert 3 * BATCH / longest <= rates[step] <= 3 * BATCH / shortest, step
+
+
+@pytest.mark.parametrize("work", ["evaluate", "save"])
+def test_an_evaluation_or_a_save_a_callback_after_ours_decides_inside_the_window_is_neither_data_nor_wall(
+    tmp_path: Path, work: str
+) -> None:
+    """As with the Trainer's own schedule: out of the clean steps' data wait and wall step, though no event
+    announced it before it ran (it read as the next step's data: "bound by the input pipeline")."""
+    every_step = LateFlags(1000, **{work: range(1000)})
+    trainer_class = SlowToStartEvaluation if work == "evaluate" else SlowToSave
+    metrics = held_out(tmp_path, trainer_class, after=(every_step,), per_device_eval_batch_size=BATCH)
     assert metrics[names.DATA_LATENCY] < 0.05 and metrics[names.WALL_LATENCY] < 0.05, metrics
 
 

@@ -216,6 +216,16 @@ def test_an_interval_leaves_out_what_its_pauses_hold_and_the_next_starts_at_its_
     assert (first.joules, first.brackets, second.joules, second.brackets) == (13.0, 2, 7.0, 1)
 
 
+def test_an_interval_paused_late_has_no_figure_and_the_next_one_has() -> None:
+    interval = IntervalEnergy(Scripted([100.0, 150.0, 153.0, 160.0]))
+    interval.restart()  # 100
+    interval.pause(late=True)  # not read: the pause began at a step's end, where nothing was read
+    interval.resume()  # 150: its 50 J are the interval's and the save's, in untold shares
+    assert interval.take() is None  # 153
+    second = interval.take()  # 160
+    assert second is not None and (second.joules, second.brackets) == (7.0, 1)
+
+
 def test_an_interval_longer_than_the_counters_range_keeps_every_wrap_by_reading_at_step_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -140,6 +140,25 @@ def test_paused_time_and_samples_are_left_out_of_the_interval() -> None:
     assert meter.metrics() == {}  # nothing counted since
 
 
+def test_a_pause_learned_of_late_starts_at_the_last_steps_end_or_the_last_resume() -> None:
+    model = nn.Linear(IN, OUT)
+    meter = profiled_meter(model, [4, 4, 4])
+    meter.interval()  # a fresh interval
+    metered_step(meter, model, torch.randn(4, IN))  # its end: where the first late pause starts
+    time.sleep(0.2)  # a save no event announced
+    meter.pause(late=True)
+    meter.resume()
+    time.sleep(0.05)  # training
+    meter.pause()
+    time.sleep(0.2)  # an evaluation announced
+    meter.resume()
+    time.sleep(0.2)  # a save no event announced, after it: from the resume on
+    meter.pause(late=True)
+    meter.resume()
+    seconds = meter.interval().seconds
+    assert 0.05 <= seconds < 0.1  # the step and the 0.05 s sleep; none of the 0.6 s paused
+
+
 def test_a_shape_the_window_cannot_predict_logs_samples_not_flops_and_warns_once() -> None:
     model = nn.Linear(IN, OUT)
     meter = profiled_meter(model, [4, 4, 4], audit=0)  # one counted shape, no audit: nothing to predict from
