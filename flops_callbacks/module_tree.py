@@ -23,6 +23,7 @@ __all__ = [
     "ModuleTree",
     "ancestors",
     "depth_of",
+    "fill_uncalled",
     "parent_in",
 ]
 
@@ -104,6 +105,22 @@ class ModuleTree:
         if not containers or (outer and not name.startswith(outer + ".")):
             return []
         return [a for a in containers if a.startswith(outer + ".") or (not outer and a)]
+
+    def with_uncalled_above(self, names: Iterable[str], called: Container[str]) -> tuple[str, ...]:
+        """``names`` and every module above one of them never called in the step: what its submodules
+        did, called past it (``vgg.features(x)``: the backbone's forward never ran), is its work, as in
+        DeepSpeed's sums over the tree (:func:`fill_uncalled` gives it their time).
+
+        Args:
+            names: the modules some work or time is given to.
+            called: the modules called in the step.
+        """
+        found = dict.fromkeys(names)
+        for name in list(found):
+            for above in self.ancestors.get(name, ()):
+                if above not in called:
+                    found[above] = None
+        return tuple(found)
 
     def param_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """Parameters (all, trainable) under each module, each tensor once per module (tied ones
@@ -236,6 +253,21 @@ def depth_of(name: str) -> int:
         name: a module's qualified name.
     """
     return name.count(".") + 1 if name else 0
+
+
+def fill_uncalled(table: dict[str, float]) -> None:
+    """Seconds by module: a module never called (a ``ModuleList``, one whose submodules were called past
+    it) takes the sum of its nearest called submodules' (:meth:`ModuleTree.with_uncalled_above`).
+
+    Args:
+        table: seconds by the name of each module called; filled in place.
+    """
+    own = set(table)
+    for name in sorted(own, key=lambda n: -n.count(".")):
+        for above in reversed(ancestors(name)):
+            if above in own:
+                break
+            table[above] = table.get(above, 0.0) + table[name]
 
 
 def parent_in(name: str, known: Container[str]) -> str:

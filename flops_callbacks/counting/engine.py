@@ -291,7 +291,8 @@ class CountingEngine:
         self._ctx = None
 
     def _close(self, frame: _Frame, end: Any) -> None:
-        self._rec.module_spans.append((frame.name, frame.start, end, frame.recompute))
+        if not any(f.name == frame.name for f in self._stack):  # a module calling itself: its outermost call
+            self._rec.module_spans.append((frame.name, frame.start, end, frame.recompute))
 
     def _context(self) -> Site:
         """Where work goes now: the module stack and the functional being run (cached)."""

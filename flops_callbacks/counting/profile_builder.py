@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from flops_callbacks.counting.recording import Recording, Sums, as_counts, plus, total
-from flops_callbacks.module_tree import ModuleTree, depth_of, parent_in
+from flops_callbacks.module_tree import ModuleTree, depth_of, fill_uncalled, parent_in
 from flops_callbacks.parallel import stored_numel
 from flops_callbacks.profile import Counts, Coverage, ModuleProfile, Profile, UncountedOp
 from flops_callbacks.timing.clock import Clock
@@ -54,16 +54,25 @@ def build_profile(
     """
     seconds = clock.seconds
     clock.synchronize()
-    per_module, outside = _spread(recording, tree)
+    called = {name for name, calls in recording.module_calls.items() if calls}
+    per_module, outside = _spread(recording, tree, called)
 
-    fwd_latency = dict.fromkeys(tree.modules, 0.0)
-    rec_latency = dict.fromkeys(tree.modules, 0.0)
-    bwd_latency = dict.fromkeys(tree.modules, 0.0)
+    fwd: dict[str, float] = {}
+    rec: dict[str, float] = {}
     for name, start, end, recompute in recording.module_spans:
-        (rec_latency if recompute else fwd_latency)[name] += seconds(start, end)
+        table = rec if recompute else fwd
+        table[name] = table.get(name, 0.0) + seconds(start, end)
+    fill_uncalled(fwd)
+    fill_uncalled(rec)
+    fwd_latency = {name: fwd.get(name, 0.0) for name in tree.modules}
+    rec_latency = {name: rec.get(name, 0.0) for name in tree.modules}
+    bwd_latency = dict.fromkeys(tree.modules, 0.0)
+    held: dict[tuple[str, ...], tuple[str, ...]] = {}  # a context's modules, and those never called above
     for ctx, start, end in recording.bwd_op_spans:
         s = seconds(start, end)
-        for name in ctx.names:
+        if ctx.names not in held:
+            held[ctx.names] = tree.with_uncalled_above(ctx.names, called)
+        for name in held[ctx.names]:
             bwd_latency[name] += s
     total_fwd = sum(seconds(a, b) for a, b in recording.top_spans)
     total_bwd = sum(seconds(a, b) for a, b in recording.bwd_spans)
@@ -130,8 +139,11 @@ def _add_ignored(modules: dict[str, ModuleProfile], tree: ModuleTree) -> None:
     modules.update(ranked)  # the model's walk order: parents before their children
 
 
-def _spread(recording: Recording, tree: ModuleTree) -> tuple[dict[str, dict[str, Sums]], Sums | None]:
-    """Sums per module and functional, and the sums of work outside the model's modules."""
+def _spread(
+    recording: Recording, tree: ModuleTree, called: set[str]
+) -> tuple[dict[str, dict[str, Sums]], Sums | None]:
+    """Sums per module and functional (a module never ``called`` holds its submodules'), and the sums of
+    work outside the model's modules."""
     per_module: dict[str, dict[str, Sums]] = {name: {} for name in tree.modules}
     outside: Sums | None = None
     for key, by_functional in recording.contexts.items():  # a stack's contexts merged, then spread
@@ -139,8 +151,9 @@ def _spread(recording: Recording, tree: ModuleTree) -> tuple[dict[str, dict[str,
         for ctx in by_functional.values():
             for functional, sums in ctx.sums.items():
                 merged[functional] = plus(merged.get(functional), sums)
+        names = tree.with_uncalled_above(key, called)
         for functional, sums in merged.items():
-            for name in key:
+            for name in names:
                 mine = per_module[name]
                 mine[functional] = plus(mine.get(functional), sums)
             if not key:

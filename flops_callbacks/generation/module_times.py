@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from flops_callbacks.module_tree import fill_uncalled
 from flops_callbacks.phase_names import FORWARD
-from flops_callbacks.timing.module_timer import fill_containers
 from flops_callbacks.timing.spans import ModuleSpan
 
 __all__ = ["COUNTING_RUN_SOURCE", "MODULE_TIMING_SOURCE", "step_module_times"]
@@ -47,6 +47,6 @@ def step_module_times(spans: Sequence[ModuleSpan], steps: Sequence[int]) -> dict
             if span.start < call.start and span.start >= outer_end:  # an outermost call before the model's
                 table[""] += span.duration
                 outer_end = span.start + span.duration
-        fill_containers(table)
+        fill_uncalled(table)
         found[step] = table
     return found

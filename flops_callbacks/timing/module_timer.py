@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from flops_callbacks.module_tree import ModuleTree, ancestors, depth_of, eager_compiled_code
+from flops_callbacks.module_tree import ModuleTree, depth_of, eager_compiled_code, fill_uncalled
 from flops_callbacks.phase_names import BACKWARD, FORWARD, RECOMPUTE
 from flops_callbacks.profile import Profile
 from flops_callbacks.timing.clock import Clock
@@ -50,7 +50,7 @@ from flops_callbacks.timing.collector import collector_off
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.spans import ModuleSpan, Phase
 
-__all__ = ["fill_containers", "median_step", "ModuleTimer", "ModuleTimes", "nearest_step"]
+__all__ = ["median_step", "ModuleTimer", "ModuleTimes", "nearest_step"]
 
 _current_autograd_node = torch._C._current_autograd_node
 
@@ -317,25 +317,31 @@ class ModuleTimer:
             for i, span in enumerate(fwd_spans)
             if span[5] and not (i in parent and fwd_spans[parent[i]][5])
         ]
-        for span, duration in zip(fwd_spans, durations, strict=True):
+        for i, (span, duration) in enumerate(zip(fwd_spans, durations, strict=True)):
             name, start, started, _, _, is_recompute = span
+            if _inside_itself(i, parent, fwd_spans):  # a module calling itself: the outermost call holds it
+                continue
             table = recompute if is_recompute else fwd
             table[name] = table.get(name, 0.0) + duration
             phase: Phase = RECOMPUTE if is_recompute else FORWARD
             spans.append(ModuleSpan(name, phase, seconds(origin, start, started), duration, depth_of(name)))
         extent: dict[str, tuple[float, float]] = {}
+        called = {span[0] for span in fwd_spans if not span[5]}
+        held: dict[tuple[str, ...], tuple[str, ...]] = {}  # owners, and the modules never called above them
         for owners, start, end, started, began in self._node_spans:
             inside = sum(d for opened, d in recomputes if began < opened <= started)
             begin = seconds(origin, start, started)
             duration = max(seconds(start, end, started - began) - inside, 0.0)
-            for owner in owners:
+            if owners not in held:
+                held[owners] = self._tree.with_uncalled_above(owners, called)
+            for owner in held[owners]:
                 bwd[owner] = bwd.get(owner, 0.0) + duration
                 first, last = extent.get(owner, (begin, begin + duration))
                 extent[owner] = (min(first, begin), max(last, begin + duration))
         spans += [ModuleSpan(name, BACKWARD, a, b - a, depth_of(name)) for name, (a, b) in extent.items()]
         spans.sort(key=lambda s: (s.start, -s.duration))
-        fill_containers(fwd)
-        fill_containers(recompute)
+        fill_uncalled(fwd)
+        fill_uncalled(recompute)
         outermost = self._outermost()
         if any(self._fwd_spans[i][0] for i in outermost):  # a submodule called outside the model's call
             # (Lightning's training_step: self.criterion(self(x), y)): the model's forward holds it, as
@@ -415,11 +421,12 @@ class ModuleTimer:
         return durations, parent, children
 
 
-def fill_containers(table: dict[str, float]) -> None:
-    """A module never called itself (a ``ModuleList``) takes the sum of its called submodules."""
-    own = set(table)
-    for name in sorted(own, key=lambda n: -n.count(".")):
-        for above in reversed(ancestors(name)):
-            if above in own:
-                break
-            table[above] = table.get(above, 0.0) + table[name]
+def _inside_itself(i: int, parent: dict[int, int], spans: list[Any]) -> bool:
+    """Whether forward span ``i`` is inside a span of the same module (a module calling itself: counted
+    once, in its outermost call, which holds the inner ones' time)."""
+    j = parent.get(i)
+    while j is not None:
+        if spans[j][0] == spans[i][0]:
+            return True
+        j = parent.get(j)
+    return False

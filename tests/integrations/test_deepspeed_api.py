@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -175,6 +176,61 @@ def test_shared_submodule_counts_once_per_call_not_per_parent() -> None:
     assert m["a"].fwd_macs * 2 == one_call and m["b"].fwd_macs * 2 == one_call
     assert m[""].fwd_macs * 2 == 3 * one_call
     assert "b.inner" not in m  # one module, one record, under its first name
+
+
+def test_a_module_whose_submodules_are_called_past_it_holds_their_work_and_time() -> None:
+    """``vgg.features(x)``: the backbone's forward never runs; its row held its submodule's forward time
+    but no flops (DeepSpeed's sum over the tree: the submodule's), and no backward."""
+
+    class Backbone(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.features = nn.Linear(IN, IN)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise AssertionError("called past")
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone, self.head = Backbone(), nn.Linear(IN, OUT)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.backbone.features(x))
+
+    net = Net()
+    with FlopsProfiler(net) as prof:
+        net(torch.randn(B, IN)).sum().backward()
+    m = prof.get_profile().modules
+    features, backbone = m["backbone.features"], m["backbone"]
+    # the input needs no gradient: the backward is the weight's and the bias's gradients
+    assert features.fwd_flops == 2 * B * IN * IN and features.bwd_flops == 2 * B * IN * IN + B * IN
+    assert (backbone.fwd_flops, backbone.bwd_flops, backbone.calls) == (
+        features.fwd_flops, features.bwd_flops, 0
+    )  # fmt: skip
+    assert (backbone.fwd_latency, backbone.bwd_latency) == (features.fwd_latency, features.bwd_latency)
+    assert backbone.bwd_latency > 0
+    assert get_module_flops(net.backbone) == features.fwd_flops
+
+
+def test_a_module_calling_itself_is_timed_once_by_its_outermost_call() -> None:
+    """Its inner calls lie inside its outer one (each level added them again: 2.3x the model's forward)."""
+
+    class Recursive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(IN, IN)
+
+        def forward(self, x: torch.Tensor, depth: int = 3) -> torch.Tensor:
+            time.sleep(0.01)
+            x = self.lin(x)
+            return self(x, depth - 1) if depth else x
+
+    net = nn.Sequential(Recursive())
+    with FlopsProfiler(net) as prof:
+        net(torch.randn(B, IN))
+    assert get_module_flops(net[0]) == 4 * 2 * B * IN * IN  # four calls of its Linear
+    assert 0.04 <= get_module_duration(net[0]) <= prof.get_total_duration() < 0.06
 
 
 def test_nothing_left_behind_after_stop_even_when_the_model_raises() -> None:

@@ -130,6 +130,66 @@ def test_a_module_shared_by_two_parents_gives_each_caller_its_calls_backward() -
     assert holds_sleep(times.bwd[""], 0.1)
 
 
+class CalledPast(nn.Module):
+    """``vgg.features(x)``: the backbone's own forward never runs, its ``features`` is called from the
+    model; a ModuleDict's entry is called from a sibling (a router calling its experts)."""
+
+    class Backbone(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.features = Sleepy(fwd=0.02, bwd=0.05, tiny_ops=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise AssertionError("called past")
+
+    class Router(nn.Module):
+        def __init__(self, experts: nn.ModuleDict) -> None:
+            super().__init__()
+            self.experts = [experts]  # not a submodule: the model's ``experts`` is the one
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.experts[0]["first"](x)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = self.Backbone()
+        self.experts = nn.ModuleDict({"first": Sleepy(fwd=0.01, bwd=0.03, tiny_ops=1)})
+        self.router = self.Router(self.experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.router(self.backbone.features(x))
+
+
+def test_a_module_never_called_holds_the_forward_and_backward_of_its_submodules_called_past_it() -> None:
+    """Its forward time was its submodules' and its backward none (the report's row: time, no flops)."""
+    _, times = timed(CalledPast(), torch.randn(2, 4))
+    assert holds_sleep(times.fwd["backbone"], 0.02) and holds_sleep(times.bwd["backbone"], 0.05)
+    assert times.fwd["backbone"] == times.fwd["backbone.features"]
+    assert holds_sleep(times.fwd["experts"], 0.01) and holds_sleep(times.bwd["experts"], 0.03)
+    assert holds_sleep(times.bwd["router"], 0.03)  # its call's, as its forward
+
+
+class Recursive(nn.Module):
+    """A module that calls itself ``depth`` times more, 20 ms of work at each level."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.work = Sleepy(fwd=0.02, bwd=0.0, tiny_ops=1)
+
+    def forward(self, x: torch.Tensor, depth: int = 3) -> torch.Tensor:
+        x = self.work(x)
+        return self(x, depth - 1) if depth else x
+
+
+def test_a_module_calling_itself_is_timed_once_by_its_outermost_call() -> None:
+    """Its inner calls lie inside its outer one: each nesting level added them again (0.2 s of 0.08 s)."""
+    model = nn.Sequential(Recursive())
+    _, times = timed(model, torch.randn(2, 4))
+    assert holds_sleep(times.fwd["0"], 0.08) and holds_sleep(times.fwd["0.work"], 0.08)
+    assert times.fwd["0"] <= times.fwd[""]
+    assert sum(s.name == "0" for s in times.spans if s.phase == FORWARD) == 1
+
+
 def test_nothing_stays_on_torch_the_modules_or_the_nodes() -> None:
     model = Two()
     x = torch.randn(2, 4)
