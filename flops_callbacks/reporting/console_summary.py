@@ -179,8 +179,9 @@ def _top_lines(result: WindowResult) -> list[str]:
     """Two columns: the modules of most own time and of most own flops, with their shares of the model's."""
     profile = result.profile
     own = _own(profile)
-    total_time = sum(t for t, _ in own.values())
-    total_flops = sum(f for _, f in own.values())
+    # the model's row, not the sum of the own figures: a shared module's calls are in two of them
+    total_time = profile.model.fwd_latency + profile.model.bwd_latency
+    total_flops = profile.model.fwd_flops + profile.model.bwd_flops
     timed = bool(result.steps.module_timing) and result.steps.module_shapes_match and total_time > 0
 
     def top(i: int) -> list[str]:  # the modules of most own time (0) or flops (1): none with none of it

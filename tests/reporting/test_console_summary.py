@@ -105,6 +105,21 @@ def test_a_module_with_no_own_time_is_not_a_top_module() -> None:
     assert rows == ["b 300 ms 67% a 180 60%", "a 150 ms 33% b 90 30%", "(Net) 30 10%"]
 
 
+def test_the_top_modules_shares_are_of_the_models_flops_and_time_when_a_shared_module_counts_twice() -> None:
+    """``a`` calls ``b``, its sibling (a shared module: its call is in ``a``'s figures and in its own): a
+    holds 270 flops and 0.45 s, b's 90 and 0.3 s in them. The own figures sum to more than the model's
+    300 flops and 0.6 s (the model's own is 300 - 360: none), so shares of their sum read low (a: 75%
+    of the flops, 60% of the time)."""
+    result = window()
+    modules = result.profile.modules
+    a = dataclasses.replace(modules["a"], fwd_flops=90, bwd_flops=180, fwd_latency=0.15, bwd_latency=0.3)
+    profile = dataclasses.replace(result.profile, modules={**modules, "a": a})
+    text = render_console_summary(dataclasses.replace(result, profile=profile), TreeCheck())
+    rows = [" ".join(line.split()) for line in text.splitlines()[12:14]]
+    assert rows == ["a 450 ms 75% a 270 90%", "b 300 ms 50% b 90 30%"]
+    assert text.splitlines()[14].startswith("model ")
+
+
 def test_the_verdict_names_the_largest_part_of_30_percent_or_more_as_printed() -> None:
     result = window()
 
