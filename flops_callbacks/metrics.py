@@ -138,8 +138,9 @@ CLEAN_STEPS = PREFIX + "clean_steps"  # clean steps the latencies rest on (0: no
 # flops_callbacks.session.result.phase_rates). Model flops (fwd + bwd) unless named hardware.
 FWD_FLOPS_PER_SEC = PREFIX + "fwd_flops_per_sec"  # the median step's model fwd flops / fwd latency
 BWD_FLOPS_PER_SEC = PREFIX + "bwd_flops_per_sec"  # the median step's model bwd flops / bwd latency
-FLOPS_PER_SEC = PREFIX + "flops_per_sec"  # the median step's (fwd + bwd flops) / iter latency
-# the median step's (fwd + bwd + recompute flops) / iter latency
+# the median step's model flops (fwd + bwd, on the real tokens: padding apart) / iter latency
+FLOPS_PER_SEC = PREFIX + "flops_per_sec"
+# the median step's (fwd + bwd + recompute flops, as run: padding in) / iter latency
 HARDWARE_FLOPS_PER_SEC = PREFIX + "hardware_flops_per_sec"
 SAMPLES_PER_SEC = PREFIX + "samples_per_sec"  # the median step's samples per device x dp size / iter latency
 # the median step's tokens per device x dp size / iter latency (if known)

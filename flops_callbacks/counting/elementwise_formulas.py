@@ -316,7 +316,7 @@ def _prelu_backward_flop(args: tuple, kwargs: dict, out: Any) -> int:
 
 _FREE_NAMES = """
     copy_ fill_ zero_ clone _to_copy lift_fresh lift_fresh_copy masked_fill where embedding
-    index_select gather index _unsafe_index scatter slice_backward select_backward
+    index_select gather index _unsafe_index slice_backward select_backward
     slice_scatter select_scatter diagonal_scatter as_strided_scatter cat stack zeros ones empty
     full zeros_like ones_like empty_like full_like new_empty new_zeros new_ones new_full
     new_empty_strided empty_strided arange scalar_tensor triu tril _unsafe_view _local_scalar_dense
@@ -327,7 +327,9 @@ _FREE_NAMES = """
     nonzero nonzero_static _unique _unique2 unique_dim unique_consecutive unique_dim_consecutive
     masked_scatter masked_scatter_ masked_select take index_copy index_copy_ repeat_interleave one_hot
 """.split()
-register_op_kind(present(*_FREE_NAMES) + [aten.scatter_.src, aten.scatter_.value], "free")
+# scatter's overloads that copy (its reducing ones have a formula above)
+_SCATTERS = [getattr(aten.scatter, name) for name in aten.scatter.overloads() if "reduce" not in name]
+register_op_kind(present(*_FREE_NAMES) + _SCATTERS + [aten.scatter_.src, aten.scatter_.value], "free")
 
 register_op_kind(
     present("sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "numel", "dim")

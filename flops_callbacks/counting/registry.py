@@ -155,11 +155,19 @@ def _kind_of(kind: OpKind | str) -> OpKind:
 
 def _has_formula(op: Any) -> bool:
     """Whether ``op`` (a packet or an overload) has an entry already, its own or, for an overload, its
-    packet's (an overload's entry takes over its packet's: registering it replaces that one for it).
-    torch's own formulas are fallbacks, which an entry of ours replaces."""
+    packet's (an overload's entry takes over its packet's: registering it replaces that one for it), or,
+    for a packet, one of its overloads' (which would keep theirs over the packet's). torch's own
+    formulas are fallbacks, which an entry of ours replaces."""
     if op in _ENTRIES:
         return True
-    return isinstance(op, torch._ops.OpOverload) and op._overloadpacket in _ENTRIES
+    if isinstance(op, torch._ops.OpOverload):
+        return op._overloadpacket in _ENTRIES
+    return bool(_overloads_of(op))
+
+
+def _overloads_of(packet: Any) -> list[Any]:
+    """The overloads of ``packet`` with an entry of their own."""
+    return [op for op in _ENTRIES if isinstance(op, torch._ops.OpOverload) and op._overloadpacket is packet]
 
 
 def _add(ops: Any, entry: FormulaEntry, replace: bool) -> None:
@@ -169,6 +177,8 @@ def _add(ops: Any, entry: FormulaEntry, replace: bool) -> None:
         if taken:
             raise ValueError(f"{', '.join(taken)} already registered; pass replace=True to replace")
     for op in found:
+        for overload in _overloads_of(op):  # a packet's entry replaces its overloads' (else they win)
+            del _ENTRIES[overload]
         _ENTRIES[op] = entry
     _RESOLVED.clear()
     _DECOMPOSES.clear()

@@ -27,6 +27,7 @@ from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.reporting.profile_report import EngineRows, render_profile
 from flops_callbacks.reporting.profile_sections import render_aggregated
 from flops_callbacks.units import duration_to_string, macs_to_string, number_to_string, params_to_string
+from flops_callbacks.user_warning import warn
 
 __all__ = [
     "check_model",
@@ -179,6 +180,7 @@ class FlopsProfiler:
         self.causal_attention = causal_attention
         self.started = False
         self._engine: CountingEngine | None = None
+        self._said_failure = False  # the engine's count failure was said (once a profile)
 
     # --- DeepSpeed lifecycle ---------------------------------------------------------------------
 
@@ -193,7 +195,7 @@ class FlopsProfiler:
             causal_attention=self.causal_attention,
         )
         self._engine.start()
-        self.started = True
+        self.started, self._said_failure = True, False
         _register(self, _profiled_names(self.model))
 
     def stop_profile(self) -> None:
@@ -241,8 +243,17 @@ class FlopsProfiler:
         return self._traced().profile()
 
     def _traced(self) -> CountingEngine:
+        """The engine read, its failure said once (a formula that raised: nothing was counted after it)."""
         if self._engine is None:
             raise RuntimeError("no profile: call start_profile() and run the model first")
+        failure = self._engine.failure
+        if failure is not None and not self._said_failure:
+            self._said_failure = True
+            what, error = failure
+            warn(
+                f"FlopsProfiler: {what} failed ({type(error).__name__}: {error}); counting stopped there: "
+                "this profile holds only the work before it."
+            )
         return self._engine
 
     def get_total_flops(self, as_string: bool = False) -> int | str:

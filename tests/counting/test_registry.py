@@ -153,6 +153,43 @@ def test_registering_an_op_twice_is_refused_unless_replaced() -> None:
     )  # the cached lookup saw the replacement
 
 
+def test_a_packet_whose_overload_has_a_formula_is_refused_unless_replaced_and_then_counts() -> None:
+    """The overload's entry comes first when an op is looked up: the packet's, accepted, was never used."""
+
+    @torch.library.custom_op("flops_test::tripled", mutates_args=())
+    def tripled(x: torch.Tensor) -> torch.Tensor:
+        return 3 * x
+
+    packet, x = torch.ops.flops_test.tripled, torch.randn(5)
+    register_formula(packet.default, kind="elementwise")(lambda args, kwargs, out: out.numel())
+    with pytest.raises(ValueError, match=r"flops_test\.tripled already registered; pass replace=True"):
+        register_formula(packet, kind="elementwise")(lambda args, kwargs, out: 100 * out.numel())
+    assert profile_step(Call(tripled), x, backward=False).fwd_flops == 5
+    register_formula(packet, kind="elementwise", replace=True)(lambda args, kwargs, out: 100 * out.numel())
+    assert profile_step(Call(tripled), x, backward=False).fwd_flops == 500  # the packet's, for its overloads
+
+
+def test_the_deepspeed_style_profiler_says_a_formula_that_raised() -> None:
+    """The engine stops counting at a failed count, and kept the failure: nothing read it (the profile
+    read as complete, its op's work and everything after it missing)."""
+
+    @torch.library.custom_op("flops_test::broken", mutates_args=())
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    register_formula(torch.ops.flops_test.broken)(lambda args, kwargs, out: 1 / 0)
+    model = Call(lambda x: broken(x @ torch.ones(5, 2)) @ torch.ones(2, 3))
+    with FlopsProfiler(model) as prof:
+        model(torch.ones(4, 5))
+    said_it = (
+        r"counting flops_test.broken.default with its formula failed \(ZeroDivisionError: division by zero\)"
+    )
+    with pytest.warns(UserWarning, match=said_it + "; counting stopped there") as said:
+        assert prof.get_total_flops() == 2 * 4 * 5 * 2  # the first matmul's
+        prof.get_profile()
+    assert len(said) == 1
+
+
 class Call(nn.Module):
     def __init__(self, fn: object) -> None:
         super().__init__()
