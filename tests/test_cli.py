@@ -617,7 +617,7 @@ def test_diff_and_gate_name_each_difference_of_setup(runs: dict[str, Path], tmp_
     assert (done.returncode, done.stderr) == (0, f"flops-callbacks gate: note: {note}\n")
 
 
-def test_show_and_diff_exit_2_on_a_hand_damaged_file_naming_the_field(
+def test_show_diff_and_gate_exit_2_on_a_hand_damaged_file_naming_the_field(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:
     cases = {
@@ -641,12 +641,23 @@ def test_show_and_diff_exit_2_on_a_hand_damaged_file_naming_the_field(
         '"metrics": "flops_profiler/fwd_latency" is nan, expected a finite number': lambda d: d[
             "metrics"
         ].update({"flops_profiler/fwd_latency": float("nan")}),
+        # any field of a type other than the one it holds (a TypeError, a KeyError, an AttributeError in
+        # the renderers: a traceback and exit 1, as a failed gate)
+        "clean.steps[0].work.counts.bwd_flops is null, expected an integer": lambda d: d["clean_each"][0][
+            "work"
+        ]["counts"].update(bwd_flops=None),
+        "peak.flops is null, expected a number": lambda d: d["peak"].update(flops=None),
+        "profile.device is null, expected a string": lambda d: d["profile"].update(device=None),
+        '"profile": "modules" has no "" key (the model\'s own row)': lambda d: d["profile"]["modules"].pop(
+            ""
+        ),
     }
     for i, (why, damage) in enumerate(cases.items()):
         data, damaged = json.loads(runs["A"].read_text()), tmp_path / f"damaged{i}.json"
         damage(data)
         damaged.write_text(json.dumps(data))
-        for args in (("show", str(damaged)), ("diff", str(runs["A"]), str(damaged))):
+        gate = ("gate", str(runs["A"]), str(damaged), "--fail-on", "iter_latency:+10%")
+        for args in (("show", str(damaged)), ("diff", str(runs["A"]), str(damaged)), gate):
             done = cli(*args)
             assert (done.returncode, done.stdout) == (2, ""), args
             assert done.stderr == (

@@ -27,6 +27,7 @@ from flops_callbacks.options import Options, check_report_args
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.peaks import Bandwidth, Peak
 from flops_callbacks.profile import Profile, is_number
+from flops_callbacks.reporting.declared_types import check_declared_types
 from flops_callbacks.roofline import as_data
 from flops_callbacks.session.flops_sources import FlopsSources
 from flops_callbacks.session.result import AfterWindow, BatchLayout, WindowResult, WindowSteps
@@ -239,9 +240,11 @@ def load_runs(folder: str | Path) -> list[SavedProfile]:
 def from_json(data: Any, source: str = "<data>") -> SavedProfile:
     """The profile that :func:`json_data` wrote, as read from JSON (``source`` names it in errors)."""
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else None
+        key = f'its "schema" is {json.dumps(found)}, not "{SCHEMA}"' if found else f'no "schema": "{SCHEMA}"'
         raise ProfileFileError(
-            f'{source}: not a flops_callbacks profile (no "schema": "{SCHEMA}" key; the profile '
-            "is the flops_profile_step{N}.json a profiled run writes into its log folder)"
+            f"{source}: not a flops_callbacks profile ({key}; the profile is the "
+            "flops_profile_step{N}.json a profiled run writes into its log folder)"
         )
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
@@ -256,7 +259,11 @@ def from_json(data: Any, source: str = "<data>") -> SavedProfile:
         for name, value in metrics.items():  # a NaN would pass every comparison
             if not math.isfinite(value):
                 raise ValueError(f'"metrics": "{name}" is {value}, expected a finite number')
-        return SavedProfile(source, _result(data, metrics), metrics, _report(data.get("report")))
+        result = _result(data, metrics)
+        check_declared_types(result, "")  # here, not as a TypeError deep in a comparison
+        if "" not in result.profile.modules:
+            raise ValueError('"profile": "modules" has no "" key (the model\'s own row)')
+        return SavedProfile(source, result, metrics, _report(data.get("report")))
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         what = f"missing key {error}" if isinstance(error, KeyError) else str(error)
         raise ProfileFileError(

@@ -125,18 +125,18 @@ def unwritable_destinations(
 ) -> dict[str, str]:
     """The window's destinations ("output_file", "log_dir") that cannot be written, each said now with
     why; they are not tried at the window's end."""
-    places = {
-        "output_file": Path(output_file).parent if output_file is not None else None,
-        "log_dir": Path(log_dir) if log_dir is not None else None,
+    places = {  # each destination as given, and the folder it needs
+        "output_file": (output_file, Path(output_file).parent) if output_file is not None else None,
+        "log_dir": (log_dir, Path(log_dir)) if log_dir is not None else None,
     }
     lost = {"output_file": "the report (printed instead)", "log_dir": "the files in the log dir"}
     unwritable: dict[str, str] = {}
-    for place, folder in places.items():
-        reason = unwritable_reason(folder) if folder is not None else None
-        if reason is not None:
+    for place, found in places.items():
+        reason = unwritable_reason(found[1]) if found is not None else None
+        if found is not None and reason is not None:
             unwritable[place] = reason
             warn(
-                f"{owner}: cannot write {place} {folder}: {reason}. Not saved: {lost[place]}; "
+                f"{owner}: cannot write {place} {found[0]}: {reason}. Not saved: {lost[place]}; "
                 "the metrics are logged. Training goes on.",
             )
     return unwritable

@@ -71,6 +71,7 @@ def test_a_file_that_is_not_a_profile_is_refused_with_its_name_and_why(
         "truncated.json": text[: len(text) // 2],
         "foreign.json": json.dumps({"loss": 0.5, "metrics": {}}),
         "list.json": "[1, 2]",
+        "other.json": json.dumps({"schema": "other.tool", "metrics": {}}),
         "trace.json": runs["A"].with_suffix(".trace.json").read_text(),  # the run's other JSON
     }
     for name, content in cases.items():
@@ -84,8 +85,11 @@ def test_a_file_that_is_not_a_profile_is_refused_with_its_name_and_why(
         reasons[name] = str(raised.value).removeprefix(f"{tmp_path / name}: ")
     assert reasons["missing.json"] == "cannot be read (No such file or directory)"
     assert reasons["truncated.json"].startswith("not a profile: not valid JSON (")
-    not_ours = f'not a flops_callbacks profile (no "schema": "{SCHEMA}" key;'
+    not_ours = f'not a flops_callbacks profile (no "schema": "{SCHEMA}";'
     assert all(reasons[n].startswith(not_ours) for n in ("foreign.json", "list.json", "trace.json"))
+    assert reasons["other.json"].startswith(
+        f'not a flops_callbacks profile (its "schema" is "other.tool", not "{SCHEMA}";'
+    )
 
 
 def test_a_one_process_file_has_no_communication_steps_and_reads_back_none(runs: dict[str, Path]) -> None:
