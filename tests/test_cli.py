@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -615,6 +616,32 @@ def test_diff_and_gate_name_each_difference_of_setup(runs: dict[str, Path], tmp_
     done = cli("gate", a_measured, b_measured, "--fail-on", "fwd_flops:+0%")
     note = f"{named} (each run measured its own: MFU and HFU are over each run's own)"
     assert (done.returncode, done.stderr) == (0, f"flops-callbacks gate: note: {note}\n")
+
+
+def test_diff_names_runs_whose_model_flops_left_the_padding_apart_and_not(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The same padded batches, one run telling the model's work on real tokens apart, the other not (its
+    model flops are the flops as run): their flops_per_sec and MFU differ by the padding, unnamed."""
+
+    def padded(why: str) -> Callable[[dict], None]:
+        def lay_out(data: dict) -> None:
+            layout = {"rows": 4, "sequences": 4, "real_tokens": 100, "positions": 128, "not_apart": why}
+            data["batch_layout"] = layout
+
+        return lay_out
+
+    a = rewritten(runs["A"], tmp_path, padded("")).source
+    b = rewritten(runs["A2"], tmp_path, padded("a compiled model")).source
+    note = (
+        "the runs ran on different setups: model flops padding apart -> as run (padding in) (flops_per_sec "
+        "and MFU count different work: hardware_flops_per_sec compares)"
+    )
+    assert f"NOTE: {note}." in cli("diff", a, b).stdout.splitlines()
+    assert (
+        "NOTE: the runs ran on"
+        not in cli("diff", a, rewritten(runs["A2"], tmp_path, padded("")).source).stdout
+    )
 
 
 def test_show_diff_and_gate_exit_2_on_a_hand_damaged_file_naming_the_field(

@@ -90,7 +90,8 @@ class SavedProfile:
 
     def setup(self) -> dict[str, str]:
         """What the run ran on, in words: its world and data-parallel sizes, device type, and the compute
-        dtype and peak FLOPS where its file has them (what a comparison names where two runs differ)."""
+        dtype, peak FLOPS and whether its model flops left the padding apart, where its file has them
+        (what a comparison names where two runs differ)."""
         r = self.result
         found = {"world size": str(r.parallel.world_size)}
         found["data-parallel size"] = str(r.parallel.data_parallel)
@@ -99,6 +100,8 @@ class SavedProfile:
             found["compute dtype"] = r.compute_dtype
         if r.peak is not None:
             found["peak FLOPS"] = flops_to_string(r.peak.flops)
+        if r.layout is not None and r.layout.positions > r.layout.real_tokens:  # padding: told apart or not
+            found["model flops"] = "as run (padding in)" if r.layout.not_apart else "padding apart"
         return found
 
 

@@ -41,13 +41,15 @@ def work_note(a: SavedProfile, b: SavedProfile) -> str | None:
 _SETUP_EFFECT = {
     "data-parallel size": " (samples and tokens per second count every replica)",
     "peak FLOPS": " (MFU and HFU are over each run's own)",
+    "model flops": " (flops_per_sec and MFU count different work: hardware_flops_per_sec compares)",
 }
 
 
 def setup_note(a: SavedProfile, b: SavedProfile) -> str | None:
     """What says the runs ran on different setups (world or data-parallel size, device type, compute dtype,
-    peak FLOPS: :meth:`~.profile_file.SavedProfile.setup`), each A's -> B's; None when they did not. Peaks
-    that differ are named however close: a given one was meant, a measured one moves MFU by its own ratio.
+    peak FLOPS, model flops with the padding apart or not: :meth:`~.profile_file.SavedProfile.setup`),
+    each A's -> B's; None when they did not. Peaks that differ are named however close: a given one was
+    meant, a measured one moves MFU by its own ratio.
 
     Args:
         a: the first run.
