@@ -66,7 +66,7 @@ def test_the_metrics_page_lists_exactly_the_names_of_metrics_py() -> None:
     assert defined >= {*names.ALL, *names.WITH_PEAK, *names.PADDING, *names.THROUGHPUT}
     # each with the comment it is defined with, and its unit from its name: every row has one
     assert "| `flops_profiler/iter_latency` | s | fwd + bwd + step latency |" in page
-    flops = "the median step's (fwd + bwd flops) / iter latency"
+    flops = "the median step's model flops (fwd + bwd, on the real tokens: padding apart) / iter latency"
     assert f"| `flops_profiler/flops_per_sec` | flop/s | {flops} |" in page
     assert "| `flops_profiler/comm_overlap` | fraction | " in page
     assert "| `generation/decode_latency_p90` | s | " in page
