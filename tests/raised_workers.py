@@ -7,6 +7,11 @@ With ``go_on STEP``, rank 1 raises after its backward at window step STEP and th
 error (a batch skipped): every rank writes ``rank{r}.json`` (its steps, the profiler's warnings, the
 window's result, the hooks left, its seconds).
 
+With ``go_on_accumulated STEP``, steps of two micro-batches (the first under DDP's ``no_sync()``): rank 1
+raises in its first micro-batch of window step STEP, before its forward, and the loop goes on with the
+step's second micro-batch (a batch skipped; no rank's step skipped): every rank writes ``rank{r}.json`` as
+with ``go_on``.
+
 With ``after_step STEP``, rank 1 raises after its optimizer step at STEP, past the window, and its loop
 goes on: every rank writes ``rank{r}.json`` (its steps, the steps it logged ``throughput/*`` at, its
 seconds).
@@ -15,7 +20,7 @@ With ``uneven``, rank 1's loop ends at window step ``RAISES_AT`` (uneven inputs 
 and it closes its profiler inside the ``join()`` while rank 0 goes on to 24 steps: every rank writes
 ``rank{r}.json`` as with ``go_on``.
 
-``python raised_workers.py DIR [go_on STEP | after_step STEP | uneven]``
+``python raised_workers.py DIR [go_on STEP | go_on_accumulated STEP | after_step STEP | uneven]``
 """
 
 from __future__ import annotations
@@ -100,6 +105,45 @@ def going_on(directory: Path, raises_at: int) -> None:
     end_process()  # a gloo job left to the interpreter's teardown aborts now and then
 
 
+def going_on_accumulated(directory: Path, raises_at: int) -> None:
+    import contextlib
+    import warnings
+
+    rank, model, optimizer, prof = ddp_loop()
+    start, steps = time.perf_counter(), 0
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            for step in range(24):
+                for micro_batch in range(2):
+                    last = micro_batch == 1
+                    try:
+                        with prof.step(torch.ones(8, 16)), contextlib.ExitStack() as stack:
+                            if not last:
+                                stack.enter_context(model.no_sync())
+                            if rank == 1 and step == raises_at and not last:
+                                raise ValueError("rank 1's own error")
+                            model(torch.ones(8, 16)).sum().backward()
+                            if last:
+                                optimizer.step()
+                                optimizer.zero_grad()
+                                steps += 1
+                    except ValueError:
+                        pass
+        finally:
+            prof.close()
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    ran = {
+        "steps": steps,
+        "said": [str(w.message) for w in said if "StepProfiler" in str(w.message)],
+        "result": prof.result is not None,
+        "hooks": hooks,
+        "seconds": time.perf_counter() - start,
+    }
+    (directory / f"rank{rank}.json").write_text(json.dumps(ran))
+    end_process()
+
+
 def after_step(directory: Path, raises_at: int) -> None:
     """Rank 1 raises after its optimizer step at ``raises_at``, past the window, and its loop goes on: the
     step ran, and counts on every rank alike (their ``throughput/*`` exchanges at the same steps)."""
@@ -161,6 +205,8 @@ if __name__ == "__main__":
         uneven(Path(sys.argv[1]))
     elif sys.argv[2:3] == ["go_on"]:
         going_on(Path(sys.argv[1]), int(sys.argv[3]))
+    elif sys.argv[2:3] == ["go_on_accumulated"]:
+        going_on_accumulated(Path(sys.argv[1]), int(sys.argv[3]))
     elif sys.argv[2:3] == ["after_step"]:
         after_step(Path(sys.argv[1]), int(sys.argv[3]))
     else:

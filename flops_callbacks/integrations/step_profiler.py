@@ -151,6 +151,8 @@ class StepProfiler:
         self._running = False  # the run started (train_start), and close() has not ended it
         self._raised = False  # the last block raised
         self._in_step = False  # an optimizer step has started: its micro-batches so far ran no step()
+        self._blocks = 0  # blocks of the optimizer step in progress so far
+        self._step_blocks = 0  # blocks the last optimizer step took (0: none ended yet)
         self._unstepped = 0  # blocks in a row that ran no optimizer step (said once at _UNSTEPPED)
         self._iteration: _Iteration | None = None
         self._ended = self._said_ended = False  # close() ended the run: a later block runs unprofiled
@@ -253,9 +255,10 @@ class StepProfiler:
                 log_dir=sink.log_dir(),
             )
         if not self._in_step:
-            self._in_step = True
+            self._in_step, self._blocks = True, 0
             adapter = self.adapter
             session.step_start(self.global_step, adapter.model, adapter.context, runs=adapter.runs)
+        self._blocks += 1
         session.micro_batch_start(batch)
 
     def _end(self, stepped: bool) -> None:
@@ -271,15 +274,19 @@ class StepProfiler:
                 "that ends a step; with this many micro-batches a step, as intended."
             )
         if stepped:
-            self._in_step = False
+            self._in_step, self._step_blocks = False, self._blocks
             self.global_step += 1
             logs = self.global_step % self.log_every_n_steps == 0
             session.step_end(self.global_step, self.adapter.sink, logs=logs)
 
     def _abandon_iteration(self) -> None:
-        """The block raised: the window is dropped, on every rank at the next vote should the loop go on
-        (the next step starts afresh), and a ``close()`` before another block ran exchanges nothing."""
-        self._in_step, self._raised = False, True
+        """The block raised: the window is dropped, on every rank at the next vote should the loop go on,
+        and a ``close()`` before another block ran exchanges nothing. A block before its step's last (fewer
+        than the last step took: a micro-batch skipped) leaves the step going on, as on the other ranks,
+        whose votes this rank casts with them; else the step ended here for this rank (its optimizer did
+        not step), and its next block starts the next one, casting the end vote it owes first."""
+        self._in_step = self._in_step and self._blocks < self._step_blocks
+        self._raised = True
         self.session.guard.closing(lambda: self.session.close(raised=True))
 
 
