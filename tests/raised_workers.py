@@ -12,6 +12,10 @@ raises in its first micro-batch of window step STEP, before its forward, and the
 step's second micro-batch (a batch skipped; no rank's step skipped): every rank writes ``rank{r}.json`` as
 with ``go_on``.
 
+With ``go_on_forward STEP``, rank 1 raises before its forward at window step STEP and its loop goes on
+with one batch more than rank 0's (the skipped batch made up): rank 0 waits in the step's all-reduce,
+which rank 1's next batch joins; every rank writes ``rank{r}.json`` as with ``go_on``.
+
 With ``after_step STEP``, rank 1 raises after its optimizer step at STEP, past the window, and its loop
 goes on: every rank writes ``rank{r}.json`` (its steps, the steps it logged ``throughput/*`` at, its
 seconds).
@@ -20,7 +24,8 @@ With ``uneven``, rank 1's loop ends at window step ``RAISES_AT`` (uneven inputs 
 and it closes its profiler inside the ``join()`` while rank 0 goes on to 24 steps: every rank writes
 ``rank{r}.json`` as with ``go_on``.
 
-``python raised_workers.py DIR [go_on STEP | go_on_accumulated STEP | after_step STEP | uneven]``
+``python raised_workers.py DIR [go_on STEP | go_on_accumulated STEP | go_on_forward STEP | after_step STEP |
+uneven]``
 """
 
 from __future__ import annotations
@@ -93,16 +98,31 @@ def going_on(directory: Path, raises_at: int) -> None:
                     optimizer.zero_grad()
         finally:
             prof.close()
-    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    ran = {
-        "steps": steps,
-        "said": [str(w.message) for w in said if "StepProfiler" in str(w.message)],
-        "result": prof.result is not None,
-        "hooks": hooks,
-        "seconds": time.perf_counter() - start,
-    }
-    (directory / f"rank{rank}.json").write_text(json.dumps(ran))
-    end_process()  # a gloo job left to the interpreter's teardown aborts now and then
+    write_ran(directory, rank, model, prof, steps, said, start)
+
+
+def going_on_forward(directory: Path, raises_at: int) -> None:
+    import warnings
+
+    rank, model, optimizer, prof = ddp_loop()
+    start, steps = time.perf_counter(), 0
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            for step in range(25 if rank == 1 else 24):
+                try:
+                    with prof.step(torch.ones(8, 16)):
+                        if rank == 1 and step == raises_at:
+                            raise ValueError("rank 1's own error")
+                        model(torch.ones(8, 16)).sum().backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        steps += 1
+                except ValueError:
+                    pass
+        finally:
+            prof.close()
+    write_ran(directory, rank, model, prof, steps, said, start)
 
 
 def going_on_accumulated(directory: Path, raises_at: int) -> None:
@@ -132,6 +152,14 @@ def going_on_accumulated(directory: Path, raises_at: int) -> None:
                         pass
         finally:
             prof.close()
+    write_ran(directory, rank, model, prof, steps, said, start)
+
+
+def write_ran(
+    directory: Path, rank: int, model: nn.Module, prof: StepProfiler, steps: int, said: list, start: float
+) -> None:
+    """``rank{r}.json``: the steps this rank ran, the profiler's warnings, whether its window published,
+    the hooks left on the model, its seconds; then the process ends."""
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     ran = {
         "steps": steps,
@@ -141,7 +169,7 @@ def going_on_accumulated(directory: Path, raises_at: int) -> None:
         "seconds": time.perf_counter() - start,
     }
     (directory / f"rank{rank}.json").write_text(json.dumps(ran))
-    end_process()
+    end_process()  # a gloo job left to the interpreter's teardown aborts now and then
 
 
 def after_step(directory: Path, raises_at: int) -> None:
@@ -205,6 +233,8 @@ if __name__ == "__main__":
         uneven(Path(sys.argv[1]))
     elif sys.argv[2:3] == ["go_on"]:
         going_on(Path(sys.argv[1]), int(sys.argv[3]))
+    elif sys.argv[2:3] == ["go_on_forward"]:
+        going_on_forward(Path(sys.argv[1]), int(sys.argv[3]))
     elif sys.argv[2:3] == ["go_on_accumulated"]:
         going_on_accumulated(Path(sys.argv[1]), int(sys.argv[3]))
     elif sys.argv[2:3] == ["after_step"]:

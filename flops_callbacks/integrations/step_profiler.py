@@ -279,15 +279,19 @@ class StepProfiler:
             logs = self.global_step % self.log_every_n_steps == 0
             session.step_end(self.global_step, self.adapter.sink, logs=logs)
 
-    def _abandon_iteration(self) -> None:
-        """The block raised: the window is dropped, on every rank at the next vote should the loop go on,
-        and a ``close()`` before another block ran exchanges nothing. A block before its step's last (fewer
-        than the last step took: a micro-batch skipped) leaves the step going on, as on the other ranks,
-        whose votes this rank casts with them; else the step ended here for this rank (its optimizer did
-        not step), and its next block starts the next one, casting the end vote it owes first."""
-        self._in_step = self._in_step and self._blocks < self._step_blocks
-        self._raised = True
-        self.session.guard.closing(lambda: self.session.close(raised=True))
+    def _abandon_iteration(self, phase: str = FORWARD) -> None:
+        """The block raised in ``phase``: the window is dropped, on every rank at the next vote should the
+        loop go on, and a ``close()`` before another block ran exchanges nothing. The ranks' votes stay in
+        step with their collectives (gradient all-reduces): a block before its step's last (fewer than the
+        last step took: a micro-batch skipped) leaves the step going on as on the other ranks, voting with
+        them; the last one raised in its forward leaves it going on too, the next block giving the
+        all-reduce the others wait in, voting only at its end; raised later, the step ended here for this
+        rank (its optimizer did not step), and its next block starts the next one, casting the end vote it
+        owes first."""
+        lockstep = self._in_step and self._blocks < self._step_blocks
+        goes_on = self._in_step and not lockstep and phase == FORWARD
+        self._in_step, self._raised = lockstep or goes_on, True
+        self.session.guard.closing(lambda: self.session.close(raised=True, goes_on=goes_on))
 
 
 class _Iteration:
@@ -349,7 +353,7 @@ class _Iteration:
         self.profiler.session.stop_timing()  # the block's code ended: removing the hooks is no phase's
         self.remove_hooks()
         if error is not None and not isinstance(error, StopIteration):
-            self.profiler._abandon_iteration()
+            self.profiler._abandon_iteration(self.phase if self._marks else BACKWARD)
             if self.stepped and self.optimizer_step is not False:  # after the optimizer's step: the step ran
                 self.profiler._end(True)  # and ends here, as on every other rank (its end vote, its log)
             return  # the exception passes unchanged

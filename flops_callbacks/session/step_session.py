@@ -214,11 +214,11 @@ class StepSession:
                 self.publish(self.result, self.options, log_dir, sink, self.guard, skip, True)  # files only
 
     @_own_work("cleaning up", abandon=False)
-    def close(self, meter: bool = True, raised: bool = False) -> None:
-        """Stop what runs, drop this rank's window: no hook, mode or tag of the profiler remains (at any time,
-        any number of times). ``raised``: a step raised, the loop may go on: dropped at the next vote."""
+    def close(self, meter: bool = True, raised: bool = False, goes_on: bool = False) -> None:
+        """Stop what runs, drop this rank's window: no hook, mode or tag of the profiler remains (any times).
+        ``raised``: a step raised, the loop may go on (``goes_on``: that step; ``WindowPlan.raised``)."""
         if raised:
-            self.plan.raised()
+            self.plan.raised(goes_on)
         try:
             self.instruments.stop()
         finally:

@@ -27,7 +27,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from flops_callbacks.communication.figures import ranks_mean
 from flops_callbacks.options import Options
@@ -236,7 +236,7 @@ class WindowPlan:
         self.reprofile = False  # the open window reuses the previous one's profile (module doc)
         self.next_window: int | None = None  # where the next re-profile window starts (None: none)
         self.profiled = False  # a window of this run ended: the next ones reuse its profile
-        self.owed = False  # a window step of this rank raised before its end's vote (:meth:`owed_vote`)
+        self.owed: Literal["", "next step", "step end"] = ""  # the end vote a raise left owed (raised)
         self.run_end: tuple[int | None, int] = (None, 1)  # the run's max_steps (if known), steps per batch
         self._lined_up = 0  # the window step whose ranks last lined up (lines_up)
         self.comm_seen: list[tuple[float, float]] = []  # each read communication step's, the ranks' mean
@@ -248,9 +248,7 @@ class WindowPlan:
     def reset(self, run: bool = False) -> None:
         """The window ended (or was dropped); with ``run`` no other window starts in this run."""
         self.kinds, self.open, self.failed, self.reprofile, self._lined_up = [], False, 0, False, 0
-        self.owed = False
-        self.comm_seen, self.marks, self._end_vote = [], [], None
-        self.clock = CpuClock()
+        self.comm_seen, self.marks, self._end_vote, self.clock, self.owed = [], [], None, CpuClock(), ""
         if run:
             self.next_window, self.profiled = None, False
 
@@ -326,7 +324,7 @@ class WindowPlan:
     def lines_up(self) -> bool:
         """Whether the ranks vote before this micro-batch: a communication step's first (once a step),
         so that its split starts with every rank at one point, after each read its batch."""
-        if self.kind != Kind.COMMUNICATION or self._lined_up == len(self.kinds):
+        if self.kind != Kind.COMMUNICATION or self._lined_up == len(self.kinds) or self.owed == "step end":
             return False
         self._lined_up = len(self.kinds)
         return True
@@ -356,20 +354,21 @@ class WindowPlan:
     @property
     def batch_decides(self) -> bool:
         """Whether the current step's micro-batches vote on its kind (every rank answers the same)."""
-        return self.open and bool(self.kinds) and self.kind in (None, Kind.CLEAN)
+        return self.open and bool(self.kinds) and self.kind in (None, Kind.CLEAN) and self.owed != "step end"
 
-    def raised(self) -> None:
+    def raised(self, at_end: bool = False) -> None:
         """A window step's user code raised and the loop may go on: this rank wishes a drop, and owes the
-        step's end vote, in which the other ranks wait (:meth:`owed_vote`)."""
+        step's end vote, in which the other ranks wait: at the next step's start (:meth:`owed_vote`), or
+        (``at_end``: the step goes on here, its next block giving the step's collectives the others wait
+        in) at its end, casting no other vote till then."""
         if self.open:
-            self.failed, self.owed = self.failed or RAISED, True
+            self.failed, self.owed = self.failed or RAISED, "step end" if at_end else "next step"
 
     def owed_vote(self) -> Decision | None:
         """At the next step's start, before its own votes: the end vote the step that raised did not take
         (the other ranks' end vote, or their first vote of the next step; a drop), or None."""
-        if not self.owed:
+        if self.owed != "next step":
             return None
-        self.owed = False
         return self.vote(Wish(drop=self.failed), ended=True)
 
     def vote(self, wish: Wish, ended: bool = False) -> Decision:
@@ -377,7 +376,7 @@ class WindowPlan:
         count, a check or the content's rhythm if any rank's batch asks, the end only when every rank
         is done. ``ended``: the vote at a window step's end (else a micro-batch's); it is marked on the
         steps' clock (:attr:`marks`)."""
-        clock, self.owed = self.clock, self.owed and not ended  # an end vote cast is owed no more
+        clock, self.owed = self.clock, "" if ended else self.owed  # an end vote cast is owed no more
         if ended and self.kind == Kind.COMMUNICATION and self.marks:  # its figures count the rank's waits
             wish = wish._replace(votes=tuple(v.seconds for v in vote_seconds(self.marks[-1:])[0]))
         start = clock.mark()

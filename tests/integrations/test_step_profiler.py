@@ -777,6 +777,30 @@ def test_a_rank_that_raised_in_a_micro_batch_before_its_steps_last_goes_on_with_
     assert max(r["seconds"] for r in ranks) < 60
 
 
+@pytest.mark.parametrize("kind", ["communication", "clean"])
+def test_a_rank_that_raised_before_its_forward_goes_on_with_that_step_joining_the_others_all_reduce(
+    tmp_path: Path, kind: str
+) -> None:
+    """Rank 1 raises before its forward in a window step (no gradient all-reduce of its own) and its loop
+    goes on. Rank 0 waits in that step's all-reduce, which rank 1's next batch joins: rank 1 voting at that
+    block's start (the end vote it owed, a clean step's batch vote) met none, and both waited for the
+    ranks' 300 s timeout. That block is the step's, voting at its end only, with rank 0's end vote."""
+    from tests.support import comm_steps, first_clean
+
+    step = comm_steps(2)[0] if kind == "communication" else first_clean(2, comm=True)
+    done = raised_workers(tmp_path, "go_on_forward", str(step), timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = ranks_written(tmp_path)
+    assert [r["steps"] for r in ranks] == [24, 24]
+    assert ranks[0]["said"] == [
+        "StepProfiler: a window step raised on rank 1 (the exception your loop went on after); the profile "
+        "window is dropped and nothing of the profiler stays; this run goes on unprofiled on every rank. "
+        "Training goes on."
+    ]
+    assert not any(r["result"] for r in ranks) and not any(r["hooks"] for r in ranks)
+    assert max(r["seconds"] for r in ranks) < 60
+
+
 @pytest.mark.parametrize("at", ["window", "after"])
 def test_a_rank_that_raised_after_its_optimizer_step_and_went_on_counts_the_step_as_the_other(
     tmp_path: Path, at: str
