@@ -194,12 +194,12 @@ class StepSession:
         self.instruments.stop(self.flops, self._step)  # a counted micro-batch's counts: the table
         self._steps, self._step = [s for s in self._steps if s is not self._step], None  # cut: no step
         self._after_window(sink)
-        self.job_meter.close()
         if self.plan.open:
             self._finish(global_step, sink)
         elif self.result is None and self._expected and sink.is_logging_rank:
             warn(f"{self.owner}: no optimizer step started at profile_step={self.options.profile_step} or "
                  f"after (training ended at global step {global_step}): no profile ran.")  # fmt: skip
+        self.job_meter.close()  # after the window's end, which starts it: it holds the model
         self.off_clock.drop(ended=True)  # its trial holds a batch and the trainer
 
     def _after_window(self, sink: Sink) -> None:

@@ -365,12 +365,17 @@ def test_metrics_reach_tensorboard_once_at_the_window_end_and_losses_are_unchang
 # --- what the window covers ----------------------------------------------------------------------------
 
 
-def test_the_callback_keeps_neither_the_trainer_nor_the_model_once_the_run_ended(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cut_short", [False, True])
+def test_the_callback_keeps_neither_the_trainer_nor_the_model_once_the_run_ended(
+    tmp_path: Path, cut_short: bool
+) -> None:
     # users keep the callback to read its result: the window's context (the Trainer's estimate rows close
-    # over the Trainer) and the meter's model once kept the Trainer, its model, optimizer and data alive
+    # over the Trainer) and the meter's model once kept the Trainer, its model, optimizer and data alive;
+    # a window the run's end cut short started the meter after the run's end had closed it
     callback = quiet()
     model = gpt2()
-    trainer = train(tmp_path, model, [callback], report_to=())
+    ended = {"max_steps": WINDOW_END - 1} if cut_short else {}
+    trainer = train(tmp_path, model, [callback], report_to=(), **ended)
     assert callback.result is not None
     held = [weakref.ref(trainer), weakref.ref(model)]
     del trainer, model
