@@ -4,6 +4,8 @@ step the tests read (2 processes on CPU).
 ``python comm_workers.py KIND DIR [WIDTH] [BUCKET_MB]``
 
 * ``loop``: DDP in a loop of one's own with ``StepProfiler`` (under ``torchrun``);
+* ``slow_start``: ``loop``, rank 1's communication profiler 30 ms slower to start (the profiler's own
+  work before the ranks line up, as a trace's start on a busy host);
 * ``fsdp2``: ``fully_shard`` on each layer and the root, in a ``StepProfiler`` loop (under ``torchrun``);
 * ``lightning``: Lightning's ``ddp`` strategy (its own launcher starts the second process);
 * ``hf``: the HF Trainer's DDP (under ``torchrun``).
@@ -18,6 +20,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ PROFILE_STEP, CLEAN, BATCH = 1, 2, 32
 # comm_steps="auto": 3 communication steps, or up to 25 where they disagree (as on a loaded CPU)
 STEPS = window_end(PROFILE_STEP, CLEAN, comm=True) + COMM_MAX - COMM_MIN + 1
 TIMEOUT = timedelta(seconds=120)
+SLOW_START = 0.03  # seconds rank 1's communication profiler takes longer to start (slow_start)
 
 
 class Regressor(nn.Module):
@@ -81,6 +85,16 @@ def loop(kind: str, directory: Path, width: int, bucket_mb: float) -> None:
 
     torch.distributed.init_process_group("gloo", timeout=TIMEOUT)
     rank = torch.distributed.get_rank()
+    if kind == "slow_start" and rank == 1:
+        from flops_callbacks.communication.recorder import CommRecorder
+
+        start = CommRecorder.start
+
+        def slow_start(self: CommRecorder) -> None:
+            time.sleep(SLOW_START)
+            start(self)
+
+        CommRecorder.start = slow_start  # type: ignore[method-assign]
     model: Any = Regressor(width)
     if kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -157,7 +171,7 @@ if __name__ == "__main__":
     kind, out = sys.argv[1], Path(sys.argv[2])
     width = int(sys.argv[3]) if len(sys.argv) > 3 else 256
     bucket = float(sys.argv[4]) if len(sys.argv) > 4 else 25.0
-    if kind in ("loop", "fsdp2"):
+    if kind in ("loop", "fsdp2", "slow_start"):
         loop(kind, out, width, bucket)
     elif kind == "lightning":
         lightning(out, width)

@@ -8,6 +8,7 @@ owns what runs inside a micro-batch and its teardown on every exit path: the ses
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ class Instruments:
         self.recorder: CommRecorder | None = None  # a communication step's, from its start to its end
         self.energy = WindowEnergy()  # the device's energy counter, read at each window step's end
         self.kernels: KernelClock | None = None  # a CUDA module-timing step's, from its start to its end
+        self._own = 0.0  # seconds the communication profiler's start and stop took, since take_own()
 
     def for_step(self, step: WindowStep, model: torch.nn.Module, runs: torch.nn.Module | None) -> None:
         """A window step starts: the counting step's engine, or a module-timing step's timer."""
@@ -73,10 +75,12 @@ class Instruments:
         elif step.kind == Kind.MODULE_TIMING:
             self.timer = step.timer = ModuleTimer(model, self._module_clock(step.phases.clock))
         elif step.kind == Kind.COMMUNICATION:  # the ranks line up after its start-up (WindowPlan.lines_up)
+            start = time.perf_counter()
             if self.recorder is not None:  # a step that never ended: nothing of it is read
                 self.recorder.stop(keep=False)
             self.recorder = CommRecorder(module_device(model).type == "cuda")
             self.recorder.start()
+            self._own += time.perf_counter() - start
 
     def _module_clock(self, clock: Clock) -> Clock:
         """The module timer's clock: on a CUDA device its kernels' (started now), unless another profiler
@@ -189,8 +193,16 @@ class Instruments:
         if kernels is not None:
             kernels.end()  # its trace is read at the window's end
         if recorder is not None:
+            start = time.perf_counter()
             recorder.stop()
             step.comm = recorder.breakdown()
+            self._own += time.perf_counter() - start
+
+    def take_own(self) -> float:
+        """The seconds the communication profiler's start and stop took since the last call: the profiler's
+        own work that makes a rank reach the next vote later (:class:`~.vote_times.Vote`'s ``own``)."""
+        own, self._own = self._own, 0.0
+        return own
 
     def drop(self) -> Any:
         """Forget every instrument (stopped already); returns the counting step's engine."""

@@ -25,7 +25,8 @@ from flops_callbacks.session.energy_reads import rank_energy
 from flops_callbacks.session.flops_sources import FlopsSources, clean_step_flops
 from flops_callbacks.session.result import WindowResult
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_plan import Kind, Vote, VoteMarks, rank_waits, vote_seconds, votes_own
+from flops_callbacks.session.vote_times import Vote, VoteMarks, rank_waits, vote_seconds, votes_own
+from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, WindowStep, clean_figures
 from flops_callbacks.timing.energy_figures import EnergySpan
 
@@ -172,11 +173,13 @@ def without_votes(rows: Sequence[RankRow]) -> list[RankRow]:
 
 def vote_waits(votes: Sequence[Sequence[Sequence[Vote]]]) -> list[list[float]]:
     """Each rank's wait for a slower rank in the profiler's votes of each of its steps (``votes``: each
-    rank's steps' votes, by rank; :func:`~flops_callbacks.session.window_plan.rank_waits`). Without the
+    rank's steps' votes, by rank; :func:`~flops_callbacks.session.vote_times.rank_waits`). Without the
     votes it waits as long in the step's first collective. Zeros where the ranks' steps do not line up."""
     if len({len(each) for each in votes}) != 1:
         return [[0.0] * len(each) for each in votes]
-    by_step = [rank_waits([[v.seconds for v in step] for step in same]) for same in zip(*votes, strict=True)]
+    by_step = [
+        rank_waits([[v.seconds + v.own for v in step] for step in same]) for same in zip(*votes, strict=True)
+    ]
     return [list(waits) for waits in zip(*by_step, strict=True)] if by_step else [[] for _ in votes]
 
 

@@ -107,6 +107,7 @@ class StepSession:
         self._step: WindowStep | None = None  # the window step in progress
         self._pauses = Pauses()  # declared pauses inside the window (evaluation)
         self.instruments = Instruments(options)
+        self.plan.own_work = self.instruments.take_own  # what made this rank late at a vote
         self._model: torch.nn.Module | None = None
         self._context = TrainingContext()
         self._window_ran = False  # this run's window ended (published or dropped): no other starts
@@ -172,9 +173,8 @@ class StepSession:
         self.result, self.flops = None, ShapeFlops()
         self.off_clock.forget()
         self.sequences.forget()
-        self._window_ran = self._abandoned = False
-        self._logging_rank, self.batches.said_no_size = is_logging_rank, False
-        self._unwritable = {}
+        self._window_ran = self._abandoned = self.batches.said_no_size = False
+        self._logging_rank, self._unwritable = is_logging_rank, {}
         plan = RunPlan.of(self.options, global_step, max_steps, steps_per_batch)
         self._resumed_past, self._unreachable = plan.resumed_past, plan.unreachable
         self.job_meter.unwindowed = plan.resumed_past and self.options.profile_every is None

@@ -32,6 +32,7 @@ from typing import Any, Literal, NamedTuple
 from flops_callbacks.communication.figures import ranks_mean
 from flops_callbacks.options import Options
 from flops_callbacks.session.ranks import RankFailure, Ranks
+from flops_callbacks.session.vote_times import VoteMarks, rank_waits, vote_seconds
 from flops_callbacks.timing.clock import Clock, CpuClock
 
 __all__ = [
@@ -44,18 +45,13 @@ __all__ = [
     "Decision",
     "Kind",
     "WindowPlan",
-    "Vote",
     "VOTES_MAX",
-    "VoteMarks",
     "Wish",
     "before_clean",
     "head",
     "median_interval",
     "median_known",
-    "rank_waits",
     "resumed_window",
-    "vote_seconds",
-    "votes_own",
 ]
 
 # clean_steps="auto": the fewest clean steps a run must leave it (fewer is told at the run's start; its median
@@ -156,48 +152,6 @@ class Wish(NamedTuple):
         return cls(*flags, comm, tuple(votes[: int(count)]))
 
 
-class VoteMarks(NamedTuple):
-    """One vote's marks on the steps' clock (read once the device ran the steps: :func:`vote_seconds`)."""
-
-    clock: Clock
-    start: Any
-    end: Any
-
-
-def vote_seconds(marks: Sequence[Sequence[VoteMarks]]) -> list[tuple[Vote, ...]]:
-    """Each window step's votes (:attr:`WindowPlan.marks`) in seconds."""
-    return [tuple(Vote(m.clock.seconds(m.start, m.end)) for m in step) for step in marks]
-
-
-class Vote(NamedTuple):
-    """One vote this rank took part in, in a step's wall: its seconds on the step's clock (the part of its
-    time the vote held), and whether it lies in the step's data time: a micro-batch's vote does (before its
-    forward, or between micro-batches, where the phases are stopped), the previous step's end vote where the
-    data time starts at that step's end (Lightning's starts at its fetch, after our batch end's vote)."""
-
-    seconds: float
-    in_data: bool = True
-
-
-def votes_own(seconds: Sequence[Sequence[float]]) -> list[float] | None:
-    """Each of one step's votes' own seconds (``seconds``: each rank's seconds in each vote, by rank): its
-    least over the ranks (the last rank to reach a vote waits for none: its time there is the exchange
-    itself); None with one rank, or where the ranks' votes do not line up."""
-    if len(seconds) < 2 or len({len(mine) for mine in seconds}) != 1:
-        return None
-    return [min(same) for same in zip(*seconds, strict=True)]
-
-
-def rank_waits(seconds: Sequence[Sequence[float]]) -> list[float]:
-    """Each rank's wait for a slower rank in one step's votes (``seconds``: each rank's seconds in each of
-    the step's votes, by rank): its seconds beyond each vote's own (:func:`votes_own`). Zeros with one
-    rank, or where the ranks' votes do not line up."""
-    own = votes_own(seconds)
-    if own is None:
-        return [0.0] * len(seconds)
-    return [sum(s - low for s, low in zip(mine, own, strict=True)) for mine in seconds]
-
-
 class Decision(NamedTuple):
     """What every rank does after a vote; ``why`` says a drop's cause in words ("" for none)."""
 
@@ -244,6 +198,7 @@ class WindowPlan:
         # each window step's votes in its wall (:meth:`vote`; :func:`vote_seconds`), and the last end vote
         self.marks: list[list[VoteMarks]] = []
         self._end_vote: VoteMarks | None = None
+        self.own_work: Callable[[], float] = float  # this rank's own seconds since its last vote (float: 0)
 
     def reset(self, run: bool = False) -> None:
         """The window ended (or was dropped); with ``run`` no other window starts in this run."""
@@ -378,7 +333,7 @@ class WindowPlan:
         steps' clock (:attr:`marks`)."""
         clock, self.owed = self.clock, "" if ended else self.owed  # an end vote cast is owed no more
         if ended and self.kind == Kind.COMMUNICATION and self.marks:  # its figures count the rank's waits
-            wish = wish._replace(votes=tuple(v.seconds for v in vote_seconds(self.marks[-1:])[0]))
+            wish = wish._replace(votes=tuple(v.seconds + v.own for v in vote_seconds(self.marks[-1:])[0]))
         start = clock.mark()
         try:
             wishes = [Wish.of(numbers) for numbers in self.ranks.gather(wish.numbers())]
@@ -415,10 +370,11 @@ class WindowPlan:
         """A vote's marks, kept in the step whose wall holds it: a step's end vote lies in the next step's,
         before its forward, as does the step's first micro-batch vote; a later micro-batch's lies between
         its micro-batches (in its data time too: the phases stop before it)."""
+        marks = VoteMarks(clock, start, end, self.own_work())
         if ended:
-            self._end_vote = VoteMarks(clock, start, end)
+            self._end_vote = marks
         elif self.marks:
-            self.marks[-1].append(VoteMarks(clock, start, end))
+            self.marks[-1].append(marks)
 
     def batch_kind(self, decision: Decision) -> Kind:
         """The current step's agreed kind after a micro-batch's vote. At its first micro-batch: the check

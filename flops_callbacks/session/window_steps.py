@@ -28,7 +28,8 @@ from flops_callbacks.communication.breakdown import CommBreakdown
 from flops_callbacks.session.batch import Signature
 from flops_callbacks.session.shape_flops import BatchCounts
 from flops_callbacks.session.token_layout import Layout, LayoutTensors, layout_tensors
-from flops_callbacks.session.window_plan import Kind, Vote
+from flops_callbacks.session.vote_times import Vote
+from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.timing.energy_figures import Reading
 from flops_callbacks.timing.module_timer import ModuleTimer
 from flops_callbacks.timing.outer_calls import OuterCalls

@@ -129,6 +129,18 @@ def test_step_profiler_ddp_loop_all_reduces_the_gradients_bytes(tmp_path: Path) 
     check_ddp(tmp_path, "loop")
 
 
+def test_a_rank_made_late_by_its_profilers_start_makes_no_other_wait_before_the_step(tmp_path: Path) -> None:
+    """Rank 1's communication profiler takes 30 ms longer to start on each communication step: the
+    profiler's own work, before the ranks line up at the step's first vote. Rank 0 waited those 30 ms in
+    that vote, and they were booked as its exposed communication ("waiting for a slower rank before the
+    step"); nothing of the training waits there."""
+    from tests.comm_workers import SLOW_START
+
+    ranks = run(tmp_path, "slow_start")
+    step = ranks[0]["comm"]["whole_step"]
+    assert step["rank_wait"] < SLOW_START / 3, step
+
+
 def test_lightning_ddp_all_reduces_the_gradients_bytes(tmp_path: Path) -> None:
     check_ddp(tmp_path, "lightning")
 

@@ -10,7 +10,8 @@ import torch.nn as nn
 from flops_callbacks.session import builder
 from flops_callbacks.session.rank_part import RankRow, local_part, without_votes
 from flops_callbacks.session.shape_flops import BatchCounts, ShapeFlops
-from flops_callbacks.session.window_plan import Kind, Vote, VoteMarks
+from flops_callbacks.session.vote_times import Vote, VoteMarks
+from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import CleanStep, StepSeconds, StepWork, WindowStep
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
@@ -140,3 +141,16 @@ def test_a_ranks_wait_for_a_slower_one_in_the_votes_before_a_communication_step_
     assert (step5.step.rank_wait, step5.step.compute) == (pytest.approx(0.030), 0.030)
     assert waited_words(step5.step) == " (30 ms waiting for a slower rank before the step)"
     assert _with_vote_waits([mine], []) == [mine]  # no votes read: as it was
+
+
+def test_a_wait_at_a_vote_for_a_rank_made_late_by_the_profilers_own_work_is_no_wait() -> None:
+    """Rank 1's communication profiler took 10 ms longer to start (its own work before the step's first
+    vote): rank 0 waited those 10 ms in the vote, which were booked as its exposed communication. Its
+    data came 20 ms later too, in the next step: that wait stays."""
+    from flops_callbacks.session.rank_part import vote_waits
+
+    votes = [
+        [(Vote(0.001), Vote(0.011, own=0.005)), (Vote(0.021, own=0.005),)],  # rank 0: steps 5 and 6
+        [(Vote(0.001), Vote(0.001, own=0.015)), (Vote(0.001, own=0.005),)],  # rank 1
+    ]
+    assert vote_waits(votes) == [[0.0, pytest.approx(0.020)], [0.0, 0.0]]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from flops_callbacks.options import Options
+from flops_callbacks.session.vote_times import vote_seconds
 from flops_callbacks.session.window_plan import (
     CLEAN_MAX,
     CLEAN_MIN,
@@ -17,7 +18,6 @@ from flops_callbacks.session.window_plan import (
     Wish,
     before_clean,
     head,
-    vote_seconds,
 )
 from tests.support import VoteClock
 
