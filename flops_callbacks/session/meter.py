@@ -452,8 +452,9 @@ class ThroughputMeter:
         if not self._started or self._paused_at is not None:
             return
         now = self._paused_at = self._now()
-        if late and self._ended is not None:
-            ago = self._clock.seconds(self._ended, self._clock.mark())
+        if late:  # with no step ended since the start (the window's last step's end), from the start
+            ended, clock = self._ended, self._clock
+            ago = clock.seconds(ended, clock.mark()) if ended is not None else math.inf
             self._paused_at = max(now - ago, self._counting_since)
         if self.energy is not None:
             self.energy.pause(late)

@@ -795,6 +795,27 @@ def test_a_log_and_an_evaluation_or_a_save_a_callback_after_ours_decides_are_see
         assert 3 * BATCH / longest <= rates[step] <= 3 * BATCH / shortest, step
 
 
+def test_an_evaluation_a_callback_after_ours_decides_at_the_windows_end_is_out_of_the_first_interval(
+    tmp_path: Path,
+) -> None:
+    """The meter starts at the window's end, in our on_step_end at step 6, and a callback after ours then
+    asks for an evaluation (0.1 s set-up + 8 batches of a 0.05 s step's): no step of the meter's had ended,
+    so the pause found no step's end to start from and the evaluation was metered (27 vs 125 samples/s)."""
+    step_sleep = 0.05
+    before, after = Marks(), Marks()
+    trainer = train(
+        tmp_path, SleepyRegressor(step_sleep, 0.0, tiny_ops=2), report_to=(),
+        callbacks=[before, quiet(profile_step=0, flops_audit=0), LateFlags(3, evaluate=(6,)), after],
+        trainer_class=SlowToStartEvaluation, per_device_eval_batch_size=BATCH, max_steps=12,
+        logging_steps=100, datasets={"train_dataset": Pairs(64), "eval_dataset": Pairs(8 * BATCH)},
+    )  # fmt: skip
+    rates = dict(logged(trainer, names.THROUGHPUT_SAMPLES_PER_SEC))
+    assert sorted(rates) == [9, 12] and window_end(0, 1) == 6
+    # from the evaluation's end (our resume, which the meter's start precedes) to the log at 9
+    shortest, longest = before.log[9] - after.evaluate[6], after.log[9] - before.evaluate[6]
+    assert 3 * BATCH / longest <= rates[9] <= 3 * BATCH / shortest
+
+
 @pytest.mark.parametrize("work", ["evaluate", "save"])
 def test_an_evaluation_or_a_save_a_callback_after_ours_decides_inside_the_window_is_neither_data_nor_wall(
     tmp_path: Path, work: str
