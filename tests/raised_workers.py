@@ -7,10 +7,10 @@ With ``go_on STEP``, rank 1 raises after its backward at window step STEP and th
 error (a batch skipped): every rank writes ``rank{r}.json`` (its steps, the profiler's warnings, the
 window's result, the hooks left, its seconds).
 
-With ``go_on_accumulated STEP``, steps of two micro-batches (the first under DDP's ``no_sync()``): rank 1
-raises in its first micro-batch of window step STEP, before its forward, and the loop goes on with the
-step's second micro-batch (a batch skipped; no rank's step skipped): every rank writes ``rank{r}.json`` as
-with ``go_on``.
+With ``go_on_accumulated STEP [COUNTS]``, steps of two micro-batches (or, cycling, of each of the
+comma-separated COUNTS; all but the last under DDP's ``no_sync()``): rank 1 raises in its first micro-batch
+of window step STEP, before its forward, and the loop goes on with the step's next micro-batch (a batch
+skipped; no rank's step skipped): every rank writes ``rank{r}.json`` as with ``go_on``.
 
 With ``go_on_forward STEP``, rank 1 raises before its forward at window step STEP and its loop goes on
 with one batch more than rank 0's (the skipped batch made up): rank 0 waits in the step's all-reduce,
@@ -24,8 +24,8 @@ With ``uneven``, rank 1's loop ends at window step ``RAISES_AT`` (uneven inputs 
 and it closes its profiler inside the ``join()`` while rank 0 goes on to 24 steps: every rank writes
 ``rank{r}.json`` as with ``go_on``.
 
-``python raised_workers.py DIR [go_on STEP | go_on_accumulated STEP | go_on_forward STEP | after_step STEP |
-uneven]``
+``python raised_workers.py DIR [go_on STEP | go_on_accumulated STEP [COUNTS] | go_on_forward STEP |
+after_step STEP | uneven]``
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def going_on_forward(directory: Path, raises_at: int) -> None:
     write_ran(directory, rank, model, prof, steps, said, start)
 
 
-def going_on_accumulated(directory: Path, raises_at: int) -> None:
+def going_on_accumulated(directory: Path, raises_at: int, pattern: tuple[int, ...] = (2,)) -> None:
     import contextlib
     import warnings
 
@@ -135,8 +135,9 @@ def going_on_accumulated(directory: Path, raises_at: int) -> None:
         warnings.simplefilter("always")
         try:
             for step in range(24):
-                for micro_batch in range(2):
-                    last = micro_batch == 1
+                count = pattern[step % len(pattern)]  # micro-batches in this step
+                for micro_batch in range(count):
+                    last = micro_batch == count - 1
                     try:
                         with prof.step(torch.ones(8, 16)), contextlib.ExitStack() as stack:
                             if not last:
@@ -236,7 +237,8 @@ if __name__ == "__main__":
     elif sys.argv[2:3] == ["go_on_forward"]:
         going_on_forward(Path(sys.argv[1]), int(sys.argv[3]))
     elif sys.argv[2:3] == ["go_on_accumulated"]:
-        going_on_accumulated(Path(sys.argv[1]), int(sys.argv[3]))
+        pattern = tuple(int(n) for n in sys.argv[4].split(",")) if len(sys.argv) > 4 else (2,)
+        going_on_accumulated(Path(sys.argv[1]), int(sys.argv[3]), pattern)
     elif sys.argv[2:3] == ["after_step"]:
         after_step(Path(sys.argv[1]), int(sys.argv[3]))
     else:

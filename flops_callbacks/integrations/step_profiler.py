@@ -152,7 +152,7 @@ class StepProfiler:
         self._raised = False  # the last block raised
         self._in_step = False  # an optimizer step has started: its micro-batches so far ran no step()
         self._blocks = 0  # blocks of the optimizer step in progress so far
-        self._step_blocks = 0  # blocks the last optimizer step took (0: none ended yet)
+        self._step_blocks = 0  # the most blocks an optimizer step took so far (0: none ended yet)
         self._unstepped = 0  # blocks in a row that ran no optimizer step (said once at _UNSTEPPED)
         self._iteration: _Iteration | None = None
         self._ended = self._said_ended = False  # close() ended the run: a later block runs unprofiled
@@ -274,7 +274,7 @@ class StepProfiler:
                 "that ends a step; with this many micro-batches a step, as intended."
             )
         if stepped:
-            self._in_step, self._step_blocks = False, self._blocks
+            self._in_step, self._step_blocks = False, max(self._step_blocks, self._blocks)
             self.global_step += 1
             logs = self.global_step % self.log_every_n_steps == 0
             session.step_end(self.global_step, self.adapter.sink, logs=logs)
@@ -283,7 +283,7 @@ class StepProfiler:
         """The block raised in ``phase``: the window is dropped, on every rank at the next vote should the
         loop go on, and a ``close()`` before another block ran exchanges nothing. The ranks' votes stay in
         step with their collectives (gradient all-reduces): a block before its step's last (fewer than the
-        last step took: a micro-batch skipped) leaves the step going on as on the other ranks, voting with
+        most a step took: a micro-batch skipped) leaves the step going on as on the other ranks, voting with
         them; the last one raised in its forward leaves it going on too, the next block giving the
         all-reduce the others wait in, voting only at its end; raised later, the step ended here for this
         rank (its optimizer did not step), and its next block starts the next one, casting the end vote it

@@ -753,18 +753,21 @@ def test_a_rank_that_raised_in_a_window_step_and_went_on_drops_the_window_with_t
     assert max(r["seconds"] for r in ranks) < 60
 
 
-@pytest.mark.parametrize("kind", ["counting", "module timing", "clean"])
+@pytest.mark.parametrize("kind", ["counting", "module timing", "clean", "after a shorter step"])
 def test_a_rank_that_raised_in_a_micro_batch_before_its_steps_last_goes_on_with_that_step(
     tmp_path: Path, kind: str
 ) -> None:
     """Steps of two micro-batches; rank 1 raises in a window step's first (under ``no_sync()``, before its
     forward) and its loop goes on with the step's second, as the other rank does. Its next block is no
     new step: taken as one, it cast the end vote it owed there, while rank 0 waited in the step's
-    all-reduce (both hung until torchrun's timeout). Its step's end vote is the drop, on both ranks."""
+    all-reduce (both hung until torchrun's timeout). Its step's end vote is the drop, on both ranks.
+    Steps of 3 and 1 micro-batches in turn (an epoch's short last step): the counting step's 3 follow a
+    step of 1, which read as this step's length."""
     from tests.support import first_clean, module_steps
 
-    step = {"counting": 2, "module timing": module_steps(2)[0], "clean": first_clean(2, comm=True)}[kind]
-    done = raised_workers(tmp_path, "go_on_accumulated", str(step), timeout=90)
+    step = {"module timing": module_steps(2)[0], "clean": first_clean(2, comm=True)}.get(kind, 2)
+    counts = ["3,1"] if kind == "after a shorter step" else []
+    done = raised_workers(tmp_path, "go_on_accumulated", str(step), *counts, timeout=90)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = ranks_written(tmp_path)
     assert [r["steps"] for r in ranks] == [24, 24]
