@@ -67,6 +67,18 @@ def _logging_step(trainer: pl.Trainer) -> int:
     return step if isinstance(step, int) else trainer.global_step
 
 
+def _logs(trainer: pl.Trainer) -> bool:
+    """Whether Lightning's loggers log this batch's metrics, asked at ``on_train_batch_end``, as its logger
+    connector decides right after it (every ``log_every_n_steps`` batches that stepped by its count, and
+    each batch once training should stop; manual optimization's batches log whether or not one stepped);
+    the count alone where a Lightning lacks the property."""
+    found = getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", None)
+    if isinstance(found, bool):
+        return found
+    every = trainer.log_every_n_steps
+    return bool(every) and (_logging_step(trainer) + 1) % every == 0
+
+
 class _Sink:
     """Where the session's results go in Lightning: the Trainer's loggers (at Lightning's own logging
     step, :func:`_logging_step`, so that our points line up with the run's), its log dir, its console."""
@@ -220,6 +232,8 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         session = self.session
+        if self._iterating and batch is None and self._fetched is None:
+            return  # the run's first step, handed no batch and none before it: unseen (a window starts after)
         if self._step_at_batch_start is None:  # the first micro-batch of an optimizer step
             self._step_at_batch_start = trainer.global_step
             session.step_start(trainer.global_step, pl_module, lambda: _context(trainer, pl_module))
@@ -332,12 +346,12 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         self._unguard()
         session = self.session
         session.micro_batch_end(pause=True)  # validation may run before the next micro-batch
-        if trainer.global_step == self._step_at_batch_start:
-            return self._watch_fetch(trainer)  # gradients accumulate: the optimizer step has not run yet
+        if trainer.global_step == self._step_at_batch_start:  # gradients accumulate: no optimizer step yet
+            if not pl_module.automatic_optimization and _logs(trainer):  # Lightning logs such a batch too
+                session.log_throughput(trainer.global_step, _Sink(trainer))
+            return self._watch_fetch(trainer)
         self._end_step()
-        every = trainer.log_every_n_steps  # Lightning's cadence (set in its constructor)
-        logs = bool(every) and (_logging_step(trainer) + 1) % every == 0
-        session.step_end(trainer.global_step, _Sink(trainer), logs=logs)
+        session.step_end(trainer.global_step, _Sink(trainer), logs=_logs(trainer))
         if session.result is not None and self._profiled_step is None:
             self._profiled_step = session.result.step
         self._watch_fetch(trainer)

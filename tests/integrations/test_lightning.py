@@ -507,6 +507,51 @@ def test_manual_optimization(tmp_path: Path) -> None:
     assert min(result.fwd_latency, result.bwd_latency, result.step_latency) > 0
 
 
+class AccumulatingManually(MLP):
+    """Lightning's manual accumulation: a backward every batch, the optimizer's step every second one."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.head(self.block(x)), y)
+        self.manual_backward(loss)
+        if batch_idx % 2 == 1:
+            self.optimizers().step()
+            self.optimizers().zero_grad()
+        self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize("run", ["manual accumulation", "stopping"])
+def test_throughput_is_logged_at_every_logging_step_lightning_logs_after_the_window(
+    tmp_path: Path, run: str
+) -> None:
+    """Lightning logs a batch's metrics every ``log_every_n_steps`` batches that stepped by its own count,
+    which manual optimization advances at every batch, and at every batch once training should stop
+    (``min_epochs`` keeping it going); ``throughput/*`` followed the optimizer steps alone (every other
+    logging step under manual accumulation, none of the stopping ones)."""
+
+    class StopEarly(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            trainer.should_stop = trainer.global_step >= 15
+
+    callback, logger = quiet_callback(), CSVLogger(tmp_path)
+    if run == "manual accumulation":  # 30 optimizer steps: 60 batches, logged every 5
+        module: MLP = AccumulatingManually()
+        settings: dict[str, Any] = {"max_steps": 30}
+    else:  # told to stop from step 15, two epochs of 20 steps kept
+        module, settings = LoggingMLP(), {"max_steps": -1, "max_epochs": 2, "min_epochs": 2}
+        settings["callbacks"] = [StopEarly()]
+    fit(tmp_path, module, callback, loader(BATCH * 20), logger=logger, log_every_n_steps=5, **settings)
+    rows = csv_metrics(logger)
+    losses = [int(r["step"]) for r in rows if r.get("train_loss")]
+    rates = [int(r["step"]) for r in rows if r.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
+    window = int(next(r["step"] for r in rows if r.get(names.FWD_FLOPS)))
+    assert rates and rates == [step for step in losses if step > window]
+
+
 def test_bf16_mixed_precision_counts_the_same_flops(tmp_path: Path) -> None:
     callback = quiet_callback()
     fit(tmp_path, MLP(), callback, precision="bf16-mixed")
@@ -1088,6 +1133,20 @@ def test_a_dataloader_iter_step_is_said_at_the_start_and_batch_size_fn_counts_it
         longest = after.ended[step] - before.ended[previous]
         assert samples / longest <= rate <= samples / shortest, step
         previous = step
+
+
+def test_a_dataloader_iter_runs_first_step_handed_no_batch_is_not_the_windows(tmp_path: Path) -> None:
+    """``profile_step=0``: Lightning hands the run's first step None and no batch came before it. The
+    window's counting step read None (the docs' ``batch_size_fn`` raised a TypeError that ended the run;
+    without one the window counted a second, empty shape and timed no module); it starts at step 1."""
+    callback = quiet_callback(profile_step=0, batch_size_fn=lambda batch: 2 * len(batch[0]))
+    fit(tmp_path, TwoBatchMLP(), callback, max_steps=window_end(1, CLEAN) + 1)
+    result = callback.result
+    assert result is not None and result.steps.counting == 1 and result.steps.module_timing == module_steps(1)
+    assert result.samples == 2 * BATCH
+    assert (result.profile.fwd_flops, result.profile.bwd_flops) == (
+        2 * fwd_flops(BATCH), 2 * bwd_flops(BATCH) + PARAMS
+    )  # fmt: skip
 
 
 class LoggingMLP(MLP):
