@@ -171,6 +171,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
     _module_hook: WrappedMethod | None = None  # the module's on_train_batch_start, wrapped till it returns
     _iterating = False  # training_step(dataloader_iter): the step fetches its own batches
     _fetched: Any = None  # then: the last batch Lightning handed our hook (an epoch's first step hands None)
+    _unseen: int | None = None  # then: the run's first step, handed no batch: its global step, unprofiled
 
     def state_dict(self) -> dict[str, Any]:
         return {"profiled_step": self._profiled_step}
@@ -183,7 +184,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         self._end_step()
         step = pl_module.training_step  # Lightning's own test for the flavour (its data fetcher's choice)
         self._iterating = is_param_in_hook_signature(step, "dataloader_iter", explicit=True)
-        self._fetched = None
+        self._fetched = self._unseen = None
         if self._iterating and trainer.is_global_zero:
             warn(
                 f"{self.session.owner}: training_step(dataloader_iter) fetches its batches inside the step, "
@@ -232,8 +233,10 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         session = self.session
-        if self._iterating and batch is None and self._fetched is None:
-            return  # the run's first step, handed no batch and none before it: unseen (a window starts after)
+        first = batch is None and self._fetched is None  # the run's first step: no batch, none before it
+        if self._iterating and (first or self._unseen == trainer.global_step):
+            self._unseen = trainer.global_step  # unseen, all its micro-batches (a window starts after it)
+            return
         if self._step_at_batch_start is None:  # the first micro-batch of an optimizer step
             self._step_at_batch_start = trainer.global_step
             session.step_start(trainer.global_step, pl_module, lambda: _context(trainer, pl_module))
@@ -346,6 +349,9 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
         self._unguard()
         session = self.session
         session.micro_batch_end(pause=True)  # validation may run before the next micro-batch
+        if self._unseen is not None:  # a micro-batch of the unseen first step
+            self._unseen = self._unseen if trainer.global_step == self._unseen else None
+            return self._watch_fetch(trainer)
         if trainer.global_step == self._step_at_batch_start:  # gradients accumulate: no optimizer step yet
             if not pl_module.automatic_optimization and _logs(trainer):  # Lightning logs such a batch too
                 session.log_throughput(trainer.global_step, _Sink(trainer))

@@ -1135,18 +1135,45 @@ def test_a_dataloader_iter_step_is_said_at_the_start_and_batch_size_fn_counts_it
         previous = step
 
 
-def test_a_dataloader_iter_runs_first_step_handed_no_batch_is_not_the_windows(tmp_path: Path) -> None:
+class IteratingManually(MLP):
+    """``training_step(dataloader_iter)`` of one batch, its optimizer stepped every second batch."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+        batch, batch_idx, _ = next(dataloader_iter)
+        x, y = batch
+        loss = F.mse_loss(self.head(self.block(x)), y)
+        self.manual_backward(loss)
+        if batch_idx % 2 == 1:
+            self.optimizers().step()
+            self.optimizers().zero_grad()
+        return loss
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["two batches a step", "manual accumulation"])
+def test_a_dataloader_iter_runs_first_step_handed_no_batch_is_not_the_windows(
+    tmp_path: Path, manual: bool
+) -> None:
     """``profile_step=0``: Lightning hands the run's first step None and no batch came before it. The
     window's counting step read None (the docs' ``batch_size_fn`` raised a TypeError that ended the run;
-    without one the window counted a second, empty shape and timed no module); it starts at step 1."""
-    callback = quiet_callback(profile_step=0, batch_size_fn=lambda batch: 2 * len(batch[0]))
-    fit(tmp_path, TwoBatchMLP(), callback, max_steps=window_end(1, CLEAN) + 1)
+    without one the window counted a second, empty shape and timed no module); it starts at step 1, with
+    both micro-batches of a manually accumulated step (it opened at the unseen step's second)."""
+    callback = quiet_callback(
+        profile_step=0, batch_size_fn=lambda batch: (1 if manual else 2) * len(batch[0])
+    )
+    fit(
+        tmp_path,
+        IteratingManually() if manual else TwoBatchMLP(),
+        callback,
+        max_steps=window_end(1, CLEAN) + 1,
+    )
     result = callback.result
     assert result is not None and result.steps.counting == 1 and result.steps.module_timing == module_steps(1)
     assert result.samples == 2 * BATCH
-    assert (result.profile.fwd_flops, result.profile.bwd_flops) == (
-        2 * fwd_flops(BATCH), 2 * bwd_flops(BATCH) + PARAMS
-    )  # fmt: skip
+    bwd = 2 * bwd_flops(BATCH) + PARAMS  # the two uses' gradients of each parameter added: a flop each
+    assert (result.profile.fwd_flops, result.profile.bwd_flops) == (2 * fwd_flops(BATCH), bwd)
 
 
 class LoggingMLP(MLP):
