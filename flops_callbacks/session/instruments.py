@@ -214,5 +214,5 @@ class Instruments:
             recorder.stop(keep=False)  # an exception or a dropped window: nothing of it is read
         if kernels is not None:
             kernels.end(keep=False)
-        self.outermost, self._counting = [], None
+        self.outermost, self._counting, self._own = [], None, 0.0
         return engine
