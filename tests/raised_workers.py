@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -78,79 +79,84 @@ def main(directory: Path) -> None:
 
 
 def going_on(directory: Path, raises_at: int) -> None:
-    import warnings
-
-    rank, model, optimizer, prof = ddp_loop()
-    start, steps = time.perf_counter(), 0
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        try:
-            for step in range(24):
-                try:
-                    with prof.step(torch.ones(8, 16)):
-                        model(torch.ones(8, 16)).sum().backward()
-                        if rank == 1 and step == raises_at:
-                            raise ValueError("rank 1's own error")
-                        optimizer.step()
-                        optimizer.zero_grad()
-                        steps += 1
-                except ValueError:
+    def loop(rank: int, model: nn.Module, optimizer: torch.optim.Optimizer, prof: StepProfiler) -> int:
+        steps = 0
+        for step in range(24):
+            try:
+                with prof.step(torch.ones(8, 16)):
+                    model(torch.ones(8, 16)).sum().backward()
+                    if rank == 1 and step == raises_at:
+                        raise ValueError("rank 1's own error")
+                    optimizer.step()
                     optimizer.zero_grad()
-        finally:
-            prof.close()
-    write_ran(directory, rank, model, prof, steps, said, start)
+                    steps += 1
+            except ValueError:
+                optimizer.zero_grad()
+        return steps
+
+    run_going_on(directory, loop)
 
 
 def going_on_forward(directory: Path, raises_at: int) -> None:
-    import warnings
+    def loop(rank: int, model: nn.Module, optimizer: torch.optim.Optimizer, prof: StepProfiler) -> int:
+        steps = 0
+        for step in range(25 if rank == 1 else 24):
+            try:
+                with prof.step(torch.ones(8, 16)):
+                    if rank == 1 and step == raises_at:
+                        raise ValueError("rank 1's own error")
+                    model(torch.ones(8, 16)).sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    steps += 1
+            except ValueError:
+                pass
+        return steps
 
-    rank, model, optimizer, prof = ddp_loop()
-    start, steps = time.perf_counter(), 0
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        try:
-            for step in range(25 if rank == 1 else 24):
-                try:
-                    with prof.step(torch.ones(8, 16)):
-                        if rank == 1 and step == raises_at:
-                            raise ValueError("rank 1's own error")
-                        model(torch.ones(8, 16)).sum().backward()
-                        optimizer.step()
-                        optimizer.zero_grad()
-                        steps += 1
-                except ValueError:
-                    pass
-        finally:
-            prof.close()
-    write_ran(directory, rank, model, prof, steps, said, start)
+    run_going_on(directory, loop)
 
 
 def going_on_accumulated(directory: Path, raises_at: int, pattern: tuple[int, ...] = (2,)) -> None:
     import contextlib
+
+    def loop(rank: int, model: nn.Module, optimizer: torch.optim.Optimizer, prof: StepProfiler) -> int:
+        steps = 0
+        for step in range(24):
+            count = pattern[step % len(pattern)]  # micro-batches in this step
+            for micro_batch in range(count):
+                last = micro_batch == count - 1
+                try:
+                    with prof.step(torch.ones(8, 16)), contextlib.ExitStack() as stack:
+                        if not last:
+                            stack.enter_context(model.no_sync())
+                        if rank == 1 and step == raises_at and not last:
+                            raise ValueError("rank 1's own error")
+                        model(torch.ones(8, 16)).sum().backward()
+                        if last:
+                            optimizer.step()
+                            optimizer.zero_grad()
+                            steps += 1
+                except ValueError:
+                    pass
+        return steps
+
+    run_going_on(directory, loop)
+
+
+def run_going_on(
+    directory: Path, loop: Callable[[int, nn.Module, torch.optim.Optimizer, StepProfiler], int]
+) -> None:
+    """One of the runs whose loop goes on after rank 1's error: ``loop`` (given this rank, its DDP model,
+    optimizer and profiler; returning the optimizer steps it ran) with the warnings recorded and the
+    profiler closed after it, then :func:`write_ran`."""
     import warnings
 
     rank, model, optimizer, prof = ddp_loop()
-    start, steps = time.perf_counter(), 0
+    start = time.perf_counter()
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         try:
-            for step in range(24):
-                count = pattern[step % len(pattern)]  # micro-batches in this step
-                for micro_batch in range(count):
-                    last = micro_batch == count - 1
-                    try:
-                        with prof.step(torch.ones(8, 16)), contextlib.ExitStack() as stack:
-                            if not last:
-                                stack.enter_context(model.no_sync())
-                            if rank == 1 and step == raises_at and not last:
-                                raise ValueError("rank 1's own error")
-                            model(torch.ones(8, 16)).sum().backward()
-                            if last:
-                                optimizer.step()
-                                optimizer.zero_grad()
-                                steps += 1
-                    except ValueError:
-                        pass
+            steps = loop(rank, model, optimizer, prof)
         finally:
             prof.close()
     write_ran(directory, rank, model, prof, steps, said, start)

@@ -700,6 +700,23 @@ def ranks_written(directory: Path) -> list[dict[str, Any]]:
     return [json.loads((directory / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+def went_on_unprofiled(done: subprocess.CompletedProcess, directory: Path, steps: list[int]) -> None:
+    """Both ranks of a run whose rank 1 raised in a window step and went on trained to their end (their
+    optimizer steps: ``steps``), at once, with the window dropped on both (said once, by the logging rank)
+    and nothing of the profiler left."""
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = ranks_written(directory)
+    assert [r["steps"] for r in ranks] == steps
+    assert ranks[0]["said"] == [
+        "StepProfiler: a window step raised on rank 1 (the exception your loop went on after); the profile "
+        "window is dropped and nothing of the profiler stays; this run goes on unprofiled on every rank. "
+        "Training goes on."
+    ]
+    assert ranks[1]["said"] == []  # said once, by the logging rank
+    assert not any(r["result"] for r in ranks) and not any(r["hooks"] for r in ranks)
+    assert max(r["seconds"] for r in ranks) < 60
+
+
 def test_the_profilers_of_a_process_share_one_gloo_group_of_their_own(tmp_path: Path) -> None:
     """Three StepProfilers in turn on two ranks: one process group of the profiler's beside the default
     one, however many are made (each made its own, never destroyed: a gloo group's sockets and threads per
@@ -740,17 +757,7 @@ def test_a_rank_that_raised_in_a_window_step_and_went_on_drops_the_window_with_t
 
     step = module_steps(2)[0] if kind == "module timing" else comm_steps(2)[0]
     done = raised_workers(tmp_path, "go_on", str(step), timeout=200)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = ranks_written(tmp_path)
-    assert [r["steps"] for r in ranks] == [24, 23]
-    assert ranks[0]["said"] == [
-        "StepProfiler: a window step raised on rank 1 (the exception your loop went on after); the profile "
-        "window is dropped and nothing of the profiler stays; this run goes on unprofiled on every rank. "
-        "Training goes on."
-    ]
-    assert ranks[1]["said"] == []  # said once, by the logging rank
-    assert not any(r["result"] for r in ranks) and not any(r["hooks"] for r in ranks)
-    assert max(r["seconds"] for r in ranks) < 60
+    went_on_unprofiled(done, tmp_path, [24, 23])
 
 
 @pytest.mark.parametrize("kind", ["counting", "module timing", "clean", "after a shorter step"])
@@ -768,16 +775,7 @@ def test_a_rank_that_raised_in_a_micro_batch_before_its_steps_last_goes_on_with_
     step = {"module timing": module_steps(2)[0], "clean": first_clean(2, comm=True)}.get(kind, 2)
     counts = ["3,1"] if kind == "after a shorter step" else []
     done = raised_workers(tmp_path, "go_on_accumulated", str(step), *counts, timeout=90)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = ranks_written(tmp_path)
-    assert [r["steps"] for r in ranks] == [24, 24]
-    assert ranks[0]["said"] == [
-        "StepProfiler: a window step raised on rank 1 (the exception your loop went on after); the profile "
-        "window is dropped and nothing of the profiler stays; this run goes on unprofiled on every rank. "
-        "Training goes on."
-    ]
-    assert not any(r["result"] for r in ranks) and not any(r["hooks"] for r in ranks)
-    assert max(r["seconds"] for r in ranks) < 60
+    went_on_unprofiled(done, tmp_path, [24, 24])
 
 
 @pytest.mark.parametrize("kind", ["communication", "clean"])
@@ -792,16 +790,7 @@ def test_a_rank_that_raised_before_its_forward_goes_on_with_that_step_joining_th
 
     step = comm_steps(2)[0] if kind == "communication" else first_clean(2, comm=True)
     done = raised_workers(tmp_path, "go_on_forward", str(step), timeout=90)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = ranks_written(tmp_path)
-    assert [r["steps"] for r in ranks] == [24, 24]
-    assert ranks[0]["said"] == [
-        "StepProfiler: a window step raised on rank 1 (the exception your loop went on after); the profile "
-        "window is dropped and nothing of the profiler stays; this run goes on unprofiled on every rank. "
-        "Training goes on."
-    ]
-    assert not any(r["result"] for r in ranks) and not any(r["hooks"] for r in ranks)
-    assert max(r["seconds"] for r in ranks) < 60
+    went_on_unprofiled(done, tmp_path, [24, 24])
 
 
 @pytest.mark.parametrize("at", ["window", "after"])
