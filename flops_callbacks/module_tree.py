@@ -9,8 +9,9 @@ trace is set up for every profiled step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 
 import torch
 
@@ -106,21 +107,22 @@ class ModuleTree:
             return []
         return [a for a in containers if a.startswith(outer + ".") or (not outer and a)]
 
-    def with_uncalled_above(self, names: Iterable[str], called: Container[str]) -> tuple[str, ...]:
-        """``names`` and every module above one of them never called in the step: what its submodules
-        did, called past it (``vgg.features(x)``: the backbone's forward never ran), is its work, as in
-        DeepSpeed's sums over the tree (:func:`fill_uncalled` gives it their time).
+    def holders(self, called: Container[str]) -> Callable[[tuple[str, ...]], tuple[str, ...]]:
+        """The modules that hold the work or time given to some modules in a step: them, and every module
+        above one of them never ``called`` in it. What submodules did, called past their parent
+        (``vgg.features(x)``: the backbone's forward never ran), is the parent's too, as in DeepSpeed's
+        sums over the tree (:func:`fill_uncalled` gives it their time). Answers are kept per modules."""
 
-        Args:
-            names: the modules some work or time is given to.
-            called: the modules called in the step.
-        """
-        found = dict.fromkeys(names)
-        for name in list(found):
-            for above in self.ancestors.get(name, ()):
-                if above not in called:
-                    found[above] = None
-        return tuple(found)
+        @functools.cache
+        def held(names: tuple[str, ...]) -> tuple[str, ...]:
+            found = dict.fromkeys(names)
+            for name in names:
+                for above in self.ancestors.get(name, ()):
+                    if above not in called:
+                        found[above] = None
+            return tuple(found)
+
+        return held
 
     def param_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """Parameters (all, trainable) under each module, each tensor once per module (tied ones
@@ -257,7 +259,7 @@ def depth_of(name: str) -> int:
 
 def fill_uncalled(table: dict[str, float]) -> None:
     """Seconds by module: a module never called (a ``ModuleList``, one whose submodules were called past
-    it) takes the sum of its nearest called submodules' (:meth:`ModuleTree.with_uncalled_above`).
+    it) takes the sum of its nearest called submodules' (:meth:`ModuleTree.holders`).
 
     Args:
         table: seconds by the name of each module called; filled in place.

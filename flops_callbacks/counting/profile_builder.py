@@ -9,6 +9,7 @@ context's sums and appends clock marks.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -55,7 +56,8 @@ def build_profile(
     seconds = clock.seconds
     clock.synchronize()
     called = {name for name, calls in recording.module_calls.items() if calls}
-    per_module, outside = _spread(recording, tree, called)
+    holders = tree.holders(called)
+    per_module, outside = _spread(recording, tree, holders)
 
     fwd: dict[str, float] = {}
     rec: dict[str, float] = {}
@@ -67,12 +69,9 @@ def build_profile(
     fwd_latency = {name: fwd.get(name, 0.0) for name in tree.modules}
     rec_latency = {name: rec.get(name, 0.0) for name in tree.modules}
     bwd_latency = dict.fromkeys(tree.modules, 0.0)
-    held: dict[tuple[str, ...], tuple[str, ...]] = {}  # a context's modules, and those never called above
     for ctx, start, end in recording.bwd_op_spans:
         s = seconds(start, end)
-        if ctx.names not in held:
-            held[ctx.names] = tree.with_uncalled_above(ctx.names, called)
-        for name in held[ctx.names]:
+        for name in holders(ctx.names):
             bwd_latency[name] += s
     total_fwd = sum(seconds(a, b) for a, b in recording.top_spans)
     total_bwd = sum(seconds(a, b) for a, b in recording.bwd_spans)
@@ -140,10 +139,10 @@ def _add_ignored(modules: dict[str, ModuleProfile], tree: ModuleTree) -> None:
 
 
 def _spread(
-    recording: Recording, tree: ModuleTree, called: set[str]
+    recording: Recording, tree: ModuleTree, holders: Callable[[tuple[str, ...]], tuple[str, ...]]
 ) -> tuple[dict[str, dict[str, Sums]], Sums | None]:
-    """Sums per module and functional (a module never ``called`` holds its submodules'), and the sums of
-    work outside the model's modules."""
+    """Sums per module and functional (given to a context's ``holders``: a module never called holds its
+    submodules'), and the sums of work outside the model's modules."""
     per_module: dict[str, dict[str, Sums]] = {name: {} for name in tree.modules}
     outside: Sums | None = None
     for key, by_functional in recording.contexts.items():  # a stack's contexts merged, then spread
@@ -151,7 +150,7 @@ def _spread(
         for ctx in by_functional.values():
             for functional, sums in ctx.sums.items():
                 merged[functional] = plus(merged.get(functional), sums)
-        names = tree.with_uncalled_above(key, called)
+        names = holders(key)
         for functional, sums in merged.items():
             for name in names:
                 mine = per_module[name]

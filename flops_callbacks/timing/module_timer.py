@@ -327,14 +327,12 @@ class ModuleTimer:
             spans.append(ModuleSpan(name, phase, seconds(origin, start, started), duration, depth_of(name)))
         extent: dict[str, tuple[float, float]] = {}
         called = {span[0] for span in fwd_spans if not span[5]}
-        held: dict[tuple[str, ...], tuple[str, ...]] = {}  # owners, and the modules never called above them
+        holders = self._tree.holders(called)
         for owners, start, end, started, began in self._node_spans:
             inside = sum(d for opened, d in recomputes if began < opened <= started)
             begin = seconds(origin, start, started)
             duration = max(seconds(start, end, started - began) - inside, 0.0)
-            if owners not in held:
-                held[owners] = self._tree.with_uncalled_above(owners, called)
-            for owner in held[owners]:
+            for owner in holders(owners):
                 bwd[owner] = bwd.get(owner, 0.0) + duration
                 first, last = extent.get(owner, (begin, begin + duration))
                 extent[owner] = (min(first, begin), max(last, begin + duration))
