@@ -353,14 +353,43 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             self._unseen = self._unseen if trainer.global_step == self._unseen else None
             return self._watch_fetch(trainer)
         if trainer.global_step == self._step_at_batch_start:  # gradients accumulate: no optimizer step yet
-            if not pl_module.automatic_optimization and _logs(trainer):  # Lightning logs such a batch too
-                session.log_throughput(trainer.global_step, _Sink(trainer))
+            if not pl_module.automatic_optimization:  # Lightning logs such a batch too
+                if _logs(trainer):
+                    session.log_throughput(trainer.global_step, _Sink(trainer))
+                else:
+                    self._watch_logging(trainer)
             return self._watch_fetch(trainer)
         self._end_step()
-        session.step_end(trainer.global_step, _Sink(trainer), logs=_logs(trainer))
+        logs = _logs(trainer)
+        session.step_end(trainer.global_step, _Sink(trainer), logs=logs)
         if session.result is not None and self._profiled_step is None:
             self._profiled_step = session.result.step
+        if not logs:
+            self._watch_logging(trainer)
         self._watch_fetch(trainer)
+
+    def _watch_logging(self, trainer: pl.Trainer) -> None:
+        """A batch Lightning does not log by its count: logged all the same where a callback after ours (or
+        the module's hook) tells training to stop at its end (``max_time``'s Timer), as Lightning decides
+        in its logger connector's next call, wrapped for it (no event between the hooks and it)."""
+        connector = getattr(trainer, "_logger_connector", None)
+        if trainer.log_every_n_steps and hasattr(connector, "update_train_step_metrics"):
+            step = trainer.global_step
+            around = partial(self._log_if_logged, trainer, connector, step)
+            self._guards = (*self._guards, WrappedMethod(connector, "update_train_step_metrics", around))
+
+    def _log_if_logged(
+        self,
+        trainer: pl.Trainer,
+        connector: Any,
+        step: int,
+        update: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+    ) -> Any:
+        if connector.should_update_logs is True:
+            self.session.log_throughput(step, _Sink(trainer))
+        return update(*args, **kwargs)
 
     def _end_step(self) -> None:
         self._unwrap()

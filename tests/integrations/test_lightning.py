@@ -524,18 +524,23 @@ class AccumulatingManually(MLP):
         return loss
 
 
-@pytest.mark.parametrize("run", ["manual accumulation", "stopping"])
+@pytest.mark.parametrize("run", ["manual accumulation", "stopping", "stopped after ours"])
 def test_throughput_is_logged_at_every_logging_step_lightning_logs_after_the_window(
     tmp_path: Path, run: str
 ) -> None:
     """Lightning logs a batch's metrics every ``log_every_n_steps`` batches that stepped by its own count,
     which manual optimization advances at every batch, and at every batch once training should stop
-    (``min_epochs`` keeping it going); ``throughput/*`` followed the optimizer steps alone (every other
-    logging step under manual accumulation, none of the stopping ones)."""
+    (``min_epochs`` keeping it going; or a callback after ours at the batch's end, as ``max_time``'s
+    Timer): ``throughput/*`` followed the optimizer steps alone (every other logging step under manual
+    accumulation, none of the stopping ones, not the batch a later callback stopped at)."""
 
     class StopEarly(L.Callback):
         def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
             trainer.should_stop = trainer.global_step >= 15
+
+    class TimeUp(L.Callback):  # Lightning's Timer, appended after the user's callbacks, at step 17's end
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            trainer.should_stop = trainer.should_stop or trainer.global_step >= 17
 
     callback, logger = quiet_callback(), CSVLogger(tmp_path)
     if run == "manual accumulation":  # 30 optimizer steps: 60 batches, logged every 5
@@ -543,8 +548,11 @@ def test_throughput_is_logged_at_every_logging_step_lightning_logs_after_the_win
         settings: dict[str, Any] = {"max_steps": 30}
     else:  # told to stop from step 15, two epochs of 20 steps kept
         module, settings = LoggingMLP(), {"max_steps": -1, "max_epochs": 2, "min_epochs": 2}
-        settings["callbacks"] = [StopEarly()]
-    fit(tmp_path, module, callback, loader(BATCH * 20), logger=logger, log_every_n_steps=5, **settings)
+        settings["callbacks"] = [StopEarly() if run == "stopping" else TimeUp()]
+    trainer = fit(
+        tmp_path, module, callback, loader(BATCH * 20), logger=logger, log_every_n_steps=5, **settings
+    )
+    assert "update_train_step_metrics" not in vars(trainer._logger_connector)  # nothing of ours left
     rows = csv_metrics(logger)
     losses = [int(r["step"]) for r in rows if r.get("train_loss")]
     rates = [int(r["step"]) for r in rows if r.get(names.THROUGHPUT_SAMPLES_PER_SEC)]
