@@ -28,6 +28,7 @@ from flops_callbacks.generation.json_file import read_generation
 from flops_callbacks.generation.report import generation_picture, render_generation
 from flops_callbacks.options import Options
 from flops_callbacks.reporting.compare import (
+    NAMING,
     Change,
     Figure,
     ModuleChange,
@@ -315,7 +316,7 @@ def _figure_rows(figures: list[Change], paint: _Paint) -> list[str]:
     head = ["figure", "A", "B", "change", ""]
     rows, plain = [head], [head]
     for c in figures:
-        moved = percent_text(c.relative) if c.relative else "="
+        moved = percent_text(c.relative) if c.relative else ("=" if c.a.value == c.b.value else "changed")
         cells = [c.name, _with_range(c.a), _with_range(c.b), moved]
         mark, colour = _mark(c)
         rows.append([*cells, paint(mark, colour)])
@@ -409,7 +410,7 @@ def _diff_json(
                 "name": c.name,
                 "a": c.a.data(),
                 "b": c.b.data(),
-                "relative": _number(c.relative),
+                "relative": None if c.name in NAMING else _number(c.relative),
                 "noise": c.noise,
                 "direction": {1: "better", -1: "worse", 0: None}[c.direction],
             }  # fmt: skip

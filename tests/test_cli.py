@@ -446,7 +446,7 @@ def test_diff_picture_draws_b_with_a_own_times_to_colour_by(runs: dict[str, Path
 
 
 def test_show_and_diff_say_the_slow_rank_of_a_several_rank_file(
-    runs: dict[str, Path], tmp_path: Path
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A's file as a 2-rank run would write it: rank 1 asleep 20 ms in its forward (A), then no rank
     standing out (B); read back, ``show`` prints the slow rank's rows, ``diff`` both verdicts and figures."""
@@ -470,8 +470,15 @@ def test_show_and_diff_say_the_slow_rank_of_a_several_rank_file(
         "slow rank, B: none stands out (the ranks agree within their step-to-step noise)",
     ]
     rows = {re.split(r" {2,}", line)[0]: re.split(r" {2,}", line) for line in lines}
-    assert rows["slow_rank"][1:3] == ["rank 1", "none"]
+    assert rows["slow_rank"][1:4] == ["rank 1", "none", "changed"]  # a rank's number is no quantity
     assert rows["slow_rank_extra_latency"][1:3] == ["20 ms", "0 s"]
+    out = io.StringIO()
+    assert main(["diff", "--json", str(paths[0]), str(paths[1])], out) == 0
+    figure = next(f for f in json.loads(out.getvalue())["figures"] if f["name"] == "slow_rank")
+    assert figure["relative"] is None and figure["direction"] is None
+    capsys.readouterr()
+    assert main(["gate", str(paths[1]), str(paths[0]), "--fail-on", "slow_rank:+50%"]) == 2
+    assert "slow_rank names a rank, not a quantity: gate how long the others wait" in capsys.readouterr().err
 
 
 def page_data(page: Path) -> dict:

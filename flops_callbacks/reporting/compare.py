@@ -233,6 +233,9 @@ def is_noise(a: Figure, b: Figure) -> bool:
     return a.low <= b.value <= a.high
 
 
+NAMING = frozenset({"slow_rank"})  # figures naming something (a rank), not measuring it: no change in %
+
+
 def relative(a: float, b: float) -> float:
     if a == b:
         return 0.0
@@ -253,8 +256,8 @@ class Change:
 
     @property
     def relative(self) -> float:
-        """(B - A) / A; infinite when A is 0 and B is not."""
-        return relative(self.a.value, self.b.value)
+        """(B - A) / A; infinite when A is 0 and B is not; 0 for a figure that names (:data:`NAMING`)."""
+        return 0.0 if self.name in NAMING else relative(self.a.value, self.b.value)
 
     @property
     def noise(self) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 from flops_callbacks import metrics as names
 from flops_callbacks.reporting.compare import (
     COUNTS,
+    NAMING,
     Change,
     better_up,
     figure_text,
@@ -136,6 +137,11 @@ def gate(base: Sequence[SavedProfile], new: Sequence[SavedProfile], rules: list[
                     + (f": {why}" if why else "")
                     + f" (it has: {known})"
                 )
+        if rule.figure in NAMING:
+            raise ValueError(
+                f"--fail-on {rule}: {rule.figure} names a rank, not a quantity: gate how long the others "
+                "wait for it, slow_rank_wait_latency (or exposed_comm_latency)"
+            )
         if better_up(rule.figure) == (1 if rule.grows else -1):
             better, worse = ("higher", "-") if rule.grows else ("lower", "+")
             raise ValueError(
