@@ -116,6 +116,26 @@ def _grad_fns(value: Any) -> list[Any]:
     return [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
 
 
+def _next_node_number() -> int:
+    """The sequence number autograd gives the next node made on this thread (-1: torch has no such
+    counter): a call's nodes are numbered from it, what it received is older."""
+    found = getattr(torch._C._autograd, "_get_sequence_nr", None)
+    return found() if found is not None else -1
+
+
+def _reentrant_recompute() -> bool:
+    """Whether a recompute runs in reentrant checkpointing's node, which backpropagates the recomputed
+    graph next (non-reentrant checkpointing keeps only its tensors: the nodes never run)."""
+    node = _current_autograd_node()
+    return node is not None and node.name() == "CheckpointFunctionBackward"
+
+
+def _made_before(node: Any, first: int) -> bool:
+    """Whether ``node`` was made before the call whose first node would have been numbered ``first``
+    (a leaf's ``AccumulateGrad`` is numbered past every other: never before)."""
+    return first >= 0 and hasattr(node, "_sequence_nr") and node._sequence_nr() < first
+
+
 class ModuleTimer:
     """Marks module calls in the forward and their autograd nodes in the backward (module doc)."""
 
@@ -125,13 +145,13 @@ class ModuleTimer:
         self._names = tree.names  # the counting engine's names: one record per module
         self._modules = tree.modules
         self._tree = tree
-        self._owned: dict[tuple[str, ...], tuple[str, ...]] = {}  # a call's stack -> its owners
+        self._owned: dict[tuple[bool, tuple[str, ...]], tuple[str, ...]] = {}  # a call's stack -> its owners
         self._started = 0  # module calls started so far: the marks before which hooks ran
-        # name, start mark, calls started at it, recompute, inputs
-        self._stack: list[tuple[str, Any, int, bool, list[Any]]] = []
+        # name, start mark, calls started at it, recompute, inputs, the first node's sequence number
+        self._stack: list[tuple[str, Any, int, bool, list[Any], int]] = []
         # a call's name, the frames open around it (:meth:`_owners` reads them at :meth:`arm`), its output
-        # nodes, its input node ids
-        self._calls: list[tuple[str, tuple[Any, ...], list[Any], set[int]]] = []
+        # nodes, its input node ids, the sequence number of the first node it could make, recompute
+        self._calls: list[tuple[str, tuple[Any, ...], list[Any], set[int], int, bool]] = []
         # name, start mark, calls started by it, end mark, calls started by it, recompute
         self._fwd_spans: list[tuple[str, Any, int, Any, int, bool]] = []
         # the modules a node is given to, its start and end marks, the calls started at its end and its start
@@ -219,7 +239,7 @@ class ModuleTimer:
         recompute = _current_autograd_node() is not None or bool(self._stack and self._stack[-1][3])
         inputs = [] if recompute or not torch.is_grad_enabled() else _grad_fns(args)
         self._started += 1
-        self._stack.append((name, self.clock.mark(), self._started, recompute, inputs))
+        self._stack.append((name, self.clock.mark(), self._started, recompute, inputs, _next_node_number()))
 
     def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         end = self.clock.mark()  # first: what this hook does next is not the module's time
@@ -227,31 +247,37 @@ class ModuleTimer:
         if name is None or not self._mine():
             return
         while self._stack:  # children whose post hook did not run (an exception) close here too
-            frame_name, start, started, recompute, inputs = self._stack.pop()
+            frame_name, start, started, recompute, inputs, first = self._stack.pop()
             self._fwd_spans.append((frame_name, start, started, end, self._started, recompute))
             if frame_name == name:
                 break
         else:
             return
-        if not recompute and torch.is_grad_enabled():
-            # the frames open around it, as they are: their names are read at arm(), in no module's time
-            self._calls.append((name, tuple(self._stack), _grad_fns(output), {id(n) for n in inputs}))
+        if not torch.is_grad_enabled() or (recompute and not _reentrant_recompute()):
+            return
+        # the frames open around it, as they are: their names are read at arm(), in no module's time
+        self._calls.append(
+            (name, tuple(self._stack), _grad_fns(output), {id(n) for n in inputs}, first, recompute)
+        )
+        if recompute and not any(frame[3] for frame in self._stack):  # reentrant: backpropagated next
+            self.arm()
 
-    def _owners(self, stack: tuple[str, ...]) -> tuple[str, ...]:
+    def _owners(self, stack: tuple[str, ...], above: bool = True) -> tuple[str, ...]:
         """The modules a call is inside, as the counting engine gives its work: the calls open around it
         (``stack``, the call itself last) and the containers between two of them (a ``ModuleList``, never
         called); above the outermost call, every module (the model's call holds its work). A shared module
         called from outside its own parent is its caller's, not its first name's parent's: its backward
-        time goes where its forward time and its flops go."""
-        found = self._owned.get(stack)
+        time goes where its forward time and its flops go. Not ``above``: a recompute's, whose callers hold
+        the checkpoint's node around its backward (the containers above it, never called, hold it too)."""
+        found = self._owned.get((above, stack))
         if found is not None:
             return found
         path: list[str] = []
-        outer: str | None = None
+        outer: str | None = None if above else ""
         for inner in stack:
             path += [*self._tree.between(outer, inner), inner]
             outer = inner
-        found = self._owned[stack] = tuple(dict.fromkeys(path))
+        found = self._owned[above, stack] = tuple(dict.fromkeys(path))
         return found
 
     # --- backward ----------------------------------------------------------------------------------
@@ -260,18 +286,22 @@ class ModuleTimer:
         """Give the nodes of the calls so far to their modules and hook them (call before the backward
         phase's mark: the walk is not part of any module's time)."""
         calls, self._calls = self._calls, []
-        for name, frames, outputs, received in calls:  # post-hook order: the innermost module claims first
-            owners = self._owners((*(frame[0] for frame in frames), name))
-            pending = list(outputs)
+        for name, frames, outputs, received, first, recompute in calls:  # post-hook order: innermost first
+            owners = self._owners((*(frame[0] for frame in frames), name), above=not recompute)
+            pending, seen = list(outputs), set(received)
             while pending:
                 node = pending.pop()
                 key = id(node)
-                if key in self._owner or key in received:
+                if key in seen or _made_before(node, first):  # the call's inputs (kwargs too), their past
                     continue
-                self._owner[key] = owners
-                if type(node).__name__ != "AccumulateGrad":  # a leaf: no execution of its own to hook
-                    self._armed.append(node.register_prehook(self._node_pre(key)))
-                    self._armed.append(node.register_hook(self._node_post(key, owners)))
+                seen.add(key)
+                # a submodule's nodes are its own; the walk goes on through them to the call's own work
+                # before them (a parent's ops between two children's calls)
+                if key not in self._owner:
+                    self._owner[key] = owners
+                    if type(node).__name__ != "AccumulateGrad":  # a leaf: no execution of its own to hook
+                        self._armed.append(node.register_prehook(self._node_pre(key)))
+                        self._armed.append(node.register_hook(self._node_post(key, owners)))
                 pending.extend(n for n, _ in node.next_functions if n is not None)
 
     def _node_pre(self, key: int) -> Any:

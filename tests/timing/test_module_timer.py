@@ -13,7 +13,7 @@ from flops_callbacks.phase_names import BACKWARD, FORWARD
 from flops_callbacks.timing.clock import CpuClock
 from flops_callbacks.timing.hook_cost import HookCost
 from flops_callbacks.timing.module_timer import ModuleTimer
-from tests.sleepy import Sleepy
+from tests.sleepy import SleepInBackward, Sleepy
 from tests.support import forward_timed, holds_sleep
 
 
@@ -78,6 +78,47 @@ def test_recompute_under_activation_checkpointing_is_timed_apart_from_the_backwa
     # the recompute ran inside the backward node that unpacked a saved tensor: it is not that node's time
     # (its owners read the 0.05 s twice, as backward and as recompute)
     assert times.bwd["block"] < 0.01 and times.bwd[""] < 0.01
+
+
+def test_reentrant_checkpointing_gives_the_recomputed_graphs_backward_to_its_modules() -> None:
+    """Reentrant checkpointing backpropagates the graph its recompute built, inside its own node: that
+    backward is the checkpointed modules' (it read 0 in each, the node's whole time its caller's)."""
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Sleepy(fwd=0.02, bwd=0.05, tiny_ops=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.block, x, use_reentrant=True)
+
+    _, times = timed(Checkpointed(), torch.randn(2, 4, requires_grad=True))
+    assert holds_sleep(times.recompute["block"], 0.02)
+    assert holds_sleep(times.bwd["block"], 0.05)
+    assert holds_sleep(times.bwd[""], 0.05)  # the caller holds its block's backward once
+
+
+class Between(nn.Module):
+    """The model's own op (a backward of ``own`` seconds) between its two children's calls (``b`` called
+    with a keyword: no forward hook sees its input)."""
+
+    def __init__(self, own: float) -> None:
+        super().__init__()
+        self.own = own
+        self.a = Sleepy(fwd=0.0, bwd=0.02, tiny_ops=1)
+        self.b = Sleepy(fwd=0.0, bwd=0.01, tiny_ops=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(x=SleepInBackward.apply(self.a(x) * 2, self.own))
+
+
+def test_a_parents_own_work_between_its_childrens_calls_is_its_backward_alone() -> None:
+    """The model's walk of its graph stopped at its children's nodes: its own op before ``b``'s call was no
+    module's backward, the model's too (a root reading a tenth of its backward phase); ``b``, called with a
+    keyword, took it as its own."""
+    _, times = timed(Between(own=0.05), torch.randn(2, 4))
+    assert holds_sleep(times.bwd["a"], 0.02) and holds_sleep(times.bwd["b"], 0.01)
+    assert holds_sleep(times.bwd[""], 0.08)
 
 
 def test_a_sequential_looped_over_holds_its_layers_backward_as_its_forward() -> None:
