@@ -10,7 +10,8 @@ the profiler finds the phases itself, with hooks that live only inside that bloc
   starts: ``torch.autograd.backward``, which ``loss.backward()`` calls, so the loss's own backward is
   the backward's whatever computed the loss (each call marked,
   :class:`~flops_callbacks.integrations.wrapped_method.WrappedMethod`); else (``torch.autograd.grad``) where
-  autograd first reaches the model's output (a hook on each output tensor);
+  autograd first reaches the model's output (a hook on each output tensor; none on a model compiled in
+  place, ``model.compile()``, whose hooks dynamo would trace: a second forward in a block is unseen too);
 * optimizer step: the optimizer's ``step`` (torch's global optimizer step pre- and post-hooks), or the
   wrapper of it where the loop calls that (``AcceleratedOptimizer.step``, Fabric's strategy's
   ``optimizer_step``, a plain loop's ``GradScaler.step``: their work before the inner ``step`` is the
@@ -327,8 +328,10 @@ class _Iteration:
             self._marks = profiler.session.window_open
             if self._marks:
                 self._handles.append(register_optimizer_step_pre_hook(self._step_starts))
-                self._handles.append(adapter.model.register_forward_pre_hook(self._model_called))
-                self._handles.append(adapter.model.register_forward_hook(self._model_returned))
+                if getattr(adapter.model, "_compiled_call_impl", None) is None:
+                    # (``model.compile()`` runs its hooks inside the compiled frame: dynamo would trace ours)
+                    self._handles.append(adapter.model.register_forward_pre_hook(self._model_called))
+                    self._handles.append(adapter.model.register_forward_hook(self._model_returned))
                 autograd = WrappedMethod(torch.autograd, "backward", self._autograd_backward, once=False)
                 self._calls.append(autograd)
                 if adapter.backward_owner is not None:

@@ -156,6 +156,33 @@ def test_a_wrapped_compiled_models_tree_is_the_models_own_from_its_root() -> Non
         assert root.fwd_flops == 4 * (2 * BATCH * WIDTH * WIDTH + BATCH * WIDTH)  # addmm, relu
 
 
+def test_a_model_compiled_in_place_under_the_step_profiler_compiles_the_frames_it_compiles_alone() -> None:
+    """``model.compile()`` puts the module's hooks inside the compiled frame: the block's hooks on the model
+    (where a forward starts, where the backward reaches its output) made dynamo trace them on the window's
+    clean steps, 3 graphs for 1 (a graph break at the output's hook), the first clean step recompiling
+    (30x a step) and left out."""
+    from flops_callbacks import StepProfiler
+
+    def frames_of(profiled: bool) -> tuple[int, Any]:
+        torch._dynamo.reset()
+        counters.clear()
+        model = stack()
+        model.compile(backend="eager")
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        prof = StepProfiler(model, profile_step=2, clean_steps=3, print_profile=False)
+        if not profiled:
+            prof.close()  # a block after close() runs nothing of the profiler
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the eager note
+            loop(prof, model, optimizer, window_end(2, 3) + 2)
+        return counters["frames"]["total"], prof.result
+
+    alone, _ = frames_of(profiled=False)
+    frames, result = frames_of(profiled=True)
+    assert frames == alone == 1
+    assert result.steps.compiled == () and len(result.steps.clean) == 3
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_a_clean_step_in_which_torch_compile_compiled_is_left_out_and_said(
     tmp_path: Path, compiled: bool
