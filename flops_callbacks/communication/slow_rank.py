@@ -77,6 +77,11 @@ class RankTimes(NamedTuple):
     waits: tuple[float, ...]  # each clean step's seconds in the profiler's votes before its forward
     comm: tuple[CommBreakdown | None, ...] = ()  # each communication step's split (None: unread)
     comm_waits: tuple[float, ...] = ()  # each communication step's seconds in the profiler's votes
+    # each clean / communication step's wait in the votes for a slower rank, the ranks lined up after the
+    # profiler's own work before each vote (:func:`~flops_callbacks.session.vote_times.rank_waits`; ():
+    # not told, the seconds above stand in)
+    vote_waits: tuple[float, ...] = ()
+    comm_vote_waits: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -227,8 +232,12 @@ def _votes(rank: RankTimes, comm: bool) -> tuple[float, ...]:
     """A rank's seconds in the profiler's votes, step by step, on the steps its communication waits are
     read from (:func:`_held`): a clean step votes at each micro-batch and a communication step at its
     first only, so that with gradient accumulation the two kinds split one wait differently, and a wait
-    told from one kind's votes and the other's exposed time was counted up to twice."""
-    return rank.comm_waits if comm and len(rank.comm_waits) == len(rank.comm) else rank.waits
+    told from one kind's votes and the other's exposed time was counted up to twice. Its waits lined up
+    after the profiler's own work where told: a rank made late there by that work held nobody back (rank 0
+    writing its trace at a vote read as the slow rank's wait, +-20 ms)."""
+    if comm and len(rank.comm_waits) == len(rank.comm):
+        return rank.comm_vote_waits or rank.comm_waits
+    return rank.vote_waits or rank.waits
 
 
 def _waits(

@@ -26,6 +26,7 @@ from flops_callbacks.session.energy_reads import job_energy
 from flops_callbacks.session.rank_part import LocalWindow, RankRow, ReusedWindow, vote_waits, without_votes
 from flops_callbacks.session.result import BatchLayout, WindowResult, WindowSteps
 from flops_callbacks.session.shape_flops import ShapeFlops
+from flops_callbacks.session.vote_times import Vote
 from flops_callbacks.session.window_plan import Kind
 from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepWork, WindowStep, mean
 from flops_callbacks.timing.clock import CpuClock
@@ -254,6 +255,11 @@ def slow_rank(rows: Sequence[RankRow], model: torch.nn.Module) -> SlowRank | Non
     clean steps, with its waits in the profiler's votes, and communication steps (None: one rank, or a
     rank's figures are not its clean steps'); the clean steps alone tell the forward only when no
     parameter is sharded (FSDP and ZeRO-3 gather in the forward)."""
+
+    def lined_up(votes: list[tuple[tuple[Vote, ...], ...]]) -> list[Any]:
+        return vote_waits(votes) if len({len(v) for v in votes}) == 1 else [()] * len(votes)
+
+    lined, comm_lined = lined_up([r.votes for r in rows]), lined_up([r.comm_votes for r in rows])
     times = [
         RankTimes(
             tuple(s.latency("data") for s in r.steps) if len(r.waits) == len(r.steps) else (),
@@ -261,8 +267,10 @@ def slow_rank(rows: Sequence[RankRow], model: torch.nn.Module) -> SlowRank | Non
             r.waits,
             r.comm,
             r.comm_waits,
+            tuple(waits),
+            tuple(comm_waits),
         )
-        for r in rows
+        for r, waits, comm_waits in zip(rows, lined, comm_lined, strict=True)
     ]
     return find_slow_rank(times, unsharded=sharded_params(model) is None)
 

@@ -143,6 +143,18 @@ def test_a_ranks_wait_for_a_slower_one_in_the_votes_before_a_communication_step_
     assert _with_vote_waits([mine], []) == [mine]  # no votes read: as it was
 
 
+def test_the_slow_ranks_wait_is_read_with_the_ranks_lined_up_after_the_profilers_own_work() -> None:
+    """Rank 1's data takes 0.3 s longer each step; rank 0 spent 0.2 s of the profiler's own work (its trace)
+    before the step's vote, so it waited there 0.1 s, not 0.3: read from the votes' seconds alone, the wait
+    for rank 1 (0.1 s, under half its extra) named no rank (and more own work on the slow rank inflated it
+    past the step). Lined up after that work, rank 0 waits 0.3 s for it."""
+    rank0 = _row([(0.111, 3.4)] * 3, [(Vote(0.101, own=0.2),)] * 3)
+    rank1 = _row([(0.311, 3.4)] * 3, [(Vote(0.001),)] * 3)
+    found = builder.slow_rank([rank0, rank1], nn.Linear(1, 1))
+    assert found is not None and (found.rank, found.part) == (1, "data")
+    assert found.extra == pytest.approx(0.3) and found.waits == pytest.approx((0.3, 0.0))
+
+
 def test_a_wait_at_a_vote_for_a_rank_made_late_by_the_profilers_own_work_is_no_wait() -> None:
     """Rank 1's communication profiler took 10 ms longer to start (its own work before the step's first
     vote): rank 0 waited those 10 ms in the vote, which were booked as its exposed communication. Its
