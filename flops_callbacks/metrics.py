@@ -208,7 +208,7 @@ THROUGHPUT_PROFILER_SECONDS = THROUGHPUT_PREFIX + "profiler_seconds"
 # and the interval spans 20 of its resolutions, with no pause learned of when it ended (an HF Trainer's save
 # a callback after ours asked for: the counter was not read where it began)
 THROUGHPUT_POWER = THROUGHPUT_PREFIX + "power"  # mean watts of the job's devices over the interval
-THROUGHPUT_TOKENS_PER_JOULE = THROUGHPUT_PREFIX + "tokens_per_joule"  # all replicas' tokens / job's joules
+THROUGHPUT_TOKENS_PER_JOULE = THROUGHPUT_PREFIX + "tokens_per_joule"  # throughput tokens_per_sec / power
 
 WALL = (WALL_LATENCY, DATA_LATENCY, WALL_SAMPLES_PER_SEC, WALL_TOKENS_PER_SEC)  # with a step before
 PADDING = (PADDING_FRACTION, REAL_TOKENS_PER_SEC)  # when the batches show padding (as above)

@@ -105,6 +105,9 @@ def energy_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
                 f"{quantity_to_string(min(each), 'J')} .. {quantity_to_string(max(each), 'J')}",
             )
         )
+    beyond = _beyond_wall(result)
+    if beyond:
+        lines.append(beyond)
     worst = _worst(spans)
     if not worst.long_enough:
         lines.append(
@@ -114,3 +117,19 @@ def energy_lines(result: WindowResult, metrics: dict[str, float]) -> list[tuple[
             )
         )
     return lines
+
+
+def _beyond_wall(result: WindowResult) -> tuple[str, str] | None:
+    """A row where the counter's spans hold a step of more seconds than the wall step (by over 5%): the
+    profiler's votes and reads between the steps, which the wall step leaves out and the counter cannot
+    (their joules are in the energy per step, at whatever power the devices drew meanwhile)."""
+    clean = result.figures()
+    wall = clean.sums["wall"] / len(clean.steps) if clean.steps else 0.0
+    held = max((s.seconds / s.steps for s in job_spans(result.energy)), default=0.0)
+    if wall <= 0 or held <= 1.05 * wall:
+        return None
+    return (
+        "energy spans beyond the wall step (the profiler's votes and reads between steps: their joules are "
+        "in the energy per step)",
+        f"{held / wall:.2f}x: {duration_to_string(held)} a step, the wall step {duration_to_string(wall)}",
+    )

@@ -247,24 +247,29 @@ class IntervalEnergy:
             return None
 
 
-def throughput_energy(spans: Sequence[EnergySpan | None], tokens: float | None) -> dict[str, float]:
+def throughput_energy(
+    spans: Sequence[EnergySpan | None], tokens: float | None, seconds: float
+) -> dict[str, float]:
     """The job's ``throughput/`` energy metrics of every rank's interval span, where every rank has one and
     each counter's spans :data:`~flops_callbacks.timing.energy_figures.LONG_ENOUGH_RESOLUTIONS` of its
-    resolution (else none: a figure off by more than 5%).
+    resolution (else none: a figure off by more than 5%). Tokens per joule are the tokens over the power
+    over the interval's ``seconds`` (the ranks' intervals start apart, the first after the window: a
+    shared counter's one span is not the seconds the tokens took).
 
     Args:
         spans: each rank's span over the interval (None: none).
         tokens: the job's tokens in the interval (every replica's), None when not counted.
+        seconds: the interval's seconds, the ones its rates divide by (the slowest rank's).
     """
     if not spans or any(s is None for s in spans):
         return {}
     counted = job_spans([s for s in spans if s is not None])
     if not all(s.long_enough and s.seconds > 0 for s in counted):
         return {}
-    joules = sum(s.joules for s in counted)
-    if joules <= 0:  # a counter that did not move over 20 of its resolutions is not live
+    if sum(s.joules for s in counted) <= 0:  # a counter that did not move over 20 of its resolutions
         return {}
-    metrics = {names.THROUGHPUT_POWER: sum(s.joules / s.seconds for s in counted)}
-    if tokens is not None:
-        metrics[names.THROUGHPUT_TOKENS_PER_JOULE] = tokens / joules
+    watts = sum(s.joules / s.seconds for s in counted)
+    metrics = {names.THROUGHPUT_POWER: watts}
+    if tokens is not None and seconds > 0:
+        metrics[names.THROUGHPUT_TOKENS_PER_JOULE] = tokens / (watts * seconds)
     return metrics

@@ -128,7 +128,7 @@ def throughput_metrics(
         if peak is not None:
             metrics[names.THROUGHPUT_MFU] = per_device / peak
     metrics[names.THROUGHPUT_PROFILER_SECONDS] = max(i.own_seconds for i in intervals)
-    metrics.update(throughput_energy([i.energy for i in intervals], job_tokens))
+    metrics.update(throughput_energy([i.energy for i in intervals], job_tokens, seconds))
     return metrics
 
 

@@ -17,6 +17,8 @@ from flops_callbacks.cli import main
 from flops_callbacks.reporting.compare import changes, figures
 from flops_callbacks.reporting.energy_rows import energy_lines
 from flops_callbacks.reporting.profile_file import from_json, json_data, load
+from flops_callbacks.session.shape_flops import BatchCounts
+from flops_callbacks.session.window_steps import CleanFigures, CleanStep, StepSeconds, StepWork
 from flops_callbacks.timing.energy_figures import EnergySpan
 from tests.fake_rapl import Burner, FakeRapl, install
 from tests.reporting.test_console_summary import window
@@ -60,6 +62,22 @@ def test_clean_steps_too_short_for_the_counter_add_a_row_and_no_counter_is_one_r
     )
     none = dataclasses.replace(window(), no_energy_reason="no RAPL counter: /x does not exist")
     assert energy_lines(none, none.metrics()) == [("energy", "n/a: no RAPL counter: /x does not exist")]
+
+
+def test_spans_longer_than_the_wall_steps_add_a_row_saying_by_how_much() -> None:
+    """The counter's spans run from a step's end to the next's, the profiler's votes and reads in them; the
+    wall step leaves those out. Spans of 1 s a step against wall steps of 0.6 s: the energy per step holds
+    0.4 s of the profiler's time at whatever power the devices drew then, and a row says so."""
+    work = StepWork(BatchCounts.zero(), 8, 1024)
+    clean = CleanFigures(tuple(CleanStep(work, StepSeconds(0.2, 0.3, 0.05, 0.05, 0.6)) for _ in range(3)))
+    result = dataclasses.replace(window(), energy=SPANS, clean=clean)
+    assert (
+        "energy spans beyond the wall step (the profiler's votes and reads between steps: their joules are "
+        "in the energy per step)",
+        "1.67x: 1 s a step, the wall step 600 ms",
+    ) in energy_lines(result, result.metrics())
+    even = dataclasses.replace(result, energy=tuple(s._replace(seconds=1.8) for s in SPANS))  # 0.6 s a step
+    assert not [row for row in energy_lines(even, even.metrics()) if "beyond the wall" in row[0]]
 
 
 def test_the_json_holds_every_ranks_span_or_why_none_and_reads_back_the_same_figures() -> None:

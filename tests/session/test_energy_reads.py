@@ -153,7 +153,7 @@ def test_no_per_token_figure_or_throughput_power_from_a_counter_that_did_not_mov
     figures = energy_figures([still], 4096, 8)
     assert (figures.joules_per_step, figures.joules_per_token, figures.tokens_per_joule) == (0.0, None, None)
     assert figures.joules_per_sample is None
-    assert throughput_energy([still], 10_000) == {}
+    assert throughput_energy([still], 10_000, 1.0) == {}
 
 
 def test_sampled_powers_thread_runs_only_inside_the_window_and_the_window_pickles_without_it(
@@ -272,13 +272,23 @@ def test_the_meter_uses_only_counters_cheap_to_read(rapl: FakeRapl, monkeypatch:
 def test_the_jobs_throughput_energy_needs_every_rank_and_twenty_resolutions() -> None:
     a = EnergySpan("GPU-a", "NVML total energy", 0.1, 600.0, 2.0, 1)
     b = a._replace(scope="GPU-b", joules=400.0)
-    assert throughput_energy([a, b, a], 10_000) == {
+    assert throughput_energy([a, b, a], 10_000, 2.0) == {
         names.THROUGHPUT_POWER: 500.0,
         names.THROUGHPUT_TOKENS_PER_JOULE: 10.0,
     }
-    assert throughput_energy([a, None], 10_000) == {}  # a rank without a cheap counter
-    assert throughput_energy([a._replace(seconds=1.9)], 10_000) == {}  # under 20 x 0.1 s
-    assert throughput_energy([a], None) == {names.THROUGHPUT_POWER: 300.0}
+    assert throughput_energy([a, None], 10_000, 2.0) == {}  # a rank without a cheap counter
+    assert throughput_energy([a._replace(seconds=1.9)], 10_000, 1.9) == {}  # under 20 x 0.1 s
+    assert throughput_energy([a], None, 2.0) == {names.THROUGHPUT_POWER: 300.0}
+
+
+def test_tokens_per_joule_are_the_intervals_tokens_per_second_over_its_power() -> None:
+    """Two ranks on one host: rank 0's interval (the one its counter is read for) started 1 s after rank
+    1's, still writing the window's report; the tokens took the slowest rank's 3 s. Over rank 0's 2 s of
+    joules they read 15 tokens/J, 1.5x the tokens per second over the power."""
+    first = EnergySpan("RAPL on host0", "RAPL package", 0.001, 600.0, 2.0, 1)
+    metrics = throughput_energy([first, first._replace(joules=900.0, seconds=3.0)], 9_000, 3.0)
+    assert metrics[names.THROUGHPUT_POWER] == 300.0
+    assert metrics[names.THROUGHPUT_TOKENS_PER_JOULE] == pytest.approx(9_000 / 3.0 / 300.0)
 
 
 def test_the_counter_is_read_once_at_each_window_steps_end_and_after_it_only_per_logging_interval(
