@@ -18,6 +18,7 @@ __all__ = [
     "check_causal_attention",
     "check_flag",
     "check_int",
+    "check_output_file",
     "check_report_args",
     "Options",
     "Report",
@@ -42,6 +43,12 @@ def check_flag(name: str, value: Any) -> None:
     """A switch argument: exactly True or False (a truthy string is a mistake, not a yes)."""
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_output_file(output_file: Any) -> None:
+    """A report's file: a path (str or ``os.PathLike``) or None; checked before any pass runs."""
+    if output_file is not None and not isinstance(output_file, (str, os.PathLike)):
+        raise ValueError(f"output_file must be a path (str or os.PathLike) or None, got {output_file!r}")
 
 
 def check_int(name: str, value: Any, minimum: int) -> None:

@@ -116,6 +116,7 @@ class CountingEngine:
         # ``compiled``: the caller knows what runs (a Trainer's compiled wrapper of ``model``)
         self.compiled = self.tree.has_compiled() if compiled is None else compiled
         self._thread: int | None = None
+        self._elsewhere = False  # a module of the model ran on another thread while started (said once)
         self._exit: contextlib.ExitStack | None = None
         self._dispatch = DispatchMode(self)
         self._function = FunctionMode(self)
@@ -246,7 +247,16 @@ class CountingEngine:
 
     def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         name = self._names.get(id(module))
-        if name is None or not self._owns_thread():
+        if name is None:
+            return
+        if not self._owns_thread():
+            if not self._elsewhere:
+                self._elsewhere = True
+                warn(
+                    f"flops_callbacks: the model's {name or 'root'!r} ran on a thread other than the one that "
+                    "started the profile, where nothing is counted (the counting modes are the thread's): "
+                    "start the profile on the thread that runs the model."
+                )
             return
         recompute = bool(self._stack and self._stack[-1].recompute)
         recompute = recompute or _current_autograd_node() is not None

@@ -21,7 +21,13 @@ import torch
 from flops_callbacks.counting.engine import CountingEngine
 from flops_callbacks.files import write_text
 from flops_callbacks.module_tree import ModuleTree
-from flops_callbacks.options import CausalAttention, check_causal_attention, check_flag, check_report_args
+from flops_callbacks.options import (
+    CausalAttention,
+    check_causal_attention,
+    check_flag,
+    check_output_file,
+    check_report_args,
+)
 from flops_callbacks.parallel import ParallelSizes
 from flops_callbacks.profile import ModuleProfile, Profile
 from flops_callbacks.reporting.profile_report import EngineRows, render_profile
@@ -316,6 +322,7 @@ class FlopsProfiler:
         DeepSpeed)."""
         check_report_args(module_depth, top_modules)
         check_flag("detailed", detailed)
+        check_output_file(output_file)
         if not self.started or self._engine is None:
             return None
         args = (profile_step, module_depth, top_modules, detailed, output_file)

@@ -13,7 +13,13 @@ from typing import Any
 import torch
 
 from flops_callbacks.integrations.deepspeed_api import FlopsProfiler, check_model, check_module_types
-from flops_callbacks.options import CausalAttention, check_causal_attention, check_flag, check_report_args
+from flops_callbacks.options import (
+    CausalAttention,
+    check_causal_attention,
+    check_flag,
+    check_output_file,
+    check_report_args,
+)
 from flops_callbacks.timing.clean_pass import CLEAN_PASS_SOURCE, eval_mode, grads_set_aside, time_clean
 from flops_callbacks.units import macs_to_string, number_to_string, params_to_string
 
@@ -70,6 +76,11 @@ def get_model_profile(
     for name, flag in (("print_profile", print_profile), ("detailed", detailed), ("as_string", as_string)):
         check_flag(name, flag)
     check_flag("backward", backward)
+    check_output_file(output_file)
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a callable taking the model's output, got {loss_fn!r}")
+    if loss_fn is not None and not backward:
+        raise ValueError("loss_fn is used with backward=True only (the forward alone needs no loss)")
     ignore_types = check_module_types("ignore_modules", ignore_modules)
     if input_shape is not None and not (
         isinstance(input_shape, (tuple, list))

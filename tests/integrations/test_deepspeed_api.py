@@ -315,16 +315,25 @@ def test_outputs_and_gradients_are_bit_identical_with_and_without_profiler() -> 
     assert all(torch.equal(a, b) for a, b in zip(plain_g, prof_g, strict=True))
 
 
-def test_model_run_in_another_thread_is_not_counted() -> None:
+def test_model_run_in_another_thread_is_not_counted_and_said_once() -> None:
+    """The modes are the starting thread's: the model run on another thread is counted nowhere (DeepSpeed's
+    patches count it); it was 0 flops without a word, it is said once."""
     model, x = mlp(), torch.randn(B, IN)
     other = mlp()
-    with FlopsProfiler(model) as prof:
-        worker = threading.Thread(target=lambda: [model(x), other(x)])
+    with warnings.catch_warnings(record=True) as caught, FlopsProfiler(model) as prof:
+        warnings.simplefilter("always")
+        worker = threading.Thread(target=lambda: [model(x), model(x), other(x)])
         worker.start()
         worker.join()
         model(x)
     p = prof.get_profile()
     assert p.fwd_flops == FWD and p.model.calls == 1
+    said = [str(w.message) for w in caught if "thread" in str(w.message)]
+    assert said == [
+        "flops_callbacks: the model's 'root' ran on a thread other than the one that started the profile, "
+        "where nothing is counted (the counting modes are the thread's): start the profile on the thread "
+        "that runs the model."
+    ]
 
 
 def test_modules_outside_the_profiled_model_are_not_profiled_modules() -> None:
@@ -518,12 +527,28 @@ _FLAGS = ("print_profile", "detailed", "as_string", "backward")
         ({"input_shape": ()}, ValueError, "input_shape must be a tuple of ints > 0"),
         ({"input_shape": None, "args": torch.randn(B, IN)}, TypeError, "args must be a list or tuple"),
         ({"input_shape": None, "kwargs": [torch.randn(B, IN)]}, TypeError, "kwargs must be a dict"),
+        # these failed after the warm-up, counting and timed passes, in torch's words
+        (
+            {"output_file": 123},
+            ValueError,
+            r"output_file must be a path \(str or os.PathLike\) or None, got 123",
+        ),
+        (
+            {"backward": True, "loss_fn": 3},
+            ValueError,
+            "loss_fn must be a callable taking the model's output",
+        ),
+        ({"loss_fn": torch.sum}, ValueError, "loss_fn is used with backward=True only"),  # was ignored
     ],
 )
 def test_bad_input_names_the_argument(kwargs: dict, error: type, match: str) -> None:
-    call = {"model": mlp(), "input_shape": (B, IN), "print_profile": False, **kwargs}
+    model = mlp()
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    call = {"model": model, "input_shape": (B, IN), "print_profile": False, **kwargs}
     with pytest.raises(error, match=match):
         get_model_profile(**call)
+    assert not calls  # before any pass
 
 
 def test_bad_constructor_and_report_arguments() -> None:
@@ -540,6 +565,12 @@ def test_bad_constructor_and_report_arguments() -> None:
         prof.model(torch.randn(B, IN))
     with pytest.raises(ValueError, match="top_modules"):
         prof.print_model_aggregated_profile(top_modules=0)
+    prof.start_profile()
+    try:
+        with pytest.raises(ValueError, match="output_file must be a path"):
+            prof.print_model_profile(output_file=123)  # type: ignore[arg-type]
+    finally:
+        prof.end_profile()
 
 
 # --- what DeepSpeed's own profiler tests assert, on the same models, through our import ----------------
