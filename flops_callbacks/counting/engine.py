@@ -253,9 +253,9 @@ class CountingEngine:
             if not self._elsewhere:
                 self._elsewhere = True
                 warn(
-                    f"flops_callbacks: the model's {name or 'root'!r} ran on a thread other than the one that "
-                    "started the profile, where nothing is counted (the counting modes are the thread's): "
-                    "start the profile on the thread that runs the model."
+                    f"flops_callbacks: the model's {name or 'root'!r} ran on a thread other than the one "
+                    "that started the profile, where nothing is counted (the counting modes are the "
+                    "thread's): start the profile on the thread that runs the model."
                 )
             return
         recompute = bool(self._stack and self._stack[-1].recompute)

@@ -196,6 +196,7 @@ class FlopsProfilerCallback(SessionCallback, pl.Callback):
             trainer.global_step,
             max_steps=_run_length(trainer),
             profiled_before=self._profiled_step is not None,
+            profiled_step=self._profiled_step,
             is_logging_rank=trainer.is_global_zero,
             # manual optimization: every optimizer's step() adds one to global_step
             steps_per_batch=1 if pl_module.automatic_optimization else max(len(trainer.optimizers), 1),

@@ -68,17 +68,21 @@ class RunPlan:
     def unreachable(self) -> bool:
         return self.max_steps is not None and self.max_steps <= self.first
 
-    def warn(self, owner: str, profiled_before: bool) -> None:
+    def warn(self, owner: str, profiled_before: bool, profiled_step: int | None = None) -> None:
         """Say now if no profile can run in this run, or only a cut-short one, or one cut short if
-        ``comm_steps="auto"`` runs all its communication steps."""
+        ``comm_steps="auto"`` runs all its communication steps. ``profiled_step``: the step the run before
+        the checkpoint profiled, where known (its files' name)."""
         profile_step, max_steps = self.options.profile_step, self.max_steps
         if self.resumed_past and self.options.profile_every is None:
-            before = (
-                f"step {profile_step} was profiled before the checkpoint "
-                f"(flops_profile_step{profile_step}.txt in that run's log dir)"
-                if profiled_before
-                else f"past profile_step={profile_step}"
-            )
+            if profiled_before and profiled_step is not None:
+                before = (
+                    f"step {profiled_step} was profiled before the checkpoint "
+                    f"(flops_profile_step{profiled_step}.txt in that run's log dir)"
+                )
+            elif profiled_before:
+                before = "a window ran before the checkpoint (flops_profile_step*.txt in that run's log dir)"
+            else:
+                before = f"past profile_step={profile_step}"
             counted = (
                 "counted, out of the metered time"
                 if self.options.flops_audit != 0

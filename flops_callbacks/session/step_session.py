@@ -6,9 +6,7 @@ mark module calls only, the check counts a known shape again, the clean steps ma
 batch's flops come from :class:`~flops_callbacks.session.shape_flops.ShapeFlops`, or off the clock
 (:mod:`.off_clock`), a token batch's model work from its sequences (:mod:`.sequence_flops`);
 :mod:`.builder` builds the figures; after the window, :mod:`flops_callbacks.session.meter` logs
-``throughput/*`` with the same tables.
-
-An adapter maps its framework's events onto this object: :mod:`flops_callbacks.session.adapter_api`.
+``throughput/*`` with the same tables. Adapters map their framework's events onto it (:mod:`.adapter_api`).
 
 With several processes, every decision that shapes the window is agreed by all ranks in lock step
 (:mod:`.window_plan`; the only collectives are :mod:`.ranks`'); ``throughput/*`` is summed after it.
@@ -159,6 +157,7 @@ class StepSession:
         *,
         max_steps: int | None = None,
         profiled_before: bool = False,
+        profiled_step: int | None = None,  # the step profiled before, where known (its files' name)
         is_logging_rank: bool = True,
         steps_per_batch: int = 1,
         log_dir: str | Path | None = None,
@@ -186,7 +185,7 @@ class StepSession:
             return
         self._unwritable = unwritable_destinations(self.owner, self.options.output_file, log_dir)
         plan = RunPlan.of(self.options, global_step, max_steps, steps_per_batch, self.plan.comm_steps)
-        plan.warn(self.owner, profiled_before)  # the ranks are known now: with the communication steps
+        plan.warn(self.owner, profiled_before, profiled_step)  # the ranks are known now: with comm steps
 
     @_own_work("ending the run")
     def train_end(self, global_step: int, sink: Sink) -> None:

@@ -1128,7 +1128,8 @@ def test_resuming_past_profile_step_warns_at_train_start_whether_or_not_it_was_p
     train(tmp_path / "profiled", gpt2(), [quiet()], **save)
     expected = {
         "plain": f"resumed at step {WINDOW_END}, past profile_step={PROFILE_STEP}: no profile runs",
-        "profiled": f"resumed at step {WINDOW_END}, step {PROFILE_STEP} was profiled before the checkpoint",
+        # its log history says a window's metrics were logged, not at which step the window ran
+        "profiled": f"resumed at step {WINDOW_END}, a window ran before the checkpoint (flops_profile_step",
     }
     for run, message in expected.items():
         callback = quiet()

@@ -937,17 +937,24 @@ def test_a_run_resumed_past_profile_step_with_profile_every_profiles_whole_at_th
     assert Path(trainer.log_dir, "flops_profile_step12.json").is_file()
 
 
-def test_resume_after_the_profiled_window_warns_that_it_ran_before(tmp_path: Path) -> None:
+@pytest.mark.parametrize("profile_step", [PROFILE_STEP, PROFILE_STEP - 1])
+def test_resume_after_the_profiled_window_warns_that_it_ran_before(tmp_path: Path, profile_step: int) -> None:
+    """The warning names the step the checkpoint's run profiled, its file's, whatever ``profile_step``
+    the resumed run has (it named that one's file, which no run wrote)."""
     first = quiet_callback()
     trainer = fit(tmp_path, MLP(), first, max_steps=WINDOW_END)
     assert laid_out(first.result.steps) == WINDOW
     trainer.save_checkpoint(tmp_path / "end.ckpt")
-    callback = quiet_callback()
+    callback = quiet_callback(profile_step=profile_step)
     trainer, at_start, ours = fit_watching_warnings(
         tmp_path, MLP(), callback, max_steps=WINDOW_END + 2, ckpt_path=tmp_path / "end.ckpt"
     )
     assert len(ours) == 1 and at_start == ours
-    assert f"resumed at step {WINDOW_END}, step {PROFILE_STEP} was profiled before the checkpoint" in ours[0]
+    said = (
+        f"resumed at step {WINDOW_END}, step {PROFILE_STEP} was profiled before the checkpoint "
+        f"(flops_profile_step{PROFILE_STEP}.txt in that run's log dir)"
+    )
+    assert said in ours[0]
     assert trainer.global_step == WINDOW_END + 2 and callback.result is None
 
 

@@ -283,8 +283,12 @@ def test_warnings_come_at_train_start_not_after_the_run() -> None:
         StepSession(Options(profile_step=10), "test", publish=publish).train_start(0, max_steps=5)
     with pytest.warns(UserWarning, match="resumed at step 12, past profile_step=10: no profile runs"):
         StepSession(Options(profile_step=10), "test", publish=publish).train_start(12)
-    with pytest.warns(UserWarning, match="step 10 was profiled before the checkpoint"):
+    with pytest.warns(UserWarning, match="a window ran before the checkpoint"):
         StepSession(Options(profile_step=10), "test", publish=publish).train_start(12, profiled_before=True)
+    with pytest.warns(UserWarning, match=r"step 9 was profiled before the checkpoint \(flops_profile_step9"):
+        StepSession(Options(profile_step=10), "test", publish=publish).train_start(
+            12, profiled_before=True, profiled_step=9
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         StepSession(Options(profile_step=2, clean_steps=1), "test", publish=publish).train_start(
