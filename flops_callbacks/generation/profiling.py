@@ -292,8 +292,13 @@ def _one_step_per_token(counting: GenerationRun) -> None:
     calls the model, a decoding strategy of its own): the decode's figures are then per call."""
     decode_steps, tokens = counting.steps - counting.prefill_steps, counting.tokens_out
     if not counting.failure and tokens and decode_steps != tokens - 1:
+        before = counting.prefill_steps
+        # a processor's call on the prefill's logits comes before the first token: a "chunk" of the prefill
+        prefill = (
+            f" (and {before} times before the first token: the prefill holds them all)" if before > 1 else ""
+        )
         warn(f"{OWNER}: the model was called {decode_steps} times after the prefill for {tokens - 1} more "
-             "tokens: the decode's figures per token are per model call")  # fmt: skip
+             f"tokens{prefill}: the decode's figures per token are per model call")  # fmt: skip
 
 
 def _energy_counter(device: torch.device) -> EnergyCounter | str:
@@ -405,6 +410,8 @@ def profile_generation(
         batch_size=batch, prompt_tokens=prompt, padding_tokens=padding,
     )  # fmt: skip
     rows = returned_sequences(profile.output)
+    if batch is None and rows is not None:  # no prompt given (generate() starts from BOS): its rows
+        return GenerationProfile(dataclasses.replace(profile.result, batch_size=rows), profile.output)
     if batch is None or rows is None or rows == batch or rows % batch:
         return profile
     # num_return_sequences: each prompt generated several times, each with the prompt's padding

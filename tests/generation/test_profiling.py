@@ -566,7 +566,10 @@ def test_a_processor_that_calls_the_model_is_said_to_make_the_decode_figures_per
         return scores
 
     processors = transformers.LogitsProcessorList([second_opinion])
-    with pytest.warns(UserWarning, match="called 6 times after the prefill for 3 more tokens.*per model"):
+    said = r"called 6 times after the prefill for 3 more tokens \(and 2 times before the first token: the "
+    with pytest.warns(
+        UserWarning, match=said + r"prefill holds them all\): the decode's figures .*per model"
+    ):
         profile_generation(
             model, **prompt(), max_new_tokens=4, **GREEDY, logits_processor=processors, runs=1, warm_up=0
         )
@@ -640,6 +643,19 @@ def test_num_return_sequences_makes_each_returned_sequence_count_in_the_batch_an
     assert profile.metrics[metrics.GENERATION_TOKENS_PER_SEC] == pytest.approx(rate, rel=1e-12)
     assert re.search(r"^batch size \(sequences\): +6$", profile.report, re.MULTILINE)
     assert "64 per sequence, 24 of 384 positions padding" in profile.report
+
+
+def test_a_generation_from_bos_alone_has_the_returned_sequences_as_its_batch_and_their_tokens_rate() -> None:
+    """``generate()`` with no prompt starts from the BOS token: one sequence returned, its batch (it had
+    none: no tokens per second, no batch line)."""
+    model, new = built("gpt2"), 4
+    start = {"bos_token_id": 1, "min_new_tokens": new}
+    profile = profile_generation(model, max_new_tokens=new, **GREEDY, **start, runs=2, warm_up=0)
+    result = profile.result
+    assert profile.output.shape == (1, 1 + new) and result.batch_size == 1
+    rate = new * len(result.runs) / sum(run.total for run in result.runs)
+    assert profile.metrics[metrics.GENERATION_TOKENS_PER_SEC] == pytest.approx(rate, rel=1e-12)
+    assert re.search(r"^batch size \(sequences\): +1$", profile.report, re.MULTILINE)
 
 
 def test_sampling_makes_the_same_generation_in_every_run_and_leaves_the_generator_as_one_generate() -> None:
