@@ -2,8 +2,9 @@
 
 The module timer (:class:`~flops_callbacks.timing.module_timer.ModuleTimer`: clock marks only, the hooks'
 cost taken out) marks every module call of a whole run of its own; its spans are split here by the
-model's own calls, one per step, so that the prefill's tree and the middle decode step's carry the
-latencies of that very step. Why not the counting run's module latencies: every op runs through Python
+model's own calls (a step's calls, as that run's marks count them: one, or a hand-chunked prefill's
+several, summed), so that the prefill's tree and the middle decode step's carry the latencies of that
+very step. Why not the counting run's module latencies: every op runs through Python
 there, several times a clean run's time on a model of small ops.
 """
 

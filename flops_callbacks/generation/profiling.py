@@ -190,9 +190,10 @@ def profile_decode_loop(
                 run.end()
                 timed.append(run)
         timer = ModuleTimer(model, clock)  # a run of its own: every module call marked, nothing counted
+        timing = GenerationRun(clock, model_calls=lambda: timer.model_calls)
         timer.start()
         try:
-            draws.run(loop, GenerationRun(clock))
+            draws.run(loop, timing)
         finally:
             timer.stop()
         counting = GenerationRun(clock, CountingEngine(model, causal_attention=causal_attention))
@@ -216,7 +217,8 @@ def profile_decode_loop(
     middle = (len(profiles) - first - 1) // 2 if len(profiles) > first else None  # among the decode steps
     prefill = profiles[0] if profiles else None
     decode = profiles[first + middle] if middle is not None else None
-    prefill, decode, module_source = _with_module_times(timer, clock, prefill, decode, first + (middle or 0))
+    steps = (timing.step_calls(0), timing.step_calls(first + (middle or 0)))
+    prefill, decode, module_source = _with_module_times(timer, clock, prefill, decode, steps)
     result = GenerationResult(
         device=str(device),
         compute_dtype=dtype,
@@ -331,30 +333,40 @@ def _running(counter: EnergyCounter | str) -> Iterator[None]:
 
 
 def _with_module_times(
-    timer: ModuleTimer, clock: Clock, prefill: Profile | None, decode: Profile | None, decode_call: int
+    timer: ModuleTimer,
+    clock: Clock,
+    prefill: Profile | None,
+    decode: Profile | None,
+    steps: tuple[range, range],
 ) -> tuple[Profile | None, Profile | None, str]:
-    """The two trees with the module-timing run's latencies of their own steps (the model's first call,
-    and its ``decode_call``-th), and where the latencies come from. If that fails (the profiler's own
-    work), a warning says so and the counting run's stay."""
+    """The two trees with the module-timing run's latencies of their own steps (``steps``: the model's
+    calls in the prefill's step and in the decode step shown, as that run marked them: a marked block may
+    hold several), and where the latencies come from. If that fails (the profiler's own work), a warning
+    says so and the counting run's stay."""
     try:
         cost = hook_cost() if isinstance(clock, CpuClock) else None  # CUDA events hold no host time
         times = timer.times(timer.fitted(cost) if cost is not None else None)
-        tables = step_module_times(times.spans, [0, decode_call])
-        pairs = ((0, prefill), (decode_call, decode))
-        short = [call for call, tree in pairs if tree is not None and call not in tables]
+        tables = step_module_times(times.spans, [call for calls in steps for call in calls])
+        pairs = tuple(zip(steps, (prefill, decode), strict=True))
+        short = [
+            calls for calls, tree in pairs if tree is not None and not all(c in tables for c in calls or [-1])
+        ]
         if short:  # sampled to an earlier EOS: that run has no such step, and no tree mixes two sources
             why = (
                 "the loop never called the model itself, only its submodules (its own calls are the steps)"
-                if not tables
-                else f"it made fewer model calls than the counting run: no call {short[0]}"
+                if timer.model_calls == 0
+                else "it made fewer steps than the counting run"
             )
             warn(f"{OWNER}: the module-timing run has no step to time ({why}); the trees keep the counting "
                  "run's module latencies")  # fmt: skip
             return prefill, decode, COUNTING_RUN_SOURCE
         trees = []
-        for call, tree in pairs:
+        for calls, tree in pairs:
             if tree is not None:
-                table = tables[call]
+                table: dict[str, float] = {}
+                for call in calls:  # a step of several calls holds them all
+                    for name, seconds in tables[call].items():
+                        table[name] = table.get(name, 0.0) + seconds
                 timed = ModuleTimes(table, {}, {}, []).applied_to(tree)
                 tree = dataclasses.replace(timed, fwd_latency=table.get("", 0.0))
             trees.append(tree)

@@ -48,9 +48,16 @@ class GenerationRun:
     token (on the host, without waiting) and its end (the queue drained after its end mark)."""
 
     def __init__(
-        self, clock: Clock, engine: CountingEngine | None = None, energy: EnergyCounter | None = None
+        self,
+        clock: Clock,
+        engine: CountingEngine | None = None,
+        energy: EnergyCounter | None = None,
+        model_calls: Callable[[], int] | None = None,
     ) -> None:
         self.clock = clock
+        # the module-timing run: the model's calls so far, read at each step's end (``call_ends``)
+        self._model_calls = model_calls
+        self.call_ends: list[int] = []
         self.engine = engine
         self.energy = energy
         self.energy_failure = ""  # why a read of the counter failed ("": none did)
@@ -136,9 +143,19 @@ class GenerationRun:
             self._read_cache(output_cache_bytes, output)
             return
         end = self.clock.mark()
+        if self._model_calls is not None:
+            self.call_ends.append(self._model_calls())
         if self._step_start is not None:
             self._steps.append((self._step_start, end))
             self._step_start = None
+
+    def step_calls(self, step: int) -> range:
+        """The indices of the model's calls in ``step`` (a module-timing run's): those after the previous
+        step's end up to its own (a marked block may hold several: a prompt prefilled in chunks by hand)."""
+        ends = self.call_ends
+        if not 0 <= step < len(ends):
+            return range(0)
+        return range(ends[step - 1] if step else 0, ends[step])
 
     def token(self) -> None:
         """A token (one for each sequence) is out."""

@@ -147,6 +147,7 @@ class ModuleTimer:
         self._tree = tree
         self._owned: dict[tuple[bool, tuple[str, ...]], tuple[str, ...]] = {}  # a call's stack -> its owners
         self._started = 0  # module calls started so far: the marks before which hooks ran
+        self.model_calls = 0  # the model's own calls started so far (a generation's steps are read by them)
         # name, start mark, calls started at it, recompute, inputs, the first node's sequence number
         self._stack: list[tuple[str, Any, int, bool, list[Any], int]] = []
         # a call's name, the frames open around it (:meth:`_owners` reads them at :meth:`arm`), its output
@@ -239,6 +240,7 @@ class ModuleTimer:
         recompute = _current_autograd_node() is not None or bool(self._stack and self._stack[-1][3])
         inputs = [] if recompute or not torch.is_grad_enabled() else _grad_fns(args)
         self._started += 1
+        self.model_calls += not name and not recompute
         self._stack.append((name, self.clock.mark(), self._started, recompute, inputs, _next_node_number()))
 
     def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:

@@ -303,6 +303,38 @@ def test_an_encoder_decoders_prefill_tree_holds_its_encoders_time_and_the_root_b
     assert decode.model.fwd_latency == pytest.approx(DECODE_SLEEP, abs=0.005)
 
 
+def test_a_marked_step_of_several_model_calls_has_their_module_latencies_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loop's prefill block prefills its prompt by hand in two calls (100 ms each): the prefill's tree
+    holds both calls' latencies, as it holds their flops, and the decode tree its own step's (the trees
+    were read by the model's calls: the prefill's tree held its first call's 100 ms, each decode tree the
+    call one step before its own)."""
+    import flops_callbacks.timing.clock as clock_module
+
+    virtual = VirtualTime()
+    monkeypatch.setattr(clock_module, "time", virtual)
+    monkeypatch.setattr(SleepyGPT2, "clock", virtual)
+    model, ids = sleepy(), torch.randint(0, 512, (BATCH, 16))
+
+    def loop(run: GenerationRun) -> None:
+        with torch.no_grad():
+            with run.prefill():
+                out = model(input_ids=ids[:, :8], use_cache=True)
+                out = model(input_ids=ids[:, 8:], past_key_values=getattr(out, CACHE), use_cache=True)
+            for _ in range(3):
+                with run.decode_step():
+                    token = out.logits[:, -1:].argmax(-1)
+                    out = model(input_ids=token, past_key_values=getattr(out, CACHE), use_cache=True)
+
+    profile = profile_decode_loop(model, loop, runs=1, warm_up=0, batch_size=BATCH)
+    prefill, decode = profile.result.prefill, profile.result.decode
+    assert prefill is not None and decode is not None
+    assert prefill.model.fwd_latency == pytest.approx(2 * PREFILL_SLEEP, abs=0.005)  # the hooks' fit out
+    assert profile.metrics[metrics.PREFILL_LATENCY] == pytest.approx(2 * PREFILL_SLEEP, abs=1e-9)
+    assert decode.model.fwd_latency == pytest.approx(DECODE_SLEEP, abs=0.005)
+
+
 def test_a_module_timing_run_shorter_than_the_counting_run_leaves_the_trees_the_counting_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -318,7 +350,7 @@ def test_a_module_timing_run_shorter_than_the_counting_run_leaves_the_trees_the_
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(transformers.GPT2LMHeadModel, "generate", generate)
-    with pytest.warns(UserWarning, match="it made fewer model calls than the counting run: no call"):
+    with pytest.warns(UserWarning, match="it made fewer steps than the counting run"):
         profile = profile_generation(built("gpt2"), **prompt(), max_new_tokens=8, **GREEDY, runs=1)
     assert profile.result.module_latencies.startswith("the counting run")
     assert "Module latencies below: the counting run (inflated by counting" in profile.report
