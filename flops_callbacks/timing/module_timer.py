@@ -156,9 +156,11 @@ class ModuleTimer:
         # name, start mark, calls started by it, end mark, calls started by it, recompute
         self._fwd_spans: list[tuple[str, Any, int, Any, int, bool]] = []
         # the modules a node is given to, its start and end marks, the calls started at its end and its start
-        self._node_spans: list[tuple[tuple[str, ...], Any, Any, int, int]] = []
+        # ``above``: the modules never called above them hold the node too (not a recompute's: see _owners)
+        self._node_spans: list[tuple[tuple[str, ...], Any, Any, int, int, bool]] = []
         self._node_start: dict[int, tuple[Any, int]] = {}
         self._owner: dict[int, tuple[str, ...]] = {}  # node id -> the modules it is given to (nodes armed)
+        self._walked: list[Any] = []  # the nodes walked, kept till released: their ids stay theirs
         self._armed: list[Any] = []  # node hook handles of the current backward
         self._exit: contextlib.ExitStack | None = None
         self._thread: int | None = None
@@ -269,14 +271,14 @@ class ModuleTimer:
         (``stack``, the call itself last) and the containers between two of them (a ``ModuleList``, never
         called); above the outermost call, every module (the model's call holds its work). A shared module
         called from outside its own parent is its caller's, not its first name's parent's: its backward
-        time goes where its forward time and its flops go. Not ``above``: a recompute's, whose callers hold
-        the checkpoint's node around its backward (the containers above it, never called, hold it too)."""
+        time goes where its forward time and its flops go. Not ``above``: a recompute's, from its outermost
+        call down: its callers (and containers above it) hold the checkpoint's node around its backward."""
         found = self._owned.get((above, stack))
         if found is not None:
             return found
-        path: list[str] = []
-        outer: str | None = None if above else ""
-        for inner in stack:
+        path: list[str] = [] if above else [stack[0]]
+        outer: str | None = None if above else stack[0]
+        for inner in stack if above else stack[1:]:
             path += [*self._tree.between(outer, inner), inner]
             outer = inner
         found = self._owned[above, stack] = tuple(dict.fromkeys(path))
@@ -297,13 +299,14 @@ class ModuleTimer:
                 if key in seen or _made_before(node, first):  # the call's inputs (kwargs too), their past
                     continue
                 seen.add(key)
+                self._walked.append(node)  # alive till released: no later node wrapper takes its id
                 # a submodule's nodes are its own; the walk goes on through them to the call's own work
                 # before them (a parent's ops between two children's calls)
                 if key not in self._owner:
                     self._owner[key] = owners
                     if type(node).__name__ != "AccumulateGrad":  # a leaf: no execution of its own to hook
                         self._armed.append(node.register_prehook(self._node_pre(key)))
-                        self._armed.append(node.register_hook(self._node_post(key, owners)))
+                        self._armed.append(node.register_hook(self._node_post(key, owners, not recompute)))
                 pending.extend(n for n, _ in node.next_functions if n is not None)
 
     def _node_pre(self, key: int) -> Any:
@@ -312,11 +315,11 @@ class ModuleTimer:
 
         return pre
 
-    def _node_post(self, key: int, owners: tuple[str, ...]) -> Any:
+    def _node_post(self, key: int, owners: tuple[str, ...], above: bool) -> Any:
         def post(grad_inputs: Any, grad_outputs: Any) -> None:
             start = self._node_start.pop(key, None)
             if start is not None:
-                self._node_spans.append((owners, start[0], self.clock.mark(), self._started, start[1]))
+                self._node_spans.append((owners, start[0], self.clock.mark(), self._started, start[1], above))
 
         return post
 
@@ -326,6 +329,7 @@ class ModuleTimer:
         for handle in armed:
             handle.remove()
         self._owner.clear()
+        self._walked.clear()
         self._node_start.clear()
 
     # --- result ------------------------------------------------------------------------------------
@@ -360,11 +364,11 @@ class ModuleTimer:
         extent: dict[str, tuple[float, float]] = {}
         called = {span[0] for span in fwd_spans if not span[5]}
         holders = self._tree.holders(called)
-        for owners, start, end, started, began in self._node_spans:
+        for owners, start, end, started, began, above in self._node_spans:
             inside = sum(d for opened, d in recomputes if began < opened <= started)
             begin = seconds(origin, start, started)
             duration = max(seconds(start, end, started - began) - inside, 0.0)
-            for owner in holders(owners):
+            for owner in holders(owners) if above else owners:
                 bwd[owner] = bwd.get(owner, 0.0) + duration
                 first, last = extent.get(owner, (begin, begin + duration))
                 extent[owner] = (min(first, begin), max(last, begin + duration))

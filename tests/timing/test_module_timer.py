@@ -98,6 +98,39 @@ def test_reentrant_checkpointing_gives_the_recomputed_graphs_backward_to_its_mod
     assert holds_sleep(times.bwd[""], 0.05)  # the caller holds its block's backward once
 
 
+def test_reentrant_checkpointing_of_each_layer_gives_every_layer_its_own_backward() -> None:
+    """Eight layers each checkpointed (reentrant), each recomputed graph armed in its own node: a node's
+    id taken by an earlier, freed node's wrapper read as already armed (layers at 0); a block that
+    checkpoints its own body inside a ``ModuleList`` had the list hold its backward twice."""
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Sleepy(fwd=0.0, bwd=0.01, tiny_ops=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self._body, x, use_reentrant=True)  # its own body (transformers' layers)
+
+        def _body(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.inner(x)
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    _, times = timed(Stack(), torch.randn(2, 4, requires_grad=True))
+    for i in range(8):
+        assert holds_sleep(times.bwd[f"layers.{i}.inner"], 0.01), times.bwd
+        assert holds_sleep(times.bwd[f"layers.{i}"], 0.01), times.bwd
+    assert holds_sleep(times.bwd["layers"], 0.08) and holds_sleep(times.bwd[""], 0.08)
+
+
 class Between(nn.Module):
     """The model's own op (a backward of ``own`` seconds) between its two children's calls (``b`` called
     with a keyword: no forward hook sees its input)."""
