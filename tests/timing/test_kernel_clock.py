@@ -157,7 +157,9 @@ def recorded(name: str) -> tuple[dict[str, Any], KernelClock, ModuleTimer]:
     owners = lambda found: tuple(found) if isinstance(found, list) else (*ancestors(found), found)  # noqa: E731
     # with the calls started at its start (a trace recorded before they were kept: those at its end)
     began = lambda span: span[4] if len(span) > 4 else span[3]  # noqa: E731
-    timer._node_spans = [(owners(span[0]), *span[1:4], began(span)) for span in state["node_spans"]]
+    # and whether the modules never called above its owners hold it (a trace recorded before: all did)
+    above = lambda span: span[5] if len(span) > 5 else True  # noqa: E731
+    timer._node_spans = [(owners(s[0]), *s[1:4], began(s), above(s)) for s in state["node_spans"]]
     timer._origin = state["origin"]
     return state, clock, timer
 
