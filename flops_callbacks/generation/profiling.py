@@ -164,7 +164,12 @@ def profile_decode_loop(
     if padding_tokens is not None:
         check_int("padding_tokens", padding_tokens, 0)
         positions = batch_size * prompt_tokens if batch_size and prompt_tokens else None
-        if positions is not None and padding_tokens >= positions:
+        if positions is None:  # a share of the prompts' positions: never shown without them
+            raise ValueError(
+                "padding_tokens needs batch_size and prompt_tokens (a share of the prompts' positions), got "
+                f"padding_tokens={padding_tokens} with batch_size={batch_size}, prompt_tokens={prompt_tokens}"
+            )
+        if padding_tokens >= positions:
             raise ValueError(
                 f"padding_tokens must be fewer than batch_size x prompt_tokens ({positions}: the prompts' "
                 f"positions), got {padding_tokens}"

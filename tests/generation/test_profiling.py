@@ -728,6 +728,7 @@ def test_sampling_makes_the_same_generation_in_every_run_and_leaves_the_generato
         ({"prompt_tokens": -5}, "prompt_tokens must be an int >= 1, got -5"),
         ({"padding_tokens": -1}, "padding_tokens must be an int >= 0, got -1"),
         ({"batch_size": 2, "prompt_tokens": 5, "padding_tokens": 10}, "padding_tokens must be fewer than"),
+        ({"padding_tokens": 5}, "padding_tokens needs batch_size and prompt_tokens"),  # accepted, never shown
     ],
 )
 def test_a_decode_loops_sizes_are_checked_before_it_runs(arguments: dict[str, Any], named: str) -> None:
