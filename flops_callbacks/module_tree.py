@@ -20,6 +20,7 @@ from flops_callbacks.parallel import stored_numel
 __all__ = [
     "dynamo_compiled_anything",
     "eager_compiled_code",
+    "compiled_in_place",
     "has_compiled",
     "ModuleTree",
     "ancestors",
@@ -206,10 +207,19 @@ def has_compiled(modules: Iterable[torch.nn.Module]) -> bool:
     optimized = eval_frame.OptimizedModule
     return any(
         isinstance(m, optimized)
-        or getattr(m, "_compiled_call_impl", None) is not None
+        or compiled_in_place(m)
         or any(_compiled_function(v) for v in vars(m).values())
         for m in modules
     )
+
+
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` compiled it: its own call runs compiled, its hooks inside the frame.
+
+    Args:
+        module: the module to look at.
+    """
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def _compiled_function(value: object) -> bool:

@@ -353,10 +353,9 @@ def _with_module_times(
         times = timer.times(timer.fitted(cost) if cost is not None else None)
         tables = step_module_times(times.spans, [call for calls in steps for call in calls])
         pairs = tuple(zip(steps, (prefill, decode), strict=True))
-        short = [
-            calls for calls, tree in pairs if tree is not None and not all(c in tables for c in calls or [-1])
-        ]
-        if short:  # sampled to an earlier EOS: that run has no such step, and no tree mixes two sources
+        # a tree whose step the timing run lacks (sampled to an earlier EOS), or made no call of the model's
+        short = any(tree is not None and not (calls and set(calls) <= tables.keys()) for calls, tree in pairs)
+        if short:  # no tree mixes two sources
             why = (
                 "the loop never called the model itself, only its submodules (its own calls are the steps)"
                 if timer.model_calls == 0

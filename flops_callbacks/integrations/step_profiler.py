@@ -47,6 +47,7 @@ from flops_callbacks.integrations.loop_adapters import (
     plain_adapter,
 )
 from flops_callbacks.integrations.wrapped_method import WrappedMethod
+from flops_callbacks.module_tree import compiled_in_place
 from flops_callbacks.options import check_int
 from flops_callbacks.phase_names import BACKWARD, FORWARD, OPTIMIZER_STEP
 from flops_callbacks.session.result import WindowResult
@@ -328,8 +329,9 @@ class _Iteration:
             self._marks = profiler.session.window_open
             if self._marks:
                 self._handles.append(register_optimizer_step_pre_hook(self._step_starts))
-                if getattr(adapter.model, "_compiled_call_impl", None) is None:
-                    # (``model.compile()`` runs its hooks inside the compiled frame: dynamo would trace ours)
+                if not compiled_in_place(
+                    adapter.model
+                ):  # its hooks run in the frame: dynamo would trace ours
                     self._handles.append(adapter.model.register_forward_pre_hook(self._model_called))
                     self._handles.append(adapter.model.register_forward_hook(self._model_returned))
                 autograd = WrappedMethod(torch.autograd, "backward", self._autograd_backward, once=False)

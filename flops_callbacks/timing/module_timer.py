@@ -159,7 +159,7 @@ class ModuleTimer:
         # ``above``: the modules never called above them hold the node too (not a recompute's: see _owners)
         self._node_spans: list[tuple[tuple[str, ...], Any, Any, int, int, bool]] = []
         self._node_start: dict[int, tuple[Any, int]] = {}
-        self._owner: dict[int, tuple[str, ...]] = {}  # node id -> the modules it is given to (nodes armed)
+        self._given: set[int] = set()  # the ids of the nodes given to their modules (armed)
         self._walked: list[Any] = []  # the nodes walked, kept till released: their ids stay theirs
         self._armed: list[Any] = []  # node hook handles of the current backward
         self._exit: contextlib.ExitStack | None = None
@@ -302,8 +302,8 @@ class ModuleTimer:
                 self._walked.append(node)  # alive till released: no later node wrapper takes its id
                 # a submodule's nodes are its own; the walk goes on through them to the call's own work
                 # before them (a parent's ops between two children's calls)
-                if key not in self._owner:
-                    self._owner[key] = owners
+                if key not in self._given:
+                    self._given.add(key)
                     if type(node).__name__ != "AccumulateGrad":  # a leaf: no execution of its own to hook
                         self._armed.append(node.register_prehook(self._node_pre(key)))
                         self._armed.append(node.register_hook(self._node_post(key, owners, not recompute)))
@@ -328,7 +328,7 @@ class ModuleTimer:
         armed, self._armed = self._armed, []
         for handle in armed:
             handle.remove()
-        self._owner.clear()
+        self._given.clear()
         self._walked.clear()
         self._node_start.clear()
 
